@@ -1,0 +1,136 @@
+"""Everything a run needs before its first step: run directory, tokenizer, data, model, optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onegpu import batches, data, models
+from onegpu.config import Config, save_yaml
+from onegpu.errors import ConfigError, DataError
+from onegpu.hardware import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    cfg: Config
+    device: DeviceInfo
+    dir: Path
+    model_name: str
+    precision: str
+    tokenizer: Any = None
+    train_ds: Any = None
+    val_ds: Any = None
+    collator: Any = None
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    extras: dict = field(default_factory=dict)
+
+
+def make_run_dir(cfg: Config, is_main: bool = True) -> Path:
+    """A fresh run directory; refuses to mix a new run into an old one unless told to."""
+    out = cfg.output
+    name = out.name or time.strftime("%Y%m%d-%H%M%S")
+    path = Path(out.dir).expanduser() / name
+    if path.exists() and any(path.iterdir()) and not (out.overwrite or out.resume):
+        raise ConfigError(f"run directory {path} is not empty.",
+                          hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name")
+    if is_main:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"cannot write to run directory {path}: {exc.strerror}.",
+                              hint="choose a writable --output.dir") from None
+    return path
+
+
+def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, fingerprint: str):
+    """Presets get a byte-level BPE trained on the training split; everything else its own tokenizer."""
+    mcfg = cfg.model
+    if mcfg.tokenizer:
+        return models.load_tokenizer(mcfg.tokenizer, mcfg.trust_remote_code)
+    if not models.is_preset(model_name):
+        return models.load_tokenizer(model_name, mcfg.trust_remote_code)
+    from onegpu.tokenizer import train_tokenizer
+
+    texts = data.corpus_texts(train_records, fmt, cfg.data)
+    return train_tokenizer(texts, mcfg.vocab_size, fingerprint)
+
+
+def build_data(run: Run) -> None:
+    cfg = run.cfg
+    train_rec, val_rec, fingerprint = data.load_records(cfg.data, cfg.training.seed)
+    fmt = data.detect_format(cfg.data, train_rec.column_names)
+    t0 = time.perf_counter()
+    run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
+    run.train_ds = batches.tokenize(train_rec, fmt, run.tokenizer, cfg.data, fingerprint)
+    run.val_ds = batches.tokenize(val_rec, fmt, run.tokenizer, cfg.data, fingerprint) if val_rec is not None else None
+    if len(run.train_ds) == 0:
+        raise DataError("no training examples after tokenization (all records too short or fully masked).",
+                        hint="lower data.seq_len or check the data")
+    run.collator = batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
+                                    position_ids=cfg.techniques.padding_free)
+    run.extras["data_format"] = fmt
+    log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
+             len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
+
+
+def build_model(run: Run) -> None:
+    from onegpu.techniques import prepare_model
+    from onegpu.techniques.precision import weights_dtype
+
+    cfg = run.cfg
+    attn = cfg.techniques.attention if cfg.techniques.attention != "auto" else "sdpa"
+    attn = "sdpa" if attn == "flash" else attn
+    model = models.load_model(run.model_name, cfg.model, run.tokenizer, dtype=weights_dtype(run.precision),
+                              attn_implementation=attn)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and cfg.data.seq_len > max_pos:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={max_pos}.",
+                          hint=f"set data.seq_len <= {max_pos}")
+    if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(run.tokenizer))
+    run.model = prepare_model(model, cfg.techniques, run.device)
+
+
+def build_optimizer(run: Run) -> None:
+    import torch
+
+    from onegpu.techniques.optimizers import build_optimizer as make
+
+    t = run.cfg.training
+    run.optimizer = make(run.model, run.cfg.techniques, t)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda=lr_schedule(t))
+
+
+def lr_schedule(t):
+    """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps."""
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, t.max_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def save_config(run: Run) -> None:
+    save_yaml(run.cfg, run.dir / "config.yaml")
+
+
+def configure_threads() -> None:
+    """Tokenizer threads fight DataLoader workers and datasets' processes; keep them quiet."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,194 @@
+"""Records -> training examples -> padded batches, and a resumable, seeded batch order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from onegpu.config import DataConfig
+from onegpu.errors import DataError
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------ tokenizing
+def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str):
+    """Tokenize with `datasets.map` (cached on disk, `num_proc` processes)."""
+    fn = {"text": _text, "prompt_completion": _prompt_completion, "messages": _messages}[fmt]
+    kw = dict(batched=True, remove_columns=ds.column_names, desc=f"tokenizing ({fmt})",
+              fn_kwargs={"tok": tok, "cfg": cfg})
+    if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
+        kw["num_proc"] = cfg.num_proc
+    try:
+        out = ds.map(fn, **kw)
+    except DataError:
+        raise
+    except Exception as exc:  # datasets wraps worker errors; surface ours
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__
+        if isinstance(cause, DataError):
+            raise cause from None
+        raise
+    if fmt == "text":
+        out = out.map(_pack, batched=True, fn_kwargs={"seq_len": cfg.seq_len}, desc="packing",
+                      remove_columns=out.column_names)
+    else:
+        out = out.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]), desc="dropping empty")
+    return out
+
+
+def _text(batch, tok, cfg):
+    ids = tok(batch[cfg.text_field], add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    return {"ids": [x + [eos] for x in ids]}
+
+
+def _pack(batch, seq_len):
+    """Concatenate documents and cut fixed blocks; position_ids restart at each document so
+    padding-free attention can keep documents apart."""
+    ids, pos = [], []
+    for doc in batch["ids"]:
+        ids.extend(doc)
+        pos.extend(range(len(doc)))
+    n = len(ids) // seq_len * seq_len
+    blocks = [ids[i: i + seq_len] for i in range(0, n, seq_len)]
+    return {"input_ids": blocks, "labels": [list(b) for b in blocks],
+            "position_ids": [pos[i: i + seq_len] for i in range(0, n, seq_len)]}
+
+
+def _prompt_completion(batch, tok, cfg):
+    out = {"input_ids": [], "labels": []}
+    for p, c in zip(batch[cfg.prompt_field], batch[cfg.completion_field]):
+        if not isinstance(p, str) or not isinstance(c, str):
+            raise DataError(f"prompt/completion must be strings, got {type(p).__name__}/{type(c).__name__}.",
+                            hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns")
+        p_ids = tok(p, add_special_tokens=True)["input_ids"]
+        c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = (p_ids + c_ids)[: cfg.seq_len]
+        out["input_ids"].append(ids)
+        out["labels"].append(([IGNORE] * len(p_ids) + c_ids)[: cfg.seq_len])
+    return out
+
+
+def _messages(batch, tok, cfg):
+    """Render with the chat template; labels only on the characters of assistant turns."""
+    if not getattr(tok, "chat_template", None):
+        raise DataError("data.format=messages needs a tokenizer with a chat template.",
+                        hint="use a chat model's tokenizer (model.tokenizer) or prompt/completion data")
+    out = {"input_ids": [], "labels": []}
+    for conv in batch[cfg.messages_field]:
+        _check_messages(conv)
+        text = tok.apply_chat_template(conv, tokenize=False)
+        spans = []
+        for i, m in enumerate(conv):
+            if m["role"] == "assistant":
+                start = len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+                end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False))
+                spans.append((start, end))
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"][: cfg.seq_len]
+        labels = [t if any(s <= a and b <= e and b > a for s, e in spans) else IGNORE
+                  for t, (a, b) in zip(ids, enc["offset_mapping"])]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+    return out
+
+
+def _check_messages(conv) -> None:
+    if not isinstance(conv, list) or not conv:
+        raise DataError("each 'messages' value must be a non-empty list of {role, content} objects.")
+    for m in conv:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"malformed chat message {m!r}: needs 'role' and 'content'.")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise DataError(f"unknown chat role '{m['role']}'.", hint="use system, user, assistant or tool")
+
+
+# ------------------------------------------------------------------------------------- batching
+class Collator:
+    """Pad to the longest example, rounded up to `multiple` (tensor cores; fewer compile shapes).
+
+    Padding is masked by position: labels -100 and attention_mask 0 wherever there is no token.
+    """
+
+    def __init__(self, pad_id: int, multiple: int = 64, max_len: int | None = None, position_ids: bool = False):
+        self.pad_id, self.multiple, self.max_len, self.position_ids = pad_id, multiple, max_len, position_ids
+
+    def __call__(self, examples: list[dict]) -> dict:
+        import torch
+
+        longest = max(len(ex["input_ids"]) for ex in examples)
+        width = -(-longest // self.multiple) * self.multiple
+        if self.max_len:
+            width = max(longest, min(width, self.max_len))
+        n = len(examples)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        labels = torch.full((n, width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, ex in enumerate(examples):
+            k = len(ex["input_ids"])
+            ids[i, :k] = torch.as_tensor(ex["input_ids"])
+            labels[i, :k] = torch.as_tensor(ex["labels"])
+            mask[i, :k] = 1
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if self.position_ids and "position_ids" in examples[0]:
+            pos = torch.zeros((n, width), dtype=torch.long)
+            for i, ex in enumerate(examples):
+                pos[i, : len(ex["position_ids"])] = torch.as_tensor(ex["position_ids"])
+            batch["position_ids"] = pos
+        return batch
+
+
+class BatchOrder:
+    """Seeded, epoch-wise shuffled batches of indices that can start from any consumed count.
+
+    The loop counts the batches it has *used* (workers may read ahead); resuming passes that count
+    back as `start`, so the data position is exact whatever the prefetching.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+        if n < batch_size:
+            raise DataError(f"only {n} training examples for a micro-batch of {batch_size}.",
+                            hint="lower training.micro_batch_size or data.seq_len, or add data")
+        self.n, self.bs, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
+        self.per_epoch = n // batch_size  # drop the ragged tail: every micro-batch has the same size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        import torch
+
+        epoch, offset = divmod(self.start, self.per_epoch)
+        while True:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.n, generator=g).tolist()
+            else:
+                order = list(range(self.n))
+            for b in range(offset, self.per_epoch):
+                yield order[b * self.bs: (b + 1) * self.bs]
+            epoch, offset = epoch + 1, 0
+
+    def __len__(self) -> int:  # DataLoader asks; the order is endless
+        return 2**62
+
+
+def make_loader(ds, order, collator, cfg: DataConfig, on_gpu: bool):
+    from torch.utils.data import DataLoader
+
+    kw = dict(batch_sampler=order, collate_fn=collator, num_workers=cfg.num_workers,
+              pin_memory=cfg.pin_memory and on_gpu)
+    if cfg.num_workers > 0:
+        kw.update(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers)
+    return DataLoader(ds.with_format(None), **kw)
+
+
+def eval_batches(ds, batch_size: int, collator, limit: int = 0):
+    """Validation batches in fixed order (the same examples every evaluation)."""
+    n = len(ds)
+    count = -(-n // batch_size)
+    if limit:
+        count = min(count, limit)
+    for b in range(count):
+        rows = ds[b * batch_size: min(n, (b + 1) * batch_size)]
+        yield collator([dict(zip(rows, vals)) for vals in zip(*rows.values())])

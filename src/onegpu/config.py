@@ -1,0 +1,283 @@
+"""Typed run configuration: one dataclass per concern, loaded from YAML and/or the command line.
+
+The command line is generated from these dataclasses (see ``cli.py``): every field below is a
+``--section.field`` flag, and the docstring under a field is its help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+
+import yaml
+
+from onegpu.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "auto"
+    """Built-in preset (tiny, small, 125m, 1b), a Hugging Face model id, or a local model directory.
+    "auto" picks "tiny" on CPU and "125m" on a GPU."""
+    tokenizer: Optional[str] = None
+    """Tokenizer id or directory. Default: the model's own; for presets, a byte-level BPE trained
+    locally on the training data and cached."""
+    vocab_size: int = 4096
+    """Vocabulary size of the locally trained tokenizer (presets only)."""
+    from_scratch: bool = False
+    """Initialise a Hub/local model's architecture with random weights instead of loading them."""
+    trust_remote_code: bool = False
+    """Allow model/tokenizer code from the model repository to run. Off unless you trust it."""
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """Local file or folder (jsonl/json/csv/parquet/txt) or a Hub dataset name. Default: the
+    Python standard library's own source files."""
+    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
+    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages)."""
+    text_field: str = "text"
+    """Column holding raw text."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (prompt_completion format)."""
+    completion_field: str = "completion"
+    """Column holding the completion (prompt_completion format)."""
+    messages_field: str = "messages"
+    """Column holding chat messages (messages format)."""
+    seq_len: int = 256
+    """Tokens per training sequence (packed block length, or truncation length)."""
+    val_fraction: float = 0.05
+    """Share of files (or records) held out for validation."""
+    max_bytes: int = 6_000_000
+    """Read at most this many bytes of the default standard-library corpus (0 = all)."""
+    num_proc: int = 2
+    """Processes used to tokenize."""
+    pin_memory: bool = True
+    """Page-lock host batches so copies to the GPU run asynchronously (GPU only)."""
+    num_workers: int = 0
+    """DataLoader worker processes preparing batches in the background."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (num_workers > 0)."""
+    persistent_workers: bool = True
+    """Keep workers alive between epochs and evals (num_workers > 0)."""
+    pad_to_multiple: int = 64
+    """Variable-length batches are padded to a multiple of this (tensor-core friendly, and keeps
+    torch.compile from recompiling for every length)."""
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (effective batch = micro_batch_size x grad_accum)."""
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    max_minutes: float = 0.0
+    """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine decay)."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (never applied to biases and norm weights)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    eval_every: int = 50
+    """Evaluate every N optimizer steps (0 = only at the end)."""
+    eval_batches: int = 20
+    """Validation batches per evaluation (0 = the whole validation set)."""
+    save_every: int = 0
+    """Write a checkpoint every N optimizer steps (0 = only the final model)."""
+    log_every: int = 10
+    """Write metrics every N optimizer steps."""
+    seed: int = 1234
+    """Seed for model init, data order and dropout."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train low-rank adapters instead of the full model (PEFT)."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """Adapter scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    targets: str = "all-linear"
+    """Modules to adapt: "all-linear" or comma-separated names (e.g. "q_proj,v_proj")."""
+    dora: bool = False
+    """Weight-decomposed LoRA (DoRA)."""
+    quantize_base: Literal["none", "nf4", "fp4", "int8"] = "none"
+    """Quantize the frozen base with bitsandbytes (nf4 = QLoRA)."""
+    merge_on_save: bool = False
+    """Also save a merged full model next to the adapter."""
+
+
+@dataclass
+class TechniquesConfig:
+    precision: Literal["auto", "fp32", "fp16", "bf16", "bf16-pure"] = "auto"
+    """Compute precision. auto = bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU.
+    bf16-pure also stores the weights in bf16."""
+    tf32: Optional[bool] = None
+    """TF32 matmuls on Ampere+ GPUs (default: on where supported)."""
+    checkpointing: Literal["off", "full", "every-n", "offload"] = "off"
+    """Gradient checkpointing: recompute activations in backward instead of storing them."""
+    checkpointing_every: int = 2
+    """With checkpointing=every-n: checkpoint every n-th decoder layer."""
+    attention: Literal["auto", "eager", "sdpa", "flash"] = "sdpa"
+    """Attention kernel. sdpa = PyTorch scaled_dot_product_attention; flash = its FlashAttention
+    backend (or flash_attention_2 when installed)."""
+    padding_free: bool = False
+    """Pack variable-length examples into one row with position_ids instead of padding."""
+    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adafactor", "adamw-8bit",
+                       "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao", "sgd"] = "adamw"
+    """Optimizer. adamw picks the fastest available torch implementation."""
+    compile: Literal["off", "default", "max-autotune", "reduce-overhead"] = "off"
+    """torch.compile mode."""
+    compile_backend: str = "inductor"
+    """torch.compile backend."""
+    compile_regional: bool = True
+    """Compile each decoder block separately (fast compile, same speed) instead of the whole model."""
+    loss_chunk_size: int = 0
+    """Compute the cross-entropy over this many tokens at a time so full-vocabulary fp32 logits
+    are never materialised (0 = plain loss)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Parameter-efficient fine-tuning."""
+    offload: Literal["none", "zero2-cpu", "zero3-cpu", "zero3-nvme"] = "none"
+    """DeepSpeed ZeRO with optimizer/parameter offload, for models that do not fit."""
+    nvme_path: str = "/tmp/onegpu-nvme"
+    """Folder for offload=zero3-nvme."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    name: Optional[str] = None
+    """Run directory name (default: a timestamp)."""
+    overwrite: bool = False
+    """Allow writing into a non-empty run directory."""
+    resume: Optional[str] = None
+    """Resume from "latest" (in the run directory) or a checkpoint path."""
+    keep_last: int = 2
+    """Checkpoints to keep (the best by eval loss is kept too)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+POSITIVE_INTS = {
+    "data.seq_len", "data.num_proc", "data.prefetch_factor", "data.pad_to_multiple", "model.vocab_size",
+    "training.micro_batch_size", "training.grad_accum", "training.max_steps", "training.log_every",
+    "techniques.checkpointing_every", "techniques.lora.r", "output.keep_last",
+}
+NON_NEGATIVE = {
+    "data.max_bytes", "data.num_workers", "training.max_minutes", "training.lr", "training.warmup_steps",
+    "training.weight_decay", "training.max_grad_norm", "training.eval_every", "training.eval_batches",
+    "training.save_every", "techniques.loss_chunk_size", "techniques.lora.dropout",
+}
+
+
+def validate(cfg: Config) -> Config:
+    """Check values the types cannot express; raise one ConfigError naming the field and the fix."""
+    flat = to_dict(cfg)
+    for key in sorted(POSITIVE_INTS):
+        if _get(flat, key) <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {_get(flat, key)}.", hint=f"set {key} >= 1")
+    for key in sorted(NON_NEGATIVE):
+        if _get(flat, key) < 0:
+            raise ConfigError(f"{key} must not be negative, got {_get(flat, key)}.", hint=f"set {key} >= 0")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.")
+    if not 0.0 <= cfg.training.min_lr_ratio <= 1.0:
+        raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {cfg.training.min_lr_ratio}.")
+    return cfg
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Build a dataclass from a nested dict, rejecting unknown keys with a did-you-mean."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{where}'.", hint=hint)
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(value or {}, tp, where + ".")
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"choose one of: {', '.join(map(str, args))}"
+            raise ConfigError(f"{where}: invalid value '{value}'.", hint=hint)
+        return value
+    if args and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}.")
+        return value
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (tp is int and value != int(value)):
+            raise ConfigError(f"{where} must be {'an integer' if tp is int else 'a number'}, got {value!r}.")
+        return tp(value)
+    if tp is str and not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}.")
+    return value
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}", hint="check the path given to --config")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, training, ...).")
+    return data
+
+
+def save_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

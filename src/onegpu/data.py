@@ -1,0 +1,193 @@
+"""Datasets -> tokens: find the records, check them, tokenize (cached, multi-process), pack or mask.
+
+Three shapes: raw ``text`` (tokenized, joined with EOS, packed into fixed blocks), ``prompt`` /
+``completion`` (loss on the completion only) and chat ``messages`` (loss on assistant turns only).
+Labels are aligned with ``input_ids`` (the loss shifts them); -100 marks tokens that never count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from onegpu.config import DataConfig
+from onegpu.errors import DataError
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
+              ".py": "text", ".md": "text"}
+
+
+@dataclass
+class Source:
+    """Where records come from: a datasets builder and its train/validation file lists (or a Hub name)."""
+
+    builder: str
+    train_files: list[str]
+    val_files: list[str]
+    fingerprint: str
+    hub_name: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- sources
+def stdlib_source(max_bytes: int, val_fraction: float) -> Source:
+    """The Python standard library's own .py files: on every machine, no download, deterministic."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "dist-packages"}
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if skip.intersection(rel.parts):
+            continue
+        try:
+            size = path.stat().st_size
+            path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if size == 0:
+            continue
+        if max_bytes and total + size > max_bytes:
+            break
+        files.append(str(path))
+        total += size
+    if len(files) < 2:
+        raise DataError(f"found too few standard-library sources under {root}.", hint="set data.path to your own text")
+    train, val = split_files(files, val_fraction, key=lambda f: str(Path(f).relative_to(root)))
+    finger = _fingerprint(files)
+    log.info("stdlib corpus: %d files (%.1f MB), %d held out", len(files), total / 1e6, len(val))
+    return Source("text", train, val, finger)
+
+
+def split_files(files: list[str], val_fraction: float, key=str) -> tuple[list[str], list[str]]:
+    """Hold out whole files, chosen by a hash of their name (stable across machines and runs)."""
+    if val_fraction <= 0 or len(files) < 2:
+        return files, []
+    ranked = sorted(files, key=lambda f: hashlib.md5(key(f).encode()).hexdigest())
+    n_val = max(1, round(len(files) * val_fraction))
+    val = set(ranked[:n_val])
+    return [f for f in files if f not in val], [f for f in files if f in val]
+
+
+def file_source(path: str, val_fraction: float) -> Source:
+    p = Path(path).expanduser()
+    if not p.exists():
+        if "/" in path and not path.startswith((".", "/", "~")) and len(path.split("/")) == 2:
+            return Source("hub", [], [], f"hub:{path}", hub_name=path)
+        raise DataError(f"data.path '{path}' does not exist.", hint="give an existing file or folder")
+    files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS) if p.is_dir() else [str(p)]
+    if not files:
+        raise DataError(f"no data files in '{path}'.", hint=f"use files ending in {', '.join(EXTENSIONS)}")
+    builders = {EXTENSIONS.get(Path(f).suffix) for f in files}
+    if None in builders:
+        raise DataError(f"'{files[0]}': unsupported file type.", hint=f"use one of {', '.join(EXTENSIONS)}")
+    if len(builders) > 1:
+        raise DataError(f"'{path}' mixes file types ({', '.join(sorted(builders))}).", hint="keep one type per folder")
+    for f in files:
+        check_file(f)
+    train, val = split_files(files, val_fraction) if len(files) > 1 else (files, [])
+    return Source(builders.pop(), train, val, _fingerprint(files))
+
+
+def _fingerprint(files: list[str]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = Path(f).stat()
+        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def check_file(path: str) -> None:
+    """Catch the common breakages with file and line before datasets sees them."""
+    raw = Path(path).read_bytes()
+    if not raw.strip():
+        raise DataError(f"{path}: file is empty.", hint="remove it or add records")
+    suffix = Path(path).suffix
+    if suffix == ".parquet":
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {exc.start}).",
+                        hint="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    if suffix == ".jsonl" or (suffix == ".json" and not text.lstrip().startswith("[")):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{n}: malformed JSON ({exc.msg} at column {exc.colno}).",
+                                hint="fix or remove that line; each line must be one JSON object") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------- loading
+def load_records(cfg: DataConfig, seed: int):
+    """Return (train, validation) `datasets.Dataset`s of raw records."""
+    import datasets
+
+    src = stdlib_source(cfg.max_bytes, cfg.val_fraction) if cfg.path is None else file_source(cfg.path, cfg.val_fraction)
+    kw = {"sample_by": "document"} if src.builder == "text" else {}
+    try:
+        if src.hub_name:
+            ds = datasets.load_dataset(src.hub_name)
+            train = ds["train"]
+            val = ds["validation"] if "validation" in ds else None
+        else:
+            files = {"train": src.train_files} | ({"validation": src.val_files} if src.val_files else {})
+            ds = datasets.load_dataset(src.builder, data_files=files, **kw)
+            train, val = ds["train"], ds.get("validation")
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
+        where = src.hub_name or cfg.path or "data"
+        msg = str(exc.__cause__ or exc).splitlines()[0] if str(exc.__cause__ or exc) else type(exc).__name__
+        raise DataError(f"cannot read {where}: {msg}",
+                        hint="check the file format (and the network for Hub datasets)") from None
+    if len(train) == 0:
+        raise DataError(f"{cfg.path or 'data'}: no records.")
+    if val is None and cfg.val_fraction > 0 and len(train) >= 2:
+        split = train.train_test_split(test_size=max(1, round(len(train) * cfg.val_fraction)), seed=seed)
+        train, val = split["train"], split["test"]
+    return train, val, src.fingerprint
+
+
+def detect_format(cfg: DataConfig, columns: list[str]) -> str:
+    if cfg.format != "auto":
+        needed = {"text": [cfg.text_field], "prompt_completion": [cfg.prompt_field, cfg.completion_field],
+                  "messages": [cfg.messages_field]}[cfg.format]
+        missing = [c for c in needed if c not in columns]
+        if missing:
+            raise DataError(f"data.format={cfg.format} needs column(s) {missing}, found {columns}.",
+                            hint=_field_hint(cfg.format, columns))
+        return cfg.format
+    if cfg.messages_field in columns:
+        return "messages"
+    if cfg.prompt_field in columns and cfg.completion_field in columns:
+        return "prompt_completion"
+    if cfg.text_field in columns:
+        return "text"
+    raise DataError(f"cannot tell the data format from columns {columns}.",
+                    hint="name the columns text / prompt+completion / messages, or set data.text_field etc.")
+
+
+def _field_hint(fmt: str, columns: list[str]) -> str:
+    key = {"text": "data.text_field", "prompt_completion": "data.prompt_field / data.completion_field",
+           "messages": "data.messages_field"}[fmt]
+    return f"set {key} to one of the columns: {', '.join(columns)}"
+
+
+def corpus_texts(ds, fmt: str, cfg: DataConfig):
+    """Plain text of the records, to train a tokenizer on."""
+    for rec in ds:
+        if fmt == "text":
+            yield rec[cfg.text_field] or ""
+        elif fmt == "prompt_completion":
+            yield f"{rec[cfg.prompt_field]}{rec[cfg.completion_field]}"
+        else:
+            yield "\n".join(str(m.get("content", "")) for m in rec[cfg.messages_field] or [])

@@ -1,0 +1,120 @@
+"""Load a causal LM and its tokenizer: a built-in Llama preset, a Hub id, or a local directory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from onegpu.config import ModelConfig
+from onegpu.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+# Llama-architecture presets. Sizes are without embeddings unless noted; vocab comes from the tokenizer.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=1024),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=2048),
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, max_position_embeddings=2048),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0),
+}
+
+
+def resolve_name(cfg: ModelConfig, on_gpu: bool) -> str:
+    """'auto' is a preset chosen by the device: tiny trains in minutes on a CPU, 125m suits a GPU."""
+    if cfg.name == "auto":
+        return "125m" if on_gpu else "tiny"
+    return cfg.name
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str, tokenizer, **overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(PRESETS[name], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+              tie_word_embeddings=name in ("tiny", "small"))
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """Load a tokenizer and give it a pad token that is not EOS where we can (see ensure_pad_token)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise ModelError(f"cannot load tokenizer '{name}': {_first_line(exc)}",
+                         hint="give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)") from None
+    return ensure_pad_token(tok)
+
+
+def ensure_pad_token(tok):
+    """Padding is masked by position (labels=-100 where attention_mask is 0), never by token id, so
+    a pad id equal to EOS would not hide EOS from the loss. We still prefer a distinct pad token so
+    that collators elsewhere cannot fall into that trap (transformers#23530)."""
+    if tok.pad_token is not None:
+        return tok
+    vocab = tok.get_vocab()
+    for candidate in ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "[PAD]", "<|endoftext|>"):
+        if candidate in vocab and candidate != tok.eos_token:
+            tok.pad_token = candidate
+            return tok
+    if tok.unk_token is not None:
+        tok.pad_token = tok.unk_token
+    else:
+        tok.pad_token = tok.eos_token
+        log.info("tokenizer has no pad token; using EOS as pad (padding is masked by position, EOS still trains)")
+    return tok
+
+
+def load_model(name: str, cfg: ModelConfig, tokenizer, dtype=None, attn_implementation: str = "sdpa",
+               extra: dict | None = None):
+    """Build a preset from scratch, or load a Hub/local model through from_pretrained."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(extra or {})
+    dtype = dtype or torch.float32
+    if is_preset(name):
+        config = preset_config(name, tokenizer)
+        config._attn_implementation = attn_implementation
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    _check_local(name)
+    try:
+        if cfg.from_scratch:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                    trust_remote_code=cfg.trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
+                                                    trust_remote_code=cfg.trust_remote_code, **extra)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load model '{name}': {_first_line(exc)}",
+                         hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online") from None
+
+
+def _check_local(name: str) -> None:
+    p = Path(name)
+    looks_local = name.startswith((".", "/", "~")) or p.exists()
+    if looks_local and not (p.expanduser() / "config.json").is_file():
+        raise ModelError(f"model directory '{name}' has no config.json.",
+                         hint="point --model.name at a folder written by save_pretrained (e.g. <run>/final)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable

@@ -1,0 +1,22 @@
+"""`onegpu train`: flags and YAML generated from the Config dataclasses."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from onegpu.cliargs import make_parser, parse
+from onegpu.config import Config
+
+
+def cli(argv: Sequence[str]) -> int:
+    parser = make_parser("onegpu train", "Train or fine-tune a causal LM. With no options: a small Llama "
+                         "trained from scratch on the Python standard library's source.", Config)
+    cfg, _ = parse(parser, argv, Config)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "datasets", "urllib3", "filelock", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from onegpu.train import train
+
+    train(cfg)
+    return 0
