@@ -32,6 +32,7 @@ class Run:
     model: Any = None
     optimizer: Any = None
     scheduler: Any = None
+    loss_fn: Any = None  # (model, batch) -> summed token loss; see techniques/loss.py
     extras: dict = field(default_factory=dict)
 
 
@@ -102,6 +103,27 @@ def build_model(run: Run) -> None:
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
     run.model = prepare_model(model, cfg.techniques, run.device)
+    run.loss_fn = make_loss_fn(cfg.techniques)
+
+
+def make_loss_fn(tcfg):
+    import functools
+
+    from onegpu.techniques.loss import loss_sum
+
+    return functools.partial(loss_sum, chunk_size=tcfg.loss_chunk_size)
+
+
+def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
+    """The Accelerate object that owns devices, autocast, loss scaling and (later) distribution.
+
+    Accumulation is done by our loop (token-normalised), so Accelerate's own is left at 1.
+    """
+    from accelerate import Accelerator
+
+    from onegpu.techniques.precision import accelerate_mixed_precision
+
+    return Accelerator(mixed_precision=accelerate_mixed_precision(precision), cpu=device.type == "cpu")
 
 
 def build_optimizer(run: Run) -> None:

@@ -180,6 +180,9 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    plan: Literal["off", "auto"] = "off"
+    """auto: predict memory and speed of candidate setups, probe the best few on this device, and
+    train with the fastest that fits (keeping the effective batch)."""
 
 
 POSITIVE_INTS = {

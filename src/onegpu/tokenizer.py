@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -60,5 +61,5 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, fingerprint: str):
     try:
         os.replace(tmp, path)
     except OSError:  # another process won the race: use theirs
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return PreTrainedTokenizerFast.from_pretrained(str(path))

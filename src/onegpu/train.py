@@ -44,17 +44,16 @@ class RunResult:
 
 def train(config: Config | dict | None = None) -> RunResult:
     """Run a training job end to end; the library entry point behind `onegpu train`."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from onegpu.techniques.precision import accelerate_mixed_precision, resolve_precision
+    from onegpu.techniques.precision import resolve_precision
 
     cfg = validate(config if isinstance(config, Config) else from_dict(config or {}))
     t_start = time.perf_counter()
     assemble.configure_threads()
     device = hardware.detect()
     precision = resolve_precision(cfg.techniques, device)
-    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(precision), cpu=device.type == "cpu")
+    accelerator = assemble.make_accelerator(cfg, device, precision)
     set_seed(cfg.training.seed)
     run_dir = assemble.make_run_dir(cfg, accelerator.is_main_process)
     run = assemble.Run(cfg, device, run_dir, models.resolve_name(cfg.model, device.is_gpu), precision)
@@ -96,7 +95,7 @@ def fit(run: assemble.Run, accelerator, metrics: MetricsLog) -> TrainState:
     model.train()
     while state.step < t.max_steps and time.perf_counter() < deadline:
         micro = [next(loader) for _ in range(t.grad_accum)]
-        step_loss, real_tokens = train_step(model, optimizer, micro, accelerator, t.max_grad_norm)
+        step_loss, real_tokens = train_step(model, optimizer, micro, accelerator, t.max_grad_norm, run.loss_fn)
         scheduler.step()
         state.step += 1
         state.batches_seen += len(micro)
@@ -130,7 +129,7 @@ def fit(run: assemble.Run, accelerator, metrics: MetricsLog) -> TrainState:
     return state
 
 
-def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: float):
+def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: float, loss_fn=loss_sum):
     """One optimizer step over k micro-batches.
 
     Each micro-batch contributes its *summed* token loss divided by the target-token count of the
@@ -145,7 +144,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
         mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in mb.items()}
         sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
         with sync:
-            loss = loss_sum(model, mb) / max(n_targets, 1)
+            loss = loss_fn(model, mb) / max(n_targets, 1)
             accelerator.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
     if max_grad_norm:
@@ -177,7 +176,7 @@ def evaluate(run: assemble.Run, accelerator) -> float | None:
         for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
             count += count_targets(batch["labels"])
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            total += loss_sum(model, batch).float()
+            total += run.loss_fn(model, batch).float()
     return float(total) / max(count, 1)
 
 
