@@ -64,12 +64,18 @@ def stdlib_source(max_bytes: int, val_fraction: float) -> Source:
 
 
 def split_files(files: list[str], val_fraction: float, key=str) -> tuple[list[str], list[str]]:
-    """Hold out whole files, chosen by a hash of their name (stable across machines and runs)."""
+    """Hold out whole files, chosen by a hash of their name (stable across machines and runs),
+    until they hold ``val_fraction`` of the bytes: a count of files could pick only tiny ones."""
     if val_fraction <= 0 or len(files) < 2:
         return files, []
-    ranked = sorted(files, key=lambda f: hashlib.md5(key(f).encode()).hexdigest())
-    n_val = max(1, round(len(files) * val_fraction))
-    val = set(ranked[:n_val])
+    sizes = {f: Path(f).stat().st_size for f in files}
+    budget = val_fraction * sum(sizes.values())
+    val, held = set(), 0
+    for f in sorted(files, key=lambda f: hashlib.md5(key(f).encode()).hexdigest()):
+        if held >= budget or len(val) == len(files) - 1:
+            break
+        val.add(f)
+        held += sizes[f]
     return [f for f in files if f not in val], [f for f in files if f in val]
 
 

@@ -1,0 +1,106 @@
+"""Data shapes, masking, packing, the stdlib corpus, and the batch order."""
+
+import json
+
+import pytest
+
+from onegpu import batches, data
+from onegpu.config import DataConfig
+from onegpu.errors import DataError
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_stdlib_source_is_deterministic_and_split_by_file():
+    a = data.stdlib_source(max_bytes=400_000, val_fraction=0.1)
+    b = data.stdlib_source(max_bytes=400_000, val_fraction=0.1)
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert a.val_files and not set(a.train_files) & set(a.val_files)
+    assert all(f.endswith(".py") for f in a.train_files)
+
+
+def test_text_is_packed_with_eos_between_documents(tiny_tokenizer, tmp_path):
+    import datasets
+
+    cfg = DataConfig(seq_len=16, num_proc=1)
+    ds = datasets.Dataset.from_dict({"text": ["def f(x):\n    return x\n", "import os\n"] * 10})
+    out = batches.tokenize(ds, "text", tiny_tokenizer, cfg, "t")
+    assert len(out) > 0 and all(len(r) == 16 for r in out["input_ids"])
+    flat = sum(out["input_ids"], [])
+    assert tiny_tokenizer.eos_token_id in flat
+    assert out["labels"] == out["input_ids"]  # EOS is trained on, never masked
+    # position ids restart at each document boundary (for padding-free attention)
+    pos = sum(out["position_ids"], [])
+    assert pos.count(0) >= 2
+
+
+def test_prompt_completion_masks_prompt_and_ends_with_eos(tiny_tokenizer):
+    import datasets
+
+    cfg = DataConfig(seq_len=64, num_proc=1)
+    ds = datasets.Dataset.from_dict({"prompt": ["Q: add 1 and 2\nA:"], "completion": [" 3"]})
+    ex = batches.tokenize(ds, "prompt_completion", tiny_tokenizer, cfg, "t")[0]
+    n_prompt = len(tiny_tokenizer("Q: add 1 and 2\nA:")["input_ids"])
+    assert ex["labels"][:n_prompt] == [-100] * n_prompt
+    assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:]
+    assert ex["input_ids"][-1] == tiny_tokenizer.eos_token_id
+
+
+def test_messages_train_only_on_assistant_tokens(tiny_tokenizer):
+    import datasets
+
+    cfg = DataConfig(seq_len=128, num_proc=1)
+    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+    ds = datasets.Dataset.from_dict({"messages": [conv]})
+    ex = batches.tokenize(ds, "messages", tiny_tokenizer, cfg, "t")[0]
+    trained = tiny_tokenizer.decode([t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
+    assert "hi there" in trained and "see you" in trained
+    assert "hello" not in trained and "bye" not in trained
+    assert tiny_tokenizer.eos_token in trained  # the model learns to stop
+
+
+def test_collator_masks_padding_by_position(tiny_tokenizer):
+    collate = batches.Collator(tiny_tokenizer.pad_token_id, multiple=8)
+    eos = tiny_tokenizer.eos_token_id
+    b = collate([{"input_ids": [5, 6, eos], "labels": [5, 6, eos]}, {"input_ids": [7] * 9, "labels": [7] * 9}])
+    assert b["input_ids"].shape == (2, 16)  # padded to a multiple of 8
+    assert b["labels"][0, :3].tolist() == [5, 6, eos] and (b["labels"][0, 3:] == -100).all()
+    assert b["attention_mask"][0].sum() == 3
+    assert tiny_tokenizer.pad_token_id != eos
+
+
+def test_batch_order_is_seeded_and_resumable():
+    full = batches.BatchOrder(10, 3, seed=1)
+    it = iter(full)
+    first = [next(it) for _ in range(7)]  # crosses an epoch boundary (3 batches per epoch)
+    resumed = iter(batches.BatchOrder(10, 3, seed=1, start=4))
+    assert [next(resumed) for _ in range(3)] == first[4:]
+    assert first[0] != first[3]  # reshuffled per epoch
+
+
+def test_malformed_jsonl_line_reports_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": broken}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"d\.jsonl:3: malformed JSON"):
+        data.file_source(str(p), 0.0)
+
+
+def test_format_detection_and_wrong_columns(tmp_path):
+    cfg = DataConfig()
+    assert data.detect_format(cfg, ["prompt", "completion"]) == "prompt_completion"
+    assert data.detect_format(cfg, ["messages"]) == "messages"
+    with pytest.raises(DataError, match="cannot tell the data format"):
+        data.detect_format(cfg, ["question", "answer"])
+    with pytest.raises(DataError, match="data.prompt_field"):
+        data.detect_format(DataConfig(format="prompt_completion"), ["question", "answer"])
+
+
+def test_load_records_from_jsonl_folder(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", [{"text": f"line {i}"} for i in range(20)])
+    _jsonl(tmp_path / "b.jsonl", [{"text": f"other {i}"} for i in range(20)])
+    train, val, _ = data.load_records(DataConfig(path=str(tmp_path), val_fraction=0.5), seed=0)
+    assert len(train) == 20 and len(val) == 20  # held out by file
