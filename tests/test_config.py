@@ -1,0 +1,64 @@
+"""Config: YAML + command line generated from the dataclasses; clear errors for bad input."""
+
+import pytest
+import yaml
+
+from onegpu.cli import main
+from onegpu.cliargs import make_parser, parse
+from onegpu.config import Config, from_dict, validate
+from onegpu.errors import ConfigError
+
+
+def _parse(argv):
+    return parse(make_parser("onegpu train", "", Config), argv, Config)[0]
+
+
+def test_every_field_is_a_flag_and_yaml_is_overridden_by_flags(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"training": {"lr": 0.5, "max_steps": 7}, "techniques": {"optimizer": "sgd"}}))
+    cfg = _parse(["--config", str(p), "--training.lr", "0.25", "--techniques.lora.r", "4"])
+    assert isinstance(cfg, Config)
+    assert cfg.training.lr == 0.25 and cfg.training.max_steps == 7 and cfg.techniques.optimizer == "sgd"
+    assert cfg.techniques.lora.r == 4
+
+
+def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("training:\n  lr: 0.1\n  max_step: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'training.max_step'") as e:
+        _parse(["--config", str(p)])
+    assert "did you mean 'training.max_steps'" in str(e.value)
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("training:\n  lr: 0.1\n   max_steps: [\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml line \d+: not valid YAML"):
+        _parse(["--config", str(p)])
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--traning.lr", "1"], "did you mean '--training.lr'"),
+    (["--techniques.optimizer", "adamw8"], "did you mean 'adamw'"),
+    (["--techniques.precision", "fp8"], "techniques.precision: invalid value 'fp8'"),
+    (["--training.micro_batch_size", "0"], "training.micro_batch_size must be a positive integer"),
+    (["--training.lr", "-1"], "training.lr must not be negative"),
+    (["--data.val_fraction", "1.5"], "data.val_fraction must be in"),
+])
+def test_bad_flags_give_one_clear_error(argv, expect, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err
+
+
+def test_unknown_command_suggests(capsys):
+    assert main(["trian"]) == 2
+    assert "did you mean 'onegpu train'" in capsys.readouterr().err
+
+
+def test_wrong_types_in_dict_config():
+    with pytest.raises(ConfigError, match="training.max_steps must be an integer"):
+        from_dict({"training": {"max_steps": "many"}})
+    with pytest.raises(ConfigError, match="techniques.tf32 must be true or false"):
+        from_dict({"techniques": {"tf32": "yes"}})
+    assert validate(from_dict({})).training.max_steps == Config().training.max_steps
