@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 from onegpu.cliargs import make_parser, parse
 from onegpu.config import Config
+from onegpu.logs import setup_logging
 
 
 def cli(argv: Sequence[str]) -> int:
     parser = make_parser("onegpu train", "Train or fine-tune a causal LM. With no options: a small Llama "
                          "trained from scratch on the Python standard library's source.", Config)
     cfg, _ = parse(parser, argv, Config)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("httpx", "datasets", "urllib3", "filelock", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
     from onegpu.train import train
 
     train(cfg)
