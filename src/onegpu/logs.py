@@ -21,6 +21,9 @@ def setup_logging(verbose: bool = False) -> None:
             import datasets
 
             datasets.disable_progress_bars()  # we print one summary line per data stage instead
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         except ImportError:
             pass
 
