@@ -62,7 +62,8 @@ def torchao_config(kind: str, device_type: str, dtype=None):
 
 def apply_torchao(model, kind: str, device_type: str, dtype=None):
     """Quantize every nn.Linear except the output head in place: its weight becomes a torchao tensor
-    subclass. The head is kept in full precision because logits are where int8 error shows most."""
+    subclass. The head is kept in full precision because logits are where int8 error shows most;
+    unmerged LoRA matrices are kept too (they are tiny, and rank-r matmuls gain nothing)."""
     import torch
 
     ao = _import_torchao()
@@ -70,7 +71,7 @@ def apply_torchao(model, kind: str, device_type: str, dtype=None):
     head = model.get_output_embeddings()
 
     def keep(module, fqn: str) -> bool:
-        return isinstance(module, torch.nn.Linear) and module is not head
+        return isinstance(module, torch.nn.Linear) and module is not head and "lora_" not in fqn
 
     ao.quantize_(model, config, filter_fn=keep)
     return model

@@ -1,0 +1,123 @@
+"""`onegpu generate`: sample from a run's model or any causal LM; flags come from InferConfig and
+SamplingConfig (onegpu.infer), plus where the prompts come from and where completions go."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from onegpu.cliargs import make_parser, parse
+from onegpu.errors import ConfigError, DataError
+
+DESCRIPTION = ("Generate text from a onegpu run (onegpu generate --model runs/<name> \"def fib(\"), a "
+               "save_pretrained folder or a Hub model. Prompts: arguments, --prompts_file (one per line, "
+               "or .jsonl with a \"prompt\" field), or '-' for stdin.")
+
+
+def build_parser():
+    from jsonargparse import ActionConfigFile
+
+    from onegpu.infer import InferConfig, SamplingConfig
+
+    parser = make_parser("onegpu generate", DESCRIPTION)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    parser.add_argument("prompts", nargs="*", help="prompts ('-' reads them from stdin, one per line)")
+    parser.add_class_arguments(InferConfig, fail_untyped=False)
+    parser.add_class_arguments(SamplingConfig, fail_untyped=False)
+    parser.add_argument("--prompts_file", type=Optional[str], default=None,
+                        help="file with one prompt per line, or .jsonl records with a 'prompt' field")
+    parser.add_argument("--output", type=Optional[str], default=None,
+                        help="write one JSON record per completion to this .jsonl file")
+    parser.add_argument("--stream", type=Optional[bool], default=None,
+                        help="print tokens as they come (default: on for a single prompt on a terminal)")
+    return parser
+
+
+def cli(argv: Sequence[str]) -> int:
+    from onegpu.config import from_dict
+    from onegpu.infer import InferConfig, SamplingConfig
+
+    _, ns = parse(build_parser(), argv)
+    raw = ns.as_dict()
+    icfg = from_dict(_fields(raw, InferConfig), InferConfig)
+    scfg = from_dict(_fields(raw, SamplingConfig), SamplingConfig)
+    prompts = collect_prompts(raw.get("prompts") or [], raw.get("prompts_file"))
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return run(icfg, scfg, prompts, raw.get("output"), raw.get("stream"))
+
+
+def _fields(raw: dict, cls: type) -> dict:
+    return {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
+
+
+def collect_prompts(args: list[str], prompts_file: Optional[str]) -> list[str]:
+    prompts: list[str] = []
+    for arg in args:
+        prompts += _lines(sys.stdin.read(), "stdin") if arg == "-" else [arg]
+    if prompts_file:
+        prompts += read_prompts_file(prompts_file)
+    if not prompts:
+        raise ConfigError("no prompts given.", hint='pass them as arguments ("def fib("), with --prompts_file, or "-" for stdin')
+    return prompts
+
+
+def read_prompts_file(path: str) -> list[str]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"prompts file not found: {path}", hint="check the path given to --prompts_file")
+    text = p.read_text(encoding="utf-8")
+    prompts = _jsonl(text, path) if p.suffix == ".jsonl" else _lines(text, path)
+    if not prompts:
+        raise DataError(f"prompts file {path} contains no prompts.", hint="write one prompt per line")
+    return prompts
+
+
+def _lines(text: str, where: str) -> list[str]:
+    """One prompt per line; a literal \\n inside a line stands for a newline (multi-line prompts)."""
+    return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+
+
+def _jsonl(text: str, path: str) -> list[str]:
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {n}: not valid JSON ({exc.msg}).", hint="one JSON object per line") from None
+        prompt = record if isinstance(record, str) else record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str):
+            raise DataError(f"{path} line {n}: no 'prompt' string field.", hint='write {"prompt": "..."} per line')
+        prompts.append(prompt)
+    return prompts
+
+
+def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[bool]) -> int:
+    from onegpu.infer import generate, load
+
+    loaded = load(icfg)
+    if stream is None:
+        stream = len(prompts) == 1 and sys.stdout.isatty()
+    if stream and len(prompts) > 1:
+        raise ConfigError("--stream works with a single prompt.", hint="drop --stream, or give one prompt")
+    streamer = None
+    if stream:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        print(prompts[0], end="", flush=True)
+    completions = generate(loaded.model, loaded.tokenizer, prompts, scfg, streamer=streamer)
+    if stream:
+        print()
+    else:
+        for c in completions:
+            print(c.prompt + c.text + ("\n" + "-" * 40 if len(completions) > 1 else ""))
+    if output:
+        Path(output).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(output).expanduser().write_text("".join(c.to_json() + "\n" for c in completions), encoding="utf-8")
+    return 0
