@@ -1,0 +1,100 @@
+"""Model shapes for planning: the HF config, and parameter counts from a model built on the meta
+device (no memory, no download of weights)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from onegpu.errors import ModelError
+
+
+@dataclass
+class ModelShape:
+    name: str
+    config: Any  # transformers PretrainedConfig
+    params: int  # all parameters
+    embed_params: int  # input embedding + untied output head (never quantized or adapted)
+    linear_params: int  # nn.Linear weights inside the decoder layers (what bnb quantizes, LoRA adapts)
+    lora_params_per_rank: int  # sum of (in + out) over those Linear layers: LoRA params = r x this
+    expert_params: int  # parameters of MoE experts (only top_k / experts of them run per token)
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through (MoE: only its top_k experts), excluding the input embedding."""
+        inactive = self.expert_params * (1 - self.top_k / self.experts) if self.experts else 0
+        return int(self.params - inactive - self.input_embed_params)
+
+    @property
+    def input_embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+
+def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = False):
+    """HF config for a preset (with the locally trained tokenizer's vocab size) or a model dir / id."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from onegpu import models
+
+    if models.is_preset(name):
+        return LlamaConfig(**models.PRESETS[name], vocab_size=vocab_size,
+                           tie_word_embeddings=name in ("tiny", "small"))
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read the config of model '{name}': {str(exc).strip().splitlines()[0]}",
+                         hint=f"use a preset ({', '.join(models.PRESETS)}), a local model directory, "
+                              "or a Hub id while online") from None
+
+
+def meta_model(config):
+    """The full model on the meta device: shapes and types only, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def model_shape(name: str, vocab_size: int = 4096, trust_remote_code: bool = False) -> ModelShape:
+    return _shape_of(name, load_config(name, vocab_size, trust_remote_code))
+
+
+def _shape_of(name: str, config) -> ModelShape:
+    import torch
+
+    model = meta_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        embed += head.weight.numel()
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed Linear
+
+    linear, per_rank = 0, 0
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head:
+            linear += mod.weight.numel()
+            per_rank += sum(mod.weight.shape)
+    experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
+                      text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
+                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0))
+
+
+@functools.lru_cache(maxsize=16)
+def cached_shape(name: str, vocab_size: int = 4096, trust_remote_code: bool = False) -> ModelShape:
+    return model_shape(name, vocab_size, trust_remote_code)
