@@ -123,7 +123,7 @@ def test_state_dict_round_trip_continues_identically(name):
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = torch.load(buf, weights_only=True)  # as checkpoint.py loads it
     clone, _, _ = _problem()
     clone.load_state_dict(saved["model"])
     opt2 = _build(clone, name, wd=0.1)

@@ -94,8 +94,11 @@ def build_model(run: Run) -> None:
     cfg = run.cfg
     attn = cfg.techniques.attention if cfg.techniques.attention != "auto" else "sdpa"
     attn = "sdpa" if attn == "flash" else attn
+    from onegpu.techniques.lora import quantization_config
+
+    quant = quantization_config(cfg.techniques, run.precision, run.model_name, cfg.model)  # QLoRA base
     model = models.load_model(run.model_name, cfg.model, run.tokenizer, dtype=weights_dtype(run.precision),
-                              attn_implementation=attn)
+                              attn_implementation=attn, extra={"quantization_config": quant} if quant else None)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={max_pos}.",

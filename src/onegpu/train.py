@@ -204,8 +204,13 @@ def save_final(run, accelerator) -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(run.model)
-        model.save_pretrained(str(final), safe_serialization=True)
+        model.save_pretrained(str(final), safe_serialization=True)  # a PeftModel writes only the adapter
         run.tokenizer.save_pretrained(str(final))
+        if run.cfg.techniques.lora.enabled and run.cfg.techniques.lora.merge_on_save:
+            from onegpu.techniques.lora import save_merged
+
+            merged = save_merged(model, run.dir / "final-merged", run.model_name, run.cfg.model)
+            run.tokenizer.save_pretrained(str(merged))
     return final
 
 

@@ -17,4 +17,7 @@ def prepare_model(model, tcfg: TechniquesConfig, device: DeviceInfo):
     and compile must then see; checkpointing before compile, so the compiled graph contains the
     recomputation; compile last, over the final module structure.
     """
+    from onegpu.techniques.lora import apply_lora
+
+    model = apply_lora(model, tcfg)  # first: it replaces the Linear layers the later steps see
     return model
