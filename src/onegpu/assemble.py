@@ -105,8 +105,21 @@ def build_model(run: Run) -> None:
                           hint=f"set data.seq_len <= {max_pos}")
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
+    check_model_settings(run, model)
     run.model = prepare_model(model, cfg.techniques, run.device)
     run.loss_fn = make_loss_fn(cfg.techniques)
+
+
+def check_model_settings(run: Run, model) -> None:
+    """Start-up advice and global switches that depend on the loaded model and the device."""
+    from onegpu.techniques.batchsize import check_shapes
+    from onegpu.techniques.precision import apply_tf32, warn_fp16_on_bf16_model
+
+    cfg = run.cfg
+    apply_tf32(cfg.techniques, run.device)
+    warn_fp16_on_bf16_model(model.config, run.precision)
+    check_shapes(cfg.training.micro_batch_size, cfg.data.seq_len, getattr(model.config, "hidden_size", None),
+                 run.precision, run.device)
 
 
 def make_loss_fn(tcfg):
@@ -124,9 +137,11 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
     """
     from accelerate import Accelerator
 
-    from onegpu.techniques.precision import accelerate_mixed_precision
+    from onegpu.techniques.precision import accelerate_mixed_precision, enable_loss_scaling
 
-    return Accelerator(mixed_precision=accelerate_mixed_precision(precision), cpu=device.type == "cpu")
+    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(precision), cpu=device.type == "cpu")
+    enable_loss_scaling(accelerator, precision)  # fp16 on CPU: Accelerate creates no scaler there
+    return accelerator
 
 
 def build_optimizer(run: Run) -> None:

@@ -1,16 +1,34 @@
 """Causal-LM loss as a *sum* over target tokens, so the loop can normalise by the real token count
-of the whole accumulated batch (transformers#34191: per-micro-batch means weight tokens unevenly)."""
+of the whole accumulated batch (transformers#34191: per-micro-batch means weight tokens unevenly).
+
+With ``chunk_size > 0`` the full-vocabulary logits are never materialised (transformers#30860):
+the model runs with ``logits_to_keep=1``, the final hidden states are taken from its decoder, and
+the output head + cross-entropy run over ``chunk_size`` tokens at a time under checkpointing, so
+backward recomputes one chunk's logits at a time instead of keeping (tokens x vocab) fp32 floats.
+
+Mixture-of-Experts models add their router load-balancing loss (see ``moe_aux_term``).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from onegpu.errors import UnavailableError
+
 IGNORE = -100
 
 
 def model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    """Forward arguments for a loss computation. No KV cache: it is never read here, and its
+    presence stops transformers from detecting packed documents."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    if "position_ids" in inputs:
+        # Packed rows (padding-free): transformers separates the documents from the restarting
+        # position_ids, but only when no 2-D attention mask is given.
+        inputs.pop("attention_mask", None)
+    inputs["use_cache"] = False
+    return inputs
 
 
 def count_targets(labels: torch.Tensor) -> int:
@@ -19,9 +37,137 @@ def count_targets(labels: torch.Tensor) -> int:
 
 
 def loss_sum(model, batch: dict, chunk_size: int = 0) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch (fp32 accumulation)."""
-    out = model(**model_inputs(batch))
-    logits = out.logits[:, :-1, :]
+    """Summed next-token cross-entropy of one micro-batch (fp32 accumulation), plus the MoE router
+    loss where the model has one."""
     labels = batch["labels"][:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    if chunk_size > 0:
+        out, loss = _chunked_forward(model, batch, labels, chunk_size)
+    else:
+        out = model(**model_inputs(batch))
+        logits = out.logits[:, :-1, :]
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")
+    return loss + moe_aux_term(model, out, labels)
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+def enable_router_aux_loss(model) -> bool:
+    """Make MoE models return their load-balancing loss (off by default in their configs)."""
+    config = model.config
+    if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(config, "output_router_logits"):
+        return False
+    config.output_router_logits = True
+    return True
+
+
+def moe_aux_term(model, out, labels: torch.Tensor) -> torch.Tensor | float:
+    """coef x aux_loss x (target tokens of this micro-batch).
+
+    The aux loss is a per-batch mean; weighting it by the micro-batch's target tokens keeps the
+    token-sum convention, so after the loop divides by the accumulated token count the step adds
+    coef x (token-weighted mean aux loss), the same as one big batch would.
+    """
+    aux = getattr(out, "aux_loss", None)
+    if aux is None or not model.training:  # validation loss stays plain cross-entropy
+        return 0.0
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return coef * aux.float() * (labels != IGNORE).sum()
+
+
+# ------------------------------------------------------------------------------- chunked loss
+def _chunked_forward(model, batch: dict, labels: torch.Tensor, chunk_size: int):
+    from torch.utils.checkpoint import checkpoint
+
+    out, hidden, amp = _run_keeping_hidden(model, batch)
+    head = _Head(model)
+    head.verify(hidden[:, -1:], out.logits, amp)
+    keep = labels != IGNORE
+    h = hidden[:, :-1][keep]  # only the positions that have a target
+    y = labels[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, y.numel(), chunk_size):
+        sl = slice(start, start + chunk_size)
+        total = total + checkpoint(head.chunk_loss, h[sl], y[sl], amp, use_reentrant=False)
+    return out, total
+
+
+def _run_keeping_hidden(model, batch: dict):
+    """Run the model with only the last position's logits; return (output, final hidden states,
+    the autocast state the forward ran under)."""
+    captured = _capture_slot(model)
+    try:
+        out = model(**model_inputs(batch), logits_to_keep=1)
+        if "hidden" not in captured:
+            raise UnavailableError(f"techniques.loss_chunk_size: cannot reach the final hidden states of "
+                                   f"{type(model).__name__}.", hint="set techniques.loss_chunk_size=0 for this model")
+        return out, captured["hidden"], captured["amp"]
+    finally:
+        captured.clear()  # do not keep the last batch's activations alive between steps
+
+
+def _capture_slot(model) -> dict:
+    """A dict the decoder fills with its output on every forward.
+
+    The hook is registered once and left in place: a hook added per call would change the module's
+    hooks each step and make a compiled model recompile every time.
+    """
+    decoder = model.get_decoder()
+    slot = getattr(decoder, "_onegpu_hidden", None)
+    if slot is not None:
+        return slot
+    slot = {}
+
+    def grab(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        dev = hidden.device.type
+        slot["hidden"] = hidden
+        slot["amp"] = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+
+    decoder.register_forward_hook(grab)
+    decoder._onegpu_hidden = slot
+    return slot
+
+
+class _Head:
+    """The model's output head, with the logit scaling / soft-capping its config declares."""
+
+    def __init__(self, model):
+        self.model = model
+        self.linear = model.get_output_embeddings()
+        cfg = model.config
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.scale = getattr(cfg, "logit_scale", None)  # Cohere: logits * scale
+        self.divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / scaling
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.linear(h)
+        if self.scale is not None:
+            z = z * self.scale
+        if self.divide is not None:
+            z = z / self.divide
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    def chunk_loss(self, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
+        device_type, enabled, dtype = amp
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            z = self.logits(h)
+        return F.cross_entropy(z.float(), y, reduction="sum")
+
+    @torch.no_grad()
+    def verify(self, h_last: torch.Tensor, model_logits: torch.Tensor, amp) -> None:
+        """Once per model: our head must reproduce the model's own last-position logits, or the
+        model post-processes logits in a way we do not know, and chunking would change the loss."""
+        if getattr(self.model, "_onegpu_head_verified", False):
+            return
+        device_type, enabled, dtype = amp
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            ours = self.logits(h_last).float()
+        theirs = model_logits[:, -1:].float()
+        tol = 1e-4 if h_last.dtype == torch.float32 and not enabled else 2e-2
+        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=tol, atol=tol * 10):
+            raise UnavailableError(f"techniques.loss_chunk_size: {type(self.model).__name__} transforms its "
+                                   "logits in a way the chunked loss cannot reproduce.",
+                                   hint="set techniques.loss_chunk_size=0 for this model")
+        self.model._onegpu_head_verified = True

@@ -1,0 +1,149 @@
+"""Precision switches are active: loss scaling skips overflowing steps, autocast changes op dtypes,
+bf16 is refused where the GPU lacks it, TF32 flags follow the device, bf16-pure stores bf16 weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from onegpu.config import Config, TechniquesConfig
+from onegpu.errors import UnavailableError
+from onegpu.hardware import DeviceInfo
+from onegpu.techniques import precision as P
+
+CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
+A100 = DeviceInfo("cuda", "NVIDIA A100", 80 * 2**30, (8, 0))
+T4 = DeviceInfo("cuda", "Tesla T4", 16 * 2**30, (7, 5))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Accelerate keeps one process-wide state; each test here picks its own precision."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+def _batch(tok, n=2, length=16):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tok), (n, length), generator=g)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def _prepared(tok, precision):
+    from onegpu.assemble import make_accelerator
+
+    acc = make_accelerator(Config(), CPU, precision)
+    model = make_tiny_llama(tok)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _linear_output_dtypes(model, batch):
+    seen = []
+    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+    handle.remove()
+    return seen
+
+
+def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
+    from onegpu.train import train_step
+
+    acc, model, opt = _prepared(tiny_tokenizer, "fp16")
+    assert acc.scaler is not None
+    batch = _batch(tiny_tokenizer)
+    assert _linear_output_dtypes(model, batch) == [torch.float16]  # autocast really is fp16
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    handle = weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # inject an overflow
+    before, scale = weight.detach().clone(), acc.scaler.get_scale()
+    train_step(model, opt, [batch], acc, max_grad_norm=1.0)
+    assert torch.equal(weight.detach(), before)
+    assert acc.scaler.get_scale() < scale
+    assert opt.step_was_skipped
+    handle.remove()
+    train_step(model, opt, [batch], acc, max_grad_norm=1.0)  # finite gradients: a real update
+    assert not torch.equal(weight.detach(), before)
+    assert not opt.step_was_skipped
+
+
+def test_bf16_autocast_changes_op_dtype(tiny_tokenizer):
+    acc, model, _ = _prepared(tiny_tokenizer, "bf16")
+    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.bfloat16]
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_fp32_runs_in_fp32(tiny_tokenizer):
+    acc, model, _ = _prepared(tiny_tokenizer, "fp32")
+    assert acc.scaler is None
+    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.float32]
+
+
+def test_bf16_pure_stores_bf16_weights(tiny_model_dir, tiny_tokenizer):
+    from onegpu.config import ModelConfig
+    from onegpu.models import load_model
+
+    model = load_model(str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=P.weights_dtype("bf16-pure"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert P.accelerate_mixed_precision("bf16-pure") == "no"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_bf16_refused_on_gpu_without_bf16(precision):
+    with pytest.raises(UnavailableError, match="no bf16 support") as err:
+        P.resolve_precision(TechniquesConfig(precision=precision), T4)
+    assert "fp16" in err.value.hint
+    assert P.resolve_precision(TechniquesConfig(precision=precision), A100) == precision
+
+
+def test_auto_precision_follows_device():
+    auto = TechniquesConfig(precision="auto")
+    assert P.resolve_precision(auto, CPU) == "fp32"
+    assert P.resolve_precision(auto, A100) == "bf16"
+    assert P.resolve_precision(auto, T4) == "fp16"
+
+
+@pytest.fixture
+def restore_tf32():
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])
+
+
+def test_tf32_default_on_for_ampere_and_off_elsewhere(restore_tf32, caplog):
+    caplog.set_level(logging.INFO, logger="onegpu")
+    assert P.apply_tf32(TechniquesConfig(), A100) is True
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "high"
+    assert "TF32 matmuls on" in caplog.text
+    assert P.apply_tf32(TechniquesConfig(tf32=False), A100) is False
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert P.apply_tf32(TechniquesConfig(), T4) is False
+
+
+def test_tf32_requested_without_support_warns(restore_tf32, caplog):
+    assert P.apply_tf32(TechniquesConfig(tf32=True), T4) is False
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert "tf32=true ignored" in caplog.text
+
+
+def test_fp16_on_bf16_model_warns(tiny_tokenizer, caplog):
+    config = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1).config
+    config.dtype = torch.bfloat16
+    assert P.warn_fp16_on_bf16_model(config, "fp16")
+    assert "transformers#14189" in caplog.text
+    caplog.clear()
+    assert not P.warn_fp16_on_bf16_model(config, "bf16")
+    config.dtype = torch.float32
+    assert not P.warn_fp16_on_bf16_model(config, "fp16")
+    assert caplog.text == ""
