@@ -89,11 +89,11 @@ def build_data(run: Run) -> None:
 
 def build_model(run: Run) -> None:
     from onegpu.techniques import prepare_model
+    from onegpu.techniques.attention import resolve_attention
     from onegpu.techniques.precision import weights_dtype
 
     cfg = run.cfg
-    attn = cfg.techniques.attention if cfg.techniques.attention != "auto" else "sdpa"
-    attn = "sdpa" if attn == "flash" else attn
+    attn = resolve_attention(cfg.techniques, run.device)
     from onegpu.techniques.lora import quantization_config
 
     quant = quantization_config(cfg.techniques, run.precision, run.model_name, cfg.model)  # QLoRA base

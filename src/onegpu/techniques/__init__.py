@@ -17,7 +17,13 @@ def prepare_model(model, tcfg: TechniquesConfig, device: DeviceInfo):
     and compile must then see; checkpointing before compile, so the compiled graph contains the
     recomputation; compile last, over the final module structure.
     """
+    from onegpu.techniques.checkpointing import apply_checkpointing
+    from onegpu.techniques.compile import apply_compile
     from onegpu.techniques.lora import apply_lora
+    from onegpu.techniques.loss import enable_router_aux_loss
 
+    enable_router_aux_loss(model)  # MoE: train the router's load balancing too (a config switch)
     model = apply_lora(model, tcfg)  # first: it replaces the Linear layers the later steps see
+    model = apply_checkpointing(model, tcfg, device.type)  # after LoRA, before compile: see above
+    model = apply_compile(model, tcfg, device.type)
     return model
