@@ -176,6 +176,8 @@ class BatchOrder:
 def make_loader(ds, order, collator, cfg: DataConfig, on_gpu: bool):
     from torch.utils.data import DataLoader
 
+    if cfg.pin_memory and not on_gpu:  # page-locking only speeds up host-to-GPU copies
+        log.info("data.pin_memory: no GPU, so batches stay in ordinary (pageable) memory")
     kw = dict(batch_sampler=order, collate_fn=collator, num_workers=cfg.num_workers,
               pin_memory=cfg.pin_memory and on_gpu)
     if cfg.num_workers > 0:
