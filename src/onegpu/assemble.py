@@ -38,22 +38,66 @@ class Run:
 
 def make_run_dir(cfg: Config, is_main: bool = True) -> Path:
     """A fresh run directory; refuses to mix a new run into an old one unless told to."""
+    path = check_run_dir(cfg)
+    create_run_dir(path, is_main)
+    return path
+
+
+def check_run_dir(cfg: Config) -> Path:
+    """Where the run will write, checked without writing anything (a bad input must leave no trace)."""
     out = cfg.output
     name = out.name or time.strftime("%Y%m%d-%H%M%S")
     path = Path(out.dir).expanduser() / name
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run directory {path} is a file.", hint="choose another --output.name or --output.dir")
     if path.exists() and any(path.iterdir()) and not (out.overwrite or out.resume):
         raise ConfigError(f"run directory {path} is not empty.",
                           hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name")
-    if is_main:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = path / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(f"cannot write to run directory {path}: {exc.strerror}.",
-                              hint="choose a writable --output.dir") from None
+    parent = _existing_ancestor(path)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write to run directory {path}: {parent} is not a writable folder.",
+                          hint="choose a writable --output.dir")
     return path
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def create_run_dir(path: Path, is_main: bool = True) -> None:
+    if not is_main:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to run directory {path}: {exc.strerror}.",
+                          hint="choose a writable --output.dir") from None
+
+
+CHECKPOINT_MARGIN = 64 * 2**20  # bytes: config, tokenizer, metrics and filesystem slack
+
+
+def checkpoint_bytes(model) -> int:
+    """A checkpoint's size, estimated generously: weights plus optimizer moments ~ 3x the parameters."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + CHECKPOINT_MARGIN
+
+
+def check_disk(run: Run) -> None:
+    """Fail before training, not at the first save hours later, when a checkpoint cannot fit."""
+    import shutil
+
+    need = checkpoint_bytes(run.model)
+    free = shutil.disk_usage(_existing_ancestor(run.dir)).free
+    if free < need:
+        raise ConfigError(f"not enough free disk for checkpoints in {run.dir}: {free / 2**30:.2f} GiB free, "
+                          f"about {need / 2**30:.2f} GiB needed per checkpoint.",
+                          hint="free space, or choose another --output.dir")
 
 
 def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, fingerprint: str):

@@ -1,49 +1,152 @@
-"""Checkpoints: one directory per step, written under a temporary name and renamed atomically."""
+"""Checkpoints: one directory per optimizer step that is either complete or absent.
+
+``checkpoint-<step>/`` holds
+  model/            ``save_pretrained`` output (safetensors; adapters only for a PEFT model) + tokenizer
+  trainer_state.pt  optimizer, scheduler, grad scaler and RNG states, stored as tensors and plain
+                    containers only, so ``torch.load(weights_only=True)`` reads it (no arbitrary pickles)
+  state.json        the loop's TrainState: step, data position, tokens seen, eval history
+  config.yaml       the resolved run configuration (secrets redacted)
+  manifest.json     size and sha256 of every file above; written last
+
+Everything is written into a hidden temporary folder, fsynced and then renamed in one step, so a
+crash (even kill -9) leaves either the previous set of checkpoints or the new one. Loading checks
+the manifest, so a checkpoint damaged afterwards (disk full, a partial copy) is skipped, never used.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+from onegpu.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
 PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+MANIFEST = "manifest.json"
+# Fault injection for the crash tests: called with the name of each write just completed.
+crash_hook: Callable[[str], None] | None = None
 
 
+# ------------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict:
+    """All RNG states as tensors/ints/lists: safe for torch.load(weights_only=True)."""
     import numpy as np
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train_state: dict, accelerator,
-                    tokenizer=None) -> Path:
-    """Write ``checkpoint-<step>`` atomically: a crash leaves either the old set or the new one."""
-    final = Path(run_dir) / f"{PREFIX}{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+                    tokenizer=None, config: dict | None = None, rng: dict | None = None) -> Path:
+    """Write ``checkpoint-<step>`` atomically and return its path.
+
+    ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
+    abandoned accumulation cycle so that the resumed run replays that cycle exactly.
+    """
+    run_dir = Path(run_dir)
+    final = run_dir / f"{PREFIX}{step:08d}"
+    tmp = run_dir / f"{TMP_PREFIX}{final.name}"
+    clean_stale(run_dir)
     tmp.mkdir(parents=True)
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(str(tmp / "model"), safe_serialization=True)
+    accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True)
+    _hook("model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
+        _hook("tokenizer")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-                "rng": rng_state()}, tmp / "trainer_state.pt")
+                "rng": rng if rng is not None else rng_state()}, tmp / "trainer_state.pt")
+    _hook("trainer_state")
     (tmp / "state.json").write_text(json.dumps(train_state, indent=2))
+    _hook("state")
+    if config is not None:
+        import yaml
+
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        _hook("config")
+    _write_manifest(tmp, step)
+    _hook("manifest")
     _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    _hook("fsync")
+    _publish(tmp, final)
+    _hook("rename")
     return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename into place. An older checkpoint of the same step (a run resumed from an earlier
+    point) is moved aside first; at no moment is a half-written folder visible under a final name."""
+    if final.exists():
+        trash = final.with_name(f"{TRASH_PREFIX}{final.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        _hook("trash")
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _hook(point: str) -> None:
+    if crash_hook is not None:
+        crash_hook(point)
+
+
+def clean_stale(run_dir: Path) -> None:
+    """Remove folders left by a crash in the middle of a save."""
+    for p in Path(run_dir).glob(".*"):
+        if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(root: Path, step: int) -> None:
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
+    (root / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
 
 
 def _fsync_tree(root: Path) -> None:
@@ -51,6 +154,8 @@ def _fsync_tree(root: Path) -> None:
         if p.is_file():
             with open(p, "rb") as fh:
                 os.fsync(fh.fileno())
+        elif p.is_dir():
+            _fsync_dir(p)
     _fsync_dir(root)
 
 
@@ -61,18 +166,158 @@ def _fsync_dir(path: Path) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError:
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
         pass
     finally:
         os.close(fd)
 
 
+# --------------------------------------------------------------------------------------- finding
+def step_of(path: Path) -> int:
+    try:
+        return int(Path(path).name[len(PREFIX):])
+    except ValueError:
+        return -1
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders are never complete)."""
-    return sorted(p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "state.json").is_file())
+    """Checkpoint folders that carry a manifest, oldest first (temporary folders are hidden)."""
+    found = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and step_of(p) >= 0
+             and (p / MANIFEST).is_file()]
+    return sorted(found, key=step_of)
+
+
+def verify(path: Path) -> str | None:
+    """None if every file listed in the manifest is present with its size and checksum, else why not."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "missing or unreadable manifest.json"
+    for name in ("state.json", "trainer_state.pt"):
+        if name not in files:
+            return f"manifest lists no {name}"
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name}"
+        if f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+            return f"checksum mismatch in {name}"
+    return None
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; damaged ones are skipped with a warning."""
+    for p in reversed(list_checkpoints(run_dir)):
+        problem = verify(p)
+        if problem is None:
+            return p
+        log.warning("skipping damaged checkpoint %s: %s", p, problem)
+    return None
+
+
+def eval_loss_of(path: Path) -> float | None:
+    try:
+        return json.loads((Path(path) / "state.json").read_text()).get("eval_loss")
+    except (OSError, ValueError):
+        return None
+
+
+def find_best(run_dir: Path) -> Path | None:
+    """The checkpoint with the lowest eval loss recorded at its own step."""
+    scored = [(loss, step_of(p), p) for p in list_checkpoints(run_dir) if (loss := eval_loss_of(p)) is not None]
+    return min(scored)[2] if scored else None
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    for p in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+    """Keep the newest ``keep_last`` checkpoints and the best by eval loss."""
+    ckpts = list_checkpoints(run_dir)
+    keep = set(ckpts[-keep_last:])
+    best = find_best(run_dir)
+    if best is not None:
+        keep.add(best)
+    for p in ckpts:
+        if p not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
+    """--output.resume: "latest" (in the run directory), a checkpoint folder or a run directory."""
+    if not resume:
+        return None
+    target = Path(run_dir) if resume == "latest" else Path(resume).expanduser()
+    if not target.is_dir():
+        raise ConfigError(f"output.resume: '{target}' does not exist.",
+                          hint="pass 'latest' with the run's --output.name, or a checkpoint folder")
+    if step_of(target) >= 0 and (target / MANIFEST).exists():
+        problem = verify(target)
+        if problem:
+            raise ConfigError(f"output.resume: checkpoint {target} is damaged ({problem}).",
+                              hint="resume from an older checkpoint, or use 'latest' to pick the newest good one")
+        return target
+    found = find_latest(target)
+    if found is None:
+        raise ConfigError(f"output.resume: no complete checkpoint in {target}.",
+                          hint="check --output.dir/--output.name, or start without --output.resume")
+    return found
+
+
+# --------------------------------------------------------------------------------------- loading
+def load_trainer_state(path: Path) -> dict:
+    """Optimizer/scheduler/scaler/RNG states, read without executing pickled code."""
+    try:
+        return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError/RuntimeError for foreign or damaged files
+        raise ConfigError(f"cannot read {path}/trainer_state.pt: {str(exc).splitlines()[0]}",
+                          hint="resume from a checkpoint written by onegpu") from None
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> dict:
+    """Restore weights and optimizer/scheduler/scaler states in place; return the saved TrainState.
+
+    RNG states are returned (under "rng"), not applied: the loop applies them right before its
+    first step, after everything else that consumes randomness has been built.
+    """
+    path = Path(path)
+    load_model_weights(path / "model", accelerator.unwrap_model(model))
+    blob = load_trainer_state(path)
+    try:
+        optimizer.load_state_dict(blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+        if accelerator.scaler is not None and blob.get("scaler"):
+            accelerator.scaler.load_state_dict(blob["scaler"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ConfigError(f"checkpoint {path} does not match this run's optimizer: {str(exc).splitlines()[0]}",
+                          hint="resume with the same techniques.optimizer and lora settings it was written with") from None
+    state = json.loads((path / "state.json").read_text())
+    state["rng"] = blob["rng"]
+    return state
+
+
+def load_model_weights(model_dir: Path, model) -> None:
+    """Load safetensors weights into an existing model (adapters only for a PEFT model)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if not tensors:
+        raise ConfigError(f"no safetensors weights in {model_dir}.", hint="resume from a complete checkpoint")
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, tensors)
+        if result.unexpected_keys:
+            raise ConfigError(f"adapter weights in {model_dir} do not fit this model "
+                              f"(e.g. {result.unexpected_keys[0]}).", hint="resume with the same lora settings")
+        return
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in tensors}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # save_pretrained writes tied weights (e.g. lm_head = embeddings) once: those are not missing
+    missing = [k for k in missing if k in params and id(params[k]) not in loaded]
+    if missing or unexpected:
+        key = (missing or unexpected)[0]
+        raise ConfigError(f"weights in {model_dir} do not fit this model ({'missing' if missing else 'unexpected'} "
+                          f"{key}).", hint="resume with the same model.name it was written with")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
@@ -99,6 +100,12 @@ class TrainingConfig:
     """Write metrics every N optimizer steps."""
     seed: int = 1234
     """Seed for model init, data order and dropout."""
+    max_bad_steps: int = 5
+    """Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient (each
+    such step is skipped without changing the weights; 0 = never stop)."""
+    oom_retry: bool = True
+    """On an out-of-memory error, halve the micro-batch, double grad_accum (same effective batch)
+    and retry the step on the same examples."""
 
 
 @dataclass
@@ -193,8 +200,10 @@ POSITIVE_INTS = {
 NON_NEGATIVE = {
     "data.max_bytes", "data.num_workers", "training.max_minutes", "training.lr", "training.warmup_steps",
     "training.weight_decay", "training.max_grad_norm", "training.eval_every", "training.eval_batches",
-    "training.save_every", "techniques.loss_chunk_size", "techniques.lora.dropout",
+    "training.save_every", "techniques.loss_chunk_size", "techniques.lora.dropout", "training.max_bad_steps",
 }
+# Optimizers DeepSpeed offload can replace with its own CPU Adam; the others keep state it cannot move.
+OFFLOAD_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused")
 
 
 def validate(cfg: Config) -> Config:
@@ -210,7 +219,23 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.")
     if not 0.0 <= cfg.training.min_lr_ratio <= 1.0:
         raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {cfg.training.min_lr_ratio}.")
+    _check_conflicts(cfg)
     return cfg
+
+
+def _check_conflicts(cfg: Config) -> None:
+    """Combinations that each make sense alone but not together."""
+    tech, out = cfg.techniques, cfg.output
+    if tech.offload != "none" and tech.optimizer not in OFFLOAD_OPTIMIZERS:
+        raise ConfigError(f"techniques.offload={tech.offload} cannot be combined with techniques.optimizer="
+                          f"{tech.optimizer}: DeepSpeed offload runs its own CPU AdamW.",
+                          hint="set techniques.optimizer=adamw, or techniques.offload=none")
+    if tech.lora.quantize_base != "none" and not tech.lora.enabled:
+        raise ConfigError(f"techniques.lora.quantize_base={tech.lora.quantize_base} needs LoRA: a quantized base "
+                          "cannot be trained directly.", hint="add --techniques.lora.enabled true")
+    if out.resume and out.overwrite:
+        raise ConfigError("output.resume and output.overwrite contradict each other (continue the run vs "
+                          "start it again).", hint="drop one of --output.resume / --output.overwrite")
 
 
 def _get(d: dict, dotted: str) -> Any:
@@ -283,4 +308,28 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def save_yaml(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    Path(path).write_text(yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False), encoding="utf-8")
+
+
+SECRET_PATTERN = re.compile(r"(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,})")
+
+
+def redact(data: Any) -> Any:
+    """A copy of a config dict with access tokens blanked, so saved configs and logs never leak them:
+    values that look like tokens, and the values of any *TOKEN*/*SECRET*/*KEY* environment variable."""
+    import os
+
+    secrets = [v for k, v in os.environ.items() if len(v) >= 8 and re.search(r"TOKEN|SECRET|PASSWORD|API_?KEY", k)]
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, str):
+            for s in secrets:
+                v = v.replace(s, "<redacted>")
+            return SECRET_PATTERN.sub("<redacted>", v)
+        return v
+
+    return clean(data)

@@ -1,0 +1,140 @@
+"""Non-finite steps are skipped (and end the run after K in a row); out-of-memory halves the
+micro-batch, doubles accumulation and gives the same math as the smaller micro-batch from the start."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from onegpu import assemble, recovery
+from onegpu.train import train, train_step
+
+from conftest import make_tiny_llama
+from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
+
+
+def oom_above(limit: int, real_make):
+    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above `limit`."""
+
+    def make(tcfg):
+        fn = real_make(tcfg)
+
+        def loss(model, batch):
+            if model.training and batch["input_ids"].shape[0] > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return fn(model, batch)
+
+        return loss
+
+    return make
+
+
+def nan_at(steps: set, real_make, grad_accum: int = 1):
+    """A make_loss_fn whose loss is NaN during the given optimizer steps (1-based)."""
+
+    def make(tcfg):
+        fn = real_make(tcfg)
+        calls = {"n": 0}
+
+        def loss(model, batch):
+            if not model.training:
+                return fn(model, batch)
+            calls["n"] += 1
+            step = (calls["n"] - 1) // grad_accum + 1
+            out = fn(model, batch)
+            return out * float("nan") if step in steps else out
+
+        return loss
+
+    return make
+
+
+def test_smaller_micro_batch_keeps_the_effective_batch():
+    assert recovery.smaller_micro_batch(8, 1) == (4, 2)
+    assert recovery.smaller_micro_batch(6, 3) == (3, 6)
+    assert recovery.smaller_micro_batch(3, 2) == (1, 6)
+    with pytest.raises(recovery.OnegpuError, match="micro_batch_size 1"):
+        recovery.smaller_micro_batch(1, 4)
+
+
+def test_convert_position_points_at_the_same_examples():
+    from onegpu.batches import BatchOrder
+
+    n, seed = 23, 5
+    big = iter(BatchOrder(n, 4, seed))
+    seen = [next(big) for _ in range(7)]  # crosses an epoch boundary (5 batches of 4 per epoch)
+    pos = recovery.convert_position(7, n, 4, 2)
+    small = iter(BatchOrder(n, 2, seed, start=pos))
+    nxt = next(big)
+    assert next(small) + next(small) == nxt
+    assert len(seen) == 7
+
+
+def test_oom_retry_equals_smaller_micro_batch_from_the_start(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
+    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    with caplog.at_level(logging.WARNING, logger="onegpu.train"):
+        got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
+    assert "out of memory with micro_batch_size 4; retrying with 2 x grad_accum 2" in caplog.text
+    assert (got.state.micro_batch_size, got.state.grad_accum) == (2, 2)
+    train_losses = lambda r: [x for x in losses(r.run_dir) if x[0] == "train"]  # noqa: E731
+    assert train_losses(got) == train_losses(ref) and len(train_losses(ref)) == 6
+    assert_same_weights(ref.run_dir / "final", got.run_dir / "final")
+
+
+def test_oom_retry_off_raises(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    with pytest.raises(torch.OutOfMemoryError):
+        train(make_cfg(tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1, oom_retry=False))
+
+
+def _one_step(tiny_tokenizer, loss_value: float, guard):
+    from accelerate import Accelerator
+
+    model = make_tiny_llama(tiny_tokenizer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(5, 100, (2, 16))
+    micro = [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}]
+
+    def loss_fn(m, b):
+        return m(input_ids=b["input_ids"]).logits.float().sum() * loss_value
+
+    train_step(model, opt, micro, Accelerator(cpu=True), max_grad_norm=0.0, loss_fn=loss_fn, guard=guard, step=1)
+    changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    return changed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_step_changes_no_weight(tiny_tokenizer, bad):
+    guard = recovery.NanGuard(max_bad_steps=5)
+    assert not _one_step(tiny_tokenizer, bad, guard)
+    assert guard.last_bad and guard.bad_streak == 1 and guard.skipped == 1
+    assert _one_step(tiny_tokenizer, 1e-3, guard)  # a finite step updates and resets the streak
+    assert guard.bad_streak == 0
+
+
+def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(assemble, "make_loss_fn", nan_at({2, 4}, assemble.make_loss_fn, grad_accum=2))
+    r = train(make_cfg(tmp_path, tiny_model_dir, eval_every=0))
+    recs = losses(r.run_dir)
+    assert [x[1] for x in recs if x[3]] == [2, 4]
+    assert all(x[2] == x[2] for x in recs if x[0] == "train" and x[2] is not None)  # no NaN in the log
+    assert r.state.step == 6 and r.state.skipped_steps == 2
+
+
+def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from onegpu.cli import main
+
+    monkeypatch.setattr(assemble, "make_loss_fn", nan_at(set(range(2, 100)), assemble.make_loss_fn, grad_accum=1))
+    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=10, grad_accum=1, max_bad_steps=3, save_every=0)
+    args = ["train", "--model.name", cfg["model"]["name"], "--data.path", cfg["data"]["path"],
+            "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
+            "--training.max_steps", "10", "--training.max_bad_steps", "3", "--training.eval_every", "0",
+            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.tensorboard", "false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "NaN/inf for 3 steps in a row (last at step 4)" in err and "training.lr" in err
+    assert "Traceback" not in err
