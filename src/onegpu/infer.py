@@ -137,8 +137,6 @@ def _adapter_base(adapter_dir: Path) -> str:
 
 
 def load(cfg: InferConfig) -> Loaded:
-    import torch
-
     source, adapter = resolve_model(cfg.model)
     if adapter and cfg.adapter:
         raise ConfigError(f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second one.",
@@ -154,8 +152,7 @@ def load(cfg: InferConfig) -> Loaded:
         from onegpu.techniques.quantization import apply_torchao
 
         apply_torchao(model, cfg.quantization, device, dtype)
-    model.eval()
-    torch.set_grad_enabled(False)
+    model.eval()  # generation runs under inference_mode; grad mode is left to the caller
     log.info("loaded %s (%s, %s, attention=%s, quantization=%s)", source, device, dtype,
              model.config._attn_implementation, cfg.quantization)
     return Loaded(model, tokenizer, device, dtype, source)
