@@ -40,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f"did you mean 'onegpu {close[0]}'?" if close else "run 'onegpu --help' for the list"
         return _fail(ConfigError(f"unknown command '{name}'.", hint=hint), debug)
+    from onegpu.logs import setup_logging
+
+    setup_logging(verbose=debug)
     return run_command(lambda: importlib.import_module(COMMANDS[name][0]).cli(rest), debug)
 
 
