@@ -1,0 +1,183 @@
+"""Results of `onegpu bench train`: one json document, the guide's table in markdown, a PNG chart.
+
+All ratios are medians over the interleaved repetitions of one run, divided by the baseline arm's
+median from the same run: "speed x" on real (non-padding) tokens per second, "memory x" on the
+memory the training itself added (see bench_train_child.MemoryProbe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Optional
+
+# What the guide's own table claims for each row: (improves speed, saves memory).
+GUIDE = {"Batch size choice": ("Yes", "Yes"), "Gradient accumulation": ("No", "Yes"),
+         "Gradient checkpointing": ("No", "Yes"), "Mixed precision": ("Yes", "(No)"),
+         "Optimizer choice": ("Yes", "Yes"), "Data preloading": ("Yes", "No"), "torch.compile": ("Yes", "No"),
+         "PEFT": ("No", "Yes"), "DeepSpeed ZeRO": ("No", "Yes"), "Flash Attention": ("Yes", "Yes")}
+
+# Evidence that an arm's method really took effect: (field, test, what was expected).
+ACTIVE = {
+    "checkpointing": ("checkpointing", lambda v: v is True, "gradient checkpointing enabled"),
+    "bf16": ("precision", lambda v: v == "bf16", "bf16 precision"),
+    "adafactor": ("optimizer", lambda v: "adafactor" in str(v).lower(), "an Adafactor optimizer"),
+    "adamw-8bit": ("optimizer_state_dtypes", lambda v: "torch.uint8" in (v or []), "8-bit optimizer state"),
+    "compile": ("compiled", lambda v: v is True, "compiled modules"),
+    "lora": ("peft", lambda v: v is True, "a PEFT model"),
+    "qlora": ("peft", lambda v: v is True, "a PEFT model"),
+}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("onegpu", "torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def new_document(b, device, prep: dict, argv: list[str]) -> dict:
+    import os
+
+    name = device.name if device.type != "cpu" else f"{cpu_name()} ({os.cpu_count()} threads)"
+    return {"benchmark": "onegpu bench train", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "onegpu bench train " + " ".join(argv[1:]) if argv and argv[0].endswith("onegpu") else " ".join(argv),
+            "device": {"type": device.type, "name": name, "memory_gb": round(device.total_memory / 2**30, 1)},
+            "versions": versions(), "config": dataclasses.asdict(b), "setup": prep, "schedule": [], "arms": {}}
+
+
+def summarize(doc: dict) -> dict:
+    """Medians per arm; speed and memory ratios against the baseline arm of this same run."""
+    fpt, peak = doc["setup"]["flops_per_token"], doc["setup"]["peak_flops"]
+    for arm in doc["arms"].values():
+        ok = [r for r in arm["reps"] if r.get("status") == "ok" and r.get("timed_seconds", 0) > 0]
+        if arm["status"] == "ok" and not ok:
+            arm["status"] = "failed"
+            errors = [r.get("error") for r in arm["reps"] if r.get("error")]
+            arm["reason"] = errors[0] if errors else "no timed steps (raise max_seconds or lower warmup_steps)"
+        for r in ok:
+            r["tokens_per_s"] = r["timed_tokens"] / r["timed_seconds"]
+            r["samples_per_s"] = r["timed_steps"] * doc["config"]["micro_batch_size"] * doc["config"]["grad_accum"] / r["timed_seconds"]
+            r["mfu"] = r["tokens_per_s"] * fpt / peak if peak else None
+        for key in ("tokens_per_s", "samples_per_s", "mfu", "train_mem_mb", "peak_mem_mb", "final_loss"):
+            arm[key] = _median([r.get(key) for r in ok])
+        arm["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
+        arm["inactive"] = _inactive(arm, ok)
+    base = doc["arms"].get("baseline", {})
+    for arm in doc["arms"].values():
+        arm["speed_x"] = _ratio(arm.get("tokens_per_s"), base.get("tokens_per_s"))
+        arm["memory_x"] = _ratio(arm.get("train_mem_mb"), base.get("train_mem_mb"))
+    hf = doc["arms"].get("hf-trainer", {})
+    doc["vs_hf_trainer"] = {"speed_x": _ratio(base.get("tokens_per_s"), hf.get("tokens_per_s")),
+                            "memory_x": _ratio(base.get("train_mem_mb"), hf.get("train_mem_mb"))}
+    return doc
+
+
+def _inactive(arm_doc: dict, ok: list[dict]) -> Optional[str]:
+    check = ACTIVE.get(arm_doc.get("name", ""))
+    if check is None or not ok:
+        return None
+    key, test, expected = check
+    seen = ok[0].get("evidence", {}).get(key)
+    return None if test(seen) else f"not active: expected {expected}, found {key}={seen}"
+
+
+def _median(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a, b) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+# ----------------------------------------------------------------------------------------- output
+def write_all(doc: dict, out_dir: str | Path, stem: str) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths["json"].write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["md"].write_text(markdown(doc, paths["png"].name), encoding="utf-8")
+    chart(doc, paths["png"])
+    return paths
+
+
+def _fmt(v, spec: str, suffix: str = "") -> str:
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(doc: dict, png_name: str | None = None) -> str:
+    c, s, d = doc["config"], doc["setup"], doc["device"]
+    lines = [f"# Training methods on {d['name']}", "",
+             f"{doc['date']} · `{doc['command']}`", "",
+             f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['seq_len']}, "
+             f"effective batch {c['micro_batch_size'] * c['grad_accum']} "
+             f"({c['micro_batch_size']} x {c['grad_accum']}), {c['steps']} steps per arm "
+             f"(first {c['warmup_steps']} untimed), {c['reps']} interleaved repetitions; medians. "
+             f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
+             f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.", ""]
+    vs = doc.get("vs_hf_trainer", {})
+    if vs.get("speed_x"):
+        lines += [f"**onegpu baseline vs HF Trainer (defaults): {vs['speed_x']:.2f}x tokens/s, "
+                  f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**", ""]
+    lines += ["| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | samples/s | MFU "
+              "| train mem MB | final loss | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in doc["arms"].items():
+        guide = next((f"{v[0]} / {v[1]}" for k, v in GUIDE.items() if a["row"].startswith(k)), "")
+        note = a.get("reason") or a.get("inactive") or ""
+        if a["status"] == "ok" and a.get("tokens_per_s_range"):
+            lo, hi = a["tokens_per_s_range"]
+            note = (note + "; " if note else "") + f"range {lo:,.0f}–{hi:,.0f} tok/s"
+        status = "" if a["status"] == "ok" else f"**{a['status']}** "
+        lines.append(f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
+                     f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
+                     f"{_fmt(a.get('samples_per_s'), '.2f')} | {_fmt(a.get('mfu'), '.1%')} | "
+                     f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | {status}{note} |")
+    v = doc["versions"]
+    lines += ["", f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
+              f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}; python {v['python']}."]
+    if png_name:
+        lines += ["", f"![speed and memory against the baseline]({png_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(doc: dict, path: Path) -> Path:
+    """Two bar panels: speed x and memory x per arm that ran (1.0 = the baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, a in doc["arms"].items() if a.get("speed_x") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * max(len(names), 3) + 1.2), dpi=100, sharey=True)
+    for ax, key, title in ((axes[0], "speed_x", "speed x (tokens/s)"), (axes[1], "memory_x", "memory x")):
+        vals = [doc["arms"][n].get(key) or 0.0 for n in names]
+        ax.barh(names, vals, color=["#4c72b0" if n != "baseline" else "#999999" for n in names])
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_title(title)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"onegpu bench train — {doc['device']['name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,138 @@
+"""`onegpu bench train`: interleaved arms in fresh processes, HF Trainer on the same tokens, reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onegpu import bench_train, bench_train_report
+from onegpu.bench_train import BenchTrainConfig
+from onegpu.bench_train_child import timing_from_windows
+from onegpu.errors import ConfigError
+from onegpu.hardware import DeviceInfo
+
+CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
+H100 = DeviceInfo("cuda", "NVIDIA H100", 80 * 2**30, (9, 0))
+
+
+def tiny_bench(model_dir, data, tmp_path, **kw) -> BenchTrainConfig:
+    base = dict(model=str(model_dir), from_scratch=False, data=str(data), seq_len=32, micro_batch_size=2,
+                grad_accum=1, steps=2, warmup_steps=1, reps=2, arms="baseline,hf-trainer", max_seconds=60,
+                out=str(tmp_path / "results"), name="bench")
+    base.update(kw)
+    return BenchTrainConfig(**base)
+
+
+def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
+    """Real children: our loop and HF Trainer, each twice, interleaved; json, md and png written."""
+    b = tiny_bench(tiny_model_dir, text_file, tmp_path)
+    paths = bench_train.run(b)
+    doc = json.loads(paths["json"].read_text())
+
+    assert [(s["rep"], s["arm"]) for s in doc["schedule"]] == [
+        (0, "baseline"), (0, "hf-trainer"), (1, "baseline"), (1, "hf-trainer")]
+    starts = [s["start"] for s in doc["schedule"]]
+    assert starts == sorted(starts)
+    assert {"device", "versions", "command", "date", "setup"} <= set(doc)
+    assert doc["versions"]["torch"] and doc["setup"]["peak_flops"] > 0 and doc["setup"]["flops_per_token"] > 0
+
+    ours, hf = doc["arms"]["baseline"], doc["arms"]["hf-trainer"]
+    for arm in (ours, hf):
+        assert arm["status"] == "ok" and len(arm["reps"]) == 2
+        for r in arm["reps"]:
+            assert r["status"] == "ok" and r["timed_steps"] == 1 and r["steps_done"] == 2
+            assert r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and 0 < r["mfu"] < 1
+            assert r["train_mem_mb"] > 0 and r["final_loss"] > 0
+    # The same examples in the same order: both loops count exactly the same real tokens.
+    for a, h in zip(ours["reps"], hf["reps"]):
+        assert a["tokens_seen"] == h["tokens_seen"] > 0
+        assert a["timed_tokens"] == h["timed_tokens"] > 0
+    assert ours["final_loss"] == pytest.approx(hf["final_loss"], rel=0.05)  # same model, data and schedule
+
+    assert ours["speed_x"] == pytest.approx(1.0) and ours["memory_x"] == pytest.approx(1.0)
+    assert hf["speed_x"] == pytest.approx(hf["tokens_per_s"] / ours["tokens_per_s"])
+    assert hf["memory_x"] == pytest.approx(hf["train_mem_mb"] / ours["train_mem_mb"])
+    assert doc["vs_hf_trainer"]["speed_x"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+    assert ours["reps"][0]["evidence"]["optimizer"].endswith("AdamW")
+    assert hf["reps"][0]["evidence"]["fused"] is True  # Trainer's default optimizer here: fused AdamW
+
+    md = paths["md"].read_text()
+    assert "| Method (guide row) | arm |" in md and "| HF Trainer, defaults | hf-trainer |" in md
+    assert "speed x" in md and "memory x" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_path):
+    """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the baseline's."""
+    b = tiny_bench(tiny_model_dir, text_file, tmp_path, arms="hf-trainer,grad-accum,flash", reps=3)
+    calls = []
+
+    def runner(spec):  # stands in for the subprocess: throughput grows with the call index
+        calls.append(spec)
+        n = len(calls)
+        return {"status": "ok", "timed_steps": 1, "timed_tokens": 100 * n, "timed_seconds": 1.0,
+                "train_mem_mb": 10.0 * n, "peak_mem_mb": 500.0, "final_loss": 1.0, "evidence": {}}
+
+    doc = bench_train.run_sweep(b, runner=runner)
+    order = [s["arm"] for s in doc["schedule"]]
+    assert order == ["baseline", "hf-trainer", "grad-accum"] * 3
+    assert [c["rep"] for c in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert calls[2]["config"]["training"]["micro_batch_size"] == 1  # grad-accum: smaller micro-batches...
+    assert calls[2]["config"]["training"]["grad_accum"] == 2  # ...same effective batch
+    assert doc["arms"]["flash"]["status"] == "skipped" and "CUDA" in doc["arms"]["flash"]["reason"]
+    base_median, hf_median = 100 * 4, 100 * 5  # calls 1,4,7 and 2,5,8
+    assert doc["arms"]["baseline"]["tokens_per_s"] == base_median
+    assert doc["arms"]["hf-trainer"]["speed_x"] == pytest.approx(hf_median / base_median)
+    assert doc["arms"]["grad-accum"]["memory_x"] == pytest.approx(60 / 40)
+    md = bench_train_report.markdown(doc)
+    assert "**skipped**" in md and "1.25x" in md
+
+
+def test_cpu_skips_gpu_only_arms_with_reasons():
+    b = BenchTrainConfig()
+    arms = {a.name: a for a in bench_train.select_arms(b, CPU, "text")}
+    for name in ("flash", "fp16", "tf32", "offload"):
+        assert bench_train.skip_reason(arms[name], CPU, b, "text"), name
+    assert "packed" in bench_train.skip_reason(arms["padding-free"], CPU, b, "text")
+    assert bench_train.skip_reason(arms["padding-free"], CPU, b, "messages") is None
+    assert bench_train.skip_reason(arms["bf16"], CPU, b, "text") is None  # slow on CPU, but it runs
+    assert bench_train.skip_reason(arms["flash"], H100, b, "text") is None
+
+
+def test_best_arm_merges_methods_and_leaves_out_unavailable_ones():
+    b = BenchTrainConfig(best="batch-size,flash,adamw-fused")
+    best = {a.name: a for a in bench_train.select_arms(b, CPU)}["best"].overrides
+    assert best == {"training.micro_batch_size": 16, "training.grad_accum": 1, "techniques.optimizer": "adamw-fused"}
+    gpu_best = {a.name: a for a in bench_train.select_arms(b, H100)}["best"].overrides
+    assert gpu_best["techniques.attention"] == "flash"
+
+
+@pytest.mark.parametrize("kw, field", [(dict(arms="baseline,flsh"), "arms: unknown arm 'flsh'"),
+                                       (dict(best="chekpointing"), "best: unknown arm"),
+                                       (dict(steps=2, warmup_steps=2), "steps (2) must exceed"),
+                                       (dict(reps=0), "reps must be")])
+def test_bad_settings_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")) as err:
+        bench_train.validate(BenchTrainConfig(**kw))
+    assert err.value.hint
+
+
+def test_cli_reports_unknown_arm_without_traceback(capsys):
+    from onegpu.cli import main
+
+    assert main(["bench", "train", "--arms", "baseline,flsh"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown arm 'flsh'" in err and "did you mean 'flash'" in err
+
+
+def test_timing_drops_the_warmup_window():
+    records = [{"step": 2, "tokens_seen": 200, "tokens_per_s": 1.0, "loss": 5.0},  # warm-up (+ step-0 eval)
+               {"step": 4, "tokens_seen": 400, "tokens_per_s": 100.0, "loss": 4.0},
+               {"step": 5, "tokens_seen": 500, "tokens_per_s": 50.0, "loss": 3.5}]
+    t = timing_from_windows(records, warmup=2)
+    assert t == {"timed_steps": 3, "timed_tokens": 300, "timed_seconds": pytest.approx(4.0), "final_loss": 3.5}
+
+
+def test_flops_per_token_counts_weights_and_attention():
+    assert bench_train.flops_per_token(1_000_000, 4, 128, 256) == 6_000_000 + 12 * 4 * 128 * 256
