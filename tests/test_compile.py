@@ -1,0 +1,99 @@
+"""torch.compile is really applied, keeps the loss and gradients, and bucketed lengths keep the
+number of compilations bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from onegpu.batches import Collator
+from onegpu.config import TechniquesConfig
+from onegpu.errors import ConfigError, UnavailableError
+from onegpu.techniques.compile import apply_compile, is_compiled
+from onegpu.techniques.loss import loss_sum
+
+COMPILED_FRAMES = []
+
+
+@torch._dynamo.register_backend
+def counting_eager(gm, example_inputs):
+    """Counts every graph dynamo hands to a backend (one per compile or recompile)."""
+    COMPILED_FRAMES.append(gm)
+    return gm.forward
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    COMPILED_FRAMES.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _batch(tok, lengths, multiple):
+    g = torch.Generator().manual_seed(3)
+    examples = []
+    for n in lengths:
+        ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": ids})
+    return Collator(tok.pad_token_id, multiple=multiple)(examples)
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_sum(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("regional", [True, False])
+def test_compiled_loss_and_gradients_equal_eager(tiny_tokenizer, regional):
+    batch = _batch(tiny_tokenizer, [20, 30], multiple=32)
+    eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer), batch)
+    model = make_tiny_llama(tiny_tokenizer)
+    tcfg = TechniquesConfig(compile="default", compile_backend="aot_eager", compile_regional=regional)
+    apply_compile(model, tcfg, "cpu")
+    assert is_compiled(model.model.layers[0]) == regional and is_compiled(model) == (not regional)
+    compiled = _loss_and_grads(model, batch)
+    assert torch.allclose(compiled[0], eager[0], rtol=1e-5)
+    for name, g in eager[1].items():
+        assert torch.allclose(compiled[1][name], g, rtol=1e-4, atol=1e-6), name
+
+
+def _compiles_for(tok, lengths, multiple):
+    model = make_tiny_llama(tok)
+    apply_compile(model, TechniquesConfig(compile="default", compile_backend="counting_eager"), "cpu")
+    for n in lengths:
+        loss_sum(model, _batch(tok, [n, n - 3], multiple)).backward()
+    return len(COMPILED_FRAMES)
+
+
+def test_bucketed_lengths_do_not_recompile(tiny_tokenizer):
+    lengths = [40, 50, 61, 45]  # all inside the 64-token bucket
+    bucketed = _compiles_for(tiny_tokenizer, lengths, multiple=64)
+    assert bucketed == 1  # one graph, shared by both decoder blocks, for every length in the bucket
+    torch._dynamo.reset()
+    COMPILED_FRAMES.clear()
+    unbucketed = _compiles_for(tiny_tokenizer, lengths, multiple=1)
+    assert unbucketed > bucketed  # every new length is a new shape
+
+
+def test_inductor_compiles_a_block(tiny_tokenizer):
+    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
+    batch = _batch(tiny_tokenizer, [16], multiple=16)
+    eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1), batch)
+    apply_compile(model, TechniquesConfig(compile="default"), "cpu")
+    compiled = _loss_and_grads(model, batch)
+    assert torch.allclose(compiled[0], eager[0], rtol=1e-4)
+
+
+def test_bad_compile_settings_are_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="unknown backend 'nope'"):
+        apply_compile(model, TechniquesConfig(compile="default", compile_backend="nope"), "cpu")
+    with pytest.raises(ConfigError, match="inductor mode"):
+        apply_compile(model, TechniquesConfig(compile="max-autotune", compile_backend="eager"), "cpu")
+    with pytest.raises(UnavailableError, match="CUDA graphs"):
+        apply_compile(model, TechniquesConfig(compile="reduce-overhead"), "cpu")
+    assert apply_compile(model, TechniquesConfig(compile="off"), "cpu") is model and not is_compiled(model)

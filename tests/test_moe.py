@@ -1,0 +1,116 @@
+"""Mixture-of-Experts models train with their router load-balancing loss included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onegpu.techniques.loss import IGNORE, enable_router_aux_loss, loss_sum
+
+
+def _mixtral(tok):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+
+
+def _qwen_moe(tok):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+
+
+BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen_moe}
+
+
+def _batch(tok):
+    ids = torch.randint(0, len(tok), (2, 24), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :6] = IGNORE
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def _router_weights(model):
+    return {n: p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
+    torch.manual_seed(0)
+    model = BUILDERS[arch](tiny_tokenizer)
+    assert enable_router_aux_loss(model) and model.config.output_router_logits
+    model.train()
+    batch = _batch(tiny_tokenizer)
+    n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
+    losses, router_grads = {}, {}
+    for coef in (0.0, 0.5):
+        model.config.router_aux_loss_coef = coef
+        model.zero_grad(set_to_none=True)
+        loss = loss_sum(model, batch)
+        loss.backward()
+        losses[coef] = loss.detach()
+        router_grads[coef] = {n: p.grad.clone() for n, p in _router_weights(model).items()}
+    with torch.no_grad():
+        aux = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).aux_loss
+    assert aux is not None and aux > 0
+    # exactly coef x aux x target tokens: the token-sum convention of loss_sum
+    assert torch.allclose(losses[0.5] - losses[0.0], 0.5 * aux * n_targets, rtol=1e-4)
+    assert len(router_grads[0.5]) == model.config.num_hidden_layers
+    for name, g in router_grads[0.5].items():
+        assert not torch.allclose(g, router_grads[0.0][name]), name  # the aux loss trains the router
+
+
+def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
+    torch.manual_seed(0)
+    model = _mixtral(tiny_tokenizer)
+    enable_router_aux_loss(model)
+    batch = _batch(tiny_tokenizer)
+    model.train()
+    assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=8), rtol=1e-5)
+    model.eval()
+    with torch.no_grad():
+        model.config.router_aux_loss_coef = 10.0
+        high = loss_sum(model, batch)
+        model.config.router_aux_loss_coef = 0.0
+        assert torch.equal(high, loss_sum(model, batch))  # validation loss is plain cross-entropy
+
+
+def test_dense_models_are_left_alone(tiny_tokenizer):
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
+    assert not enable_router_aux_loss(model)
+
+
+def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
+    from accelerate.state import AcceleratorState
+
+    from onegpu.train import train
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-mixtral"
+    start = _mixtral(tiny_tokenizer)
+    start.save_pretrained(str(model_dir))
+    tiny_tokenizer.save_pretrained(str(model_dir))
+    AcceleratorState._reset_state()
+    r = train({"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+               "training": {"micro_batch_size": 4, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
+                            "warmup_steps": 1, "log_every": 1},
+               "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}})
+    from onegpu.report import read_metrics
+
+    assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0
+    losses = [x["loss"] for x in read_metrics(r.run_dir / "metrics.jsonl") if x["split"] == "train"]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(str(r.final_dir))
+    before, after = _router_weights(start), _router_weights(trained)
+    assert before and all(not torch.equal(before[n], after[n]) for n in before)
