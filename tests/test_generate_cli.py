@@ -114,3 +114,10 @@ def test_cli_errors_are_clear(tmp_path, tiny_model_dir, capsys):
     assert "contains no prompts" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_model_dir)]) == 2
     assert "no prompts given" in capsys.readouterr().err
+
+
+def test_cli_stop_flag_repeats_and_understands_backslash_n(tiny_model_dir, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("onegpu.generate_cli.run", lambda icfg, scfg, *rest: seen.setdefault("stop", scfg.stop) and 0)
+    cli(["--model", str(tiny_model_dir), "--stop", r"\n\n", "--stop=return", "--stop", "a,b", "def f("])
+    assert seen["stop"] == ["\n\n", "return", "a,b"]

@@ -41,13 +41,33 @@ def cli(argv: Sequence[str]) -> int:
     from onegpu.config import from_dict
     from onegpu.infer import InferConfig, SamplingConfig
 
-    _, ns = parse(build_parser(), argv)
+    _, ns = parse(build_parser(), _repeatable_stop(argv))
     raw = ns.as_dict()
+    raw["stop"] = [_unescape(s) for s in raw.get("stop") or []]
     icfg = from_dict(_fields(raw, InferConfig), InferConfig)
     scfg = from_dict(_fields(raw, SamplingConfig), SamplingConfig)
     prompts = collect_prompts(raw.get("prompts") or [], raw.get("prompts_file"))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     return run(icfg, scfg, prompts, raw.get("output"), raw.get("stream"))
+
+
+def _repeatable_stop(argv: Sequence[str]) -> list[str]:
+    """Let `--stop X` be given once per string (jsonargparse alone wants a JSON list or --stop+)."""
+    out: list[str] = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        value = arg.split("=", 1)[1] if arg.startswith("--stop=") else args.pop(0) if arg == "--stop" and args else None
+        if value is None:
+            out.append(arg)
+        else:
+            out += ["--stop", value] if value.lstrip().startswith("[") else ["--stop+", value]
+    return out
+
+
+def _unescape(text: str) -> str:
+    """Typed on a shell, a newline stop string arrives as backslash-n."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _fields(raw: dict, cls: type) -> dict:
