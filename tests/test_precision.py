@@ -147,3 +147,35 @@ def test_fp16_on_bf16_model_warns(tiny_tokenizer, caplog):
     config.dtype = torch.float32
     assert not P.warn_fp16_on_bf16_model(config, "fp16")
     assert caplog.text == ""
+
+
+# ---------------------------------------------------------------------------- batch-shape advice
+def test_misaligned_shapes_warn_with_reason(caplog):
+    from onegpu.techniques.batchsize import check_shapes
+
+    found = check_shapes(micro_batch=6, seq_len=200, hidden_size=100, precision="fp16", device=A100)
+    assert len(found) == 3
+    assert "training.micro_batch_size=6 is not a multiple of 8" in caplog.text
+    assert "data.seq_len=200 is not a multiple of 64" in caplog.text  # A100-class + 16-bit: 64
+    assert "hidden_size=100 is not a multiple of 64" in caplog.text and "tensor-core" in caplog.text
+    caplog.clear()
+    assert check_shapes(8, 200, 104, "fp16", T4) == []  # older GPU: multiples of 8 are enough
+    assert check_shapes(16, 256, 128, "bf16", A100) == []
+    assert check_shapes(3, 100, 100, "fp32", CPU) == []  # no tensor cores to fill
+    assert caplog.text == ""
+
+
+def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
+    from types import SimpleNamespace
+
+    from onegpu.assemble import check_model_settings
+
+    cfg = Config()
+    cfg.training.micro_batch_size, cfg.data.seq_len = 12, 96
+    run = SimpleNamespace(cfg=cfg, device=A100, precision="fp16")
+    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
+    model.config.dtype = torch.bfloat16
+    check_model_settings(run, model)
+    assert torch.backends.cuda.matmul.allow_tf32  # tf32 default for Ampere
+    assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
+    assert "transformers#14189" in caplog.text
