@@ -1,0 +1,153 @@
+"""GPU paths of precision, attention kernels, compile, checkpointing offload and the chunked loss
+(skipped without a CUDA GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from onegpu.config import Config, ModelConfig, TechniquesConfig
+from onegpu.hardware import detect
+from onegpu.techniques.loss import loss_sum
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    torch._dynamo.reset()
+    yield
+    AcceleratorState._reset_state()
+    torch._dynamo.reset()
+
+
+def _batch(tok, n=4, length=128, device="cuda"):
+    ids = torch.randint(0, len(tok), (n, length), generator=torch.Generator().manual_seed(0)).to(device)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def _out_dtype(model, batch):
+    seen = []
+    h = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+    h.remove()
+    return seen[0]
+
+
+def _prepared(tok, precision):
+    from onegpu.assemble import make_accelerator
+
+    acc = make_accelerator(Config(), detect(), precision)
+    model = make_tiny_llama(tok)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return acc, model, opt
+
+
+def test_fp16_autocast_and_loss_scaling_on_cuda(tiny_tokenizer):
+    from onegpu.train import train_step
+
+    acc, model, opt = _prepared(tiny_tokenizer, "fp16")
+    batch = _batch(tiny_tokenizer)
+    assert _out_dtype(model, batch) == torch.float16 and acc.scaler is not None
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    hook = weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    before, scale = weight.detach().clone(), acc.scaler.get_scale()
+    train_step(model, opt, [batch], acc, max_grad_norm=1.0)
+    assert torch.equal(weight.detach(), before) and acc.scaler.get_scale() < scale
+    hook.remove()
+
+
+def test_bf16_autocast_on_cuda(tiny_tokenizer):
+    if not detect().bf16:
+        pytest.skip("GPU without bf16")
+    _, model, _ = _prepared(tiny_tokenizer, "bf16")
+    assert _out_dtype(model, _batch(tiny_tokenizer)) == torch.bfloat16
+
+
+def test_tf32_follows_the_gpu():
+    from onegpu.techniques.precision import apply_tf32
+
+    dev = detect()
+    assert apply_tf32(TechniquesConfig(), dev) == dev.tf32 == torch.backends.cuda.matmul.allow_tf32
+
+
+def _kernel_names(fn) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.key.lower() for e in prof.key_averages())
+
+
+def test_sdpa_flash_kernel_runs_and_matches_eager(tiny_model_dir, tiny_tokenizer):
+    from onegpu.models import load_model
+    from onegpu.techniques.attention import SDPA_FLASH, resolve_attention
+
+    attn = resolve_attention(TechniquesConfig(attention="flash"), detect())
+    assert attn in (SDPA_FLASH, "flash_attention_2")
+    ids = _batch(tiny_tokenizer)["input_ids"]
+    models = {a: load_model(str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=torch.bfloat16,
+                            attn_implementation=a).cuda().eval() for a in ("eager", attn)}
+    with torch.no_grad():
+        ref = models["eager"](input_ids=ids).logits.float()
+        out = models[attn](input_ids=ids).logits.float()
+        names = _kernel_names(lambda: models[attn](input_ids=ids))
+    assert "flash" in names
+    assert torch.allclose(out, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("regional", [True, False])
+def test_compile_on_cuda_matches_eager(tiny_tokenizer, regional):
+    from onegpu.techniques.compile import apply_compile
+
+    batch = _batch(tiny_tokenizer)
+    eager = loss_sum(make_tiny_llama(tiny_tokenizer).cuda(), batch)
+    model = apply_compile(make_tiny_llama(tiny_tokenizer).cuda(),
+                          TechniquesConfig(compile="default", compile_regional=regional), "cuda")
+    compiled = loss_sum(model, batch)
+    compiled.backward()
+    assert torch.allclose(compiled, eager, rtol=1e-3)
+
+
+def _memory_after_forward(model, batch) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    loss = loss_sum(model, batch)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    loss.backward()
+    return held
+
+
+def test_checkpointing_modes_hold_less_gpu_memory(tiny_tokenizer):
+    from onegpu.techniques.checkpointing import apply_checkpointing
+
+    batch = _batch(tiny_tokenizer, n=8, length=256)
+    held = {}
+    for mode in ("off", "every-n", "full", "offload"):
+        model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=4).cuda().train()
+        apply_checkpointing(model, TechniquesConfig(checkpointing=mode), "cuda")
+        held[mode] = _memory_after_forward(model, batch)
+    assert held["offload"] < held["full"] < held["every-n"] < held["off"]
+
+
+def test_chunked_loss_lowers_gpu_peak(tiny_tokenizer):
+    model = make_tiny_llama(tiny_tokenizer, vocab_size=32768, num_hidden_layers=1).cuda()
+    batch = _batch(tiny_tokenizer, n=4, length=512)
+    peaks = {}
+    for chunk in (0, 1024):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss_sum(model, batch, chunk_size=chunk).backward()
+        torch.cuda.synchronize()
+        peaks[chunk] = torch.cuda.max_memory_allocated() - base
+    logits_bytes = 4 * 512 * 32768 * 4
+    assert peaks[1024] < peaks[0] - logits_bytes
