@@ -86,3 +86,22 @@ def test_padding_free_documents_do_not_see_each_other(tiny_model_dir, tiny_token
         crossed = model(input_ids=batch["input_ids"]).logits[0, len(first): len(first) + len(second)]
     assert torch.allclose(together, alone, atol=1e-5)
     assert not torch.allclose(crossed, alone, atol=1e-3)
+
+
+def test_padding_free_batch_has_the_same_loss_without_padding(tiny_model_dir, tiny_tokenizer):
+    """Prompt/completion examples packed into one row: same summed loss and target count as the
+    padded batch, fewer positions computed."""
+    from onegpu.techniques.loss import IGNORE, count_targets, loss_sum
+
+    model = _load(tiny_model_dir, tiny_tokenizer, "sdpa")
+    examples = []
+    for prompt, completion in [("def add(a, b):", " return a + b"), ("x =", " 1"), ("for i in", " range(3): pass")]:
+        p, c = _doc(tiny_tokenizer, prompt)[:-1], _doc(tiny_tokenizer, completion)
+        examples.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c})
+    padded = Collator(tiny_tokenizer.pad_token_id, multiple=8)(examples)
+    packed = Collator(tiny_tokenizer.pad_token_id, multiple=8, position_ids=True)(examples)
+    assert packed["input_ids"].shape[0] == 1 and packed["input_ids"].numel() < padded["input_ids"].numel()
+    assert count_targets(packed["labels"]) == count_targets(padded["labels"])
+    assert int(packed["attention_mask"].sum()) == int(padded["attention_mask"].sum())
+    with torch.no_grad():
+        assert torch.allclose(loss_sum(model, packed), loss_sum(model, padded), rtol=1e-5)

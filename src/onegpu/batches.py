@@ -119,6 +119,8 @@ class Collator:
     def __call__(self, examples: list[dict]) -> dict:
         import torch
 
+        if self.position_ids and "position_ids" not in examples[0]:
+            return self.pack(examples)
         longest = max(len(ex["input_ids"]) for ex in examples)
         width = -(-longest // self.multiple) * self.multiple
         if self.max_len:
@@ -138,6 +140,27 @@ class Collator:
             for i, ex in enumerate(examples):
                 pos[i, : len(ex["position_ids"])] = torch.as_tensor(ex["position_ids"])
             batch["position_ids"] = pos
+        return batch
+
+
+    def pack(self, examples: list[dict]) -> dict:
+        """Padding-free: all examples end to end in one row, position_ids restarting at each, so
+        attention keeps them apart and no compute goes to padding (only the row's tail is padded)."""
+        import torch
+
+        ids, labels, pos = [], [], []
+        for ex in examples:
+            ids.extend(ex["input_ids"])
+            # The previous example's last token must not learn to predict this one's first token.
+            labels.extend([IGNORE] + list(ex["labels"][1:]))
+            pos.extend(range(len(ex["input_ids"])))
+        n = len(ids)
+        width = -(-n // self.multiple) * self.multiple
+        tail = width - n
+        batch = {"input_ids": torch.tensor([ids + [self.pad_id] * tail]),
+                 "labels": torch.tensor([labels + [IGNORE] * tail]),
+                 "attention_mask": torch.tensor([[1] * n + [0] * tail]),
+                 "position_ids": torch.tensor([pos + list(range(tail))])}  # the tail is a document of its own
         return batch
 
 
