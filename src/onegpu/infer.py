@@ -211,7 +211,9 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load model '{source}': {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
+        from onegpu.models import _first_line
+
+        raise ModelError(f"cannot load model '{source}': {_first_line(exc)}",
                          hint="give a run directory, a save_pretrained folder, or a Hub id while online") from None
     if "device_map" not in kwargs:
         model.to(device)
@@ -331,8 +333,10 @@ def _context_length(model) -> Optional[int]:
 
 
 def _input_device(model):
-    """Inputs go where the embeddings are (the first device under a device_map)."""
-    return model.get_input_embeddings().weight.device
+    """Inputs go where the embeddings are (the first device under a device_map; weights offloaded
+    to disk sit on the meta device and are streamed in from CPU)."""
+    device = model.get_input_embeddings().weight.device
+    return "cpu" if device.type == "meta" else device
 
 
 def generation_kwargs(model, tokenizer, scfg: SamplingConfig, max_new_tokens: int) -> dict:
