@@ -37,6 +37,20 @@ def test_chunked_loss_equals_plain_loss_and_gradients(tiny_tokenizer, chunk):
         assert torch.allclose(g_plain[name], g_chunked[name], rtol=1e-4, atol=1e-6), name
 
 
+def test_chunked_loss_keeps_the_forward_autocast(tiny_tokenizer):
+    """Under bf16 autocast (as Accelerate runs the forward) the chunks' head matmul runs in bf16 too."""
+    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
+    batch = _batch(len(tiny_tokenizer), length=16)
+    head_dtypes = []
+    model.lm_head.register_forward_hook(lambda m, i, o: head_dtypes.append(o.dtype))
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # only the forward, like Accelerate
+    plain = loss_sum(model, batch)
+    chunked = loss_sum(model, batch, chunk_size=8)
+    chunked.backward()  # the recomputed chunks run under the same autocast
+    assert len(head_dtypes) > 4 and set(head_dtypes) == {torch.bfloat16}
+    assert torch.allclose(plain, chunked, rtol=1e-2)
+
+
 def test_softcapped_model_handled(tiny_tokenizer):
     """Gemma-2-style final logit soft-capping is reproduced, so the loss is still exact."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
