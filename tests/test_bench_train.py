@@ -53,7 +53,7 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     assert ours["speed_x"] == pytest.approx(1.0) and ours["memory_x"] == pytest.approx(1.0)
     assert hf["speed_x"] == pytest.approx(hf["tokens_per_s"] / ours["tokens_per_s"])
     assert hf["memory_x"] == pytest.approx(hf["train_mem_mb"] / ours["train_mem_mb"])
-    assert doc["vs_hf_trainer"]["speed_x"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+    assert doc["vs_hf_trainer"]["baseline"]["speed_x"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
     assert ours["reps"][0]["evidence"]["optimizer"].endswith("AdamW")
     assert hf["reps"][0]["evidence"]["fused"] is True  # Trainer's default optimizer here: fused AdamW
 

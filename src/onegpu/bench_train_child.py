@@ -136,7 +136,7 @@ def evidence(run) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ HF
-def run_hf(spec: dict) -> dict:
+def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
     """transformers.Trainer on our tokenized examples, in the order our loop would draw them."""
     from accelerate.utils import set_seed
     from transformers import Trainer, TrainingArguments
@@ -159,7 +159,8 @@ def run_hf(spec: dict) -> dict:
     per_step = [sum(lengths[s * len(b): (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
     timer = make_timer(spec["warmup_steps"], spec["budget_s"], t.log_every, device.type == "cuda")
     args = TrainingArguments(**hf_arguments(cfg, spec["arm"], device))
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=run.collator, callbacks=[timer])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=run.collator,
+                      callbacks=[timer, *callbacks])
     trainer.train()
     out = timer.result(per_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

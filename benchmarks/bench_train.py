@@ -1,0 +1,92 @@
+"""The committed training benchmarks, one command each (extra flags go to `onegpu bench train`).
+
+    python benchmarks/bench_train.py cpu --snapshot       # the CPU table in benchmarks/results/
+    python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more repetitions
+    python benchmarks/bench_train.py gpu                  # on a CUDA GPU: Llama ~1B, bf16, seq 2048
+
+`gpu` runs two sweeps from random initialisation (no download): every method on packed text
+(full fine-tuning, LoRA, QLoRA, and the rest), then padded vs packed (padding-free) chat data,
+with LoRA and QLoRA, on a chat set written from the standard library's docstrings.
+
+--snapshot measures the last commit (`git archive HEAD`), so edits made in the checkout while a
+long sweep runs cannot change the code half-way through; the results record that commit.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+CPU = ["--model", "tiny", "--seq_len", "128", "--micro_batch_size", "4", "--grad_accum", "2", "--steps", "6",
+       "--warmup_steps", "2", "--reps", "3", "--max_seconds", "150"]
+HEADLINE = CPU[:-4] + ["--reps", "4", "--max_seconds", "150",
+                       "--arms", "baseline,adamw-fused,best,hf-trainer,hf-trainer-tuned"]
+GPU = ["--model", "1b", "--seq_len", "2048", "--micro_batch_size", "4", "--grad_accum", "4", "--steps", "20",
+       "--warmup_steps", "5", "--reps", "3", "--max_seconds", "300", "--precision", "bf16", "--max_bytes", "6000000"]
+GPU_CHAT_ARMS = "baseline,padding-free,lora,qlora,hf-trainer,hf-trainer-tuned"
+
+
+def chat_data(path: Path, limit: int = 20000) -> Path:
+    """Chat records of very different lengths (so padding matters): a question about a standard
+    library function, answered with its docstring."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rows = []
+    for src in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(src.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+            if doc and len(doc) > 40:
+                rows.append({"messages": [{"role": "user", "content": f"What does {src.stem}.{node.name} do?"},
+                                          {"role": "assistant", "content": doc}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:limit]), encoding="utf-8")
+    return path
+
+
+def snapshot_env(tmp: str) -> dict:
+    """PYTHONPATH pointing at `git archive HEAD` of src/, and the commit for the results."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", "HEAD", "src"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    return {**os.environ, "PYTHONPATH": str(Path(tmp) / "src"), "ONEGPU_BENCH_COMMIT": commit}
+
+
+def bench(args: list[str], env: dict | None) -> int:
+    cmd = [sys.executable, "-m", "onegpu.cli", "bench", "train", *args]
+    print("+", " ".join(cmd[2:]), flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("cpu", "headline", "gpu"):
+        print(__doc__)
+        return 2
+    what, extra = argv[0], [a for a in argv[1:] if a != "--snapshot"]
+    stamp = time.strftime("%Y%m%d")
+    with tempfile.TemporaryDirectory(prefix="onegpu-snapshot-") as tmp:
+        env = snapshot_env(tmp) if "--snapshot" in argv else None
+        out = ["--out", str(RESULTS)]
+        if what == "cpu":
+            return bench(CPU + out + ["--name", f"train-cpu-{stamp}"] + extra, env)
+        if what == "headline":
+            return bench(HEADLINE + out + ["--name", f"train-cpu-{stamp}-vs-hf"] + extra, env)
+        rc = bench(GPU + out + ["--name", f"train-gpu-{stamp}-text"] + extra, env)
+        chat = chat_data(Path(tmp) / "chat.jsonl")
+        return rc or bench(GPU + out + ["--data", str(chat), "--arms", GPU_CHAT_ARMS,
+                                        "--name", f"train-gpu-{stamp}-chat"] + extra, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
