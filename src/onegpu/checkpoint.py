@@ -69,23 +69,30 @@ def set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train_state: dict, accelerator,
-                    tokenizer=None, config: dict | None = None, rng: dict | None = None) -> Path:
+                    tokenizer=None, config: dict | None = None, rng: dict | None = None,
+                    gathered: dict | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically and return its path.
 
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
     abandoned accumulation cycle so that the resumed run replays that cycle exactly.
+    ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across processes.
     """
+    gathered = gathered or {}
     run_dir = Path(run_dir)
     final = run_dir / f"{PREFIX}{step:08d}"
     tmp = run_dir / f"{TMP_PREFIX}{final.name}"
     clean_stale(run_dir)
     tmp.mkdir(parents=True)
-    accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True)
+    accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True,
+                                                    state_dict=gathered.get("model"))
     _hook("model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
         _hook("tokenizer")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    if gathered.get("engine_dir") is not None:
+        os.replace(gathered["engine_dir"], tmp / ENGINE_DIR)
+    optim_state = gathered["optimizer"] if "optimizer" in gathered else optimizer.state_dict()
+    torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rng if rng is not None else rng_state()}, tmp / "trainer_state.pt")
     _hook("trainer_state")
@@ -126,7 +133,12 @@ def _hook(point: str) -> None:
 
 
 def clean_stale(run_dir: Path) -> None:
-    """Remove folders left by a crash in the middle of a save."""
+    """Tidy up after a crash in the middle of a save: a checkpoint moved aside for a replacement
+    that never arrived goes back in place; unfinished temporary folders are removed."""
+    for p in Path(run_dir).glob(f"{TRASH_PREFIX}{PREFIX}*"):
+        final = p.with_name(p.name[len(TRASH_PREFIX):])
+        if not final.exists() and verify(p) is None:
+            os.replace(p, final)
     for p in Path(run_dir).glob(".*"):
         if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(p, ignore_errors=True)
@@ -250,6 +262,8 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     if not target.is_dir():
         raise ConfigError(f"output.resume: '{target}' does not exist.",
                           hint="pass 'latest' with the run's --output.name, or a checkpoint folder")
+    if resume == "latest" or not (target / MANIFEST).exists():
+        clean_stale(target)
     if step_of(target) >= 0 and (target / MANIFEST).exists():
         problem = verify(target)
         if problem:
@@ -321,3 +335,97 @@ def load_model_weights(model_dir: Path, model) -> None:
         key = (missing or unexpected)[0]
         raise ConfigError(f"weights in {model_dir} do not fit this model ({'missing' if missing else 'unexpected'} "
                           f"{key}).", hint="resume with the same model.name it was written with")
+
+
+# ---------------------------------------------------------------- sharded engines (FSDP2, DeepSpeed)
+# The same checkpoint layout as one process. FSDP2 states are gathered into full tensors, the
+# optimizer state renumbered like torch's own state_dict(): such a checkpoint resumes on any number
+# of processes, one included. DeepSpeed keeps its own per-process files in ``engine/`` (its
+# optimizer partitions; ZeRO-1/2 are saved "elastic", so they load on a different process count),
+# next to full 16-bit weights in ``model/``.
+ENGINE_DIR = "engine"
+ENGINE_TAG = "zero"
+
+
+def gather_sharded(run_dir: Path, step: int, model, optimizer, accelerator) -> dict:
+    """Collect what every process must contribute to a checkpoint. Call on all processes."""
+    from onegpu.distributed import full_state_dict, is_deepspeed
+
+    gathered = {"model": full_state_dict(accelerator, model)}  # full weights, on the main process
+    if is_deepspeed(accelerator):
+        staging = Path(run_dir) / f".engine-{step:08d}"
+        if accelerator.is_main_process and staging.exists():
+            shutil.rmtree(staging)
+        accelerator.wait_for_everyone()
+        model.save_checkpoint(str(staging), tag=ENGINE_TAG, save_latest=False)
+        gathered.update(engine_dir=staging, optimizer={"engine": "deepspeed"})
+    else:
+        gathered["optimizer"] = _full_optimizer_state(model, optimizer)
+    return gathered
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, _inner(optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:  # only the main process receives the gathered tensors
+        return {}
+    index = {name: i for i, name in enumerate(n for g in full["param_groups"] for n in g["params"])}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]
+    return {"state": {index[n]: s for n, s in full["state"].items()}, "param_groups": groups}
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper -> the torch optimizer
+
+
+def load_sharded(path: Path, model, optimizer, scheduler, accelerator) -> dict:
+    """Restore a checkpoint into FSDP2- or DeepSpeed-sharded model and optimizer (all processes)."""
+    from onegpu.distributed import is_deepspeed
+
+    path = Path(path)
+    blob = load_trainer_state(path)
+    if is_deepspeed(accelerator):
+        _load_engine(path, model)
+    else:
+        if blob["optimizer"].get("engine") == "deepspeed":
+            raise ConfigError(f"checkpoint {path} holds DeepSpeed optimizer partitions; this run uses FSDP2.",
+                              hint="resume with the same techniques.offload / distributed.strategy it was written with")
+        _load_fsdp2(path, model, optimizer, blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    state = json.loads((path / "state.json").read_text())
+    state["rng"] = blob["rng"]
+    return state
+
+
+def _load_engine(path: Path, model) -> None:
+    if not (path / ENGINE_DIR).is_dir():
+        raise ConfigError(f"checkpoint {path} was not written by DeepSpeed, so it has no optimizer partitions.",
+                          hint="resume it without techniques.offload / distributed.strategy=deepspeed")
+    try:
+        loaded, _ = model.load_checkpoint(str(path / ENGINE_DIR), tag=ENGINE_TAG, load_lr_scheduler_states=False)
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"DeepSpeed cannot load {path}: {str(exc).splitlines()[0]}",
+                          hint="resume ZeRO-3 checkpoints with the process count that wrote them") from None
+    if loaded is None:
+        raise ConfigError(f"DeepSpeed found no checkpoint in {path / ENGINE_DIR}.", hint="resume from another checkpoint")
+
+
+def _load_fsdp2(path: Path, model, optimizer, optim_state: dict) -> None:
+    """Full tensors from disk -> this process's shards (DCP re-shards for any process count)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    weights: dict[str, Any] = {}
+    for f in sorted((path / "model").glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=opts)
+    names = {id(p): n for n, p in model.named_parameters()}
+    inner = _inner(optimizer)
+    fqns = [names[id(p)] for g in inner.param_groups for p in g["params"]]
+    groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in optim_state["param_groups"]]
+    full = {"state": {fqns[int(i)]: s for i, s in optim_state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, inner, full, options=opts)

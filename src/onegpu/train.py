@@ -87,12 +87,13 @@ def train(config: Config | dict | None = None) -> RunResult:
     assemble.build_data(run)
     set_seed(cfg.training.seed)  # model init independent of how much randomness data prep used
     assemble.build_model(run)
+    run.model = distributed.apply_fsdp2(run.model, cfg, precision, accelerator)  # before the optimizer sees the params
     assemble.build_optimizer(run)
     assemble.check_disk(run)
     assemble.create_run_dir(run_dir, accelerator.is_main_process)
     if accelerator.is_main_process:
         assemble.save_config(run)
-    run.model, run.optimizer = accelerator.prepare(run.model, run.optimizer)
+    run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
     state = resume(run, accelerator, resume_from) if resume_from else None
     metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process)
     try:
@@ -123,7 +124,10 @@ def _as_saved(cfg: Config, run_dir: Path) -> Config:
 
 def resume(run: assemble.Run, accelerator, path: Path) -> TrainState:
     """Restore model, optimizer, scheduler, scaler and data position from a checkpoint."""
-    saved = checkpoint.load_checkpoint(path, run.model, run.optimizer, run.scheduler, accelerator)
+    if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process loads its shards
+        saved = checkpoint.load_sharded(path, run.model, run.optimizer, run.scheduler, accelerator)
+    else:
+        saved = checkpoint.load_checkpoint(path, run.model, run.optimizer, run.scheduler, accelerator)
     state = TrainState.from_dict(saved)
     state.rng = saved["rng"]
     t = run.cfg.training
@@ -141,8 +145,14 @@ def _trim_metrics(path: Path, step: int) -> None:
     exactly where the resumed state is."""
     if not path.is_file():
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if rec.get("step", 0) <= step:
+            keep.append(line + "\n")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
@@ -299,7 +309,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     """
     n_targets = sum(count_targets(mb["labels"]) for mb in micro)
     n_targets = _global_sum(accelerator, n_targets)
-    real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+    real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
     total = None
     for i, mb in enumerate(micro):
         if i and should_stop is not None and should_stop():
@@ -311,7 +321,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
             distributed.backward(accelerator, loss)
         total = loss.detach() if total is None else total + loss.detach()
     total = distributed.global_loss(accelerator, total)  # the same value, and NaN verdict, on every rank
-    norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm else None
+    norm = distributed.clip_grad_norm(accelerator, model, max_grad_norm) if max_grad_norm else None
     bad = False
     if guard is not None:
         if norm is None and accelerator.scaler is None:
@@ -365,9 +375,14 @@ def evaluate_and_log(run, accelerator, metrics: MetricsLog, state: TrainState) -
 def save(run, accelerator, state: TrainState, rng: dict | None = None) -> Path:
     accelerator.wait_for_everyone()
     path = run.dir / f"{checkpoint.PREFIX}{state.step:08d}"
+    gathered = None
+    if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process contributes its shards
+        gathered = checkpoint.gather_sharded(run.dir, state.step, run.model, run.optimizer, accelerator)
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         checkpoint.save_checkpoint(run.dir, state.step, run.model, run.optimizer, run.scheduler,
-                                   state.to_dict(), accelerator, run.tokenizer, redact(to_dict(run.cfg)), rng)
+                                   state.to_dict(), accelerator, run.tokenizer, redact(to_dict(run.cfg)), rng,
+                                   gathered=gathered)
         checkpoint.prune(run.dir, run.cfg.output.keep_last)
     return path
 
@@ -375,9 +390,11 @@ def save(run, accelerator, state: TrainState, rng: dict | None = None) -> Path:
 def save_final(run, accelerator) -> Path:
     final = run.dir / "final"
     accelerator.wait_for_everyone()
+    # FSDP2 / DeepSpeed ZeRO-3: gather the full weights (a collective: every process takes part)
+    full = distributed.full_state_dict(accelerator, run.model) if distributed.is_sharded(accelerator, run.model) else None
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(run.model)
-        model.save_pretrained(str(final), safe_serialization=True)  # a PeftModel writes only the adapter
+        model.save_pretrained(str(final), safe_serialization=True, state_dict=full)  # PeftModel: the adapter
         run.tokenizer.save_pretrained(str(final))
         if run.cfg.techniques.lora.enabled and run.cfg.techniques.lora.merge_on_save:
             from onegpu.techniques.lora import save_merged

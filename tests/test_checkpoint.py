@@ -1,0 +1,170 @@
+"""Checkpoint format: complete-or-absent folders, verified manifests, weights_only-safe state."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from onegpu import checkpoint
+from onegpu.errors import ConfigError
+
+from conftest import make_tiny_llama
+from test_resume import one_thread  # noqa: F401
+
+
+class Parts:
+    def __init__(self, tokenizer):
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=True)
+        self.model = make_tiny_llama(tokenizer)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (s + 1))
+        self.tokenizer = tokenizer
+
+    def step(self):
+        ids = torch.randint(5, 100, (2, 16))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+
+    def save(self, run_dir, step, eval_loss=None):
+        return checkpoint.save_checkpoint(run_dir, step, self.model, self.optimizer, self.scheduler,
+                                          {"step": step, "batches_seen": step, "tokens_seen": 0, "best_eval": 1.0,
+                                           "history": [], "eval_loss": eval_loss}, self.accelerator,
+                                          self.tokenizer, {"training": {"lr": 1e-3}})
+
+
+@pytest.fixture
+def parts(tiny_tokenizer):
+    torch.manual_seed(0)
+    return Parts(tiny_tokenizer)
+
+
+def test_layout_manifest_and_weights_only_load(tmp_path, parts):
+    parts.step()
+    path = parts.save(tmp_path, 1)
+    assert path.name == "checkpoint-00000001"
+    for name in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "trainer_state.pt",
+                 "state.json", "config.yaml", "manifest.json"):
+        assert (path / name).is_file(), name
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) >= {"model/model.safetensors", "trainer_state.pt", "state.json"}
+    assert checkpoint.verify(path) is None
+    # every object in trainer_state.pt loads under the restricted unpickler
+    blob = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert set(blob) == {"optimizer", "scheduler", "scaler", "rng"}
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_load_restores_model_and_optimizer_exactly(tmp_path, parts, tiny_tokenizer):
+    parts.step()
+    path = parts.save(tmp_path, 1)
+    other = Parts(tiny_tokenizer)
+    torch.manual_seed(123)
+    other.model = make_tiny_llama(tiny_tokenizer, initializer_range=0.5)
+    other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=1e-3)
+    other.scheduler = torch.optim.lr_scheduler.LambdaLR(other.optimizer, lambda s: 1.0 / (s + 1))
+    state = checkpoint.load_checkpoint(path, other.model, other.optimizer, other.scheduler, other.accelerator)
+    assert state["step"] == 1 and "rng" in state
+    for (n, a), (_, b) in zip(parts.model.state_dict().items(), other.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    sa, sb = parts.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    assert other.scheduler.last_epoch == parts.scheduler.last_epoch
+
+
+def test_rng_state_roundtrip_through_weights_only(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.randn(), torch.randn(1)  # noqa: B018 - leave a cached gaussian too
+    saved = checkpoint.rng_state()
+    torch.save(saved, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.randn(), torch.randn(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.randn(), torch.randn(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "flip-byte-state", "delete-optimizer", "no-manifest"])
+def test_damaged_checkpoint_is_never_picked(tmp_path, parts, damage):
+    older = parts.save(tmp_path, 1)
+    parts.step()
+    newer = parts.save(tmp_path, 2)
+    if damage == "truncate-weights":
+        f = newer / "model" / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "flip-byte-state":
+        f = newer / "trainer_state.pt"
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    elif damage == "delete-optimizer":
+        (newer / "trainer_state.pt").unlink()
+    else:
+        (newer / "manifest.json").unlink()
+    assert checkpoint.verify(newer) is not None
+    assert checkpoint.find_latest(tmp_path) == older
+    assert checkpoint.resolve_resume("latest", tmp_path) == older
+    if damage != "no-manifest":
+        with pytest.raises(ConfigError, match="damaged"):
+            checkpoint.resolve_resume(str(newer), tmp_path)
+
+
+def test_keep_last_and_best(tmp_path, parts):
+    for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, None)]:
+        parts.save(tmp_path, step, eval_loss=loss)
+        checkpoint.prune(tmp_path, keep_last=2)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert checkpoint.find_best(tmp_path).name == "checkpoint-00000002"
+
+
+def test_resave_same_step_replaces_atomically(tmp_path, parts):
+    first = parts.save(tmp_path, 3)
+    parts.step()
+    second = parts.save(tmp_path, 3)
+    assert first == second and checkpoint.verify(second) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("point", ["model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync"])
+def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point, monkeypatch):
+    """An exception at each write stands in for a crash; test_killpoints does it with kill -9."""
+    good = parts.save(tmp_path, 1)
+
+    def crash(at):
+        if at == point:
+            raise SystemExit(f"crash at {at}")
+
+    monkeypatch.setattr(checkpoint, "crash_hook", crash)
+    with pytest.raises(SystemExit):
+        parts.save(tmp_path, 2)
+    assert checkpoint.find_latest(tmp_path) == good
+    monkeypatch.setattr(checkpoint, "crash_hook", None)
+    parts.save(tmp_path, 2)  # the next save clears the leftover temporary folder
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_resume_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        checkpoint.resolve_resume("latest", tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        checkpoint.resolve_resume("latest", tmp_path / "empty")
+
+
+def test_foreign_pickle_is_refused(tmp_path, parts):
+    path = parts.save(tmp_path, 1)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"optimizer": Evil()}, path / "trainer_state.pt")
+    with pytest.raises(ConfigError, match="cannot read"):
+        checkpoint.load_trainer_state(path)
