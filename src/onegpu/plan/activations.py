@@ -94,7 +94,12 @@ class _Tracker:
         import torch
         from torch.utils import _pytree as pytree
 
-        if str(func.name()).split("::")[-1] not in MATMULS:
+        if func.__name__ == "_to_copy.default" and args[0].is_floating_point() and not kwargs.get("device"):
+            # dtype casts (autocast's weight copies): allocate, don't convert; values never matter
+            dtype = kwargs.get("dtype") or args[0].dtype
+            if dtype.is_floating_point:
+                return torch.empty_strided(args[0].shape, args[0].stride(), dtype=dtype, device=args[0].device)
+        if func.__name__ not in MATMULS:
             return func(*args, **kwargs)
         # Same output shape, dtype and strides as the real kernel, without the FLOPs: the values
         # never matter for how many bytes are kept.
@@ -209,6 +214,9 @@ def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: i
 
         model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
         model.enable_input_require_grads()
+    # The chunked loss checks once, by value, that it reproduces the model's logits; these weights
+    # are uninitialised and the matmuls skipped, so only shapes are meaningful here.
+    model._onegpu_head_verified = True
     return model
 
 

@@ -25,6 +25,8 @@ class ModelShape:
     vocab: int
     experts: int = 0
     top_k: int = 0
+    factored_elems: int = 0  # Adafactor state: rows + cols per matrix, all elements of vectors
+    largest_param: int = 0  # elements of the biggest tensor (optimizer temporaries, ZeRO-3 buffers)
 
     @property
     def active_params(self) -> int:
@@ -90,9 +92,11 @@ def _shape_of(name: str, config) -> ModelShape:
     experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    factored = sum(p.shape[-2] + p.shape[-1] if p.ndim >= 2 else p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
     return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
                       text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
-                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0))
+                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest)
 
 
 @functools.lru_cache(maxsize=16)

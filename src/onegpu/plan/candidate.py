@@ -1,0 +1,70 @@
+"""One training setup the planner can choose: batch split and the memory/speed methods."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from onegpu.config import Config
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    grad_accum: int
+    precision: str = "fp32"  # fp32, fp16, bf16 (autocast, fp32 weights) or bf16-pure
+    checkpointing: str = "off"  # off, every-n, full, offload
+    optimizer: str = "adamw"
+    loss_chunk: int = 0
+    compile: str = "off"
+    lora_rank: int = 0  # 0 = full fine-tuning
+    quantize_base: str = "none"  # none, nf4, int8 (LoRA only)
+    offload: str = "none"  # none, zero2-cpu, zero3-cpu
+    every: int = 2  # checkpointing_every for every-n
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+    @property
+    def method(self) -> str:
+        if self.offload != "none":
+            return f"offload:{self.offload}"
+        if self.lora_rank:
+            return "qlora" if self.quantize_base != "none" else "lora"
+        return "full"
+
+    def label(self) -> str:
+        parts = [f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
+        if self.checkpointing != "off":
+            parts.append("ckpt-" + (f"every{self.every}" if self.checkpointing == "every-n" else self.checkpointing))
+        parts.append(self.optimizer)
+        if self.loss_chunk:
+            parts.append(f"chunk{self.loss_chunk}")
+        if self.compile != "off":
+            parts.append("compile")
+        if self.lora_rank:
+            parts.append(("q" + self.quantize_base + "-" if self.quantize_base != "none" else "") + f"lora{self.lora_rank}")
+        if self.offload != "none":
+            parts.append(self.offload)
+        return " ".join(parts)
+
+    def apply(self, cfg: Config) -> Config:
+        """A copy of cfg that trains with this setup (everything else unchanged)."""
+        out = copy.deepcopy(cfg)
+        out.training.micro_batch_size, out.training.grad_accum = self.micro_batch, self.grad_accum
+        t = out.techniques
+        t.precision, t.checkpointing, t.checkpointing_every = self.precision, self.checkpointing, self.every
+        t.optimizer, t.loss_chunk_size, t.compile, t.offload = self.optimizer, self.loss_chunk, self.compile, self.offload
+        t.lora.enabled = bool(self.lora_rank)
+        if self.lora_rank:
+            t.lora.r, t.lora.quantize_base = self.lora_rank, self.quantize_base
+        out.plan = "off"  # the result is a concrete setup, not a request to plan again
+        return out
+
+    @classmethod
+    def from_config(cls, cfg: Config, precision: str) -> "Candidate":
+        t = cfg.techniques
+        return cls(cfg.training.micro_batch_size, cfg.training.grad_accum, precision, t.checkpointing,
+                   t.optimizer, t.loss_chunk_size, t.compile, t.lora.r if t.lora.enabled else 0,
+                   t.lora.quantize_base if t.lora.enabled else "none", t.offload, t.checkpointing_every)

@@ -1,0 +1,138 @@
+"""Peak training memory by component: weights, gradients, optimizer state, activations, logits and
+loss, optimizer temporaries, allocator overhead.
+
+Everything except activations follows from parameter counts and dtypes; activations come from
+the measured model in activations.py. Figures are bytes as torch.cuda.max_memory_allocated would
+report them; ``fits`` adds the allocator's fragmentation and the CUDA context on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onegpu.plan.activations import ActivationModel, activation_model
+from onegpu.plan.arch import ModelShape
+from onegpu.plan.candidate import Candidate
+
+GIB = 2**30
+CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
+FRAGMENTATION = 0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
+
+# Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
+# exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
+STATE_RELATIVE = {"adamw": 2.0, "adamw-foreach": 2.0, "adamw-fused": 2.0, "sgd": 1.0}
+STATE_BYTES = {
+    "adamw-8bit": 2.0 + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
+    "paged-adamw-8bit": 2.0 + 8 / 2048,
+    "adamw-8bit-ao": 2.0 + 8 / 256,  # torchao: block size 256
+    "adamw-4bit-ao": 1.0 + 8 / 128,  # torchao: two 4-bit states, block size 128
+}
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + double-quantized absmax per 64 weights
+INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
+
+
+@dataclass
+class MemoryEstimate:
+    components: dict = field(default_factory=dict)  # name -> bytes, at the peak
+    peak: float = 0.0  # bytes allocated at the peak
+
+    def reserved(self) -> float:
+        """What the GPU must hold: the allocator's fragmentation and the CUDA context on top."""
+        return self.peak * (1 + FRAGMENTATION) + CUDA_CONTEXT
+
+    def fits(self, capacity_bytes: float) -> bool:
+        return self.reserved() <= capacity_bytes
+
+
+def param_bytes(precision: str) -> int:
+    """Bytes per trainable weight: fp32 master weights under autocast, bf16 only for bf16-pure."""
+    return 2 if precision == "bf16-pure" else 4
+
+
+def weight_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Resident model weights (frozen quantized base + adapters for QLoRA)."""
+    pb = param_bytes(c.precision)
+    if c.offload == "zero3-cpu":
+        return 2 * shape.largest_param * 2  # only the gathered layer (and the prefetched next) in 16-bit
+    if c.offload == "zero2-cpu":
+        return shape.params * 2  # 16-bit working copy; fp32 master lives with the optimizer on the host
+    base = shape.params * pb
+    if c.quantize_base in ("nf4", "fp4", "int8"):
+        per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
+        rest_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+        base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
+    return base + lora_params(shape, c) * 4
+
+
+def lora_params(shape: ModelShape, c: Candidate) -> int:
+    return c.lora_rank * shape.lora_params_per_rank
+
+
+def trainable_params(shape: ModelShape, c: Candidate) -> int:
+    return lora_params(shape, c) if c.lora_rank else shape.params
+
+
+def grad_bytes(shape: ModelShape, c: Candidate) -> float:
+    if c.lora_rank:
+        return lora_params(shape, c) * 4
+    if c.offload != "none":
+        return shape.params * 2 if c.offload == "zero2-cpu" else 2 * shape.largest_param * 2
+    return shape.params * param_bytes(c.precision)
+
+
+def optimizer_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Optimizer state on the device (none under ZeRO offload: it lives in host memory)."""
+    if c.offload != "none":
+        return 0.0
+    n = trainable_params(shape, c)
+    pb = 4 if c.lora_rank else param_bytes(c.precision)
+    if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
+        return (shape.factored_elems if not c.lora_rank else shape.lora_params_per_rank + 2 * c.lora_rank) * pb
+    if c.optimizer in STATE_BYTES:
+        return n * STATE_BYTES[c.optimizer]
+    return n * pb * STATE_RELATIVE.get(c.optimizer, 2.0)
+
+
+def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
+    """Temporaries of optimizer.step(): foreach AdamW builds whole-model intermediate lists; fused
+    and 8-bit kernels work in place; per-tensor optimizers need one tensor's worth."""
+    n = trainable_params(shape, c)
+    if c.offload != "none":
+        return 0.0
+    fused = c.optimizer == "adamw-fused" or (c.optimizer == "adamw" and on_gpu)
+    if c.optimizer in ("adamw", "adamw-foreach") and not fused:
+        return n * (4 if c.lora_rank else param_bytes(c.precision))
+    return min(n, shape.largest_param) * 4 * 2
+
+
+def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
+                     attention: str = "sdpa") -> tuple[float, float]:
+    """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
+    acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention)
+    kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every)
+    tokens = c.micro_batch * seq_len if not c.loss_chunk else min(c.loss_chunk, c.micro_batch * seq_len)
+    logits_grad = tokens * shape.vocab * 4  # fp32 gradient of the logits, made at the start of backward
+    return kept, acts.recompute_peak(c.micro_batch, seq_len, c.checkpointing) + logits_grad
+
+
+def _act_precision(precision: str) -> str:
+    return "bf16" if precision == "fp16" else precision  # same bytes: 16-bit activations
+
+
+def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
+             acts: ActivationModel | None = None, attention: str = "sdpa") -> MemoryEstimate:
+    """Peak bytes of one optimizer step.
+
+    The peak is either late in forward / early in backward (activations, plus gradients already
+    held from earlier micro-batches when accumulating) or in optimizer.step() (all gradients and the
+    optimizer's temporaries); weights and optimizer state are there throughout.
+    """
+    kept, transient = activation_bytes(shape, c, seq_len, acts, attention)
+    w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c)
+    temp = optimizer_temp_bytes(shape, c, on_gpu)
+    held_grads = g if c.grad_accum > 1 else 0.0
+    backward_peak = kept + transient + held_grads
+    step_peak = g + temp
+    comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
+             "backward transient": transient, "optimizer temporaries": temp}
+    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak))

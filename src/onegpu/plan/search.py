@@ -1,0 +1,125 @@
+"""Search: enumerate setups, drop those that do not fit, rank the rest by predicted tokens/s.
+
+Setups come in tiers. Tier 0 keeps the training math of the user's config (batch split,
+checkpointing, precision, chunked loss, compile); later tiers change what is trained or how the
+optimizer works, and are only searched when no earlier tier fits: a memory-saving optimizer, then
+LoRA, then QLoRA, then DeepSpeed offload as the last resort.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from onegpu.config import Config
+from onegpu.errors import ConfigError
+from onegpu.hardware import GpuSpec
+from onegpu.plan import memory, speed
+from onegpu.plan.arch import ModelShape
+from onegpu.plan.candidate import Candidate
+
+log = logging.getLogger(__name__)
+
+TIERS = ("as configured", "8-bit optimizer state", "LoRA adapters", "QLoRA (4-bit base)", "DeepSpeed CPU offload")
+LORA_RANK = 16
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    tier: int
+    memory: memory.MemoryEstimate
+    speed: speed.SpeedEstimate
+    fits: bool
+    why: str = ""
+
+
+@dataclass
+class Plan:
+    gpu: GpuSpec
+    shape: ModelShape
+    seq_len: int
+    batch: int
+    rows: list = field(default_factory=list)  # fitting rows first, fastest first
+
+    @property
+    def best(self) -> Row | None:
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+
+def micro_batches(target: int) -> list[int]:
+    """Divisors of the effective batch (so it is kept exactly): multiples of 8 for tensor cores,
+    plus the small powers of two that rescue a setup that is short of memory."""
+    divisors = [d for d in range(1, target + 1) if target % d == 0]
+    picked = [d for d in divisors if d % 8 == 0 or d in (1, 2, 4)]
+    return picked or divisors
+
+
+def precisions(spec: GpuSpec, requested: str) -> list[str]:
+    if requested != "auto":
+        if spec.key != "CPU" and requested in ("bf16", "bf16-pure") and not spec.has_bf16:
+            raise ConfigError(f"techniques.precision={requested}: {spec.name} has no bf16.",
+                              hint="use techniques.precision=fp16 or auto on this GPU")
+        return [requested]
+    if spec.key == "CPU":
+        return ["fp32"]  # bf16/fp16 math is emulated and many times slower on CPUs
+    return ["bf16", "bf16-pure"] if spec.has_bf16 else ["fp16"]
+
+
+def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, batch: int) -> list[Candidate]:
+    on_gpu = spec.key != "CPU"
+    t = cfg.techniques
+    chunks = [0] + ([4096] if shape.vocab >= 32000 else [])
+    compiles = ["off", "default"] if on_gpu else ["off"]
+    ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
+    opt = {0: t.optimizer, 1: "adamw-8bit"}.get(tier, t.optimizer if tier < 4 else "adamw")
+    lora = LORA_RANK if tier in (2, 3) else 0
+    quant = "nf4" if tier == 3 else "none"
+    offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else ["none"]
+    if tier == 1 and t.optimizer in memory.STATE_BYTES:
+        return []  # already a quantized optimizer: nothing to gain
+    out = []
+    for mb in micro_batches(batch):
+        for prec in precisions(spec, t.precision):
+            for ck in ckpts:
+                for chunk in chunks:
+                    for comp in compiles:
+                        for off in offloads:
+                            out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off,
+                                                 t.checkpointing_every))
+    return out
+
+
+def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: int,
+           capacity_gib: float | None = None, attention: str = "sdpa") -> Plan:
+    """All setups of the first tier that has any that fit, ranked; the best few that do not fit follow."""
+    capacity = (capacity_gib or spec.memory_gib) * 2**30
+    plan = Plan(spec, shape, seq_len, batch)
+    tf32 = cfg.techniques.tf32 if cfg.techniques.tf32 is not None else True
+    for tier in range(len(TIERS)):
+        rows = [_evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention)
+                for c in tier_candidates(tier, cfg, spec, shape, batch)]
+        fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.speed.tokens_per_s)
+        losing = sorted((r for r in rows if not r.fits), key=lambda r: r.memory.peak)
+        plan.rows.extend(fitting)
+        if fitting:
+            plan.rows.extend(losing[:3])
+            break
+        plan.rows.extend(losing[:2])
+        log.info("nothing fits with %s; trying %s", TIERS[tier], TIERS[tier + 1] if tier + 1 < len(TIERS) else "-")
+    plan.rows.sort(key=lambda r: (not r.fits, -r.speed.tokens_per_s if r.fits else r.memory.peak))
+    return plan
+
+
+def _evaluate(c: Candidate, tier: int, shape: ModelShape, spec: GpuSpec, seq_len: int, capacity: float,
+              tf32: bool, attention: str) -> Row:
+    mem = memory.estimate(shape, c, seq_len, on_gpu=spec.key != "CPU", attention=attention)
+    spd = speed.estimate(shape, c, seq_len, spec, tf32)
+    fits = mem.fits(capacity)
+    if fits:
+        why = f"{(capacity - mem.reserved()) / 2**30:.1f} GB spare"
+    else:
+        why = f"needs {mem.reserved() / 2**30:.1f} GB of {capacity / 2**30:.1f} GB"
+    if tier:
+        why += f"; {TIERS[tier]} (nothing fits without it)"
+    return Row(c, tier, mem, spd, fits, why)
