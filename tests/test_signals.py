@@ -1,0 +1,95 @@
+"""SIGTERM/SIGINT: finish the micro-batch, checkpoint, exit 0 with the resume command; a second
+signal exits at once. Real `onegpu train` subprocesses (both started together to share the wait)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from onegpu import checkpoint
+from onegpu.cli import main
+from onegpu.report import read_metrics
+
+from test_resume import one_thread, write_data  # noqa: F401
+
+LAUNCH = "import sys; from onegpu.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def train_args(tmp_path, model_dir, name: str) -> list[str]:
+    return ["train", "--model.name", str(model_dir), "--data.path", str(tmp_path / "data.jsonl"),
+            "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
+            "--training.grad_accum", "2", "--training.max_steps", "100000", "--training.eval_every", "0",
+            "--training.log_every", "1", "--training.warmup_steps", "2", "--output.dir", str(tmp_path / "runs"),
+            "--output.name", name, "--output.tensorboard", "false"]
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("signals")
+    write_data(tmp)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    started = {}
+    for name in ("term", "twice"):
+        started[name] = subprocess.Popen([sys.executable, "-c", LAUNCH, *train_args(tmp, tiny_model_dir, name)],
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield tmp, started
+    for p in started.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def wait_training(run_dir, proc, timeout=180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        path = run_dir / "metrics.jsonl"
+        if path.is_file() and any(r["split"] == "train" for r in read_metrics(path) if r.get("step")):
+            return
+        time.sleep(0.05)
+    pytest.fail("training did not start")
+
+
+def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir):
+    tmp, started = procs
+    proc, run_dir = started["term"], tmp / "runs" / "term"
+    wait_training(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM: finishing the current micro-batch" in err
+    m = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved: (\S+)\nresume with: (.+)", out)
+    assert m, out
+    step, ckpt, command = int(m.group(1)), m.group(2), m.group(3)
+    assert command == f"onegpu train --config {run_dir / 'config.yaml'} --output.resume latest"
+    assert checkpoint.verify(ckpt) is None and checkpoint.step_of(ckpt) == step
+    assert not (run_dir / "final").exists()  # a stopped run is not a finished one
+    # the printed command works as is (only the length is shortened for the test)
+    assert main(shlex.split(command)[1:] + ["--training.max_steps", str(step + 2)]) == 0
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["split"] == "train"]
+    assert steps == list(range(1, step + 3))
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_second_sigint_exits_at_once(procs):
+    tmp, started = procs
+    proc, run_dir = started["twice"], tmp / "runs" / "twice"
+    wait_training(run_dir, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-2000:])
+    assert "SIGINT again: exiting now" in err and time.monotonic() - t0 < 30
+    assert "resume with" not in out
+    # whatever it was writing is not a checkpoint anyone will pick
+    for p in checkpoint.list_checkpoints(run_dir):
+        assert checkpoint.verify(p) is None
