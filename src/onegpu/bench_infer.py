@@ -187,6 +187,7 @@ def run_bench(cfg: BenchInferConfig, workdir: Path) -> dict:
         _, tokens = time_generate(lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device)
         s.quality = quality(lm.model, ref.model, ids, ref_tokens, tokens)
         s.weight_mb = weight_bytes(lm.model) / 2**20
+        log.info("warm-up %s done (%.0f MB of weights)", s.name, s.weight_mb)
     for rep in range(cfg.repeats):
         for s in settings:
             lm = loaded[s.name]

@@ -197,10 +197,11 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=_attention(cfg.attention, device, dtype),
                                   trust_remote_code=cfg.trust_remote_code)
     if cfg.quantization in BNB_KINDS:
-        from onegpu.techniques.quantization import bnb_config
+        from onegpu.techniques.quantization import bnb_config, quiet_int8_cast_warning
 
         compute = dtype if cfg.compute_dtype == "auto" else _resolve_dtype(cfg.compute_dtype, device)
         kwargs["quantization_config"] = bnb_config(cfg.quantization, compute, cfg.double_quant, cfg.int8_threshold)
+        quiet_int8_cast_warning()
         if device == "cuda" and not cfg.device_map:
             kwargs["device_map"] = {"": 0}  # bitsandbytes quantizes while placing the weights
     if cfg.device_map:

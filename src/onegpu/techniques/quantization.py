@@ -137,3 +137,26 @@ def _quant_state_bytes(state) -> int:
         elif type(value).__name__ == "QuantState":  # nested state of double quantization
             total += _quant_state_bytes(value)
     return total
+
+
+class _Once:
+    """A logging filter that lets each distinct message template through once."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def filter(self, record) -> bool:
+        if record.msg in self.seen:
+            return False
+        self.seen.add(record.msg)
+        return True
+
+
+def quiet_int8_cast_warning() -> None:
+    """bitsandbytes logs the int8 input cast on every matmul (hundreds per generated token); the
+    first time says all there is to say."""
+    import logging
+
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Once) for f in logger.filters):
+        logger.addFilter(_Once())
