@@ -4,3 +4,35 @@ arch.py (model shapes on the meta device), activations.py (measured activation b
 memory.py (peak memory by component), speed.py (FLOPs over calibrated peak), search.py (candidate
 setups, ranked), probe.py (a few real steps of the best candidates; `train --plan auto`).
 """
+
+from __future__ import annotations
+
+
+def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: int | None = None,
+              batch: int | None = None, memory_gib: float | None = None):
+    """Plan for a config (optionally overriding model, GPU, length and batch).
+
+    Returns (Plan, recommended Config or None when nothing fits).
+    """
+    from onegpu import hardware, models
+    from onegpu.errors import ConfigError
+    from onegpu.plan.arch import cached_shape
+    from onegpu.plan.search import search
+
+    spec = hardware.find_gpu(gpu) if gpu else hardware.spec_from_device(hardware.detect())
+    name = model or models.resolve_name(cfg.model, spec.key != "CPU")
+    seq_len = seq_len or cfg.data.seq_len
+    batch = batch or cfg.training.micro_batch_size * cfg.training.grad_accum
+    if seq_len < 1 or batch < 1:
+        raise ConfigError(f"--seq-len and --batch must be positive, got {seq_len} and {batch}.")
+    shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
+    if shape.max_positions and seq_len > shape.max_positions:
+        raise ConfigError(f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
+                          hint=f"use --seq-len <= {shape.max_positions}")
+    attention = cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "sdpa"
+    plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
+    if plan.best is None:
+        return plan, None
+    rec = plan.best.candidate.apply(cfg)
+    rec.model.name, rec.data.seq_len = name, seq_len
+    return plan, rec

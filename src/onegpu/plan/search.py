@@ -20,7 +20,7 @@ from onegpu.plan.candidate import Candidate
 
 log = logging.getLogger(__name__)
 
-TIERS = ("as configured", "8-bit optimizer state", "LoRA adapters", "QLoRA (4-bit base)", "DeepSpeed CPU offload")
+TIERS = ("as configured", "bf16 weights or 8-bit optimizer state", "LoRA adapters", "QLoRA (4-bit base)", "DeepSpeed CPU offload")
 LORA_RANK = 16
 
 
@@ -67,27 +67,35 @@ def precisions(spec: GpuSpec, requested: str) -> list[str]:
 
 
 def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, batch: int) -> list[Candidate]:
-    on_gpu = spec.key != "CPU"
+    import itertools
+
     t = cfg.techniques
+    on_gpu = spec.key != "CPU"
     chunks = [0] + ([4096] if shape.vocab >= 32000 else [])
     compiles = ["off", "default"] if on_gpu else ["off"]
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
-    opt = {0: t.optimizer, 1: "adamw-8bit"}.get(tier, t.optimizer if tier < 4 else "adamw")
     lora = LORA_RANK if tier in (2, 3) else 0
     quant = "nf4" if tier == 3 else "none"
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else ["none"]
-    if tier == 1 and t.optimizer in memory.STATE_BYTES:
-        return []  # already a quantized optimizer: nothing to gain
     out = []
-    for mb in micro_batches(batch):
-        for prec in precisions(spec, t.precision):
-            for ck in ckpts:
-                for chunk in chunks:
-                    for comp in compiles:
-                        for off in offloads:
-                            out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off,
-                                                 t.checkpointing_every))
+    for mb, (prec, opt), ck, chunk, comp, off in itertools.product(
+            micro_batches(batch), _numerics(tier, spec, t), ckpts, chunks, compiles, offloads):
+        out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off, t.checkpointing_every))
     return out
+
+
+def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str]]:
+    """(precision, optimizer) pairs of a tier. bf16 weights change the numerics (updates below
+    bf16 resolution are lost), so like an 8-bit optimizer they wait for tier 1."""
+    precs = precisions(spec, t.precision)
+    plain = [p for p in precs if p != "bf16-pure" or t.precision == "bf16-pure"]
+    if tier == 0:
+        return [(p, t.optimizer) for p in plain]
+    if tier == 1:
+        pure = [("bf16-pure", t.optimizer)] if "bf16-pure" in precs and t.precision == "auto" else []
+        eight = [] if t.optimizer in memory.STATE_BYTES else [(p, "adamw-8bit") for p in plain]
+        return pure + eight
+    return [(p, t.optimizer if tier < 4 else "adamw") for p in plain]
 
 
 def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: int,

@@ -1,0 +1,97 @@
+"""`onegpu plan MODEL --gpu NAME --seq-len N --batch B`: will it fit, and how fast will it run?"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Sequence
+
+from onegpu.cliargs import make_parser, parse
+from onegpu.config import Config, from_dict, load_yaml, to_dict
+from onegpu.errors import ConfigError, OnegpuError
+
+
+def build_parser():
+    p = make_parser("onegpu plan", "Predict peak memory and tokens/s of training setups for a model on a GPU "
+                    "(detected, or named with --gpu), and print the fastest that fits as a config.")
+    p.add_argument("model", nargs="?", default=None, help="preset name or local model directory (default: from --config)")
+    p.add_argument("--gpu", default=None, help="plan for this GPU (e.g. H100, A100-40GB, T4); 'list' shows the catalog")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: data.seq_len)")
+    p.add_argument("--batch", type=int, default=None, help="effective batch in sequences, kept exactly (default: "
+                   "micro_batch_size x grad_accum)")
+    p.add_argument("--config", default=None, help="YAML training config to start from (onegpu train --config)")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory to plan for instead of the GPU's total")
+    p.add_argument("--top", type=int, default=12, help="rows of the table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table and YAML")
+    p.add_argument("--save", default=None, help="also write the recommended config to this YAML file")
+    return p
+
+
+def cli(argv: Sequence[str]) -> int:
+    _, ns = parse(build_parser(), argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if ns.gpu and ns.gpu.lower() == "list":
+        return _print_catalog()
+    from onegpu.plan import make_plan
+
+    cfg = from_dict(load_yaml(ns.config)) if ns.config else Config()
+    plan, recommended = make_plan(cfg, ns.model, ns.gpu, ns.seq_len, ns.batch, ns.memory_gib)
+    if ns.json:
+        print(json.dumps(plan_json(plan, recommended), indent=1))
+    else:
+        print_plan(plan, recommended, ns.top)
+    if ns.save and recommended is not None:
+        from onegpu.config import save_yaml
+
+        save_yaml(recommended, ns.save)
+        print(f"\nsaved: {ns.save}  (train with: onegpu train --config {ns.save})", file=sys.stderr)
+    if recommended is None:
+        raise OnegpuError(f"no setup of {plan.shape.name} fits in {plan.gpu.memory_gib:.0f} GB at "
+                          f"seq_len={plan.seq_len}, batch={plan.batch}.",
+                          hint="shorten --seq-len, pick a bigger GPU with --gpu, or a smaller model")
+    return 0
+
+
+def print_plan(plan, recommended, top: int) -> None:
+    calibrated = any(r.speed.calibrated for r in plan.rows)
+    tag = "" if calibrated else " (uncalibrated)"
+    shape = plan.shape
+    print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers, vocab {shape.vocab}")
+    print(f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective batch {plan.batch}\n")
+    print(f"{'#':>2}  {'plan':<52} {'peak GB':>8} {'tokens/s' + tag:>24}  why")
+    for i, r in enumerate(plan.rows[:top], 1):
+        mark = "" if r.fits else "x"
+        print(f"{mark or i:>2}  {r.candidate.label():<52} {r.memory.peak / 2**30:>8.2f} "
+              f"{r.speed.tokens_per_s:>24,.0f}  {r.why}")
+    if not calibrated:
+        print("\n(uncalibrated): speeds assume the default efficiency; a probe on this GPU "
+              "(onegpu train --plan auto) measures and stores the real one.")
+    if recommended is not None:
+        import yaml
+
+        print("\n# recommended config (onegpu train --config FILE):")
+        print(yaml.safe_dump(to_dict(recommended), sort_keys=False), end="")
+
+
+def plan_json(plan, recommended) -> dict:
+    rows = [{"plan": r.candidate.label(), "fits": r.fits, "peak_gb": r.memory.peak / 2**30,
+             "reserved_gb": r.memory.reserved() / 2**30, "tokens_per_s": r.speed.tokens_per_s,
+             "calibrated": r.speed.calibrated, "why": r.why,
+             "components_gb": {k: v / 2**30 for k, v in r.memory.components.items()},
+             "micro_batch": r.candidate.micro_batch, "grad_accum": r.candidate.grad_accum}
+            for r in plan.rows]
+    return {"model": plan.shape.name, "params": plan.shape.params, "gpu": plan.gpu.key,
+            "memory_gb": plan.gpu.memory_gib, "seq_len": plan.seq_len, "batch": plan.batch, "rows": rows,
+            "recommended": to_dict(recommended) if recommended is not None else None}
+
+
+def _print_catalog() -> int:
+    from onegpu.hardware import CATALOG
+
+    print(f"{'gpu':<11} {'memory GB':>9} {'fp32':>6} {'tf32':>7} {'bf16':>7} {'fp8':>7} {'GB/s':>6}  name")
+    for g in CATALOG:
+        print(f"{g.key:<11} {g.memory_gib:>9.1f} {g.fp32:>6.1f} {g.tf32:>7.1f} {g.bf16:>7.1f} {g.fp8:>7.1f} "
+              f"{g.bandwidth_gbs:>6.0f}  {g.name}")
+    print("\nTFLOP/s are dense peaks from the vendors' datasheets.")
+    return 0
