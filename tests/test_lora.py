@@ -149,3 +149,31 @@ def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, 
     assert not any("lora" in n for n, _ in merged.named_parameters())
     assert not torch.allclose(adapter_logits, base_logits, atol=1e-4)  # the adapter learned something
     torch.testing.assert_close(_logits(merged, batch), adapter_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """The run assembly passes the QLoRA quantization config to from_pretrained."""
+    import bitsandbytes as bnb
+
+    from onegpu import assemble, hardware
+    from onegpu.config import from_dict
+
+    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"seq_len": 32},
+                     "techniques": {"lora": {"enabled": True, "r": 4, "quantize_base": "nf4"}}})
+    run = assemble.Run(cfg, hardware.detect(), tmp_path, str(tiny_model_dir), "fp32", tokenizer=tiny_tokenizer)
+    assemble.build_model(run)
+    linears = [m for m in run.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) == 2 * len(LINEARS) and all(m.weight.dtype == torch.uint8 for m in linears)
+    assert run.model.peft_config["default"].r == 4
+
+
+def test_missing_peft_raises_unavailable_with_install_hint(monkeypatch, tiny_tokenizer):
+    import sys
+
+    from conftest import make_tiny_llama
+    from onegpu.errors import UnavailableError
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
+    with pytest.raises(UnavailableError) as err:
+        apply_lora(make_tiny_llama(tiny_tokenizer), _tcfg())
+    assert "onegpu[peft]" in err.value.hint
