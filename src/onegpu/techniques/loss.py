@@ -96,7 +96,14 @@ def _run_keeping_hidden(model, batch: dict):
     the autocast state the forward ran under)."""
     captured = _capture_slot(model)
     try:
-        out = model(**model_inputs(batch), logits_to_keep=1)
+        try:
+            out = model(**model_inputs(batch), logits_to_keep=1)
+        except TypeError as exc:  # custom model code without the argument
+            if "logits_to_keep" not in str(exc):
+                raise
+            raise UnavailableError(f"techniques.loss_chunk_size: {type(model).__name__} cannot skip computing "
+                                   "its full logits (no logits_to_keep argument).",
+                                   hint="set techniques.loss_chunk_size=0 for this model") from None
         if "hidden" not in captured:
             raise UnavailableError(f"techniques.loss_chunk_size: cannot reach the final hidden states of "
                                    f"{type(model).__name__}.", hint="set techniques.loss_chunk_size=0 for this model")
