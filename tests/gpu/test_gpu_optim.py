@@ -51,7 +51,8 @@ def test_low_bit_optimizers_on_cuda(name):
     opt = _build(model, name)
     losses = _train(model, opt, x, target)
     assert losses[-1] < 0.8 * losses[0]
-    assert all(v.is_cuda for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    # The moments live on the GPU (torchao keeps its scalar step counter on the host).
+    assert all(v.is_cuda for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step")
     assert state_bytes(opt) < 0.3 * state_bytes(ref)  # 8-bit ~1/4, 4-bit ~1/8 of fp32 Adam state
 
 
