@@ -73,6 +73,10 @@ def train(config: Config | dict | None = None) -> RunResult:
     from onegpu.techniques.precision import resolve_precision
 
     cfg = validate(copy.deepcopy(config) if isinstance(config, Config) else from_dict(config or {}))
+    if cfg.plan == "auto":  # settle the setup by measurement before anything is built for real
+        from onegpu.plan.probe import auto_plan
+
+        cfg = validate(auto_plan(cfg))
     t_start = time.perf_counter()
     assemble.configure_threads()
     device = hardware.detect()

@@ -1,0 +1,171 @@
+"""`onegpu train --plan auto`: plan, then run the best few setups for a few steps on this device,
+keep the fastest that really fits, store the measured efficiency as calibration, and train with it.
+
+A probe builds the data once and, per setup, the model and optimizer through the same assemble
+functions and train_step as training, so what it measures is what training will do.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from onegpu.config import Config
+
+log = logging.getLogger(__name__)
+
+TOP = 3  # setups probed
+WARMUP_STEPS = 1  # first step: allocator growth, optimizer state, compile
+MEASURE_STEPS = 2
+
+
+@dataclass
+class Measured:
+    label: str
+    predicted_tokens_per_s: float
+    predicted_peak_gb: float
+    tokens_per_s: float = 0.0
+    peak_gb: float = 0.0
+    error: str = ""
+
+
+def auto_plan(cfg: Config) -> Config:
+    """Return cfg rewritten to the fastest measured setup (the effective batch unchanged)."""
+    from onegpu import assemble, hardware, models
+    from onegpu.errors import OnegpuError
+    from onegpu.plan.arch import model_shape
+    from onegpu.plan.search import search
+
+    device = hardware.detect()
+    spec = hardware.spec_from_device(device)
+    name = models.resolve_name(cfg.model, device.is_gpu)
+    shared = _shared_data(cfg, device, name)
+    vocab = len(shared.tokenizer) if models.is_preset(name) else cfg.model.vocab_size
+    shape = model_shape(name, vocab, cfg.model.trust_remote_code)
+    batch = cfg.training.micro_batch_size * cfg.training.grad_accum
+    plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30)
+    rows = [r for r in plan.rows if r.fits][:TOP]
+    if not rows:
+        raise OnegpuError(f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "
+                          f"at seq_len={cfg.data.seq_len}, batch={batch}.",
+                          hint="run 'onegpu plan' to see what each setup needs; shorten data.seq_len")
+    results = [probe_one(r, cfg, shared, device) for r in rows]
+    _log_table(results)
+    ok = [(m, r) for m, r in zip(results, rows) if not m.error]
+    if not ok:
+        log.warning("plan: every probe failed; training with the first prediction, %s", rows[0].candidate.label())
+        return rows[0].candidate.apply(cfg)
+    best_m, best_r = max(ok, key=lambda mr: mr[0].tokens_per_s)
+    _calibrate(spec, best_r, best_m, cfg.data.seq_len)
+    log.info("plan: training with %s (%.0f tokens/s measured)", best_m.label, best_m.tokens_per_s)
+    return best_r.candidate.apply(cfg)
+
+
+def _shared_data(cfg: Config, device, name: str):
+    """Tokenizer, datasets and collator, built once for all probes (they do not depend on the setup)."""
+    from onegpu import assemble
+
+    run = assemble.Run(cfg, device, Path(tempfile.gettempdir()), name, "fp32")
+    assemble.build_data(run)
+    return run
+
+
+def probe_one(row, cfg: Config, shared, device) -> Measured:
+    """Run WARMUP_STEPS + MEASURE_STEPS optimizer steps of one setup; tokens/s and peak memory."""
+    import torch
+
+    m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
+    try:
+        m.tokens_per_s, m.peak_gb = _run_steps(row.candidate.apply(cfg), shared, device)
+    except torch.OutOfMemoryError:
+        m.error = "out of memory"
+    except Exception as exc:  # a method unavailable here: skip this setup, keep probing the others
+        m.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
+    finally:
+        _release(device)
+    return m
+
+
+def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
+    import torch
+    from accelerate.utils import set_seed
+
+    from onegpu import assemble, batches
+    from onegpu.techniques.precision import resolve_precision
+    from onegpu.train import train_step
+
+    precision = resolve_precision(cfg.techniques, device)
+    accelerator = assemble.make_accelerator(cfg, device, precision)
+    run = assemble.Run(cfg, device, shared.dir, shared.model_name, precision, tokenizer=shared.tokenizer,
+                       train_ds=shared.train_ds, val_ds=shared.val_ds, collator=shared.collator)
+    set_seed(cfg.training.seed)
+    assemble.build_model(run)
+    assemble.build_optimizer(run)
+    model, optimizer = accelerator.prepare(run.model, run.optimizer)
+    t = cfg.training
+    order = batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed)
+    loader = iter(batches.make_loader(run.train_ds, order, run.collator, cfg.data, device.is_gpu))
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tokens, t0 = 0, 0.0
+    for step in range(WARMUP_STEPS + MEASURE_STEPS):
+        if step == WARMUP_STEPS:
+            _sync(device)
+            tokens, t0 = 0, time.perf_counter()
+        micro = [next(loader) for _ in range(t.grad_accum)]
+        loss, real = train_step(model, optimizer, micro, accelerator, t.max_grad_norm, loss_fn=run.loss_fn)
+        tokens += real
+    float(loss)  # wait for the device
+    elapsed = time.perf_counter() - t0
+    return tokens / max(elapsed, 1e-9), _peak_gb(device)
+
+
+def _peak_gb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    from onegpu.train import device_memory_gb
+
+    return device_memory_gb(device)  # CPU: the process's resident memory, a coarse figure
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release(device) -> None:
+    """Free the probe's model and optimizer, and let the next Accelerator start fresh."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _calibrate(spec, row, measured: Measured, seq_len: int) -> None:
+    """Store measured / peak FLOP/s as this GPU's efficiency, for later plans."""
+    from onegpu.plan import speed
+
+    c = row.candidate
+    eff = measured.tokens_per_s * row.speed.flops_per_token / (spec.peak_tflops(c.precision) * 1e12)
+    speed.save_calibration(spec.key, c.precision, eff, c.micro_batch * seq_len)
+    log.info("plan: calibrated %s %s efficiency %.3f", spec.key, c.precision, eff)
+
+
+def _log_table(results: list[Measured]) -> None:
+    log.info("plan: probed setups, predicted vs measured")
+    log.info(f"  {'setup':<44} {'pred tok/s':>12} {'meas tok/s':>12} {'pred GB':>8} {'meas GB':>8}")
+    for m in results:
+        meas = f"{m.tokens_per_s:>12,.0f} {m.predicted_peak_gb:>8.2f} {m.peak_gb:>8.2f}"
+        log.info(f"  {m.label:<44} {m.predicted_tokens_per_s:>12,.0f} " + (meas if not m.error else f"failed: {m.error}"))
