@@ -72,9 +72,10 @@ def apply_lora(model, tcfg: TechniquesConfig):
         # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing grads.
         model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()
-    log.info("%s: %s adapters (r=%d) on %s; %d of %d parameters train (%.2f%%)",
-             "DoRA" if lcfg.dora else "LoRA", "QLoRA " + lcfg.quantize_base if is_quantized(model) else "fp",
-             lcfg.r, targets, trainable, total, 100 * trainable / max(total, 1))
+    log.info("%s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
+             "DoRA" if lcfg.dora else "LoRA", lcfg.r, targets,
+             "n " + lcfg.quantize_base if is_quantized(model) else " full-precision",
+             trainable, total, 100 * trainable / max(total, 1))
     return model
 
 
