@@ -11,7 +11,7 @@ import copy
 import logging
 from pathlib import Path
 
-from onegpu.config import LoraConfig, ModelConfig, TechniquesConfig
+from onegpu.config import ModelConfig, TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
 
 log = logging.getLogger(__name__)
