@@ -8,8 +8,9 @@
 (full fine-tuning, LoRA, QLoRA, and the rest), then padded vs packed (padding-free) chat data,
 with LoRA and QLoRA, on a chat set written from the standard library's docstrings.
 
---snapshot measures the last commit (`git archive HEAD`), so edits made in the checkout while a
-long sweep runs cannot change the code half-way through; the results record that commit.
+--snapshot runs every arm from a copy of src/ taken at the start, so edits made in the checkout
+while a long sweep runs cannot change the code half-way through; the results record the commit
+(marked "+local" when the copy had uncommitted edits).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -56,10 +58,11 @@ def chat_data(path: Path, limit: int = 20000) -> Path:
 
 
 def snapshot_env(tmp: str) -> dict:
-    """PYTHONPATH pointing at `git archive HEAD` of src/, and the commit for the results."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "archive", "HEAD", "src"], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    """PYTHONPATH pointing at a copy of src/ taken now, and the commit it was taken from (with
+    "+local" when the checkout had uncommitted edits) for the results."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "HEAD") + ("+local" if git("status", "--porcelain", "--untracked-files=no", "src") else "")
+    shutil.copytree(ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     return {**os.environ, "PYTHONPATH": str(Path(tmp) / "src"), "ONEGPU_BENCH_COMMIT": commit}
 
 

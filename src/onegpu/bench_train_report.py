@@ -50,13 +50,14 @@ def versions() -> dict:
 
 
 def code_version() -> dict:
-    """The commit measured: benchmarks/bench_train.py --snapshot runs from `git archive` of it and
-    says so in ONEGPU_BENCH_COMMIT; otherwise the checkout's HEAD and whether it had local edits."""
+    """The commit measured: benchmarks/bench_train.py --snapshot names it in ONEGPU_BENCH_COMMIT
+    ("+local": with uncommitted edits); otherwise the checkout's HEAD and whether it had local edits."""
     import os
     import subprocess
 
     if os.environ.get("ONEGPU_BENCH_COMMIT"):
-        return {"commit": os.environ["ONEGPU_BENCH_COMMIT"], "local_changes": False}
+        commit = os.environ["ONEGPU_BENCH_COMMIT"]
+        return {"commit": commit.removesuffix("+local"), "local_changes": commit.endswith("+local")}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
