@@ -98,10 +98,12 @@ def _messages(batch, tok, cfg):
 
 def _check_messages(conv) -> None:
     if not isinstance(conv, list) or not conv:
-        raise DataError("each 'messages' value must be a non-empty list of {role, content} objects.")
+        raise DataError("each 'messages' value must be a non-empty list of {role, content} objects.",
+                        hint='e.g. [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]')
     for m in conv:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"malformed chat message {m!r}: needs 'role' and 'content'.")
+            raise DataError(f"malformed chat message {m!r}: needs 'role' and 'content'.",
+                            hint='write each message as {"role": "user", "content": "..."}')
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise DataError(f"unknown chat role '{m['role']}'.", hint="use system, user, assistant or tool")
 

@@ -216,9 +216,11 @@ def validate(cfg: Config) -> Config:
         if _get(flat, key) < 0:
             raise ConfigError(f"{key} must not be negative, got {_get(flat, key)}.", hint=f"set {key} >= 0")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.")
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.",
+                          hint="set data.val_fraction to e.g. 0.05 (0 = no validation)")
     if not 0.0 <= cfg.training.min_lr_ratio <= 1.0:
-        raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {cfg.training.min_lr_ratio}.")
+        raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {cfg.training.min_lr_ratio}.",
+                          hint="set training.min_lr_ratio to e.g. 0.1")
     _check_conflicts(cfg)
     return cfg
 
@@ -281,11 +283,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return _coerce(value, next(a for a in args if a is not type(None)), where)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}.")
+            raise ConfigError(f"{where} must be true or false, got {value!r}.", hint=f"set {where} to true or false")
         return value
     if tp in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (tp is int and value != int(value)):
-            raise ConfigError(f"{where} must be {'an integer' if tp is int else 'a number'}, got {value!r}.")
+            raise ConfigError(f"{where} must be {'an integer' if tp is int else 'a number'}, got {value!r}.",
+                              hint=f"write {where} as a plain number, without quotes")
         return tp(value)
     if tp is str and not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {value!r}.")
@@ -301,9 +304,11 @@ def load_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)}).") from None
+        raise ConfigError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)}).",
+                          hint="check the indentation and brackets at that line") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, training, ...).")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, training, ...).",
+                          hint="start the file with a section, e.g. 'training:' then indented keys")
     return data
 
 

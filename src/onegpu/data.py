@@ -131,7 +131,8 @@ def check_file(path: str) -> None:
                 raise DataError(f"{path}:{n}: malformed JSON ({exc.msg} at column {exc.colno}).",
                                 hint="fix or remove that line; each line must be one JSON object") from None
             if not isinstance(rec, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.")
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.",
+                                hint='make each line one object, e.g. {"text": "..."}')
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -93,12 +93,13 @@ def train(config: Config | dict | None = None) -> RunResult:
     assemble.build_model(run)
     run.model = distributed.apply_fsdp2(run.model, cfg, precision, accelerator)  # before the optimizer sees the params
     assemble.build_optimizer(run)
+    batches.BatchOrder(len(run.train_ds), cfg.training.micro_batch_size, cfg.training.seed)  # enough examples?
     assemble.check_disk(run)
     assemble.create_run_dir(run_dir, accelerator.is_main_process)
-    if accelerator.is_main_process:
-        assemble.save_config(run)
     run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
     state = resume(run, accelerator, resume_from) if resume_from else None
+    if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
+        assemble.save_config(run)
     metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process)
     try:
         state = fit(run, accelerator, metrics, state)
