@@ -183,8 +183,17 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
 
     from onegpu.techniques.precision import accelerate_mixed_precision, enable_loss_scaling
 
-    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(precision), cpu=device.type == "cpu")
-    enable_loss_scaling(accelerator, precision)  # fp16 on CPU: Accelerate creates no scaler there
+    from onegpu import distributed
+
+    # Several processes or offload: the DeepSpeed / FSDP2 plugin (and its precision) from our config.
+    engine = distributed.accelerator_kwargs(cfg, precision, device.type == "cuda")
+    # Accelerate's cpu=True would switch DeepSpeed off; DS_ACCELERATOR=cpu already keeps it on the CPU.
+    cpu = device.type == "cpu" and "deepspeed_plugin" not in engine
+    kwargs = {"mixed_precision": accelerate_mixed_precision(precision), "cpu": cpu, **engine}
+    accelerator = Accelerator(**kwargs)
+    distributed.fix_cpu_deepspeed_state(accelerator)
+    if "deepspeed_plugin" not in engine:  # DeepSpeed scales fp16 losses itself
+        enable_loss_scaling(accelerator, precision)  # fp16 on CPU: Accelerate creates no scaler there
     return accelerator
 
 
@@ -193,8 +202,15 @@ def build_optimizer(run: Run) -> None:
 
     from onegpu.techniques.optimizers import build_optimizer as make
 
+    from onegpu.techniques import offload
+
     t = run.cfg.training
-    run.optimizer = make(run.model, run.cfg.techniques, t)
+    if offload.use_cpu_adam(run.cfg, run.device.is_gpu):  # offloaded state: DeepSpeed's vectorised CPU Adam
+        from onegpu.techniques.optimizers import BETAS, param_groups
+
+        run.optimizer = offload.cpu_adam(param_groups(run.model, t.weight_decay), t.lr, BETAS)
+    else:
+        run.optimizer = make(run.model, run.cfg.techniques, t)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda=lr_schedule(t))
 
 

@@ -173,12 +173,16 @@ class BatchOrder:
     back as `start`, so the data position is exact whatever the prefetching.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True):
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True,
+                 rank: int = 0, world: int = 1):
         if n < batch_size:
             raise DataError(f"only {n} training examples for a micro-batch of {batch_size}.",
                             hint="lower training.micro_batch_size or data.seq_len, or add data")
         self.n, self.bs, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
         self.per_epoch = n // batch_size  # drop the ragged tail: every micro-batch has the same size
+        # Several processes share one global order round-robin (process r takes micro-batches
+        # r, r+world, ...): together they see exactly the one-process batches. `start` is global.
+        self.rank, self.world = rank, world
 
     def __iter__(self) -> Iterator[list[int]]:
         import torch
@@ -191,7 +195,8 @@ class BatchOrder:
             else:
                 order = list(range(self.n))
             for b in range(offset, self.per_epoch):
-                yield order[b * self.bs: (b + 1) * self.bs]
+                if (epoch * self.per_epoch + b) % self.world == self.rank:
+                    yield order[b * self.bs: (b + 1) * self.bs]
             epoch, offset = epoch + 1, 0
 
     def __len__(self) -> int:  # DataLoader asks; the order is endless

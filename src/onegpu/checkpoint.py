@@ -144,6 +144,15 @@ def clean_stale(run_dir: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def discard_all(run_dir: Path) -> int:
+    """Remove every checkpoint of an earlier run (output.overwrite): "latest" must never find one."""
+    old = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir()]
+    for p in old:
+        shutil.rmtree(p)
+    clean_stale(run_dir)
+    return len(old)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -341,8 +350,8 @@ def load_model_weights(model_dir: Path, model) -> None:
 # The same checkpoint layout as one process. FSDP2 states are gathered into full tensors, the
 # optimizer state renumbered like torch's own state_dict(): such a checkpoint resumes on any number
 # of processes, one included. DeepSpeed keeps its own per-process files in ``engine/`` (its
-# optimizer partitions; ZeRO-1/2 are saved "elastic", so they load on a different process count),
-# next to full 16-bit weights in ``model/``.
+# optimizer partitions, which load only on the process count that wrote them), next to full
+# weights in ``model/`` (a new run can start from those on any count).
 ENGINE_DIR = "engine"
 ENGINE_TAG = "zero"
 
@@ -403,11 +412,14 @@ def _load_engine(path: Path, model) -> None:
     if not (path / ENGINE_DIR).is_dir():
         raise ConfigError(f"checkpoint {path} was not written by DeepSpeed, so it has no optimizer partitions.",
                           hint="resume it without techniques.offload / distributed.strategy=deepspeed")
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
     try:
         loaded, _ = model.load_checkpoint(str(path / ENGINE_DIR), tag=ENGINE_TAG, load_lr_scheduler_states=False)
-    except (AssertionError, RuntimeError, ValueError) as exc:
+    except (AssertionError, RuntimeError, ValueError, ZeRORuntimeException) as exc:
         raise ConfigError(f"DeepSpeed cannot load {path}: {str(exc).splitlines()[0]}",
-                          hint="resume ZeRO-3 checkpoints with the process count that wrote them") from None
+                          hint="resume with the number of processes that wrote it (DeepSpeed cannot re-partition "
+                               f"optimizer state), or start a new run from its weights: --model.name {path}/model") from None
     if loaded is None:
         raise ConfigError(f"DeepSpeed found no checkpoint in {path / ENGINE_DIR}.", hint="resume from another checkpoint")
 

@@ -181,12 +181,31 @@ class OutputConfig:
 
 
 @dataclass
+class DistributedConfig:
+    strategy: Literal["auto", "ddp", "fsdp2", "deepspeed"] = "auto"
+    """How processes share the work when launched with torchrun/accelerate launch. auto: DeepSpeed
+    when techniques.offload is set, otherwise DDP (a single process needs none of them)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (1-3) for strategy=deepspeed without offload; each offload mode implies
+    its own stage (zero2-cpu: 2, zero3-*: 3)."""
+    fsdp_sharding: Literal["full", "hybrid"] = "full"
+    """FSDP2: full = shard weights, gradients and optimizer state over all processes; hybrid = shard
+    within a node and replicate across nodes (less inter-node traffic)."""
+    keep_global_batch: bool = True
+    """Keep the single-process effective batch when the process count changes: each of N processes
+    accumulates training.grad_accum / N micro-batches (must divide). false: training.grad_accum is
+    per process and the global batch grows with N."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"
     """auto: predict memory and speed of candidate setups, probe the best few on this device, and
     train with the fastest that fits (keeping the effective batch)."""
@@ -221,6 +240,9 @@ def validate(cfg: Config) -> Config:
     if not 0.0 <= cfg.training.min_lr_ratio <= 1.0:
         raise ConfigError(f"training.min_lr_ratio must be in [0, 1], got {cfg.training.min_lr_ratio}.",
                           hint="set training.min_lr_ratio to e.g. 0.1")
+    if cfg.distributed.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {cfg.distributed.zero_stage}.",
+                          hint="set distributed.zero_stage to 1, 2 or 3")
     _check_conflicts(cfg)
     return cfg
 

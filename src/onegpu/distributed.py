@@ -180,6 +180,22 @@ def hybrid_mesh(world: int, local_world: int) -> tuple[int, int]:
     return world // local_world, local_world
 
 
+def fix_cpu_deepspeed_state(accelerator) -> None:
+    """Accelerate counts processes only for GPU-type backends, so DeepSpeed on CPU processes (gloo,
+    our multi-process tests) would see itself as process 0 of 1 while DeepSpeed's own process group
+    spans them all. Align Accelerate's bookkeeping with that group; nothing else changes."""
+    import torch.distributed as dist
+
+    if not (is_deepspeed(accelerator) and dist.is_initialized()) or accelerator.num_processes == dist.get_world_size():
+        return
+    from accelerate.state import AcceleratorState, PartialState
+
+    fix = {"num_processes": dist.get_world_size(), "process_index": dist.get_rank(),
+           "local_process_index": int(os.environ.get("LOCAL_RANK", "0"))}
+    PartialState._shared_state.update(fix)
+    AcceleratorState._shared_state.update(fix)
+
+
 # ------------------------------------------------------------------------------- inside the step
 def is_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType

@@ -94,9 +94,6 @@ def ds_config(cfg: Config, precision: str, world_size: int, local_accum: int, on
         "steps_per_print": 2**31 - 1,  # the loop logs; DeepSpeed stays quiet
         "wall_clock_breakdown": False,
     }
-    if stage <= 2:
-        # Optimizer state saved in a layout that loads on any number of processes.
-        zero["elastic_checkpoint"] = True
     return ds
 
 

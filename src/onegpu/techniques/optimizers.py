@@ -30,7 +30,9 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        # Under ZeRO-3 a parameter is an empty local shard; ds_shape is its real shape.
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
