@@ -151,4 +151,5 @@ def cpu_adam(groups, lr: float, betas: tuple[float, float]):
     """DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, like torch.optim.AdamW)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    log.info("optimizer: DeepSpeedCPUAdam (AdamW mode) on the offloaded state")
     return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
