@@ -125,9 +125,14 @@ def _evaluate(c: Candidate, tier: int, shape: ModelShape, spec: GpuSpec, seq_len
     spd = speed.estimate(shape, c, seq_len, spec, tf32)
     fits = mem.fits(capacity)
     if fits:
-        why = f"{(capacity - mem.reserved()) / 2**30:.1f} GB spare"
+        why = f"{_gb(capacity - mem.reserved())} GB spare"
     else:
-        why = f"needs {mem.reserved() / 2**30:.1f} GB of {capacity / 2**30:.1f} GB"
+        why = f"needs {_gb(mem.reserved())} GB of {_gb(capacity)} GB"
     if tier:
         why += f"; {TIERS[tier]} (nothing fits without it)"
     return Row(c, tier, mem, spd, fits, why)
+
+
+def _gb(nbytes: float) -> str:
+    gib = nbytes / 2**30
+    return f"{gib:.1f}" if gib >= 10 else f"{gib:.2f}"

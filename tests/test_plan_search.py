@@ -1,0 +1,99 @@
+"""Search keeps the effective batch, escalates only when needed, ranks by speed; the CLI prints a
+table and a config that `onegpu train --config` loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onegpu.cli import main
+from onegpu.config import Config, from_dict, load_yaml
+from onegpu.hardware import find_gpu
+from onegpu.plan import make_plan, speed
+from onegpu.plan.arch import model_shape
+from onegpu.plan.candidate import Candidate
+from onegpu.plan.search import micro_batches, search
+
+
+@pytest.mark.parametrize("target", [1, 6, 16, 24, 64, 100])
+def test_micro_batches_divide_the_effective_batch(target):
+    mbs = micro_batches(target)
+    assert mbs and all(target % mb == 0 for mb in mbs)
+    if target % 8 == 0:
+        assert all(mb % 8 == 0 or mb in (1, 2, 4) for mb in mbs)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return search(Config(), find_gpu("T4"), model_shape("tiny"), 256, 32)
+
+
+def test_search_keeps_the_effective_batch_and_ranks_by_speed(tiny_plan):
+    fitting = [r for r in tiny_plan.rows if r.fits]
+    assert fitting and tiny_plan.best is fitting[0]
+    assert all(r.candidate.effective_batch == 32 for r in tiny_plan.rows)
+    speeds = [r.speed.tokens_per_s for r in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(r.candidate.precision == "fp16" for r in fitting)  # T4: no bf16
+    assert all(r.tier == 0 for r in fitting)  # a tiny model needs no memory savers
+
+
+def test_search_escalates_when_nothing_fits():
+    plan = search(Config(), find_gpu("T4"), model_shape("tiny"), 256, 32, capacity_gib=0.62)
+    best = plan.best
+    assert best is not None and best.tier > 0 and best.memory.reserved() <= 0.62 * 2**30
+    assert best.candidate.effective_batch == 32
+    assert any(not r.fits and r.tier < best.tier for r in plan.rows)  # what did not fit is shown too
+
+
+def test_speed_model_counts_recompute_and_lora():
+    shape = model_shape("tiny")
+    plain, ckpt = Candidate(8, 1, "bf16"), Candidate(8, 1, "bf16", "full")
+    lora = Candidate(8, 1, "bf16", lora_rank=8)
+    f = speed.flops_per_token
+    assert f(shape, ckpt, 256) > f(shape, plain, 256) > f(shape, lora, 256)
+    assert f(shape, plain, 256) == pytest.approx(6 * shape.active_params + 12 * shape.layers * shape.hidden * 256)
+
+
+def test_calibration_is_used_once_measured():
+    spec = find_gpu("A10G")
+    shape, c = model_shape("tiny"), Candidate(16, 1, "bf16")
+    before = speed.estimate(shape, c, 256, spec)
+    assert not before.calibrated and before.efficiency < speed.DEFAULT_EFFICIENCY
+    speed.save_calibration("A10G", "bf16", 0.2, 16 * 256)
+    after = speed.estimate(shape, c, 256, spec)
+    assert after.calibrated and after.efficiency == pytest.approx(0.2)
+    assert after.tokens_per_s < before.tokens_per_s
+
+
+def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
+    out = tmp_path / "rec.yaml"
+    assert main(["plan", "tiny", "--gpu", "T4", "--seq-len", "256", "--batch", "32", "--json",
+                 "--save", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"] == "T4" and data["rows"][0]["fits"]
+    rec = data["recommended"]
+    assert rec["training"]["micro_batch_size"] * rec["training"]["grad_accum"] == 32
+    cfg = from_dict(load_yaml(out))  # what `onegpu train --config` does first
+    assert cfg.data.seq_len == 256 and cfg.model.name == "tiny" and cfg.plan == "off"
+
+
+def test_plan_cli_table(capsys):
+    assert main(["plan", "tiny", "--gpu", "t4", "--seq-len", "256", "--batch", "32", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "peak GB" in text and "(uncalibrated)" in text and "micro_batch_size:" in text
+
+
+def test_plan_cli_errors_name_the_fix(capsys):
+    assert main(["plan", "tiny", "--gpu", "h10"]) == 2
+    assert "did you mean 'H100'" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--gpu", "T4", "--seq-len", "4096"]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+
+
+def test_recommended_config_applies_the_setup():
+    plan, rec = make_plan(Config(), "tiny", "H100", 256, 64)
+    c = plan.best.candidate
+    assert (rec.training.micro_batch_size, rec.training.grad_accum) == (c.micro_batch, c.grad_accum)
+    assert rec.techniques.precision == c.precision and rec.techniques.checkpointing == c.checkpointing
