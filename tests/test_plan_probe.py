@@ -1,0 +1,64 @@
+"""`train --plan auto` on CPU: probes the predicted best setups, trains with the fastest measured,
+keeps the effective batch, and stores the measured efficiency for later plans."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+
+from onegpu.config import from_dict
+from onegpu.plan import probe, speed
+
+
+def _cfg(tiny_model_dir, text_file, tmp_path, **training):
+    t = {"micro_batch_size": 4, "grad_accum": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
+         "log_every": 1, "warmup_steps": 0}
+    t.update(training)
+    return from_dict({"model": {"name": str(tiny_model_dir)},
+                      "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
+                      "training": t, "output": {"dir": str(tmp_path / "runs"), "tensorboard": False},
+                      "plan": "auto"})
+
+
+def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path, caplog):
+    from onegpu.train import train
+
+    caplog.set_level(logging.INFO, logger="onegpu.plan.probe")
+    result = train(_cfg(tiny_model_dir, text_file, tmp_path))
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    t = saved["training"]
+    assert t["micro_batch_size"] * t["grad_accum"] == 8  # the effective batch survives the plan
+    assert saved["plan"] == "off" and result.state.step == 2
+    text = caplog.text
+    assert "predicted vs measured" in text and "training with" in text
+    calib = json.loads(speed.calibration_path().read_text())
+    assert 0 < calib["CPU"]["fp32"]["efficiency"] < 5  # measured, not a default
+    assert speed.base_efficiency(speed_spec(), "fp32")[1]  # later plans use it
+
+
+def speed_spec():
+    from onegpu import hardware
+
+    return hardware.spec_from_device(hardware.detect())
+
+
+def test_auto_plan_skips_setups_that_fail(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cfg, shared, device):
+        calls.append((cfg.training.micro_batch_size, cfg.training.grad_accum))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("probe OOM")
+        return 100.0 * len(calls), 0.1
+
+    monkeypatch.setattr(probe, "_run_steps", fake_run)
+    cfg = _cfg(tiny_model_dir, text_file, tmp_path, micro_batch_size=8, grad_accum=2)
+    out = probe.auto_plan(cfg)
+    assert len(calls) == probe.TOP  # the top predictions are all probed
+    chosen = (out.training.micro_batch_size, out.training.grad_accum)
+    assert chosen == calls[-1] and chosen != calls[0]  # fastest measured among those that ran
+    assert out.training.micro_batch_size * out.training.grad_accum == 16 and out.plan == "off"
