@@ -51,8 +51,7 @@ def _real_model(config, mode: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
-    acts.set_checkpointing(model, mode)
-    return model
+    return acts.prepare_like_training(model, mode)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

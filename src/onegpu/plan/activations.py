@@ -137,13 +137,19 @@ def retained_after_forward(model, batch: dict, loss_fn, autocast_dtype=None, ski
     return alive
 
 
-def set_checkpointing(model, mode: str, every: int = 2) -> None:
-    """Checkpointing as training applies it (non-reentrant; offload keeps inputs on the host)."""
-    if mode == "off":
-        return
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                          every_n_layers=every if mode == "every-n" else 1,
-                                          offload=mode == "offload")
+def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0):
+    """The methods training applies that change what forward keeps (techniques.prepare_model's
+    order, without compile): the MoE router loss, LoRA adapters, then checkpointing."""
+    from onegpu.config import LoraConfig, TechniquesConfig
+    from onegpu.techniques.checkpointing import apply_checkpointing
+    from onegpu.techniques.lora import apply_lora
+    from onegpu.techniques.loss import enable_router_aux_loss
+
+    tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every,
+                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16))
+    enable_router_aux_loss(model)
+    model = apply_lora(model, tcfg)
+    return apply_checkpointing(model, tcfg, "cpu")
 
 
 def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,
@@ -169,8 +175,7 @@ def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_
 def _fit(config, layers: int, mode: str, precision: str, lora_rank: int, chunk_size: int, attention: str) -> Fit:
     import numpy as np
 
-    model = build_probe_model(config, layers, precision, lora_rank, attention)
-    set_checkpointing(model, mode)
+    model = build_probe_model(config, layers, precision, lora_rank, attention, mode)
     rows, ys = [], []
     for b, s in POINTS:
         rows.append([b * s, b * s * s, b, s, 1.0])
@@ -195,8 +200,10 @@ def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, sk
     return retained_after_forward(model, data, functools.partial(loss_sum, chunk_size=chunk_size), amp, skip_matmul)
 
 
-def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: int = 0, attention: str = "sdpa"):
-    """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised."""
+def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: int = 0, attention: str = "sdpa",
+                      mode: str = "off"):
+    """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised,
+    prepared as training prepares it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -209,11 +216,7 @@ def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: i
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention)
     model = model.to_empty(device="cpu")  # never written: untouched pages cost no RAM
     model.train()
-    if lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
-        model.enable_input_require_grads()
+    model = prepare_like_training(model, mode, 2, lora_rank)
     # The chunked loss checks once, by value, that it reproduces the model's logits; these weights
     # are uninitialised and the matmuls skipped, so only shapes are meaningful here.
     model._onegpu_head_verified = True
