@@ -215,6 +215,22 @@ def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference
     _assert_same(_losses(base, "fsdp2-to-1"), reference, [3, 4])
 
 
+def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_dir):
+    """Hybrid sharding builds a 2-D (replicate, shard) mesh; the bf16 policy computes in bf16 while
+    the sharded master weights stay fp32."""
+    script = Path(__file__).parent / "dist_scripts" / "fsdp2_check.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(distributed._free_port()), str(script), str(tiny_model_dir), "hybrid", "bf16"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    info = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert info["mesh_names"] == ["replicate", "shard"] and info["mesh_shape"] == [1, 2]
+    assert info["local_rows"] * 2 == info["full_rows"]  # each process holds half of every weight
+    assert info["master_dtype"] == "torch.float32" and info["logits_dtype"] == "torch.bfloat16"
+
+
 @pytest.mark.slow
 def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     _launch(tmp_path, [_cfg(base, "zero2", distributed={"strategy": "deepspeed", "zero_stage": 2})])
