@@ -99,7 +99,8 @@ def _free_port() -> int:
 
 
 def accelerator_kwargs(cfg: Config, precision: str, on_gpu: bool) -> dict:
-    """Extra Accelerator(...) arguments: the DeepSpeed or FSDP2 plugin, when the run uses one."""
+    """Extra Accelerator(...) arguments: DeepSpeed's plugin and precision when the run uses it.
+    (FSDP2 needs none: apply_fsdp2 shards the model with torch directly.)"""
     engine = strategy(cfg)
     local_accum(global_accum(cfg))  # a batch that cannot split fails now, not after loading the model
     if engine == "deepspeed":
