@@ -8,7 +8,6 @@ all inputs were checked, so no case may create it (and an existing one stays unt
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from collections import namedtuple
 
@@ -17,7 +16,7 @@ import pytest
 from onegpu import hardware
 from onegpu.cli import main
 
-from test_resume import one_thread, write_data  # noqa: F401
+from test_resume import fresh_logging, one_thread, write_data  # noqa: F401
 
 Case = namedtuple("Case", "id args expect patch", defaults=(None,))
 
@@ -151,14 +150,8 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def fresh_logging():
-    """The CLI's logging.basicConfig binds to the stderr of the test that ran first; unbind it."""
-    root = logging.getLogger()
-    before = list(root.handlers)
+def _logging(fresh_logging):
     yield
-    for handler in root.handlers[:]:
-        if handler not in before:
-            root.removeHandler(handler)
 
 
 def base_args(tmp, model_dir) -> list[str]:

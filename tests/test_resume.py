@@ -30,6 +30,19 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def fresh_logging():
+    """The CLI's logging.basicConfig binds a handler to the stderr of whichever test called it
+    first; later tests would log into that closed stream. Hide such handlers for the test."""
+    import logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [h for h in saved if type(h) is not logging.StreamHandler]
+    yield
+    root.handlers = saved
+
+
 def write_data(tmp_path, n: int = 60):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(n)))
@@ -175,3 +188,15 @@ def _lora_landed() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_overwrite_discards_the_old_runs_checkpoints(tmp_path, tiny_model_dir):
+    """Otherwise a later `resume latest` would continue the old run's newer checkpoint."""
+    from onegpu import checkpoint
+
+    train(make_cfg(tmp_path, tiny_model_dir, max_steps=4, save_every=2, eval_every=0))
+    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=1, eval_every=0)
+    cfg["output"]["overwrite"] = True
+    r = train(cfg)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(r.run_dir)] == [1]
+    assert max(x[1] for x in losses(r.run_dir)) == 1

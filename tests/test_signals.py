@@ -17,7 +17,7 @@ from onegpu import checkpoint
 from onegpu.cli import main
 from onegpu.report import read_metrics
 
-from test_resume import one_thread, write_data  # noqa: F401
+from test_resume import fresh_logging, one_thread, write_data  # noqa: F401
 
 LAUNCH = "import sys; from onegpu.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -37,8 +37,10 @@ def procs(tmp_path_factory, tiny_model_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     started = {}
     for name in ("term", "twice"):
+        # output to files: the test reads stderr while the process still runs
+        out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
         started[name] = subprocess.Popen([sys.executable, "-c", LAUNCH, *train_args(tmp, tiny_model_dir, name)],
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                         env=env, stdout=out, stderr=err, text=True)
     yield tmp, started
     for p in started.values():
         if p.poll() is None:
@@ -46,10 +48,22 @@ def procs(tmp_path_factory, tiny_model_dir):
             p.wait()
 
 
+def finish(tmp, name, proc, timeout=120) -> tuple[str, str]:
+    proc.wait(timeout=timeout)
+    return (tmp / f"{name}.out").read_text(), (tmp / f"{name}.err").read_text()
+
+
+def wait_for(path, text: str, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert time.monotonic() < deadline, f"no '{text}' in {path}"
+        time.sleep(0.005)
+
+
 def wait_training(run_dir, proc, timeout=180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert proc.poll() is None, (run_dir.parent.parent / f"{run_dir.name}.err").read_text()[-2000:]
         path = run_dir / "metrics.jsonl"
         if path.is_file() and any(r["split"] == "train" for r in read_metrics(path) if r.get("step")):
             return
@@ -57,12 +71,12 @@ def wait_training(run_dir, proc, timeout=180.0) -> None:
     pytest.fail("training did not start")
 
 
-def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir):
+def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir, fresh_logging):
     tmp, started = procs
     proc, run_dir = started["term"], tmp / "runs" / "term"
     wait_training(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = finish(tmp, "term", proc)
     assert proc.returncode == 0, err[-2000:]
     assert "SIGTERM: finishing the current micro-batch" in err
     m = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved: (\S+)\nresume with: (.+)", out)
@@ -83,10 +97,11 @@ def test_second_sigint_exits_at_once(procs):
     proc, run_dir = started["twice"], tmp / "runs" / "twice"
     wait_training(run_dir, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.01)
+    # Python coalesces two signals that arrive before its handler runs: wait for the first to land
+    wait_for(tmp / "twice.err", "SIGINT: finishing the current micro-batch")
     proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    out, err = finish(tmp, "twice", proc, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-2000:])
     assert "SIGINT again: exiting now" in err and time.monotonic() - t0 < 30
     assert "resume with" not in out

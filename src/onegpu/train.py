@@ -98,6 +98,8 @@ def train(config: Config | dict | None = None) -> RunResult:
     assemble.create_run_dir(run_dir, accelerator.is_main_process)
     run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
     state = resume(run, accelerator, resume_from) if resume_from else None
+    if resume_from is None and accelerator.is_main_process:
+        _start_fresh(run_dir)
     if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
         assemble.save_config(run)
     metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process)
@@ -161,6 +163,16 @@ def _trim_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _start_fresh(run_dir: Path) -> None:
+    """A new run in a used directory (output.overwrite): drop the old run's checkpoints and metrics
+    so that neither a later resume nor the log mixes the two runs."""
+    n = checkpoint.discard_all(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if n or metrics.exists():
+        log.info("overwriting %s: removed %d old checkpoint(s) and its metrics", run_dir, n)
+        metrics.unlink(missing_ok=True)
 
 
 def _stopped(run, state: TrainState, wall: float) -> RunResult:
