@@ -77,6 +77,13 @@ def _cuda(what: str):
     return lambda dev, b, fmt: None if dev.type == "cuda" else f"{what} needs a CUDA GPU"
 
 
+FP16_CPU = "fp16 math is emulated on a CPU (many times slower than fp32); measured on CUDA GPUs only"
+
+
+def _cuda_only(reason: str):
+    return lambda dev, b, fmt: None if dev.type == "cuda" else reason
+
+
 def _ampere(what: str):
     return lambda dev, b, fmt: None if dev.bf16 else f"{what} needs an Ampere-or-newer CUDA GPU"
 
@@ -116,7 +123,7 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
             {"training.micro_batch_size": small, "training.grad_accum": eff // small}),
         Arm("checkpointing", "Gradient checkpointing", {"techniques.checkpointing": "full"}),
         Arm("bf16", "Mixed precision (bf16)", {"techniques.precision": "bf16"}),
-        Arm("fp16", "Mixed precision (fp16)", {"techniques.precision": "fp16"}, needs=_cuda("fp16 with loss scaling")),
+        Arm("fp16", "Mixed precision (fp16)", {"techniques.precision": "fp16"}, needs=_cuda_only(FP16_CPU)),
         Arm("tf32", "Mixed precision (tf32)", {"techniques.tf32": True}, needs=_ampere("tf32")),
         Arm("flash", "Flash Attention", {"techniques.attention": "flash"}, needs=_cuda("FlashAttention")),
         Arm("adamw-fused", "Optimizer choice (fused AdamW)", {"techniques.optimizer": "adamw-fused"}),
