@@ -225,8 +225,9 @@ def skip_reason(arm: Arm, device, b: BenchTrainConfig, fmt: str) -> Optional[str
 
 
 # ---------------------------------------------------------------------------------------- sweep
-def run_sweep(b: BenchTrainConfig, runner: Callable | None = None) -> dict:
-    """Run every arm `reps` times, interleaved; return the results document (see bench_train_report)."""
+def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Callable | None = None) -> dict:
+    """Run every arm `reps` times, interleaved; return the results document (see bench_train_report).
+    `progress(doc)` is called after every repetition (a long sweep keeps what it measured)."""
     from onegpu import bench_train_report as bench_report, hardware
 
     validate(b)
@@ -249,6 +250,8 @@ def run_sweep(b: BenchTrainConfig, runner: Callable | None = None) -> dict:
                 doc["schedule"].append({"rep": rep, "arm": arm.name, "start": time.time()})
                 log.info("rep %d/%d: %s", rep + 1, b.reps, arm.name)
                 doc["arms"][arm.name]["reps"].append(runner(spec))
+                if progress is not None:
+                    progress(doc)
     bench_report.summarize(doc)
     return doc
 
@@ -350,8 +353,11 @@ def run(b: BenchTrainConfig) -> dict[str, Path]:
     from onegpu import bench_train_report
     from onegpu.hardware import detect
 
-    doc = run_sweep(b)
     stem = b.name or f"train-{detect().type}-{time.strftime('%Y%m%d-%H%M')}"
+    partial = Path(b.out) / f"{stem}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    doc = run_sweep(b, progress=lambda d: partial.write_text(json.dumps(d, default=str)))
+    partial.unlink(missing_ok=True)
     paths = bench_train_report.write_all(doc, b.out, stem)
     print(bench_train_report.markdown(doc))
     return paths
