@@ -75,7 +75,7 @@ def test_convert_position_points_at_the_same_examples():
 def test_oom_retry_equals_smaller_micro_batch_from_the_start(tmp_path, tiny_model_dir, monkeypatch, caplog):
     ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
     monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
-    with caplog.at_level(logging.WARNING, logger="onegpu.train"):
+    with caplog.at_level(logging.WARNING, logger="onegpu"):
         got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
     assert "out of memory with micro_batch_size 4; retrying with 2 x grad_accum 2" in caplog.text
     assert (got.state.micro_batch_size, got.state.grad_accum) == (2, 2)

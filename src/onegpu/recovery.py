@@ -148,6 +148,41 @@ def convert_position(batches_seen: int, n_examples: int, old_bs: int, new_bs: in
     return epoch * new_per_epoch + offset * old_bs // new_bs
 
 
+class DataFeed:
+    """The micro-batches of one optimizer step at a time, from an exact data position.
+
+    Rebuilt (cheaply) when an out-of-memory retry changes the micro-batch size, at the same
+    position counted in the new size, so the retried step sees the same examples.
+    """
+
+    def __init__(self, run, state):
+        self.run, self.state = run, state
+        self._open()
+
+    def _open(self) -> None:
+        from onegpu import batches, distributed
+
+        run, s = self.run, self.state
+        order = batches.BatchOrder(len(run.train_ds), s.micro_batch_size, run.cfg.training.seed, start=s.batches_seen,
+                                   rank=distributed.rank(), world=distributed.world_size())
+        self._it = iter(batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu))
+
+    def next_cycle(self) -> list[dict]:
+        from onegpu import distributed
+
+        # grad_accum counts the micro-batches of the whole step; this process runs its share
+        return [next(self._it) for _ in range(distributed.local_accum(self.state.grad_accum))]
+
+    def shrink(self) -> None:
+        s = self.state
+        bs, accum = smaller_micro_batch(s.micro_batch_size, s.grad_accum)
+        s.batches_seen = convert_position(s.batches_seen, len(self.run.train_ds), s.micro_batch_size, bs)
+        log.warning("step %d: out of memory with micro_batch_size %d; retrying with %d x grad_accum %d "
+                    "(same effective batch, same examples)", s.step + 1, s.micro_batch_size, bs, accum)
+        s.micro_batch_size, s.grad_accum = bs, accum
+        self._open()
+
+
 def release_memory() -> None:
     """Give the failed attempt's blocks back before retrying (its tensors are unreachable by now)."""
     import gc

@@ -184,42 +184,11 @@ def _stopped(run, state: TrainState, wall: float) -> RunResult:
                      run.extras.get("tokens_per_second", 0.0), stopped=state.stopped)
 
 
-class DataFeed:
-    """The micro-batches of one optimizer step at a time, from an exact data position.
-
-    Rebuilt (cheaply) when an out-of-memory retry changes the micro-batch size, at the same
-    position counted in the new size, so the retried step sees the same examples.
-    """
-
-    def __init__(self, run: assemble.Run, state: TrainState):
-        self.run, self.state = run, state
-        self._open()
-
-    def _open(self) -> None:
-        run, s = self.run, self.state
-        order = batches.BatchOrder(len(run.train_ds), s.micro_batch_size, run.cfg.training.seed, start=s.batches_seen,
-                                   rank=distributed.rank(), world=distributed.world_size())
-        self._it = iter(batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu))
-
-    def next_cycle(self) -> list[dict]:
-        # grad_accum counts the micro-batches of the whole step; this process runs its share
-        return [next(self._it) for _ in range(distributed.local_accum(self.state.grad_accum))]
-
-    def shrink(self) -> None:
-        s = self.state
-        bs, accum = recovery.smaller_micro_batch(s.micro_batch_size, s.grad_accum)
-        s.batches_seen = recovery.convert_position(s.batches_seen, len(self.run.train_ds), s.micro_batch_size, bs)
-        log.warning("step %d: out of memory with micro_batch_size %d; retrying with %d x grad_accum %d "
-                    "(same effective batch, same examples)", s.step + 1, s.micro_batch_size, bs, accum)
-        s.micro_batch_size, s.grad_accum = bs, accum
-        self._open()
-
-
 def fit(run: assemble.Run, accelerator, metrics: MetricsLog, state: TrainState | None = None) -> TrainState:
     cfg, t = run.cfg, run.cfg.training
     resumed = state is not None
     state = state or TrainState(micro_batch_size=t.micro_batch_size, grad_accum=distributed.global_accum(cfg))
-    feed, guard = DataFeed(run, state), recovery.NanGuard(t.max_bad_steps, state.bad_streak)
+    feed, guard = recovery.DataFeed(run, state), recovery.NanGuard(t.max_bad_steps, state.bad_streak)
     model, scheduler = run.model, run.scheduler
     bar = _progress(t.max_steps, accelerator.is_main_process, state.step)
     deadline = time.perf_counter() + t.max_minutes * 60 if t.max_minutes else math.inf
@@ -264,7 +233,7 @@ def fit(run: assemble.Run, accelerator, metrics: MetricsLog, state: TrainState |
     return state
 
 
-def _step_with_retry(run, accelerator, state: TrainState, feed: DataFeed, guard, stop, rng):
+def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFeed, guard, stop, rng):
     """train_step on the next cycle; on out-of-memory, shrink the micro-batch and redo the same
     examples with the same random streams. None when a stop interrupted the cycle."""
     t = run.cfg.training
