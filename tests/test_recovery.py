@@ -138,3 +138,33 @@ def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypat
     err = capsys.readouterr().err
     assert "NaN/inf for 3 steps in a row (last at step 4)" in err and "training.lr" in err
     assert "Traceback" not in err
+
+
+def test_guard_costs_one_host_sync_per_step(tiny_tokenizer, monkeypatch):
+    """The guard folds loss and gradient-norm checks into one boolean: one device->host read."""
+    from accelerate import Accelerator
+
+    model = make_tiny_llama(tiny_tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(5, 100, (2, 16))
+    micro = [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}] * 2
+    acc = Accelerator(cpu=True)
+    from onegpu.techniques.loss import loss_sum
+
+    train_step(model, opt, micro, acc, 1.0, loss_sum)  # warm-up, unguarded
+    reads = {"n": 0}
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            reads["n"] += self.numel() == 1 and self.dim() == 0
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    def scalar_reads(**kw) -> int:
+        before = reads["n"]
+        train_step(model, opt, micro, acc, 1.0, loss_sum, **kw)
+        return reads["n"] - before
+
+    unguarded = scalar_reads()  # the token counts of the (host-side) batches
+    assert scalar_reads(guard=recovery.NanGuard(5), step=2) == unguarded + 1
