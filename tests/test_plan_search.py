@@ -97,3 +97,11 @@ def test_recommended_config_applies_the_setup():
     c = plan.best.candidate
     assert (rec.training.micro_batch_size, rec.training.grad_accum) == (c.micro_batch, c.grad_accum)
     assert rec.techniques.precision == c.precision and rec.techniques.checkpointing == c.checkpointing
+
+
+def test_configured_lora_is_kept():
+    cfg = from_dict({"techniques": {"lora": {"enabled": True, "r": 8}}})
+    plan = search(cfg, find_gpu("T4"), model_shape("tiny"), 256, 16)
+    assert plan.best.candidate.lora_rank == 8 and plan.best.tier == 0
+    rec = plan.best.candidate.apply(cfg)
+    assert rec.techniques.lora.enabled and rec.techniques.lora.r == 8 and rec.techniques.lora.alpha == 32

@@ -47,11 +47,11 @@ class Plan:
         return self.rows[0] if self.rows and self.rows[0].fits else None
 
 
-def micro_batches(target: int) -> list[int]:
-    """Divisors of the effective batch (so it is kept exactly): multiples of 8 for tensor cores,
-    plus the small powers of two that rescue a setup that is short of memory."""
+def micro_batches(target: int, multiple: int = 8) -> list[int]:
+    """Divisors of the effective batch (so it is kept exactly): multiples of the GPU's tensor-core
+    multiple, plus the small powers of two that rescue a setup that is short of memory."""
     divisors = [d for d in range(1, target + 1) if target % d == 0]
-    picked = [d for d in divisors if d % 8 == 0 or d in (1, 2, 4)]
+    picked = [d for d in divisors if d % multiple == 0 or d in (1, 2, 4)]
     return picked or divisors
 
 
@@ -74,12 +74,15 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     chunks = [0] + ([4096] if shape.vocab >= 32000 else [])
     compiles = ["off", "default"] if on_gpu else ["off"]
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
-    lora = LORA_RANK if tier in (2, 3) else 0
-    quant = "nf4" if tier == 3 else "none"
-    offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else ["none"]
+    lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
+    if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
+        return []  # already training adapters (on a quantized base): this tier adds nothing
+    lora = lora or (LORA_RANK if tier in (2, 3) else 0)
+    quant = "nf4" if tier == 3 else quant
+    offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
     out = []
     for mb, (prec, opt), ck, chunk, comp, off in itertools.product(
-            micro_batches(batch), _numerics(tier, spec, t), ckpts, chunks, compiles, offloads):
+            micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, chunks, compiles, offloads):
         out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off, t.checkpointing_every))
     return out
 
