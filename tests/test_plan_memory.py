@@ -165,5 +165,5 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     measured = resident + pt.peak
     shape = _shape_of("tiny", model.config)
     predicted = memory.estimate(shape, Candidate(4, 1, "fp32", optimizer="adamw"), 128, on_gpu=False)
-    assert predicted.peak == pytest.approx(measured, rel=0.25)
+    assert predicted.peak == pytest.approx(measured, rel=0.15)  # about -8% here
     assert predicted.components["optimizer"] == pytest.approx(resident - sum(p.numel() * 4 for p in model.parameters()), rel=0.01)

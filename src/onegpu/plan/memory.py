@@ -111,7 +111,9 @@ def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: Activa
     acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention)
     kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every)
     tokens = c.micro_batch * seq_len if not c.loss_chunk else min(c.loss_chunk, c.micro_batch * seq_len)
-    logits_grad = tokens * shape.vocab * 4  # fp32 gradient of the logits, made at the start of backward
+    # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
+    # shift-by-one slice scatters it into (in the logits' dtype).
+    logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
     return kept, acts.recompute_peak(c.micro_batch, seq_len, c.checkpointing) + logits_grad
 
 
