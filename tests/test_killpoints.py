@@ -28,13 +28,18 @@ SAVE_POINTS = ["model", "tokenizer", "trainer_state", "state", "config", "manife
 
 @pytest.fixture(scope="module")
 def ctx():
+    old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver: one thread per tiny child
     c = multiprocessing.get_context("forkserver")
     # Everything a child imports lazily, imported once here so that each restart is cheap.
     c.set_forkserver_preload(["onegpu.train", "onegpu.data", "onegpu.techniques", "test_checkpoint", "accelerate",
                               "datasets", "transformers.models.llama.modeling_llama", "safetensors.torch",
                               "transformers.tokenization_utils_tokenizers", "deepspeed"])
-    return c
+    yield c
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
 
 
 def _save_and_die(run_dir: str, step: int, point: str, tokenizer_dir: str) -> None:

@@ -35,13 +35,15 @@ def procs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("signals")
     write_data(tmp)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    started = {}
+    started, files = {}, []
     for name in ("term", "twice"):
         # output to files: the test reads stderr while the process still runs
-        out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
+        files += [open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")]
         started[name] = subprocess.Popen([sys.executable, "-c", LAUNCH, *train_args(tmp, tiny_model_dir, name)],
-                                         env=env, stdout=out, stderr=err, text=True)
+                                         env=env, stdout=files[-2], stderr=files[-1], text=True)
     yield tmp, started
+    for f in files:
+        f.close()
     for p in started.values():
         if p.poll() is None:
             p.kill()
