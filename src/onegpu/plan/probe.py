@@ -103,6 +103,7 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
     run = assemble.Run(cfg, device, shared.dir, shared.model_name, precision, tokenizer=shared.tokenizer,
                        train_ds=shared.train_ds, val_ds=shared.val_ds, collator=shared.collator)
     set_seed(cfg.training.seed)
+    rss_before = _rss()
     assemble.build_model(run)
     assemble.build_optimizer(run)
     model, optimizer = accelerator.prepare(run.model, run.optimizer)
@@ -122,17 +123,26 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
         tokens += real
     float(loss)  # wait for the device
     elapsed = time.perf_counter() - t0
-    return tokens / max(elapsed, 1e-9), _peak_gb(device)
+    return tokens / max(elapsed, 1e-9), _peak_gb(device, rss_before)
 
 
-def _peak_gb(device) -> float:
+def _peak_gb(device, rss_before: int) -> float:
+    """CUDA: the allocator's peak. CPU: how much the process's resident memory grew since just
+    before the model was built (coarse: the host allocator keeps freed pages)."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
-    from onegpu.train import device_memory_gb
+    return max(0, _rss() - rss_before) / 2**30
 
-    return device_memory_gb(device)  # CPU: the process's resident memory, a coarse figure
+
+def _rss() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        return 0
 
 
 def _sync(device) -> None:
