@@ -62,3 +62,12 @@ def test_auto_plan_skips_setups_that_fail(tiny_model_dir, text_file, tmp_path, m
     chosen = (out.training.micro_batch_size, out.training.grad_accum)
     assert chosen == calls[-1] and chosen != calls[0]  # fastest measured among those that ran
     assert out.training.micro_batch_size * out.training.grad_accum == 16 and out.plan == "off"
+
+
+def test_uncatalogued_gpu_gets_a_logged_stand_in(caplog):
+    from onegpu.hardware import DeviceInfo
+
+    caplog.set_level(logging.WARNING, logger="onegpu.plan.probe")
+    spec = probe._device_spec(DeviceInfo("cuda", "Mystery GPU", 20 * 2**30, (8, 6)))
+    assert spec.key == "Mystery GPU" and spec.memory_gib == 20 and spec.capability <= (8, 6)
+    assert "not in the GPU catalog" in caplog.text

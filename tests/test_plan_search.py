@@ -105,3 +105,9 @@ def test_configured_lora_is_kept():
     assert plan.best.candidate.lora_rank == 8 and plan.best.tier == 0
     rec = plan.best.candidate.apply(cfg)
     assert rec.techniques.lora.enabled and rec.techniques.lora.r == 8 and rec.techniques.lora.alpha == 32
+
+
+def test_plan_without_gpu_uses_this_cpu(capsys):
+    assert main(["plan", "tiny", "--seq-len", "128", "--batch", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"] == "CPU" and data["recommended"]["techniques"]["precision"] == "fp32"

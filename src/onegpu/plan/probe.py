@@ -41,7 +41,7 @@ def auto_plan(cfg: Config) -> Config:
     from onegpu.plan.search import search
 
     device = hardware.detect()
-    spec = hardware.spec_from_device(device)
+    spec = _device_spec(device)
     name = models.resolve_name(cfg.model, device.is_gpu)
     shared = _shared_data(cfg, device, name)
     vocab = len(shared.tokenizer) if models.is_preset(name) else cfg.model.vocab_size
@@ -63,6 +63,24 @@ def auto_plan(cfg: Config) -> Config:
     _calibrate(spec, best_r, best_m, cfg.data.seq_len)
     log.info("plan: training with %s (%.0f tokens/s measured)", best_m.label, best_m.tokens_per_s)
     return best_r.candidate.apply(cfg)
+
+
+def _device_spec(device):
+    """The catalog entry, or for an uncatalogued GPU the closest card of its generation with this
+    device's memory: the probe measures the real speed anyway, the prediction only ranks."""
+    import dataclasses
+
+    from onegpu import hardware
+    from onegpu.errors import UnavailableError
+
+    try:
+        return hardware.spec_from_device(device)
+    except UnavailableError:
+        same_gen = [g for g in hardware.CATALOG if g.capability <= (device.capability or (0, 0))] or list(hardware.CATALOG)
+        near = max(same_gen, key=lambda g: g.capability)
+        log.warning("plan: %s is not in the GPU catalog; ranking with %s's peak figures until the probe "
+                    "measures it", device.name, near.key)
+        return dataclasses.replace(near, key=device.name, name=device.name, memory_gib=device.total_memory / 2**30)
 
 
 def _shared_data(cfg: Config, device, name: str):
