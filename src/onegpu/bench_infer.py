@@ -297,7 +297,7 @@ COLUMNS = [("setting", "setting", "{}"), ("prefill_tps", "prefill tok/s", "{:,.0
            ("decode_speedup", "decode vs HF", "{:.2f}x"), ("ttft_ms", "TTFT ms", "{:,.1f}"),
            ("peak_mb", "peak GPU MB", "{:,.0f}"), ("weight_mb", "weights MB", "{:,.1f}"),
            ("token_agreement", "greedy tokens = fp32", "{:.1%}"), ("argmax_agreement", "argmax = fp32", "{:.1%}"),
-           ("max_logit_diff", "max |logit diff|", "{:.3g}")]
+           ("max_logit_diff", "max abs logit diff", "{:.3g}")]
 
 
 def to_markdown(result: dict) -> str:
