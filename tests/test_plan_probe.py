@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 
-import pytest
 import torch
 import yaml
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from onegpu.cliargs import make_parser, parse
 from onegpu.config import Config, from_dict, load_yaml, to_dict
-from onegpu.errors import ConfigError, OnegpuError
+from onegpu.errors import OnegpuError
 
 
 def build_parser():

@@ -35,7 +35,7 @@ class Measured:
 
 def auto_plan(cfg: Config) -> Config:
     """Return cfg rewritten to the fastest measured setup (the effective batch unchanged)."""
-    from onegpu import assemble, hardware, models
+    from onegpu import hardware, models
     from onegpu.errors import OnegpuError
     from onegpu.plan.arch import model_shape
     from onegpu.plan.search import search
