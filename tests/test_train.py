@@ -66,3 +66,14 @@ def test_lr_schedule_warmup_then_cosine():
     f = lr_schedule(TrainingConfig(max_steps=100, warmup_steps=10, min_lr_ratio=0.1))
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(55) < f(20) < 1.0 and f(100) == pytest.approx(0.1)
+
+
+def test_two_jobs_in_one_process_with_different_precisions(tmp_path):
+    """Accelerate keeps one precision per process; each train() call must still get its own."""
+    base = {"data": {"max_bytes": 60_000, "seq_len": 32, "num_proc": 1, "val_fraction": 0.0},
+            "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0}}
+    for i, precision in enumerate(["fp16", "fp32"]):
+        cfg = json.loads(json.dumps(base))
+        cfg["techniques"] = {"precision": precision}
+        cfg["output"] = {"dir": str(tmp_path), "name": f"r{i}"}
+        assert train(cfg).state.step == 1

@@ -180,11 +180,14 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
     Accumulation is done by our loop (token-normalised), so Accelerate's own is left at 1.
     """
     from accelerate import Accelerator
-
-    from onegpu.techniques.precision import accelerate_mixed_precision, enable_loss_scaling
+    from accelerate.state import AcceleratorState
 
     from onegpu import distributed
+    from onegpu.techniques.precision import accelerate_mixed_precision, enable_loss_scaling
 
+    # Accelerate keeps one precision/plugin setting per process; one process may run several jobs
+    # (benchmark arms, planner probes, a notebook), so each starts clean. The process group stays.
+    AcceleratorState._reset_state(reset_partial_state=False)
     # Several processes or offload: the DeepSpeed / FSDP2 plugin (and its precision) from our config.
     engine = distributed.accelerator_kwargs(cfg, precision, device.type == "cuda")
     # Accelerate's cpu=True would switch DeepSpeed off; DS_ACCELERATOR=cpu already keeps it on the CPU.

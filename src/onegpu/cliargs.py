@@ -22,7 +22,8 @@ def make_parser(prog: str, description: str, config_cls: type | None = None):
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
     except (TypeError, ValueError):  # older jsonargparse: help without field docs
         pass
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, env_prefix="ONEGPU")
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, env_prefix="ONEGPU",
+                            allow_abbrev=False)  # a shortened flag is a typo, not a guess to act on
     if config_cls is not None:
         parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
         parser.add_class_arguments(config_cls, fail_untyped=False)

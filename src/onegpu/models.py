@@ -49,9 +49,12 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     """Load a tokenizer and give it a pad token that is not EOS where we can (see ensure_pad_token)."""
     from transformers import AutoTokenizer
 
+    if _looks_local(name) and not Path(name).expanduser().is_dir():
+        raise ModelError(f"tokenizer directory '{name}' does not exist.",
+                         hint="point model.tokenizer at a folder written by save_pretrained, or a Hub id")
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load tokenizer '{name}': {_first_line(exc)}",
                          hint="give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)") from None
     return ensure_pad_token(tok)
@@ -101,10 +104,13 @@ def load_model(name: str, cfg: ModelConfig, tokenizer, dtype=None, attn_implemen
                          hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online") from None
 
 
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).exists()
+
+
 def _check_local(name: str) -> None:
     p = Path(name)
-    looks_local = name.startswith((".", "/", "~")) or p.exists()
-    if looks_local and not (p.expanduser() / "config.json").is_file():
+    if _looks_local(name) and not (p.expanduser() / "config.json").is_file():
         raise ModelError(f"model directory '{name}' has no config.json.",
                          hint="point --model.name at a folder written by save_pretrained (e.g. <run>/final)")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 class MetricsLog:
     """Append-only jsonl plus TensorBoard scalars. Only the main process writes."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, purge_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
@@ -18,7 +18,8 @@ class MetricsLog:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            # purge_step: after a resume, TensorBoard hides the events of the steps being redone
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -102,7 +102,8 @@ def train(config: Config | dict | None = None) -> RunResult:
         _start_fresh(run_dir)
     if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
         assemble.save_config(run)
-    metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process)
+    metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process,
+                         purge_step=state.step + 1 if state else None)
     try:
         state = fit(run, accelerator, metrics, state)
     finally:
