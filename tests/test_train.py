@@ -77,3 +77,10 @@ def test_two_jobs_in_one_process_with_different_precisions(tmp_path):
         cfg["techniques"] = {"precision": precision}
         cfg["output"] = {"dir": str(tmp_path), "name": f"r{i}"}
         assert train(cfg).state.step == 1
+
+
+def test_library_entry_point_is_onegpu_train():
+    import onegpu
+    from onegpu.train import train as fn
+
+    assert callable(onegpu.train) and onegpu.train.train is fn

@@ -8,9 +8,9 @@ __all__ = ["train", "Config", "__version__"]
 def __getattr__(name):
     # Lazy, so `import onegpu` (and `onegpu --help`) stays fast: torch/transformers load on use.
     if name == "train":
-        from onegpu.train import train
+        import importlib
 
-        return train
+        return importlib.import_module("onegpu.train")  # callable: onegpu.train(config) runs a job
     if name == "Config":
         from onegpu.config import Config
 

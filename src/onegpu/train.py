@@ -8,7 +8,9 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,3 +422,15 @@ def print_summary(r: RunResult) -> None:
           f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
     print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
     print(f"  model: {r.final_dir}\n  try: onegpu generate --model {r.final_dir} \"def fib(\"")
+
+
+class _CallableModule(types.ModuleType):
+    """`onegpu.train(config)` is the library entry point, and `onegpu.train` is also this module's
+    name: once the module is imported it shadows any function of that name on the package, so the
+    module itself answers the call."""
+
+    def __call__(self, config: Config | dict | None = None) -> RunResult:
+        return train(config)
+
+
+sys.modules[__name__].__class__ = _CallableModule
