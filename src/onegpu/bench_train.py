@@ -108,6 +108,14 @@ def _compiler(dev, b, fmt):
     return None
 
 
+def _trained(dev, b, fmt):
+    from onegpu.models import is_preset
+
+    if is_preset(b.model) or b.from_scratch:
+        return "QLoRA quantizes a trained model: give --model a saved model directory (and --from_scratch false)"
+    return None
+
+
 def _padded(dev, b, fmt):
     return None if fmt != "text" else "text data is packed into full blocks already: no padding to remove"
 
@@ -136,7 +144,7 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
         Arm("padding-free", "Packing instead of padding", {"techniques.padding_free": True}, needs=_padded),
         Arm("lora", "PEFT (LoRA)", {"techniques.lora.enabled": True}, needs=_module("peft")),
         Arm("qlora", "PEFT (QLoRA, nf4 base)", {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
-            needs=_all(_module("peft"), _module("bitsandbytes"))),
+            needs=_all(_module("peft"), _module("bitsandbytes"), _trained)),
         Arm("offload", "DeepSpeed ZeRO (CPU offload)", {"techniques.offload": "zero2-cpu"},
             needs=_cuda("DeepSpeed ZeRO offload in this benchmark")),
         Arm("best", "Best combination", {}),

@@ -253,12 +253,16 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     spec = json.loads(Path(argv[0]).read_text())
     preimport(spec["kind"])
+    from onegpu import hardware
+    from onegpu.bench_train import measure_peak_flops
+
+    peak = measure_peak_flops(hardware.detect(), seconds=0.5)  # under the load this arm trains in
     probe = MemoryProbe()
     t0 = time.perf_counter()
     result = run_onegpu(spec, probe) if spec["kind"] == "onegpu" else run_hf(spec)
     if "peak_mem_mb" not in result:
         result.update(probe.read())
-    result.update(status="ok", wall_s=time.perf_counter() - t0, arm=spec["arm"], rep=spec["rep"])
+    result.update(peak_flops=peak, status="ok", wall_s=time.perf_counter() - t0, arm=spec["arm"], rep=spec["rep"])
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

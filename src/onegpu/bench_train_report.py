@@ -1,7 +1,7 @@
 """Results of `onegpu bench train`: one json document, the guide's table in markdown, a PNG chart.
 
-All ratios are medians over the interleaved repetitions of one run, divided by the baseline arm's
-median from the same run: "speed x" on real (non-padding) tokens per second, "memory x" on the
+All ratios come from one run: the median over rounds of the arm's value divided by the baseline
+arm's value in the same round of the interleaved repetitions: "speed x" on real (non-padding) tokens per second, "memory x" on the
 memory the training itself added (see bench_train_child.MemoryProbe).
 """
 
@@ -90,6 +90,7 @@ def new_document(b, device, prep: dict, argv: list[str]) -> dict:
 def summarize(doc: dict) -> dict:
     """Medians per arm; speed and memory ratios against the baseline arm of this same run."""
     fpt, peak = doc["setup"]["flops_per_token"], doc["setup"]["peak_flops"]
+    eff = doc["config"]["micro_batch_size"] * doc["config"]["grad_accum"]
     for arm in doc["arms"].values():
         ok = [r for r in arm["reps"] if r.get("status") == "ok" and r.get("timed_seconds", 0) > 0]
         if arm["status"] == "ok" and not ok:
@@ -98,22 +99,31 @@ def summarize(doc: dict) -> dict:
             arm["reason"] = errors[0] if errors else "no timed steps (raise max_seconds or lower warmup_steps)"
         for r in ok:
             r["tokens_per_s"] = r["timed_tokens"] / r["timed_seconds"]
-            r["samples_per_s"] = r["timed_steps"] * doc["config"]["micro_batch_size"] * doc["config"]["grad_accum"] / r["timed_seconds"]
-            r["mfu"] = r["tokens_per_s"] * fpt / peak if peak else None
+            r["samples_per_s"] = r["timed_steps"] * eff / r["timed_seconds"]
+            # the child's own peak, measured just before it trained: same machine load as its steps
+            r["mfu"] = r["tokens_per_s"] * fpt / (r.get("peak_flops") or peak) if peak else None
         for key in ("tokens_per_s", "samples_per_s", "mfu", "train_mem_mb", "peak_mem_mb", "final_loss"):
             arm[key] = _median([r.get(key) for r in ok])
         arm["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
         arm["inactive"] = _inactive(arm, ok)
     base = doc["arms"].get("baseline", {})
     for arm in doc["arms"].values():
-        arm["speed_x"] = _ratio(arm.get("tokens_per_s"), base.get("tokens_per_s"))
-        arm["memory_x"] = _ratio(arm.get("train_mem_mb"), base.get("train_mem_mb"))
+        arm["speed_x"] = paired_ratio(arm, base, "tokens_per_s")
+        arm["memory_x"] = paired_ratio(arm, base, "train_mem_mb")
     hf = doc["arms"].get("hf-trainer", {})
     doc["vs_hf_trainer"] = {  # our defaults; our loop with Trainer's default optimizer; our best set
-        name: {"speed_x": _ratio(a.get("tokens_per_s"), hf.get("tokens_per_s")),
-               "memory_x": _ratio(a.get("train_mem_mb"), hf.get("train_mem_mb"))}
-        for name, a in doc["arms"].items() if name in VS_HF and a.get("tokens_per_s")}
+        name: {"speed_x": paired_ratio(a, hf, "tokens_per_s"), "memory_x": paired_ratio(a, hf, "train_mem_mb")}
+        for name, a in doc["arms"].items() if name in VS_HF and a.get("tokens_per_s") and hf.get("tokens_per_s")}
     return doc
+
+
+def paired_ratio(arm: dict, ref: dict, key: str) -> Optional[float]:
+    """Median over rounds of arm/ref within the same round: the two ran minutes apart, so a load
+    change on a shared machine between rounds cancels out (a ratio of medians would keep it)."""
+    ref_by_rep = {r.get("rep"): r.get(key) for r in ref.get("reps", []) if r.get(key)}
+    ratios = [r[key] / ref_by_rep[r.get("rep")] for r in arm.get("reps", [])
+              if r.get(key) is not None and ref_by_rep.get(r.get("rep"))]
+    return _median(ratios)
 
 
 def _inactive(arm_doc: dict, ok: list[dict]) -> Optional[str]:
