@@ -4,9 +4,10 @@
     python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more repetitions
     python benchmarks/bench_train.py gpu                  # on a CUDA GPU: Llama ~1B, bf16, seq 2048
 
-`gpu` runs two sweeps from random initialisation (no download): every method on packed text
-(full fine-tuning, LoRA, QLoRA, and the rest), then padded vs packed (padding-free) chat data,
-with LoRA and QLoRA, on a chat set written from the standard library's docstrings.
+`gpu` saves a randomly initialised Llama ~1B (`1b` preset; no download) and runs two sweeps on
+it: every method on packed text (full fine-tuning, LoRA, QLoRA, and the rest), then padded vs
+packed (padding-free) chat data, with LoRA and QLoRA, on a chat set written from the standard
+library's docstrings.
 
 --snapshot runs every arm from a copy of src/ taken at the start, so edits made in the checkout
 while a long sweep runs cannot change the code half-way through; the results record the commit
@@ -57,6 +58,23 @@ def chat_data(path: Path, limit: int = 20000) -> Path:
     return path
 
 
+def saved_model(path: Path, preset: str = "1b", max_bytes: int = 6_000_000) -> Path:
+    """A randomly initialised preset written with save_pretrained (with its locally trained
+    tokenizer), so that every arm — QLoRA included, which quantizes a saved model — loads the
+    same weights through from_pretrained. Step speed does not depend on the weights' values."""
+    from onegpu import assemble, hardware, models
+    from onegpu.config import from_dict
+
+    if (path / "config.json").is_file():
+        return path
+    cfg = from_dict({"model": {"name": preset}, "data": {"max_bytes": max_bytes}})
+    run = assemble.Run(cfg, hardware.detect(), path, preset, "fp32")
+    assemble.build_data(run)
+    models.load_model(preset, cfg.model, run.tokenizer).save_pretrained(str(path))
+    run.tokenizer.save_pretrained(str(path))
+    return path
+
+
 def snapshot_env(tmp: str) -> dict:
     """PYTHONPATH pointing at a copy of src/ taken now, and the commit it was taken from (with
     "+local" when the checkout had uncommitted edits) for the results."""
@@ -85,10 +103,11 @@ def main(argv: list[str]) -> int:
             return bench(CPU + out + ["--name", f"train-cpu-{stamp}"] + extra, env)
         if what == "headline":
             return bench(HEADLINE + out + ["--name", f"train-cpu-{stamp}-vs-hf"] + extra, env)
-        rc = bench(GPU + out + ["--name", f"train-gpu-{stamp}-text"] + extra, env)
+        model = ["--model", str(saved_model(Path(tmp) / "llama-1b")), "--from_scratch", "false"]
+        rc = bench(GPU + model + out + ["--name", f"train-gpu-{stamp}-text"] + extra, env)
         chat = chat_data(Path(tmp) / "chat.jsonl")
-        return rc or bench(GPU + out + ["--data", str(chat), "--arms", GPU_CHAT_ARMS,
-                                        "--name", f"train-gpu-{stamp}-chat"] + extra, env)
+        return rc or bench(GPU + model + out + ["--data", str(chat), "--arms", GPU_CHAT_ARMS,
+                                                "--name", f"train-gpu-{stamp}-chat"] + extra, env)
 
 
 if __name__ == "__main__":
