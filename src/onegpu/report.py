@@ -70,3 +70,34 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path) -> Path:
     fig.savefig(out_png)
     plt.close(fig)
     return Path(out_png)
+
+def device_memory_gb(device) -> float:
+    """Peak allocated GPU memory, or the process's resident memory on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
+    except ImportError:
+        return 0.0
+
+
+def progress_bar(total: int, enabled: bool, initial: int = 0):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def print_summary(r) -> None:
+    first = f"{r.first_eval:.3f}" if r.first_eval is not None else "n/a"
+    last = f"{r.last_eval:.3f}" if r.last_eval is not None else "n/a"
+    print(f"done: {r.state.step} steps, {r.state.tokens_seen:,} tokens in {r.wall_seconds:.0f}s "
+          f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
+    print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
+    print(f"  model: {r.final_dir}\n  try: onegpu generate --model {r.final_dir} \"def fib(\"")
+

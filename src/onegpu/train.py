@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -15,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onegpu import assemble, batches, checkpoint, distributed, hardware, models, recovery
+from onegpu import assemble, batches, checkpoint, checkpoint_sharded, distributed, hardware, models, recovery
 from onegpu.config import Config, from_dict, redact, to_dict, validate
-from onegpu.report import MetricsLog, plot_loss
+from onegpu.evaluate import evaluate_and_log
+from onegpu.report import MetricsLog, device_memory_gb, plot_loss, print_summary, progress_bar
 from onegpu.techniques.loss import count_targets, loss_sum
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _as_saved(cfg: Config, run_dir: Path) -> Config:
 def resume(run: assemble.Run, accelerator, path: Path) -> TrainState:
     """Restore model, optimizer, scheduler, scaler and data position from a checkpoint."""
     if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process loads its shards
-        saved = checkpoint.load_sharded(path, run.model, run.optimizer, run.scheduler, accelerator)
+        saved = checkpoint_sharded.load_sharded(path, run.model, run.optimizer, run.scheduler, accelerator)
     else:
         saved = checkpoint.load_checkpoint(path, run.model, run.optimizer, run.scheduler, accelerator)
     state = TrainState.from_dict(saved)
@@ -193,7 +193,7 @@ def fit(run: assemble.Run, accelerator, metrics: MetricsLog, state: TrainState |
     state = state or TrainState(micro_batch_size=t.micro_batch_size, grad_accum=distributed.global_accum(cfg))
     feed, guard = recovery.DataFeed(run, state), recovery.NanGuard(t.max_bad_steps, state.bad_streak)
     model, scheduler = run.model, run.scheduler
-    bar = _progress(t.max_steps, accelerator.is_main_process, state.step)
+    bar = progress_bar(t.max_steps, accelerator.is_main_process, state.step)
     deadline = time.perf_counter() + t.max_minutes * 60 if t.max_minutes else math.inf
     window = {"tokens": 0, "t0": time.perf_counter(), "loss": None, "steps": 0}
     if not resumed:
@@ -332,33 +332,6 @@ def _global_sum(accelerator, value: int) -> int:
     return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction="sum"))
 
 
-def evaluate(run: assemble.Run, accelerator) -> float | None:
-    """Token-weighted validation loss over a fixed set of batches."""
-    import torch
-
-    if run.val_ds is None or len(run.val_ds) == 0:
-        return None
-    t = run.cfg.training
-    model = run.model
-    model.eval()
-    total, count = torch.zeros((), device=accelerator.device), 0
-    with torch.no_grad():
-        for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
-            count += count_targets(batch["labels"])
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            total += run.loss_fn(model, batch).float()
-    return float(total) / max(count, 1)
-
-
-def evaluate_and_log(run, accelerator, metrics: MetricsLog, state: TrainState) -> None:
-    loss = evaluate(run, accelerator)
-    if loss is None:
-        return
-    state.history.append((state.step, loss))
-    state.best_eval = min(state.best_eval, loss)
-    metrics.write({"split": "val", "step": state.step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
-    if accelerator.is_main_process:
-        log.info("step %d: val loss %.4f (ppl %.1f)", state.step, loss, math.exp(min(loss, 50)))
 
 
 def save(run, accelerator, state: TrainState, rng: dict | None = None) -> Path:
@@ -366,7 +339,7 @@ def save(run, accelerator, state: TrainState, rng: dict | None = None) -> Path:
     path = run.dir / f"{checkpoint.PREFIX}{state.step:08d}"
     gathered = None
     if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process contributes its shards
-        gathered = checkpoint.gather_sharded(run.dir, state.step, run.model, run.optimizer, accelerator)
+        gathered = checkpoint_sharded.gather_sharded(run.dir, state.step, run.model, run.optimizer, accelerator)
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         checkpoint.save_checkpoint(run.dir, state.step, run.model, run.optimizer, run.scheduler,
@@ -393,35 +366,7 @@ def save_final(run, accelerator) -> Path:
     return final
 
 
-def device_memory_gb(device) -> float:
-    """Peak allocated GPU memory, or the process's resident memory on CPU."""
-    import torch
 
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**30
-    except ImportError:
-        return 0.0
-
-
-def _progress(total: int, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
-
-
-def print_summary(r: RunResult) -> None:
-    first = f"{r.first_eval:.3f}" if r.first_eval is not None else "n/a"
-    last = f"{r.last_eval:.3f}" if r.last_eval is not None else "n/a"
-    print(f"done: {r.state.step} steps, {r.state.tokens_seen:,} tokens in {r.wall_seconds:.0f}s "
-          f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
-    print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
-    print(f"  model: {r.final_dir}\n  try: onegpu generate --model {r.final_dir} \"def fib(\"")
 
 
 class _CallableModule(types.ModuleType):

@@ -1,0 +1,41 @@
+"""Validation: token-weighted loss over a fixed set of batches, logged with its perplexity."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from onegpu import batches
+from onegpu.techniques.loss import count_targets
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(run, accelerator) -> float | None:
+    """Token-weighted validation loss over a fixed set of batches."""
+    import torch
+
+    if run.val_ds is None or len(run.val_ds) == 0:
+        return None
+    t = run.cfg.training
+    model = run.model
+    model.eval()
+    total, count = torch.zeros((), device=accelerator.device), 0
+    with torch.no_grad():
+        for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
+            count += count_targets(batch["labels"])
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            total += run.loss_fn(model, batch).float()
+    return float(total) / max(count, 1)
+
+
+def evaluate_and_log(run, accelerator, metrics, state) -> None:
+    loss = evaluate(run, accelerator)
+    if loss is None:
+        return
+    state.history.append((state.step, loss))
+    state.best_eval = min(state.best_eval, loss)
+    metrics.write({"split": "val", "step": state.step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
+    if accelerator.is_main_process:
+        log.info("step %d: val loss %.4f (ppl %.1f)", state.step, loss, math.exp(min(loss, 50)))
+
