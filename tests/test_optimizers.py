@@ -59,9 +59,9 @@ def test_no_weight_decay_on_biases_and_norms(tiny_tokenizer):
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def test_adamw_uses_foreach_on_cpu_and_named_variants_set_their_flag():
+def test_adamw_uses_the_fused_kernel_and_named_variants_set_their_flag():
     model, _, _ = _problem()
-    assert _build(model, "adamw").param_groups[0]["foreach"] is True
+    assert _build(model, "adamw").param_groups[0]["fused"] is True
     assert _build(model, "adamw-foreach").param_groups[0]["foreach"] is True
     fused = _build(model, "adamw-fused")  # torch >= 2.4 has a fused CPU kernel
     assert fused.param_groups[0]["fused"] is True and not fused.param_groups[0]["foreach"]

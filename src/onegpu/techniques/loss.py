@@ -44,8 +44,10 @@ def loss_sum(model, batch: dict, chunk_size: int = 0) -> torch.Tensor:
         out, loss = _chunked_forward(model, batch, labels, chunk_size)
     else:
         out = model(**model_inputs(batch))
-        logits = out.logits[:, :-1, :]
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+        # Shift the labels, not the logits: slicing logits[:, :-1] would copy (tokens x vocab).
+        targets = F.pad(labels, (0, 1), value=IGNORE)
+        logits = out.logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                ignore_index=IGNORE, reduction="sum")
     return loss + moe_aux_term(model, out, labels)
 
