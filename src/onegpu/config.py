@@ -76,7 +76,7 @@ class TrainingConfig:
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (effective batch = micro_batch_size x grad_accum)."""
-    max_steps: int = 300
+    max_steps: int = 200
     """Optimizer steps to run."""
     max_minutes: float = 0.0
     """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves."""
@@ -84,7 +84,7 @@ class TrainingConfig:
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine decay)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """Decoupled weight decay (never applied to biases and norm weights)."""
@@ -92,7 +92,7 @@ class TrainingConfig:
     """Clip the global gradient norm to this value (0 = off)."""
     eval_every: int = 50
     """Evaluate every N optimizer steps (0 = only at the end)."""
-    eval_batches: int = 20
+    eval_batches: int = 10
     """Validation batches per evaluation (0 = the whole validation set)."""
     save_every: int = 0
     """Write a checkpoint every N optimizer steps (0 = only the final model)."""
