@@ -114,7 +114,7 @@ CASES = [
     Case("model-dir-without-config", lambda tmp, md: (tmp / "m").mkdir() or ["--model.name", str(tmp / "m"),
                                                                                "--model.tokenizer", str(md)],
          "has no config.json"),
-    Case("tokenizer-missing", ["--model.tokenizer", "/nonexistent/tok"], "cannot load tokenizer '/nonexistent/tok'"),
+    Case("tokenizer-missing", ["--model.tokenizer", "/nonexistent/tok"], "tokenizer directory '/nonexistent/tok' does not exist"),
     Case("lora-target-matches-nothing", ["--techniques.lora.enabled", "true", "--techniques.lora.targets", "nope_proj"],
          "techniques.lora.targets"),
     # names and values
