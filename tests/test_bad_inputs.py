@@ -16,7 +16,7 @@ import pytest
 from onegpu import hardware
 from onegpu.cli import main
 
-from test_resume import fresh_logging, one_thread, write_data  # noqa: F401
+from test_resume import one_thread, write_data  # noqa: F401
 
 Case = namedtuple("Case", "id args expect patch", defaults=(None,))
 
@@ -147,11 +147,6 @@ CASES = [
     Case("resume-path-missing", ["--output.resume", "/nonexistent/checkpoint-00000001"], "does not exist"),
     Case("resume-damaged-checkpoint", _damaged_checkpoint, "is damaged"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _logging(fresh_logging):
-    yield
 
 
 def base_args(tmp, model_dir) -> list[str]:

@@ -12,7 +12,7 @@ from onegpu import assemble, recovery
 from onegpu.train import train, train_step
 
 from conftest import make_tiny_llama
-from test_resume import assert_same_weights, fresh_logging, losses, make_cfg, one_thread  # noqa: F401
+from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
 
 
 def oom_above(limit: int, real_make):
@@ -125,7 +125,7 @@ def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, mon
     assert r.state.step == 6 and r.state.skipped_steps == 2
 
 
-def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys, fresh_logging):
+def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from onegpu.cli import main
 
     monkeypatch.setattr(assemble, "make_loss_fn", nan_at(set(range(2, 100)), assemble.make_loss_fn, grad_accum=1))

@@ -30,19 +30,6 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture
-def fresh_logging():
-    """The CLI's logging.basicConfig binds a handler to the stderr of whichever test called it
-    first; later tests would log into that closed stream. Hide such handlers for the test."""
-    import logging
-
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = [h for h in saved if type(h) is not logging.StreamHandler]
-    yield
-    root.handlers = saved
-
-
 def write_data(tmp_path, n: int = 60):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(n)))

@@ -17,7 +17,7 @@ from onegpu import checkpoint
 from onegpu.cli import main
 from onegpu.report import read_metrics
 
-from test_resume import fresh_logging, one_thread, write_data  # noqa: F401
+from test_resume import one_thread, write_data  # noqa: F401
 
 LAUNCH = "import sys; from onegpu.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -73,7 +73,7 @@ def wait_training(run_dir, proc, timeout=180.0) -> None:
     pytest.fail("training did not start")
 
 
-def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir, fresh_logging):
+def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir):
     tmp, started = procs
     proc, run_dir = started["term"], tmp / "runs" / "term"
     wait_training(run_dir, proc)

@@ -36,13 +36,6 @@ class Run:
     extras: dict = field(default_factory=dict)
 
 
-def make_run_dir(cfg: Config, is_main: bool = True) -> Path:
-    """A fresh run directory; refuses to mix a new run into an old one unless told to."""
-    path = check_run_dir(cfg)
-    create_run_dir(path, is_main)
-    return path
-
-
 def check_run_dir(cfg: Config) -> Path:
     """Where the run will write, checked without writing anything (a bad input must leave no trace)."""
     out = cfg.output

@@ -140,10 +140,6 @@ def _median(values: list) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def _ratio(a, b) -> Optional[float]:
-    return a / b if a is not None and b else None
-
-
 # ----------------------------------------------------------------------------------------- output
 def write_all(doc: dict, out_dir: str | Path, stem: str) -> dict[str, Path]:
     out = Path(out_dir)
