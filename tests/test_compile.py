@@ -97,3 +97,62 @@ def test_bad_compile_settings_are_refused():
     with pytest.raises(UnavailableError, match="CUDA graphs"):
         apply_compile(model, TechniquesConfig(compile="reduce-overhead"), "cpu")
     assert apply_compile(model, TechniquesConfig(compile="off"), "cpu") is model and not is_compiled(model)
+
+
+def _cfg(**techniques):
+    from onegpu.config import from_dict
+
+    steps = techniques.pop("max_steps", 200)
+    return from_dict({"training": {"max_steps": steps}, "techniques": techniques})
+
+
+def test_auto_compile_resolution(monkeypatch):
+    import shutil
+
+    from onegpu.techniques.compile import AUTO_MIN_STEPS, resolve_compile
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    assert _cfg().techniques.compile == "auto"
+    assert resolve_compile(_cfg(), "cpu") == "default"
+    assert resolve_compile(_cfg(max_steps=AUTO_MIN_STEPS - 1), "cpu") == "off"  # too short to repay it
+    assert resolve_compile(_cfg(offload="zero2-cpu"), "cpu") == "off"
+    assert resolve_compile(_cfg(lora={"enabled": True, "quantize_base": "nf4"}), "cuda") == "off"
+    assert resolve_compile(_cfg(compile="off"), "cpu") == "off"
+    assert resolve_compile(_cfg(compile="max-autotune", max_steps=3), "cpu") == "max-autotune"  # asked for
+    assert resolve_compile(_cfg(), "mps") == "off"
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert resolve_compile(_cfg(), "cpu") == "off"  # no C++ compiler
+    # Unresolved auto (a caller that did not settle it) compiles nothing.
+    model = torch.nn.Linear(2, 2)
+    assert apply_compile(model, TechniquesConfig(), "cpu") is model and not is_compiled(model)
+
+
+def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, tiny_model_dir, text_file, monkeypatch):
+    """A default run long enough to repay compiling gets its decoder blocks compiled; evaluation
+    runs them eagerly instead of compiling a no-grad variant."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from onegpu import assemble, batches, hardware
+    from onegpu.config import from_dict
+    from onegpu.evaluate import evaluate
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
+                     "training": {"micro_batch_size": 2, "eval_batches": 2}, "output": {"dir": str(tmp_path)}})
+    tcfg = assemble.resolved_techniques(cfg, "cpu")
+    assert tcfg.compile == "default" and cfg.techniques.compile == "auto"  # settled on a copy
+    # The same path with the graph-counting backend, so the test needs no C++ build.
+    cfg.techniques.compile, cfg.techniques.compile_backend = "default", "counting_eager"
+    run = assemble.Run(cfg, hardware.detect(), tmp_path / "run", str(tiny_model_dir), "fp32")
+    assemble.build_data(run)
+    assemble.build_model(run)
+    assert all(is_compiled(layer) for layer in run.model.model.layers)
+    batch = next(iter(batches.eval_batches(run.train_ds, 2, run.collator, 1)))
+    run.loss_fn(run.model, batch).backward()
+    trained = len(COMPILED_FRAMES)
+    assert trained >= 1
+    run.val_ds = run.train_ds
+    assert evaluate(run, Accelerator(cpu=True)) is not None
+    assert len(COMPILED_FRAMES) == trained  # no compile for evaluation

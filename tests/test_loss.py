@@ -1,5 +1,6 @@
-"""Chunked cross-entropy: same loss and gradients as the plain loss, lower peak memory, and models
-whose logits it cannot reproduce are refused."""
+"""Fused (chunked) cross-entropy: same loss and gradients as the plain loss, never the full logits,
+no head recompute, lower peak memory; models whose logits it cannot reproduce are refused (or,
+with loss=auto, trained with the plain loss)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from onegpu.errors import UnavailableError
-from onegpu.techniques.loss import IGNORE, count_targets, loss_sum, model_inputs
+from onegpu.config import Config, TechniquesConfig, from_dict, validate
+from onegpu.errors import ConfigError, UnavailableError
+from onegpu.techniques.fused_loss import auto_chunk
+from onegpu.techniques.loss import IGNORE, LossFn, count_targets, loss_sum, model_inputs
 
 
 def _batch(vocab, n=2, length=48, masked_prefix=5):
@@ -67,16 +70,8 @@ def test_softcapped_model_handled(tiny_tokenizer):
 
 
 def test_unknown_logit_transform_is_refused(tiny_tokenizer):
-    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    original = model.forward
-
-    def scaled_forward(*args, **kwargs):  # a model that post-processes its logits in forward
-        out = original(*args, **kwargs)
-        out.logits = out.logits * 3.0
-        return out
-
-    model.forward = scaled_forward
-    with pytest.raises(UnavailableError, match="loss_chunk_size"):
+    model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))  # post-processes its logits
+    with pytest.raises(UnavailableError, match="techniques.loss=fused"):
         loss_sum(model, _batch(len(tiny_tokenizer), length=8), chunk_size=4)
 
 
@@ -118,3 +113,102 @@ def test_model_inputs_and_count_targets():
     packed = model_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                            "position_ids": torch.tensor([[0, 1, 0, 1]])})
     assert "attention_mask" not in packed and "position_ids" in packed
+
+
+def test_fused_loss_never_builds_the_full_logits_and_recomputes_nothing(tiny_tokenizer):
+    model = make_tiny_llama(tiny_tokenizer)
+    batch = _batch(len(tiny_tokenizer), n=2, length=48, masked_prefix=5)
+    rows, phase = [], {"now": "forward"}
+    model.lm_head.register_forward_hook(lambda m, i, o: rows.append((phase["now"], o.shape[:-1].numel())))
+    loss = loss_sum(model, batch, chunk_size=16)
+    phase["now"] = "backward"
+    loss.backward()
+    targets = 2 * (48 - 5)  # per row: labels 5..47 are targets
+    assert [r for p, r in rows if p == "backward"] == []  # gradients were taken in the forward
+    head_rows = [r for _, r in rows]
+    assert max(head_rows) <= 16  # one chunk (or the last position) at a time, never 2 x 48 rows
+    # every target once, plus the model's own last position, plus the once-per-model check of it
+    assert sum(head_rows) == targets + 2 + 2
+
+
+def test_frozen_head_gets_no_gradient_and_the_rest_matches(tiny_tokenizer):
+    """As under LoRA: the head is frozen, only the hidden states need a gradient."""
+    model = make_tiny_llama(tiny_tokenizer, tie_word_embeddings=False)
+    model.lm_head.weight.requires_grad_(False)
+    batch = _batch(len(tiny_tokenizer))
+    plain, g_plain = _loss_and_grads(model, batch, 0)
+    fused, g_fused = _loss_and_grads(model, batch, 13)
+    assert model.lm_head.weight.grad is None and "lm_head.weight" not in g_fused
+    assert torch.allclose(plain, fused, rtol=1e-5) and g_plain.keys() == g_fused.keys()
+    for name in g_plain:
+        assert torch.allclose(g_plain[name], g_fused[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_bf16_weights_get_bf16_gradients_close_to_plain(tiny_tokenizer):
+    model = make_tiny_llama(tiny_tokenizer).to(torch.bfloat16)
+    batch = _batch(len(tiny_tokenizer), length=32)
+    plain, g_plain = _loss_and_grads(model, batch, 0)
+    fused, g_fused = _loss_and_grads(model, batch, 8)
+    assert torch.allclose(plain.float(), fused.float(), rtol=1e-2)
+    for name, g in g_plain.items():
+        assert g_fused[name].dtype == torch.bfloat16
+        assert (g_fused[name].float() - g.float()).norm() <= 0.05 * g.float().norm() + 1e-6, name
+
+
+def test_fused_loss_without_grad_equals_plain(tiny_tokenizer):
+    model = make_tiny_llama(tiny_tokenizer).eval()
+    batch = _batch(len(tiny_tokenizer))
+    with torch.no_grad():
+        assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=9), rtol=1e-5)
+
+
+def _scaled_logits(model):
+    original = model.forward
+
+    def scaled_forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+    model.forward = scaled_forward
+    return model
+
+
+def test_auto_falls_back_to_the_plain_loss_where_fused_cannot_serve(tiny_tokenizer, caplog):
+    import logging
+
+    model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))
+    batch = _batch(len(tiny_tokenizer), length=8)
+    auto = LossFn(4, fallback=True)
+    with caplog.at_level(logging.INFO, logger="onegpu"):
+        loss = auto(model, batch)
+    assert not auto.fused and "using the plain loss" in caplog.text
+    assert torch.allclose(loss, loss_sum(model, batch))  # the model's own (scaled) logits
+    with pytest.raises(UnavailableError, match="techniques.loss=plain"):
+        LossFn(4, fallback=False)(model, batch)
+
+
+def test_loss_setting_resolution():
+    tc = TechniquesConfig
+    assert LossFn.for_run(tc(), vocab=4096, on_gpu=False, sharded=False).chunk_size == auto_chunk(4096, False) == 512
+    assert LossFn.for_run(tc(loss_chunk_size=100), 4096, False, False).chunk_size == 100
+    assert not LossFn.for_run(tc(loss="plain"), 4096, False, False).fused
+    assert not LossFn.for_run(tc(), 4096, True, sharded=True).fused  # FSDP2 / ZeRO-3: plain
+    with pytest.raises(ConfigError, match="shards them"):
+        LossFn.for_run(tc(loss="fused"), 4096, True, sharded=True)
+    with pytest.raises(ConfigError, match="techniques.loss=plain"):
+        validate(from_dict({"techniques": {"loss": "plain", "loss_chunk_size": 64}}))
+    assert auto_chunk(128256, on_gpu=True) == 256 and auto_chunk(128256, on_gpu=False) == 32
+    assert Config().techniques.loss == "auto"
+
+
+def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_file):
+    from onegpu import assemble, hardware
+    from onegpu.config import from_dict
+
+    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
+                     "output": {"dir": str(tmp_path)}})
+    run = assemble.Run(cfg, hardware.detect(), tmp_path / "run", str(tiny_model_dir), "fp32")
+    assemble.build_data(run)
+    assemble.build_model(run)
+    assert run.loss_fn.fused and run.loss_fn.chunk_size == auto_chunk(len(run.tokenizer), False)

@@ -18,8 +18,8 @@ from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noq
 def oom_above(limit: int, real_make):
     """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above `limit`."""
 
-    def make(tcfg):
-        fn = real_make(tcfg)
+    def make(*args):
+        fn = real_make(*args)
 
         def loss(model, batch):
             if model.training and batch["input_ids"].shape[0] > limit:
@@ -34,8 +34,8 @@ def oom_above(limit: int, real_make):
 def nan_at(steps: set, real_make, grad_accum: int = 1):
     """A make_loss_fn whose loss is NaN during the given optimizer steps (1-based)."""
 
-    def make(tcfg):
-        fn = real_make(tcfg)
+    def make(*args):
+        fn = real_make(*args)
         calls = {"n": 0}
 
         def loss(model, batch):

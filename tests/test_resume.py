@@ -134,8 +134,8 @@ def test_stop_mid_accumulation_cycle_restarts_the_cycle(tmp_path, tiny_model_dir
     calls = {"n": 0}
     real = assemble.make_loss_fn
 
-    def interrupting(tcfg):
-        fn = real(tcfg)
+    def interrupting(*args):
+        fn = real(*args)
 
         def loss(model, batch):
             calls["n"] += model.training

@@ -143,8 +143,23 @@ def build_model(run: Run) -> None:
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
     check_model_settings(run, model)
-    run.model = prepare_model(model, cfg.techniques, run.device)
-    run.loss_fn = make_loss_fn(cfg.techniques)
+    run.model = prepare_model(model, resolved_techniques(cfg, run.device.type), run.device)
+    run.loss_fn = make_loss_fn(cfg, getattr(model.config, "vocab_size", 0) or 0, run.device.is_gpu)
+
+
+def resolved_techniques(cfg: Config, device_type: str):
+    """cfg.techniques with compile=auto settled for this run. When auto chose to compile, a
+    compiler failure falls back to eager code with a warning instead of stopping the run."""
+    import dataclasses
+
+    from onegpu.techniques.compile import resolve_compile
+
+    mode = resolve_compile(cfg, device_type)
+    if cfg.techniques.compile == "auto" and mode != "off":
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True
+    return dataclasses.replace(cfg.techniques, compile=mode)
 
 
 def check_model_settings(run: Run, model) -> None:
@@ -159,12 +174,11 @@ def check_model_settings(run: Run, model) -> None:
                  run.precision, run.device)
 
 
-def make_loss_fn(tcfg):
-    import functools
+def make_loss_fn(cfg: Config, vocab: int, on_gpu: bool):
+    from onegpu import distributed
+    from onegpu.techniques.loss import LossFn
 
-    from onegpu.techniques.loss import loss_sum
-
-    return functools.partial(loss_sum, chunk_size=tcfg.loss_chunk_size)
+    return LossFn.for_run(cfg.techniques, vocab, on_gpu, distributed.shards_weights(cfg))
 
 
 def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):

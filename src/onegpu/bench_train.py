@@ -140,7 +140,7 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
             needs=_module("bitsandbytes")),
         Arm("preload", "Data preloading", {"data.num_workers": 2, "data.pin_memory": True}),
         Arm("compile", "torch.compile", {"techniques.compile": "default"}, needs=_compiler),
-        Arm("chunked-loss", "Chunked cross-entropy", {"techniques.loss_chunk_size": 1024}),
+        Arm("plain-loss", "Plain cross-entropy (full logits, not fused)", {"techniques.loss": "plain"}),
         Arm("padding-free", "Packing instead of padding", {"techniques.padding_free": True}, needs=_padded),
         Arm("lora", "PEFT (LoRA)", {"techniques.lora.enabled": True}, needs=_module("peft")),
         Arm("qlora", "PEFT (QLoRA, nf4 base)", {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
@@ -153,8 +153,8 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
     ]
 
 
-BEST = {"cpu": ["batch-size", "adamw-fused"],
-        "cuda": ["batch-size", "bf16", "tf32", "flash", "adamw-fused", "compile", "chunked-loss"]}
+BEST = {"cpu": ["batch-size", "adamw-fused", "compile"],
+        "cuda": ["batch-size", "bf16", "tf32", "flash", "adamw-fused", "compile"]}
 
 
 def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:

@@ -147,15 +147,20 @@ class TechniquesConfig:
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adafactor", "adamw-8bit",
                        "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao", "sgd"] = "adamw"
     """Optimizer. adamw picks the fastest available torch implementation."""
-    compile: Literal["off", "default", "max-autotune", "reduce-overhead"] = "off"
-    """torch.compile mode."""
+    compile: Literal["auto", "off", "default", "max-autotune", "reduce-overhead"] = "auto"
+    """torch.compile mode. auto = default where it pays: a run of 50+ steps, a compiler for the
+    device (g++ on CPU, triton on GPU), no quantized base or DeepSpeed offload; else off."""
     compile_backend: str = "inductor"
     """torch.compile backend."""
     compile_regional: bool = True
     """Compile each decoder block separately (fast compile, same speed) instead of the whole model."""
+    loss: Literal["auto", "fused", "plain"] = "auto"
+    """Cross-entropy. fused: the output head and the loss run loss_chunk_size tokens at a time with
+    their gradients taken in the forward, so the full (tokens x vocab) logits never exist (faster,
+    far less memory). plain: the model's full logits, then the loss. auto: fused wherever the model
+    allows it (the head weights not sharded, its logits reproducible), plain otherwise."""
     loss_chunk_size: int = 0
-    """Compute the cross-entropy over this many tokens at a time so full-vocabulary fp32 logits
-    are never materialised (0 = plain loss)."""
+    """Tokens per chunk of the fused loss (0 = from the vocabulary size and the device)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Parameter-efficient fine-tuning."""
     offload: Literal["none", "zero2-cpu", "zero3-cpu", "zero3-nvme"] = "none"
@@ -257,6 +262,9 @@ def _check_conflicts(cfg: Config) -> None:
     if tech.lora.quantize_base != "none" and not tech.lora.enabled:
         raise ConfigError(f"techniques.lora.quantize_base={tech.lora.quantize_base} needs LoRA: a quantized base "
                           "cannot be trained directly.", hint="add --techniques.lora.enabled true")
+    if tech.loss == "plain" and tech.loss_chunk_size:
+        raise ConfigError(f"techniques.loss_chunk_size={tech.loss_chunk_size} sets the fused loss's chunks, but "
+                          "techniques.loss=plain.", hint="drop techniques.loss_chunk_size, or set techniques.loss=fused")
     if out.resume and out.overwrite:
         raise ConfigError("output.resume and output.overwrite contradict each other (continue the run vs "
                           "start it again).", hint="drop one of --output.resume / --output.overwrite")

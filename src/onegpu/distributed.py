@@ -63,6 +63,15 @@ def strategy(cfg: Config, world: int | None = None) -> str:
     return "ddp" if chosen == "auto" else chosen
 
 
+def shards_weights(cfg: Config, world: int | None = None) -> bool:
+    """The weights themselves are split across processes (FSDP2, ZeRO-3): code outside the
+    model's forward cannot use them as plain tensors."""
+    from onegpu.techniques.offload import zero_stage
+
+    chosen = strategy(cfg, world)
+    return chosen == "fsdp2" or (chosen == "deepspeed" and zero_stage(cfg) == 3)
+
+
 def global_accum(cfg: Config, world: int | None = None) -> int:
     """Micro-batches per optimizer step summed over all processes."""
     world = world_size() if world is None else world

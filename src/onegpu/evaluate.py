@@ -21,7 +21,9 @@ def evaluate(run, accelerator) -> float | None:
     model = run.model
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), 0
-    with torch.no_grad():
+    # Compiled blocks run eagerly here: a handful of batches does not repay compiling the
+    # no-grad variant of every block (another full compile on a CPU).
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
             count += count_targets(batch["labels"])
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}

@@ -36,7 +36,8 @@ def build(config, c: Candidate):
     model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation="sdpa")
     model = model.cuda().train()
     tcfg = TechniquesConfig(precision=c.precision, checkpointing=c.checkpointing, checkpointing_every=c.every,
-                            optimizer=c.optimizer, loss_chunk_size=c.loss_chunk, compile=c.compile,
+                            optimizer=c.optimizer, loss="fused" if c.loss_chunk else "plain",
+                            loss_chunk_size=c.loss_chunk, compile=c.compile,
                             lora=LoraConfig(enabled=bool(c.lora_rank), r=c.lora_rank or 16))
     model = prepare_model(model, tcfg, detect())
     return model, build_optimizer(model, tcfg, TrainingConfig())

@@ -15,7 +15,7 @@ class Candidate:
     precision: str = "fp32"  # fp32, fp16, bf16 (autocast, fp32 weights) or bf16-pure
     checkpointing: str = "off"  # off, every-n, full, offload
     optimizer: str = "adamw"
-    loss_chunk: int = 0
+    loss_chunk: int = 0  # tokens per chunk of the fused loss; 0 = the plain loss
     compile: str = "off"
     lora_rank: int = 0  # 0 = full fine-tuning
     quantize_base: str = "none"  # none, nf4, int8 (LoRA only)
@@ -40,7 +40,7 @@ class Candidate:
             parts.append("ckpt-" + (f"every{self.every}" if self.checkpointing == "every-n" else self.checkpointing))
         parts.append(self.optimizer)
         if self.loss_chunk:
-            parts.append(f"chunk{self.loss_chunk}")
+            parts.append(f"fused-loss{self.loss_chunk}")
         if self.compile != "off":
             parts.append("compile")
         if self.lora_rank:
@@ -56,15 +56,11 @@ class Candidate:
         t = out.techniques
         t.precision, t.checkpointing, t.checkpointing_every = self.precision, self.checkpointing, self.every
         t.optimizer, t.loss_chunk_size, t.compile, t.offload = self.optimizer, self.loss_chunk, self.compile, self.offload
+        # A fused candidate keeps loss=auto where it was asked (a model without support falls back).
+        t.loss = "plain" if not self.loss_chunk else ("fused" if t.loss == "plain" else t.loss)
         t.lora.enabled = bool(self.lora_rank)
         if self.lora_rank:
             t.lora.r, t.lora.quantize_base = self.lora_rank, self.quantize_base
         out.plan = "off"  # the result is a concrete setup, not a request to plan again
         return out
 
-    @classmethod
-    def from_config(cls, cfg: Config, precision: str) -> "Candidate":
-        t = cfg.techniques
-        return cls(cfg.training.micro_batch_size, cfg.training.grad_accum, precision, t.checkpointing,
-                   t.optimizer, t.loss_chunk_size, t.compile, t.lora.r if t.lora.enabled else 0,
-                   t.lora.quantize_base if t.lora.enabled else "none", t.offload, t.checkpointing_every)

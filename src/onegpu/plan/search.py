@@ -1,7 +1,7 @@
 """Search: enumerate setups, drop those that do not fit, rank the rest by predicted tokens/s.
 
 Setups come in tiers. Tier 0 keeps the training math of the user's config (batch split,
-checkpointing, precision, chunked loss, compile); later tiers change what is trained or how the
+checkpointing, precision, fused loss, compile); later tiers change what is trained or how the
 optimizer works, and are only searched when no earlier tier fits: a memory-saving optimizer, then
 LoRA, then QLoRA, then DeepSpeed offload as the last resort.
 """
@@ -71,8 +71,7 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
 
     t = cfg.techniques
     on_gpu = spec.key != "CPU"
-    chunks = [0] + ([4096] if shape.vocab >= 32000 else [])
-    compiles = ["off", "default"] if on_gpu else ["off"]
+    compiles = _compiles(cfg, on_gpu)
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
     lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
     if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
@@ -81,10 +80,32 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     quant = "nf4" if tier == 3 else quant
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
     out = []
-    for mb, (prec, opt), ck, chunk, comp, off in itertools.product(
-            micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, chunks, compiles, offloads):
+    for mb, (prec, opt), ck, comp, off in itertools.product(
+            micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, compiles, offloads):
+        chunk = loss_chunk(cfg, shape.vocab, on_gpu, off)
         out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off, t.checkpointing_every))
     return out
+
+
+def _compiles(cfg: Config, on_gpu: bool) -> list[str]:
+    """Compile settings to try: both on a GPU when left to auto (the probe measures which pays);
+    on a CPU, what auto settles to (its compile time is long against the gain)."""
+    from onegpu.techniques.compile import resolve_compile
+
+    if cfg.techniques.compile != "auto":
+        return [cfg.techniques.compile]
+    return ["off", "default"] if on_gpu else [resolve_compile(cfg, "cpu")]
+
+
+def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
+    """The loss a candidate trains with, as training would resolve techniques.loss: the fused loss
+    (faster and leaner than the plain one) unless asked otherwise or the weights are sharded."""
+    from onegpu.techniques.fused_loss import auto_chunk
+
+    t = cfg.techniques
+    if t.loss == "plain" or (t.loss == "auto" and offload.startswith("zero3")):
+        return 0
+    return t.loss_chunk_size or auto_chunk(vocab, on_gpu)
 
 
 def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str]]:

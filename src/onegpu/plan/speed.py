@@ -53,9 +53,7 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
     head = 2 * shape.hidden * shape.vocab
     total += frac * (2 * (n - head) + attn_fwd)  # recompute the checkpointed blocks' forward
-    if c.loss_chunk:
-        total += head  # the chunked loss recomputes the head matmul in backward
-    return float(total)
+    return float(total)  # the fused loss computes its gradients in the forward: no recompute
 
 
 def calibration_path():

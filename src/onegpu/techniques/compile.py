@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import logging
 
-from onegpu.config import TechniquesConfig
+from onegpu.config import Config, TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
 
 log = logging.getLogger(__name__)
+
+# Below this many steps a first compile (~20 s of C++ on a CPU, ~1 min on a GPU for a 1B model;
+# seconds once inductor's cache is warm) costs more than a short run gains.
+AUTO_MIN_STEPS = 50
 
 # Modes only inductor understands; other backends take options through their own mechanisms.
 _INDUCTOR_MODES = {"default": None, "max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead"}
@@ -41,9 +45,46 @@ def compile_kwargs(tcfg: TechniquesConfig, device_type: str = "cuda") -> dict:
     return kwargs
 
 
+def resolve_compile(cfg: Config, device_type: str) -> str:
+    """The compile mode a run uses: techniques.compile, with auto settled to "default" or "off"."""
+    t = cfg.techniques
+    if t.compile != "auto":
+        return t.compile
+    reason = _auto_off_reason(cfg, device_type)
+    if reason:
+        log.info("techniques.compile=auto: not compiling (%s)", reason)
+        return "off"
+    return "default"
+
+
+def _auto_off_reason(cfg: Config, device_type: str) -> str | None:
+    import shutil
+
+    t = cfg.techniques
+    if cfg.training.max_steps < AUTO_MIN_STEPS:
+        return f"a {cfg.training.max_steps}-step run: compiling would take longer than it saves"
+    if t.offload != "none" or t.checkpointing == "offload":
+        return "offloaded state moves between devices every step; compiled code gains little there"
+    if t.lora.enabled and t.lora.quantize_base != "none":
+        return "bitsandbytes-quantized layers break the graph into pieces"
+    if t.compile_backend != "inductor":
+        return f"backend {t.compile_backend} is only used when asked for (techniques.compile=default)"
+    if device_type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+        return "no C++ compiler (g++) for inductor's CPU kernels"
+    if device_type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+    elif device_type != "cpu":
+        return f"not tried on {device_type} devices"
+    return None
+
+
 def apply_compile(model, tcfg: TechniquesConfig, device_type: str = "cuda"):
-    """Compile ``model`` in place (whole, or each decoder block); returns the model."""
-    if tcfg.compile == "off":
+    """Compile ``model`` in place (whole, or each decoder block); returns the model. An unresolved
+    "auto" (see resolve_compile) compiles nothing."""
+    if tcfg.compile in ("off", "auto"):
         return model
     kwargs = compile_kwargs(tcfg, device_type)
     blocks = _blocks(model) if tcfg.compile_regional else []

@@ -3,18 +3,21 @@ of the whole accumulated batch (transformers#34191: per-micro-batch means weight
 
 With ``chunk_size > 0`` the full-vocabulary logits are never materialised (transformers#30860):
 the model runs with ``logits_to_keep=1``, the final hidden states are taken from its decoder, and
-the output head + cross-entropy run over ``chunk_size`` tokens at a time under checkpointing, so
-backward recomputes one chunk's logits at a time instead of keeping (tokens x vocab) fp32 floats.
+the output head + cross-entropy run fused, ``chunk_size`` tokens at a time (see fused_loss.py).
 
 Mixture-of-Experts models add their router load-balancing loss (see ``moe_aux_term``).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from onegpu.errors import UnavailableError
+
+log = logging.getLogger(__name__)
 
 IGNORE = -100
 
@@ -52,6 +55,45 @@ def loss_sum(model, batch: dict, chunk_size: int = 0) -> torch.Tensor:
     return loss + moe_aux_term(model, out, labels)
 
 
+class LossFn:
+    """The run's ``(model, batch) -> summed loss``, from techniques.loss / loss_chunk_size.
+
+    With loss=auto a model the fused loss cannot serve (no logits_to_keep, logits it cannot
+    reproduce) falls back to the plain loss on the first batch, once, with a log line; with
+    loss=fused the same is an error.
+    """
+
+    def __init__(self, chunk_size: int, fallback: bool = False):
+        self.chunk_size, self.fallback = chunk_size, fallback
+
+    @classmethod
+    def for_run(cls, tcfg, vocab: int, on_gpu: bool, sharded: bool) -> "LossFn":
+        from onegpu.errors import ConfigError
+        from onegpu.techniques.fused_loss import auto_chunk
+
+        if tcfg.loss == "plain" or (tcfg.loss == "auto" and sharded):
+            return cls(0)
+        if sharded:
+            raise ConfigError("techniques.loss=fused needs the output head's weights whole in every process, "
+                              "but FSDP2 / DeepSpeed ZeRO-3 shards them.", hint="set techniques.loss=auto (or plain)")
+        return cls(tcfg.loss_chunk_size or auto_chunk(vocab, on_gpu), fallback=tcfg.loss == "auto")
+
+    @property
+    def fused(self) -> bool:
+        return self.chunk_size > 0
+
+    def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.chunk_size:
+            try:
+                return loss_sum(model, batch, self.chunk_size)
+            except UnavailableError as exc:
+                if not self.fallback:
+                    raise
+                log.info("fused loss unavailable, using the plain loss: %s", exc.message)
+                self.chunk_size = 0
+        return loss_sum(model, batch)
+
+
 # ------------------------------------------------------------------------------ mixture of experts
 def enable_router_aux_loss(model) -> bool:
     """Make MoE models return their load-balancing loss (off by default in their configs)."""
@@ -78,19 +120,14 @@ def moe_aux_term(model, out, labels: torch.Tensor) -> torch.Tensor | float:
 
 # ------------------------------------------------------------------------------- chunked loss
 def _chunked_forward(model, batch: dict, labels: torch.Tensor, chunk_size: int):
-    from torch.utils.checkpoint import checkpoint
+    from onegpu.techniques.fused_loss import fused_head_loss
 
     out, hidden, amp = _run_keeping_hidden(model, batch)
     head = _Head(model)
     head.verify(hidden[:, -1:], out.logits, amp)
     keep = labels != IGNORE
     h = hidden[:, :-1][keep]  # only the positions that have a target
-    y = labels[keep]
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, y.numel(), chunk_size):
-        sl = slice(start, start + chunk_size)
-        total = total + checkpoint(head.chunk_loss, h[sl], y[sl], amp, use_reentrant=False)
-    return out, total
+    return out, fused_head_loss(head, h, labels[keep], chunk_size, amp)
 
 
 def _run_keeping_hidden(model, batch: dict):
@@ -103,12 +140,12 @@ def _run_keeping_hidden(model, batch: dict):
         except TypeError as exc:  # custom model code without the argument
             if "logits_to_keep" not in str(exc):
                 raise
-            raise UnavailableError(f"techniques.loss_chunk_size: {type(model).__name__} cannot skip computing "
+            raise UnavailableError(f"techniques.loss=fused: {type(model).__name__} cannot skip computing "
                                    "its full logits (no logits_to_keep argument).",
-                                   hint="set techniques.loss_chunk_size=0 for this model") from None
+                                   hint="set techniques.loss=plain for this model") from None
         if "hidden" not in captured:
-            raise UnavailableError(f"techniques.loss_chunk_size: cannot reach the final hidden states of "
-                                   f"{type(model).__name__}.", hint="set techniques.loss_chunk_size=0 for this model")
+            raise UnavailableError(f"techniques.loss=fused: cannot reach the final hidden states of "
+                                   f"{type(model).__name__}.", hint="set techniques.loss=plain for this model")
         return out, captured["hidden"], captured["amp"]
     finally:
         captured.clear()  # do not keep the last batch's activations alive between steps
@@ -120,7 +157,7 @@ def _capture_slot(model) -> dict:
     The hook is registered once and left in place: a hook added per call would change the module's
     hooks each step and make a compiled model recompile every time.
     """
-    decoder = model.get_decoder()
+    decoder = _unwrap(model).get_decoder()
     slot = getattr(decoder, "_onegpu_hidden", None)
     if slot is not None:
         return slot
@@ -137,11 +174,16 @@ def _capture_slot(model) -> dict:
     return slot
 
 
+def _unwrap(model):
+    """The model inside a DistributedDataParallel wrapper (which has no get_decoder)."""
+    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 class _Head:
     """The model's output head, with the logit scaling / soft-capping its config declares."""
 
     def __init__(self, model):
-        self.model = model
+        self.model = model = _unwrap(model)
         self.linear = model.get_output_embeddings()
         cfg = model.config
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -158,11 +200,9 @@ class _Head:
             z = torch.tanh(z / self.softcap) * self.softcap
         return z
 
-    def chunk_loss(self, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
-        device_type, enabled, dtype = amp
-        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            z = self.logits(h)
-        return F.cross_entropy(z.float(), y, reduction="sum")
+    def parameters(self):
+        """What the logits depend on besides the hidden states (the head's weight, adapters)."""
+        return self.linear.parameters()
 
     @torch.no_grad()
     def verify(self, h_last: torch.Tensor, model_logits: torch.Tensor, amp) -> None:
@@ -176,7 +216,7 @@ class _Head:
         theirs = model_logits[:, -1:].float()
         tol = 1e-4 if h_last.dtype == torch.float32 and not enabled else 2e-2
         if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=tol, atol=tol * 10):
-            raise UnavailableError(f"techniques.loss_chunk_size: {type(self.model).__name__} transforms its "
-                                   "logits in a way the chunked loss cannot reproduce.",
-                                   hint="set techniques.loss_chunk_size=0 for this model")
+            raise UnavailableError(f"techniques.loss=fused: {type(self.model).__name__} transforms its "
+                                   "logits in a way the fused loss cannot reproduce.",
+                                   hint="set techniques.loss=plain for this model")
         self.model._onegpu_head_verified = True

@@ -1,0 +1,82 @@
+"""Fused output head + cross-entropy ("fused linear cross-entropy", as in Liger-Kernel and Unsloth).
+
+The plain loss writes (tokens x vocab) fp32 logits, log-softmax writes a second tensor of that size,
+and backward two more: gigabytes at a 128k vocabulary, and most of a small model's memory traffic.
+Here the head runs over ``chunk`` tokens at a time and each chunk's gradients (for the hidden
+states and the head's trainable parameters) are taken at once, in the forward, while that chunk's
+logits are still in cache. Backward only scales the stored gradients by the incoming one. Nothing
+is recomputed (unlike a checkpointed chunked loss), and one chunk's logits are the most that ever
+exist. Measured on the `tiny` preset on a CPU: head + loss ~1.6x faster, whole step ~1.2x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Logits per chunk. A CPU wants a chunk that stays in its last-level cache (8 MB of fp32 at this
+# size: 256 tokens at a 8k vocabulary measured fastest); a GPU wants matmuls large enough to fill it.
+CPU_CHUNK_ELEMENTS = 2**21
+GPU_CHUNK_ELEMENTS = 2**25
+
+
+def auto_chunk(vocab: int, on_gpu: bool) -> int:
+    """Tokens per chunk for this vocabulary: a power of two near the target logits per chunk."""
+    target = GPU_CHUNK_ELEMENTS if on_gpu else CPU_CHUNK_ELEMENTS
+    lo, hi = (128, 8192) if on_gpu else (32, 4096)
+    tokens = max(lo, min(hi, target // max(vocab, 1)))
+    return 1 << (tokens.bit_length() - 1)
+
+
+def fused_head_loss(head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp) -> torch.Tensor:
+    """Summed cross-entropy of ``head.logits(h)`` against ``y`` (rows of h: tokens that have a
+    target), computed ``chunk`` tokens at a time. ``head.parameters()`` are the tensors the logits
+    depend on; those that require grad get their gradient here."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (h.requires_grad or params):
+        with torch.no_grad():  # evaluation: the loss alone, still one chunk of logits at a time
+            return sum((_chunk_loss(head, h[s: s + chunk], y[s: s + chunk], amp)
+                        for s in range(0, y.numel(), chunk)), h.new_zeros((), dtype=torch.float32))
+    return _FusedHeadLoss.apply(head, chunk, amp, h, y, *params)
+
+
+def _chunk_loss(head, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
+    device_type, enabled, dtype = amp
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        z = head.logits(h)
+    return F.cross_entropy(z.float(), y, reduction="sum")
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, head, chunk: int, amp, h, y, *params):
+        want_h = ctx.needs_input_grad[3]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:]) if need]
+        grad_h = torch.empty_like(h) if want_h else None
+        # Sums over chunks in fp32 whatever the parameters' dtype (bf16 sums would lose precision).
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in wanted]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        with torch.enable_grad():
+            for start in range(0, y.numel(), chunk):
+                sl = slice(start, start + chunk)
+                hc = h[sl].detach().requires_grad_(want_h)
+                loss = _chunk_loss(head, hc, y[sl], amp)
+                grads = torch.autograd.grad(loss, ([hc] if want_h else []) + wanted)
+                if want_h:
+                    grad_h[sl] = grads[0]
+                for acc, g in zip(sums, grads[int(want_h):]):
+                    acc.add_(g)
+                total += loss.detach()
+        ctx.grad_h = grad_h
+        ctx.grad_params = [s.to(p.dtype) if s.dtype != p.dtype else s for s, p in zip(sums, wanted)]
+        ctx.wanted = [need for need in ctx.needs_input_grad[5:]]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # The stored gradients are used once: scale them in place rather than allocate copies.
+        grad_h = ctx.grad_h.mul_(grad_out.to(ctx.grad_h.dtype)) if ctx.grad_h is not None else None
+        found = iter(g.mul_(grad_out.to(g.dtype)) for g in ctx.grad_params)
+        params = [next(found) if need else None for need in ctx.wanted]
+        ctx.grad_h = ctx.grad_params = None
+        return (None, None, None, grad_h, None, *params)
