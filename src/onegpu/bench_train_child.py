@@ -190,7 +190,8 @@ def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
                tokens_seen=sum(per_step[: trainer.state.global_step]),
                evidence={"optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
                          "fused": bool(opt.defaults.get("fused")), "precision": "bf16" if args.bf16 else
-                         ("fp16" if args.fp16 else "fp32"), "workers": args.dataloader_num_workers})
+                         ("fp16" if args.fp16 else "fp32"), "workers": args.dataloader_num_workers,
+                         "compiled": bool(args.torch_compile)})
     return out
 
 

@@ -217,9 +217,11 @@ def fit(run: assemble.Run, accelerator, metrics: MetricsLog, state: TrainState |
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.max_steps:
                 evaluate_and_log(run, accelerator, metrics, state)
                 model.train()
+                window["t0"] = time.perf_counter()  # training speed leaves evaluation out
             if (t.save_every and state.step % t.save_every == 0) or stop.requested:
                 save(run, accelerator, state)
                 last_saved = state.step
+                window["t0"] = time.perf_counter()
         if stop.requested:
             state.stopped = stop.received
             if last_saved != state.step:  # an interrupted cycle restarts from its first micro-batch
@@ -277,7 +279,10 @@ def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tu
            "lr": float(run.scheduler.get_last_lr()[0]), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
            "tokens_seen": state.tokens_seen, "memory_gb": device_memory_gb(run.device)}
     metrics.write(rec)
-    run.extras["tokens_per_second"] = rec["tokens_per_s"]
+    # The run's figure: all training windows together (the log shows each window's own).
+    run.extras["timed_tokens"] = run.extras.get("timed_tokens", 0) + window["tokens"]
+    run.extras["timed_seconds"] = run.extras.get("timed_seconds", 0.0) + elapsed
+    run.extras["tokens_per_second"] = run.extras["timed_tokens"] / max(run.extras["timed_seconds"], 1e-9)
     if bar is not None:
         bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                         mem=f"{rec['memory_gb']:.2f}GB", refresh=False)
