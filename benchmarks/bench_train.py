@@ -30,10 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-# The default job's shape (tiny preset, 16 x 256 tokens a step). 24 steps keep the sweep near 20
-# minutes; that is too short for techniques.compile=auto, so the baseline here runs uncompiled and
-# the compile arm shows what compiling adds.
-CPU = ["--model", "tiny", "--seq_len", "256", "--micro_batch_size", "16", "--grad_accum", "1", "--steps", "24",
+# The default job's tokens per step (tiny preset, 16 x 256), split 8 x 2 so that the batch-size
+# arm (16 x 1) and the accumulation arm (2 x 8) each change something. 24 steps keep the sweep near
+# 20 minutes; that is too short for techniques.compile=auto, so the baseline here runs uncompiled
+# and the compile arm shows what compiling adds.
+CPU = ["--model", "tiny", "--seq_len", "256", "--micro_batch_size", "8", "--grad_accum", "2", "--steps", "24",
        "--warmup_steps", "4", "--reps", "3", "--max_seconds", "150"]
 # The default job's shape (tiny preset, 16 x 256 tokens a step), long enough (60 steps) that
 # techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed steps.
