@@ -32,6 +32,9 @@ class ProfileConfig(BenchTrainConfig):
     """Operators listed per loop."""
     output: str = "benchmarks/results/train-cpu-profile.md"
     """Markdown summary written here."""
+    compile: Literal["auto", "default", "off"] = "default"
+    """Our loop's techniques.compile. default: compiled, as a default run of 50+ steps is (auto
+    would not compile a profile this short)."""
 
 
 def profile_loop(kind: str, cfg: ProfileConfig, tmp: str):
@@ -44,7 +47,7 @@ def profile_loop(kind: str, cfg: ProfileConfig, tmp: str):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     active = cfg.steps - cfg.warmup_steps
     spec = {"arm": "hf-trainer" if kind == "hf" else "baseline", "kind": kind, "rep": 0,
-            "config": apply_overrides(base_config(cfg, tmp), {"output.name": kind}),
+            "config": apply_overrides(base_config(cfg, tmp), {"output.name": kind, "techniques.compile": cfg.compile}),
             "warmup_steps": cfg.warmup_steps, "budget_s": cfg.max_seconds}
     captured = []  # the recorded window's statistics, handed over when it closes
     with profile(activities=acts, schedule=schedule(wait=0, warmup=cfg.warmup_steps, active=active),

@@ -1,4 +1,4 @@
-"""GPU paths of precision, attention kernels, compile, checkpointing offload and the chunked loss
+"""GPU paths of precision, attention kernels, compile, checkpointing offload and the fused loss
 (skipped without a CUDA GPU)."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_checkpointing_modes_hold_less_gpu_memory(tiny_tokenizer):
     assert held["offload"] < held["full"] < held["every-n"] < held["off"]
 
 
-def test_chunked_loss_lowers_gpu_peak(tiny_tokenizer):
+def test_fused_loss_lowers_gpu_peak(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer, vocab_size=32768, num_hidden_layers=1).cuda()
     batch = _batch(tiny_tokenizer, n=4, length=512)
     peaks = {}
@@ -151,3 +151,19 @@ def test_chunked_loss_lowers_gpu_peak(tiny_tokenizer):
         peaks[chunk] = torch.cuda.max_memory_allocated() - base
     logits_bytes = 4 * 512 * 32768 * 4
     assert peaks[1024] < peaks[0] - logits_bytes
+
+
+def test_fused_loss_under_bf16_autocast_matches_plain(tiny_tokenizer):
+    """As Accelerate runs it: the model's forward under bf16 autocast, the fused head chunks too."""
+    model = make_tiny_llama(tiny_tokenizer, vocab_size=32768, num_hidden_layers=2).cuda()
+    model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
+    batch = _batch(tiny_tokenizer, n=2, length=256)
+    grads = {}
+    for chunk in (0, 256):
+        model.zero_grad(set_to_none=True)
+        loss = loss_sum(model, batch, chunk_size=chunk)
+        loss.backward()
+        grads[chunk] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
+    assert torch.allclose(grads[0][0], grads[256][0], rtol=2e-2)
+    for name, g in grads[0][1].items():
+        assert (grads[256][1][name] - g).norm() <= 0.05 * g.norm() + 1e-6, name
