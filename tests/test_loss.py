@@ -11,7 +11,8 @@ from conftest import make_tiny_llama
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.techniques.fused_loss import auto_chunk
-from onegpu.techniques.loss import IGNORE, LossFn, count_targets, loss_sum, model_inputs
+from onegpu.techniques.loss import (IGNORE, TARGETS, LossFn, count_targets, loss_sum, model_inputs, select_targets,
+                                   with_target_positions)
 
 
 def _batch(vocab, n=2, length=48, masked_prefix=5):
@@ -212,3 +213,20 @@ def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_fil
     assemble.build_data(run)
     assemble.build_model(run)
     assert run.loss_fn.fused and run.loss_fn.chunk_size == auto_chunk(len(run.tokenizer), False)
+
+
+def test_target_positions_from_the_host_select_the_same_rows(tiny_tokenizer):
+    """The loop computes the target rows on the host (no device sync); they are the rows a
+    boolean mask would pick, and the loss and gradients do not change."""
+    batch = _batch(len(tiny_tokenizer), n=3, length=20, masked_prefix=4)
+    batch["labels"][1, 10:] = IGNORE  # a padded row
+    hidden = torch.randn(3, 20, 8)
+    h, y = select_targets(hidden, batch["labels"], with_target_positions(batch)[TARGETS])
+    keep = batch["labels"][:, 1:] != IGNORE
+    assert torch.equal(h, hidden[:, :-1][keep]) and torch.equal(y, batch["labels"][:, 1:][keep])
+    assert y.numel() == count_targets(batch["labels"])
+    model = make_tiny_llama(tiny_tokenizer)
+    without, g_without = _loss_and_grads(model, batch, 7)
+    with_pos, g_with = _loss_and_grads(model, with_target_positions(batch), 7)
+    assert torch.equal(without, with_pos)
+    assert all(torch.equal(g_without[n], g_with[n]) for n in g_without)

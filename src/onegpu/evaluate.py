@@ -6,7 +6,7 @@ import logging
 import math
 
 from onegpu import batches
-from onegpu.techniques.loss import count_targets
+from onegpu.techniques.loss import count_targets, with_target_positions
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def evaluate(run, accelerator) -> float | None:
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
             count += count_targets(batch["labels"])
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in with_target_positions(batch).items()}
             total += run.loss_fn(model, batch).float()
     return float(total) / max(count, 1)
 

@@ -18,7 +18,7 @@ from onegpu import assemble, batches, checkpoint, checkpoint_sharded, distribute
 from onegpu.config import Config, from_dict, redact, to_dict, validate
 from onegpu.evaluate import evaluate_and_log
 from onegpu.report import MetricsLog, device_memory_gb, plot_loss, print_summary, progress_bar
-from onegpu.techniques.loss import count_targets, loss_sum
+from onegpu.techniques.loss import count_targets, loss_sum, with_target_positions
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
         if i and should_stop is not None and should_stop():
             optimizer.zero_grad(set_to_none=True)
             raise recovery.StepInterrupted()
-        mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in mb.items()}
+        mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in with_target_positions(mb).items()}
         with distributed.accumulating(accelerator, model, last=i == len(micro) - 1):
             loss = loss_fn(model, mb) / max(n_targets, 1)
             distributed.backward(accelerator, loss)

@@ -167,3 +167,25 @@ def test_fused_loss_under_bf16_autocast_matches_plain(tiny_tokenizer):
     assert torch.allclose(grads[0][0], grads[256][0], rtol=2e-2)
     for name, g in grads[0][1].items():
         assert (grads[256][1][name] - g).norm() <= 0.05 * g.norm() + 1e-6, name
+
+
+def test_fused_loss_needs_no_host_sync(tiny_tokenizer):
+    """With the target rows computed on the host (as the training loop does), selecting them and
+    the fused head + loss run without a device-to-host sync."""
+    from onegpu.techniques.fused_loss import fused_head_loss
+    from onegpu.techniques.loss import TARGETS, _Head, select_targets, with_target_positions
+
+    model = make_tiny_llama(tiny_tokenizer).cuda()
+    cpu = with_target_positions(_batch(tiny_tokenizer, device="cpu"))
+    batch = {k: v.cuda() for k, v in cpu.items()}
+    hidden = torch.randn(*batch["input_ids"].shape, model.config.hidden_size, device="cuda", requires_grad=True)
+    amp = ("cuda", False, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h, y = select_targets(hidden, batch["labels"], batch[TARGETS])
+        loss = fused_head_loss(_Head(model), h, y, 64, amp)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert hidden.grad is not None and model.lm_head.weight.grad is not None

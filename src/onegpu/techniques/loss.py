@@ -20,6 +20,7 @@ from onegpu.errors import UnavailableError
 log = logging.getLogger(__name__)
 
 IGNORE = -100
+TARGETS = "target_positions"  # batch key: see with_target_positions
 
 
 def model_inputs(batch: dict) -> dict:
@@ -125,9 +126,26 @@ def _chunked_forward(model, batch: dict, labels: torch.Tensor, chunk_size: int):
     out, hidden, amp = _run_keeping_hidden(model, batch)
     head = _Head(model)
     head.verify(hidden[:, -1:], out.logits, amp)
-    keep = labels != IGNORE
-    h = hidden[:, :-1][keep]  # only the positions that have a target
-    return out, fused_head_loss(head, h, labels[keep], chunk_size, amp)
+    h, y = select_targets(hidden, batch["labels"], batch.get(TARGETS))
+    return out, fused_head_loss(head, h, y, chunk_size, amp)
+
+
+def with_target_positions(batch: dict) -> dict:
+    """The batch plus the flat positions whose next token is a target, computed here, on the host,
+    before the batch is copied to the device: the fused loss then selects those rows without a
+    device-to-host sync (a boolean-mask selection on a GPU waits for the count)."""
+    labels = batch["labels"]
+    b, t = (labels[:, 1:] != IGNORE).nonzero(as_tuple=True)
+    return {**batch, TARGETS: b * labels.size(1) + t}
+
+
+def select_targets(hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None):
+    """(hidden states, target tokens) of the positions that predict a target: row b*T+t of the
+    flattened hidden states predicts label b*T+t+1."""
+    if positions is None:
+        positions = with_target_positions({"labels": labels})[TARGETS].to(labels.device)
+    flat_h = hidden.reshape(-1, hidden.size(-1))
+    return flat_h.index_select(0, positions), labels.reshape(-1).index_select(0, positions + 1)
 
 
 def _run_keeping_hidden(model, batch: dict):
