@@ -98,14 +98,11 @@ def _compiles(cfg: Config, on_gpu: bool) -> list[str]:
 
 
 def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
-    """The loss a candidate trains with, as training would resolve techniques.loss: the fused loss
-    (faster and leaner than the plain one) unless asked otherwise or the weights are sharded."""
-    from onegpu.techniques.fused_loss import auto_chunk
+    """The loss a candidate trains with, as training resolves techniques.loss (ZeRO-3 offload
+    shards the head's weights, so it takes the plain loss)."""
+    from onegpu.techniques.loss import fused_chunk
 
-    t = cfg.techniques
-    if t.loss == "plain" or (t.loss == "auto" and offload.startswith("zero3")):
-        return 0
-    return t.loss_chunk_size or auto_chunk(vocab, on_gpu)
+    return fused_chunk(cfg.techniques, vocab, on_gpu, sharded=offload.startswith("zero3"))
 
 
 def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str]]:

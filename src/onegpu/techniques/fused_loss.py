@@ -48,35 +48,33 @@ def _chunk_loss(head, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
 
 
 class _FusedHeadLoss(torch.autograd.Function):
+    """``params`` are the head's trainable tensors (fused_head_loss passes only those)."""
+
     @staticmethod
     def forward(ctx, head, chunk: int, amp, h, y, *params):
         want_h = ctx.needs_input_grad[3]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:]) if need]
         grad_h = torch.empty_like(h) if want_h else None
         # Sums over chunks in fp32 whatever the parameters' dtype (bf16 sums would lose precision).
-        sums = [torch.zeros_like(p, dtype=torch.float32) for p in wanted]
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.enable_grad():
             for start in range(0, y.numel(), chunk):
                 sl = slice(start, start + chunk)
                 hc = h[sl].detach().requires_grad_(want_h)
                 loss = _chunk_loss(head, hc, y[sl], amp)
-                grads = torch.autograd.grad(loss, ([hc] if want_h else []) + wanted)
+                grads = torch.autograd.grad(loss, ([hc] if want_h else []) + list(params))
                 if want_h:
                     grad_h[sl] = grads[0]
                 for acc, g in zip(sums, grads[int(want_h):]):
                     acc.add_(g)
                 total += loss.detach()
         ctx.grad_h = grad_h
-        ctx.grad_params = [s.to(p.dtype) if s.dtype != p.dtype else s for s, p in zip(sums, wanted)]
-        ctx.wanted = [need for need in ctx.needs_input_grad[5:]]
+        ctx.grad_params = [s.to(p.dtype) for s, p in zip(sums, params)]  # no copy when already fp32
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         # The stored gradients are used once: scale them in place rather than allocate copies.
-        grad_h = ctx.grad_h.mul_(grad_out.to(ctx.grad_h.dtype)) if ctx.grad_h is not None else None
-        found = iter(g.mul_(grad_out.to(g.dtype)) for g in ctx.grad_params)
-        params = [next(found) if need else None for need in ctx.wanted]
+        grads = [g.mul_(grad_out.to(g.dtype)) if g is not None else None for g in (ctx.grad_h, *ctx.grad_params)]
         ctx.grad_h = ctx.grad_params = None
-        return (None, None, None, grad_h, None, *params)
+        return (None, None, None, grads[0], None, *grads[1:])

@@ -45,7 +45,7 @@ def loss_sum(model, batch: dict, chunk_size: int = 0) -> torch.Tensor:
     loss where the model has one."""
     labels = batch["labels"][:, 1:]
     if chunk_size > 0:
-        out, loss = _chunked_forward(model, batch, labels, chunk_size)
+        out, loss = _chunked_forward(model, batch, chunk_size)
     else:
         out = model(**model_inputs(batch))
         # Shift the labels, not the logits: slicing logits[:, :-1] would copy (tokens x vocab).
@@ -54,6 +54,16 @@ def loss_sum(model, batch: dict, chunk_size: int = 0) -> torch.Tensor:
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                ignore_index=IGNORE, reduction="sum")
     return loss + moe_aux_term(model, out, labels)
+
+
+def fused_chunk(tcfg, vocab: int, on_gpu: bool, sharded: bool) -> int:
+    """Tokens per chunk of the fused loss as techniques.loss / loss_chunk_size resolve on this
+    device; 0 = the plain loss (asked for, or the head's weights are sharded)."""
+    from onegpu.techniques.fused_loss import auto_chunk
+
+    if tcfg.loss == "plain" or sharded:
+        return 0
+    return tcfg.loss_chunk_size or auto_chunk(vocab, on_gpu)
 
 
 class LossFn:
@@ -70,14 +80,11 @@ class LossFn:
     @classmethod
     def for_run(cls, tcfg, vocab: int, on_gpu: bool, sharded: bool) -> "LossFn":
         from onegpu.errors import ConfigError
-        from onegpu.techniques.fused_loss import auto_chunk
 
-        if tcfg.loss == "plain" or (tcfg.loss == "auto" and sharded):
-            return cls(0)
-        if sharded:
+        if tcfg.loss == "fused" and sharded:
             raise ConfigError("techniques.loss=fused needs the output head's weights whole in every process, "
                               "but FSDP2 / DeepSpeed ZeRO-3 shards them.", hint="set techniques.loss=auto (or plain)")
-        return cls(tcfg.loss_chunk_size or auto_chunk(vocab, on_gpu), fallback=tcfg.loss == "auto")
+        return cls(fused_chunk(tcfg, vocab, on_gpu, sharded), fallback=tcfg.loss == "auto")
 
     @property
     def fused(self) -> bool:
@@ -120,7 +127,7 @@ def moe_aux_term(model, out, labels: torch.Tensor) -> torch.Tensor | float:
 
 
 # ------------------------------------------------------------------------------- chunked loss
-def _chunked_forward(model, batch: dict, labels: torch.Tensor, chunk_size: int):
+def _chunked_forward(model, batch: dict, chunk_size: int):
     from onegpu.techniques.fused_loss import fused_head_loss
 
     out, hidden, amp = _run_keeping_hidden(model, batch)
@@ -193,7 +200,8 @@ def _capture_slot(model) -> dict:
 
 
 def _unwrap(model):
-    """The model inside a DistributedDataParallel wrapper (which has no get_decoder)."""
+    """The model inside a DistributedDataParallel wrapper (which has no get_decoder). Not
+    accelerate's extract_model_from_parallel: it imports DeepSpeed, seconds on every run."""
     return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
