@@ -6,7 +6,7 @@ import logging
 import math
 
 from onegpu import batches
-from onegpu.techniques.loss import count_targets, with_target_positions
+from onegpu.techniques.loss import TARGETS, with_target_positions
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,9 @@ def evaluate(run, accelerator) -> float | None:
     # no-grad variant of every block (another full compile on a CPU).
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
-            count += count_targets(batch["labels"])
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in with_target_positions(batch).items()}
+            batch = with_target_positions(batch)  # on the host: the target rows, and so their count
+            count += batch[TARGETS].numel()
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             total += run.loss_fn(model, batch).float()
     return float(total) / max(count, 1)
 

@@ -18,7 +18,7 @@ from onegpu import assemble, batches, checkpoint, checkpoint_sharded, distribute
 from onegpu.config import Config, from_dict, redact, to_dict, validate
 from onegpu.evaluate import evaluate_and_log
 from onegpu.report import MetricsLog, device_memory_gb, plot_loss, print_summary, progress_bar
-from onegpu.techniques.loss import count_targets, loss_sum, with_target_positions
+from onegpu.techniques.loss import TARGETS, loss_sum, with_target_positions
 
 log = logging.getLogger(__name__)
 
@@ -301,15 +301,15 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
     """
-    n_targets = sum(count_targets(mb["labels"]) for mb in micro)
-    n_targets = _global_sum(accelerator, n_targets)
+    micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
+    n_targets = _global_sum(accelerator, sum(mb[TARGETS].numel() for mb in micro))
     real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
     total = None
     for i, mb in enumerate(micro):
         if i and should_stop is not None and should_stop():
             optimizer.zero_grad(set_to_none=True)
             raise recovery.StepInterrupted()
-        mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in with_target_positions(mb).items()}
+        mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in mb.items()}
         with distributed.accumulating(accelerator, model, last=i == len(micro) - 1):
             loss = loss_fn(model, mb) / max(n_targets, 1)
             distributed.backward(accelerator, loss)
