@@ -101,9 +101,9 @@ def _all(*checks):
 
 
 def _compiler(dev, b, fmt):
-    import shutil
+    from onegpu.techniques.compile import has_cpu_compiler
 
-    if dev.type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+    if dev.type == "cpu" and not has_cpu_compiler():
         return "torch.compile on CPU needs a C++ compiler (g++)"
     return None
 

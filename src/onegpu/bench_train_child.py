@@ -206,12 +206,12 @@ def hf_arguments(cfg, arm: str, device) -> dict:
                 adam_beta2=0.95, max_grad_norm=t.max_grad_norm, seed=t.seed, logging_steps=t.log_every,
                 save_strategy="no", report_to="none", disable_tqdm=True, train_sampling_strategy="sequential")
     if arm == "hf-trainer-tuned":
-        import shutil
+        from onegpu.techniques.compile import has_cpu_compiler
 
         args.update(optim="adamw_torch_fused", dataloader_num_workers=2, dataloader_pin_memory=True)
         if device.type == "cuda":
             args.update(bf16=device.bf16, fp16=not device.bf16, tf32=device.tf32 or None, torch_compile=True)
-        elif shutil.which("g++") or shutil.which("c++"):  # inductor's CPU kernels need a C++ compiler
+        elif has_cpu_compiler():
             args.update(torch_compile=True)
     return args
 

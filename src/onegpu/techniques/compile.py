@@ -57,9 +57,14 @@ def resolve_compile(cfg: Config, device_type: str) -> str:
     return "default"
 
 
-def _auto_off_reason(cfg: Config, device_type: str) -> str | None:
+def has_cpu_compiler() -> bool:
+    """A C++ compiler for inductor's CPU kernels."""
     import shutil
 
+    return bool(shutil.which("g++") or shutil.which("c++"))
+
+
+def _auto_off_reason(cfg: Config, device_type: str) -> str | None:
     t = cfg.techniques
     if cfg.training.max_steps < AUTO_MIN_STEPS:
         return f"a {cfg.training.max_steps}-step run: compiling would take longer than it saves"
@@ -69,7 +74,7 @@ def _auto_off_reason(cfg: Config, device_type: str) -> str | None:
         return "bitsandbytes-quantized layers break the graph into pieces"
     if t.compile_backend != "inductor":
         return f"backend {t.compile_backend} is only used when asked for (techniques.compile=default)"
-    if device_type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+    if device_type == "cpu" and not has_cpu_compiler():
         return "no C++ compiler (g++) for inductor's CPU kernels"
     if device_type == "cuda":
         import importlib.util
