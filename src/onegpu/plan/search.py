@@ -79,11 +79,12 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     lora = lora or (LORA_RANK if tier in (2, 3) else 0)
     quant = "nf4" if tier == 3 else quant
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
+    chunks = {off: loss_chunk(cfg, shape.vocab, on_gpu, off) for off in offloads}
     out = []
     for mb, (prec, opt), ck, comp, off in itertools.product(
             micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, compiles, offloads):
-        chunk = loss_chunk(cfg, shape.vocab, on_gpu, off)
-        out.append(Candidate(mb, batch // mb, prec, ck, opt, chunk, comp, lora, quant, off, t.checkpointing_every))
+        out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
+                             t.checkpointing_every))
     return out
 
 
