@@ -31,7 +31,7 @@ for dist in ("torch", "triton", "flash_attn", "flash-attn", "transformer_engine"
 PY
 RUN PIP_CONSTRAINT=/tmp/keep.txt pip install ".[all]" \
  && onegpu --version \
- && python -c "import torch, onegpu.doctor; print('torch', torch.__version__)"
+ && python -c "import torch, onegpu.cli.doctor; print('torch', torch.__version__)"
 
 WORKDIR /work
 VOLUME ["/cache", "/work/runs"]

@@ -39,8 +39,8 @@ def main(argv: list[str]) -> int:
                   "--name", f"infer-{args.device}-{time.strftime('%Y%m%d')}"]
     for key, value in profile.items():
         bench_argv += [f"--{key}", str(value)]
-    from onegpu.bench_cli import cli
-    from onegpu.cli import run_command
+    from onegpu.cli.bench import cli
+    from onegpu.cli.main import run_command
 
     code = run_command(lambda: cli(bench_argv + passthrough))
     if code == 0:
@@ -52,7 +52,7 @@ def record_command(stem: Path, argv: list[str]) -> None:
     """Name this script as the way to reproduce the result, next to the equivalent onegpu command."""
     import json
 
-    from onegpu.bench_infer import to_markdown
+    from onegpu.bench.infer import to_markdown
 
     path = stem.with_suffix(".json")
     result = json.loads(path.read_text())

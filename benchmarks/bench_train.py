@@ -34,15 +34,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 # arm (16 x 1) and the accumulation arm (2 x 8) each change something. 24 steps keep the sweep near
 # 20 minutes; that is too short for techniques.compile=auto, so the baseline here runs uncompiled
 # and the compile arm shows what compiling adds.
-CPU = ["--model", "tiny", "--seq_len", "256", "--micro_batch_size", "8", "--grad_accum", "2", "--steps", "24",
-       "--warmup_steps", "4", "--reps", "3", "--max_seconds", "150"]
+CPU = ["--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "8", "--training.grad_accum", "2", "--training.max_steps", "24",
+       "--bench.warmup_steps", "4", "--bench.reps", "3", "--bench.max_seconds", "150"]
 # The default job's shape (tiny preset, 16 x 256 tokens a step), long enough (60 steps) that
 # techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed steps.
-HEADLINE = ["--model", "tiny", "--seq_len", "256", "--micro_batch_size", "16", "--grad_accum", "1", "--steps", "60",
-            "--warmup_steps", "10", "--reps", "4", "--max_seconds", "240",
-            "--arms", "baseline,plain-loss,hf-trainer,hf-trainer-tuned"]
-GPU = ["--model", "1b", "--seq_len", "2048", "--micro_batch_size", "4", "--grad_accum", "4", "--steps", "20",
-       "--warmup_steps", "5", "--reps", "3", "--max_seconds", "300", "--precision", "bf16", "--max_bytes", "6000000"]
+HEADLINE = ["--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "16", "--training.grad_accum", "1", "--training.max_steps", "60",
+            "--bench.warmup_steps", "10", "--bench.reps", "4", "--bench.max_seconds", "240",
+            "--bench.arms", "baseline,plain-loss,hf-trainer,hf-trainer-tuned"]
+GPU = ["--model.name", "1b", "--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training.grad_accum", "4", "--training.max_steps", "20",
+       "--bench.warmup_steps", "5", "--bench.reps", "3", "--bench.max_seconds", "300", "--techniques.precision", "bf16", "--data.max_bytes", "6000000"]
 GPU_CHAT_ARMS = "baseline,padding-free,lora,qlora,hf-trainer,hf-trainer-tuned"
 
 
@@ -69,7 +69,8 @@ def saved_model(path: Path, preset: str = "1b", max_bytes: int = 6_000_000) -> P
     """A randomly initialised preset written with save_pretrained (with its locally trained
     tokenizer), so that every arm — QLoRA included, which quantizes a saved model — loads the
     same weights through from_pretrained. Step speed does not depend on the weights' values."""
-    from onegpu import assemble, hardware, models
+    from onegpu import hardware, models
+    from onegpu.training import assemble
     from onegpu.config import from_dict
 
     if (path / "config.json").is_file():
@@ -92,7 +93,7 @@ def snapshot_env(tmp: str) -> dict:
 
 
 def bench(args: list[str], env: dict | None) -> int:
-    cmd = [sys.executable, "-m", "onegpu.cli", "bench", "train", *args]
+    cmd = [sys.executable, "-m", "onegpu.cli.main", "bench", "train", *args]
     print("+", " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
@@ -105,16 +106,16 @@ def main(argv: list[str]) -> int:
     stamp = time.strftime("%Y%m%d")
     with tempfile.TemporaryDirectory(prefix="onegpu-snapshot-") as tmp:
         env = snapshot_env(tmp) if "--snapshot" in argv else None
-        out = ["--out", str(RESULTS)]
+        out = ["--bench.out", str(RESULTS)]
         if what == "cpu":
-            return bench(CPU + out + ["--name", f"train-cpu-{stamp}"] + extra, env)
+            return bench(CPU + out + ["--bench.name", f"train-cpu-{stamp}"] + extra, env)
         if what == "headline":
-            return bench(HEADLINE + out + ["--name", f"train-cpu-{stamp}-vs-hf"] + extra, env)
-        model = ["--model", str(saved_model(Path(tmp) / "llama-1b")), "--from_scratch", "false"]
-        rc = bench(GPU + model + out + ["--name", f"train-gpu-{stamp}-text"] + extra, env)
+            return bench(HEADLINE + out + ["--bench.name", f"train-cpu-{stamp}-vs-hf"] + extra, env)
+        model = ["--model.name", str(saved_model(Path(tmp) / "llama-1b")), "--model.from_scratch", "false"]
+        rc = bench(GPU + model + out + ["--bench.name", f"train-gpu-{stamp}-text"] + extra, env)
         chat = chat_data(Path(tmp) / "chat.jsonl")
-        return rc or bench(GPU + model + out + ["--data", str(chat), "--arms", GPU_CHAT_ARMS,
-                                                "--name", f"train-gpu-{stamp}-chat"] + extra, env)
+        return rc or bench(GPU + model + out + ["--data.path", str(chat), "--bench.arms", GPU_CHAT_ARMS,
+                                                "--bench.name", f"train-gpu-{stamp}-chat"] + extra, env)
 
 
 if __name__ == "__main__":

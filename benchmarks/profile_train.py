@@ -1,7 +1,7 @@
 """Where a training step's time goes, in our loop and in HF Trainer, on the same model and tokens.
 
     python benchmarks/profile_train.py                      # both loops, CPU defaults
-    python benchmarks/profile_train.py --trainer onegpu --steps 8 --seq_len 512
+    python benchmarks/profile_train.py --trainer onegpu --training.max_steps 8 --data.seq_len 512
 
 Runs each loop under torch.profiler for `steps` optimizer steps (the first `warmup_steps` are not
 recorded) and writes a short markdown summary: the top operators by self time, the time inside
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from onegpu.bench_train import BenchTrainConfig, apply_overrides, base_config, prepare
+from onegpu.bench.train import BenchTrainConfig, apply_overrides, base_config, prepare
 
 SYNC_OPS = ("aten::_local_scalar_dense",)
 REGIONS = {"optimizer step": "Optimizer.step#", "data loader": "enumerate(DataLoader)#"}
@@ -30,7 +30,7 @@ class ProfileConfig(BenchTrainConfig):
     """Which loop to profile."""
     top: int = 12
     """Operators listed per loop."""
-    output: str = "benchmarks/results/train-cpu-profile.md"
+    summary: str = "benchmarks/results/train-cpu-profile.md"
     """Markdown summary written here."""
     compile: Literal["auto", "default", "off"] = "default"
     """Our loop's techniques.compile. default: compiled, as a default run of 50+ steps is (auto
@@ -42,15 +42,15 @@ def profile_loop(kind: str, cfg: ProfileConfig, tmp: str):
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from onegpu import bench_train_child as child
+    from onegpu.bench import train_child as child
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    active = cfg.steps - cfg.warmup_steps
+    active = cfg.training.max_steps - cfg.bench.warmup_steps
     spec = {"arm": "hf-trainer" if kind == "hf" else "baseline", "kind": kind, "rep": 0,
             "config": apply_overrides(base_config(cfg, tmp), {"output.name": kind, "techniques.compile": cfg.compile}),
-            "warmup_steps": cfg.warmup_steps, "budget_s": cfg.max_seconds}
+            "warmup_steps": cfg.bench.warmup_steps, "budget_s": cfg.bench.max_seconds}
     captured = []  # the recorded window's statistics, handed over when it closes
-    with profile(activities=acts, schedule=schedule(wait=0, warmup=cfg.warmup_steps, active=active),
+    with profile(activities=acts, schedule=schedule(wait=0, warmup=cfg.bench.warmup_steps, active=active),
                  on_trace_ready=lambda p: captured.append(p.key_averages())) as prof:
         if kind == "hf":
             child.run_hf(spec, callbacks=(_hf_stepper(prof),))
@@ -60,22 +60,15 @@ def profile_loop(kind: str, cfg: ProfileConfig, tmp: str):
 
 
 def _run_ours_stepped(spec: dict, prof) -> None:
-    """Advance the profiler after every optimizer step by wrapping train_step (looked up by name)."""
-    import onegpu.train as train_mod
-    from onegpu import bench_train_child as child
+    """Advance the profiler after every optimizer step, through the loop's callbacks."""
+    from onegpu.bench import train_child as child
+    from onegpu.training.state import Callback
 
-    original = train_mod.train_step
+    class Stepper(Callback):
+        def on_step_end(self, run, state):
+            prof.step()
 
-    def stepped(*args, **kwargs):
-        out = original(*args, **kwargs)
-        prof.step()
-        return out
-
-    train_mod.train_step = stepped
-    try:
-        child.run_onegpu(spec)
-    finally:
-        train_mod.train_step = original
+    child.run_onegpu(spec, callbacks=(Stepper(),))
 
 
 def _hf_stepper(prof):
@@ -108,20 +101,20 @@ def summarize(kind: str, events, steps: int, top: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from onegpu.cliargs import make_parser, parse
+    from onegpu.cli.args import make_parser, parse
 
     cfg, _ = parse(make_parser("profile_train.py", __doc__.splitlines()[0], ProfileConfig), argv, ProfileConfig)
     kinds = ["onegpu", "hf"] if cfg.trainer == "both" else [cfg.trainer]
     setup = prepare(cfg)  # tokenize once, so neither profile pays for it
     lines = [f"# Training step profile ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
              f"`python benchmarks/profile_train.py {' '.join(argv)}`".replace(" `", "`"), "",
-             f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq {cfg.seq_len}, "
-             f"{cfg.micro_batch_size} x {cfg.grad_accum} sequences per step, fp32 unless set.", ""]
+             f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq {cfg.data.seq_len}, "
+             f"{cfg.training.micro_batch_size} x {cfg.training.grad_accum} sequences per step, fp32 unless set.", ""]
     with tempfile.TemporaryDirectory(prefix="onegpu-profile-") as tmp:
         for kind in kinds:
             events, steps = profile_loop(kind, cfg, tmp)
             lines += summarize(kind, events, steps, cfg.top)
-    out = Path(cfg.output)
+    out = Path(cfg.summary)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines), encoding="utf-8")
     print("\n".join(lines))

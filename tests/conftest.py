@@ -45,7 +45,7 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from onegpu.tokenizer import train_tokenizer
+    from onegpu.data.tokenizer import train_tokenizer
 
     return train_tokenizer(CORPUS, vocab_size=512, fingerprint="tests-corpus")
 

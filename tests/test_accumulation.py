@@ -7,9 +7,9 @@ The loss is normalised by the number of target tokens in the whole accumulated b
 import pytest
 import torch
 
-from onegpu.batches import Collator
+from onegpu.data.batches import Collator
 from onegpu.techniques.loss import loss_sum
-from onegpu.train import train_step
+from onegpu.training.step import train_step
 
 from conftest import make_tiny_llama
 

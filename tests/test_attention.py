@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from onegpu.batches import Collator
+from onegpu.data.batches import Collator
 from onegpu.config import ModelConfig, TechniquesConfig
 from onegpu.hardware import DeviceInfo
 from onegpu.models import load_model

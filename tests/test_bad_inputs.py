@@ -14,7 +14,7 @@ from collections import namedtuple
 import pytest
 
 from onegpu import hardware
-from onegpu.cli import main
+from onegpu.cli.main import main
 
 from test_resume import one_thread, write_data  # noqa: F401
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from onegpu import bench_infer
-from onegpu.cli import main
+from onegpu.bench import infer as bench_infer
+from onegpu.cli.main import main
 from onegpu.errors import ConfigError
 
 

@@ -7,9 +7,10 @@ import statistics
 
 import pytest
 
-from onegpu import bench_train, bench_train_report
-from onegpu.bench_train import BenchTrainConfig
-from onegpu.bench_train_child import timing_from_windows
+from onegpu.bench import train as bench_train
+from onegpu.bench import train_report as bench_train_report
+from onegpu.bench.train import BenchTrainConfig
+from onegpu.bench.train_child import timing_from_windows
 from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 
@@ -17,12 +18,22 @@ CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
 H100 = DeviceInfo("cuda", "NVIDIA H100", 80 * 2**30, (9, 0))
 
 
+def bench_config(**kw) -> BenchTrainConfig:
+    """BenchTrainConfig with dotted overrides ('data.seq_len', 'bench.reps'), as the CLI takes them."""
+    b = BenchTrainConfig()
+    for dotted, value in kw.items():
+        section, key = dotted.split("__")
+        setattr(getattr(b, section), key, value)
+    return b
+
+
 def tiny_bench(model_dir, data, tmp_path, **kw) -> BenchTrainConfig:
-    base = dict(model=str(model_dir), from_scratch=False, data=str(data), seq_len=32, micro_batch_size=2,
-                grad_accum=1, steps=2, warmup_steps=1, reps=2, arms="baseline,hf-trainer", max_seconds=60,
-                out=str(tmp_path / "results"), name="bench")
+    base = dict(model__name=str(model_dir), model__from_scratch=False, data__path=str(data), data__seq_len=32,
+                training__micro_batch_size=2, training__grad_accum=1, training__max_steps=2, bench__warmup_steps=1,
+                bench__reps=2, bench__arms="baseline,hf-trainer", bench__max_seconds=60,
+                bench__out=str(tmp_path / "results"), bench__name="bench")
     base.update(kw)
-    return BenchTrainConfig(**base)
+    return bench_config(**base)
 
 
 def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
@@ -69,7 +80,7 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
 
 def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_path):
     """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the baseline's."""
-    b = tiny_bench(tiny_model_dir, text_file, tmp_path, arms="hf-trainer,grad-accum,flash", reps=3)
+    b = tiny_bench(tiny_model_dir, text_file, tmp_path, bench__arms="hf-trainer,grad-accum,flash", bench__reps=3)
     calls = []
 
     def runner(spec):  # stands in for the subprocess: throughput grows with the call index
@@ -105,27 +116,29 @@ def test_cpu_skips_gpu_only_arms_with_reasons():
 
 
 def test_best_arm_merges_methods_and_leaves_out_unavailable_ones():
-    b = BenchTrainConfig(best="batch-size,flash,adamw-fused")
+    b = bench_config(bench__best="batch-size,flash,adamw-fused")
     best = {a.name: a for a in bench_train.select_arms(b, CPU)}["best"].overrides
     assert best == {"training.micro_batch_size": 16, "training.grad_accum": 1, "techniques.optimizer": "adamw-fused"}
     gpu_best = {a.name: a for a in bench_train.select_arms(b, H100)}["best"].overrides
     assert gpu_best["techniques.attention"] == "flash"
 
 
-@pytest.mark.parametrize("kw, field", [(dict(arms="baseline,flsh"), "arms: unknown arm 'flsh'"),
-                                       (dict(best="chekpointing"), "best: unknown arm"),
-                                       (dict(steps=2, warmup_steps=2), "steps (2) must exceed"),
-                                       (dict(reps=0), "reps must be")])
+@pytest.mark.parametrize("kw, field", [(dict(bench__arms="baseline,flsh"), "bench.arms: unknown arm 'flsh'"),
+                                       (dict(bench__best="chekpointing"), "bench.best: unknown arm"),
+                                       (dict(training__max_steps=2, bench__warmup_steps=2),
+                                        "training.max_steps (2) must exceed"),
+                                       (dict(bench__reps=0), "bench.reps must be"),
+                                       (dict(data__seq_len=0), "data.seq_len must be")])
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")) as err:
-        bench_train.validate(BenchTrainConfig(**kw))
+        bench_train.validate(bench_config(**kw))
     assert err.value.hint
 
 
 def test_cli_reports_unknown_arm_without_traceback(capsys):
-    from onegpu.cli import main
+    from onegpu.cli.main import main
 
-    assert main(["bench", "train", "--arms", "baseline,flsh"]) == 2
+    assert main(["bench", "train", "--bench.arms", "baseline,flsh"]) == 2
     err = capsys.readouterr().err
     assert "unknown arm 'flsh'" in err and "did you mean 'flash'" in err
 
@@ -138,5 +151,26 @@ def test_timing_drops_the_warmup_window():
     assert t == {"timed_steps": 3, "timed_tokens": 300, "timed_seconds": pytest.approx(4.0), "final_loss": 3.5}
 
 
-def test_flops_per_token_counts_weights_and_attention():
-    assert bench_train.flops_per_token(1_000_000, 4, 128, 256) == 6_000_000 + 12 * 4 * 128 * 256
+def test_config_sections_are_the_run_config_with_bench_defaults():
+    """The arms' settings are `onegpu train`'s own Config sections (same flags), with quick-sweep defaults."""
+    from onegpu.cli.args import make_parser, parse
+    from onegpu.config import Config
+
+    assert isinstance(BenchTrainConfig(), Config)
+    parser = make_parser("onegpu bench train", "", BenchTrainConfig)
+    b, _ = parse(parser, ["--model.name", "tiny", "--data.seq_len", "128", "--training.micro_batch_size", "4",
+                          "--bench.reps", "5", "--techniques.optimizer", "adafactor"], BenchTrainConfig)
+    assert (b.data.seq_len, b.training.micro_batch_size, b.bench.reps) == (128, 4, 5)
+    cfg = bench_train.base_config(b, "/tmp/x")
+    assert "bench" not in cfg and cfg["techniques"]["optimizer"] == "adafactor"
+    assert cfg["training"]["log_every"] == b.bench.warmup_steps and cfg["output"]["dir"] == "/tmp/x"
+    assert cfg["training"]["warmup_steps"] == 0 and BenchTrainConfig().training.max_steps == 10
+
+
+def test_dry_run_lists_arms_and_skips_without_training(capsys, tmp_path):
+    from onegpu.cli.main import main
+
+    assert main(["bench", "train", "--bench.dry_run", "true", "--bench.out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "hf-trainer-tuned" in out and "skip: " in out
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from onegpu import checkpoint
+from onegpu.checkpoint import local as checkpoint
 from onegpu.errors import ConfigError
 
 from conftest import make_tiny_llama

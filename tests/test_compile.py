@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from onegpu.batches import Collator
+from onegpu.data.batches import Collator
 from onegpu.config import TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.techniques.compile import apply_compile, is_compiled
@@ -134,14 +134,17 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
 
     from accelerate import Accelerator
 
-    from onegpu import assemble, batches, hardware
+    from onegpu import hardware
+    from onegpu.training import assemble
+    from onegpu.data import batches
     from onegpu.config import from_dict
-    from onegpu.evaluate import evaluate
+    from onegpu.techniques.prepare import resolved_techniques
+    from onegpu.training.evaluate import evaluate
 
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
                      "training": {"micro_batch_size": 2, "eval_batches": 2}, "output": {"dir": str(tmp_path)}})
-    tcfg = assemble.resolved_techniques(cfg, "cpu")
+    tcfg = resolved_techniques(cfg, "cpu")
     assert tcfg.compile == "default" and cfg.techniques.compile == "auto"  # settled on a copy
     # The same path with the graph-counting backend, so the test needs no C++ build.
     cfg.techniques.compile, cfg.techniques.compile_backend = "default", "counting_eager"

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from onegpu import batches, data
+from onegpu.data import batches
+from onegpu.data import records as data
 from onegpu.config import DataConfig
 from onegpu.errors import DataError
 

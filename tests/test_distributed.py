@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from onegpu import distributed
-from onegpu.batches import BatchOrder
+from onegpu.data.batches import BatchOrder
 from onegpu.config import Config, from_dict
 from onegpu.errors import ConfigError
 from onegpu.techniques import offload
@@ -187,7 +187,7 @@ def _assert_same(got: dict, ref: dict, steps) -> None:
 @pytest.fixture(scope="module")
 def reference(base):
     """The one-process run: 4 steps of 8 sequences, checkpoints at steps 2 and 4."""
-    from onegpu.train import train
+    from onegpu import train
 
     train(_cfg(base, "ref"))
     ref = _losses(base, "ref")
@@ -205,7 +205,7 @@ def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, refe
 
 
 def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference, tmp_path):
-    from onegpu.train import train
+    from onegpu import train
 
     _launch(tmp_path, [_cfg(base, "fsdp2", distributed={"strategy": "fsdp2"})])
     _assert_same(_losses(base, "fsdp2"), reference, [1, 2, 3, 4])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from onegpu import doctor
-from onegpu.cli import main
+from onegpu.cli import doctor
+from onegpu.cli.main import main
 
 EXPECTED = {"bf16", "tf32", "sdpa-flash", "sdpa-mem-efficient", "sdpa-math", "adamw-fused", "flash_attn",
             "bitsandbytes", "torchao", "deepspeed", "triton", "peft"}

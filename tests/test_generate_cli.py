@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from onegpu.cli import main
+from onegpu.cli.main import main
 from onegpu.errors import ConfigError, DataError
-from onegpu.generate_cli import cli, read_prompts_file
+from onegpu.cli.generate import cli, read_prompts_file
 from onegpu.infer import InferConfig, SamplingConfig, generate, load
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):\n    print(i"]
@@ -118,6 +118,6 @@ def test_cli_errors_are_clear(tmp_path, tiny_model_dir, capsys):
 
 def test_cli_stop_flag_repeats_and_understands_backslash_n(tiny_model_dir, monkeypatch):
     seen = {}
-    monkeypatch.setattr("onegpu.generate_cli.run", lambda icfg, scfg, *rest: seen.setdefault("stop", scfg.stop) and 0)
+    monkeypatch.setattr("onegpu.cli.generate.run", lambda icfg, scfg, *rest: seen.setdefault("stop", scfg.stop) and 0)
     cli(["--model", str(tiny_model_dir), "--stop", r"\n\n", "--stop=return", "--stop", "a,b", "def f("])
     assert seen["stop"] == ["\n\n", "return", "a,b"]

@@ -59,7 +59,7 @@ def test_cpu_throughput_is_measured_once_and_cached(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("should come from the cache")
 
-    monkeypatch.setattr(hardware, "_matmul_tflops", boom)
+    monkeypatch.setattr(hardware, "measure_matmul_flops", boom)
     assert hardware.measure_cpu() == first
     spec = hardware.spec_from_device(hardware.detect())
     assert spec.key == "CPU" and spec.fp32 == pytest.approx(first["tflops"])

@@ -137,3 +137,16 @@ def test_lora_adapter_applied_then_merged(adapter_dir, fp32, ids, tiny_model_dir
     assert torch.allclose(a, m, atol=1e-4) and not torch.allclose(a, base, atol=1e-3)
     with pytest.raises(ConfigError, match="itself an adapter"):
         load(InferConfig(model=str(adapter_dir), adapter=str(adapter_dir)))
+
+
+def test_flash_resolves_as_training_does():
+    """An explicit flash choice means the flash kernel itself (flash_attn's, else SDPA held to its
+    FlashAttention kernel), by the same resolution training uses; never plain SDPA."""
+    import torch
+
+    from onegpu.infer.loading import _attention
+    from onegpu.techniques.attention import SDPA_FLASH, attention_implementation, flash_attn_installed
+
+    want = "flash_attention_2" if flash_attn_installed() else SDPA_FLASH
+    assert _attention("flash", "cuda", torch.bfloat16) == attention_implementation("flash", "cuda") == want
+    assert _attention("auto", "cpu", torch.float32) == "sdpa" and _attention("eager", "cpu", torch.float32) == "eager"

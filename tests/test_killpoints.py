@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from onegpu import checkpoint
-from onegpu.train import train
+from onegpu.checkpoint import local as checkpoint
+from onegpu import train
 
 from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
 
@@ -32,7 +32,7 @@ def ctx():
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver: one thread per tiny child
     c = multiprocessing.get_context("forkserver")
     # Everything a child imports lazily, imported once here so that each restart is cheap.
-    c.set_forkserver_preload(["onegpu.train", "onegpu.data", "onegpu.techniques", "test_checkpoint", "accelerate",
+    c.set_forkserver_preload(["onegpu.training.run", "onegpu.data.records", "onegpu.techniques", "test_checkpoint", "accelerate",
                               "datasets", "transformers.models.llama.modeling_llama", "safetensors.torch",
                               "transformers.tokenization_utils_tokenizers", "deepspeed"])
     yield c

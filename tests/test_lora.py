@@ -130,7 +130,7 @@ def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from onegpu.train import train
+    from onegpu import train
 
     cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
            "training": {"micro_batch_size": 4, "max_steps": 4, "eval_every": 0, "eval_batches": 2,
@@ -155,7 +155,8 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
     """The run assembly passes the QLoRA quantization config to from_pretrained."""
     import bitsandbytes as bnb
 
-    from onegpu import assemble, hardware
+    from onegpu import hardware
+    from onegpu.training import assemble
     from onegpu.config import from_dict
 
     cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"seq_len": 32},

@@ -204,7 +204,8 @@ def test_loss_setting_resolution():
 
 
 def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_file):
-    from onegpu import assemble, hardware
+    from onegpu import hardware
+    from onegpu.training import assemble
     from onegpu.config import from_dict
 
     cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},

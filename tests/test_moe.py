@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onegpu.techniques.loss import IGNORE, enable_router_aux_loss, loss_sum
+from onegpu.techniques.loss import IGNORE, loss_sum
+from onegpu.techniques.moe import apply_moe_aux_loss
 
 
 def _mixtral(tok):
@@ -45,7 +46,7 @@ def _router_weights(model):
 def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
     torch.manual_seed(0)
     model = BUILDERS[arch](tiny_tokenizer)
-    assert enable_router_aux_loss(model) and model.config.output_router_logits
+    assert apply_moe_aux_loss(model) and model.config.output_router_logits
     model.train()
     batch = _batch(tiny_tokenizer)
     n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
@@ -70,7 +71,7 @@ def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
 def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
     torch.manual_seed(0)
     model = _mixtral(tiny_tokenizer)
-    enable_router_aux_loss(model)
+    apply_moe_aux_loss(model)
     batch = _batch(tiny_tokenizer)
     model.train()
     assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=8), rtol=1e-5)
@@ -86,13 +87,13 @@ def test_dense_models_are_left_alone(tiny_tokenizer):
     from conftest import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    assert not enable_router_aux_loss(model)
+    assert not apply_moe_aux_loss(model)
 
 
 def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
     from accelerate.state import AcceleratorState
 
-    from onegpu.train import train
+    from onegpu import train
 
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny-mixtral"

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
+import pytest
 import torch
 import yaml
 
 from onegpu.config import from_dict
 from onegpu.plan import probe, speed
+from onegpu.plan.arch import model_shape
+from onegpu.plan.candidate import Candidate
 
 
 def _cfg(tiny_model_dir, text_file, tmp_path, **training):
@@ -24,7 +28,7 @@ def _cfg(tiny_model_dir, text_file, tmp_path, **training):
 
 
 def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path, caplog):
-    from onegpu.train import train
+    from onegpu import train
 
     caplog.set_level(logging.INFO, logger="onegpu.plan.probe")
     result = train(_cfg(tiny_model_dir, text_file, tmp_path))
@@ -35,8 +39,21 @@ def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path,
     text = caplog.text
     assert "predicted vs measured" in text and "training with" in text
     calib = json.loads(speed.calibration_path().read_text())
-    assert 0 < calib["CPU"]["fp32"]["efficiency"] < 5  # measured, not a default
-    assert speed.base_efficiency(speed_spec(), "fp32")[1]  # later plans use it
+    # The stored efficiency is the chosen probe's measured tokens/s x its FLOPs per token over
+    # this CPU's peak: recompute it from the logged measurement and the chosen setup.
+    measured = float(re.search(r"training with .+ \(([\d,]+) tokens/s measured\)", text).group(1).replace(",", ""))
+    tech = saved["techniques"]
+    chosen = Candidate(t["micro_batch_size"], t["grad_accum"], tech["precision"], tech["checkpointing"],
+                       tech["optimizer"], tech["loss_chunk_size"] if tech["loss"] != "plain" else 0,
+                       every=tech["checkpointing_every"])
+    shape = model_shape(str(tiny_model_dir))
+    spec = speed_spec()
+    expected = measured * speed.flops_per_token(shape, chosen, 64) / (spec.peak_tflops("fp32") * 1e12)
+    stored = calib["CPU"]["fp32"]["efficiency"]
+    assert stored == pytest.approx(expected, rel=0.01) and stored != speed.DEFAULT_EFFICIENCY
+    assert calib["CPU"]["fp32"]["tokens_per_micro"] == t["micro_batch_size"] * 64
+    eff, calibrated = speed.base_efficiency(spec, "fp32")
+    assert calibrated and eff != speed.DEFAULT_EFFICIENCY  # later plans use the measurement
 
 
 def speed_spec():

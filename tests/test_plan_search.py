@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from onegpu.cli import main
+from onegpu.cli.main import main
 from onegpu.config import Config, from_dict, load_yaml
 from onegpu.hardware import find_gpu
 from onegpu.plan import make_plan, speed
@@ -77,6 +77,19 @@ def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
     assert rec["training"]["micro_batch_size"] * rec["training"]["grad_accum"] == 32
     cfg = from_dict(load_yaml(out))  # what `onegpu train --config` does first
     assert cfg.data.seq_len == 256 and cfg.model.name == "tiny" and cfg.plan == "off"
+    # The round trip: the JSON, the saved YAML and the in-process plan say the same thing.
+    from onegpu.config import to_dict
+
+    assert to_dict(cfg) == rec
+    plan, expected = make_plan(Config(), "tiny", "T4", 256, 32)
+    assert to_dict(expected) == rec
+    best = plan.best
+    assert data["rows"][0]["plan"] == best.candidate.label()
+    assert data["rows"][0]["peak_gb"] == pytest.approx(best.memory.peak / 2**30)
+    assert data["rows"][0]["tokens_per_s"] == pytest.approx(best.speed.tokens_per_s)
+    assert (rec["training"]["micro_batch_size"], rec["training"]["grad_accum"]) == (
+        best.candidate.micro_batch, best.candidate.grad_accum)
+    assert len(data["rows"]) == len(plan.rows)
 
 
 def test_plan_cli_table(capsys):

@@ -36,7 +36,7 @@ def _batch(tok, n=2, length=16):
 
 
 def _prepared(tok, precision):
-    from onegpu.assemble import make_accelerator
+    from onegpu.training.assemble import make_accelerator
 
     acc = make_accelerator(Config(), CPU, precision)
     model = make_tiny_llama(tok)
@@ -55,7 +55,7 @@ def _linear_output_dtypes(model, batch):
 
 
 def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
-    from onegpu.train import train_step
+    from onegpu.training.step import train_step
 
     acc, model, opt = _prepared(tiny_tokenizer, "fp16")
     assert acc.scaler is not None
@@ -119,7 +119,8 @@ def restore_tf32():
     torch.set_float32_matmul_precision(saved[2])
 
 
-def test_tf32_default_on_for_ampere_and_off_elsewhere(restore_tf32, caplog):
+def test_tf32_flags_default_on_for_ampere_and_off_elsewhere(restore_tf32, caplog):
+    """The decision and the flags it sets; tests/gpu measures the effect on a real fp32 matmul."""
     caplog.set_level(logging.INFO, logger="onegpu")
     assert P.apply_tf32(TechniquesConfig(), A100) is True
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
@@ -129,6 +130,29 @@ def test_tf32_default_on_for_ampere_and_off_elsewhere(restore_tf32, caplog):
     assert not torch.backends.cuda.matmul.allow_tf32
     assert torch.get_float32_matmul_precision() == "highest"
     assert P.apply_tf32(TechniquesConfig(), T4) is False
+
+
+def test_run_switches_are_put_back_after_the_run(restore_tf32):
+    """TF32 and dynamo's error fallback are process-wide: a run sets them and restores them."""
+    import torch._dynamo
+
+    from onegpu.config import Config
+    from onegpu.techniques.compile import auto_compiles
+    from onegpu.techniques.prepare import global_switches
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch._dynamo.config.suppress_errors = False
+    cfg = Config(techniques=TechniquesConfig(tf32=None, compile="auto"))
+    cfg.training.max_steps = 200  # long enough for compile=auto to compile where a compiler exists
+    with global_switches(cfg, A100):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+    if not auto_compiles(cfg, "cpu"):
+        pytest.skip("no C++ compiler: compile=auto does not compile here")
+    with global_switches(cfg, CPU):
+        assert torch._dynamo.config.suppress_errors is True  # auto compiles: a compiler failure falls back
+    assert torch._dynamo.config.suppress_errors is False
 
 
 def test_tf32_requested_without_support_warns(restore_tf32, caplog):
@@ -168,7 +192,7 @@ def test_misaligned_shapes_warn_with_reason(caplog):
 def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
     from types import SimpleNamespace
 
-    from onegpu.assemble import check_model_settings
+    from onegpu.training.assemble import check_model_settings
 
     cfg = Config()
     cfg.training.micro_batch_size, cfg.data.seq_len = 12, 96
@@ -176,6 +200,5 @@ def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     model.config.dtype = torch.bfloat16
     check_model_settings(run, model)
-    assert torch.backends.cuda.matmul.allow_tf32  # tf32 default for Ampere
     assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
     assert "transformers#14189" in caplog.text

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from onegpu.batches import BatchOrder, Collator, make_loader
+from onegpu.data.batches import BatchOrder, Collator, make_loader
 from onegpu.config import DataConfig
 
 
@@ -58,7 +58,7 @@ def test_worker_settings_reach_the_loader():
 
 def test_pin_memory_only_on_gpu(caplog):
     cfg = DataConfig(pin_memory=True)
-    with caplog.at_level(logging.INFO, logger="onegpu.batches"):
+    with caplog.at_level(logging.INFO, logger="onegpu.data.batches"):
         cpu = make_loader(_dataset(), BatchOrder(48, 4, seed=7), Collator(0), cfg, on_gpu=False)
     assert cpu.pin_memory is False and "pin_memory" in caplog.text
     gpu = make_loader(_dataset(), BatchOrder(48, 4, seed=7), Collator(0), cfg, on_gpu=True)
@@ -85,7 +85,7 @@ def test_train_step_copies_batches_non_blocking(tiny_tokenizer):
     from accelerate import Accelerator
 
     from conftest import make_tiny_llama
-    from onegpu.train import train_step
+    from onegpu.training.step import train_step
 
     model = make_tiny_llama(tiny_tokenizer)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

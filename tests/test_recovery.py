@@ -8,8 +8,10 @@ import logging
 import pytest
 import torch
 
-from onegpu import assemble, recovery
-from onegpu.train import train, train_step
+from onegpu.training import assemble
+from onegpu.training import recovery
+from onegpu import train
+from onegpu.training.step import train_step
 
 from conftest import make_tiny_llama
 from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
@@ -60,7 +62,7 @@ def test_smaller_micro_batch_keeps_the_effective_batch():
 
 
 def test_convert_position_points_at_the_same_examples():
-    from onegpu.batches import BatchOrder
+    from onegpu.data.batches import BatchOrder
 
     n, seed = 23, 5
     big = iter(BatchOrder(n, 4, seed))
@@ -126,7 +128,7 @@ def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, mon
 
 
 def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from onegpu.cli import main
+    from onegpu.cli.main import main
 
     monkeypatch.setattr(assemble, "make_loss_fn", nan_at(set(range(2, 100)), assemble.make_loss_fn, grad_accum=1))
     cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=10, grad_accum=1, max_bad_steps=3, save_every=0)

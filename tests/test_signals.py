@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from onegpu import checkpoint
-from onegpu.cli import main
+from onegpu.checkpoint import local as checkpoint
+from onegpu.cli.main import main
 from onegpu.report import read_metrics
 
 from test_resume import one_thread, write_data  # noqa: F401
 
-LAUNCH = "import sys; from onegpu.cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from onegpu.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def train_args(tmp_path, model_dir, name: str) -> list[str]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from onegpu.train import train
+from onegpu import train
 from onegpu.report import read_metrics
 
 SMALL = {"data": {"max_bytes": 300_000, "seq_len": 64, "num_proc": 1},
@@ -60,7 +60,7 @@ def test_refuses_non_empty_run_dir(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from onegpu.assemble import lr_schedule
+    from onegpu.training.assemble import lr_schedule
     from onegpu.config import TrainingConfig
 
     f = lr_schedule(TrainingConfig(max_steps=100, warmup_steps=10, min_lr_ratio=0.1))
@@ -69,18 +69,40 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_two_jobs_in_one_process_with_different_precisions(tmp_path):
-    """Accelerate keeps one precision per process; each train() call must still get its own."""
+    """Accelerate keeps one precision per process; each train() call must still get its own:
+    the first job's matmuls run in fp16 (with a loss scaler), the second's in fp32 again."""
+    import torch
+
+    from onegpu.training.state import Callback
+
+    class MatmulDtypes(Callback):
+        def __init__(self):
+            self.seen, self.scaled = set(), None
+
+        def on_train_begin(self, run, state):
+            first = next(m for m in run.model.modules() if isinstance(m, torch.nn.Linear))
+            self.hook = first.register_forward_hook(lambda mod, args, out: self.seen.add(out.dtype))
+
+        def on_train_end(self, run, state):
+            self.hook.remove()
+
     base = {"data": {"max_bytes": 60_000, "seq_len": 32, "num_proc": 1, "val_fraction": 0.0},
             "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0}}
-    for i, precision in enumerate(["fp16", "fp32"]):
+    seen = {}
+    for i, precision in enumerate(["fp16", "fp32", "fp16"]):
         cfg = json.loads(json.dumps(base))
         cfg["techniques"] = {"precision": precision}
         cfg["output"] = {"dir": str(tmp_path), "name": f"r{i}"}
-        assert train(cfg).state.step == 1
+        watch = MatmulDtypes()
+        assert train(cfg, callbacks=[watch]).state.step == 1
+        seen[i] = watch.seen
+    assert seen == {0: {torch.float16}, 1: {torch.float32}, 2: {torch.float16}}
 
 
 def test_library_entry_point_is_onegpu_train():
-    import onegpu
-    from onegpu.train import train as fn
+    import inspect
 
-    assert callable(onegpu.train) and onegpu.train.train is fn
+    import onegpu
+    import onegpu.training.run  # noqa: F401  (importing the training package does not shadow it)
+
+    assert inspect.isfunction(onegpu.train) and "callbacks" in inspect.signature(onegpu.train).parameters

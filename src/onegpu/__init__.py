@@ -5,12 +5,29 @@ __version__ = "0.1.0"
 __all__ = ["train", "Config", "__version__"]
 
 
+def train(config=None, callbacks=()):
+    """Run a training job end to end: the library entry point behind `onegpu train`.
+
+    ``config`` is a ``Config`` or a nested dict with the YAML's keys (not modified). With
+    ``plan: auto`` the planner first settles the setup by measuring the best candidates on this
+    device, then the run trains with it. ``callbacks`` (``onegpu.training.state.Callback``) observe
+    the loop. Returns a ``RunResult``.
+    """
+    import copy
+
+    from onegpu.config import Config, from_dict, validate
+    from onegpu.training.run import run_training
+
+    cfg = validate(copy.deepcopy(config) if isinstance(config, Config) else from_dict(config or {}))
+    if cfg.plan == "auto":  # plan before train: settle the setup by measurement
+        from onegpu.plan.probe import auto_plan
+
+        cfg = validate(auto_plan(cfg))
+    return run_training(cfg, tuple(callbacks))
+
+
 def __getattr__(name):
     # Lazy, so `import onegpu` (and `onegpu --help`) stays fast: torch/transformers load on use.
-    if name == "train":
-        import importlib
-
-        return importlib.import_module("onegpu.train")  # callable: onegpu.train(config) runs a job
     if name == "Config":
         from onegpu.config import Config
 

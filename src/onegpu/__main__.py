@@ -2,6 +2,6 @@
 
 import sys
 
-from onegpu.cli import main
+from onegpu.cli.main import main
 
 sys.exit(main())

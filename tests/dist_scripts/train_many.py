@@ -10,7 +10,7 @@ import logging
 import sys
 
 from onegpu.config import from_dict, load_yaml
-from onegpu.train import train
+from onegpu import train
 
 
 def main(paths: list[str]) -> None:

@@ -40,7 +40,7 @@ def _out_dtype(model, batch):
 
 
 def _prepared(tok, precision):
-    from onegpu.assemble import make_accelerator
+    from onegpu.training.assemble import make_accelerator
 
     acc = make_accelerator(Config(), detect(), precision)
     model = make_tiny_llama(tok)
@@ -49,7 +49,7 @@ def _prepared(tok, precision):
 
 
 def test_fp16_autocast_and_loss_scaling_on_cuda(tiny_tokenizer):
-    from onegpu.train import train_step
+    from onegpu.training.step import train_step
 
     acc, model, opt = _prepared(tiny_tokenizer, "fp16")
     batch = _batch(tiny_tokenizer)
@@ -69,11 +69,29 @@ def test_bf16_autocast_on_cuda(tiny_tokenizer):
     assert _out_dtype(model, _batch(tiny_tokenizer)) == torch.bfloat16
 
 
-def test_tf32_follows_the_gpu():
-    from onegpu.techniques.precision import apply_tf32
+def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
+    """On by default on Ampere+: an fp32 matmul then rounds its inputs to TF32's 10-bit mantissa
+    (error ~1e-3 against fp64); switched off it is exact fp32 (~1e-6). Measured, not read off a flag."""
+    from onegpu.techniques.prepare import global_switches
 
     dev = detect()
-    assert apply_tf32(TechniquesConfig(), dev) == dev.tf32 == torch.backends.cuda.matmul.allow_tf32
+    if not dev.tf32:
+        pytest.skip("GPU without TF32")
+    torch.manual_seed(0)
+    a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    exact = (a.double() @ b.double())
+
+    def rel_error(tf32):
+        cfg = Config(techniques=TechniquesConfig(tf32=tf32, compile="off"))
+        with global_switches(cfg, dev):
+            out = a @ b
+            torch.cuda.synchronize()
+        return ((out.double() - exact).norm() / exact.norm()).item()
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    on, off = rel_error(None), rel_error(False)
+    assert on > 1e-4 and off < 1e-5, (on, off)
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # the run's switch is put back afterwards
 
 
 def _kernel_names(fn) -> str:

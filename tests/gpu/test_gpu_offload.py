@@ -59,6 +59,11 @@ def test_zero3_cpu_offload_trains_a_model_that_does_not_fit(tmp_path, big_model_
 
 
 def test_zero2_cpu_offload_keeps_optimizer_state_off_the_gpu(tmp_path, tiny_model_dir, text_file):
+    plain = _run(tmp_path, tiny_model_dir, text_file, "plain-small", "none")
     off = _run(tmp_path, tiny_model_dir, text_file, "zero2", "zero2-cpu")
-    assert off.returncode == 0, off.stderr[-6000:]
+    assert plain.returncode == 0 and off.returncode == 0, (plain.stderr + off.stderr)[-6000:]
     assert "DeepSpeed ZeRO-2 with zero2-cpu offload" in off.stdout + off.stderr
+    # Read off the live optimizer at the end of training: the state is in host memory, held by
+    # DeepSpeed's CPU Adam; without offload the same run keeps it on the GPU.
+    assert "optimizer=DeepSpeedCPUAdam state_devices=cpu" in off.stdout, off.stdout[-2000:]
+    assert "state_devices=cuda" in plain.stdout, plain.stdout[-2000:]

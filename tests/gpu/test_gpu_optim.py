@@ -83,7 +83,7 @@ def test_qlora_on_cuda_trains_adapters_over_a_4bit_base(tiny_model_dir, tiny_tok
 
 
 def test_qlora_end_to_end_run_on_cuda(tmp_path, tiny_model_dir, text_file):
-    from onegpu.train import train
+    from onegpu import train
 
     cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
            "training": {"micro_batch_size": 4, "max_steps": 6, "eval_every": 0, "eval_batches": 2, "lr": 1e-2},

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onegpu import assemble, checkpoint
+from onegpu.training import assemble
+from onegpu.checkpoint import local as checkpoint
 
 from test_recovery import oom_above
 from test_resume import assert_same_weights, losses, make_cfg, straight_then_resumed
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_checkpoint_holds_cuda_rng_and_scaler(tmp_path, tiny_model_dir):
     cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=3, save_every=3)
     cfg["techniques"]["precision"] = "fp16"
-    from onegpu.train import train
+    from onegpu import train
 
     r = train(cfg)
     blob = checkpoint.load_trainer_state(r.run_dir / "checkpoint-00000003")
@@ -38,7 +39,7 @@ def test_resume_is_exact_on_cuda(tmp_path, tiny_model_dir, precision):
 
 
 def test_oom_retry_on_cuda_matches_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
-    from onegpu.train import train
+    from onegpu import train
 
     ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
     monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))

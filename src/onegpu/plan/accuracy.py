@@ -1,10 +1,10 @@
 """Predicted against measured on a CUDA GPU: the numbers behind benchmarks/plan_accuracy.py and
-tests/gpu/test_gpu_plan.py. Random tokens, the project's model preparation, optimizer and loss."""
+tests/gpu/test_gpu_plan.py. Random tokens; the model is prepared by training's own pipeline
+(techniques/prepare.py) and stepped by training's own train_step, so what is measured here is
+what a training run does."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
 
 from onegpu.errors import UnavailableError
@@ -19,57 +19,57 @@ def _require_cuda():
                                hint="run this on a GPU machine; on CPU use tests/test_plan_memory.py")
 
 
+def run_config(c: Candidate):
+    """The training Config of a setup (what `train` would run for this candidate)."""
+    from onegpu.config import Config
+
+    cfg = c.apply(Config())
+    cfg.techniques.attention = "sdpa"
+    return cfg
+
+
 def build(config, c: Candidate):
-    """Model (prepared like training) and optimizer for a setup, on the GPU. Full or LoRA fine-tuning;
-    quantized bases and DeepSpeed offload are measured through `train --plan auto` instead."""
+    """Model (prepared by training's pipeline), optimizer, loss function and accelerator for a setup.
+    Full or LoRA fine-tuning; quantized bases and DeepSpeed offload are measured through
+    `train --plan auto` instead."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from onegpu.config import LoraConfig, TechniquesConfig, TrainingConfig
     from onegpu.hardware import detect
-    from onegpu.techniques import prepare_model
+    from onegpu.techniques.loss import LossFn
     from onegpu.techniques.optimizers import build_optimizer
+    from onegpu.techniques.prepare import prepare_model
     from onegpu.techniques.precision import weights_dtype
+    from onegpu.training.assemble import make_accelerator
 
-    _require_cuda()
+    cfg = run_config(c)
+    device = detect()
+    accelerator = make_accelerator(cfg, device, c.precision)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation="sdpa")
-    model = model.cuda().train()
-    tcfg = TechniquesConfig(precision=c.precision, checkpointing=c.checkpointing, checkpointing_every=c.every,
-                            optimizer=c.optimizer, loss="fused" if c.loss_chunk else "plain",
-                            loss_chunk_size=c.loss_chunk, compile=c.compile,
-                            lora=LoraConfig(enabled=bool(c.lora_rank), r=c.lora_rank or 16))
-    model = prepare_model(model, tcfg, detect())
-    return model, build_optimizer(model, tcfg, TrainingConfig())
+    model = prepare_model(model.to(accelerator.device).train(), cfg.techniques, device.type)
+    optimizer = build_optimizer(model, cfg.techniques, cfg.training)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, LossFn(c.loss_chunk), accelerator
 
 
 def _batch(vocab: int, batch: int, seq: int):
     import torch
 
-    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    ids = torch.randint(0, vocab, (batch, seq))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def _autocast(precision: str):
-    import torch
-
-    if precision in ("bf16", "fp16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-    return contextlib.nullcontext()
 
 
 def retained_bytes(config, c: Candidate, seq: int) -> int:
     """Device bytes a forward leaves allocated for backward (what ActivationModel.retained predicts)."""
     import torch
 
-    from onegpu.techniques.loss import loss_sum
-
-    model, _ = build(config, c)
-    data = _batch(config.vocab_size, c.micro_batch, seq)
+    _require_cuda()
+    model, _, loss_fn, accelerator = build(config, c)
+    data = {k: v.cuda() for k, v in _batch(config.vocab_size, c.micro_batch, seq).items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    with _autocast(c.precision):
-        loss = loss_sum(model, data, chunk_size=c.loss_chunk)
+    loss = loss_fn(model, data)  # the prepared model autocasts itself, as in training
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
     del loss, model
@@ -81,23 +81,19 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
     """Steady-state peak allocated bytes and tokens/s over ``steps`` optimizer steps (after one warm-up)."""
     import torch
 
-    from onegpu.techniques.loss import loss_sum
+    from onegpu.training.step import train_step
 
-    model, opt = build(config, c)
-    loss_fn = functools.partial(loss_sum, chunk_size=c.loss_chunk)
-    data = _batch(config.vocab_size, c.micro_batch, seq)
+    _require_cuda()
+    model, opt, loss_fn, accelerator = build(config, c)
+    max_grad_norm = run_config(c).training.max_grad_norm
+    micro = [_batch(config.vocab_size, c.micro_batch, seq) for _ in range(c.grad_accum)]
     t0 = 0.0
     for step in range(steps + 1):
         if step == 1:  # optimizer state exists from here on, as in every later step
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-        for _ in range(c.grad_accum):
-            with _autocast(c.precision):
-                loss = loss_fn(model, data) / (c.micro_batch * seq)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, micro, accelerator, max_grad_norm, loss_fn)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     out = {"peak_bytes": torch.cuda.max_memory_allocated(),

@@ -18,7 +18,7 @@ import json
 import logging
 from dataclasses import asdict, astuple, dataclass
 
-from onegpu.tokenizer import cache_dir
+from onegpu.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -138,18 +138,15 @@ def retained_after_forward(model, batch: dict, loss_fn, autocast_dtype=None, ski
 
 
 def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0):
-    """The methods training applies that change what forward keeps (techniques.prepare_model's
-    order, without compile): the MoE router loss, LoRA adapters, then checkpointing."""
+    """Training's own pipeline (techniques/prepare.py) with the settings that change what forward
+    keeps: MoE router loss, LoRA adapters, checkpointing. Compile stays off: on CPU with matmuls
+    skipped it would measure nothing real."""
     from onegpu.config import LoraConfig, TechniquesConfig
-    from onegpu.techniques.checkpointing import apply_checkpointing
-    from onegpu.techniques.lora import apply_lora
-    from onegpu.techniques.loss import enable_router_aux_loss
+    from onegpu.techniques.prepare import prepare_model
 
-    tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every,
+    tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
                             lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16))
-    enable_router_aux_loss(model)
-    model = apply_lora(model, tcfg)
-    return apply_checkpointing(model, tcfg, "cpu")
+    return prepare_model(model, tcfg, "cpu")
 
 
 def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,

@@ -27,12 +27,20 @@ class ModelShape:
     top_k: int = 0
     factored_elems: int = 0  # Adafactor state: rows + cols per matrix, all elements of vectors
     largest_param: int = 0  # elements of the biggest tensor (optimizer temporaries, ZeRO-3 buffers)
+    lookup_params: int = 0  # nn.Embedding weights (token and position tables): looked up, not multiplied
 
     @property
     def active_params(self) -> int:
-        """Parameters a token passes through (MoE: only its top_k experts), excluding the input embedding."""
+        """Parameters a token's matmuls use (MoE: only its top_k experts): everything but the
+        embedding tables, which are lookups. With tied embeddings the token table *is* the output
+        head, a matmul every token pays for, so it counts once."""
         inactive = self.expert_params * (1 - self.top_k / self.experts) if self.experts else 0
-        return int(self.params - inactive - self.input_embed_params)
+        lookups = self.lookup_params or self.input_embed_params
+        return int(self.params - inactive - lookups + (self.input_embed_params if self.tied else 0))
+
+    @property
+    def tied(self) -> bool:
+        return self.embed_params == self.input_embed_params
 
     @property
     def input_embed_params(self) -> int:
@@ -41,6 +49,27 @@ class ModelShape:
     @property
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
+
+
+def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpointed_fraction: float = 0.0) -> float:
+    """Training FLOPs per token, the one count behind the planner's speed and the benchmarks' MFU.
+
+    Model FLOPs: 6N for the weight matmuls (forward 2N, backward 4N; N = active_params) plus the
+    attention score/value matmuls, 12*L*h*s (PaLM appendix B; causal masking not discounted).
+    LoRA skips the frozen weights' gradient matmuls (4N, plus 6 per adapter parameter). A
+    checkpointed fraction of the blocks runs its forward once more in backward (2 FLOPs per block
+    parameter and its attention forward; the head is never recomputed). The fused loss takes its
+    gradients in the forward: nothing recomputed there.
+    """
+    n = shape.active_params
+    attn_fwd = 4 * shape.layers * shape.hidden * seq_len  # QK^T and AV, 2 FLOPs per MAC
+    if lora_rank:
+        total = 4 * n + 6 * lora_rank * shape.lora_params_per_rank + 2 * attn_fwd
+    else:
+        total = 6 * n + 3 * attn_fwd
+    head = shape.vocab * shape.hidden  # parameters of the output head
+    total += checkpointed_fraction * (2 * (n - head) + attn_fwd)
+    return float(total)
 
 
 def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = False):
@@ -94,9 +123,10 @@ def _shape_of(name: str, config) -> ModelShape:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     factored = sum(p.shape[-2] + p.shape[-1] if p.ndim >= 2 else p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
                       text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
-                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest)
+                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest, lookups)
 
 
 @functools.lru_cache(maxsize=16)

@@ -2,7 +2,8 @@
 keep the fastest that really fits, store the measured efficiency as calibration, and train with it.
 
 A probe builds the data once and, per setup, the model and optimizer through the same assemble
-functions and train_step as training, so what it measures is what training will do.
+functions (and so training's one pipeline, techniques/prepare.py) and train_step as training, so
+what it measures is what training will do.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _device_spec(device):
 
 def _shared_data(cfg: Config, device, name: str):
     """Tokenizer, datasets and collator, built once for all probes (they do not depend on the setup)."""
-    from onegpu import assemble
+    from onegpu.training import assemble
 
     run = assemble.Run(cfg, device, Path(tempfile.gettempdir()), name, "fp32")
     assemble.build_data(run)
@@ -96,9 +97,13 @@ def probe_one(row, cfg: Config, shared, device) -> Measured:
     """Run WARMUP_STEPS + MEASURE_STEPS optimizer steps of one setup; tokens/s and peak memory."""
     import torch
 
+    from onegpu.techniques.prepare import global_switches
+
     m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
+    setup = row.candidate.apply(cfg)
     try:
-        m.tokens_per_s, m.peak_gb = _run_steps(row.candidate.apply(cfg), shared, device)
+        with global_switches(setup, device):  # as training sets them, and put back after
+            m.tokens_per_s, m.peak_gb = _run_steps(setup, shared, device)
     except torch.OutOfMemoryError:
         m.error = "out of memory"
     except Exception as exc:  # a method unavailable here: skip this setup, keep probing the others
@@ -112,9 +117,10 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
     import torch
     from accelerate.utils import set_seed
 
-    from onegpu import assemble, batches
+    from onegpu.training import assemble
+    from onegpu.data import batches
     from onegpu.techniques.precision import resolve_precision
-    from onegpu.train import train_step
+    from onegpu.training.step import train_step
 
     precision = resolve_precision(cfg.techniques, device)
     accelerator = assemble.make_accelerator(cfg, device, precision)

@@ -15,7 +15,7 @@ from onegpu.hardware import GpuSpec
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 from onegpu.plan.memory import trainable_params
-from onegpu.tokenizer import cache_dir
+from onegpu.paths import cache_dir
 
 # Typical MFU of a well-fed single-GPU transformer step (public nanoGPT/torchtitan reports: 35-50%
 # on A100/H100 in bf16). Only used until the probe has measured this GPU.
@@ -40,20 +40,12 @@ class SpeedEstimate:
 
 
 def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*h*s, plus a forward recompute for checkpointed layers;
-    LoRA skips the frozen weights' gradient matmuls (4N instead of 6N, plus the small adapters)."""
+    """arch.flops_per_token for a candidate's LoRA rank and checkpointed layers."""
     from onegpu.plan.activations import checkpointed_layers
+    from onegpu.plan.arch import flops_per_token as count
 
-    n = shape.active_params
-    attn_fwd = 4 * shape.layers * shape.hidden * seq_len  # QK^T and AV, 2 FLOPs per MAC
-    if c.lora_rank:
-        total = 4 * n + 6 * c.lora_rank * shape.lora_params_per_rank + 2 * attn_fwd
-    else:
-        total = 6 * n + 3 * attn_fwd
     frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
-    head = 2 * shape.hidden * shape.vocab
-    total += frac * (2 * (n - head) + attn_fwd)  # recompute the checkpointed blocks' forward
-    return float(total)  # the fused loss computes its gradients in the forward: no recompute
+    return count(shape, seq_len, c.lora_rank, frac)
 
 
 def calibration_path():

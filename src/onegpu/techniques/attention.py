@@ -22,14 +22,19 @@ SDPA_FLASH = "sdpa_fa_kernel"
 
 
 def resolve_attention(tcfg: TechniquesConfig, device: DeviceInfo) -> str:
-    """The attn_implementation to load the model with."""
-    want = tcfg.attention
+    """The attn_implementation to load a model for training with."""
+    return attention_implementation(tcfg.attention, device.type, device.name)
+
+
+def attention_implementation(want: str, device_type: str, device_name: str = "") -> str:
+    """The attn_implementation for a choice (auto / eager / sdpa / flash) on a device: the one
+    resolution, used by training and inference alike."""
     if want == "auto":
         return "sdpa"  # SDPA already dispatches to flash/mem-efficient kernels where they apply
     if want != "flash":
         return want
-    if device.type != "cuda":
-        log.warning("techniques.attention=flash needs a CUDA GPU; using sdpa on %s instead", device.name)
+    if device_type != "cuda":
+        log.warning("attention=flash needs a CUDA GPU; using sdpa on %s instead", device_name or device_type)
         return "sdpa"
     if flash_attn_installed():
         return "flash_attention_2"

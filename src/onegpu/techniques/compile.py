@@ -57,6 +57,11 @@ def resolve_compile(cfg: Config, device_type: str) -> str:
     return "default"
 
 
+def auto_compiles(cfg: Config, device_type: str) -> bool:
+    """Whether compile=auto compiles this run (resolve_compile's decision, without its log line)."""
+    return cfg.techniques.compile == "auto" and _auto_off_reason(cfg, device_type) is None
+
+
 def has_cpu_compiler() -> bool:
     """A C++ compiler for inductor's CPU kernels."""
     import shutil

@@ -90,7 +90,8 @@ def new_document(b, device, prep: dict, argv: list[str]) -> dict:
 def summarize(doc: dict) -> dict:
     """Medians per arm; speed and memory ratios against the baseline arm of this same run."""
     fpt, peak = doc["setup"]["flops_per_token"], doc["setup"]["peak_flops"]
-    eff = doc["config"]["micro_batch_size"] * doc["config"]["grad_accum"]
+    t = doc["config"]["training"]
+    eff = t["micro_batch_size"] * t["grad_accum"]
     for arm in doc["arms"].values():
         ok = [r for r in arm["reps"] if r.get("status") == "ok" and r.get("timed_seconds", 0) > 0]
         if arm["status"] == "ok" and not ok:
@@ -158,12 +159,13 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
 
 def markdown(doc: dict, png_name: str | None = None) -> str:
     c, s, d = doc["config"], doc["setup"], doc["device"]
+    t, b = c["training"], c["bench"]
     lines = [f"# Training methods on {d['name']}", "",
              f"{doc['date']} · `{doc['command']}`", "",
-             f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['seq_len']}, "
-             f"effective batch {c['micro_batch_size'] * c['grad_accum']} "
-             f"({c['micro_batch_size']} x {c['grad_accum']}), {c['steps']} steps per arm "
-             f"(first {c['warmup_steps']} untimed), {c['reps']} interleaved repetitions; medians. "
+             f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['data']['seq_len']}, "
+             f"effective batch {t['micro_batch_size'] * t['grad_accum']} "
+             f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm "
+             f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
              f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
              f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.", ""]
     for key, label in (("vs_hf_trainer", "defaults"), ("vs_hf_trainer_tuned", "guide's flags")):

@@ -1,5 +1,5 @@
-"""Inference: load a causal LM (a onegpu run, any save_pretrained directory, a PEFT adapter, a Hub
-id) in the chosen dtype, attention kernel and quantization, and generate from batches of prompts.
+"""Inference loading: a causal LM (a onegpu run, any save_pretrained directory, a PEFT adapter, a
+Hub id) in the chosen dtype, attention kernel and quantization.
 
 Loading order: weights (bitsandbytes quantizes while loading) -> device -> LoRA adapter (applied or
 merged) -> torchao (quantizes the merged weights in place, so a merged adapter is quantized too).
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from onegpu.errors import ConfigError, DataError, ModelError, UnavailableError
+from onegpu.errors import ConfigError, ModelError, UnavailableError
 from onegpu.techniques.quantization import BNB_KINDS, TORCHAO_KINDS
 
 log = logging.getLogger(__name__)
@@ -58,35 +58,6 @@ class InferConfig:
     trust_remote_code: bool = False
     """Allow model code from the model repository to run."""
 
-
-@dataclass
-class SamplingConfig:
-    max_new_tokens: int = 128
-    """Tokens to generate per prompt at most."""
-    greedy: bool = False
-    """Always pick the most likely token (deterministic). Same as temperature 0."""
-    temperature: float = 0.8
-    """Sampling temperature (0 = greedy)."""
-    top_p: float = 0.95
-    """Nucleus sampling: sample from the smallest token set with this total probability (1 = off)."""
-    top_k: int = 50
-    """Sample from the k most likely tokens only (0 = off)."""
-    repetition_penalty: float = 1.0
-    """Divide the scores of already generated tokens by this (1 = off)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop a sequence when it produces any of these strings (cut from the output)."""
-    batch_size: int = 8
-    """Prompts generated together (left padded)."""
-    seed: int = 1234
-    """Seed for sampling; the same seed and prompts give the same output."""
-    static_cache: bool = False
-    """Preallocate the KV cache to its final size, so every decode step has the same shapes."""
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
-    """torch.compile the decode step (implies static_cache; the first call pays for compilation)."""
-    compile_backend: str = "inductor"
-    """torch.compile backend."""
-
-
 @dataclass
 class Loaded:
     model: Any
@@ -95,19 +66,6 @@ class Loaded:
     dtype: Any
     source: str  # the model directory or id actually loaded
 
-
-@dataclass
-class Completion:
-    prompt: str
-    text: str
-    new_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, ensure_ascii=False)
-
-
-# ----------------------------------------------------------------------------------------- loading
 
 def resolve_model(name: str) -> tuple[str, Optional[str]]:
     """Map what the user named to (model dir or Hub id, adapter dir or None)."""
@@ -222,22 +180,18 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
 
 
 def _attention(choice: str, device: str, dtype) -> str:
-    import importlib.util
-
+    """Training's attention resolution (techniques/attention.py), after the checks that make an
+    explicit "flash" an error here rather than a fallback: inference has no run to keep going."""
     import torch
 
-    if choice in ("auto", "sdpa"):
-        return "sdpa"
-    if choice == "eager":
-        return "eager"
-    if device != "cuda":
-        raise UnavailableError("flash attention needs a CUDA GPU.", hint="use --attention sdpa on CPU (the default)")
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ConfigError(f"flash attention runs in fp16/bf16 only, not {dtype}.", hint="add --dtype bf16")
-    if importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    log.info("flash_attn is not installed: using PyTorch SDPA, which dispatches to its own FlashAttention kernel")
-    return "sdpa"
+    from onegpu.techniques.attention import attention_implementation
+
+    if choice == "flash":
+        if device != "cuda":
+            raise UnavailableError("flash attention needs a CUDA GPU.", hint="use --attention sdpa on CPU (the default)")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"flash attention runs in fp16/bf16 only, not {dtype}.", hint="add --dtype bf16")
+    return attention_implementation(choice, device)
 
 
 def parse_max_memory(text: Optional[str]) -> Optional[dict]:
@@ -266,124 +220,3 @@ def _apply_adapter(model, adapter: str, merge: bool):
                          hint="point --adapter at a folder written by PeftModel.save_pretrained")
     model = PeftModel.from_pretrained(model, adapter)
     return model.merge_and_unload() if merge else model
-
-
-# -------------------------------------------------------------------------------------- generation
-
-def generate(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer=None) -> list[Completion]:
-    """Generate a completion per prompt, ``scfg.batch_size`` prompts at a time (left padded)."""
-    from transformers import set_seed
-
-    _check_sampling(scfg)
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f"prompt {i + 1} is empty.", hint="remove empty prompts (or blank lines in the prompt file)")
-    set_seed(scfg.seed)
-    done: list[Completion] = []
-    for start in range(0, len(prompts), scfg.batch_size):
-        done += _generate_batch(model, tokenizer, prompts[start:start + scfg.batch_size], scfg, streamer, start)
-    return done
-
-
-def _check_sampling(scfg: SamplingConfig) -> None:
-    checks = {"max_new_tokens": scfg.max_new_tokens >= 1, "batch_size": scfg.batch_size >= 1,
-              "temperature": scfg.temperature >= 0, "top_p": 0 < scfg.top_p <= 1, "top_k": scfg.top_k >= 0,
-              "repetition_penalty": scfg.repetition_penalty > 0}
-    for name, ok in checks.items():
-        if not ok:
-            raise ConfigError(f"--{name} has an invalid value: {getattr(scfg, name)}.",
-                              hint="max_new_tokens, batch_size >= 1; temperature, top_k >= 0; 0 < top_p <= 1")
-    if any(not s for s in scfg.stop):
-        raise ConfigError("--stop contains an empty string.", hint="remove it; an empty stop string would stop at once")
-
-
-def _generate_batch(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int):
-    import torch
-
-    context = _context_length(model)
-    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
-    for i, n in enumerate(lengths):
-        if context and n >= context:
-            raise DataError(f"prompt {offset + i + 1} is {n} tokens; the model's context is {context} tokens.",
-                            hint=f"shorten the prompt to under {context} tokens")
-    tokenizer.padding_side = "left"  # new tokens must follow each prompt directly
-    multiple = _pad_multiple(scfg, max(lengths), context)
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, pad_to_multiple_of=multiple).to(_input_device(model))
-    width = enc["input_ids"].shape[1]
-    max_new = scfg.max_new_tokens
-    if context and width + max_new > context:
-        max_new = context - width
-        log.warning("max_new_tokens lowered from %d to %d to stay within the %d-token context",
-                    scfg.max_new_tokens, max_new, context)
-    with torch.inference_mode():
-        out = model.generate(**enc, **generation_kwargs(model, tokenizer, scfg, max_new), streamer=streamer)
-    return [_completion(p, row[width:], tokenizer, scfg.stop) for p, row in zip(prompts, out.tolist())]
-
-
-def _pad_multiple(scfg: SamplingConfig, longest: int, context: Optional[int]) -> Optional[int]:
-    """With a static cache + compile, pad prompts to a multiple of 64 tokens so that prompts of
-    similar length share one compiled graph instead of recompiling for every length."""
-    if not (scfg.static_cache or scfg.compile != "off"):
-        return None
-    padded = -(-longest // 64) * 64
-    return 64 if context is None or padded + 1 < context else None
-
-
-def _context_length(model) -> Optional[int]:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def _input_device(model):
-    """Inputs go where the embeddings are (the first device under a device_map; weights offloaded
-    to disk sit on the meta device and are streamed in from CPU)."""
-    device = model.get_input_embeddings().weight.device
-    return "cpu" if device.type == "meta" else device
-
-
-def generation_kwargs(model, tokenizer, scfg: SamplingConfig, max_new_tokens: int) -> dict:
-    """Arguments for model.generate: sampling, stop strings, and the static-cache/compile path."""
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    sample = not scfg.greedy and scfg.temperature > 0
-    kw["do_sample"] = sample
-    if sample:
-        kw.update(temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k)
-    if scfg.repetition_penalty != 1.0:
-        kw["repetition_penalty"] = scfg.repetition_penalty
-    if scfg.stop:
-        kw.update(stop_strings=list(scfg.stop), tokenizer=tokenizer)
-    if scfg.static_cache or scfg.compile != "off":
-        kw["cache_implementation"] = "static"
-    if scfg.compile != "off":
-        kw["compile_config"] = _compile_config(model, scfg)
-    else:
-        kw["disable_compile"] = True  # transformers would otherwise auto-compile static-cache decoding on GPUs
-    return kw
-
-
-def _compile_config(model, scfg: SamplingConfig):
-    from transformers import CompileConfig
-
-    mode = scfg.compile
-    if model.device.type != "cuda" and mode == "reduce-overhead":
-        mode = "default"  # reduce-overhead means CUDA graphs; there is nothing to capture elsewhere
-    # dynamic=False: the static cache keeps decode shapes fixed, so one specialised graph serves all steps.
-    cc = CompileConfig(backend=scfg.compile_backend, mode=mode, fullgraph=False, dynamic=False)
-    # transformers compiles only on accelerators unless told; we compile where the user asked.
-    cc._compile_all_devices = True
-    return cc
-
-
-def _completion(prompt: str, new_ids: list[int], tokenizer, stops: list[str]) -> Completion:
-    eos = tokenizer.eos_token_id
-    finish = "length"
-    if eos is not None and eos in new_ids:
-        new_ids = new_ids[:new_ids.index(eos) + 1]
-        finish = "stop"
-    elif tokenizer.pad_token_id is not None and tokenizer.pad_token_id in new_ids:
-        # a sequence that hit a stop string is padded while the rest of its batch finishes
-        new_ids = new_ids[:new_ids.index(tokenizer.pad_token_id)]
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        text, finish = text[:cut], "stop"
-    return Completion(prompt, text, len(new_ids), finish)

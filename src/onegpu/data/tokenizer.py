@@ -6,8 +6,9 @@ import hashlib
 import logging
 import os
 import shutil
-from pathlib import Path
 from typing import Iterable
+
+from onegpu.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +22,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ONEGPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "onegpu")
-    return Path(root)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, fingerprint: str):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from onegpu.cliargs import make_parser, parse
+from onegpu.cli.args import make_parser, parse
 from onegpu.errors import ConfigError, DataError
 
 DESCRIPTION = ("Generate text from a onegpu run (onegpu generate --model runs/<name> \"def fib(\"), a "

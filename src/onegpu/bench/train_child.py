@@ -1,4 +1,4 @@
-"""One benchmark arm in a fresh process: ``python -m onegpu.bench_train_child spec.json result.json``.
+"""One benchmark arm in a fresh process: ``python -m onegpu.bench.train_child spec.json result.json``.
 
 Both kinds of arm — our `train()` and HF `Trainer` — import their libraries, reset the peak
 memory counter, then tokenize (from the cache), build the model from the same seed and train on the
@@ -14,6 +14,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+from onegpu.training.state import Callback
 
 
 class MemoryProbe:
@@ -63,7 +65,7 @@ def preimport(kind: str) -> None:
     import matplotlib.pyplot  # noqa: F401  (train() plots the loss at the end)
     import torch  # noqa: F401
 
-    import onegpu.train  # noqa: F401
+    import onegpu.training.run  # noqa: F401
 
     for mod in model_modules():
         importlib.import_module(mod)
@@ -83,39 +85,36 @@ def model_modules() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ onegpu
-def run_onegpu(spec: dict, probe: MemoryProbe | None = None) -> dict:
-    """Our `train()`, unchanged; its metrics.jsonl windows give the timing. Memory is read when
-    the loop returns: saving the model and plotting afterwards are not training."""
-    import onegpu.train as train_mod
-    from onegpu import assemble
+def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = ()) -> dict:
+    """Our `train()`, unchanged; its metrics.jsonl windows give the timing. A callback keeps a
+    handle on the run (to report which methods really took effect) and reads memory when the loop
+    returns: saving the model and plotting afterwards are not training."""
+    import onegpu
     from onegpu.config import from_dict
     from onegpu.report import read_metrics
 
-    cfg = from_dict(spec["config"])
-    seen = {}
-    build_optimizer, fit = assemble.build_optimizer, train_mod.fit
-
-    def observe(run):  # keep a handle on the run to report which methods really took effect
-        build_optimizer(run)
-        seen["run"] = run
-
-    def fit_then_read(*args, **kwargs):
-        state = fit(*args, **kwargs)
-        seen["memory"] = probe.read() if probe is not None else {}
-        return state
-
-    assemble.build_optimizer, train_mod.fit = observe, fit_then_read
-    try:
-        result = train_mod.train(cfg)
-    finally:
-        assemble.build_optimizer, train_mod.fit = build_optimizer, fit
+    watch = Watch(probe)
+    result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
     records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"]
     out = timing_from_windows(records, spec["warmup_steps"])
-    out["evidence"] = evidence(seen.get("run"))
+    out["evidence"] = evidence(watch.run)
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
-    out.update(seen.get("memory", {}))
+    out.update(watch.memory)
     return out
+
+
+class Watch(Callback):
+    """Observes the loop: the prepared run (for the evidence) and memory when training ends."""
+
+    def __init__(self, probe: MemoryProbe | None):
+        self.probe, self.run, self.memory = probe, None, {}
+
+    def on_train_begin(self, run, state) -> None:
+        self.run = run
+
+    def on_train_end(self, run, state) -> None:
+        self.memory = self.probe.read() if self.probe is not None else {}
 
 
 def timing_from_windows(records: list[dict], warmup: int) -> dict:
@@ -162,7 +161,9 @@ def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
     from accelerate.utils import set_seed
     from transformers import Trainer, TrainingArguments
 
-    from onegpu import assemble, batches, hardware, models
+    from onegpu import hardware, models
+    from onegpu.training import assemble
+    from onegpu.data import batches
     from onegpu.config import from_dict
 
     cfg = from_dict(spec["config"])
@@ -259,9 +260,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     preimport(spec["kind"])
     from onegpu import hardware
-    from onegpu.bench_train import measure_peak_flops
-
-    peak = measure_peak_flops(hardware.detect(), seconds=0.5)  # under the load this arm trains in
+    peak = hardware.measure_matmul_flops(hardware.detect().type, seconds=0.5)  # under the load this arm trains in
     probe = MemoryProbe()
     t0 = time.perf_counter()
     result = run_onegpu(spec, probe) if spec["kind"] == "onegpu" else run_hf(spec)

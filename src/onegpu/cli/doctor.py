@@ -225,7 +225,7 @@ def print_table(report: dict) -> None:
 
 
 def cli(argv: Sequence[str]) -> int:
-    from onegpu.cliargs import make_parser, parse
+    from onegpu.cli.args import make_parser, parse
 
     parser = make_parser("onegpu doctor", "Show versions, the GPU, and which fast paths work here "
                          "(with what to install for the missing ones).")

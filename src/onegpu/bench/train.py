@@ -18,31 +18,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
+from onegpu.config import Config, DataConfig, ModelConfig, OutputConfig, TrainingConfig, to_dict
 from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class BenchTrainConfig:
-    model: str = "tiny"
-    """Model for every arm: a preset (tiny, small, 125m, 1b), a local directory or a Hub id."""
-    from_scratch: bool = True
-    """Random initialisation of a non-preset model (the speed of a step does not depend on weights)."""
-    data: Optional[str] = None
-    """Training data (as data.path of `onegpu train`). Default: the Python standard library source."""
-    max_bytes: int = 1_000_000
-    """Bytes of the default corpus to read (keeps tokenization short)."""
-    seq_len: int = 256
-    """Tokens per sequence."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward pass of the baseline arm."""
-    grad_accum: int = 2
-    """Micro-batches per optimizer step of the baseline arm (effective batch = the product, kept by every arm)."""
-    steps: int = 10
-    """Optimizer steps per arm and repetition."""
+class BenchSettings:
+    """How the benchmark runs (the arms' run settings are the Config sections beside this one)."""
+
     warmup_steps: int = 2
     """Leading steps left out of the timing (allocator warm-up, compilation); also the logging interval."""
     max_seconds: float = 120.0
@@ -53,14 +40,45 @@ class BenchTrainConfig:
     """Comma-separated arm names, or "all". The baseline arm is always included."""
     best: str = "auto"
     """Arms merged into the "best" arm (comma-separated), or "auto" for this device's recommended set."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Baseline compute precision (auto: fp32 on CPU, bf16/fp16 on a GPU)."""
     out: str = "benchmarks/results"
     """Folder for the results (json, md, png)."""
     name: Optional[str] = None
     """File stem of the results (default: train-<device>-<date>)."""
-    seed: int = 1234
-    """Seed for model init and data order (the same in every arm)."""
+    dry_run: bool = False
+    """Check the settings and list the arms this device would run (and why others are skipped),
+    without tokenizing or training anything."""
+
+
+def _bench_model() -> ModelConfig:
+    return ModelConfig(name="tiny", from_scratch=True)
+
+
+def _bench_data() -> DataConfig:
+    return DataConfig(seq_len=256, max_bytes=1_000_000, num_proc=1)
+
+
+def _bench_training() -> TrainingConfig:
+    # No learning-rate warm-up: HF's schedule starts warm-up at lr 0 and ours at lr/warmup; without
+    # it both are the same cosine, so the final losses are comparable. No evaluation: not timed.
+    return TrainingConfig(micro_batch_size=8, grad_accum=2, max_steps=10, warmup_steps=0, eval_every=0,
+                          eval_batches=1)
+
+
+def _bench_output() -> OutputConfig:
+    return OutputConfig(tensorboard=False)
+
+
+@dataclass
+class BenchTrainConfig(Config):
+    """The baseline arm's run ``Config`` (every section and flag of `onegpu train`, with defaults
+    for a quick sweep: the tiny preset, 8 x 2 sequences of 256 tokens, 10 steps) plus ``bench``.
+    Each arm overrides a few of its keys; the effective batch is kept by every arm."""
+
+    model: ModelConfig = field(default_factory=_bench_model)
+    data: DataConfig = field(default_factory=_bench_data)
+    training: TrainingConfig = field(default_factory=_bench_training)
+    output: OutputConfig = field(default_factory=_bench_output)
+    bench: BenchSettings = field(default_factory=BenchSettings)
 
 
 @dataclass
@@ -111,8 +129,9 @@ def _compiler(dev, b, fmt):
 def _trained(dev, b, fmt):
     from onegpu.models import is_preset
 
-    if is_preset(b.model) or b.from_scratch:
-        return "QLoRA quantizes a trained model: give --model a saved model directory (and --from_scratch false)"
+    if is_preset(b.model.name) or b.model.from_scratch:
+        return ("QLoRA quantizes a trained model: give --model.name a saved model directory "
+                "(and --model.from_scratch false)")
     return None
 
 
@@ -122,8 +141,8 @@ def _padded(dev, b, fmt):
 
 def all_arms(b: BenchTrainConfig) -> list[Arm]:
     """The guide's rows, one setting each; the baseline first, HF Trainer last."""
-    eff = b.micro_batch_size * b.grad_accum
-    small = max(1, b.micro_batch_size // 4)
+    eff = b.training.micro_batch_size * b.training.grad_accum
+    small = max(1, b.training.micro_batch_size // 4)
     return [
         Arm("baseline", "onegpu baseline", {}),
         Arm("batch-size", "Batch size choice", {"training.micro_batch_size": eff, "training.grad_accum": 1}),
@@ -169,26 +188,27 @@ def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:
 def arm_names(b: BenchTrainConfig) -> list[str]:
     """The arms asked for, baseline first; an unknown name is an error with a did-you-mean."""
     known = [a.name for a in all_arms(b)]
-    names = known if b.arms.strip() == "all" else [n.strip() for n in b.arms.split(",") if n.strip()]
-    best = [] if b.best == "auto" else [n.strip() for n in b.best.split(",") if n.strip()]
+    names = known if b.bench.arms.strip() == "all" else [n.strip() for n in b.bench.arms.split(",") if n.strip()]
+    best = [] if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",") if n.strip()]
     for field_name, values in (("arms", names), ("best", best)):
         for n in values:
             if n not in known:
                 import difflib
 
                 close = difflib.get_close_matches(n, known, n=1)
-                raise ConfigError(f"{field_name}: unknown arm '{n}'.",
+                raise ConfigError(f"bench.{field_name}: unknown arm '{n}'.",
                                   hint=f"did you mean '{close[0]}'?" if close else f"choose from: {', '.join(known)}")
     return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
 
 
 def best_overrides(b: BenchTrainConfig, device, arms: dict, fmt: str) -> dict:
     """The recommended methods merged; those this device cannot run are left out (and logged)."""
-    names = BEST.get(device.type, BEST["cpu"]) if b.best == "auto" else [n.strip() for n in b.best.split(",")]
+    names = BEST.get(device.type, BEST["cpu"]) if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",")]
     merged = {}
     for n in names:
         if n not in arms or arms[n].kind != "onegpu" or n in ("best", "baseline"):
-            raise ConfigError(f"best: '{n}' is not a onegpu method arm.", hint="list method arms, e.g. batch-size,adamw-fused")
+            raise ConfigError(f"bench.best: '{n}' is not a onegpu method arm.",
+                              hint="list method arms, e.g. batch-size,adamw-fused")
         reason = skip_reason(arms[n], device, b, fmt)
         if reason:
             log.info("best: leaving out %s (%s)", n, reason)
@@ -199,19 +219,12 @@ def best_overrides(b: BenchTrainConfig, device, arms: dict, fmt: str) -> dict:
 
 # --------------------------------------------------------------------------------------- configs
 def base_config(b: BenchTrainConfig, out_dir: str) -> dict:
-    """The run Config (as a dict) every onegpu arm starts from; HF arms mirror its settings.
-
-    No learning-rate warm-up: HF's schedule starts warm-up at lr 0 and ours at lr/warmup, and
-    without it both are the same cosine, so the final losses are comparable."""
-    return {
-        "model": {"name": b.model, "from_scratch": b.from_scratch},
-        "data": {"path": b.data, "seq_len": b.seq_len, "max_bytes": b.max_bytes, "num_proc": 1},
-        "training": {"micro_batch_size": b.micro_batch_size, "grad_accum": b.grad_accum, "max_steps": b.steps,
-                     "max_minutes": b.max_seconds / 60, "warmup_steps": 0, "eval_every": 0, "eval_batches": 1,
-                     "log_every": b.warmup_steps, "seed": b.seed},
-        "techniques": {"precision": b.precision},
-        "output": {"dir": out_dir, "overwrite": True, "tensorboard": False},
-    }
+    """The run Config (as a dict) every onegpu arm starts from; HF arms mirror its settings. The
+    benchmark sets where runs go, the time budget and the logging interval (its timing windows)."""
+    cfg = {k: v for k, v in to_dict(b).items() if k != "bench"}
+    cfg["output"].update(dir=out_dir, overwrite=True)
+    cfg["training"].update(max_minutes=b.bench.max_seconds / 60, log_every=b.bench.warmup_steps)
+    return cfg
 
 
 def apply_overrides(cfg: dict, overrides: dict) -> dict:
@@ -236,7 +249,8 @@ def skip_reason(arm: Arm, device, b: BenchTrainConfig, fmt: str) -> Optional[str
 def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Callable | None = None) -> dict:
     """Run every arm `reps` times, interleaved; return the results document (see bench_train_report).
     `progress(doc)` is called after every repetition (a long sweep keeps what it measured)."""
-    from onegpu import bench_train_report as bench_report, hardware
+    from onegpu import hardware
+    from onegpu.bench import train_report as bench_report
 
     validate(b)
     device = hardware.detect()
@@ -251,12 +265,12 @@ def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Cal
             doc["arms"][arm.name] = {"name": arm.name, "row": arm.row, "kind": arm.kind, "overrides": arm.overrides,
                                      "status": "skipped" if reason else "ok", "reason": reason, "reps": []}
         runnable = [a for a in arms if doc["arms"][a.name]["status"] == "ok"]
-        for rep in range(b.reps):
+        for rep in range(b.bench.reps):
             for arm in runnable:  # interleaved: every arm once per round
                 spec = {"arm": arm.name, "kind": arm.kind, "config": apply_overrides(base, arm.overrides),
-                        "warmup_steps": b.warmup_steps, "budget_s": b.max_seconds, "rep": rep}
+                        "warmup_steps": b.bench.warmup_steps, "budget_s": b.bench.max_seconds, "rep": rep}
                 doc["schedule"].append({"rep": rep, "arm": arm.name, "start": time.time()})
-                log.info("rep %d/%d: %s", rep + 1, b.reps, arm.name)
+                log.info("rep %d/%d: %s", rep + 1, b.bench.reps, arm.name)
                 doc["arms"][arm.name]["reps"].append(runner(spec))
                 if progress is not None:
                     progress(doc)
@@ -265,79 +279,42 @@ def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Cal
 
 
 def validate(b: BenchTrainConfig) -> None:
-    for key in ("seq_len", "micro_batch_size", "grad_accum", "steps", "warmup_steps", "reps"):
-        if getattr(b, key) < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {getattr(b, key)}.", hint=f"set --{key} >= 1")
-    if b.steps <= b.warmup_steps:
-        raise ConfigError(f"steps ({b.steps}) must exceed warmup_steps ({b.warmup_steps}): nothing would be timed.",
-                          hint=f"set --steps > {b.warmup_steps}")
-    if b.max_seconds <= 0:
-        raise ConfigError(f"max_seconds must be positive, got {b.max_seconds}.", hint="set --max_seconds 120")
+    """The benchmark's own settings (the run sections are checked as `onegpu train` checks them)."""
+    from onegpu.config import validate as validate_run
+
+    validate_run(b)
+    for key in ("warmup_steps", "reps"):
+        if getattr(b.bench, key) < 1:
+            raise ConfigError(f"bench.{key} must be a positive integer, got {getattr(b.bench, key)}.",
+                              hint=f"set --bench.{key} >= 1")
+    if b.training.max_steps <= b.bench.warmup_steps:
+        raise ConfigError(f"training.max_steps ({b.training.max_steps}) must exceed bench.warmup_steps "
+                          f"({b.bench.warmup_steps}): nothing would be timed.",
+                          hint=f"set --training.max_steps > {b.bench.warmup_steps}")
+    if b.bench.max_seconds <= 0:
+        raise ConfigError(f"bench.max_seconds must be positive, got {b.bench.max_seconds}.",
+                          hint="set --bench.max_seconds 120")
     arm_names(b)
 
 
 def prepare(b: BenchTrainConfig) -> dict:
     """Tokenize once in the parent (children then read the cache) and size the model's FLOPs."""
-    from onegpu import assemble, hardware, models
+    from onegpu import hardware, models
     from onegpu.config import from_dict
+    from onegpu.plan.arch import flops_per_token, model_shape
+    from onegpu.training import assemble
 
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-prep-") as tmp:
         cfg = from_dict(base_config(b, tmp))
         device = hardware.detect()
         run = assemble.Run(cfg, device, Path(tmp), models.resolve_name(cfg.model, device.is_gpu), "fp32")
         assemble.build_data(run)
-        n_params, n_matmul, layers, hidden = model_size(run)
-    return {"data_format": run.extras["data_format"], "train_examples": len(run.train_ds),
-            "model_name": run.model_name, "params": n_params, "matmul_params": n_matmul,
-            "flops_per_token": flops_per_token(n_matmul, layers, hidden, b.seq_len),
-            "peak_flops": measure_peak_flops(device), "peak_dtype": "fp32" if device.type == "cpu" else "bf16"}
-
-
-def model_size(run) -> tuple[int, int, int, int]:
-    """Parameters (total, in matmuls) without allocating them: the model is built on the meta device."""
-    import torch
-
-    from onegpu import models
-
-    with torch.device("meta"):
-        model = models.load_model(run.model_name, run.cfg.model, run.tokenizer) if models.is_preset(run.model_name) \
-            else _meta_from_config(run)
-    total = sum(p.numel() for p in model.parameters())
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    c = model.config
-    return total, matmul, c.num_hidden_layers, c.hidden_size
-
-
-def _meta_from_config(run):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(run.model_name, trust_remote_code=run.cfg.model.trust_remote_code)
-    return AutoModelForCausalLM.from_config(config)
-
-
-def flops_per_token(matmul_params: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus the
-    attention score/value matmuls, 12·L·d·T (PaLM appendix B; causal masking not discounted)."""
-    return 6.0 * matmul_params + 12.0 * layers * hidden * seq_len
-
-
-def measure_peak_flops(device, seconds: float = 1.0) -> float:
-    """Best dense-matmul throughput seen: fp32 on CPU, bf16 on a GPU (the denominator of MFU)."""
-    import torch
-
-    on_gpu = device.type == "cuda"
-    n, dtype = (8192, torch.bfloat16) if on_gpu else (1024, torch.float32)
-    dev = "cuda" if on_gpu else "cpu"
-    a, c = torch.randn(n, n, dtype=dtype, device=dev), torch.randn(n, n, dtype=dtype, device=dev)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ c
-        if on_gpu:
-            torch.cuda.synchronize()
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
-    return best
+    shape = model_shape(run.model_name, len(run.tokenizer), cfg.model.trust_remote_code)
+    return {"data_format": run.data_format, "train_examples": len(run.train_ds), "model_name": run.model_name,
+            "params": shape.params, "active_params": shape.active_params,
+            "flops_per_token": flops_per_token(shape, b.data.seq_len),
+            "peak_flops": hardware.measure_matmul_flops(device.type, seconds=1.0),
+            "peak_dtype": "fp32" if device.type == "cpu" else "bf16"}
 
 
 # --------------------------------------------------------------------------------------- children
@@ -347,7 +324,7 @@ def run_child(spec: dict) -> dict:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec = apply_overrides(spec, {"config.output.dir": tmp})
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "onegpu.bench_train_child", str(spec_path), str(out_path)],
+        proc = subprocess.run([sys.executable, "-m", "onegpu.bench.train_child", str(spec_path), str(out_path)],
                               capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if proc.returncode != 0 or not out_path.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -358,22 +335,23 @@ def run_child(spec: dict) -> dict:
 
 def run(b: BenchTrainConfig) -> dict[str, Path]:
     """Sweep, then write <out>/<name>.{json,md,png}; returns the paths."""
-    from onegpu import bench_train_report
+    from onegpu.bench import train_report as bench_train_report
     from onegpu.hardware import detect
 
-    stem = b.name or f"train-{detect().type}-{time.strftime('%Y%m%d-%H%M')}"
-    partial = Path(b.out) / f"{stem}.partial.json"
+    stem = b.bench.name or f"train-{detect().type}-{time.strftime('%Y%m%d-%H%M')}"
+    partial = Path(b.bench.out) / f"{stem}.partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
     doc = run_sweep(b, progress=lambda d: partial.write_text(json.dumps(d, default=str)))
     partial.unlink(missing_ok=True)
-    paths = bench_train_report.write_all(doc, b.out, stem)
+    paths = bench_train_report.write_all(doc, b.bench.out, stem)
     print(bench_train_report.markdown(doc))
     return paths
 
 
 def cli(argv) -> int:
-    """`onegpu bench train [--arms a,b] [--reps 3] ...`: flags generated from BenchTrainConfig."""
-    from onegpu.cliargs import make_parser, parse
+    """`onegpu bench train [--bench.arms a,b] [--bench.reps 3] [--training.max_steps 20] ...`: flags
+    generated from BenchTrainConfig (the run sections as in `onegpu train`, plus bench.*)."""
+    from onegpu.cli.args import make_parser, parse
 
     parser = make_parser("onegpu bench train", "Measure the training guide's methods on this device, one arm "
                          "per method, interleaved repetitions, next to HF Trainer.", BenchTrainConfig)
@@ -381,6 +359,25 @@ def cli(argv) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "datasets", "urllib3", "filelock", "torch", "torchao"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if b.bench.dry_run:
+        return dry_run(b)
     paths = run(b)
     print("results: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def dry_run(b: BenchTrainConfig) -> int:
+    """Check the settings and print the arms this device would run, with what each overrides and
+    why any is skipped; nothing is tokenized or trained."""
+    from onegpu.hardware import detect
+
+    validate(b)
+    device = detect()
+    fmt = "text" if not b.data.path else "unknown"  # the format is only known once the data is read
+    print(f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
+          f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps")
+    for arm in select_arms(b, device, fmt):
+        reason = skip_reason(arm, device, b, fmt)
+        what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items()) or ("HF Trainer" if arm.kind == "hf" else "-")
+        print(f"  {arm.name:<18} {'skip: ' + reason if reason else what}")
     return 0

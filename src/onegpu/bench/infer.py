@@ -100,7 +100,7 @@ def prepare_model_dir(cfg: BenchInferConfig, workdir: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from onegpu.tokenizer import train_tokenizer
+    from onegpu.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer([Path(__file__).read_text()], vocab_size=512, fingerprint="bench-infer")
     torch.manual_seed(cfg.seed)
@@ -271,7 +271,7 @@ def write_outputs(result: dict, out_dir: str, stem: str) -> list[Path]:
 def cli(argv: Sequence[str]) -> int:
     import tempfile
 
-    from onegpu.cliargs import make_parser, parse
+    from onegpu.cli.args import make_parser, parse
 
     parser = make_parser("onegpu bench infer", __doc__.splitlines()[0], BenchInferConfig)
     cfg, _ = parse(parser, argv, BenchInferConfig)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
-from onegpu import batches
+from onegpu.data import batches
 from onegpu.techniques.loss import TARGETS, with_target_positions
 
 log = logging.getLogger(__name__)

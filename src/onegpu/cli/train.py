@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from onegpu.cliargs import make_parser, parse
+from onegpu.cli.args import make_parser, parse
 from onegpu.config import Config
 from onegpu.logs import setup_logging
 
@@ -14,7 +14,7 @@ def cli(argv: Sequence[str]) -> int:
                          "trained from scratch on the Python standard library's source.", Config)
     cfg, _ = parse(parser, argv, Config)
     setup_logging()
-    from onegpu.train import train
+    from onegpu import train
 
     train(cfg)
     return 0

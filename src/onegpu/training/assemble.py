@@ -6,11 +6,13 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onegpu import batches, data, models
+from onegpu import models
+from onegpu.data import batches
+from onegpu.data import records
 from onegpu.config import Config, save_yaml
 from onegpu.errors import ConfigError, DataError
 from onegpu.hardware import DeviceInfo
@@ -33,7 +35,7 @@ class Run:
     optimizer: Any = None
     scheduler: Any = None
     loss_fn: Any = None  # (model, batch) -> summed token loss; see techniques/loss.py
-    extras: dict = field(default_factory=dict)
+    data_format: str = ""  # text | prompt-completion | chat: detected from the columns
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -100,16 +102,16 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
         return models.load_tokenizer(mcfg.tokenizer, mcfg.trust_remote_code)
     if not models.is_preset(model_name):
         return models.load_tokenizer(model_name, mcfg.trust_remote_code)
-    from onegpu.tokenizer import train_tokenizer
+    from onegpu.data.tokenizer import train_tokenizer
 
-    texts = data.corpus_texts(train_records, fmt, cfg.data)
+    texts = records.corpus_texts(train_records, fmt, cfg.data)
     return train_tokenizer(texts, mcfg.vocab_size, fingerprint)
 
 
 def build_data(run: Run) -> None:
     cfg = run.cfg
-    train_rec, val_rec, fingerprint = data.load_records(cfg.data, cfg.training.seed)
-    fmt = data.detect_format(cfg.data, train_rec.column_names)
+    train_rec, val_rec, fingerprint = records.load_records(cfg.data, cfg.training.seed)
+    fmt = records.detect_format(cfg.data, train_rec.column_names)
     t0 = time.perf_counter()
     run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
     run.train_ds = batches.tokenize(train_rec, fmt, run.tokenizer, cfg.data, fingerprint)
@@ -119,23 +121,22 @@ def build_data(run: Run) -> None:
                         hint="lower data.seq_len or check the data")
     run.collator = batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
                                     position_ids=cfg.techniques.padding_free)
-    run.extras["data_format"] = fmt
+    run.data_format = fmt
     log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
              len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
 
 
-def build_model(run: Run) -> None:
-    from onegpu.techniques import prepare_model
-    from onegpu.techniques.attention import resolve_attention
-    from onegpu.techniques.precision import weights_dtype
+def build_model(run: Run, accelerator=None) -> None:
+    """Load the model and prepare it through the one pipeline (techniques/prepare.py). With an
+    accelerator, a multi-process FSDP2 run also shards it; the optimizer is built after."""
+    import functools
+
+    from onegpu import distributed
+    from onegpu.techniques.prepare import load_kwargs, prepare_model, resolved_techniques
 
     cfg = run.cfg
-    attn = resolve_attention(cfg.techniques, run.device)
-    from onegpu.techniques.lora import quantization_config
-
-    quant = quantization_config(cfg.techniques, run.precision, run.model_name, cfg.model)  # QLoRA base
-    model = models.load_model(run.model_name, cfg.model, run.tokenizer, dtype=weights_dtype(run.precision),
-                              attn_implementation=attn, extra={"quantization_config": quant} if quant else None)
+    model = models.load_model(run.model_name, cfg.model, run.tokenizer,
+                              **load_kwargs(cfg, run.device, run.precision, run.model_name))
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={max_pos}.",
@@ -143,32 +144,18 @@ def build_model(run: Run) -> None:
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
     check_model_settings(run, model)
-    run.model = prepare_model(model, resolved_techniques(cfg, run.device.type), run.device)
+    shard = (functools.partial(distributed.apply_fsdp2, cfg=cfg, precision=run.precision, accelerator=accelerator)
+             if accelerator is not None else None)
+    run.model = prepare_model(model, resolved_techniques(cfg, run.device.type), run.device.type, shard)
     run.loss_fn = make_loss_fn(cfg, getattr(model.config, "vocab_size", 0) or 0, run.device.is_gpu)
 
 
-def resolved_techniques(cfg: Config, device_type: str):
-    """cfg.techniques with compile=auto settled for this run. When auto chose to compile, a
-    compiler failure falls back to eager code with a warning instead of stopping the run."""
-    import dataclasses
-
-    from onegpu.techniques.compile import resolve_compile
-
-    mode = resolve_compile(cfg, device_type)
-    if cfg.techniques.compile == "auto" and mode != "off":
-        import torch._dynamo
-
-        torch._dynamo.config.suppress_errors = True
-    return dataclasses.replace(cfg.techniques, compile=mode)
-
-
 def check_model_settings(run: Run, model) -> None:
-    """Start-up advice and global switches that depend on the loaded model and the device."""
+    """Start-up advice that depends on the loaded model and the device."""
     from onegpu.techniques.batchsize import check_shapes
-    from onegpu.techniques.precision import apply_tf32, warn_fp16_on_bf16_model
+    from onegpu.techniques.precision import warn_fp16_on_bf16_model
 
     cfg = run.cfg
-    apply_tf32(cfg.techniques, run.device)
     warn_fp16_on_bf16_model(model.config, run.precision)
     check_shapes(cfg.training.micro_batch_size, cfg.data.seq_len, getattr(model.config, "hidden_size", None),
                  run.precision, run.device)

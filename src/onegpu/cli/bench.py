@@ -10,8 +10,8 @@ from onegpu.errors import ConfigError
 
 # name -> (module, one-line description)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "infer": ("onegpu.bench_infer", "generation speed, memory and quality per dtype/quantization/compile setting"),
-    "train": ("onegpu.bench_train", "the training guide's methods, one arm each, interleaved, next to HF Trainer"),
+    "infer": ("onegpu.bench.infer", "generation speed, memory and quality per dtype/quantization/compile setting"),
+    "train": ("onegpu.bench.train", "the training guide's methods, one arm each, interleaved, next to HF Trainer"),
 }
 
 

@@ -160,7 +160,8 @@ class DataFeed:
         self._open()
 
     def _open(self) -> None:
-        from onegpu import batches, distributed
+        from onegpu import distributed
+        from onegpu.data import batches
 
         run, s = self.run, self.state
         order = batches.BatchOrder(len(run.train_ds), s.micro_batch_size, run.cfg.training.seed, start=s.batches_seen,

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from onegpu.checkpoint import ENGINE_DIR, load_trainer_state
+from onegpu.checkpoint.local import ENGINE_DIR, load_trainer_state
 from onegpu.errors import ConfigError
 
 ENGINE_TAG = "zero"

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
-from onegpu.cliargs import make_parser, parse
+from onegpu.cli.args import make_parser, parse
 from onegpu.config import Config, from_dict, load_yaml, to_dict
 from onegpu.errors import OnegpuError
 

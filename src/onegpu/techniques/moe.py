@@ -1,0 +1,32 @@
+"""Mixture-of-Experts: train the router's load balancing too.
+
+Mixtral / Qwen-MoE style models compute a load-balancing loss only when their config asks for
+router logits (off by default); without it a few experts take every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_moe_aux_loss(model) -> bool:
+    """Make MoE models return their load-balancing loss (off by default in their configs)."""
+    config = model.config
+    if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(config, "output_router_logits"):
+        return False
+    config.output_router_logits = True
+    return True
+
+
+def moe_aux_term(model, out, labels: torch.Tensor) -> torch.Tensor | float:
+    """coef x aux_loss x (target tokens of this micro-batch).
+
+    The aux loss is a per-batch mean; weighting it by the micro-batch's target tokens keeps the
+    token-sum convention, so after the loop divides by the accumulated token count the step adds
+    coef x (token-weighted mean aux loss), the same as one big batch would.
+    """
+    aux = getattr(out, "aux_loss", None)
+    if aux is None or not model.training:  # validation loss stays plain cross-entropy
+        return 0.0
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return coef * aux.float() * (labels != -100).sum()  # -100: the ignored label (loss.IGNORE)

@@ -1,0 +1,87 @@
+"""THE ordered pipeline from a configuration to a prepared model: the one place methods are
+applied. Training, the planner's probes and measurements, and every benchmark arm call it.
+
+The order, and why:
+1. load-time arguments (weights dtype, attention kernel, quantized base): they can only be chosen
+   when ``from_pretrained`` builds the model;
+2. MoE router loss: a config switch on the loaded model, before anything wraps it;
+3. LoRA / QLoRA: adapters replace the Linear layers that the later steps must see;
+4. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute;
+5. compile: over the final module structure;
+6. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
+The optimizer comes last (``training.assemble.build_optimizer``; DeepSpeed offload brings its own).
+
+Global switches (TF32, dynamo's error fallback) are process-wide, so they are set in one place,
+``global_switches``, for the length of a run, and put back as they were afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+from onegpu.config import Config, TechniquesConfig
+from onegpu.hardware import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+
+def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str) -> dict:
+    """Step 1: the arguments ``models.load_model`` passes to ``from_pretrained``."""
+    from onegpu.techniques.attention import resolve_attention
+    from onegpu.techniques.lora import quantization_config
+    from onegpu.techniques.precision import weights_dtype
+
+    quant = quantization_config(cfg.techniques, precision, model_name, cfg.model)  # QLoRA base
+    return {"dtype": weights_dtype(precision), "attn_implementation": resolve_attention(cfg.techniques, device),
+            "extra": {"quantization_config": quant} if quant else None}
+
+
+def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
+    """Steps 2-6 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
+    ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one process."""
+    from onegpu.techniques.checkpointing import apply_checkpointing
+    from onegpu.techniques.compile import apply_compile
+    from onegpu.techniques.lora import apply_lora
+    from onegpu.techniques.moe import apply_moe_aux_loss
+
+    apply_moe_aux_loss(model)
+    model = apply_lora(model, tcfg)
+    model = apply_checkpointing(model, tcfg, device_type)
+    model = apply_compile(model, tcfg, device_type)
+    return shard(model) if shard is not None else model
+
+
+def resolved_techniques(cfg: Config, device_type: str) -> TechniquesConfig:
+    """cfg.techniques with compile=auto settled for this run."""
+    from onegpu.techniques.compile import resolve_compile
+
+    return dataclasses.replace(cfg.techniques, compile=resolve_compile(cfg, device_type))
+
+
+@contextlib.contextmanager
+def global_switches(cfg: Config, device: DeviceInfo):
+    """Process-wide settings a run needs, restored on exit (a notebook or a benchmark may run
+    several jobs in one process):
+    - TF32 matmuls (``techniques.tf32``, default on for Ampere+ GPUs);
+    - when compile=auto chose to compile, a compiler failure falls back to eager code with a
+      warning (dynamo's ``suppress_errors``) instead of stopping the run.
+    """
+    import torch
+    import torch._dynamo
+
+    from onegpu.techniques.compile import auto_compiles
+    from onegpu.techniques.precision import apply_tf32
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision(), torch._dynamo.config.suppress_errors)
+    try:
+        apply_tf32(cfg.techniques, device)
+        if auto_compiles(cfg, device.type):
+            torch._dynamo.config.suppress_errors = True
+        yield
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+        torch._dynamo.config.suppress_errors = saved[3]

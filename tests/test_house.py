@@ -1,0 +1,115 @@
+"""Rules of the house, checked on the source: no import cycles (module-level or inside functions),
+no module over ~400 lines, one pipeline applying the methods."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).parents[1] / "src" / "onegpu"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> onegpu modules it imports anywhere in its code (lazy imports included)."""
+    mods = _modules()
+
+    def owner(name: str) -> str | None:  # the module a dotted import name lives in
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = owner(name) if name.startswith("onegpu") else None
+                if target and target != mod and not mod.startswith(target + "."):  # a package's own parent: fine
+                    graph[mod].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "onegpu.training.run" in graph and graph["onegpu.plan.probe"]  # the graph is really read
+    assert cycles(graph) == []
+
+
+def test_training_does_not_import_the_planner():
+    """Plan before train: the API layer (onegpu.train) calls the planner, the loop never does."""
+    graph = import_graph()
+    training = [m for m in graph if m.startswith("onegpu.training")]
+    assert not {t for m in training for t in graph[m] if t.startswith("onegpu.plan")}
+
+
+def test_no_module_over_the_size_limit():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_methods_are_applied_only_by_the_pipeline():
+    """apply_lora / apply_checkpointing / apply_compile / apply_moe_aux_loss are called from
+    techniques/prepare.py only: training, planner and benchmarks all go through prepare_model."""
+    callers = {}
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                    "apply_lora", "apply_checkpointing", "apply_compile", "apply_moe_aux_loss"):
+                callers.setdefault(node.func.id, set()).add(mod)
+    assert callers and all(mods == {"onegpu.techniques.prepare"} for mods in callers.values()), callers
+    users = {m for m, targets in import_graph().items() if "onegpu.techniques.prepare" in targets}
+    assert {"onegpu.training.assemble", "onegpu.plan.activations", "onegpu.plan.accuracy",
+            "onegpu.plan.probe", "onegpu.training.run"} <= users
