@@ -167,3 +167,18 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     predicted = memory.estimate(shape, Candidate(4, 1, "fp32", optimizer="adamw"), 128, on_gpu=False)
     assert predicted.peak == pytest.approx(measured, rel=0.15)  # about -8% here
     assert predicted.components["optimizer"] == pytest.approx(resident - sum(p.numel() * 4 for p in model.parameters()), rel=0.01)
+
+
+def test_paged_optimizer_state_is_host_backed_on_a_gpu():
+    """bitsandbytes' paged state lives in unified memory, outside torch's allocator (so outside
+    max_memory_allocated): shown as its own component, not in the device peak."""
+    shape = _shape_of("llama", _llama())
+    eight, paged = Candidate(8, 1, "bf16", optimizer="adamw-8bit"), Candidate(8, 1, "bf16", optimizer="paged-adamw-8bit")
+    on_device = memory.estimate(shape, eight, 64)
+    host = memory.estimate(shape, paged, 64)
+    state = memory.optimizer_bytes(shape, eight)
+    assert state > 0 and memory.optimizer_bytes(shape, paged) == 0
+    assert host.components["paged optimizer state (host-backed)"] == pytest.approx(state)
+    assert host.peak == pytest.approx(on_device.peak - state)
+    # Off a GPU the paged optimizer is the plain 8-bit one, in ordinary memory.
+    assert memory.optimizer_bytes(shape, paged, on_gpu=False) == pytest.approx(state)

@@ -39,8 +39,8 @@ def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path,
     text = caplog.text
     assert "predicted vs measured" in text and "training with" in text
     calib = json.loads(speed.calibration_path().read_text())
-    # The stored efficiency is the chosen probe's measured tokens/s x its FLOPs per token over
-    # this CPU's peak: recompute it from the logged measurement and the chosen setup.
+    # The stored efficiency is the chosen probe's measured speed turned back into compute-only
+    # efficiency: recompute it from the logged measurement and the chosen setup.
     measured = float(re.search(r"training with .+ \(([\d,]+) tokens/s measured\)", text).group(1).replace(",", ""))
     tech = saved["techniques"]
     chosen = Candidate(t["micro_batch_size"], t["grad_accum"], tech["precision"], tech["checkpointing"],
@@ -48,9 +48,11 @@ def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path,
                        every=tech["checkpointing_every"])
     shape = model_shape(str(tiny_model_dir))
     spec = speed_spec()
-    expected = measured * speed.flops_per_token(shape, chosen, 64) / (spec.peak_tflops("fp32") * 1e12)
+    expected = speed.compute_efficiency(shape, chosen, 64, spec, measured)
     stored = calib["CPU"]["fp32"]["efficiency"]
     assert stored == pytest.approx(expected, rel=0.01) and stored != speed.DEFAULT_EFFICIENCY
+    # ... so that re-planning the chosen setup predicts what the probe measured.
+    assert speed.estimate(shape, chosen, 64, spec).tokens_per_s == pytest.approx(measured, rel=0.01)
     assert calib["CPU"]["fp32"]["tokens_per_micro"] == t["micro_batch_size"] * 64
     eff, calibrated = speed.base_efficiency(spec, "fp32")
     assert calibrated and eff != speed.DEFAULT_EFFICIENCY  # later plans use the measurement

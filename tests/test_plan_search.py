@@ -13,7 +13,7 @@ from onegpu.hardware import find_gpu
 from onegpu.plan import make_plan, speed
 from onegpu.plan.arch import model_shape
 from onegpu.plan.candidate import Candidate
-from onegpu.plan.search import micro_batches, search
+from onegpu.plan.search import micro_batches, search, tier_candidates
 
 
 @pytest.mark.parametrize("target", [1, 6, 16, 24, 64, 100])
@@ -61,10 +61,30 @@ def test_calibration_is_used_once_measured():
     shape, c = model_shape("tiny"), Candidate(16, 1, "bf16")
     before = speed.estimate(shape, c, 256, spec)
     assert not before.calibrated and before.efficiency < speed.DEFAULT_EFFICIENCY
+    assert any("no probe" in a for a in before.assumptions)
     speed.save_calibration("A10G", "bf16", 0.2, 16 * 256)
     after = speed.estimate(shape, c, 256, spec)
-    assert after.calibrated and after.efficiency == pytest.approx(0.2)
+    assert after.calibrated and after.efficiency == pytest.approx(0.2 * speed._fill(spec, 16 * 256))
     assert after.tokens_per_s < before.tokens_per_s
+    assert not any("no probe" in a for a in after.assumptions)
+
+
+@pytest.mark.parametrize("cand", [Candidate(16, 2, "bf16"), Candidate(8, 4, "bf16", "full", compile="default"),
+                                  Candidate(16, 1, "bf16", lora_rank=16, quantize_base="nf4")])
+def test_a_probed_setup_replans_to_what_was_measured(cand, tmp_path, monkeypatch):
+    """Calibration stores compute-only efficiency: re-planning a probed setup predicts the measured
+    speed (the optimizer step, compile and a quantized base are not counted twice)."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # a calibration of its own
+    spec, shape = find_gpu("A10G"), model_shape("tiny")
+    measured = 0.7 * speed.estimate(shape, cand, 256, spec).tokens_per_s  # a probe that found it slower
+    eff = speed.compute_efficiency(shape, cand, 256, spec, measured)
+    speed.save_calibration("A10G", cand.precision, eff, cand.micro_batch * 256)
+    replanned = speed.estimate(shape, cand, 256, spec)
+    assert replanned.calibrated and replanned.tokens_per_s == pytest.approx(measured, rel=0.01)
+    again = speed.compute_efficiency(shape, cand, 256, spec, replanned.tokens_per_s)
+    assert again == pytest.approx(eff, rel=0.01)  # probing the prediction changes nothing: a fixed point
+    if cand.compile != "off":
+        assert any("compile" in a for a in replanned.assumptions)
 
 
 def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
@@ -124,3 +144,44 @@ def test_plan_without_gpu_uses_this_cpu(capsys):
     assert main(["plan", "tiny", "--seq-len", "128", "--batch", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpu"] == "CPU" and data["recommended"]["techniques"]["precision"] == "fp32"
+
+
+def test_optimizer_step_in_backward_is_planned_as_one_gradient_tensor():
+    from onegpu.config import validate
+    from onegpu.plan import memory
+
+    shape = model_shape("tiny")
+    plain, inside = Candidate(1, 1, "bf16"), Candidate(1, 1, "bf16", in_backward=True)
+    assert memory.grad_bytes(shape, plain) == shape.params * 4
+    assert memory.grad_bytes(shape, inside) == shape.largest_param * 4
+    # Where the optimizer step sets the peak (small activations), the whole gradient copy is saved.
+    saved = memory.estimate(shape, plain, 16).peak - memory.estimate(shape, inside, 16).peak
+    assert saved == pytest.approx((shape.params - shape.largest_param) * 4)
+    cfg = validate(inside.apply(Config()))  # what the planner recommends is a valid run
+    assert cfg.techniques.optimizer_in_backward and cfg.training.max_grad_norm == 0
+    assert "in-backward" in inside.label()
+
+
+def test_search_offers_the_step_in_backward_only_without_accumulation():
+    cfg = Config()
+    plan = search(cfg, find_gpu("A100-80GB"), model_shape("tiny"), 256, 32)
+    rows = tier_candidates(1, cfg, find_gpu("A100-80GB"), model_shape("tiny"), 32)
+    inside = [c for c in rows if c.in_backward]
+    assert inside and all(c.grad_accum == 1 and c.offload == "none" for c in inside)
+    assert not any(r.candidate.in_backward for r in plan.rows if r.tier == 0)
+    cfg.techniques.optimizer_in_backward, cfg.training.max_grad_norm = True, 0.0
+    asked = tier_candidates(0, cfg, find_gpu("A100-80GB"), model_shape("tiny"), 32)
+    assert asked and all(c.in_backward and c.grad_accum == 1 for c in asked)
+
+
+def test_activation_offload_is_searched_on_a_gpu_and_costs_pcie_time():
+    shape, spec = model_shape("tiny"), find_gpu("A100-80GB")
+    rows = tier_candidates(0, Config(), spec, shape, 32)
+    assert any(c.checkpointing == "offload" for c in rows)
+    full, off = Candidate(8, 4, "bf16", "full"), Candidate(8, 4, "bf16", "offload")
+    assert speed.estimate(shape, off, 256, spec).tokens_per_s < speed.estimate(shape, full, 256, spec).tokens_per_s
+    assert any("offloaded activations" in a for a in speed.estimate(shape, off, 256, spec).assumptions)
+    from onegpu.plan import memory
+
+    kept = {c.checkpointing: memory.estimate(shape, c, 256).components["activations"] for c in (full, off)}
+    assert kept["offload"] < kept["full"]  # layer inputs are in host memory, not on the device

@@ -147,6 +147,10 @@ class TechniquesConfig:
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adafactor", "adamw-8bit",
                        "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao", "sgd"] = "adamw"
     """Optimizer. adamw picks the fastest available torch implementation."""
+    optimizer_in_backward: bool = False
+    """Update each parameter inside backward, as soon as its gradient is complete, and free that
+    gradient at once: the full set of gradients never exists (saves one copy of the trainable
+    weights). Needs training.grad_accum=1 and training.max_grad_norm=0; not with fp16 or offload."""
     compile: Literal["auto", "off", "default", "max-autotune", "reduce-overhead"] = "auto"
     """torch.compile mode. auto = default where it pays: a run of 50+ steps, a compiler for the
     device (g++ on CPU, triton on GPU), no quantized base or DeepSpeed offload; else off."""
@@ -265,9 +269,29 @@ def _check_conflicts(cfg: Config) -> None:
     if tech.loss == "plain" and tech.loss_chunk_size:
         raise ConfigError(f"techniques.loss_chunk_size={tech.loss_chunk_size} sets the fused loss's chunks, but "
                           "techniques.loss=plain.", hint="drop techniques.loss_chunk_size, or set techniques.loss=fused")
+    if tech.optimizer_in_backward:
+        _check_optimizer_in_backward(cfg)
     if out.resume and out.overwrite:
         raise ConfigError("output.resume and output.overwrite contradict each other (continue the run vs "
                           "start it again).", hint="drop one of --output.resume / --output.overwrite")
+
+
+def _check_optimizer_in_backward(cfg: Config) -> None:
+    """What an update inside backward cannot do (see techniques/optimizer_in_backward.py)."""
+    tech, t = cfg.techniques, cfg.training
+    reasons = [
+        (t.grad_accum > 1, f"training.grad_accum={t.grad_accum}: each micro-batch's gradient would be applied "
+                           "before the next one is added", "set training.grad_accum=1 (a larger micro-batch instead)"),
+        (t.max_grad_norm > 0, f"training.max_grad_norm={t.max_grad_norm}: the global norm is only known once every "
+                              "gradient exists", "set training.max_grad_norm=0"),
+        (tech.precision == "fp16", "techniques.precision=fp16: loss scaling must check all gradients before any "
+                                   "update", "use bf16 (or fp32)"),
+        (tech.offload != "none", f"techniques.offload={tech.offload}: DeepSpeed runs its own optimizer",
+         "set techniques.offload=none"),
+    ]
+    for bad, why, fix in reasons:
+        if bad:
+            raise ConfigError(f"techniques.optimizer_in_backward cannot be combined with {why}.", hint=fix)
 
 
 def _get(d: dict, dotted: str) -> Any:

@@ -64,6 +64,9 @@ def print_plan(plan, recommended, top: int) -> None:
         mark = "" if r.fits else "x"
         print(f"{mark or i:>2}  {r.candidate.label():<52} {r.memory.peak / 2**30:>8.2f} "
               f"{r.speed.tokens_per_s:>24,.0f}  {r.why}")
+    assumed = sorted({a for r in plan.rows[:top] for a in r.speed.assumptions})
+    if assumed:
+        print("\nassumed, not measured: " + "; ".join(assumed))
     if not calibrated:
         print("\n(uncalibrated): speeds assume the default efficiency; a probe on this GPU "
               "(onegpu train --plan auto) measures and stores the real one.")
@@ -77,7 +80,7 @@ def print_plan(plan, recommended, top: int) -> None:
 def plan_json(plan, recommended) -> dict:
     rows = [{"plan": r.candidate.label(), "fits": r.fits, "peak_gb": r.memory.peak / 2**30,
              "reserved_gb": r.memory.reserved() / 2**30, "tokens_per_s": r.speed.tokens_per_s,
-             "calibrated": r.speed.calibrated, "why": r.why,
+             "calibrated": r.speed.calibrated, "assumptions": list(r.speed.assumptions), "why": r.why,
              "components_gb": {k: v / 2**30 for k, v in r.memory.components.items()},
              "micro_batch": r.candidate.micro_batch, "grad_accum": r.candidate.grad_accum}
             for r in plan.rows]

@@ -21,6 +21,7 @@ class Candidate:
     quantize_base: str = "none"  # none, nf4, int8 (LoRA only)
     offload: str = "none"  # none, zero2-cpu, zero3-cpu
     every: int = 2  # checkpointing_every for every-n
+    in_backward: bool = False  # optimizer step inside backward (grad_accum 1, no global clipping)
 
     @property
     def effective_batch(self) -> int:
@@ -38,7 +39,7 @@ class Candidate:
         parts = [f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
         if self.checkpointing != "off":
             parts.append("ckpt-" + (f"every{self.every}" if self.checkpointing == "every-n" else self.checkpointing))
-        parts.append(self.optimizer)
+        parts.append(self.optimizer + ("-in-backward" if self.in_backward else ""))
         if self.loss_chunk:
             parts.append(f"fused-loss{self.loss_chunk}")
         if self.compile != "off":
@@ -58,6 +59,9 @@ class Candidate:
         t.optimizer, t.loss_chunk_size, t.compile, t.offload = self.optimizer, self.loss_chunk, self.compile, self.offload
         # A fused candidate keeps loss=auto where it was asked (a model without support falls back).
         t.loss = "plain" if not self.loss_chunk else ("fused" if t.loss == "plain" else t.loss)
+        t.optimizer_in_backward = self.in_backward
+        if self.in_backward:  # the global norm does not exist when each update happens in backward
+            out.training.max_grad_norm = 0.0
         t.lora.enabled = bool(self.lora_rank)
         if self.lora_rank:
             t.lora.r, t.lora.quantize_base = self.lora_rank, self.quantize_base

@@ -73,6 +73,8 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
+    if c.in_backward:  # each gradient is applied and freed as soon as it is complete
+        return min(trainable_params(shape, c), shape.largest_param) * (4 if c.lora_rank else param_bytes(c.precision))
     if c.lora_rank:
         return lora_params(shape, c) * 4
     if c.offload != "none":
@@ -80,10 +82,25 @@ def grad_bytes(shape: ModelShape, c: Candidate) -> float:
     return shape.params * param_bytes(c.precision)
 
 
-def optimizer_bytes(shape: ModelShape, c: Candidate) -> float:
-    """Optimizer state on the device (none under ZeRO offload: it lives in host memory)."""
-    if c.offload != "none":
+PAGED = ("paged-adamw-8bit",)  # state in CUDA unified memory: outside the caching allocator, spills to host
+
+
+def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
+    """Optimizer state in the device's caching allocator (none under ZeRO offload, which keeps it in
+    host memory, nor for a paged optimizer on a GPU, whose state is host-backed unified memory)."""
+    if c.offload != "none" or paged_bytes(shape, c, on_gpu):
         return 0.0
+    return state_bytes(shape, c)
+
+
+def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
+    """Host-backed optimizer state of a paged optimizer (bitsandbytes' cudaMallocManaged pages;
+    off a GPU it trains as the plain 8-bit optimizer, in ordinary memory)."""
+    return state_bytes(shape, c) if on_gpu and c.optimizer in PAGED and c.offload == "none" else 0.0
+
+
+def state_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
     pb = 4 if c.lora_rank else param_bytes(c.precision)
     if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
@@ -130,11 +147,13 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     optimizer's temporaries); weights and optimizer state are there throughout.
     """
     kept, transient = activation_bytes(shape, c, seq_len, acts, attention)
-    w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c)
+    w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c, on_gpu)
     temp = optimizer_temp_bytes(shape, c, on_gpu)
     held_grads = g if c.grad_accum > 1 else 0.0
     backward_peak = kept + transient + held_grads
     step_peak = g + temp
     comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
              "backward transient": transient, "optimizer temporaries": temp}
+    if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
+        comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
     return MemoryEstimate(comps, w + o + max(backward_peak, step_peak))

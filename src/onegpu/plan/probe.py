@@ -20,8 +20,8 @@ from onegpu.config import Config
 log = logging.getLogger(__name__)
 
 TOP = 3  # setups probed
-WARMUP_STEPS = 1  # first step: allocator growth, optimizer state, compile
-MEASURE_STEPS = 2
+WARMUP_STEPS = 2  # allocator growth, optimizer state, compile (and a recompile for the second shape)
+MEASURE_STEPS = 6  # enough steps that one slow step does not set the calibration
 
 
 @dataclass
@@ -39,7 +39,7 @@ def auto_plan(cfg: Config) -> Config:
     from onegpu import hardware, models
     from onegpu.errors import OnegpuError
     from onegpu.plan.arch import model_shape
-    from onegpu.plan.search import search
+    from onegpu.plan.search import planning_attention, search
 
     device = hardware.detect()
     spec = _device_spec(device)
@@ -48,7 +48,7 @@ def auto_plan(cfg: Config) -> Config:
     vocab = len(shared.tokenizer) if models.is_preset(name) else cfg.model.vocab_size
     shape = model_shape(name, vocab, cfg.model.trust_remote_code)
     batch = cfg.training.micro_batch_size * cfg.training.grad_accum
-    plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30)
+    plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30, planning_attention(cfg))
     rows = [r for r in plan.rows if r.fits][:TOP]
     if not rows:
         raise OnegpuError(f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "
@@ -61,7 +61,7 @@ def auto_plan(cfg: Config) -> Config:
         log.warning("plan: every probe failed; training with the first prediction, %s", rows[0].candidate.label())
         return rows[0].candidate.apply(cfg)
     best_m, best_r = max(ok, key=lambda mr: mr[0].tokens_per_s)
-    _calibrate(spec, best_r, best_m, cfg.data.seq_len)
+    _calibrate(spec, best_r, best_m, cfg.data.seq_len, shape, cfg.techniques.tf32 is not False)
     log.info("plan: training with %s (%.0f tokens/s measured)", best_m.label, best_m.tokens_per_s)
     return best_r.candidate.apply(cfg)
 
@@ -187,14 +187,15 @@ def _release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _calibrate(spec, row, measured: Measured, seq_len: int) -> None:
-    """Store measured / peak FLOP/s as this GPU's efficiency, for later plans."""
+def _calibrate(spec, row, measured: Measured, seq_len: int, shape, tf32: bool = True) -> None:
+    """Store the efficiency that makes the speed model reproduce this measurement (compute only,
+    saturated: see plan/speed.py), for later plans."""
     from onegpu.plan import speed
 
     c = row.candidate
-    eff = measured.tokens_per_s * row.speed.flops_per_token / (spec.peak_tflops(c.precision) * 1e12)
+    eff = speed.compute_efficiency(shape, c, seq_len, spec, measured.tokens_per_s, tf32)
     speed.save_calibration(spec.key, c.precision, eff, c.micro_batch * seq_len)
-    log.info("plan: calibrated %s %s efficiency %.3f", spec.key, c.precision, eff)
+    log.info("plan: calibrated %s %s compute efficiency %.3f", spec.key, c.precision, eff)
 
 
 def _log_table(results: list[Measured]) -> None:

@@ -20,7 +20,8 @@ from onegpu.plan.candidate import Candidate
 
 log = logging.getLogger(__name__)
 
-TIERS = ("as configured", "bf16 weights or 8-bit optimizer state", "LoRA adapters", "QLoRA (4-bit base)", "DeepSpeed CPU offload")
+TIERS = ("as configured", "bf16 weights, 8-bit optimizer state or optimizer step in backward", "LoRA adapters",
+         "QLoRA (4-bit base)", "DeepSpeed CPU offload")
 LORA_RANK = 16
 
 
@@ -73,6 +74,8 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     on_gpu = spec.key != "CPU"
     compiles = _compiles(cfg, on_gpu)
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
+    if on_gpu and tier < 4:
+        ckpts.append("offload")  # layer inputs in pinned host memory: slower, ranked by the PCIe time it adds
     lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
     if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
         return []  # already training adapters (on a quantized base): this tier adds nothing
@@ -81,10 +84,12 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
     chunks = {off: loss_chunk(cfg, shape.vocab, on_gpu, off) for off in offloads}
     out = []
-    for mb, (prec, opt), ck, comp, off in itertools.product(
+    for mb, (prec, opt, in_bwd), ck, comp, off in itertools.product(
             micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, compiles, offloads):
+        if in_bwd and (mb != batch or off != "none"):
+            continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
         out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
-                             t.checkpointing_every))
+                             t.checkpointing_every, in_bwd))
     return out
 
 
@@ -106,18 +111,27 @@ def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
     return fused_chunk(cfg.techniques, vocab, on_gpu, sharded=offload.startswith("zero3"))
 
 
-def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str]]:
-    """(precision, optimizer) pairs of a tier. bf16 weights change the numerics (updates below
-    bf16 resolution are lost), so like an 8-bit optimizer they wait for tier 1."""
+def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str, bool]]:
+    """(precision, optimizer, step in backward) of a tier. bf16 weights change the numerics (updates
+    below bf16 resolution are lost), and so do an 8-bit optimizer and an update in backward (no
+    global clipping): they wait for tier 1."""
     precs = precisions(spec, t.precision)
     plain = [p for p in precs if p != "bf16-pure" or t.precision == "bf16-pure"]
+    in_bwd = t.optimizer_in_backward
     if tier == 0:
-        return [(p, t.optimizer) for p in plain]
+        return [(p, t.optimizer, in_bwd) for p in plain]
     if tier == 1:
-        pure = [("bf16-pure", t.optimizer)] if "bf16-pure" in precs and t.precision == "auto" else []
-        eight = [] if t.optimizer in memory.STATE_BYTES else [(p, "adamw-8bit") for p in plain]
-        return pure + eight
-    return [(p, t.optimizer if tier < 4 else "adamw") for p in plain]
+        pure = [("bf16-pure", t.optimizer, in_bwd)] if "bf16-pure" in precs and t.precision == "auto" else []
+        eight = [] if t.optimizer in memory.STATE_BYTES else [(p, "adamw-8bit", in_bwd) for p in plain]
+        backward = [] if in_bwd else [(p, t.optimizer, True) for p in precs if p != "fp16"]
+        return pure + eight + backward
+    return [(p, t.optimizer if tier < 4 else "adamw", in_bwd and tier < 4) for p in plain]
+
+
+def planning_attention(cfg: Config) -> str:
+    """The attention the activation measurement runs: the configured kernel where the CPU can run
+    it, else SDPA (flash is SDPA's FlashAttention kernel: the same saved tensors)."""
+    return cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "sdpa"
 
 
 def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: int,

@@ -1,8 +1,12 @@
 """Step time: FLOPs per token over the GPU's peak times an efficiency, plus the optimizer step.
 
-Efficiency (the model-FLOPs utilisation a real run reaches) is measured by the probe and stored per
-GPU model and precision in the onegpu cache. Without a measurement we use DEFAULT_EFFICIENCY, and
-every figure built on it is shown as "(uncalibrated)".
+Efficiency is the compute-only utilisation of a well-filled micro-batch, without the factors of
+methods that change kernels rather than FLOPs (compile, a quantized base) and without the
+optimizer step, which is modelled on its own. The probe measures a whole step, takes those parts
+back out (``compute_efficiency``) and stores what is left per GPU model and precision, so a probed
+setup re-planned predicts exactly what was measured. Without a measurement DEFAULT_EFFICIENCY is
+used and every figure built on it is shown as "(uncalibrated)". The other constants below are
+assumptions no probe fits; each estimate lists the ones it used.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from onegpu.paths import cache_dir
 # on A100/H100 in bf16). Only used until the probe has measured this GPU.
 DEFAULT_EFFICIENCY = 0.40
 # Small micro-batches under-fill the GPU; utilisation reaches half its peak at this many tokens
-# per micro-batch on a GPU (fitted by the probe where it has measured more than one size).
+# per micro-batch (an assumption: a probe measures one micro-batch size, which cannot fit a curve).
 HALF_FILL_TOKENS = {"gpu": 512, "cpu": 16}
-# Relative speed factors for methods that change kernels, not FLOPs (uncalibrated defaults).
+# Relative speed factors for methods that change kernels, not FLOPs (assumptions, listed as such
+# in every estimate that uses them).
 COMPILE_SPEEDUP = 1.15  # fused elementwise ops (torch.compile, inductor)
 QLORA_SLOWDOWN = 0.65  # dequantizing 4-bit weights in every matmul
 OFFLOAD_PCIE_GBS = 20.0  # effective host<->device bandwidth for ZeRO offload
@@ -37,6 +42,7 @@ class SpeedEstimate:
     flops_per_token: float
     efficiency: float
     calibrated: bool
+    assumptions: tuple[str, ...] = ()  # constants this figure rests on that no measurement has fitted
 
 
 def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
@@ -60,23 +66,60 @@ def load_calibration() -> dict:
         return {}
 
 
+CALIBRATION_KIND = "compute-saturated"  # what "efficiency" means in the stored entries (see the docstring)
+
+
 def save_calibration(gpu_key: str, precision: str, efficiency: float, tokens_per_micro: int) -> None:
-    """Remember a measured efficiency for this GPU model and precision (used by later plans)."""
+    """Remember a measured compute-only, saturated efficiency for this GPU model and precision."""
     data = load_calibration()
     data.setdefault(gpu_key, {})[_prec_class(precision)] = {
-        "efficiency": efficiency, "tokens_per_micro": tokens_per_micro, "measured": time.strftime("%Y-%m-%d")}
+        "efficiency": efficiency, "kind": CALIBRATION_KIND, "tokens_per_micro": tokens_per_micro,
+        "measured": time.strftime("%Y-%m-%d")}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
 
 
 def base_efficiency(spec: GpuSpec, precision: str) -> tuple[float, bool]:
-    """(efficiency at a well-filled micro-batch, whether it was measured on this GPU model)."""
+    """(compute-only efficiency at a well-filled micro-batch, whether it was measured on this GPU model).
+    Entries written before efficiencies were stored compute-only are not used."""
     entry = load_calibration().get(spec.key, {}).get(_prec_class(precision))
-    if not entry:
+    if not entry or entry.get("kind") != CALIBRATION_KIND:
         return DEFAULT_EFFICIENCY, False
-    # Stored at the probe's micro-batch; undo the fill factor to get the saturated figure.
-    return min(1.0, entry["efficiency"] / _fill(spec, entry["tokens_per_micro"])), True
+    return entry["efficiency"], True
+
+
+def method_factor(c: Candidate) -> float:
+    """Speed factors of methods that change kernels, not FLOPs (assumed, see the constants)."""
+    factor = COMPILE_SPEEDUP if c.compile != "off" else 1.0
+    return factor * (QLORA_SLOWDOWN if c.quantize_base != "none" else 1.0)
+
+
+def compute_efficiency(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tokens_per_s: float,
+                       tf32: bool = True) -> float:
+    """The stored efficiency that makes ``estimate`` predict ``tokens_per_s`` for this setup: the
+    measured step minus the modelled optimizer step, over the peak, without fill and method factors."""
+    tokens = c.effective_batch * seq_len
+    step = tokens / tokens_per_s
+    # A measurement faster than the optimizer model allows still leaves the compute some time.
+    compute = max(step - optimizer_seconds(shape, c, spec), 0.05 * step)
+    used = tokens * flops_per_token(shape, c, seq_len) / (spec.peak_tflops(c.precision, tf32) * 1e12 * compute)
+    return used / (_fill(spec, c.micro_batch * seq_len) * method_factor(c))
+
+
+def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
+    out = [] if calibrated else [f"efficiency {DEFAULT_EFFICIENCY:.2f} (no probe on this GPU yet)"]
+    half = HALF_FILL_TOKENS["cpu" if spec.key == "CPU" else "gpu"]
+    out.append(f"micro-batch fill: half speed at {half} tokens")
+    if c.compile != "off":
+        out.append(f"compile x{COMPILE_SPEEDUP}")
+    if c.quantize_base != "none":
+        out.append(f"4-bit base x{QLORA_SLOWDOWN}")
+    if c.offload != "none":
+        out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
+    elif c.checkpointing == "offload":
+        out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s for offloaded activations")
+    return tuple(out)
 
 
 def _fill(spec: GpuSpec, tokens: int) -> float:
@@ -91,16 +134,22 @@ def _prec_class(precision: str) -> str:
 def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True) -> SpeedEstimate:
     """Predicted training throughput (tokens/s) of one setup on one GPU."""
     eff, calibrated = base_efficiency(spec, c.precision)
-    eff *= _fill(spec, c.micro_batch * seq_len)
-    if c.compile != "off":
-        eff *= COMPILE_SPEEDUP
-    if c.quantize_base != "none":
-        eff *= QLORA_SLOWDOWN
+    eff *= _fill(spec, c.micro_batch * seq_len) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
     tokens = c.effective_batch * seq_len
     compute = tokens * fpt / (spec.peak_tflops(c.precision, tf32) * 1e12 * eff)
-    step = compute + optimizer_seconds(shape, c, spec)
-    return SpeedEstimate(tokens / step, step, fpt, eff, calibrated)
+    step = compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
+    return SpeedEstimate(tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated))
+
+
+def activation_offload_seconds(shape: ModelShape, c: Candidate, seq_len: int) -> float:
+    """checkpointing=offload: every layer's input (tokens x hidden, in the compute dtype) goes to
+    pinned host memory in forward and comes back in backward, over PCIe (an assumed rate)."""
+    if c.checkpointing != "offload":
+        return 0.0
+    dtype_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+    nbytes = 2 * c.effective_batch * seq_len * shape.hidden * shape.layers * dtype_bytes
+    return nbytes / (OFFLOAD_PCIE_GBS * 1e9)
 
 
 def optimizer_seconds(shape: ModelShape, c: Candidate, spec: GpuSpec) -> float:

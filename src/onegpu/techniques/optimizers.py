@@ -49,6 +49,12 @@ def build_optimizer(model, tcfg: TechniquesConfig, train: TrainingConfig) -> tor
         raise ConfigError(f"techniques.optimizer: unknown optimizer '{name}'.",
                           hint=f"choose one of: {', '.join(BUILDERS)}")
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    if tcfg.optimizer_in_backward:
+        from onegpu.techniques.optimizer_in_backward import OptimizerInBackward
+
+        opt = OptimizerInBackward(groups, lambda one: BUILDERS[name](one, train.lr, on_cuda))
+        log.info("optimizer: %s, stepped inside backward per parameter (%r)", name, opt)
+        return opt
     opt = BUILDERS[name](groups, train.lr, on_cuda)
     log.info("optimizer: %s (%s.%s)", name, type(opt).__module__, type(opt).__name__)
     return opt

@@ -197,11 +197,19 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
 def build_optimizer(run: Run) -> None:
     import torch
 
+    from onegpu import distributed
+    from onegpu.techniques import offload
     from onegpu.techniques.optimizers import build_optimizer as make
 
-    from onegpu.techniques import offload
-
     t = run.cfg.training
+    if run.cfg.techniques.optimizer_in_backward:
+        if distributed.world_size() > 1:
+            raise ConfigError("techniques.optimizer_in_backward runs in one process only: several processes reduce "
+                              "gradients after the update would already have used them.",
+                              hint="launch one process, or turn techniques.optimizer_in_backward off")
+        if t.oom_retry:
+            log.info("optimizer_in_backward: out-of-memory retry is off (a step that runs out of memory in "
+                     "backward has already updated part of the weights)")
     if offload.use_cpu_adam(run.cfg, run.device.is_gpu):  # offloaded state: DeepSpeed's vectorised CPU Adam
         from onegpu.techniques.optimizers import BETAS, param_groups
 

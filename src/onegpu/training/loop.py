@@ -11,6 +11,7 @@ from onegpu.checkpoint import local as checkpoint
 from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import redact, to_dict
 from onegpu.report import MetricsLog, device_memory_gb, progress_bar
+from onegpu.techniques.optimizer_in_backward import steps_in_backward
 from onegpu.training import recovery
 from onegpu.training.evaluate import evaluate_and_log
 from onegpu.training.state import Callback, TrainState
@@ -78,6 +79,8 @@ def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFee
     """train_step on the next cycle; on out-of-memory, shrink the micro-batch and redo the same
     examples with the same random streams. None when a stop interrupted the cycle."""
     t = run.cfg.training
+    # An OOM inside backward after some parameters were already updated cannot be redone exactly.
+    retry = t.oom_retry and not steps_in_backward(run.optimizer)
     while True:
         micro = feed.next_cycle()
         try:
@@ -86,7 +89,7 @@ def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFee
         except recovery.StepInterrupted:
             return None
         except Exception as exc:  # noqa: BLE001 - only OOM is retried, everything else re-raised
-            if not (t.oom_retry and recovery.is_oom(exc)):
+            if not (retry and recovery.is_oom(exc)):
                 raise
         # Outside the except block: the exception, its traceback and the failed graph are released.
         run.optimizer.zero_grad(set_to_none=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from onegpu import distributed
 from onegpu.techniques.loss import TARGETS, loss_sum, with_target_positions
+from onegpu.techniques.optimizer_in_backward import steps_in_backward
 from onegpu.training import recovery
 
 
@@ -19,6 +20,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
     """
+    in_backward = steps_in_backward(optimizer)
     micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
     n_targets = _global_sum(accelerator, sum(mb[TARGETS].numel() for mb in micro))
     real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
@@ -30,7 +32,9 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
         mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in mb.items()}
         with distributed.accumulating(accelerator, model, last=i == len(micro) - 1):
             loss = loss_fn(model, mb) / max(n_targets, 1)
-            distributed.backward(accelerator, loss)
+            # Updates made inside backward cannot be skipped afterwards: a bad loss stops before it.
+            if not (in_backward and guard is not None and not bool(loss.detach().isfinite())):
+                distributed.backward(accelerator, loss)
         total = loss.detach() if total is None else total + loss.detach()
     total = distributed.global_loss(accelerator, total)  # the same value, and NaN verdict, on every rank
     norm = distributed.clip_grad_norm(accelerator, model, max_grad_norm) if max_grad_norm else None
