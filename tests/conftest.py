@@ -9,7 +9,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# DeepSpeed picks its accelerator when imported. Without CUDA its detection fails unless told "cpu";
+# on a GPU machine the offload tests (and the subprocesses they start) need its CUDA accelerator, so
+# nothing is set there. tests/test_distributed.py names "cpu" itself for its CPU-only subprocesses.
+if not _cuda_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
