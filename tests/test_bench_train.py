@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from onegpu.bench import arms as bench_arms
 from onegpu.bench import train as bench_train
 from onegpu.bench import train_report as bench_train_report
 from onegpu.bench.train import BenchTrainConfig
@@ -78,6 +79,44 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def chat_file(path):
+    """Chat records of different lengths: labels only on the assistant turns, padding in every batch."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} squared?" + " Explain." * (i % 4)},
+                          {"role": "assistant", "content": f"{i} squared is {i * i}." + " Because." * (i % 5)}]}
+            for i in range(60)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("data", ["text", "chat"])
+def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_path):
+    """TRL's SFTTrainer at its defaults, in a real child: the same examples in the same order as our
+    loop (so the same token counts), a loss close to ours, and evidence of what TRL itself chose."""
+    path, seq = (text_file, 32) if data == "text" else (chat_file(tmp_path / "chat.jsonl"), 128)
+    b = tiny_bench(tiny_model_dir, path, tmp_path, bench__arms="trl-sft", bench__reps=1, data__seq_len=seq)
+    paths = bench_train.run(b)
+    doc = json.loads(paths["json"].read_text())
+    assert doc["setup"]["data_format"] == ("text" if data == "text" else "messages")
+    ours, trl = doc["arms"]["baseline"], doc["arms"]["trl-sft"]
+    assert trl["status"] == "ok" and trl["kind"] == "trl", trl.get("reason")
+    (a,), (t,) = ours["reps"], trl["reps"]
+    assert t["status"] == "ok" and t["steps_done"] == a["steps_done"] == 2 and t["timed_steps"] == 1
+    assert t["tokens_seen"] == a["tokens_seen"] > 0 and t["timed_tokens"] == a["timed_tokens"] > 0
+    if data == "chat":  # examples of different lengths: padding in the batches, counted by neither
+        assert a["tokens_seen"] < 2 * 2 * seq
+    # Same model, data and schedule; TRL's default bf16 autocast (fp32 here) moves the loss a little only.
+    assert trl["final_loss"] == pytest.approx(ours["final_loss"], rel=0.05)
+    ev = t["evidence"]
+    assert ev["loss_type"] in ("nll", "chunked_nll") and ev["chunked_loss"] is True  # TRL >= 1.7's default
+    assert ev["loss_normalisation"] == "summed over the target tokens of the accumulated batch"  # as ours
+    assert ev["precision"] == "bf16" and ev["checkpointing"] is True  # TRL's own defaults, recorded
+    assert ev["optimizer"].endswith("AdamW") and ev["trl"]
+    assert doc["vs_trl_sft"]["baseline"]["speed_x"] == pytest.approx(a["tokens_per_s"] / t["tokens_per_s"])
+    md = paths["md"].read_text()
+    assert "vs TRL SFTTrainer (defaults):" in md and "| TRL SFTTrainer, defaults | trl-sft |" in md
+    assert "chunked loss" in md
+
+
 def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_path):
     """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the baseline's."""
     b = tiny_bench(tiny_model_dir, text_file, tmp_path, bench__arms="hf-trainer,grad-accum,flash", bench__reps=3)
@@ -106,20 +145,49 @@ def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_p
 
 def test_cpu_skips_gpu_only_arms_with_reasons():
     b = BenchTrainConfig()
-    arms = {a.name: a for a in bench_train.select_arms(b, CPU, "text")}
+    arms = {a.name: a for a in bench_arms.select_arms(b, CPU, "text")}
     for name in ("flash", "fp16", "tf32", "offload", "qlora"):  # qlora: a preset is not a trained model
-        assert bench_train.skip_reason(arms[name], CPU, b, "text"), name
-    assert "packed" in bench_train.skip_reason(arms["padding-free"], CPU, b, "text")
-    assert bench_train.skip_reason(arms["padding-free"], CPU, b, "messages") is None
-    assert bench_train.skip_reason(arms["bf16"], CPU, b, "text") is None  # slow on CPU, but it runs
-    assert bench_train.skip_reason(arms["flash"], H100, b, "text") is None
+        assert bench_arms.skip_reason(arms[name], CPU, b, "text"), name
+    assert "packed" in bench_arms.skip_reason(arms["padding-free"], CPU, b, "text")
+    assert bench_arms.skip_reason(arms["padding-free"], CPU, b, "messages") is None
+    assert bench_arms.skip_reason(arms["bf16"], CPU, b, "text") is None  # slow on CPU, but it runs
+    assert bench_arms.skip_reason(arms["flash"], H100, b, "text") is None
+
+
+def test_precision_arms_that_would_repeat_the_baseline_are_skipped():
+    """The GPU baseline is bf16 and the CPU one fp32: the arm equal to it says so instead of running twice."""
+    b = BenchTrainConfig()
+    gpu = {a.name: a for a in bench_arms.select_arms(b, H100, "text")}
+    cpu = {a.name: a for a in bench_arms.select_arms(b, CPU, "text")}
+    assert "bf16 already" in bench_arms.skip_reason(gpu["bf16"], H100, b, "text")
+    assert bench_arms.skip_reason(gpu["fp32"], H100, b, "text") is None
+    assert bench_arms.skip_reason(gpu["fp32-tf32"], H100, b, "text") is None
+    assert gpu["fp32-tf32"].overrides == {"techniques.precision": "fp32", "techniques.tf32": True}
+    assert "fp32 already" in bench_arms.skip_reason(cpu["fp32"], CPU, b, "text")
+    assert bench_arms.skip_reason(cpu["bf16"], CPU, b, "text") is None
+    b.techniques.precision = "fp32"  # an explicit fp32 baseline on the GPU: now the bf16 arm measures something
+    assert bench_arms.skip_reason(gpu["bf16"], H100, b, "text") is None
+    # the GPU's best set leaves out bf16 when the baseline is bf16 already, and keeps the rest
+    best = {a.name: a for a in bench_arms.select_arms(BenchTrainConfig(), H100)}["best"].overrides
+    assert best["techniques.attention"] == "flash" and best["techniques.compile"] == "default"
+
+
+@pytest.mark.parametrize("micro, accum, cap, expected", [(4, 4, 0, (16, 1)), (4, 4, 8, (8, 2)), (4, 2, 8, (8, 1)),
+                                                           (4, 3, 8, (6, 2)), (8, 2, 32, (16, 1))])
+def test_batch_size_arm_respects_the_micro_batch_cap(micro, accum, cap, expected):
+    """16 x 2048 tokens at ~1B cannot fit 80 GB: under bench.max_micro_batch the arm takes the largest
+    divisor of the effective batch that fits, and keeps the effective batch."""
+    b = bench_config(training__micro_batch_size=micro, training__grad_accum=accum, bench__max_micro_batch=cap)
+    arm = {a.name: a for a in bench_arms.all_arms(b)}["batch-size"]
+    got = (arm.overrides["training.micro_batch_size"], arm.overrides["training.grad_accum"])
+    assert got == expected and got[0] * got[1] == micro * accum
 
 
 def test_best_arm_merges_methods_and_leaves_out_unavailable_ones():
     b = bench_config(bench__best="batch-size,flash,adamw-fused")
-    best = {a.name: a for a in bench_train.select_arms(b, CPU)}["best"].overrides
+    best = {a.name: a for a in bench_arms.select_arms(b, CPU)}["best"].overrides
     assert best == {"training.micro_batch_size": 16, "training.grad_accum": 1, "techniques.optimizer": "adamw-fused"}
-    gpu_best = {a.name: a for a in bench_train.select_arms(b, H100)}["best"].overrides
+    gpu_best = {a.name: a for a in bench_arms.select_arms(b, H100)}["best"].overrides
     assert gpu_best["techniques.attention"] == "flash"
 
 
@@ -128,6 +196,7 @@ def test_best_arm_merges_methods_and_leaves_out_unavailable_ones():
                                        (dict(training__max_steps=2, bench__warmup_steps=2),
                                         "training.max_steps (2) must exceed"),
                                        (dict(bench__reps=0), "bench.reps must be"),
+                                       (dict(bench__max_micro_batch=-1), "bench.max_micro_batch must be"),
                                        (dict(data__seq_len=0), "data.seq_len must be")])
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")) as err:

@@ -1,7 +1,8 @@
-"""`onegpu bench train`: the guide's technique table, measured on this machine, next to HF Trainer.
+"""`onegpu bench train`: the guide's technique table, measured on this machine, next to HF Trainer
+and TRL's SFTTrainer.
 
-Every arm is one setting of the run ``Config`` (so methods show up here as soon as they exist),
-trained for the same steps on the same tokenized data and effective batch. Arms run in a fresh
+Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
+exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a fresh
 subprocess each (clean peak memory) and repetitions are interleaved — A, B, C, A, B, C — so slow
 drift of a shared machine hits every arm alike. Every ratio in the report comes from one run.
 """
@@ -16,205 +17,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from onegpu.config import Config, DataConfig, ModelConfig, OutputConfig, TrainingConfig, to_dict
+from onegpu.bench.arms import arm_names, select_arms, skip_reason
+from onegpu.bench.settings import BenchSettings, BenchTrainConfig
+from onegpu.config import to_dict
 from onegpu.errors import ConfigError
 
+__all__ = ["BenchSettings", "BenchTrainConfig", "run_sweep", "run", "cli", "validate", "dry_run"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BenchSettings:
-    """How the benchmark runs (the arms' run settings are the Config sections beside this one)."""
-
-    warmup_steps: int = 2
-    """Leading steps left out of the timing (allocator warm-up, compilation); also the logging interval."""
-    max_seconds: float = 120.0
-    """Time budget of one arm's training loop; an arm that runs out reports the steps it finished."""
-    reps: int = 3
-    """Repetitions of every arm, interleaved (A, B, C, A, B, C, ...)."""
-    arms: str = "all"
-    """Comma-separated arm names, or "all". The baseline arm is always included."""
-    best: str = "auto"
-    """Arms merged into the "best" arm (comma-separated), or "auto" for this device's recommended set."""
-    out: str = "benchmarks/results"
-    """Folder for the results (json, md, png)."""
-    name: Optional[str] = None
-    """File stem of the results (default: train-<device>-<date>)."""
-    dry_run: bool = False
-    """Check the settings and list the arms this device would run (and why others are skipped),
-    without tokenizing or training anything."""
-
-
-def _bench_model() -> ModelConfig:
-    return ModelConfig(name="tiny", from_scratch=True)
-
-
-def _bench_data() -> DataConfig:
-    return DataConfig(seq_len=256, max_bytes=1_000_000, num_proc=1)
-
-
-def _bench_training() -> TrainingConfig:
-    # No learning-rate warm-up: HF's schedule starts warm-up at lr 0 and ours at lr/warmup; without
-    # it both are the same cosine, so the final losses are comparable. No evaluation: not timed.
-    return TrainingConfig(micro_batch_size=8, grad_accum=2, max_steps=10, warmup_steps=0, eval_every=0,
-                          eval_batches=1)
-
-
-def _bench_output() -> OutputConfig:
-    return OutputConfig(tensorboard=False)
-
-
-@dataclass
-class BenchTrainConfig(Config):
-    """The baseline arm's run ``Config`` (every section and flag of `onegpu train`, with defaults
-    for a quick sweep: the tiny preset, 8 x 2 sequences of 256 tokens, 10 steps) plus ``bench``.
-    Each arm overrides a few of its keys; the effective batch is kept by every arm."""
-
-    model: ModelConfig = field(default_factory=_bench_model)
-    data: DataConfig = field(default_factory=_bench_data)
-    training: TrainingConfig = field(default_factory=_bench_training)
-    output: OutputConfig = field(default_factory=_bench_output)
-    bench: BenchSettings = field(default_factory=BenchSettings)
-
-
-@dataclass
-class Arm:
-    name: str
-    row: str  # the guide's table row this arm measures
-    overrides: dict = field(default_factory=dict)  # dotted Config keys -> values
-    kind: str = "onegpu"  # "onegpu" or "hf"
-    needs: Optional[Callable] = None  # (device, bench cfg, data format) -> reason it cannot run, or None
-
-
-# ------------------------------------------------------------------------------------------ arms
-def _cuda(what: str):
-    return lambda dev, b, fmt: None if dev.type == "cuda" else f"{what} needs a CUDA GPU"
-
-
-FP16_CPU = "fp16 math is emulated on a CPU (many times slower than fp32); measured on CUDA GPUs only"
-
-
-def _cuda_only(reason: str):
-    return lambda dev, b, fmt: None if dev.type == "cuda" else reason
-
-
-def _ampere(what: str):
-    return lambda dev, b, fmt: None if dev.bf16 else f"{what} needs an Ampere-or-newer CUDA GPU"
-
-
-def _module(mod: str):
-    def check(dev, b, fmt):
-        import importlib.util
-
-        return None if importlib.util.find_spec(mod) else f"{mod} is not installed"
-    return check
-
-
-def _all(*checks):
-    return lambda dev, b, fmt: next((r for r in (c(dev, b, fmt) for c in checks) if r), None)
-
-
-def _compiler(dev, b, fmt):
-    from onegpu.techniques.compile import has_cpu_compiler
-
-    if dev.type == "cpu" and not has_cpu_compiler():
-        return "torch.compile on CPU needs a C++ compiler (g++)"
-    return None
-
-
-def _trained(dev, b, fmt):
-    from onegpu.models import is_preset
-
-    if is_preset(b.model.name) or b.model.from_scratch:
-        return ("QLoRA quantizes a trained model: give --model.name a saved model directory "
-                "(and --model.from_scratch false)")
-    return None
-
-
-def _padded(dev, b, fmt):
-    return None if fmt != "text" else "text data is packed into full blocks already: no padding to remove"
-
-
-def all_arms(b: BenchTrainConfig) -> list[Arm]:
-    """The guide's rows, one setting each; the baseline first, HF Trainer last."""
-    eff = b.training.micro_batch_size * b.training.grad_accum
-    small = max(1, b.training.micro_batch_size // 4)
-    return [
-        Arm("baseline", "onegpu baseline", {}),
-        Arm("batch-size", "Batch size choice", {"training.micro_batch_size": eff, "training.grad_accum": 1}),
-        Arm("grad-accum", "Gradient accumulation",
-            {"training.micro_batch_size": small, "training.grad_accum": eff // small}),
-        Arm("checkpointing", "Gradient checkpointing", {"techniques.checkpointing": "full"}),
-        Arm("bf16", "Mixed precision (bf16)", {"techniques.precision": "bf16"}),
-        Arm("fp16", "Mixed precision (fp16)", {"techniques.precision": "fp16"}, needs=_cuda_only(FP16_CPU)),
-        Arm("tf32", "Mixed precision (tf32)", {"techniques.tf32": True}, needs=_ampere("tf32")),
-        Arm("flash", "Flash Attention", {"techniques.attention": "flash"}, needs=_cuda("FlashAttention")),
-        Arm("adamw-fused", "Optimizer choice (fused AdamW)", {"techniques.optimizer": "adamw-fused"}),
-        Arm("adafactor", "Optimizer choice (Adafactor)", {"techniques.optimizer": "adafactor"}),
-        Arm("adamw-8bit", "Optimizer choice (8-bit AdamW)", {"techniques.optimizer": "adamw-8bit"},
-            needs=_module("bitsandbytes")),
-        Arm("preload", "Data preloading", {"data.num_workers": 2, "data.pin_memory": True}),
-        Arm("compile", "torch.compile", {"techniques.compile": "default"}, needs=_compiler),
-        Arm("plain-loss", "Plain cross-entropy (full logits, not fused)", {"techniques.loss": "plain"}),
-        Arm("padding-free", "Packing instead of padding", {"techniques.padding_free": True}, needs=_padded),
-        Arm("lora", "PEFT (LoRA)", {"techniques.lora.enabled": True}, needs=_module("peft")),
-        Arm("qlora", "PEFT (QLoRA, nf4 base)", {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
-            needs=_all(_module("peft"), _module("bitsandbytes"), _trained)),
-        Arm("offload", "DeepSpeed ZeRO (CPU offload)", {"techniques.offload": "zero2-cpu"},
-            needs=_cuda("DeepSpeed ZeRO offload in this benchmark")),
-        Arm("best", "Best combination", {}),
-        Arm("hf-trainer", "HF Trainer, defaults", {}, kind="hf"),
-        Arm("hf-trainer-tuned", "HF Trainer, guide's flags", {}, kind="hf"),
-    ]
-
-
-BEST = {"cpu": ["batch-size", "adamw-fused", "compile"],
-        "cuda": ["batch-size", "bf16", "tf32", "flash", "adamw-fused", "compile"]}
-
-
-def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:
-    arms = {a.name: a for a in all_arms(b)}
-    chosen = [arms[n] for n in arm_names(b)]
-    for arm in chosen:
-        if arm.name == "best":
-            arm.overrides = best_overrides(b, device, arms, fmt)
-    return chosen
-
-
-def arm_names(b: BenchTrainConfig) -> list[str]:
-    """The arms asked for, baseline first; an unknown name is an error with a did-you-mean."""
-    known = [a.name for a in all_arms(b)]
-    names = known if b.bench.arms.strip() == "all" else [n.strip() for n in b.bench.arms.split(",") if n.strip()]
-    best = [] if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",") if n.strip()]
-    for field_name, values in (("arms", names), ("best", best)):
-        for n in values:
-            if n not in known:
-                import difflib
-
-                close = difflib.get_close_matches(n, known, n=1)
-                raise ConfigError(f"bench.{field_name}: unknown arm '{n}'.",
-                                  hint=f"did you mean '{close[0]}'?" if close else f"choose from: {', '.join(known)}")
-    return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
-
-
-def best_overrides(b: BenchTrainConfig, device, arms: dict, fmt: str) -> dict:
-    """The recommended methods merged; those this device cannot run are left out (and logged)."""
-    names = BEST.get(device.type, BEST["cpu"]) if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",")]
-    merged = {}
-    for n in names:
-        if n not in arms or arms[n].kind != "onegpu" or n in ("best", "baseline"):
-            raise ConfigError(f"bench.best: '{n}' is not a onegpu method arm.",
-                              hint="list method arms, e.g. batch-size,adamw-fused")
-        reason = skip_reason(arms[n], device, b, fmt)
-        if reason:
-            log.info("best: leaving out %s (%s)", n, reason)
-            continue
-        merged.update(arms[n].overrides)
-    return merged
 
 
 # --------------------------------------------------------------------------------------- configs
@@ -236,13 +49,6 @@ def apply_overrides(cfg: dict, overrides: dict) -> dict:
             node = node.setdefault(p, {})
         node[leaf] = value
     return cfg
-
-
-def skip_reason(arm: Arm, device, b: BenchTrainConfig, fmt: str) -> Optional[str]:
-    """Why an arm cannot run here (None: it can). Runnable-but-slow arms (bf16 on CPU) still run."""
-    if arm.needs is not None:
-        return arm.needs(device, b, fmt)
-    return None
 
 
 # ---------------------------------------------------------------------------------------- sweep
@@ -291,6 +97,9 @@ def validate(b: BenchTrainConfig) -> None:
         raise ConfigError(f"training.max_steps ({b.training.max_steps}) must exceed bench.warmup_steps "
                           f"({b.bench.warmup_steps}): nothing would be timed.",
                           hint=f"set --training.max_steps > {b.bench.warmup_steps}")
+    if b.bench.max_micro_batch < 0:
+        raise ConfigError(f"bench.max_micro_batch must be 0 (no limit) or positive, got {b.bench.max_micro_batch}.",
+                          hint="set --bench.max_micro_batch 8")
     if b.bench.max_seconds <= 0:
         raise ConfigError(f"bench.max_seconds must be positive, got {b.bench.max_seconds}.",
                           hint="set --bench.max_seconds 120")
@@ -375,9 +184,11 @@ def dry_run(b: BenchTrainConfig) -> int:
     device = detect()
     fmt = "text" if not b.data.path else "unknown"  # the format is only known once the data is read
     print(f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
-          f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps")
+          f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps"
+          + (f" [{b.bench.name}]" if b.bench.name else ""))
+    peers = {"hf": "HF Trainer", "trl": "TRL SFTTrainer"}
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)
-        what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items()) or ("HF Trainer" if arm.kind == "hf" else "-")
+        what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items()) or peers.get(arm.kind, "-")
         print(f"  {arm.name:<18} {'skip: ' + reason if reason else what}")
     return 0

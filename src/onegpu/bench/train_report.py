@@ -21,14 +21,20 @@ GUIDE = {"Batch size choice": ("Yes", "Yes"), "Gradient accumulation": ("No", "Y
          "Optimizer choice": ("Yes", "Yes"), "Data preloading": ("Yes", "No"), "torch.compile": ("Yes", "No"),
          "PEFT": ("No", "Yes"), "DeepSpeed ZeRO": ("No", "Yes"), "Flash Attention": ("Yes", "Yes")}
 
-# Arms compared with HF Trainer's defaults in the headline. Trainer's default optimizer is fused
+# Arms compared with the peer trainers in the headline. Trainer's default optimizer is fused
 # AdamW (torch >= 2.8), so "adamw-fused" is our loop with the same settings.
 VS_HF = ("baseline", "adamw-fused", "best")
+# The peers: document key -> (arm, how the headline names it).
+PEERS = {"vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)"),
+         "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)"),
+         "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)")}
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
 ACTIVE = {
     "checkpointing": ("checkpointing", lambda v: v is True, "gradient checkpointing enabled"),
     "bf16": ("precision", lambda v: v == "bf16", "bf16 precision"),
+    "fp32": ("precision", lambda v: v == "fp32", "fp32 precision"),
+    "fp32-tf32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "adafactor": ("optimizer", lambda v: "adafactor" in str(v).lower(), "an Adafactor optimizer"),
     "adamw-8bit": ("optimizer_state_dtypes", lambda v: "torch.uint8" in (v or []), "8-bit optimizer state"),
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
@@ -41,7 +47,7 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("onegpu", "torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets"):
+    for pkg in ("onegpu", "torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets", "trl"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -111,7 +117,7 @@ def summarize(doc: dict) -> dict:
     for arm in doc["arms"].values():
         arm["speed_x"] = paired_ratio(arm, base, "tokens_per_s")
         arm["memory_x"] = paired_ratio(arm, base, "train_mem_mb")
-    for key, ref in (("vs_hf_trainer", "hf-trainer"), ("vs_hf_trainer_tuned", "hf-trainer-tuned")):
+    for key, (ref, _) in PEERS.items():
         hf = doc["arms"].get(ref, {})
         doc[key] = {  # our defaults; our loop with Trainer's default optimizer; our best set
             name: {"speed_x": paired_ratio(a, hf, "tokens_per_s"), "memory_x": paired_ratio(a, hf, "train_mem_mb")}
@@ -168,16 +174,16 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
              f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
              f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
              f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.", ""]
-    for key, label in (("vs_hf_trainer", "defaults"), ("vs_hf_trainer_tuned", "guide's flags")):
+    for key, (_, label) in PEERS.items():
         for name, vs in doc.get(key, {}).items():
-            lines += [f"- **onegpu `{name}` vs HF Trainer ({label}): {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
+            lines += [f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
                       f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"]
-    lines += [""] if doc.get("vs_hf_trainer") or doc.get("vs_hf_trainer_tuned") else []
+    lines += [""] if any(doc.get(key) for key in PEERS) else []
     lines += ["| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | samples/s | MFU "
               "| train mem MB | final loss | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in doc["arms"].items():
         guide = next((f"{v[0]} / {v[1]}" for k, v in GUIDE.items() if a["row"].startswith(k)), "")
-        note = a.get("reason") or a.get("inactive") or ""
+        note = a.get("reason") or a.get("inactive") or peer_note(a)
         if a["status"] == "ok" and a.get("tokens_per_s_range"):
             lo, hi = a["tokens_per_s_range"]
             note = (note + "; " if note else "") + f"range {lo:,.0f}–{hi:,.0f} tok/s"
@@ -188,10 +194,22 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
                      f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | {status}{note} |")
     v = doc["versions"]
     lines += ["", f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
-              f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}; python {v['python']}."]
+              f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}."]
     if png_name:
         lines += ["", f"![speed and memory against the baseline]({png_name})"]
     return "\n".join(lines) + "\n"
+
+
+def peer_note(arm: dict) -> str:
+    """What a peer trainer's own defaults did (they differ from ours, so the table says so)."""
+    if arm.get("kind") not in ("hf", "trl"):
+        return ""
+    ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
+    bits = [ev.get("precision")] + [k for k in ("checkpointing", "compiled") if ev.get(k)]
+    if arm.get("kind") == "trl" and ev:
+        bits.append(f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss ({ev.get('loss_type')}), "
+                    f"{ev.get('loss_normalisation')}; TRL {ev.get('trl')}")
+    return ", ".join(b for b in bits if b)
 
 
 def chart(doc: dict, path: Path) -> Path:
