@@ -2,6 +2,7 @@
 
     python benchmarks/bench_infer.py                          # CPU: small random-init Llama, a few minutes
     python benchmarks/bench_infer.py --preset 1b --device cuda  # GPU: ~1B Llama, bf16 and friends
+    python benchmarks/bench_infer.py --preset 1b --device cuda --dry-run  # list the settings only
 
 Extra arguments after ``--`` go to `onegpu bench infer` unchanged (e.g. ``-- --repeats 5``).
 The models are random-init Llamas built from onegpu's presets: speed and memory do not depend on
@@ -33,6 +34,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", default="small", help="tiny, small, 125m or 1b (default: small)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the options and list the settings; no model is built or measured")
     args = parser.parse_args(own)
     profile = PROFILES[args.device]
     bench_argv = ["infer", "--model", args.preset, "--device", args.device, "--out", args.out,
@@ -42,8 +45,10 @@ def main(argv: list[str]) -> int:
     from onegpu.cli.bench import cli
     from onegpu.cli.main import run_command
 
+    if args.dry_run:  # after the profile, so that extra arguments still override it
+        passthrough = passthrough + ["--dry_run", "true"]
     code = run_command(lambda: cli(bench_argv + passthrough))
-    if code == 0:
+    if code == 0 and not args.dry_run:
         record_command(Path(args.out) / bench_argv[bench_argv.index("--name") + 1], argv)
     return code
 

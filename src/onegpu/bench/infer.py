@@ -60,6 +60,8 @@ class BenchInferConfig:
     """File stem instead of infer-<device>-<date>."""
     seed: int = 0
     """Seed for the random model and prompts."""
+    dry_run: bool = False
+    """Check the options and list the settings that would be measured, without building a model."""
 
 
 @dataclass
@@ -277,6 +279,13 @@ def cli(argv: Sequence[str]) -> int:
     cfg, _ = parse(parser, argv, BenchInferConfig)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check(cfg)
+    if cfg.dry_run:
+        settings = parse_settings(cfg.settings, cfg.model, cfg.device, cfg.compile_backend)
+        print(f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt {cfg.prompt_len}, "
+              f"{cfg.new_tokens} new tokens, {cfg.repeats} repeats")
+        for setting in settings:
+            print(f"  {setting.name}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
         result = run_bench(cfg, Path(tmp))
     result["command"] = " ".join(["onegpu bench infer", *argv])
