@@ -1,13 +1,35 @@
-"""The committed training benchmarks, one command each (extra flags go to `onegpu bench train`).
+"""The committed training benchmarks, one preset each (extra flags go to `onegpu bench train`).
 
-    python benchmarks/bench_train.py cpu --snapshot       # the CPU table in benchmarks/results/
-    python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more repetitions
-    python benchmarks/bench_train.py gpu                  # on a CUDA GPU: Llama ~1B, bf16, seq 2048
+    python benchmarks/bench_train.py cpu --snapshot        # the CPU table in benchmarks/results/
+    python benchmarks/bench_train.py headline --snapshot   # onegpu vs HF Trainer only, more repetitions
+    python benchmarks/bench_train.py gpu-quick             # on a CUDA GPU: one preset (below)
+    python benchmarks/bench_train.py gpu-quick gpu-best    # several presets, one after the other
+    python benchmarks/bench_train.py gpu                   # every GPU preset (~70 minutes)
+    python benchmarks/bench_train.py gpu --dry-run         # list each preset's arms; nothing saved or trained
 
-`gpu` saves a randomly initialised Llama ~1B (`1b` preset; no download) and runs two sweeps on
-it: every method on packed text (full fine-tuning, LoRA, QLoRA, and the rest), then padded vs
-packed (padding-free) chat data, with LoRA and QLoRA, on a chat set written from the standard
-library's docstrings.
+Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the arms,
+without writing the model or training), --workdir DIR (where the GPU presets keep the saved model
+and the chat data; default $ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
+
+GPU presets: Llama ~1B (`1b` preset: 16 layers, d=2048, GQA 32/8, vocabulary 4096), random init,
+bf16, seq 2048, micro-batch 4 x accumulation 2, 10 steps (2 untimed), 2 interleaved repetitions;
+the batch-size arm is capped at micro-batch 8 (16 x 2048 tokens at ~1B does not fit 80 GB).
+The model is written once into --workdir with save_pretrained (with its locally trained tokenizer)
+and every arm of every preset loads it from there. Each preset fits one 10-minute command:
+
+    preset          arms (each also runs the baseline)                  est. min on an H100
+    gpu-quick       hf-trainer-tuned, trl-sft                            7.0 (+0.75 once: the model)
+    gpu-best        best, hf-trainer                                     7.8
+    gpu-memory      batch-size, grad-accum, checkpointing                7.5
+    gpu-precision   fp32, fp32-tf32, fp16   (the baseline is bf16)       8.0
+    gpu-kernels     flash, compile                                       7.5
+    gpu-optim       adamw-fused, adafactor, adamw-8bit                   7.2
+    gpu-offload     offload (DeepSpeed ZeRO-2, CPU Adam), preload        7.3
+    gpu-peft        lora, qlora, plain-loss                              7.2
+    gpu-chat        padding-free, hf-trainer, trl-sft, on chat data      7.2 (+0.25 once: the data)
+
+`gpu-methods` runs gpu-memory .. gpu-offload (each method of the guide's table alone); `gpu` runs
+all nine. The minutes are estimates (see ARM_SECONDS), not measurements.
 
 --snapshot runs every arm from a copy of src/ taken at the start, so edits made in the checkout
 while a long sweep runs cannot change the code half-way through; the results record the commit
@@ -25,30 +47,84 @@ import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    args: tuple[str, ...]  # flags of `onegpu bench train`
+    arms: tuple[str, ...] = ()  # besides the baseline; () = every arm
+    gpu: bool = False  # trains the saved Llama ~1B
+    chat: bool = False  # on the chat data set (variable lengths) instead of packed text
+
+    def argv(self) -> list[str]:
+        return list(self.args) + (["--bench.arms", ",".join(("baseline",) + self.arms)] if self.arms else [])
+
+
 # The default job's tokens per step (tiny preset, 16 x 256), split 8 x 2 so that the batch-size
 # arm (16 x 1) and the accumulation arm (2 x 8) each change something. 24 steps keep the sweep near
 # 20 minutes; that is too short for techniques.compile=auto, so the baseline here runs uncompiled
 # and the compile arm shows what compiling adds.
-CPU = ["--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "8", "--training.grad_accum", "2", "--training.max_steps", "24",
-       "--bench.warmup_steps", "4", "--bench.reps", "3", "--bench.max_seconds", "150"]
+CPU = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "8", "--training.grad_accum",
+       "2", "--training.max_steps", "24", "--bench.warmup_steps", "4", "--bench.reps", "3", "--bench.max_seconds", "150")
 # The default job's shape (tiny preset, 16 x 256 tokens a step), long enough (60 steps) that
 # techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed steps.
-HEADLINE = ["--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "16", "--training.grad_accum", "1", "--training.max_steps", "60",
-            "--bench.warmup_steps", "10", "--bench.reps", "4", "--bench.max_seconds", "240",
-            "--bench.arms", "baseline,plain-loss,hf-trainer,hf-trainer-tuned"]
-GPU = ["--model.name", "1b", "--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training.grad_accum", "4", "--training.max_steps", "20",
-       "--bench.warmup_steps", "5", "--bench.reps", "3", "--bench.max_seconds", "300", "--techniques.precision", "bf16", "--data.max_bytes", "6000000"]
-GPU_CHAT_ARMS = "baseline,padding-free,lora,qlora,hf-trainer,hf-trainer-tuned"
+HEADLINE = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "16",
+            "--training.grad_accum", "1", "--training.max_steps", "60", "--bench.warmup_steps", "10",
+            "--bench.reps", "4", "--bench.max_seconds", "240")
+# Sized for one 10-minute command each: 10 steps of 4 x 2 sequences of 2048 tokens (2 untimed: the
+# allocator and the compilers warm up there), 2 repetitions. Micro-batch 8 is the largest that fits
+# 80 GB at ~1B in bf16 (16 x 2048 needs ~100 GB of activations).
+GPU = ("--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training.grad_accum", "2",
+       "--training.max_steps", "10", "--bench.warmup_steps", "2", "--bench.reps", "2", "--bench.max_seconds", "240",
+       "--bench.max_micro_batch", "8", "--techniques.precision", "bf16", "--data.max_bytes", "3000000")
+
+PRESETS = {p.name: p for p in [
+    Preset("cpu", CPU),
+    Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
+    Preset("gpu-quick", GPU, ("hf-trainer-tuned", "trl-sft"), gpu=True),
+    Preset("gpu-best", GPU, ("best", "hf-trainer"), gpu=True),
+    Preset("gpu-memory", GPU, ("batch-size", "grad-accum", "checkpointing"), gpu=True),
+    Preset("gpu-precision", GPU, ("fp32", "fp32-tf32", "fp16"), gpu=True),
+    Preset("gpu-kernels", GPU, ("flash", "compile"), gpu=True),
+    Preset("gpu-optim", GPU, ("adamw-fused", "adafactor", "adamw-8bit"), gpu=True),
+    Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
+    Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
+    Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
+]}
+GROUPS = {"gpu-methods": ["gpu-memory", "gpu-precision", "gpu-kernels", "gpu-optim", "gpu-offload"],
+          "gpu": [n for n, p in PRESETS.items() if p.gpu]}
+
+# Estimated seconds of one repetition of each arm at the GPU presets' shape on an H100 (not
+# measured): ~30 s to start a process and load the model, 20 micro-steps of 4 x 2048 tokens at
+# ~0.45 s in bf16, ~10 s for our loop to write its final 4 GB model, ~60 s to compile; fp32 ~3.3x
+# the step time, TF32 ~1.6x, checkpointing ~1.3x; offload builds DeepSpeed's CPU Adam once (~90 s)
+# and steps it on the CPU. The peers write no model.
+ARM_SECONDS = {"baseline": 50, "batch-size": 50, "grad-accum": 55, "checkpointing": 55, "fp32": 70, "fp32-tf32": 55,
+               "fp16": 50, "bf16": 50, "tf32": 50, "flash": 50, "compile": 110, "plain-loss": 50, "adamw-fused": 50,
+               "adafactor": 50, "adamw-8bit": 50, "preload": 50, "offload": 105, "lora": 45, "qlora": 55,
+               "padding-free": 45, "best": 110, "hf-trainer": 60, "hf-trainer-tuned": 100, "trl-sft": 45}
+SETUP_SECONDS = 30  # the parent: imports, tokenizing (cached after the first preset), the matmul peak
+MODEL_SECONDS = 45  # building and writing the random-init model, once per --workdir
+CHAT_SECONDS = 15  # writing the chat set, once per --workdir
+
+
+def estimate_seconds(preset: Preset) -> float:
+    """One GPU preset's minutes on an H100, from ARM_SECONDS (the one-off model and chat data excluded)."""
+    reps = int(preset.args[preset.args.index("--bench.reps") + 1])
+    return SETUP_SECONDS + reps * sum(ARM_SECONDS[a] for a in ("baseline",) + preset.arms)
 
 
 def chat_data(path: Path, limit: int = 20000) -> Path:
     """Chat records of very different lengths (so padding matters): a question about a standard
-    library function, answered with its docstring."""
+    library function, answered with its docstring. Written once; a killed write leaves no file."""
+    if path.is_file():
+        return path
     root = Path(sysconfig.get_paths()["stdlib"])
     rows = []
     for src in sorted(root.glob("*.py")):
@@ -61,25 +137,33 @@ def chat_data(path: Path, limit: int = 20000) -> Path:
             if doc and len(doc) > 40:
                 rows.append({"messages": [{"role": "user", "content": f"What does {src.stem}.{node.name} do?"},
                                           {"role": "assistant", "content": doc}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:limit]), encoding="utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows[:limit]), encoding="utf-8")
+    os.replace(tmp, path)
     return path
 
 
-def saved_model(path: Path, preset: str = "1b", max_bytes: int = 6_000_000) -> Path:
+def saved_model(path: Path, preset: str = "1b", max_bytes: int = 3_000_000) -> Path:
     """A randomly initialised preset written with save_pretrained (with its locally trained
     tokenizer), so that every arm — QLoRA included, which quantizes a saved model — loads the
-    same weights through from_pretrained. Step speed does not depend on the weights' values."""
+    same weights through from_pretrained. Step speed does not depend on the weights' values.
+    Written once per folder, into a temporary name renamed at the end, so a killed write is never
+    mistaken for a model by the next preset."""
     from onegpu import hardware, models
-    from onegpu.training import assemble
     from onegpu.config import from_dict
+    from onegpu.training import assemble
 
     if (path / "config.json").is_file():
         return path
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     cfg = from_dict({"model": {"name": preset}, "data": {"max_bytes": max_bytes}})
-    run = assemble.Run(cfg, hardware.detect(), path, preset, "fp32")
+    run = assemble.Run(cfg, hardware.detect(), tmp, preset, "fp32")
     assemble.build_data(run)
-    models.load_model(preset, cfg.model, run.tokenizer).save_pretrained(str(path))
-    run.tokenizer.save_pretrained(str(path))
+    models.load_model(preset, cfg.model, run.tokenizer).save_pretrained(str(tmp))
+    run.tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, path)
     return path
 
 
@@ -92,30 +176,70 @@ def snapshot_env(tmp: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(tmp) / "src"), "ONEGPU_BENCH_COMMIT": commit}
 
 
-def bench(args: list[str], env: dict | None) -> int:
+def bench(args: list[str], env: dict | None, dry_run: bool) -> int:
+    if dry_run:  # in this process: every preset's check takes a fraction of a second after the first
+        from onegpu.cli.main import main as onegpu_main
+
+        return onegpu_main(["bench", "train", *args, "--bench.dry_run", "true"])
     cmd = [sys.executable, "-m", "onegpu.cli.main", "bench", "train", *args]
     print("+", " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
+def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> list[str]:
+    """The preset's flags, with the saved model and chat data it trains on (their paths only, in a dry run)."""
+    argv = preset.argv()
+    if preset.gpu:
+        model = workdir / "llama-1b"
+        max_bytes = int(argv[argv.index("--data.max_bytes") + 1])
+        argv += ["--model.name", str(model if dry_run else saved_model(model, max_bytes=max_bytes)),
+                 "--model.from_scratch", "false"]
+    if preset.chat:
+        chat = workdir / "chat.jsonl"
+        argv += ["--data.path", str(chat if dry_run else chat_data(chat))]
+    name = {"cpu": f"train-cpu-{stamp}", "headline": f"train-cpu-{stamp}-vs-hf"}.get(preset.name)
+    return argv + ["--bench.out", str(RESULTS), "--bench.name", name or f"train-{preset.name}-{stamp}"]
+
+
+def parse(argv: list[str]) -> tuple[list[Preset], dict, list[str]]:
+    """Leading preset names (or groups), then this script's options; the rest goes to `onegpu bench train`."""
+    names: list[str] = []
+    while argv and (argv[0] in PRESETS or argv[0] in GROUPS):
+        names += GROUPS.get(argv[0], [argv[0]])
+        argv = argv[1:]
+    opts = {"snapshot": False, "dry_run": False,
+            "workdir": os.environ.get("ONEGPU_BENCH_WORKDIR") or str(Path(tempfile.gettempdir()) / "onegpu-bench-work")}
+    extra: list[str] = []
+    while argv:
+        arg = argv.pop(0)
+        if arg in ("--snapshot", "--dry-run"):
+            opts[arg[2:].replace("-", "_")] = True
+        elif arg == "--workdir" and argv:
+            opts["workdir"] = argv.pop(0)
+        elif arg.startswith("--workdir="):
+            opts["workdir"] = arg.split("=", 1)[1]
+        else:
+            extra.append(arg)
+    return [PRESETS[n] for n in dict.fromkeys(names)], opts, extra
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("cpu", "headline", "gpu"):
+    presets, opts, extra = parse(list(argv))
+    if not presets:
         print(__doc__)
+        if argv and not argv[0].startswith("-"):
+            print(f"unknown preset '{argv[0]}'; choose from: {', '.join([*PRESETS, *GROUPS])}", file=sys.stderr)
         return 2
-    what, extra = argv[0], [a for a in argv[1:] if a != "--snapshot"]
-    stamp = time.strftime("%Y%m%d")
+    stamp, rc = time.strftime("%Y%m%d"), 0
+    workdir = Path(opts["workdir"])
     with tempfile.TemporaryDirectory(prefix="onegpu-snapshot-") as tmp:
-        env = snapshot_env(tmp) if "--snapshot" in argv else None
-        out = ["--bench.out", str(RESULTS)]
-        if what == "cpu":
-            return bench(CPU + out + ["--bench.name", f"train-cpu-{stamp}"] + extra, env)
-        if what == "headline":
-            return bench(HEADLINE + out + ["--bench.name", f"train-cpu-{stamp}-vs-hf"] + extra, env)
-        model = ["--model.name", str(saved_model(Path(tmp) / "llama-1b")), "--model.from_scratch", "false"]
-        rc = bench(GPU + model + out + ["--bench.name", f"train-gpu-{stamp}-text"] + extra, env)
-        chat = chat_data(Path(tmp) / "chat.jsonl")
-        return rc or bench(GPU + model + out + ["--data.path", str(chat), "--bench.arms", GPU_CHAT_ARMS,
-                                                "--bench.name", f"train-gpu-{stamp}-chat"] + extra, env)
+        env = snapshot_env(tmp) if opts["snapshot"] else None
+        for preset in presets:
+            est = f"; estimated {estimate_seconds(preset) / 60:.1f} min on an H100" if preset.gpu else ""
+            print(f"== preset {preset.name}: {', '.join(preset.arms) or 'every arm'}{est}", flush=True)
+            # One preset failing (an out-of-memory, a missing wheel) does not stop the ones after it.
+            rc = max(rc, bench(preset_argv(preset, workdir, stamp, opts["dry_run"]) + extra, env, opts["dry_run"]))
+    return rc
 
 
 if __name__ == "__main__":
