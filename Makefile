@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ test: setup
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# The GPU tier in two groups, then the quick benchmark presets, each step under its own timeout; logs,
+# results and summary.txt in one folder ($$OUT, else ./gpu-check-<date>). No setup step: the GPU machine
+# is offline, so this uses the venv where there is one and plain python3 otherwise.
+# `make gpu-check STEPS="quick best"` runs only those steps (see scripts/gpu_check.sh).
+gpu-check:
+	PYTHON="$(if $(wildcard $(BIN)/python),$(CURDIR)/$(BIN)/python,python3)" bash scripts/gpu_check.sh $(STEPS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

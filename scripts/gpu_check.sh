@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh [STEP ...] - the GPU tier, then the quick benchmark presets, on a CUDA machine.
+#
+# Steps, in this order (default: all of them):
+#   versions  GPU, compiler and library versions                          -> versions.txt
+#   dry       every benchmark preset's dry run (arms, skips, estimates)     -> dry.log
+#   tests     pytest -m gpu tests/gpu, all but the offload tests            -> tests.log, tests.xml
+#   offload   pytest -m gpu tests/gpu/test_gpu_offload.py                   -> offload.log, offload.xml
+#   infer     benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer.log, infer-*.{json,md,png}
+#   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
+#   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
+# Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
+# eat the session; the steps after a failed or timed-out one still run. One 10-minute command on the
+# GPU machine holds "versions dry tests", "offload infer", "quick" or "best" (see benchmarks/README.md).
+#
+# Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
+# there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
+#
+# Needs no venv and no network: python is $PYTHON, else python3; src/ is put on PYTHONPATH (the GPU
+# machine's wheels are expected in /tmp/site via the runbook's prefix). Without a CUDA GPU the
+# benchmark steps are skipped (GPU_CHECK_FORCE=1 runs them anyway); the tests then skip themselves.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+PY=${PYTHON:-python3}
+DIR=${GPU_CHECK_DIR:-${OUT:-$ROOT/gpu-check-$(date +%Y%m%d-%H%M)}}
+mkdir -p "$DIR" || exit 2
+DIR=$(cd "$DIR" && pwd)
+SUMMARY=$DIR/summary.txt
+
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false} PYTHONUNBUFFERED=1 MPLBACKEND=${MPLBACKEND:-Agg}
+# The saved 1B model is written once here and reused by every preset (never into $OUT: 4 GB).
+export ONEGPU_BENCH_WORKDIR=${ONEGPU_BENCH_WORKDIR:-/tmp/onegpu-bench-work}
+
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  CUDA=1
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}  # DeepSpeed's CUDA ops for the offload tests and arms
+else
+  CUDA=0
+fi
+
+PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
+ALL=(versions dry tests offload infer quick best)
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
+
+default_timeout() {
+  case $1 in
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 330 ;; infer) echo 210 ;;
+    quick|best) echo 560 ;; *) echo 300 ;;
+  esac
+}
+
+versions() {
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
+  g++ --version 2>&1 | head -1 || echo "g++: not available"
+  "$PY" - <<'PYEOF'
+import importlib.metadata as md, platform
+print("python", platform.python_version())
+for pkg in ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "torchao",
+            "deepspeed", "jsonargparse", "pyarrow", "pytest", "pytest-timeout"):
+    try:
+        print(pkg, md.version(pkg))
+    except md.PackageNotFoundError:
+        print(pkg, "MISSING")
+import torch
+print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"{p.total_memory / 2**30:.1f} GiB", f"capability {p.major}.{p.minor}")
+PYEOF
+}
+
+step_cmd() {
+  case $1 in
+    versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
+    dry) "$PY" benchmarks/bench_train.py cpu headline gpu --dry-run \
+           && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
+    tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
+    offload) "${PYTEST[@]}" tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
+    infer) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" -- --repeats 2 --new_tokens 32 ;;
+    quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
+    best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
+    *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
+  esac
+}
+
+needs_gpu() { case $1 in infer|quick|best) return 0 ;; *) return 1 ;; esac; }
+
+failed=0
+echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"
+for step in "${STEPS[@]}"; do
+  log=$DIR/$step.log
+  if needs_gpu "$step" && [ "$CUDA" = 0 ] && [ "${GPU_CHECK_FORCE:-0}" != 1 ]; then
+    printf '%-8s %-9s %6ss  %s\n' SKIP "$step" 0 "no CUDA GPU (GPU_CHECK_FORCE=1 runs it)" | tee -a "$SUMMARY"
+    continue
+  fi
+  var=TIMEOUT_$(echo "$step" | tr '[:lower:]' '[:upper:]')
+  limit=${!var:-$(default_timeout "$step")}
+  echo "== $step (timeout ${limit}s) -> $log"
+  start=$(date +%s)
+  # The step runs in a child shell under `timeout`, so a hang is killed (TERM, then KILL 20 s later).
+  timeout --kill-after=20 "$limit" bash -c "$(declare -f versions step_cmd); $(declare -p PY DIR PYTEST ALL); step_cmd $step" \
+    > "$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  tail -n 25 "$log"
+  if [ $rc -eq 0 ]; then status=PASS
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=TIMEOUT; failed=1
+  else status="FAIL($rc)"; failed=1
+  fi
+  printf '%-8s %-9s %6ss  %s\n' "$status" "$step" "$secs" "$log" | tee -a "$SUMMARY"
+done
+echo "summary: $SUMMARY"
+exit $failed
