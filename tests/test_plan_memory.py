@@ -182,3 +182,23 @@ def test_paged_optimizer_state_is_host_backed_on_a_gpu():
     assert host.peak == pytest.approx(on_device.peak - state)
     # Off a GPU the paged optimizer is the plain 8-bit one, in ordinary memory.
     assert memory.optimizer_bytes(shape, paged, on_gpu=False) == pytest.approx(state)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj", "down_proj"])
+def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targets):
+    """The planner counts exactly the adapter parameters PEFT creates for lora.targets."""
+    pytest.importorskip("peft")
+    from conftest import make_tiny_llama
+    from onegpu.config import Config, LoraConfig, TechniquesConfig
+    from onegpu.models import count_parameters
+    from onegpu.techniques.lora import apply_lora
+
+    model = make_tiny_llama(tiny_tokenizer)
+    shape = _shape_of("tiny", model.config)
+    adapted = apply_lora(model, TechniquesConfig(lora=LoraConfig(enabled=True, r=8, targets=targets)))
+    _, trainable = count_parameters(adapted)
+    c = Candidate(4, 1, "fp32", lora_rank=8, lora_targets=targets)
+    assert memory.lora_params(shape, c) == trainable
+    every = Candidate(4, 1, "fp32", lora_rank=8)
+    assert memory.lora_params(shape, c) <= memory.lora_params(shape, every)
+    assert c.apply(Config()).techniques.lora.targets == targets

@@ -137,7 +137,8 @@ def retained_after_forward(model, batch: dict, loss_fn, autocast_dtype=None, ski
     return alive
 
 
-def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0):
+def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0,
+                          lora_targets: str = "all-linear"):
     """Training's own pipeline (techniques/prepare.py) with the settings that change what forward
     keeps: MoE router loss, LoRA adapters, checkpointing. Compile stays off: on CPU with matmuls
     skipped it would measure nothing real."""
@@ -145,21 +146,21 @@ def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: i
     from onegpu.techniques.prepare import prepare_model
 
     tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
-                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16))
+                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets))
     return prepare_model(model, tcfg, "cpu")
 
 
 def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,
-                     attention: str = "sdpa") -> ActivationModel:
+                     attention: str = "sdpa", lora_targets: str = "all-linear") -> ActivationModel:
     """Measured activation model for an architecture (cached on disk by config and settings)."""
-    key = _cache_key(config, precision, lora_rank, chunk_size, attention)
+    key = _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets)
     path = cache_dir() / "activations" / f"{key}.json"
     if path.is_file():
         raw = json.loads(path.read_text())
         return ActivationModel(**{k: Fit(**v) for k, v in raw.items()})
     fits = {}
     for mode in ("off", "full"):
-        one, two = (_fit(config, n, mode, precision, lora_rank, chunk_size, attention) for n in (1, 2))
+        one, two = (_fit(config, n, mode, precision, lora_rank, chunk_size, attention, lora_targets) for n in (1, 2))
         fits[mode] = (one, two)
     (off1, off2), (ck1, ck2) = fits["off"], fits["full"]
     model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1), base=_sub(_scale(off1, 2), off2))
@@ -169,10 +170,11 @@ def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_
     return model
 
 
-def _fit(config, layers: int, mode: str, precision: str, lora_rank: int, chunk_size: int, attention: str) -> Fit:
+def _fit(config, layers: int, mode: str, precision: str, lora_rank: int, chunk_size: int, attention: str,
+         lora_targets: str = "all-linear") -> Fit:
     import numpy as np
 
-    model = build_probe_model(config, layers, precision, lora_rank, attention, mode)
+    model = build_probe_model(config, layers, precision, lora_rank, attention, mode, lora_targets)
     rows, ys = [], []
     for b, s in POINTS:
         rows.append([b * s, b * s * s, b, s, 1.0])
@@ -198,7 +200,7 @@ def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, sk
 
 
 def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: int = 0, attention: str = "sdpa",
-                      mode: str = "off"):
+                      mode: str = "off", lora_targets: str = "all-linear"):
     """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised,
     prepared as training prepares it."""
     import torch
@@ -213,7 +215,7 @@ def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: i
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention)
     model = model.to_empty(device="cpu")  # never written: untouched pages cost no RAM
     model.train()
-    model = prepare_like_training(model, mode, 2, lora_rank)
+    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets)
     # The chunked loss checks once, by value, that it reproduces the model's logits; these weights
     # are uninitialised and the matmuls skipped, so only shapes are meaningful here.
     model._onegpu_head_verified = True
@@ -228,11 +230,11 @@ def _scale(a: Fit, k: float) -> Fit:
     return Fit(*(x * k for x in astuple(a)))
 
 
-def _cache_key(config, precision, lora_rank, chunk_size, attention) -> str:
+def _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets="all-linear") -> str:
     text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     import torch
     import transformers
 
-    parts = [text, precision, str(lora_rank), str(chunk_size), attention, repr(POINTS),
+    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, repr(POINTS),
              torch.__version__, transformers.__version__]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]

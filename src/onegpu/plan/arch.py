@@ -4,7 +4,7 @@ device (no memory, no download of weights)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from onegpu.errors import ModelError
@@ -28,6 +28,14 @@ class ModelShape:
     factored_elems: int = 0  # Adafactor state: rows + cols per matrix, all elements of vectors
     largest_param: int = 0  # elements of the biggest tensor (optimizer temporaries, ZeRO-3 buffers)
     lookup_params: int = 0  # nn.Embedding weights (token and position tables): looked up, not multiplied
+    lora_per_rank_by_name: dict = field(default_factory=dict)  # "q_proj" -> sum of (in + out) over such layers
+
+    def lora_per_rank(self, targets: str = "all-linear") -> int:
+        """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated names)."""
+        if targets.strip() == "all-linear":
+            return self.lora_params_per_rank
+        names = {t.strip().rsplit(".", 1)[-1] for t in targets.split(",") if t.strip()}
+        return sum(n for name, n in self.lora_per_rank_by_name.items() if name in names)
 
     @property
     def active_params(self) -> int:
@@ -51,7 +59,8 @@ class ModelShape:
         return getattr(self.config, "max_position_embeddings", None)
 
 
-def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpointed_fraction: float = 0.0) -> float:
+def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpointed_fraction: float = 0.0,
+                    lora_targets: str = "all-linear") -> float:
     """Training FLOPs per token, the one count behind the planner's speed and the benchmarks' MFU.
 
     Model FLOPs: 6N for the weight matmuls (forward 2N, backward 4N; N = active_params) plus the
@@ -64,7 +73,7 @@ def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpo
     n = shape.active_params
     attn_fwd = 4 * shape.layers * shape.hidden * seq_len  # QK^T and AV, 2 FLOPs per MAC
     if lora_rank:
-        total = 4 * n + 6 * lora_rank * shape.lora_params_per_rank + 2 * attn_fwd
+        total = 4 * n + 6 * lora_rank * shape.lora_per_rank(lora_targets) + 2 * attn_fwd
     else:
         total = 6 * n + 3 * attn_fwd
     head = shape.vocab * shape.hidden  # parameters of the output head
@@ -113,11 +122,13 @@ def _shape_of(name: str, config) -> ModelShape:
         embed += head.weight.numel()
     from transformers.pytorch_utils import Conv1D  # GPT-2's transposed Linear
 
-    linear, per_rank = 0, 0
-    for mod in model.modules():
+    linear, per_rank, by_name = 0, 0, {}
+    for name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head:
             linear += mod.weight.numel()
             per_rank += sum(mod.weight.shape)
+            short = name.rsplit(".", 1)[-1]
+            by_name[short] = by_name.get(short, 0) + sum(mod.weight.shape)
     experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -126,7 +137,8 @@ def _shape_of(name: str, config) -> ModelShape:
     lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
                       text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
-                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest, lookups)
+                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest, lookups,
+                      by_name)
 
 
 @functools.lru_cache(maxsize=16)

@@ -22,6 +22,7 @@ class Candidate:
     offload: str = "none"  # none, zero2-cpu, zero3-cpu
     every: int = 2  # checkpointing_every for every-n
     in_backward: bool = False  # optimizer step inside backward (grad_accum 1, no global clipping)
+    lora_targets: str = "all-linear"  # lora.targets: which linear layers get adapters
 
     @property
     def effective_batch(self) -> int:
@@ -45,7 +46,8 @@ class Candidate:
         if self.compile != "off":
             parts.append("compile")
         if self.lora_rank:
-            parts.append(("q" + self.quantize_base + "-" if self.quantize_base != "none" else "") + f"lora{self.lora_rank}")
+            parts.append(("q" + self.quantize_base + "-" if self.quantize_base != "none" else "") + f"lora{self.lora_rank}"
+                         + ("" if self.lora_targets == "all-linear" else f"[{self.lora_targets}]"))
         if self.offload != "none":
             parts.append(self.offload)
         return " ".join(parts)
@@ -64,7 +66,7 @@ class Candidate:
             out.training.max_grad_norm = 0.0
         t.lora.enabled = bool(self.lora_rank)
         if self.lora_rank:
-            t.lora.r, t.lora.quantize_base = self.lora_rank, self.quantize_base
+            t.lora.r, t.lora.quantize_base, t.lora.targets = self.lora_rank, self.quantize_base, self.lora_targets
         out.plan = "off"  # the result is a concrete setup, not a request to plan again
         return out
 

@@ -65,7 +65,7 @@ def weight_bytes(shape: ModelShape, c: Candidate) -> float:
 
 
 def lora_params(shape: ModelShape, c: Candidate) -> int:
-    return c.lora_rank * shape.lora_params_per_rank
+    return c.lora_rank * shape.lora_per_rank(c.lora_targets)
 
 
 def trainable_params(shape: ModelShape, c: Candidate) -> int:
@@ -104,7 +104,7 @@ def state_bytes(shape: ModelShape, c: Candidate) -> float:
     n = trainable_params(shape, c)
     pb = 4 if c.lora_rank else param_bytes(c.precision)
     if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
-        return (shape.factored_elems if not c.lora_rank else shape.lora_params_per_rank + 2 * c.lora_rank) * pb
+        return (shape.factored_elems if not c.lora_rank else shape.lora_per_rank(c.lora_targets) + 2 * c.lora_rank) * pb
     if c.optimizer in STATE_BYTES:
         return n * STATE_BYTES[c.optimizer]
     return n * pb * STATE_RELATIVE.get(c.optimizer, 2.0)
@@ -125,7 +125,8 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
 def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
                      attention: str = "sdpa") -> tuple[float, float]:
     """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
-    acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention)
+    acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
+                                    c.lora_targets)
     kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every)
     tokens = c.micro_batch * seq_len if not c.loss_chunk else min(c.loss_chunk, c.micro_batch * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the

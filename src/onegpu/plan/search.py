@@ -79,6 +79,7 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
     if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
         return []  # already training adapters (on a quantized base): this tier adds nothing
+    targets = t.lora.targets if t.lora.enabled else "all-linear"
     lora = lora or (LORA_RANK if tier in (2, 3) else 0)
     quant = "nf4" if tier == 3 else quant
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
@@ -89,7 +90,7 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
         if in_bwd and (mb != batch or off != "none"):
             continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
         out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
-                             t.checkpointing_every, in_bwd))
+                             t.checkpointing_every, in_bwd, targets))
     return out
 
 

@@ -51,7 +51,7 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     from onegpu.plan.arch import flops_per_token as count
 
     frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
-    return count(shape, seq_len, c.lora_rank, frac)
+    return count(shape, seq_len, c.lora_rank, frac, c.lora_targets)
 
 
 def calibration_path():
