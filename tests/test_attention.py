@@ -1,5 +1,6 @@
 """Attention choice really changes the model's kernel, keeps its outputs, and padding-free packing
-keeps documents apart."""
+keeps documents apart; auto picks per model what the model class supports, and an explicit choice
+the model refuses is a clear error."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 
 from onegpu.data.batches import Collator
 from onegpu.config import ModelConfig, TechniquesConfig
+from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 from onegpu.models import load_model
 from onegpu.techniques import attention as A
 from onegpu.techniques.loss import model_inputs
+from onegpu.training.state import Callback
 
 CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
 H100 = DeviceInfo("cuda", "NVIDIA H100", 80 * 2**30, (9, 0))
@@ -24,9 +27,136 @@ def _load(path, tok, attn):
     return model.eval()
 
 
+def _gemma2_config(tok):
+    """Gemma-2: a real family whose class refuses SDPA (its logit soft-capping)."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-gemma2")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_gemma2_config(tiny_tokenizer)).save_pretrained(str(path))
+    tiny_tokenizer.save_pretrained(str(path))
+    return path
+
+
+def _kernels(config):
+    return A.model_kernels(config)
+
+
 def test_flash_on_cpu_falls_back_to_sdpa_with_warning(caplog):
     assert A.resolve_attention(TechniquesConfig(attention="flash"), CPU) == "sdpa"
     assert "needs a CUDA GPU" in caplog.text
+
+
+def test_default_is_auto_and_support_comes_from_the_model_class(tiny_tokenizer):
+    from transformers import LlamaConfig
+
+    assert TechniquesConfig().attention == "auto"
+    llama, gemma2 = _kernels(LlamaConfig()), _kernels(_gemma2_config(tiny_tokenizer))
+    assert (llama.class_name, llama.sdpa, llama.flash) == ("LlamaForCausalLM", True, True)
+    assert (gemma2.class_name, gemma2.sdpa, gemma2.flash) == ("Gemma2ForCausalLM", False, True)
+    assert gemma2.supported() == ["flash_attention_2", "eager"]
+
+
+def test_auto_is_the_fastest_kernel_model_and_device_support(tiny_tokenizer, monkeypatch, caplog):
+    from transformers import LlamaConfig
+
+    llama, gemma2 = _kernels(LlamaConfig()), _kernels(_gemma2_config(tiny_tokenizer))
+    auto = TechniquesConfig(attention="auto")
+    monkeypatch.setattr(A, "flash_attn_installed", lambda: True)
+    assert A.resolve_attention(auto, H100, "bf16", llama) == "flash_attention_2"
+    assert A.resolve_attention(auto, H100, "bf16", gemma2) == "flash_attention_2"
+    assert A.resolve_attention(auto, H100, "fp32", llama) == "sdpa"  # flash_attn computes in fp16/bf16 only
+    assert A.resolve_attention(auto, CPU, "fp32", llama) == "sdpa"
+    monkeypatch.setattr(A, "flash_attn_installed", lambda: False)
+    # SDPA dispatches to its own flash kernel: auto does not restrict it to ours.
+    assert A.resolve_attention(auto, H100, "bf16", llama) == "sdpa"
+    assert not caplog.records
+    with caplog.at_level(logging.INFO, logger="onegpu"):
+        assert A.resolve_attention(auto, H100, "bf16", gemma2) == "eager"
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
+
+
+def test_explicit_kernel_the_model_refuses_is_a_config_error(tiny_tokenizer, monkeypatch):
+    gemma2 = _kernels(_gemma2_config(tiny_tokenizer))
+    with pytest.raises(ConfigError, match=r"attention=sdpa is not supported by gemma2 \(Gemma2ForCausalLM\); "
+                                          r"it supports flash_attention_2, eager") as err:
+        A.resolve_attention(TechniquesConfig(attention="sdpa"), CPU, "fp32", gemma2)
+    assert "attention=auto" in err.value.hint and "eager here" in err.value.hint
+    assert A.resolve_attention(TechniquesConfig(attention="eager"), CPU, "fp32", gemma2) == "eager"
+    # flash without the package would be our SDPA kernel, which the model refuses too.
+    monkeypatch.setattr(A, "flash_attn_installed", lambda: False)
+    with pytest.raises(ConfigError, match="attention=flash is not supported") as err:
+        A.resolve_attention(TechniquesConfig(attention="flash"), H100, "bf16", gemma2)
+    assert "install flash-attn" in err.value.hint
+    assert A.resolve_attention(TechniquesConfig(attention="flash"), CPU, "fp32", gemma2) == "eager"
+
+
+def _run_cfg(model_dir, text_file, tmp_path, **techniques):
+    return {"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+            "training": {"micro_batch_size": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
+            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+
+
+class _Attention(Callback):
+    def on_train_begin(self, run, state):
+        self.used = A.attention_of(run.model)
+
+
+def test_model_without_sdpa_trains_with_the_default(gemma2_dir, text_file, tmp_path, caplog):
+    from onegpu import train
+
+    seen = _Attention()
+    with caplog.at_level(logging.INFO, logger="onegpu"):
+        assert train(_run_cfg(gemma2_dir, text_file, tmp_path), callbacks=[seen]).state.step == 2
+    assert seen.used == "eager"
+    assert [r.getMessage() for r in caplog.records if "attention" in r.getMessage()] == [
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
+    with pytest.raises(ConfigError, match="attention=sdpa is not supported by gemma2"):
+        train(_run_cfg(gemma2_dir, text_file, tmp_path / "explicit", attention="sdpa"))
+
+
+def test_llama_under_auto_loads_with_sdpa(tiny_model_dir, text_file, tmp_path, caplog):
+    from onegpu import train
+
+    seen = _Attention()
+    with caplog.at_level(logging.INFO, logger="onegpu.techniques.attention"):
+        train(_run_cfg(tiny_model_dir, text_file, tmp_path), callbacks=[seen])
+    assert seen.used == "sdpa" and not caplog.records  # nothing to fall back from
+
+
+def test_presets_resolve_without_loading_weights():
+    from onegpu.models import model_config
+    from onegpu.techniques.prepare import load_kwargs
+    from onegpu.config import Config
+
+    assert _kernels(model_config("tiny")).class_name == "LlamaForCausalLM"
+    assert load_kwargs(Config(), CPU, "fp32", "tiny")["attn_implementation"] == "sdpa"
+
+
+def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer):
+    from transformers import LlamaConfig
+
+    from onegpu.config import Config
+    from onegpu.plan import _measured_attention
+
+    cfg = Config()
+    gemma2 = _gemma2_config(tiny_tokenizer)
+    assert _measured_attention(cfg, LlamaConfig()) == "sdpa" and _measured_attention(cfg, gemma2) == "eager"
+    cfg.techniques.attention = "flash"
+    assert _measured_attention(cfg, LlamaConfig()) == "sdpa" and _measured_attention(cfg, gemma2) == "eager"
+    cfg.techniques.attention = "sdpa"
+    with pytest.raises(ConfigError, match="not supported by gemma2"):
+        _measured_attention(cfg, gemma2)
 
 
 def test_flash_on_cuda_picks_package_or_sdpa_flash_kernel(monkeypatch):

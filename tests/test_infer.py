@@ -150,3 +150,25 @@ def test_flash_resolves_as_training_does():
     want = "flash_attention_2" if flash_attn_installed() else SDPA_FLASH
     assert _attention("flash", "cuda", torch.bfloat16) == attention_implementation("flash", "cuda") == want
     assert _attention("auto", "cpu", torch.float32) == "sdpa" and _attention("eager", "cpu", torch.float32) == "eager"
+
+
+def test_attention_auto_resolves_per_model_as_training_does(tmp_path, tiny_tokenizer, caplog):
+    """Gemma-2's class refuses SDPA: auto loads it with eager (one log line), an explicit sdpa is
+    the same ConfigError training gives."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    tok = tiny_tokenizer
+    config = Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=tok.pad_token_id,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="onegpu.techniques.attention"):
+        loaded = load(InferConfig(model=str(tmp_path)))
+    assert loaded.model.config._attn_implementation == "eager"
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
+    with pytest.raises(ConfigError, match=r"attention=sdpa is not supported by gemma2 .*it supports"):
+        load(InferConfig(model=str(tmp_path), attention="sdpa"))

@@ -139,9 +139,9 @@ class TechniquesConfig:
     """Gradient checkpointing: recompute activations in backward instead of storing them."""
     checkpointing_every: int = 2
     """With checkpointing=every-n: checkpoint every n-th decoder layer."""
-    attention: Literal["auto", "eager", "sdpa", "flash"] = "sdpa"
-    """Attention kernel. sdpa = PyTorch scaled_dot_product_attention; flash = its FlashAttention
-    backend (or flash_attention_2 when installed)."""
+    attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
+    """Attention kernel. auto = the fastest the model and device support: flash_attention_2 (flash_attn,
+    GPU, fp16/bf16), else sdpa (PyTorch SDPA), else eager; flash = SDPA's flash kernel or flash_attn's."""
     padding_free: bool = False
     """Pack variable-length examples into one row with position_ids instead of padding."""
     optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adafactor", "adamw-8bit",

@@ -100,8 +100,44 @@ def load_model(name: str, cfg: ModelConfig, tokenizer, dtype=None, attn_implemen
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
                                                     trust_remote_code=cfg.trust_remote_code, **extra)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load model '{name}': {_first_line(exc)}",
-                         hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online") from None
+        raise _load_error(name, exc) from None
+
+
+def model_config(name: str, trust_remote_code: bool = False):
+    """The config of the model ``load_model`` builds, read alone (config.json, no weights); presets are Llama."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if is_preset(name):
+        return LlamaConfig(**PRESETS[name])
+    _check_local(name)
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise _load_error(name, exc) from None
+
+
+def causal_lm_class(config, trust_remote_code: bool = False):
+    """The class AutoModelForCausalLM builds for ``config``, found without building it; None when
+    it cannot be told (remote code not trusted, or not fetchable)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if ref and trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        repo, _, ref = ref.rpartition("--")  # "repo--module.Class" names code kept in another repository
+        try:
+            return get_class_from_dynamic_module(ref, repo or config.name_or_path)
+        except (OSError, ValueError, ImportError):
+            return None  # the load itself reports why
+    mapping = AutoModelForCausalLM._model_mapping  # includes classes added with AutoModelForCausalLM.register
+    return _get_model_class(config, mapping) if type(config) in mapping else None
+
+
+def _load_error(name: str, exc: BaseException) -> ModelError:
+    return ModelError(f"cannot load model '{name}': {_first_line(exc)}",
+                      hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online")
 
 
 def _looks_local(name: str) -> bool:

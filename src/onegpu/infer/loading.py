@@ -31,8 +31,9 @@ class InferConfig:
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     """Weight and compute dtype. auto = bf16 on Ampere+ GPUs, fp16 on older GPUs, fp32 on CPU."""
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
-    """Attention kernel. sdpa (= auto) is PyTorch's fused scaled_dot_product_attention, the native
-    successor of BetterTransformer's fast path; flash needs a CUDA GPU and fp16/bf16."""
+    """Attention kernel. auto = the fastest the model and device support (training's rule:
+    flash_attention_2 with flash_attn on a GPU in fp16/bf16, else sdpa, PyTorch's fused
+    scaled_dot_product_attention, else eager); flash needs a CUDA GPU and fp16/bf16."""
     quantization: Literal["none", "int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4"] = "none"
     """Weight quantization. int8 = bitsandbytes LLM.int8(); nf4/fp4 = bitsandbytes 4-bit;
     ao-int8 = torchao int8 weight-only; ao-int8-dynamic = torchao int8 weights and activations;
@@ -152,7 +153,8 @@ def _load_tokenizer(name: str, trust_remote_code: bool):
 def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=_attention(cfg.attention, device, dtype),
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=_attention(cfg.attention, device, dtype, source,
+                                                                              cfg.trust_remote_code),
                                   trust_remote_code=cfg.trust_remote_code)
     if cfg.quantization in BNB_KINDS:
         from onegpu.techniques.quantization import bnb_config, quiet_int8_cast_warning
@@ -179,19 +181,27 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     return model
 
 
-def _attention(choice: str, device: str, dtype) -> str:
-    """Training's attention resolution (techniques/attention.py), after the checks that make an
-    explicit "flash" an error here rather than a fallback: inference has no run to keep going."""
+def _attention(choice: str, device: str, dtype, source: Optional[str] = None, trust_remote_code: bool = False) -> str:
+    """Training's attention resolution (techniques/attention.py) for the model at ``source``, after
+    the checks that make an explicit "flash" an error here rather than a fallback: inference has no
+    run to keep going."""
     import torch
 
-    from onegpu.techniques.attention import attention_implementation
+    from onegpu.models import model_config
+    from onegpu.techniques.attention import attention_implementation, model_kernels
 
     if choice == "flash":
         if device != "cuda":
-            raise UnavailableError("flash attention needs a CUDA GPU.", hint="use --attention sdpa on CPU (the default)")
+            raise UnavailableError("flash attention needs a CUDA GPU.", hint="use --attention auto on CPU (the default)")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"flash attention runs in fp16/bf16 only, not {dtype}.", hint="add --dtype bf16")
-    return attention_implementation(choice, device)
+    kernels = None
+    if source:
+        try:
+            kernels = model_kernels(model_config(source, trust_remote_code), trust_remote_code)
+        except ModelError:
+            pass  # from_pretrained reports it, with inference's own advice
+    return attention_implementation(choice, device, model=kernels, half=dtype in (torch.float16, torch.bfloat16))
 
 
 def parse_max_memory(text: Optional[str]) -> Optional[dict]:

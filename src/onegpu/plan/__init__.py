@@ -29,10 +29,20 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     if shape.max_positions and seq_len > shape.max_positions:
         raise ConfigError(f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
                           hint=f"use --seq-len <= {shape.max_positions}")
-    attention = cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "sdpa"
+    attention = _measured_attention(cfg, shape.config)
     plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
     if plan.best is None:
         return plan, None
     rec = plan.best.candidate.apply(cfg)
     rec.model.name, rec.data.seq_len = name, seq_len
     return plan, rec
+
+
+def _measured_attention(cfg, config) -> str:
+    """The kernel activations are measured with, by training's resolution for this model: auto and
+    flash count as auto on the CPU (sdpa where the model has it, else eager), as flash kernels keep
+    the activations SDPA keeps."""
+    from onegpu.techniques.attention import attention_implementation, model_kernels
+
+    want = cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "auto"
+    return attention_implementation(want, "cpu", model=model_kernels(config, cfg.model.trust_remote_code))

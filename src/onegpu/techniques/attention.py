@@ -1,46 +1,130 @@
-"""Attention kernel choice: eager, PyTorch SDPA, or FlashAttention.
+"""Attention kernel choice: eager, PyTorch SDPA, or FlashAttention, per model and device.
+
+"auto" (the default) is the fastest kernel both the model class and the device support:
+flash_attention_2 (the flash_attn package, CUDA, fp16/bf16), then SDPA, then eager. Support is read
+from the class's own flags (``_supports_flash_attn``, ``_supports_sdpa``), found from the config
+alone, so nothing is built to decide: Gemma-2 and gpt-oss, whose attention SDPA cannot express
+(logit soft-capping, attention sinks), get eager instead of transformers' "does not support sdpa".
+Under auto on a GPU without flash_attn, plain SDPA is chosen rather than our flash-only SDPA below:
+SDPA already dispatches to its flash kernel wherever that kernel applies.
+
+An explicit choice the model refuses is a ConfigError naming the model and what it supports.
 
 "flash" means the flash_attn package (attn_implementation="flash_attention_2") when it is
-installed, otherwise PyTorch SDPA restricted to its FlashAttention kernel, with the memory-efficient
-kernel as the only fallback (for batches whose padding mask flash cannot take). The restriction is
-an attention function registered with transformers' AttentionInterface, so it applies exactly
-around each attention call, also under torch.compile and gradient checkpointing recomputes.
+installed and the model supports it, otherwise PyTorch SDPA restricted to its FlashAttention kernel,
+with the memory-efficient kernel as the only fallback (for batches whose padding mask flash cannot
+take). The restriction is an attention function registered with transformers' AttentionInterface,
+so it applies exactly around each attention call, also under torch.compile and gradient
+checkpointing recomputes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+from dataclasses import dataclass
 
 from onegpu.config import TechniquesConfig
+from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 
 log = logging.getLogger(__name__)
 
 # No "flash" in the name on purpose: transformers treats any such name as a flash_attn package request.
 SDPA_FLASH = "sdpa_fa_kernel"
+FLASH2 = "flash_attention_2"
+HALF_PRECISIONS = ("fp16", "bf16", "bf16-pure")
 
 
-def resolve_attention(tcfg: TechniquesConfig, device: DeviceInfo) -> str:
-    """The attn_implementation to load a model for training with."""
-    return attention_implementation(tcfg.attention, device.type, device.name)
+@dataclass(frozen=True)
+class ModelKernels:
+    """The attention kernels a model class supports, read from its class flags."""
+
+    model_type: str
+    class_name: str
+    flash: bool  # flash_attn package kernels (flash_attention_2)
+    sdpa: bool
+
+    def supported(self) -> list[str]:
+        return [k for k, ok in ((FLASH2, self.flash), ("sdpa", self.sdpa), ("eager", True)) if ok]
+
+    def __str__(self) -> str:
+        return f"{self.model_type} ({self.class_name})" if self.class_name else self.model_type
 
 
-def attention_implementation(want: str, device_type: str, device_name: str = "") -> str:
-    """The attn_implementation for a choice (auto / eager / sdpa / flash) on a device: the one
-    resolution, used by training and inference alike."""
+# A model whose class cannot be found (e.g. remote code not trusted yet): assumed to support every
+# kernel, so its load reports transformers' own error if it does not.
+ANY_MODEL = ModelKernels("model", "", flash=True, sdpa=True)
+
+
+def model_kernels(config, trust_remote_code: bool = False) -> ModelKernels:
+    """What the class AutoModelForCausalLM would build for ``config`` supports (no weights loaded)."""
+    from onegpu.models import causal_lm_class
+
+    cls = causal_lm_class(config, trust_remote_code)
+    model_type = getattr(config, "model_type", "") or "model"
+    if cls is None:
+        return dataclasses.replace(ANY_MODEL, model_type=model_type)
+    # _supports_flash_attn_2: the name older remote-code models still use.
+    flash = bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
+    return ModelKernels(model_type, cls.__name__, flash=flash, sdpa=bool(getattr(cls, "_supports_sdpa", False)))
+
+
+def resolve_attention(tcfg: TechniquesConfig, device: DeviceInfo, precision: str = "fp32",
+                      model: ModelKernels | None = None) -> str:
+    """The attn_implementation to load a model for training with (``precision``: the resolved one)."""
+    return attention_implementation(tcfg.attention, device.type, device.name, model, precision in HALF_PRECISIONS)
+
+
+def attention_implementation(want: str, device_type: str, device_name: str = "", model: ModelKernels | None = None,
+                             half: bool = False) -> str:
+    """The attn_implementation for a choice (auto / eager / sdpa / flash) on a device for a model
+    (None: one that supports every kernel); ``half``: the model computes in fp16/bf16. The one
+    resolution, used by training, inference and the planner alike."""
+    model = model or ANY_MODEL
     if want == "auto":
-        return "sdpa"  # SDPA already dispatches to flash/mem-efficient kernels where they apply
-    if want != "flash":
-        return want
+        return _auto(model, device_type, half)
+    if want == "flash":
+        return _flash(model, device_type, device_name)
+    if want == "sdpa" and not model.sdpa:
+        raise _refused(want, model, device_type, half)
+    return want
+
+
+def _auto(model: ModelKernels, device_type: str, half: bool) -> str:
+    choice, best = _fastest(model, device_type, half)
+    if choice != best:
+        log.info("attention=auto: %s does not support %s; using %s", model, best, choice)
+    return choice
+
+
+def _fastest(model: ModelKernels, device_type: str, half: bool) -> tuple[str, str]:
+    """(the fastest kernel the model and device support, the fastest the device supports)."""
+    fastest = ([FLASH2] if device_type == "cuda" and half and flash_attn_installed() else []) + ["sdpa", "eager"]
+    return next(k for k in fastest if k in model.supported()), fastest[0]
+
+
+def _flash(model: ModelKernels, device_type: str, device_name: str) -> str:
     if device_type != "cuda":
-        log.warning("attention=flash needs a CUDA GPU; using sdpa on %s instead", device_name or device_type)
-        return "sdpa"
-    if flash_attn_installed():
-        return "flash_attention_2"
+        fallback = "sdpa" if model.sdpa else "eager"
+        log.warning("attention=flash needs a CUDA GPU; using %s on %s instead", fallback, device_name or device_type)
+        return fallback
+    if model.flash and flash_attn_installed():
+        return FLASH2
+    if not model.sdpa:
+        raise _refused("flash", model, device_type, True)
     register_sdpa_flash()
-    log.info("attention: SDPA with the FlashAttention kernel (flash_attn package not installed)")
+    why = "flash_attn package not installed" if model.flash else f"{model} has no flash_attention_2 support"
+    log.info("attention: SDPA with the FlashAttention kernel (%s)", why)
     return SDPA_FLASH
+
+
+def _refused(want: str, model: ModelKernels, device_type: str, half: bool) -> ConfigError:
+    auto = _fastest(model, device_type, half)[0]
+    fix = "install flash-attn, or use" if want == "flash" and model.flash else "use"
+    return ConfigError(f"attention={want} is not supported by {model}; it supports {', '.join(model.supported())}.",
+                       hint=f"{fix} attention=auto, which picks the fastest kernel the model supports ({auto} here)")
 
 
 def flash_attn_installed() -> bool:

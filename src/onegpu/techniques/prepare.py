@@ -28,13 +28,18 @@ log = logging.getLogger(__name__)
 
 
 def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str) -> dict:
-    """Step 1: the arguments ``models.load_model`` passes to ``from_pretrained``."""
-    from onegpu.techniques.attention import resolve_attention
+    """Step 1: the arguments ``models.load_model`` passes to ``from_pretrained``. The attention
+    kernel depends on what the model class supports, read from its config alone (no weights)."""
+    from onegpu.models import model_config
+    from onegpu.techniques.attention import model_kernels, resolve_attention
     from onegpu.techniques.lora import quantization_config
     from onegpu.techniques.precision import weights_dtype
 
     quant = quantization_config(cfg.techniques, precision, model_name, cfg.model)  # QLoRA base
-    return {"dtype": weights_dtype(precision), "attn_implementation": resolve_attention(cfg.techniques, device),
+    trust = cfg.model.trust_remote_code
+    kernels = model_kernels(model_config(model_name, trust), trust)
+    return {"dtype": weights_dtype(precision),
+            "attn_implementation": resolve_attention(cfg.techniques, device, precision, kernels),
             "extra": {"quantization_config": quant} if quant else None}
 
 
