@@ -18,6 +18,7 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     from onegpu.errors import ConfigError
     from onegpu.plan.arch import cached_shape
     from onegpu.plan.search import search
+    from onegpu.techniques.attention import planning_attention
 
     spec = hardware.find_gpu(gpu) if gpu else hardware.spec_from_device(hardware.detect())
     name = model or models.resolve_name(cfg.model, spec.key != "CPU")
@@ -29,7 +30,7 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     if shape.max_positions and seq_len > shape.max_positions:
         raise ConfigError(f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
                           hint=f"use --seq-len <= {shape.max_positions}")
-    attention = _measured_attention(cfg, shape.config)
+    attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
     plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
     if plan.best is None:
         return plan, None
@@ -37,12 +38,3 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     rec.model.name, rec.data.seq_len = name, seq_len
     return plan, rec
 
-
-def _measured_attention(cfg, config) -> str:
-    """The kernel activations are measured with, by training's resolution for this model: auto and
-    flash count as auto on the CPU (sdpa where the model has it, else eager), as flash kernels keep
-    the activations SDPA keeps."""
-    from onegpu.techniques.attention import attention_implementation, model_kernels
-
-    want = cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "auto"
-    return attention_implementation(want, "cpu", model=model_kernels(config, cfg.model.trust_remote_code))

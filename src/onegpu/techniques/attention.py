@@ -77,6 +77,14 @@ def resolve_attention(tcfg: TechniquesConfig, device: DeviceInfo, precision: str
     return attention_implementation(tcfg.attention, device.type, device.name, model, precision in HALF_PRECISIONS)
 
 
+def planning_attention(tcfg: TechniquesConfig, config, trust_remote_code: bool = False) -> str:
+    """The kernel the planner measures a model's activations with, on the CPU, by this resolution:
+    auto and flash count as auto there (sdpa where the model has it, else eager), as flash kernels
+    keep the tensors SDPA keeps; an explicit sdpa the model refuses is the same error as in training."""
+    want = tcfg.attention if tcfg.attention in ("eager", "sdpa") else "auto"
+    return attention_implementation(want, "cpu", model=model_kernels(config, trust_remote_code))
+
+
 def attention_implementation(want: str, device_type: str, device_name: str = "", model: ModelKernels | None = None,
                              half: bool = False) -> str:
     """The attn_implementation for a choice (auto / eager / sdpa / flash) on a device for a model
