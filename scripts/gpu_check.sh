@@ -80,7 +80,8 @@ step_cmd() {
     dry) "$PY" benchmarks/bench_train.py cpu headline gpu --dry-run \
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
-    offload) "${PYTEST[@]}" tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
+    # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
+    offload) "${PYTEST[@]}" --timeout 300 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
     infer) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" -- --repeats 2 --new_tokens 32 ;;
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;

@@ -126,6 +126,25 @@ def test_gpu_presets_fit_a_ten_minute_command():
     assert script.GROUPS["gpu"] == list(GPU_ARMS)
 
 
+def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
+    """The saved model and the chat set are written once per work folder (under a temporary name,
+    renamed when complete) and every later preset reuses them."""
+    script = _bench_train_script()
+    work = tmp_path / "work"
+    model = script.saved_model(work / "llama-1b", preset="tiny", max_bytes=200_000)  # stands in for the 1b
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model.iterdir()}
+    written = (model / "model.safetensors").stat().st_mtime_ns
+    for name in ("gpu-chat", "gpu-peft"):
+        argv = script.preset_argv(script.PRESETS[name], work, "20990101", dry_run=False)
+        assert argv[argv.index("--model.name") + 1] == str(model)
+        assert argv[argv.index("--bench.name") + 1] == f"train-{name}-20990101"
+    assert "--data.path" not in argv  # gpu-peft trains on packed text
+    assert (model / "model.safetensors").stat().st_mtime_ns == written  # reused, not written again
+    chat = work / "chat.jsonl"
+    assert chat.is_file() and len(chat.read_text().splitlines()) > 1000
+    assert sorted(p.name for p in work.iterdir()) == ["chat.jsonl", "llama-1b"]  # no half-written leftovers
+
+
 def test_bench_infer_gpu_preset_dry_runs():
     proc = _run(sys.executable, "benchmarks/bench_infer.py", "--preset", "1b", "--device", "cuda", "--dry-run")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
