@@ -145,6 +145,33 @@ def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["chat.jsonl", "llama-1b"]  # no half-written leftovers
 
 
+def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
+    """The planner's memory model (CPU-measured activations) for each GPU arm's micro-batch and
+    precision, with the full logits (the worst case): all fit an 80 GB H100, while the uncapped
+    batch-size arm (16 x 2048) would not."""
+    from onegpu.bench.arms import all_arms
+    from onegpu.bench.settings import BenchTrainConfig
+    from onegpu.cli.args import make_parser, parse
+    from onegpu.plan import memory
+    from onegpu.plan.arch import model_shape
+    from onegpu.plan.candidate import Candidate
+
+    script, capacity = _bench_train_script(), 80 * 2**30
+    shape = model_shape("1b", 4096)
+    parser = make_parser("onegpu bench train", "", BenchTrainConfig)
+    b, _ = parse(parser, list(script.GPU), BenchTrainConfig)
+    arms = {a.name: a for a in all_arms(b)}
+    peers = {"hf-trainer": "fp32", "hf-trainer-tuned": "bf16", "trl-sft": "bf16"}  # their own defaults
+    for name in sorted(set().union(*GPU_ARMS.values())):
+        o = arms[name].overrides
+        c = Candidate(o.get("training.micro_batch_size", b.training.micro_batch_size),
+                      o.get("training.grad_accum", b.training.grad_accum),
+                      peers.get(name) or o.get("techniques.precision", b.techniques.precision),
+                      checkpointing="full" if name == "trl-sft" else o.get("techniques.checkpointing", "off"))
+        assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (name, c.label())
+    assert not memory.estimate(shape, Candidate(16, 1, "bf16"), b.data.seq_len).fits(capacity)
+
+
 def test_bench_infer_gpu_preset_dry_runs():
     proc = _run(sys.executable, "benchmarks/bench_infer.py", "--preset", "1b", "--device", "cuda", "--dry-run")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
