@@ -6,7 +6,7 @@
 #   dry       every benchmark preset's dry run (arms, skips, estimates)     -> dry.log
 #   tests     pytest -m gpu tests/gpu, all but the offload tests            -> tests.log, tests.xml
 #   offload   pytest -m gpu tests/gpu/test_gpu_offload.py                   -> offload.log, offload.xml
-#   infer     benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer.log, infer-*.{json,md,png}
+#   infer     benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
@@ -49,7 +49,7 @@ STEPS=("$@")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 330 ;; infer) echo 210 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 240 ;;
     quick|best) echo 560 ;; *) echo 300 ;;
   esac
 }
@@ -81,8 +81,10 @@ step_cmd() {
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
     # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
-    offload) "${PYTEST[@]}" --timeout 300 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
-    infer) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" -- --repeats 2 --new_tokens 32 ;;
+    offload) "${PYTEST[@]}" --timeout 280 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
+    # reduced: one setting per family (dtype, bitsandbytes, torchao, static cache + compile), 2 repeats
+    infer) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
+             -- --settings fp32,bf16,int8,nf4,ao-int8,bf16+static-compile --repeats 2 --new_tokens 32 ;;
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
