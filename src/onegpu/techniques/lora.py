@@ -61,6 +61,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
     peft = _peft()
     targets = resolve_targets(model, lcfg.targets)
     if is_quantized(model):
+        _warn_if_nothing_quantized(model, lcfg.quantize_base)
         # Freezes the base and upcasts any fp16/bf16 leftovers (norms, embeddings) to fp32 for
         # stable training; checkpointing is applied later by techniques.checkpointing.
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -103,6 +104,16 @@ def linear_module_names(model) -> list[str]:
 
 def is_quantized(model) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def _warn_if_nothing_quantized(model, kind: str) -> None:
+    """transformers swaps only layers whose type is exactly nn.Linear (or GPT-2's Conv1D) for
+    bitsandbytes ones; a model with its own Linear subclass (Falcon's FalconLinear) loads with the
+    flag set and every weight still full precision: say so rather than let the memory saving be assumed."""
+    if not any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
+        log.warning("techniques.lora.quantize_base=%s: no layer of %s was quantized (its linear layers are not "
+                    "plain nn.Linear, which is all transformers quantizes); the base stays full precision",
+                    kind, type(model).__name__)
 
 
 def save_merged(model, out_dir: Path, base_name: str, mcfg: ModelConfig) -> Path:
