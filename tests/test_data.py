@@ -105,3 +105,32 @@ def test_load_records_from_jsonl_folder(tmp_path):
     _jsonl(tmp_path / "b.jsonl", [{"text": f"other {i}"} for i in range(20)])
     train, val, _ = data.load_records(DataConfig(path=str(tmp_path), val_fraction=0.5), seed=0)
     assert len(train) == 20 and len(val) == 20  # held out by file
+
+
+def test_hub_names_and_missing_paths(tmp_path, monkeypatch):
+    for name in ("HuggingFaceH4/ultrachat_200k", "org/data.v2"):
+        assert data.looks_like_hub_name(name), name
+    for name in ("data/train.jsonl", "runs/data/x", "./org/name", "~/org", "/org/name", "org/train.parquet", "data.csv"):
+        assert not data.looks_like_hub_name(name), name
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=rf"data.path 'data/train.jsonl' does not exist \(looked for "
+                                        rf"{tmp_path}/data/train.jsonl: relative paths are read from {tmp_path}\)"):
+        data.file_source("data/train.jsonl", 0.0)
+    assert data.file_source("org/name", 0.0).hub_name == "org/name"
+
+
+def test_chat_errors_name_the_record_outside_jsonl(tiny_tokenizer):
+    import datasets
+
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ds = datasets.Dataset.from_dict({"messages": [good, [good[0], {"role": "gpt", "content": "yo"}]]})
+    with pytest.raises(DataError, match=r"train record 1: chat message 2 has unknown role 'gpt'") as err:
+        batches.tokenize(ds, "messages", tiny_tokenizer, DataConfig(num_proc=1), "t")
+    assert "'assistant'" in err.value.hint
+
+
+def test_malformed_json_message_reads_as_english(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": "unterminated\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Unterminated string starting at column 10\)"):
+        data.file_source(str(p), 0.0)

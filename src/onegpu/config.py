@@ -51,6 +51,11 @@ class DataConfig:
     """Column holding chat messages (messages format)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
+    overlong: Literal["truncate", "drop", "split"] = "split"
+    """Chat/prompt-completion records over seq_len (counted in the log and summary). split: a chat is cut on turn
+    boundaries (system message kept, an assistant turn too long alone left out); prompt/completion, with no turn to
+    cut on, is dropped. drop: left out. truncate: cut at seq_len, a cut assistant turn not trained on (its EOS is
+    gone), a prompt cut from its start. Default split: never trains on a cut turn, keeps every turn that fits."""
     val_fraction: float = 0.05
     """Share of files (or records) held out for validation."""
     max_bytes: int = 6_000_000

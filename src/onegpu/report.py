@@ -98,6 +98,8 @@ def print_summary(r) -> None:
     last = f"{r.last_eval:.3f}" if r.last_eval is not None else "n/a"
     print(f"done: {r.state.step} steps, {r.state.tokens_seen:,} tokens in {r.wall_seconds:.0f}s "
           f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
+    for stats in r.data_stats:
+        print(f"data {stats.describe()}")
     print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
     print(f"  model: {r.final_dir}\n  try: onegpu generate --model {r.final_dir} \"def fib(\"")
 

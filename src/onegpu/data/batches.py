@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 from onegpu.config import DataConfig
+from onegpu.data import overlong, records
 from onegpu.errors import DataError
 
 log = logging.getLogger(__name__)
-IGNORE = -100
+IGNORE = overlong.IGNORE
 
 
 # ------------------------------------------------------------------------------------ tokenizing
-def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str):
+def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = "train"):
     """Tokenize with `datasets.map` (cached on disk, `num_proc` processes)."""
+    return tokenize_counted(ds, fmt, tok, cfg, fingerprint, split)[0]
+
+
+def tokenize_counted(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str,
+                     split: str = "train") -> tuple[Any, overlong.DataStats]:
+    """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the records."""
     fn = {"text": _text, "prompt_completion": _prompt_completion, "messages": _messages}[fmt]
-    kw = dict(batched=True, remove_columns=ds.column_names, desc=f"tokenizing ({fmt})",
-              fn_kwargs={"tok": tok, "cfg": cfg})
+    kw = dict(batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"tokenizing ({fmt})",
+              fn_kwargs={"tok": tok, "cfg": cfg, "split": split})
     if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
         kw["num_proc"] = cfg.num_proc
     try:
@@ -34,12 +42,14 @@ def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str):
     if fmt == "text":
         out = out.map(_pack, batched=True, fn_kwargs={"seq_len": cfg.seq_len}, desc="packing",
                       remove_columns=out.column_names)
-    else:
-        out = out.filter(lambda ex: any(label != IGNORE for label in ex["labels"][1:]), desc="dropping empty")
-    return out
+        return out, overlong.text_stats(len(ds), split, cfg.seq_len, len(out))
+    stats = overlong.count(out, split, fmt, cfg.overlong, cfg.seq_len)
+    out = out.filter(lambda fates: [f in overlong.KEPT for f in fates], batched=True, input_columns=overlong.FATE,
+                     desc="dropping over-long and empty")
+    return out.remove_columns([overlong.FATE, overlong.TURNS]), stats
 
 
-def _text(batch, tok, cfg):
+def _text(batch, indices, tok, cfg, split):
     ids = tok(batch[cfg.text_field], add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
     return {"ids": [x + [eos] for x in ids]}
@@ -58,54 +68,67 @@ def _pack(batch, seq_len):
             "position_ids": [pos[i: i + seq_len] for i in range(0, n, seq_len)]}
 
 
-def _prompt_completion(batch, tok, cfg):
-    out = {"input_ids": [], "labels": []}
-    for p, c in zip(batch[cfg.prompt_field], batch[cfg.completion_field]):
+def _emit(out: dict, examples: list, fate: int, turns_left_out: int) -> None:
+    """Append one record's rows: its examples (the first carries the record's fate, the others are
+    PIECEs), or one empty placeholder row when it gave none, so that `overlong.count` sees it."""
+    if not examples:
+        examples, fate = [([], [])], (overlong.EMPTY if fate == overlong.FIT else overlong.DROPPED if
+                                       fate in (overlong.TRUNCATED, overlong.SPLIT) else fate)
+    for i, (ids, labels) in enumerate(examples):
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out[overlong.FATE].append(fate if i == 0 else overlong.PIECE)
+        out[overlong.TURNS].append(turns_left_out if i == 0 else 0)
+
+
+def _rows() -> dict:
+    return {"input_ids": [], "labels": [], overlong.FATE: [], overlong.TURNS: []}
+
+
+def _prompt_completion(batch, indices, tok, cfg, split):
+    out = _rows()
+    for idx, p, c in zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field]):
         if not isinstance(p, str) or not isinstance(c, str):
-            raise DataError(f"prompt/completion must be strings, got {type(p).__name__}/{type(c).__name__}.",
+            raise DataError(f"prompt/completion must be strings, got {type(p).__name__}/{type(c).__name__} "
+                            f"({split} record {idx}).",
                             hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns")
         p_ids = tok(p, add_special_tokens=True)["input_ids"]
         c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids = (p_ids + c_ids)[: cfg.seq_len]
-        out["input_ids"].append(ids)
-        out["labels"].append(([IGNORE] * len(p_ids) + c_ids)[: cfg.seq_len])
+        ex, fate = overlong.fit_prompt_completion(p_ids, c_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id)
+        _emit(out, [ex] if ex and overlong.trainable(ex[1]) else [], fate, 0)
     return out
 
 
-def _messages(batch, tok, cfg):
+def _messages(batch, indices, tok, cfg, split):
     """Render with the chat template; labels only on the characters of assistant turns."""
     if not getattr(tok, "chat_template", None):
         raise DataError("data.format=messages needs a tokenizer with a chat template.",
                         hint="use a chat model's tokenizer (model.tokenizer) or prompt/completion data")
-    out = {"input_ids": [], "labels": []}
-    for conv in batch[cfg.messages_field]:
-        _check_messages(conv)
-        text = tok.apply_chat_template(conv, tokenize=False)
-        spans = []
-        for i, m in enumerate(conv):
-            if m["role"] == "assistant":
-                start = len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-                end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False))
-                spans.append((start, end))
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"][: cfg.seq_len]
-        labels = [t if any(s <= a and b <= e and b > a for s, e in spans) else IGNORE
-                  for t, (a, b) in zip(ids, enc["offset_mapping"])]
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
+    out = _rows()
+    encode = functools.partial(_encode_chat, tok=tok)
+    for idx, conv in zip(indices, batch[cfg.messages_field]):
+        problem = records.chat_problem(conv)
+        if problem:
+            raise DataError(f"{split} record {idx}: {problem[0]}", hint=problem[1])
+        examples, fate, left_out = overlong.fit_chat(conv, encode, cfg.seq_len, cfg.overlong)
+        _emit(out, examples, fate, left_out)
     return out
 
 
-def _check_messages(conv) -> None:
-    if not isinstance(conv, list) or not conv:
-        raise DataError("each 'messages' value must be a non-empty list of {role, content} objects.",
-                        hint='e.g. [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]')
-    for m in conv:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"malformed chat message {m!r}: needs 'role' and 'content'.",
-                            hint='write each message as {"role": "user", "content": "..."}')
-        if m["role"] not in ("system", "user", "assistant", "tool"):
-            raise DataError(f"unknown chat role '{m['role']}'.", hint="use system, user, assistant or tool")
+def _encode_chat(conv: list, tok) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and, per token, the number of the assistant turn
+    whose characters it covers (-1: not an assistant turn)."""
+    text = tok.apply_chat_template(conv, tokenize=False)
+    spans = []
+    for i, m in enumerate(conv):
+        if m["role"] == "assistant":
+            start = len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+            end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False))
+            spans.append((start, end))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    turn = [next((k for k, (s, e) in enumerate(spans) if s <= a and b <= e and b > a), -1)
+            for a, b in enc["offset_mapping"]]
+    return enc["input_ids"], turn
 
 
 # ------------------------------------------------------------------------------------- batching

@@ -79,12 +79,22 @@ def split_files(files: list[str], val_fraction: float, key=str) -> tuple[list[st
     return [f for f in files if f not in val], [f for f in files if f in val]
 
 
-def file_source(path: str, val_fraction: float) -> Source:
+def looks_like_hub_name(path: str) -> bool:
+    """'org/name' and nothing more: no other separator, no leading ./ / ~, no data-file extension
+    (a missing 'data/train.jsonl' is a typo in a path, not a dataset to download)."""
+    parts = path.split("/")
+    return (len(parts) == 2 and all(parts) and "\\" not in path and not path.startswith((".", "~"))
+            and Path(path).suffix.lower() not in EXTENSIONS)
+
+
+def file_source(path: str, val_fraction: float, messages_field: str = "messages") -> Source:
     p = Path(path).expanduser()
     if not p.exists():
-        if "/" in path and not path.startswith((".", "/", "~")) and len(path.split("/")) == 2:
+        if looks_like_hub_name(path):
             return Source("hub", [], [], f"hub:{path}", hub_name=path)
-        raise DataError(f"data.path '{path}' does not exist.", hint="give an existing file or folder")
+        where = "" if p.is_absolute() else f" (looked for {Path.cwd() / p}: relative paths are read from {Path.cwd()})"
+        raise DataError(f"data.path '{path}' does not exist{where}.",
+                        hint="give an existing file or folder, or a Hub dataset as org/name")
     files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS) if p.is_dir() else [str(p)]
     if not files:
         raise DataError(f"no data files in '{path}'.", hint=f"use files ending in {', '.join(EXTENSIONS)}")
@@ -94,7 +104,7 @@ def file_source(path: str, val_fraction: float) -> Source:
     if len(builders) > 1:
         raise DataError(f"'{path}' mixes file types ({', '.join(sorted(builders))}).", hint="keep one type per folder")
     for f in files:
-        check_file(f)
+        check_file(f, messages_field)
     train, val = split_files(files, val_fraction) if len(files) > 1 else (files, [])
     return Source(builders.pop(), train, val, _fingerprint(files))
 
@@ -107,7 +117,7 @@ def _fingerprint(files: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def check_file(path: str) -> None:
+def check_file(path: str, messages_field: str = "messages") -> None:
     """Catch the common breakages with file and line before datasets sees them."""
     raw = Path(path).read_bytes()
     if not raw.strip():
@@ -128,11 +138,40 @@ def check_file(path: str) -> None:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: malformed JSON ({exc.msg} at column {exc.colno}).",
+                # json's messages may end in "at" ("Unterminated string starting at"): one "at" only
+                msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+                raise DataError(f"{path}:{n}: malformed JSON ({msg} at column {exc.colno}).",
                                 hint="fix or remove that line; each line must be one JSON object") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.",
                                 hint='make each line one object, e.g. {"text": "..."}')
+            problem = chat_problem(rec[messages_field]) if messages_field in rec else None
+            if problem:
+                raise DataError(f"{path}:{n}: {problem[0]}", hint=problem[1])
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_problem(conv) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) for a malformed chat record, or None. Checked when a .jsonl
+    file is read (so the error names its line) and again when tokenizing other formats."""
+    if not isinstance(conv, list) or not conv:
+        return ("each 'messages' value must be a non-empty list of {role, content} objects.",
+                'e.g. [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]')
+    for i, m in enumerate(conv, 1):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            return (f"malformed chat message {i} {_short(m)}: needs 'role' and 'content'.",
+                    'write each message as {"role": "user", "content": "..."}')
+        if m["role"] not in ROLES:
+            return (f"chat message {i} has unknown role {m['role']!r}.",
+                    f"use one of {', '.join(ROLES)} (rename e.g. 'bot' or 'gpt' to 'assistant', 'human' to 'user')")
+    return None
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -140,7 +179,8 @@ def load_records(cfg: DataConfig, seed: int):
     """Return (train, validation) `datasets.Dataset`s of raw records."""
     import datasets
 
-    src = stdlib_source(cfg.max_bytes, cfg.val_fraction) if cfg.path is None else file_source(cfg.path, cfg.val_fraction)
+    src = (stdlib_source(cfg.max_bytes, cfg.val_fraction) if cfg.path is None
+           else file_source(cfg.path, cfg.val_fraction, cfg.messages_field))
     kw = {"sample_by": "document"} if src.builder == "text" else {}
     try:
         if src.hub_name:

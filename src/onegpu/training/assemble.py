@@ -6,13 +6,14 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from onegpu import models
 from onegpu.data import batches
 from onegpu.data import records
+from onegpu.data.overlong import DataStats
 from onegpu.config import Config, save_yaml
 from onegpu.errors import ConfigError, DataError
 from onegpu.hardware import DeviceInfo
@@ -36,6 +37,7 @@ class Run:
     scheduler: Any = None
     loss_fn: Any = None  # (model, batch) -> summed token loss; see techniques/loss.py
     data_format: str = ""  # text | prompt-completion | chat: detected from the columns
+    data_stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -114,9 +116,20 @@ def build_data(run: Run) -> None:
     fmt = records.detect_format(cfg.data, train_rec.column_names)
     t0 = time.perf_counter()
     run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
-    run.train_ds = batches.tokenize(train_rec, fmt, run.tokenizer, cfg.data, fingerprint)
-    run.val_ds = batches.tokenize(val_rec, fmt, run.tokenizer, cfg.data, fingerprint) if val_rec is not None else None
+    check_positions(cfg, run.model_name)  # before tokenizing: a too long seq_len is not "no examples"
+    run.train_ds, stats = batches.tokenize_counted(train_rec, fmt, run.tokenizer, cfg.data, fingerprint, "train")
+    run.data_stats = [stats]
+    run.val_ds = None
+    if val_rec is not None:
+        run.val_ds, stats = batches.tokenize_counted(val_rec, fmt, run.tokenizer, cfg.data, fingerprint, "validation")
+        run.data_stats.append(stats)
+    for stats in run.data_stats:
+        log.info("data %s", stats.describe())
     if len(run.train_ds) == 0:
+        train = run.data_stats[0]
+        if train.overlong:  # the policy left nothing: say so, with the counts
+            raise DataError(f"no training examples after tokenization: {train.describe()}.",
+                            hint="raise data.seq_len (up to the model's limit), or choose another data.overlong")
         raise DataError("no training examples after tokenization (all records too short or fully masked).",
                         hint="lower data.seq_len or check the data")
     run.collator = batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
@@ -124,6 +137,24 @@ def build_data(run: Run) -> None:
     run.data_format = fmt
     log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
              len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
+
+
+def check_positions(cfg: Config, model_name: str) -> None:
+    """data.seq_len against the model's max_position_embeddings, read from its config alone (no
+    weights). A config that cannot be read here is left to the model load, which explains why."""
+    if models.is_preset(model_name):
+        limit = models.PRESETS[model_name].get("max_position_embeddings")
+    else:
+        try:
+            from transformers import AutoConfig
+
+            limit = getattr(AutoConfig.from_pretrained(model_name, trust_remote_code=cfg.model.trust_remote_code),
+                            "max_position_embeddings", None)
+        except Exception:  # noqa: BLE001 - any failure here is reported by build_model with its fix
+            return
+    if isinstance(limit, int) and cfg.data.seq_len > limit:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
+                          hint=f"set data.seq_len <= {limit}")
 
 
 def build_model(run: Run, accelerator=None) -> None:

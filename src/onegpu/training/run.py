@@ -73,7 +73,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     hist = state.history
     result = RunResult(run_dir, final, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
-                       state.tokens_per_second)
+                       state.tokens_per_second, data_stats=run.data_stats)
     if accelerator.is_main_process:
         print_summary(result)
     return result
@@ -139,7 +139,7 @@ def _stopped(run, state: TrainState, wall: float) -> RunResult:
     print(f"stopped by {state.stopped} at step {state.step}; checkpoint saved: {ckpt}\n"
           f"resume with: onegpu train --config {run.dir / 'config.yaml'} --output.resume latest")
     return RunResult(run.dir, ckpt, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
-                     state.tokens_per_second, stopped=state.stopped)
+                     state.tokens_per_second, stopped=state.stopped, data_stats=run.data_stats)
 
 
 def save_final(run, accelerator) -> Path:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onegpu.data.overlong import DataStats
+
 
 @dataclass
 class TrainState:
@@ -55,6 +57,7 @@ class RunResult:
     wall_seconds: float
     tokens_per_second: float
     stopped: str | None = None  # set when a signal ended the run early; final_dir is then its checkpoint
+    data_stats: list[DataStats] = field(default_factory=list)  # per split: over-long records and their fate
 
 
 class Callback:
