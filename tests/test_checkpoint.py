@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -168,3 +169,54 @@ def test_foreign_pickle_is_refused(tmp_path, parts):
     torch.save({"optimizer": Evil()}, path / "trainer_state.pt")
     with pytest.raises(ConfigError, match="cannot read"):
         checkpoint.load_trainer_state(path)
+
+
+def test_other_model_shape_is_one_error_naming_parameter_and_shapes(tmp_path, parts, tiny_tokenizer):
+    path = parts.save(tmp_path, 1)
+    wide = make_tiny_llama(tiny_tokenizer, hidden_size=96, intermediate_size=128)
+    vocab = len(tiny_tokenizer)
+    expect = (rf"checkpoint {path} was written by a model of another shape: lm_head\.weight is "
+              rf"\({vocab}, 64\) there but \({vocab}, 96\) in this model")
+    with pytest.raises(ConfigError, match=expect) as err:
+        checkpoint.check_fits(path, wide)  # headers only: run_training calls it before the run folder exists
+    assert "without --output.resume" in err.value.hint
+    opt = torch.optim.AdamW(wide.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ConfigError, match=expect):  # loading says the same, never a size-mismatch traceback
+        checkpoint.load_checkpoint(path, wide, opt, sched, parts.accelerator)
+    checkpoint.check_fits(path, parts.model)  # the same shape passes
+
+
+def test_lora_rank_mismatch_is_named(tmp_path, tiny_tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    def lora(r):
+        torch.manual_seed(0)
+        return get_peft_model(make_tiny_llama(tiny_tokenizer), LoraConfig(r=r, target_modules=["q_proj"]))
+
+    saved = lora(4)
+    saved.save_pretrained(str(tmp_path / "ckpt" / "model"))
+    with pytest.raises(ConfigError, match=r"lora_A\.weight is \(4, 64\) there but \(8, 64\) in this model"):
+        checkpoint.check_fits(tmp_path / "ckpt", lora(8))
+    checkpoint.check_fits(tmp_path / "ckpt", lora(4))
+
+
+@pytest.mark.parametrize("damage", ["half-pruned", "no-manifest", "cut-weights"])
+def test_damaged_checkpoint_never_takes_a_good_ones_place(tmp_path, parts, damage):
+    for step in (1, 2, 3):
+        parts.save(tmp_path, step)
+        checkpoint.prune(tmp_path, keep_last=2)
+    newest = tmp_path / "checkpoint-00000003"
+    if damage == "half-pruned":  # an earlier prune interrupted part-way
+        (newest / "trainer_state.pt").unlink()
+        shutil.rmtree(newest / "model")
+    elif damage == "no-manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        f = newest / "model" / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:100])
+    parts.save(tmp_path, 4)
+    checkpoint.prune(tmp_path, keep_last=2)
+    # two complete checkpoints kept (2 and 4); the damaged one neither counted nor kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000002", "checkpoint-00000004"]
+    assert all(checkpoint.verify(p) is None for p in checkpoint.list_checkpoints(tmp_path))

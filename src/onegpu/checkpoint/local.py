@@ -209,8 +209,9 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def verify(path: Path) -> str | None:
-    """None if every file listed in the manifest is present with its size and checksum, else why not."""
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """None if every file listed in the manifest is present with its size and checksum, else why
+    not. Without checksums it is cheap enough for every prune; resuming checks them."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -224,7 +225,9 @@ def verify(path: Path) -> str | None:
         f = path / name
         if not f.is_file():
             return f"missing file {name}"
-        if f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["size"]:
+            return f"size mismatch in {name}"
+        if checksums and _sha256(f) != meta["sha256"]:
             return f"checksum mismatch in {name}"
     return None
 
@@ -246,20 +249,27 @@ def eval_loss_of(path: Path) -> float | None:
         return None
 
 
-def find_best(run_dir: Path) -> Path | None:
+def find_best(run_dir: Path, among: list[Path] | None = None) -> Path | None:
     """The checkpoint with the lowest eval loss recorded at its own step."""
-    scored = [(loss, step_of(p), p) for p in list_checkpoints(run_dir) if (loss := eval_loss_of(p)) is not None]
+    ckpts = list_checkpoints(run_dir) if among is None else among
+    scored = [(loss, step_of(p), p) for p in ckpts if (loss := eval_loss_of(p)) is not None]
     return min(scored)[2] if scored else None
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` checkpoints and the best by eval loss."""
-    ckpts = list_checkpoints(run_dir)
-    keep = set(ckpts[-keep_last:])
-    best = find_best(run_dir)
-    if best is not None:
-        keep.add(best)
-    for p in ckpts:
+    """Keep the newest ``keep_last`` complete checkpoints and the best by eval loss.
+
+    Only complete checkpoints count: a damaged or half-removed folder (an interrupted earlier prune,
+    a full disk) can never be resumed from, so it must not take the place of a good one. Such
+    folders are removed; saving writes into hidden temporary folders, so a folder under a
+    checkpoint name is never one still being written."""
+    folders = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and step_of(p) >= 0]
+    broken = {p: why for p in folders if (why := verify(p, checksums=False))}
+    good = sorted((p for p in folders if p not in broken), key=step_of)
+    keep = set(good[-keep_last:]) | {p for p in [find_best(run_dir, good)] if p is not None}
+    for p in folders:
+        if p in broken:
+            log.warning("removing damaged checkpoint %s: %s", p, broken[p])
         if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -319,6 +329,46 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> dic
     return state
 
 
+def check_fits(path: Path, model) -> None:
+    """One ConfigError, before anything is written, when the checkpoint's weights have other shapes
+    than this model's (another size, another vocabulary, another LoRA rank). Only the safetensors
+    headers are read. Sharded (engine) checkpoints without a model/ folder are checked by their loader."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted((Path(path) / "model").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    _check_shapes(Path(path), shapes, model)
+
+
+def _check_shapes(path: Path, saved: dict[str, tuple], model) -> None:
+    adapters = list(getattr(model, "peft_config", {}) or {})
+
+    def plain(name: str) -> str:
+        # the names save_pretrained writes: no compile/checkpointing wrappers, no adapter name
+        for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
+            name = name.replace(wrapper, "")
+        for adapter in adapters:
+            name = name.replace(f".{adapter}.", ".")
+        return name
+
+    # keep_vars: DeepSpeed ZeRO-3 leaves an empty placeholder with the real shape in ds_shape
+    ours = {plain(n): tuple(getattr(t, "ds_shape", None) or t.shape)
+            for n, t in model.state_dict(keep_vars=True).items()}
+    for name, shape in saved.items():
+        here = ours.get(name)
+        if here and all(here) and here != tuple(shape):  # (0,): a placeholder not to compare
+            raise ConfigError(f"checkpoint {path} was written by a model of another shape: {name} is "
+                              f"{_shape(shape)} there but {_shape(here)} in this model.",
+                              hint="resume with the model.name, size, tokenizer and lora settings it was "
+                                   "written with, or start a new run without --output.resume")
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
 def load_model_weights(model_dir: Path, model) -> None:
     """Load safetensors weights into an existing model (adapters only for a PEFT model)."""
     from safetensors.torch import load_file
@@ -328,6 +378,7 @@ def load_model_weights(model_dir: Path, model) -> None:
         tensors.update(load_file(str(f)))
     if not tensors:
         raise ConfigError(f"no safetensors weights in {model_dir}.", hint="resume from a complete checkpoint")
+    _check_shapes(Path(model_dir).parent, {k: tuple(t.shape) for k, t in tensors.items()}, model)
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 

@@ -51,6 +51,8 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         assemble.build_model(run, accelerator)
         assemble.build_optimizer(run)
         batches.BatchOrder(len(run.train_ds), cfg.training.micro_batch_size, cfg.training.seed)  # enough examples?
+        if resume_from is not None:  # a checkpoint of another model shape fails here, not after the mkdir
+            checkpoint.check_fits(resume_from, accelerator.unwrap_model(run.model))
         assemble.check_disk(run)
         assemble.create_run_dir(run_dir, accelerator.is_main_process)
         run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
