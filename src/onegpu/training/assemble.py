@@ -51,10 +51,29 @@ def check_run_dir(cfg: Config) -> Path:
         raise ConfigError(f"run directory {path} is not empty.",
                           hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name")
     parent = _existing_ancestor(path)
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write to run directory {path}: {parent} is not a writable folder.",
+    problem = _unwritable(parent)
+    if problem:
+        raise ConfigError(f"cannot write to run directory {path}: {parent} is not a writable folder ({problem}).",
                           hint="choose a writable --output.dir")
     return path
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None. os.access is not the answer: root passes it
+    on a read-only folder, and some mounts (read-only network or FUSE filesystems) grant it and
+    then refuse the write. So a file is created and removed at once: nothing is left behind."""
+    import errno
+    import tempfile
+
+    if not folder.is_dir():
+        return "it is a file"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".onegpu-write-test-", dir=folder)
+    except OSError as exc:
+        return "read-only file system" if exc.errno == errno.EROFS else (exc.strerror or str(exc)).lower()
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -90,8 +109,14 @@ def check_disk(run: Run) -> None:
     import shutil
 
     need = checkpoint_bytes(run.model)
-    free = shutil.disk_usage(_existing_ancestor(run.dir)).free
+    folder = _existing_ancestor(run.dir)
+    free = shutil.disk_usage(folder).free
     if free < need:
+        # A read-only filesystem reports no free space: say what is really wrong.
+        problem = _unwritable(folder)
+        if problem:
+            raise ConfigError(f"cannot write to run directory {run.dir}: {folder} is not a writable folder "
+                              f"({problem}).", hint="choose a writable --output.dir")
         raise ConfigError(f"not enough free disk for checkpoints in {run.dir}: {free / 2**30:.2f} GiB free, "
                           f"about {need / 2**30:.2f} GiB needed per checkpoint.",
                           hint="free space, or choose another --output.dir")
