@@ -62,3 +62,38 @@ def test_wrong_types_in_dict_config():
     with pytest.raises(ConfigError, match="techniques.tf32 must be true or false"):
         from_dict({"techniques": {"tf32": "yes"}})
     assert validate(from_dict({})).training.max_steps == Config().training.max_steps
+
+
+@pytest.mark.parametrize("flag,expect", [
+    ("--training.learnig_rate", "--training.lr"),  # a typo of another trainer's name: the alias, same section
+    ("--training.learning_rate", "--training.lr"),
+    ("--training.batch_size", "--training.micro_batch_size"),
+    ("--training.seq_len", "--data.seq_len"),  # the right field in another section
+    ("--data.max_seq_length", "--data.seq_len"),
+    ("--traning.lr", "--training.lr"),
+    ("--output.dri", "--output.dir"),
+    ("--techniques.lora.rr", "--techniques.lora.r"),
+])
+def test_did_you_mean_prefers_the_same_section_and_known_aliases(flag, expect):
+    with pytest.raises(ConfigError, match=f"did you mean '{expect}'"):
+        _parse([flag, "1"])
+
+
+def test_type_errors_say_the_type_in_words():
+    for argv, expect in [(["--training.max_steps", "many"], "training.max_steps must be an integer, got 'many'"),
+                         (["--training.lr", "x"], "training.lr must be a number, got 'x'"),
+                         (["--techniques.tf32", "maybe"], "techniques.tf32 must be true or false, got 'maybe'")]:
+        with pytest.raises(ConfigError, match=expect) as err:
+            _parse(argv)
+        assert "<class" not in str(err.value)
+
+
+def test_model_flag_is_the_model_name(tmp_path):
+    from onegpu.cli.train import model_shorthand
+
+    assert _parse(model_shorthand(["--model", str(tmp_path)])).model.name == str(tmp_path)
+    assert _parse(model_shorthand([f"--model={tmp_path}"])).model.name == str(tmp_path)
+    section = tmp_path / "model.yaml"
+    section.write_text("name: tiny\nvocab_size: 1024\n")
+    cfg = _parse(model_shorthand(["--model", str(section)]))  # a section file keeps its meaning
+    assert (cfg.model.name, cfg.model.vocab_size) == ("tiny", 1024)

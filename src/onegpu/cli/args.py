@@ -58,7 +58,10 @@ def parse(parser, argv: Sequence[str], config_cls: type | None = None) -> Any:
 def _plain(v: Any) -> Any:
     import dataclasses
 
-    return dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    if isinstance(v, dict):  # a section loaded from its own file (--model m.yaml) records its __path__
+        return {k: _plain(x) for k, x in v.items() if k != "__path__"}
+    return v
 
 
 def _check_yaml_files(argv: list[str], config_cls: type) -> None:
@@ -73,19 +76,82 @@ def _check_yaml_files(argv: list[str], config_cls: type) -> None:
             from_dict(load_yaml(path), config_cls)
 
 
+# Names users bring from other trainers (HF TrainingArguments, TRL, Axolotl) -> our flag.
+ALIASES = {
+    "learning_rate": "training.lr", "lr_rate": "training.lr", "batch_size": "training.micro_batch_size",
+    "per_device_train_batch_size": "training.micro_batch_size", "micro_batch": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.grad_accum", "grad_accumulation": "training.grad_accum",
+    "steps": "training.max_steps", "num_steps": "training.max_steps", "warmup": "training.warmup_steps",
+    "seed": "training.seed", "max_seq_length": "data.seq_len", "max_length": "data.seq_len",
+    "seq_length": "data.seq_len", "sequence_len": "data.seq_len", "dataset": "data.path",
+    "data_path": "data.path", "output_dir": "output.dir", "resume_from_checkpoint": "output.resume",
+    "model_name_or_path": "model.name", "model_name": "model.name",
+    "gradient_checkpointing": "techniques.checkpointing",
+    "optim": "techniques.optimizer", "lora_r": "techniques.lora.r", "lora_alpha": "techniques.lora.alpha",
+}
+# jsonargparse names the expected type as a Python class; say it in words
+TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def suggest_flag(flag: str, options: list[str]) -> str | None:
+    """The flag a mistyped one most likely meant. The field is matched within its own section
+    first (comparing whole flags lets the shared '--training.' prefix outweigh the field name:
+    'learnig_rate' would match 'eval_batches'), together with the names other trainers use."""
+    flags = {o[2:]: o for o in options}
+    section, _, name = flag.lstrip("-").rpartition(".")
+    sections = sorted({f.split(".")[0] for f in flags if "." in f})
+    if section and section.split(".")[0] not in sections:  # '--traning.lr': fix the section first
+        close = difflib.get_close_matches(section.split(".")[0], sections, n=1, cutoff=0.6)
+        section = ".".join(close[:1] + section.split(".")[1:]) if close else section
+    aliases = {alias: f"--{target}" for alias, target in ALIASES.items() if f"--{target}" in options}
+
+    def match(names: dict[str, str]) -> str | None:
+        close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.75 if len(name) <= 4 else 0.6)
+        return names[close[0]] if close else None
+
+    in_section = {f[len(section) + 1:]: o for f, o in flags.items() if section and f.startswith(section + ".")}
+    same_section_aliases = {a: o for a, o in aliases.items() if o.startswith(f"--{section}.")}
+    for names in (in_section | same_section_aliases,  # the same section, its own fields and aliases
+                  {f.rpartition(".")[2]: o for f, o in flags.items()} | aliases):  # any section
+        found = match(names)
+        if found:
+            return found
+    close = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 def _friendly(parser, message: str) -> ConfigError:
     options = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")})
     m = re.search(r"unrecognized arguments: (\S+)", message)
     if m:
         flag = m.group(1).split("=")[0]
-        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else f"see '{parser.prog} --help'"
+        close = suggest_flag(flag, options)
+        hint = f"did you mean '{close}'?" if close else f"see '{parser.prog} --help'"
         return ConfigError(f"unknown option '{flag}'.", hint=hint)
-    m = re.search(r'key "([^"]+)":\s*(.*?)Got value: (.*)', message, re.S)
+    m = re.search(r'key "([^"]+)":\s*(.*?)Got value: (.*)', message, re.S) or re.search(
+        r'key "([^"]+)":\s*(.*?)Given value: (.*)', message, re.S)
     if m:
         key, expected, got = m.group(1), " ".join(m.group(2).split()), m.group(3).strip()
         choices = re.findall(r"'([^']+)'", expected) if "Literal" in expected else []
+        if not choices:
+            types = [TYPE_WORDS[t] for t in re.findall(r"Expected a <class '(\w+)'>", expected) if t in TYPE_WORDS]
+            if types:
+                return ConfigError(f"{key} must be {types[0]}, got {got!r}.",
+                                   hint=f"write it as e.g. --{key} {_example(parser, key, types[0])}")
         close = difflib.get_close_matches(got, choices, n=1)
         hint = f"did you mean '{close[0]}'?" if close else (f"choose one of: {', '.join(choices)}" if choices else expected)
         return ConfigError(f"{key}: invalid value '{got}'.", hint=hint)
     return ConfigError(" ".join(message.split()), hint=f"see '{parser.prog} --help'")
+
+
+def _example(parser, key: str, kind: str) -> str:
+    """The field's default as an example value, when it is of the kind asked for."""
+    try:
+        value = parser.get_default(key)
+    except Exception:  # noqa: BLE001 - an example is a nicety
+        value = None
+    if kind == "true or false":
+        return "true"
+    if value is None or isinstance(value, bool):
+        return {"an integer": "8", "a number": "0.5"}.get(kind, "...")
+    return str(value)
