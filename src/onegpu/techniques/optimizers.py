@@ -97,12 +97,10 @@ def _sgd(groups, lr, on_cuda):
 
 # ------------------------------------------------------------------------------ bitsandbytes
 def _bnb():
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise UnavailableError("8-bit bitsandbytes optimizers need bitsandbytes, which is not installed.",
-                               hint="pip install 'onegpu[bnb]', or choose techniques.optimizer=adamw") from None
-    return bnb
+    from onegpu.techniques.quantization import import_bitsandbytes
+
+    return import_bitsandbytes("techniques.optimizer=adamw-8bit / paged-adamw-8bit",
+                               "or choose techniques.optimizer=adamw")
 
 
 def _adamw_8bit(groups, lr, on_cuda):

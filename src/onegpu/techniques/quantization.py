@@ -5,6 +5,24 @@ from __future__ import annotations
 from onegpu.errors import UnavailableError
 
 
+def import_bitsandbytes(needed_for: str, instead: str):
+    """bitsandbytes, or one UnavailableError that tells a missing package from one that is installed
+    but fails to import (a CUDA library, triton or torch version it needs): only the package itself
+    missing is "not installed"; otherwise the real first line of the failure is shown."""
+    try:
+        import bitsandbytes
+    except Exception as exc:  # noqa: BLE001 - a broken install raises ImportError, OSError, RuntimeError...
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "bitsandbytes":
+            raise UnavailableError(f"bitsandbytes (for {needed_for}) is not installed.",
+                                   hint=f"pip install 'onegpu[bnb]', {instead}") from None
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise UnavailableError(f"bitsandbytes (for {needed_for}) is installed but fails to import: {detail}",
+                               hint=f"repair it (pip install --force-reinstall bitsandbytes, built for this torch "
+                                    f"and CUDA; onegpu doctor shows both), {instead}") from None
+    return bitsandbytes
+
+
 def bnb_config(kind: str, compute_dtype=None, double_quant: bool = True, int8_threshold: float = 6.0):
     """A transformers BitsAndBytesConfig for kind in {"int8", "nf4", "fp4"}.
 
@@ -14,10 +32,7 @@ def bnb_config(kind: str, compute_dtype=None, double_quant: bool = True, int8_th
     """
     import torch
 
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise UnavailableError("bitsandbytes is not installed.", hint="pip install 'onegpu[bnb]'") from None
+    import_bitsandbytes(f"techniques.lora.quantize_base={kind}", "or set techniques.lora.quantize_base=none")
     from transformers import BitsAndBytesConfig
 
     if kind == "int8":
