@@ -7,8 +7,11 @@ all inputs were checked, so no case may create it (and an existing one stays unt
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
+import sys
+import tempfile
 from collections import namedtuple
 
 import pytest
@@ -62,15 +65,79 @@ def _damaged_checkpoint(tmp, model_dir):
     return ["--output.resume", str(ckpt), "--output.name", "new"]
 
 
-def _fake_t4(monkeypatch):
+def _other_shape_checkpoint(tmp, model_dir):
+    """A real checkpoint of a narrower model (hidden 32 instead of 64) to resume from."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from conftest import make_tiny_llama
+    from onegpu.checkpoint import local
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = make_tiny_llama(tok, hidden_size=32, intermediate_size=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    state = {"step": 1, "batches_seen": 2, "tokens_seen": 0, "best_eval": 1.0, "history": []}
+    ckpt = local.save_checkpoint(tmp / "runs" / "old", 1, model, opt, sched, state, Accelerator(cpu=True), tok)
+    return ["--output.resume", str(ckpt), "--output.name", "new"]
+
+
+def _fake_t4(monkeypatch, tmp):
     monkeypatch.setattr(hardware, "detect", lambda: hardware.DeviceInfo("cuda", "Tesla T4", 16 * 2**30, (7, 5)))
 
 
-def _full_disk(monkeypatch):
+def _full_disk(monkeypatch, tmp):
     import shutil as sh
 
     usage = sh.disk_usage("/")
     monkeypatch.setattr(sh, "disk_usage", lambda path: usage._replace(free=1024))
+
+
+def _read_only_mount(monkeypatch, tmp):
+    """A read-only mount as root (or a network/FUSE mount) sees it: os.access says writable, the
+    filesystem reports no free space, and creating a file fails with EROFS."""
+    import os
+    import shutil as sh
+
+    usage = sh.disk_usage("/")
+    mount = str(tmp / "mnt")
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kw):
+        if dir is not None and str(dir).startswith(mount):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_mkstemp(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)
+    monkeypatch.setattr(sh, "disk_usage", lambda path: usage._replace(free=0))
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def _read_only_output(tmp, model_dir):
+    (tmp / "mnt").mkdir()
+    return ["--output.dir", str(tmp / "mnt" / "runs")]
+
+
+def _in_folder(monkeypatch, tmp):
+    monkeypatch.chdir(tmp)
+
+
+def _bitsandbytes(body: str):
+    """Make `import bitsandbytes` find a package whose own import fails (body raises), or none."""
+
+    def patch(monkeypatch, tmp):
+        for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+            monkeypatch.delitem(sys.modules, name)
+        if body is None:
+            monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import raises ModuleNotFoundError for it
+            return
+        pkg = tmp / "site" / "bitsandbytes"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(body)
+        monkeypatch.syspath_prepend(str(tmp / "site"))
+
+    return patch
 
 
 def _occupied(tmp, model_dir):
@@ -91,6 +158,8 @@ CASES = [
     Case("data-blank-text", _file("blank.txt", "\n\n  \n"), "blank.txt: file is empty"),
     Case("data-bad-json-line", _file("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c"\n'),
          "bad.jsonl:3: malformed JSON"),
+    Case("data-bad-json-unterminated", _file("cut.jsonl", '{"text": "a"}\n{"text": "abc\n'),
+         "cut.jsonl:2: malformed JSON (Unterminated string starting at column 10)"),
     Case("data-json-not-object", _file("list.jsonl", '{"text": "a"}\n[1, 2]\n'), "list.jsonl:2: expected a JSON object"),
     Case("data-not-utf8", _file("latin.txt", b"def f():\n    return '\xe9t\xe9'\n", "wb"), "latin.txt:2: not valid UTF-8"),
     Case("data-corrupt-parquet", _file("broken.parquet", b"PAR1 this is not parquet at all", "wb"), "cannot read"),
@@ -106,9 +175,27 @@ CASES = [
     Case("data-prompt-not-string", _file("pc.jsonl", '{"prompt": 5, "completion": "six"}\n' * 20),
          "prompt/completion must be strings"),
     Case("data-bad-chat-message", _file("chat.jsonl", json.dumps({"messages": [{"content": "hi"}]}) + "\n"),
-         "needs 'role' and 'content'"),
+         "chat.jsonl:1: malformed chat message 1 {'content': 'hi'}: needs 'role' and 'content'"),
+    Case("data-unknown-chat-role", _file("roles.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                              {"role": "assistant", "content": "yo"}]})
+                                         + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                           {"role": "bot", "content": "yo"}]}) + "\n"),
+         ("roles.jsonl:2: chat message 2 has unknown role 'bot'", "rename e.g. 'bot' or 'gpt' to 'assistant'")),
+    Case("data-relative-path-missing", ["--data.path", "data/train.jsonl"],
+         ("data.path 'data/train.jsonl' does not exist (looked for ",
+          "/data/train.jsonl: relative paths are read from "),
+         _in_folder),
+    Case("data-all-records-overlong",
+         lambda tmp, md: _file("long.jsonl", (json.dumps({"messages": [{"role": "user", "content": "write a loop " * 9},
+                                                                       {"role": "assistant", "content": "ok"}]})
+                                              + "\n") * 20)(tmp, md) + ["--data.seq_len", "16", "--data.overlong", "drop"],
+         ("no training examples after tokenization: train: 19 of 19 records longer than data.seq_len=16 "
+          "(data.overlong=drop): 19 dropped", "choose another data.overlong")),
     Case("data-too-few-examples", ["--training.micro_batch_size", "5000"], "training examples for a micro-batch of 5000"),
     Case("seq-len-above-model", ["--data.seq_len", "512"], "data.seq_len=512 exceeds the model's max_position_embeddings=256"),
+    # with this little data, tokenizing first used to report "no training examples" instead
+    Case("seq-len-above-model-little-data", ["--data.seq_len", "8192"],
+         ("data.seq_len=8192 exceeds the model's max_position_embeddings=256", "set data.seq_len <= 256")),
     # model
     Case("model-unknown-offline", ["--model.name", "no-such-org/no-such-model"], "cannot load tokenizer 'no-such-org/no-such-model'"),
     Case("model-dir-without-config", lambda tmp, md: (tmp / "m").mkdir() or ["--model.name", str(tmp / "m"),
@@ -125,7 +212,9 @@ CASES = [
     Case("lr-negative", ["--training.lr", "-0.1"], "training.lr must not be negative"),
     Case("seq-len-negative", ["--data.seq_len", "-8"], "data.seq_len must be a positive integer"),
     Case("val-fraction-out-of-range", ["--data.val_fraction", "1.5"], "data.val_fraction must be in [0, 1)"),
-    Case("max-steps-not-a-number", ["--training.max_steps", "many"], "training.max_steps"),
+    Case("max-steps-not-a-number", ["--training.max_steps", "many"],
+         ("training.max_steps must be an integer, got 'many'", "--training.max_steps 200")),
+    Case("lr-not-a-number", ["--training.lr", "fast"], "training.lr must be a number, got 'fast'"),
     Case("max-bad-steps-negative", ["--training.max_bad_steps", "-1"], "training.max_bad_steps must not be negative"),
     # YAML and command line
     Case("yaml-unknown-key", _yaml("training:\n  max_step: 5\n"), "did you mean 'training.max_steps'"),
@@ -134,6 +223,9 @@ CASES = [
     Case("yaml-not-a-mapping", _yaml("- a\n- b\n"), "the top level must be a mapping"),
     Case("yaml-wrong-type", _yaml("training:\n  max_steps: many\n"), "training.max_steps must be an integer"),
     Case("cli-unknown-flag", ["--training.maxsteps", "5"], "did you mean '--training.max_steps'"),
+    Case("cli-flag-from-another-trainer", ["--training.learnig_rate", "0.1"],
+         ("unknown option '--training.learnig_rate'", "did you mean '--training.lr'")),
+    Case("cli-field-in-wrong-section", ["--training.seq_len", "64"], "did you mean '--data.seq_len'"),
     # conflicts
     Case("offload-with-torchao-optimizer", ["--techniques.offload", "zero2-cpu", "--techniques.optimizer", "adamw-8bit-ao"],
          "cannot be combined with techniques.optimizer=adamw-8bit-ao"),
@@ -146,6 +238,20 @@ CASES = [
     Case("resume-latest-nothing-there", ["--output.resume", "latest", "--output.name", "fresh"], "does not exist"),
     Case("resume-path-missing", ["--output.resume", "/nonexistent/checkpoint-00000001"], "does not exist"),
     Case("resume-damaged-checkpoint", _damaged_checkpoint, "is damaged"),
+    Case("resume-other-model-shape", _other_shape_checkpoint,
+         ("checkpoint-00000001 was written by a model of another shape: ", ", 32) there but (", ", 64) in this model",
+          "start a new run without --output.resume")),
+    Case("output-read-only", _read_only_output,
+         ("/mnt is not a writable folder (read-only file system)", "choose a writable --output.dir"), _read_only_mount),
+    # optional libraries
+    Case("bnb-not-installed", ["--techniques.optimizer", "adamw-8bit"],
+         ("bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not installed",
+          "pip install 'onegpu[bnb]'"), _bitsandbytes(None)),
+    Case("bnb-installed-but-broken", ["--techniques.optimizer", "adamw-8bit"],
+         ("bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is installed but fails to import: "
+          "ModuleNotFoundError: "
+          "No module named 'onegpu_missing_cuda_runtime'", "repair it"),
+         _bitsandbytes("import onegpu_missing_cuda_runtime\n")),
 ]
 
 
@@ -166,13 +272,15 @@ def test_bad_input(case, tmp_path, tiny_model_dir, capsys, monkeypatch):
     args = base_args(tmp_path, tiny_model_dir)
     args += case.args(tmp_path, tiny_model_dir) if callable(case.args) else case.args
     if case.patch:
-        case.patch(monkeypatch)
+        case.patch(monkeypatch, tmp_path)
     before = _snapshot(tmp_path / "runs")
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert case.expect in err, err
+    for expect in (case.expect,) if isinstance(case.expect, str) else case.expect:
+        assert expect in err, err
     assert "Traceback" not in err and err.count("error: ") == 1 and ("\n" + err).count("\nerror: ") == 1
+    assert " at at " not in err and "<class " not in err
     assert _snapshot(tmp_path / "runs") == before  # no run directory, no partial files
 
 
