@@ -66,6 +66,30 @@ def test_default_is_auto_and_support_comes_from_the_model_class(tiny_tokenizer):
     assert gemma2.supported() == ["flash_attention_2", "eager"]
 
 
+def test_support_of_a_registered_class_and_of_an_unknown_one():
+    """A class added with AutoModelForCausalLM.register is read like a built-in one; a config no
+    class is known for is assumed to support every kernel (its load then says what it refuses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+
+    class NoSdpaConfig(LlamaConfig):
+        model_type = "onegpu-test-no-sdpa"
+
+    class NoSdpaForCausalLM(LlamaForCausalLM):
+        config_class = NoSdpaConfig
+        _supports_sdpa = False
+
+    AutoConfig.register(NoSdpaConfig.model_type, NoSdpaConfig)
+    AutoModelForCausalLM.register(NoSdpaConfig, NoSdpaForCausalLM)
+    kernels = _kernels(NoSdpaConfig())
+    assert (kernels.model_type, kernels.class_name, kernels.sdpa) == ("onegpu-test-no-sdpa", "NoSdpaForCausalLM", False)
+    assert A.resolve_attention(TechniquesConfig(), CPU, "fp32", kernels) == "eager"
+
+    class Unknown(PretrainedConfig):
+        model_type = "onegpu-test-unknown"
+
+    assert _kernels(Unknown()) == A.ModelKernels("onegpu-test-unknown", "", flash=True, sdpa=True)
+
+
 def test_auto_is_the_fastest_kernel_model_and_device_support(tiny_tokenizer, monkeypatch, caplog):
     from transformers import LlamaConfig
 
