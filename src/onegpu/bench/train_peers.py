@@ -43,13 +43,24 @@ def setup(spec: dict) -> PeerSetup:
     run = assemble.Run(cfg, device, Path(cfg.output.dir), models.resolve_name(cfg.model, device.is_gpu), "fp32")
     assemble.build_data(run)
     set_seed(t.seed)
-    model = models.load_model(run.model_name, cfg.model, run.tokenizer, attn_implementation="sdpa")
+    model = models.load_model(run.model_name, cfg.model, run.tokenizer, attn_implementation=_attention(cfg, device, run))
     order = iter(batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed))
     step_batches = [[i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)]
     dataset = run.train_ds.select([i for step in step_batches for i in step])
     lengths = [len(x) for x in dataset["input_ids"]]
     per_step = [sum(lengths[s * len(b): (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
     return PeerSetup(cfg, device, run, model, dataset, per_step)
+
+
+def _attention(cfg, device, run) -> str:
+    """The kernel our arms resolve for this model and device, so the peers run the same attention."""
+    from onegpu import models
+    from onegpu.techniques.attention import model_kernels, resolve_attention
+    from onegpu.techniques.precision import resolve_precision
+
+    trust = cfg.model.trust_remote_code
+    kernels = model_kernels(models.model_config(run.model_name, trust), trust)
+    return resolve_attention(cfg.techniques, device, resolve_precision(cfg.techniques, device), kernels)
 
 
 def run_hf(spec: dict, callbacks: tuple = ()) -> dict:

@@ -23,9 +23,7 @@ def run_config(c: Candidate):
     """The training Config of a setup (what `train` would run for this candidate)."""
     from onegpu.config import Config
 
-    cfg = c.apply(Config())
-    cfg.techniques.attention = "sdpa"
-    return cfg
+    return c.apply(Config())
 
 
 def build(config, c: Candidate):
@@ -36,6 +34,7 @@ def build(config, c: Candidate):
     from transformers import AutoModelForCausalLM
 
     from onegpu.hardware import detect
+    from onegpu.techniques.attention import model_kernels, resolve_attention
     from onegpu.techniques.loss import LossFn
     from onegpu.techniques.optimizers import build_optimizer
     from onegpu.techniques.prepare import prepare_model
@@ -46,7 +45,8 @@ def build(config, c: Candidate):
     device = detect()
     accelerator = make_accelerator(cfg, device, c.precision)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation="sdpa")
+    attention = resolve_attention(cfg.techniques, device, c.precision, model_kernels(config))
+    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation=attention)
     model = prepare_model(model.to(accelerator.device).train(), cfg.techniques, device.type)
     optimizer = build_optimizer(model, cfg.techniques, cfg.training)
     model, optimizer = accelerator.prepare(model, optimizer)

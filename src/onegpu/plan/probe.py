@@ -39,7 +39,8 @@ def auto_plan(cfg: Config) -> Config:
     from onegpu import hardware, models
     from onegpu.errors import OnegpuError
     from onegpu.plan.arch import model_shape
-    from onegpu.plan.search import planning_attention, search
+    from onegpu.plan.search import search
+    from onegpu.techniques.attention import planning_attention
 
     device = hardware.detect()
     spec = _device_spec(device)
@@ -48,7 +49,8 @@ def auto_plan(cfg: Config) -> Config:
     vocab = len(shared.tokenizer) if models.is_preset(name) else cfg.model.vocab_size
     shape = model_shape(name, vocab, cfg.model.trust_remote_code)
     batch = cfg.training.micro_batch_size * cfg.training.grad_accum
-    plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30, planning_attention(cfg))
+    attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
+    plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30, attention)
     rows = [r for r in plan.rows if r.fits][:TOP]
     if not rows:
         raise OnegpuError(f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "

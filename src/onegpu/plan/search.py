@@ -129,12 +129,6 @@ def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str, bool]]:
     return [(p, t.optimizer if tier < 4 else "adamw", in_bwd and tier < 4) for p in plain]
 
 
-def planning_attention(cfg: Config) -> str:
-    """The attention the activation measurement runs: the configured kernel where the CPU can run
-    it, else SDPA (flash is SDPA's FlashAttention kernel: the same saved tensors)."""
-    return cfg.techniques.attention if cfg.techniques.attention in ("eager", "sdpa") else "sdpa"
-
-
 def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: int,
            capacity_gib: float | None = None, attention: str = "sdpa") -> Plan:
     """All setups of the first tier that has any that fit, ranked; the best few that do not fit follow."""
