@@ -1,8 +1,5 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML and/or the command line.
-
-The command line is generated from these dataclasses (see ``cli.py``): every field below is a
-``--section.field`` flag, and the docstring under a field is its help text.
-"""
+Every field is a ``--section.field`` flag (cli/args.py); the docstring under a field is its help text."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -21,11 +18,9 @@ from onegpu.errors import ConfigError
 @dataclass
 class ModelConfig:
     name: str = "auto"
-    """Built-in preset (tiny, small, 125m, 1b), a Hugging Face model id, or a local model directory.
-    "auto" picks "tiny" on CPU and "125m" on a GPU."""
+    """Preset (tiny, small, 125m, 1b), Hub model id or local model directory. auto: tiny on CPU, 125m on a GPU."""
     tokenizer: Optional[str] = None
-    """Tokenizer id or directory. Default: the model's own; for presets, a byte-level BPE trained
-    locally on the training data and cached."""
+    """Tokenizer id or directory. Default: the model's own; presets: a byte-level BPE trained on the data, cached."""
     vocab_size: int = 4096
     """Vocabulary size of the locally trained tokenizer (presets only)."""
     from_scratch: bool = False
@@ -71,8 +66,7 @@ class DataConfig:
     persistent_workers: bool = True
     """Keep workers alive between epochs and evals (num_workers > 0)."""
     pad_to_multiple: int = 64
-    """Variable-length batches are padded to a multiple of this (tensor-core friendly, and keeps
-    torch.compile from recompiling for every length)."""
+    """Pad variable-length batches to a multiple of this (tensor cores; torch.compile recompiles less)."""
 
 
 @dataclass
@@ -85,14 +79,16 @@ class TrainingConfig:
     """Optimizer steps to run."""
     max_minutes: float = 0.0
     """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves."""
-    lr: float = 2e-3
-    """Peak learning rate."""
+    lr: Union[float, Literal["auto"]] = "auto"
+    """Peak learning rate. auto: by mode (hyper.py): 2e-3 from scratch, 2e-5 full fine-tune, 2e-4 LoRA/QLoRA."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine decay)."""
-    warmup_steps: int = 20
-    """Linear warm-up steps."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay (never applied to biases and norm weights)."""
+    warmup_steps: Union[int, Literal["auto"]] = "auto"
+    """Linear warm-up steps. auto: 20 from scratch, else 3% of max_steps (unless warmup_ratio is set)."""
+    warmup_ratio: Optional[float] = None
+    """Warm-up as a share of max_steps, in [0, 1), instead of warmup_steps (set one of the two)."""
+    weight_decay: Union[float, Literal["auto"]] = "auto"
+    """Decoupled weight decay, never on biases and norm weights. auto: 0.1 from scratch, else 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     eval_every: int = 50
@@ -106,11 +102,9 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for model init, data order and dropout."""
     max_bad_steps: int = 5
-    """Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient (each
-    such step is skipped without changing the weights; 0 = never stop)."""
+    """Stop after this many steps in a row with a NaN/inf loss or gradient (each skipped; 0 = never stop)."""
     oom_retry: bool = True
-    """On an out-of-memory error, halve the micro-batch, double grad_accum (same effective batch)
-    and retry the step on the same examples."""
+    """On out-of-memory, halve the micro-batch, double grad_accum (same effective batch) and retry the step."""
 
 
 @dataclass
@@ -221,8 +215,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"
-    """auto: predict memory and speed of candidate setups, probe the best few on this device, and
-    train with the fastest that fits (keeping the effective batch)."""
+    """auto: predict candidate setups, probe the best few here, train with the fastest that fits (same batch)."""
 
 
 POSITIVE_INTS = {
@@ -245,8 +238,8 @@ def validate(cfg: Config) -> Config:
     for key in sorted(POSITIVE_INTS):
         if _get(flat, key) <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {_get(flat, key)}.", hint=f"set {key} >= 1")
-    for key in sorted(NON_NEGATIVE):
-        if _get(flat, key) < 0:
+    for key in sorted(NON_NEGATIVE):  # "auto" is settled to a number by hyper.py, and checked then
+        if _get(flat, key) != "auto" and _get(flat, key) < 0:
             raise ConfigError(f"{key} must not be negative, got {_get(flat, key)}.", hint=f"set {key} >= 0")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.",
@@ -336,6 +329,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             hint = f"did you mean '{close[0]}'?" if close else f"choose one of: {', '.join(map(str, args))}"
             raise ConfigError(f"{where}: invalid value '{value}'.", hint=hint)
         return value
+    if origin is Union and type(None) not in args:  # a number or "auto": the first member that takes it
+        for member in args:
+            try:
+                return _coerce(value, member, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where} must be a number or 'auto', got {value!r}.", hint=f"set {where} to e.g. auto")
     if args and type(None) in args:  # Optional[X]
         if value is None:
             return None

@@ -132,12 +132,13 @@ def _friendly(parser, message: str) -> ConfigError:
         r'key "([^"]+)":\s*(.*?)Given value: (.*)', message, re.S)
     if m:
         key, expected, got = m.group(1), " ".join(m.group(2).split()), m.group(3).strip()
-        choices = re.findall(r"'([^']+)'", expected) if "Literal" in expected else []
-        if not choices:
-            types = [TYPE_WORDS[t] for t in re.findall(r"Expected a <class '(\w+)'>", expected) if t in TYPE_WORDS]
-            if types:
-                return ConfigError(f"{key} must be {types[0]}, got {got!r}.",
-                                   hint=f"write it as e.g. --{key} {_example(parser, key, types[0])}")
+        choices = re.findall(r"Literal\[([^\]]+)\]", expected) if "Literal" in expected else []
+        choices = [c for group in choices for c in re.findall(r"'([^']+)'", group)]
+        types = [TYPE_WORDS[t] for t in re.findall(r"Expected a <class '(\w+)'>", expected) if t in TYPE_WORDS]
+        if types:  # a number, or a number or "auto": the number is what went wrong
+            words = f" (or {', '.join(dict.fromkeys(choices))})" if choices else ""
+            return ConfigError(f"{key} must be {types[0]}, got {got!r}.",
+                               hint=f"write it as e.g. --{key} {_example(parser, key, types[0])}{words}")
         close = difflib.get_close_matches(got, choices, n=1)
         hint = f"did you mean '{close[0]}'?" if close else (f"choose one of: {', '.join(choices)}" if choices else expected)
         return ConfigError(f"{key}: invalid value '{got}'.", hint=hint)
@@ -152,6 +153,10 @@ def _example(parser, key: str, kind: str) -> str:
         value = None
     if kind == "true or false":
         return "true"
-    if value is None or isinstance(value, bool):
+    if value == "auto":  # settled by mode (hyper.py): the from-scratch number is a sensible example
+        from onegpu.hyper import auto_table
+
+        value = auto_table()["scratch"].get(key.rpartition(".")[2])
+    if value is None or isinstance(value, (bool, str)):
         return {"an integer": "8", "a number": "0.5"}.get(kind, "...")
     return str(value)

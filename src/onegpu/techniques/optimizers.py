@@ -40,6 +40,9 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model, tcfg: TechniquesConfig, train: TrainingConfig) -> torch.optim.Optimizer:
+    from onegpu.hyper import bare
+
+    train = bare(train)  # a run's section is settled already; a bare one (planner, tests) takes the scratch values
     groups = param_groups(model, train.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters, so there is nothing to optimize.",

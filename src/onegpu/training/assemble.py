@@ -257,7 +257,10 @@ def build_optimizer(run: Run) -> None:
     from onegpu.techniques import offload
     from onegpu.techniques.optimizers import build_optimizer as make
 
-    t = run.cfg.training
+    from onegpu.hyper import resolve_hyperparameters
+
+    # a run's config is settled already (unchanged here); the planner's probes build from an unsettled one
+    t = resolve_hyperparameters(run.cfg, run.model_name).training
     if run.cfg.techniques.optimizer_in_backward:
         if distributed.world_size() > 1:
             raise ConfigError("techniques.optimizer_in_backward runs in one process only: several processes reduce "
@@ -277,6 +280,9 @@ def build_optimizer(run: Run) -> None:
 
 def lr_schedule(t):
     """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps."""
+    from onegpu.hyper import bare
+
+    t = bare(t)  # warm-up in steps
 
     def factor(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from onegpu import distributed, hardware, models
+from onegpu import distributed, hardware, hyper, models
 from onegpu.checkpoint import local as checkpoint
 from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import Config
@@ -43,8 +43,12 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         set_seed(cfg.training.seed)
         run_dir = assemble.check_run_dir(cfg)
         resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir)
-        cfg = _as_saved(cfg, run_dir)
-        run = assemble.Run(cfg, device, run_dir, models.resolve_name(cfg.model, device.is_gpu), precision)
+        model_name = models.resolve_name(cfg.model, device.is_gpu)
+        # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
+        # are what config.yaml records, so a resume trains with exactly them
+        log.info(hyper.describe(cfg, model_name))
+        cfg = _as_saved(hyper.resolve_hyperparameters(cfg, model_name), run_dir)
+        run = assemble.Run(cfg, device, run_dir, model_name, precision)
         log.info("device: %s; precision %s; model %s", device.name, precision, run.model_name)
         assemble.build_data(run)
         set_seed(cfg.training.seed)  # model init independent of how much randomness data prep used
