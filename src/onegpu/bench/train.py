@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 def base_config(b: BenchTrainConfig, out_dir: str) -> dict:
     """The run Config (as a dict) every onegpu arm starts from; HF arms mirror its settings. The
     benchmark sets where runs go, the time budget and the logging interval (its timing windows)."""
-    cfg = {k: v for k, v in to_dict(b).items() if k != "bench"}
+    from onegpu.hyper import resolve_hyperparameters
+
+    # settled once here, so every arm and the HF peers train with the same numbers
+    cfg = {k: v for k, v in to_dict(resolve_hyperparameters(b)).items() if k != "bench"}
     cfg["output"].update(dir=out_dir, overwrite=True)
     cfg["training"].update(max_minutes=b.bench.max_seconds / 60, log_every=b.bench.warmup_steps)
     return cfg

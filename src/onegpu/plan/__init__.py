@@ -34,7 +34,9 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
     if plan.best is None:
         return plan, None
+    from onegpu.hyper import resolve_hyperparameters
+
     rec = plan.best.candidate.apply(cfg)
     rec.model.name, rec.data.seq_len = name, seq_len
-    return plan, rec
+    return plan, resolve_hyperparameters(rec, name)  # the YAML shows the numbers a run would train with
 
