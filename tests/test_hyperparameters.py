@@ -8,7 +8,6 @@ import math
 import shutil
 
 import pytest
-import torch
 import yaml
 
 from onegpu import train
@@ -18,6 +17,7 @@ from onegpu.hyper import auto_table, describe, resolve_hyperparameters, training
 from onegpu.report import read_metrics
 
 from conftest import CORPUS
+from test_resume import one_thread  # noqa: F401  (autouse: tiny models run fastest single-threaded)
 
 PRETRAINED = "/some/local/model"  # never loaded: the mode is read from the name and the techniques
 MODES = {
@@ -26,15 +26,6 @@ MODES = {
     "lora": {"model": {"name": PRETRAINED}, "techniques": {"lora": {"enabled": True}}},
     "qlora": {"model": {"name": PRETRAINED}, "techniques": {"lora": {"enabled": True, "quantize_base": "nf4"}}},
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest single-threaded on a shared CPU."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def settled(data: dict, model_name: str | None = None):
