@@ -128,9 +128,7 @@ def hf_arguments(cfg, arm: str, device) -> dict:
     """Trainer defaults, with only the run's hyper-parameters set to ours (same schedule, same
     numbers); the tuned arm adds the guide's speed flags that this device supports. TRL's arm
     takes the same keys, on top of SFTConfig's own defaults."""
-    from onegpu.hyper import resolve_hyperparameters
-
-    t = resolve_hyperparameters(cfg).training  # plain numbers (a settled config passes unchanged)
+    t = cfg.training  # settled by base_config: plain numbers
     args = dict(output_dir=str(Path(cfg.output.dir) / "hf"), per_device_train_batch_size=t.micro_batch_size,
                 gradient_accumulation_steps=t.grad_accum, max_steps=t.max_steps, learning_rate=t.lr,
                 weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, lr_scheduler_type="cosine_with_min_lr",

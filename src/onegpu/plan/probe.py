@@ -102,10 +102,12 @@ def probe_one(row, cfg: Config, shared, device) -> Measured:
     """Run WARMUP_STEPS + MEASURE_STEPS optimizer steps of one setup; tokens/s and peak memory."""
     import torch
 
+    from onegpu.hyper import resolve_hyperparameters
     from onegpu.techniques.prepare import global_switches
 
     m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
-    setup = row.candidate.apply(cfg)
+    # Settled per candidate, as run_training settles a run: a LoRA candidate gets LoRA's auto values.
+    setup = resolve_hyperparameters(row.candidate.apply(cfg), shared.model_name)
     try:
         with global_switches(setup, device):  # as training sets them, and put back after
             m.tokens_per_s, m.peak_gb = _run_steps(setup, shared, device)

@@ -98,7 +98,10 @@ class _States(Mapping):
         return {p: s for opt in self._inner for p, s in opt.state.items()}
 
     def __getitem__(self, param):
-        return self._merged()[param]
+        for opt in self._inner:  # one parameter per inner optimizer: no need to merge them all
+            if param in opt.state:
+                return opt.state[param]
+        raise KeyError(param)
 
     def __iter__(self):
         return iter(self._merged())

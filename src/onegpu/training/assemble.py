@@ -167,16 +167,14 @@ def build_data(run: Run) -> None:
 def check_positions(cfg: Config, model_name: str) -> None:
     """data.seq_len against the model's max_position_embeddings, read from its config alone (no
     weights). A config that cannot be read here is left to the model load, which explains why."""
-    if models.is_preset(model_name):
-        limit = models.PRESETS[model_name].get("max_position_embeddings")
-    else:
-        try:
-            from transformers import AutoConfig
+    try:
+        config = models.model_config(model_name, cfg.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - any failure here is reported by build_model with its fix
+        return
+    _check_seq_len(cfg, getattr(config, "max_position_embeddings", None))
 
-            limit = getattr(AutoConfig.from_pretrained(model_name, trust_remote_code=cfg.model.trust_remote_code),
-                            "max_position_embeddings", None)
-        except Exception:  # noqa: BLE001 - any failure here is reported by build_model with its fix
-            return
+
+def _check_seq_len(cfg: Config, limit) -> None:
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
                           hint=f"set data.seq_len <= {limit}")
@@ -193,10 +191,7 @@ def build_model(run: Run, accelerator=None) -> None:
     cfg = run.cfg
     model = models.load_model(run.model_name, cfg.model, run.tokenizer,
                               **load_kwargs(cfg, run.device, run.precision, run.model_name))
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and cfg.data.seq_len > max_pos:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={max_pos}.",
-                          hint=f"set data.seq_len <= {max_pos}")
+    _check_seq_len(cfg, getattr(model.config, "max_position_embeddings", None))
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
     check_model_settings(run, model)
@@ -257,10 +252,7 @@ def build_optimizer(run: Run) -> None:
     from onegpu.techniques import offload
     from onegpu.techniques.optimizers import build_optimizer as make
 
-    from onegpu.hyper import resolve_hyperparameters
-
-    # a run's config is settled already (unchanged here); the planner's probes build from an unsettled one
-    t = resolve_hyperparameters(run.cfg, run.model_name).training
+    t = run.cfg.training  # settled (plain numbers) where the run or the probe began: see hyper.py
     if run.cfg.techniques.optimizer_in_backward:
         if distributed.world_size() > 1:
             raise ConfigError("techniques.optimizer_in_backward runs in one process only: several processes reduce "
@@ -279,10 +271,7 @@ def build_optimizer(run: Run) -> None:
 
 
 def lr_schedule(t):
-    """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps."""
-    from onegpu.hyper import bare
-
-    t = bare(t)  # warm-up in steps
+    """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps (``t`` settled: warm-up in steps)."""
 
     def factor(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
