@@ -89,7 +89,7 @@ def test_a_probed_setup_replans_to_what_was_measured(cand, tmp_path, monkeypatch
 
 def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
     out = tmp_path / "rec.yaml"
-    assert main(["plan", "tiny", "--gpu", "T4", "--seq-len", "256", "--batch", "32", "--json",
+    assert main(["plan", "tiny", "--gpu", "T4", "--data.seq_len", "256", "--batch", "32", "--json",
                  "--save", str(out)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpu"] == "T4" and data["rows"][0]["fits"]
@@ -113,7 +113,7 @@ def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
 
 
 def test_plan_cli_table(capsys):
-    assert main(["plan", "tiny", "--gpu", "t4", "--seq-len", "256", "--batch", "32", "--top", "3"]) == 0
+    assert main(["plan", "tiny", "--gpu", "t4", "--data.seq_len", "256", "--batch", "32", "--top", "3"]) == 0
     text = capsys.readouterr().out
     assert "peak GB" in text and "(uncalibrated)" in text and "micro_batch_size:" in text
 
@@ -121,7 +121,7 @@ def test_plan_cli_table(capsys):
 def test_plan_cli_errors_name_the_fix(capsys):
     assert main(["plan", "tiny", "--gpu", "h10"]) == 2
     assert "did you mean 'H100'" in capsys.readouterr().err
-    assert main(["plan", "tiny", "--gpu", "T4", "--seq-len", "4096"]) == 2
+    assert main(["plan", "tiny", "--gpu", "T4", "--data.seq_len", "4096"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
 
 
@@ -141,7 +141,7 @@ def test_configured_lora_is_kept():
 
 
 def test_plan_without_gpu_uses_this_cpu(capsys):
-    assert main(["plan", "tiny", "--seq-len", "128", "--batch", "8", "--json"]) == 0
+    assert main(["plan", "tiny", "--data.seq_len", "128", "--batch", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpu"] == "CPU" and data["recommended"]["techniques"]["precision"] == "fp32"
 

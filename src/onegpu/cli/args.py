@@ -1,8 +1,11 @@
 """Command-line parsing generated from the config dataclasses (jsonargparse), with clear errors.
 
-Every dataclass field becomes ``--section.field``; ``--config file.yaml`` loads a YAML file first
+One flag style for every command: underscores, never hyphens (``--max_new_tokens``); a setting of
+the training config is ``--section.field`` (``--data.seq_len``) wherever a command takes it, so a
+train command line works for ``onegpu plan`` too. ``--config file.yaml`` loads a YAML file first
 (later flags override it). Unknown flags or keys and bad values raise one ``ConfigError`` naming
-the field, with a did-you-mean where a close name exists.
+the field, with a did-you-mean where a close name exists. Flags that were renamed keep working
+through ``renamed()``, which names the new spelling.
 """
 
 from __future__ import annotations
@@ -10,24 +13,105 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from typing import Any, Sequence
+import sys
+from typing import Any, Iterable, Sequence
 
 from onegpu.errors import ConfigError
 
+# jsonargparse titles a group with the dataclass's signature when the field has no docstring
+_SIGNATURE = re.compile(r"^\w+\(.*\)$", re.S)
 
-def make_parser(prog: str, description: str, config_cls: type | None = None):
+
+def make_parser(prog: str, description: str, config_cls: type | None = None, usage: str | None = None,
+                skip: Iterable[str] = ()):
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     try:  # field docstrings become --help text
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
     except (TypeError, ValueError):  # older jsonargparse: help without field docs
         pass
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, env_prefix="ONEGPU",
+    if usage is None and config_cls is not None:  # the full list is below, grouped; 70 lines of it up here hide it
+        usage = f"{prog} [--config FILE] [--section.field VALUE ...]"
+    parser = ArgumentParser(prog=prog, description=description, usage=usage, exit_on_error=False,
+                            env_prefix="ONEGPU", formatter_class=_help_formatter(),
                             allow_abbrev=False)  # a shortened flag is a typo, not a guess to act on
     if config_cls is not None:
         parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
-        parser.add_class_arguments(config_cls, fail_untyped=False)
+        add_options(parser, config_cls, "run", skip=skip)
     return parser
+
+
+def add_options(parser, config_cls: type, title: str, description: str | None = None, skip: Iterable[str] = ()):
+    """Every field of a config dataclass as a flag, grouped in --help by section: the heading is
+    the section's flag prefix, the text under it the section's docstring (never the signature)."""
+    parser.add_class_arguments(config_cls, fail_untyped=False, skip=set(skip) or None)
+    titled = parser.__dict__.setdefault("_onegpu_titled", set())  # groups of earlier calls keep their titles
+    for key, group in parser.groups.items():
+        if key in titled:
+            continue
+        titled.add(key)
+        text = group.title or ""
+        if key == config_cls.__name__:  # the fields outside any section
+            group.title, group.description = title, description
+        else:  # a section: titled by its docstring when it has one, else by its signature
+            group.title, group.description = key, None if _SIGNATURE.match(text) else text
+    for action in parser._actions:  # `--data FILE`: a YAML file with that section alone
+        if len(action.option_strings) == 1 and action.option_strings[0][2:] in parser.groups:
+            action.help, action.metavar = "YAML file with this section's options", "FILE"
+        if action.option_strings == ["--config"]:
+            action.metavar = "FILE"
+
+
+def _help_formatter():
+    from jsonargparse import DefaultHelpFormatter
+
+    class HelpFormatter(DefaultHelpFormatter):
+        def _get_type_str(self, action):
+            # "(type: Union[float, Literal['auto']])" is Python, not help: choices show in the
+            # metavar, the docstring says what else a field takes; the default is still shown
+            return None
+
+        def _get_help_string(self, action):
+            text = super()._get_help_string(action)
+            if action.default is None:  # "(default: null)": no default is no news
+                text = text.replace(" (default: %(default)s)", "").replace(", default: %(default)s", "")
+            return text
+
+    return HelpFormatter
+
+
+def renamed(argv: Sequence[str], names: dict[str, str]) -> list[str]:
+    """Old spellings of renamed flags, rewritten to the new ones with one line each naming the new
+    flag: scripts and notes written for the old name keep working while they are updated."""
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            print(f"note: {flag} is now {names[flag]} (the old spelling still works, for now)", file=sys.stderr)
+            arg = names[flag] + eq + value
+        out.append(arg)
+    return out
+
+
+def note_model_shorthand(parser) -> None:
+    """--help for the commands that read `--model X` through model_shorthand."""
+    for action in parser._actions:
+        if action.option_strings == ["--model"]:
+            action.help, action.metavar = "short for --model.name X; a .yaml file: this section's options", "X"
+
+
+def model_shorthand(argv: Sequence[str]) -> list[str]:
+    """`--model X` means `--model.name X` (as for `onegpu generate`). The parser would read a bare
+    `--model` as a YAML file for the whole section and fail on a model folder or Hub id with an
+    error about config files; a .yaml/.yml/.json value keeps that meaning."""
+    out = list(argv)
+    files = (".yaml", ".yml", ".json")
+    for i, arg in enumerate(out):
+        if arg == "--model" and i + 1 < len(out) and not out[i + 1].endswith(files):
+            out[i] = "--model.name"
+        elif arg.startswith("--model=") and not arg.endswith(files):
+            out[i] = "--model.name=" + arg.split("=", 1)[1]
+    return out
 
 
 def parse(parser, argv: Sequence[str], config_cls: type | None = None) -> Any:

@@ -1,42 +1,59 @@
-"""`onegpu plan MODEL --gpu NAME --seq-len N --batch B`: will it fit, and how fast will it run?"""
+"""`onegpu plan [MODEL] --gpu NAME [train flags] [--batch B]`: will it fit, and how fast will it run?
+
+The planner plans a training config, so plan takes the flags of `onegpu train` as they are
+(`--data.seq_len`, `--training.micro_batch_size`, `--techniques.lora.enabled`, `--config FILE`, ...):
+a train command line with `train` replaced by `plan` predicts that run, and the techniques it
+fixes are respected in the recommendation. On top come the flags only a plan has: the GPU
+(`--gpu`), the effective batch to keep (`--batch`, default micro_batch_size x grad_accum), the
+memory to plan for (`--memory_gib`) and the output (`--top`, `--json`, `--save`). MODEL is short for
+`--model.name`. The old spellings `--seq-len` and `--memory-gib` still work, with a note.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
-from onegpu.cli.args import make_parser, parse
-from onegpu.config import Config, from_dict, load_yaml, to_dict
+from onegpu.cli.args import make_parser, model_shorthand, note_model_shorthand, parse, renamed
+from onegpu.config import Config, to_dict
 from onegpu.errors import OnegpuError
+
+RENAMED = {"--seq-len": "--data.seq_len", "--memory-gib": "--memory_gib"}
 
 
 def build_parser():
     p = make_parser("onegpu plan", "Predict peak memory and tokens/s of training setups for a model on a GPU "
-                    "(detected, or named with --gpu), and print the fastest that fits as a config.")
-    p.add_argument("model", nargs="?", default=None, help="preset name or local model directory (default: from --config)")
-    p.add_argument("--gpu", default=None, help="plan for this GPU (e.g. H100, A100-40GB, T4); 'list' shows the catalog")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: data.seq_len)")
-    p.add_argument("--batch", type=int, default=None, help="effective batch in sequences, kept exactly (default: "
-                   "micro_batch_size x grad_accum)")
-    p.add_argument("--config", default=None, help="YAML training config to start from (onegpu train --config)")
-    p.add_argument("--memory-gib", type=float, default=None, help="memory to plan for instead of the GPU's total")
+                    "(detected, or named with --gpu), and print the fastest that fits as a config. Takes "
+                    "every 'onegpu train' flag; the setup it describes is what gets planned.", Config,
+                    usage="onegpu plan [MODEL] [--gpu NAME] [--batch B] [--section.field VALUE ...]",
+                    skip={"plan"})  # train's --plan (probe while training) means nothing here
+    p.add_argument("preset", metavar="MODEL", nargs="?", default=None,
+                   help="preset name, local model directory or Hub id (same as --model.name)")
+    p.add_argument("--gpu", type=Optional[str], default=None,
+                   help="plan for this GPU (e.g. H100, A100-40GB, T4); 'list' shows the catalog")
+    p.add_argument("--batch", type=Optional[int], default=None,
+                   help="effective batch in sequences, kept exactly (default: micro_batch_size x grad_accum)")
+    p.add_argument("--memory_gib", type=Optional[float], default=None,
+                   help="memory to plan for instead of the GPU's total")
     p.add_argument("--top", type=int, default=12, help="rows of the table")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table and YAML")
-    p.add_argument("--save", default=None, help="also write the recommended config to this YAML file")
+    p.add_argument("--json", type=bool, default=False, help="print JSON instead of the table and YAML")
+    p.add_argument("--save", type=Optional[str], default=None,
+                   help="also write the recommended config to this YAML file")
+    note_model_shorthand(p)
     return p
 
 
 def cli(argv: Sequence[str]) -> int:
-    _, ns = parse(build_parser(), argv)
+    argv = [a if a != "--json" else "--json=true" for a in renamed(argv, RENAMED)]  # --json alone: a switch
+    cfg, ns = parse(build_parser(), model_shorthand(argv), Config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if ns.gpu and ns.gpu.lower() == "list":
         return _print_catalog()
     from onegpu.plan import make_plan
 
-    cfg = from_dict(load_yaml(ns.config)) if ns.config else Config()
-    plan, recommended = make_plan(cfg, ns.model, ns.gpu, ns.seq_len, ns.batch, ns.memory_gib)
+    plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib)
     if ns.json:
         print(json.dumps(plan_json(plan, recommended), indent=1))
     else:
@@ -49,7 +66,7 @@ def cli(argv: Sequence[str]) -> int:
     if recommended is None:
         raise OnegpuError(f"no setup of {plan.shape.name} fits in {plan.gpu.memory_gib:.0f} GB at "
                           f"seq_len={plan.seq_len}, batch={plan.batch}.",
-                          hint="shorten --seq-len, pick a bigger GPU with --gpu, or a smaller model")
+                          hint="shorten --data.seq_len, pick a bigger GPU with --gpu, or a smaller model")
     return 0
 
 
