@@ -199,10 +199,15 @@ class DistributedConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train (a preset, a local folder or a Hub id) and its tokenizer."""
     data: DataConfig = field(default_factory=DataConfig)
+    """What to train on: the records, their format, the sequence length, the loading workers."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The optimisation: objective, batch, steps, learning-rate schedule, evaluation and checkpoint cadence."""
     techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
+    """How each step runs: precision, attention, checkpointing, optimizer, compile, loss, LoRA, offload."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """Where the run directory goes, what it keeps, and where metrics are reported."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"
