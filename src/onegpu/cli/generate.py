@@ -1,5 +1,11 @@
 """`onegpu generate`: sample from a run's model or any causal LM; flags come from InferConfig and
-SamplingConfig (onegpu.infer), plus where the prompts come from and where completions go."""
+SamplingConfig (onegpu.infer), plus where the prompts come from and where completions go.
+
+Flags are spelled as everywhere in onegpu (underscores). generate's settings are one flat set,
+`--max_new_tokens`, `--dtype`, ... (no name is in two sections, so none needs a prefix); the
+settings it shares with `onegpu train` also take train's names (`--model.name`, `--model.tokenizer`,
+`--model.trust_remote_code`, `--techniques.attention`), so flags copied from a train command work.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from onegpu.cli.args import make_parser, parse
+from onegpu.cli.args import add_options, make_parser, parse
 from onegpu.errors import ConfigError, DataError
 
 DESCRIPTION = ("Generate text from a onegpu run (onegpu generate --model runs/<name> \"def fib(\"), a "
                "save_pretrained folder or a Hub model. Prompts: arguments, --prompts_file (one per line, "
-               "or .jsonl with a \"prompt\" field), or '-' for stdin.")
+               "or .jsonl with a \"prompt\" field), or '-' for stdin. --chat true feeds them as chat turns "
+               "(on by itself for a model onegpu trained on chat data).")
+# train's name for a setting generate shares with it -> generate's flag
+TRAIN_NAMES = {"--model.name": "--model", "--model.tokenizer": "--tokenizer",
+               "--model.trust_remote_code": "--trust_remote_code", "--techniques.attention": "--attention"}
 
 
 def build_parser():
@@ -23,13 +33,18 @@ def build_parser():
 
     from onegpu.infer import InferConfig, SamplingConfig
 
-    parser = make_parser("onegpu generate", DESCRIPTION)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    parser = make_parser("onegpu generate", DESCRIPTION, usage="onegpu generate --model MODEL [options] [PROMPT ...]")
+    parser.add_argument("--config", action=ActionConfigFile, metavar="FILE",
+                        help="YAML file with any of the options below")
     parser.add_argument("prompts", nargs="*", help="prompts ('-' reads them from stdin, one per line)")
-    parser.add_class_arguments(InferConfig, fail_untyped=False)
-    parser.add_class_arguments(SamplingConfig, fail_untyped=False)
+    add_options(parser, InferConfig, "model", "Which model to load, and how (dtype, attention, quantization, "
+                "placement, adapter).")
+    add_options(parser, SamplingConfig, "generation", SamplingConfig.__doc__)
     parser.add_argument("--prompts_file", type=Optional[str], default=None,
                         help="file with one prompt per line, or .jsonl records with a 'prompt' field")
+    for action in parser._actions:
+        if action.option_strings == ["--chat"]:
+            action.metavar = "{auto,true,false}"
     parser.add_argument("--output", type=Optional[str], default=None,
                         help="write one JSON record per completion to this .jsonl file")
     parser.add_argument("--stream", type=Optional[bool], default=None,
@@ -41,7 +56,7 @@ def cli(argv: Sequence[str]) -> int:
     from onegpu.config import from_dict
     from onegpu.infer import InferConfig, SamplingConfig
 
-    _, ns = parse(build_parser(), _repeatable_stop(argv))
+    _, ns = parse(build_parser(), _repeatable_stop(train_names(argv)))
     raw = ns.as_dict()
     raw["stop"] = [_unescape(s) for s in raw.get("stop") or []]
     icfg = from_dict(_fields(raw, InferConfig), InferConfig)
@@ -49,6 +64,15 @@ def cli(argv: Sequence[str]) -> int:
     prompts = collect_prompts(raw.get("prompts") or [], raw.get("prompts_file"))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     return run(icfg, scfg, prompts, raw.get("output"), raw.get("stream"))
+
+
+def train_names(argv: Sequence[str]) -> list[str]:
+    """train's spelling of a shared setting, as generate's own flag."""
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        out.append(TRAIN_NAMES[flag] + eq + value if flag in TRAIN_NAMES else arg)
+    return out
 
 
 def _repeatable_stop(argv: Sequence[str]) -> list[str]:
@@ -109,12 +133,20 @@ def _jsonl(text: str, path: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {n}: not valid JSON ({exc.msg}).", hint="one JSON object per line") from None
+            raise DataError(f"{path} line {n}: not valid JSON ({json_problem(exc)}).",
+                            hint='one JSON object per line, e.g. {"prompt": "def fib("}') from None
         prompt = record if isinstance(record, str) else record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str):
             raise DataError(f"{path} line {n}: no 'prompt' string field.", hint='write {"prompt": "..."} per line')
         prompts.append(prompt)
     return prompts
+
+
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """json's message with the column it happened at. Its messages may end in "at" ("Unterminated
+    string starting at"), the position following only in str(exc): one "at", and a column."""
+    msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"{msg} at column {exc.colno}" if exc.colno else msg
 
 
 def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[bool]) -> int:
@@ -131,7 +163,8 @@ def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[
 
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
         print(prompts[0], end="", flush=True)
-    completions = generate(loaded.model, loaded.tokenizer, prompts, scfg, streamer=streamer)
+    completions = generate(loaded.model, loaded.tokenizer, prompts, scfg, streamer=streamer,
+                           data_format=loaded.data_format)
     if stream:
         print()
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from onegpu.errors import ConfigError, DataError
 
@@ -15,6 +15,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SamplingConfig:
+    """How prompts are fed to the model and completions sampled."""
+
+    chat: Union[bool, Literal["auto"]] = "auto"
+    """Prompts are user turns: each is put through the tokenizer's chat template, ending where the
+    assistant's answer begins. auto: on for a model onegpu trained on chat (messages) data, off for
+    anything else (a template alone decides nothing: base models ship one, and so does every
+    tokenizer onegpu trains). true needs a tokenizer with a chat template."""
     max_new_tokens: int = 128
     """Tokens to generate per prompt at most."""
     greedy: bool = False
@@ -51,19 +58,50 @@ class Completion:
         return json.dumps(self.__dict__, ensure_ascii=False)
 
 
-def generate(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer=None) -> list[Completion]:
-    """Generate a completion per prompt, ``scfg.batch_size`` prompts at a time (left padded)."""
+def generate(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer=None,
+             data_format: Optional[str] = None) -> list[Completion]:
+    """Generate a completion per prompt, ``scfg.batch_size`` prompts at a time (left padded).
+
+    ``data_format``: what the model was trained on, when known (``Loaded.data_format``); with
+    ``scfg.chat="auto"``, "messages" feeds the prompts as chat turns."""
     from transformers import set_seed
 
     _check_sampling(scfg)
+    chat = use_chat(scfg.chat, tokenizer, data_format)
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"prompt {i + 1} is empty.", hint="remove empty prompts (or blank lines in the prompt file)")
     set_seed(scfg.seed)
     done: list[Completion] = []
     for start in range(0, len(prompts), scfg.batch_size):
-        done += _generate_batch(model, tokenizer, prompts[start:start + scfg.batch_size], scfg, streamer, start)
+        done += _generate_batch(model, tokenizer, prompts[start:start + scfg.batch_size], scfg, streamer, start, chat)
     return done
+
+
+def use_chat(chat: Union[bool, str], tokenizer, data_format: Optional[str] = None) -> bool:
+    """Whether the prompts go through the chat template (SamplingConfig.chat)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat is True and not has_template:
+        raise ConfigError("--chat true needs a tokenizer with a chat template; this one has none.",
+                          hint="drop --chat (prompts are then plain text), or pass --tokenizer with a chat template")
+    if chat != "auto":
+        return bool(chat)
+    if has_template and data_format is None:  # a Hub model: an instruct model wants its template
+        log.info("the tokenizer has a chat template; prompts are fed as plain text (--chat true for chat turns)")
+    return has_template and data_format == "messages"
+
+
+def prompt_ids(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: as text, or as one user turn followed by the assistant's turn
+    opening (the template decides the special tokens, so none are added on top)."""
+    if not chat:
+        return tokenizer(prompts)["input_ids"]
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in transformers 5
+    return out
 
 
 def _check_sampling(scfg: SamplingConfig) -> None:
@@ -78,18 +116,20 @@ def _check_sampling(scfg: SamplingConfig) -> None:
         raise ConfigError("--stop contains an empty string.", hint="remove it; an empty stop string would stop at once")
 
 
-def _generate_batch(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int):
+def _generate_batch(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int, chat: bool):
     import torch
 
     context = _context_length(model)
-    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    ids = prompt_ids(tokenizer, prompts, chat)
+    lengths = [len(row) for row in ids]
     for i, n in enumerate(lengths):
         if context and n >= context:
             raise DataError(f"prompt {offset + i + 1} is {n} tokens; the model's context is {context} tokens.",
                             hint=f"shorten the prompt to under {context} tokens")
     tokenizer.padding_side = "left"  # new tokens must follow each prompt directly
     multiple = _pad_multiple(scfg, max(lengths), context)
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, pad_to_multiple_of=multiple).to(_input_device(model))
+    enc = tokenizer.pad({"input_ids": ids}, padding=True, pad_to_multiple_of=multiple,
+                        return_tensors="pt").to(_input_device(model))
     width = enc["input_ids"].shape[1]
     max_new = scfg.max_new_tokens
     if context and width + max_new > context:

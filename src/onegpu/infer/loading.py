@@ -66,6 +66,7 @@ class Loaded:
     device: str
     dtype: Any
     source: str  # the model directory or id actually loaded
+    data_format: Optional[str] = None  # what onegpu trained it on (text | prompt_completion | messages), if known
 
 
 def resolve_model(name: str) -> tuple[str, Optional[str]]:
@@ -114,7 +115,27 @@ def load(cfg: InferConfig) -> Loaded:
     model.eval()  # generation runs under inference_mode; grad mode is left to the caller
     log.info("loaded %s (%s, %s, attention=%s, quantization=%s)", source, device, dtype,
              model.config._attn_implementation, cfg.quantization)
-    return Loaded(model, tokenizer, device, dtype, source)
+    return Loaded(model, tokenizer, device, dtype, source, trained_format(adapter or source))
+
+
+def trained_format(model_dir: str) -> Optional[str]:
+    """The data format a onegpu run trained this model on, from the run's config.yaml next to its
+    final/ (or checkpoint) folder: `generate` uses it to decide whether prompts are chat turns.
+    None for any other model, or a run that recorded no detected format."""
+    import yaml
+
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():  # a Hub id
+        return None
+    for candidate in (path / "config.yaml", path.parent / "config.yaml"):
+        if candidate.is_file():
+            try:
+                data = (yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}).get("data") or {}
+            except (yaml.YAMLError, AttributeError):  # not a onegpu config: nothing to learn from it
+                return None
+            fmt = data.get("format") if isinstance(data, dict) else None
+            return fmt if fmt in ("text", "prompt_completion", "messages", "preference") else None
+    return None
 
 
 def _resolve_device(device: str) -> str:
