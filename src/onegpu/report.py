@@ -1,42 +1,52 @@
-"""Metrics out: metrics.jsonl (one record per line), TensorBoard events, and loss.png."""
+"""Metrics out: metrics.jsonl (one record per line), the experiment trackers (trackers.py), and loss.png."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
+from typing import Any, Sequence
+
+from onegpu.trackers import Trackers
 
 
 class MetricsLog:
-    """Append-only jsonl plus TensorBoard scalars. Only the main process writes."""
+    """Append-only jsonl, each record also sent to the trackers named (trackers.resolve). Only the main
+    process writes. As a context manager it closes the trackers at the end, marked failed on an error."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, purge_step: int | None = None):
+    def __init__(self, run_dir: Path, trackers: Sequence[str] = ("tensorboard",), enabled: bool = True,
+                 purge_step: int | None = None, config: Any = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: after a resume, TensorBoard hides the events of the steps being redone
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
+        self._trackers = None
+        if enabled and trackers:
+            try:  # a tracker that fails to start leaves no file open
+                self._trackers = Trackers(list(trackers), run_dir, config or {}, purge_step=purge_step)
+            except BaseException:
+                self._fh.close()
+                raise
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
-        if self._tb is not None and "step" in record:
-            prefix = record.get("split", "train")
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "split") and math.isfinite(v):
-                    self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+        if self._trackers is not None:
+            self._trackers.log(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._fh:
             self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
+            self._fh = None
+        if self._trackers is not None:
+            self._trackers.finish(failed=failed)
+            self._trackers = None
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

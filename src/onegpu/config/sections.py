@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from onegpu.errors import ConfigError
+
 @dataclass
 class ModelConfig:
     name: str = "auto"
@@ -175,8 +177,45 @@ class OutputConfig:
     """Resume from "latest" (in the run directory) or a checkpoint path."""
     keep_last: int = 2
     """Checkpoints to keep (the best by eval loss is kept too)."""
-    tensorboard: bool = True
-    """Write TensorBoard event files."""
+    report_to: str = "tensorboard"
+    """Experiment trackers that receive the metrics of metrics.jsonl (same names and steps) and the config:
+    tensorboard (run_dir/tensorboard), wandb, mlflow, trackio, a comma-separated list of them, all (the
+    installed ones) or none. Project: $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else $ONEGPU_PROJECT,
+    else onegpu; run name: the run directory's."""
+    tensorboard: Optional[bool] = None
+    """Deprecated, use report_to (kept so config.yaml files of older runs still load and resume):
+    false removes tensorboard from report_to, true adds it. Folded into report_to when the config is read."""
+
+    def __post_init__(self):
+        self.report_to = _tracker_list(self.report_to)
+        if self.tensorboard is None:
+            return
+        # the old switch, folded in once: config.yaml then records only report_to
+        if self.report_to == "all" and not self.tensorboard:
+            raise ConfigError("output.tensorboard=false cannot take TensorBoard out of output.report_to=all.",
+                              hint="name the trackers, e.g. --output.report_to wandb,mlflow")
+        if self.report_to != "all":
+            names = [n for n in self.report_to.split(",") if n not in ("none", "tensorboard")]
+            self.report_to = ",".join((["tensorboard"] if self.tensorboard else []) + names) or "none"
+        self.tensorboard = None
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+
+
+def _tracker_list(value: str) -> str:
+    """output.report_to in one spelling (lower case, no spaces or repeats), or a ConfigError naming the bad part."""
+    if not isinstance(value, str):
+        raise ConfigError(f"output.report_to must be a string, got {value!r}.", hint="e.g. --output.report_to wandb")
+    names = list(dict.fromkeys(n.strip().lower() for n in value.split(",") if n.strip())) or ["none"]
+    for name in names:
+        if name not in (*TRACKERS, "all", "none"):
+            raise ConfigError(f"output.report_to: unknown tracker '{name}'.",
+                              hint=f"choose from {', '.join(TRACKERS)}, a comma-separated list of them, all or none")
+    if len(names) > 1 and ({"all", "none"} & set(names)):
+        raise ConfigError(f"output.report_to={value!r}: 'all' and 'none' stand alone.",
+                          hint="write all, none, or a list of trackers such as tensorboard,wandb")
+    return ",".join(names)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from onegpu import distributed, hardware, hyper, models
+from onegpu import distributed, hardware, hyper, models, trackers
 from onegpu.checkpoint import local as checkpoint
 from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import Config
@@ -41,6 +41,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     with global_switches(cfg, device):
         accelerator = assemble.make_accelerator(cfg, device, precision)
         set_seed(cfg.training.seed)
+        report_to = trackers.resolve(cfg.output.report_to)  # a tracker not installed: refused before any mkdir
         run_dir = assemble.check_run_dir(cfg)
         resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir)
         model_name = models.resolve_name(cfg.model, device.is_gpu)
@@ -65,12 +66,9 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
             _start_fresh(run_dir)
         if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
             assemble.save_config(run)
-        metrics = MetricsLog(run_dir, cfg.output.tensorboard, enabled=accelerator.is_main_process,
-                             purge_step=state.step + 1 if state else None)
-        try:
+        with MetricsLog(run_dir, report_to, enabled=accelerator.is_main_process,
+                        purge_step=state.step + 1 if state else None, config=cfg) as metrics:
             state = fit(run, accelerator, metrics, state, callbacks)
-        finally:
-            metrics.close()
         if state.stopped:
             return _stopped(run, state, time.perf_counter() - t_start)
         final = save_final(run, accelerator)
