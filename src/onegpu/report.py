@@ -111,5 +111,48 @@ def print_summary(r) -> None:
     for stats in r.data_stats:
         print(f"data {stats.describe()}")
     print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
-    print(f"  model: {r.final_dir}\n  try: onegpu generate --model {r.final_dir} \"def fib(\"")
+    fmt = r.data_stats[0].fmt if r.data_stats else "text"
+    print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
+
+
+# the default corpus is the standard library's source: a code prompt fits it
+DEFAULT_PROMPT = "def fib("
+
+
+def generate_hint(model_dir, fmt: str, sample: str | None) -> str:
+    """The generate command that fits what the model learnt: a chat-tuned model gets a user turn
+    from its data through its chat template (--chat true), any other model a prompt from its data."""
+    import shlex
+
+    chat = " --chat true" if fmt == "messages" else ""
+    return f"onegpu generate --model {shlex.quote(str(model_dir))}{chat} {_quoted(sample or DEFAULT_PROMPT)}"
+
+
+def sample_prompt(records, fmt: str, data_cfg, limit: int = 60) -> str | None:
+    """A prompt from the data for the end-of-run hint: a chat's first user turn, a record's prompt,
+    or a text's first line; its first line only, cut at a word to about ``limit`` characters."""
+    if records is None or len(records) == 0 or data_cfg.path is None:  # the default corpus: DEFAULT_PROMPT
+        return None
+    rec = records[0]
+    if fmt == "messages":
+        turns = rec.get(data_cfg.messages_field) or []
+        text = next((t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"), None)
+    elif fmt in ("prompt_completion", "preference"):
+        text = rec.get(data_cfg.prompt_field)
+    else:
+        text = rec.get(data_cfg.text_field)
+    lines = [line.strip() for line in text.splitlines() if line.strip()] if isinstance(text, str) else []
+    if not lines:
+        return None
+    line = lines[0]
+    if len(line) > limit:
+        line = line[:limit].rsplit(" ", 1)[0] if " " in line[:limit] else line[:limit]
+    return line
+
+
+def _quoted(prompt: str) -> str:
+    """Double quotes as in the docs, unless the shell would read something inside them."""
+    import shlex
+
+    return f'"{prompt}"' if not any(c in prompt for c in '"$`\\!') else shlex.quote(prompt)
 

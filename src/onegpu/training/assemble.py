@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onegpu import models
+from onegpu import models, report
 from onegpu.data import batches
 from onegpu.data import records
 from onegpu.data.overlong import DataStats
@@ -38,6 +39,7 @@ class Run:
     loss_fn: Any = None  # (model, batch) -> summed token loss; see techniques/loss.py
     data_format: str = ""  # text | prompt-completion | chat: detected from the columns
     data_stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
+    sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -160,6 +162,7 @@ def build_data(run: Run) -> None:
     run.collator = batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
                                     position_ids=cfg.techniques.padding_free)
     run.data_format = fmt
+    run.sample_prompt = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
     log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
              len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
 
@@ -284,7 +287,11 @@ def lr_schedule(t):
 
 
 def save_config(run: Run) -> None:
-    save_yaml(run.cfg, run.dir / "config.yaml")
+    # the detected data format is recorded, as the settled hyper-parameters are: `onegpu generate`
+    # reads it to feed a model trained on chat data its prompts as chat turns
+    cfg = copy.deepcopy(run.cfg)
+    cfg.data.format = run.data_format or cfg.data.format
+    save_yaml(cfg, run.dir / "config.yaml")
 
 
 def configure_threads() -> None:

@@ -77,7 +77,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     hist = state.history
     result = RunResult(run_dir, final, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
-                       state.tokens_per_second, data_stats=run.data_stats)
+                       state.tokens_per_second, data_stats=run.data_stats, sample_prompt=run.sample_prompt)
     if accelerator.is_main_process:
         print_summary(result)
     return result

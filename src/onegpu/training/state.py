@@ -58,6 +58,7 @@ class RunResult:
     tokens_per_second: float
     stopped: str | None = None  # set when a signal ended the run early; final_dir is then its checkpoint
     data_stats: list[DataStats] = field(default_factory=list)  # per split: over-long records and their fate
+    sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
 
 
 class Callback:
