@@ -1,7 +1,7 @@
 """Planner accuracy on this GPU: predicted peak memory and tokens/s against
 torch.cuda.max_memory_allocated and measured throughput, for several models and setups.
 
-    python benchmarks/plan_accuracy.py [--seq-len 1024] [--calibrate]
+    python benchmarks/plan_accuracy.py [--seq_len 1024] [--calibrate]
 
 Writes benchmarks/results/plan_accuracy-<gpu>.json (with device, versions, command, date) and prints
 a markdown table. --calibrate stores the measured efficiency for later `onegpu plan` runs.
@@ -50,10 +50,12 @@ def main(argv=None) -> int:
     from onegpu.plan.arch import _shape_of
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seq_len", type=int, default=1024)
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--models", default="", help="comma-separated subset")
-    args = ap.parse_args(argv)
+    from onegpu.cli.args import renamed
+
+    args = ap.parse_args(renamed(sys.argv[1:] if argv is None else argv, {"--seq-len": "--seq_len"}))
     spec = hardware.spec_from_device(hardware.detect())
     rows = []
     for name, config in models().items():
