@@ -116,6 +116,10 @@ class LoraConfig:
     """Weight-decomposed LoRA (DoRA)."""
     quantize_base: Literal["none", "nf4", "fp4", "int8"] = "none"
     """Quantize the frozen base with bitsandbytes (nf4 = QLoRA)."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Adapter weights (and so their gradients and optimizer state). auto = bf16 with
+    precision=bf16-pure (the whole model is bf16, as in torchtune's recipes), else fp32 (PEFT's
+    default: adapters are the master weights of mixed precision). bf16 halves adapter memory."""
     merge_on_save: bool = False
     """Also save a merged full model next to the adapter."""
 

@@ -67,17 +67,48 @@ def apply_lora(model, tcfg: TechniquesConfig):
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = peft.LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets,
                              use_dora=lcfg.dora, bias="none", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, config)
+    dtype = adapter_dtype(lcfg.dtype, tcfg.precision)
+    # PEFT creates adapters in the base layer's dtype and then upcasts 16-bit ones to fp32
+    # (autocast_adapter_dtype); for bf16 adapters we skip that and cast them ourselves, since an
+    # fp32 base (autocast precisions) would otherwise give fp32 adapters.
+    model = peft.get_peft_model(model, config, autocast_adapter_dtype=dtype == "fp32")
+    _cast_trainable(model, dtype)
     if tcfg.checkpointing != "off":
         # Only reentrant checkpointing needs inputs that require grad (peft#1142); we use the
         # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing grads.
         model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()
-    log.info("%s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
-             "DoRA" if lcfg.dora else "LoRA", lcfg.r, targets,
+    log.info("%s %s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
+             dtype, "DoRA" if lcfg.dora else "LoRA", lcfg.r, targets,
              "n " + lcfg.quantize_base if is_quantized(model) else " full-precision",
              trainable, total, 100 * trainable / max(total, 1))
     return model
+
+
+def adapter_dtype(dtype: str, precision: str) -> str:
+    """lora.dtype settled for a precision: "fp32" or "bf16" (training and the planner both ask here).
+
+    auto = bf16 only under bf16-pure, where the user has chosen bf16 weights for the whole model
+    (torchtune's LoRA recipes train adapters in bf16 the same way); under autocast the adapters are
+    the trained master weights, kept in fp32 as PEFT does, since bf16 updates below its 8-bit
+    mantissa's resolution would be lost."""
+    if dtype == "bf16" and precision == "fp16":
+        raise ConfigError("techniques.lora.dtype=bf16 with precision=fp16: adapters would be bf16 while the "
+                          "model computes in fp16.", hint="use techniques.lora.dtype=fp32 (or auto) with fp16")
+    if dtype == "auto":
+        return "bf16" if precision == "bf16-pure" else "fp32"
+    return dtype
+
+
+def _cast_trainable(model, dtype: str) -> None:
+    """Put every trainable tensor (adapters, DoRA magnitudes) in the chosen dtype; the frozen base
+    keeps its own."""
+    import torch
+
+    want = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != want:
+            p.data = p.data.to(want)
 
 
 def resolve_targets(model, spec: str):
