@@ -10,8 +10,9 @@ from onegpu.trackers import Trackers
 
 
 class MetricsLog:
-    """Append-only jsonl, each record also sent to the trackers named (trackers.resolve). Only the main
-    process writes. As a context manager it closes the trackers at the end, marked failed on an error."""
+    """Append-only jsonl, each record also sent to the trackers named (trackers.resolve), which get
+    ``config`` (default: the run directory's config.yaml) once. Only the main process writes. As a context
+    manager it closes the trackers at the end, marked failed on an error."""
 
     def __init__(self, run_dir: Path, trackers: Sequence[str] = ("tensorboard",), enabled: bool = True,
                  purge_step: int | None = None, config: Any = None):
@@ -21,7 +22,7 @@ class MetricsLog:
         self._trackers = None
         if enabled and trackers:
             try:  # a tracker that fails to start leaves no file open
-                self._trackers = Trackers(list(trackers), run_dir, config or {}, purge_step=purge_step)
+                self._trackers = Trackers(list(trackers), run_dir, config, purge_step=purge_step)
             except BaseException:
                 self._fh.close()
                 raise

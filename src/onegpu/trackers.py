@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from onegpu.config import redact, to_dict
+from onegpu.config import load_yaml, redact, to_dict
 from onegpu.config.sections import TRACKERS
 from onegpu.errors import ConfigError
 
@@ -71,14 +71,15 @@ class Trackers:
     once, when that run is new (a continued one already has it, and MLflow refuses to change a logged
     parameter)."""
 
-    def __init__(self, names: list[str], run_dir: Path, config: Any, purge_step: int | None = None):
+    def __init__(self, names: list[str], run_dir: Path, config: Any = None, purge_step: int | None = None):
         self.trackers: list = []
         run_dir = Path(run_dir)
         resuming = purge_step is not None
         saved = _load_ids(run_dir) if resuming else {}
         if not resuming:  # a new run in a used directory (overwrite) must not continue the old tracker runs
             (run_dir / IDS_FILE).unlink(missing_ok=True)
-        params = flat_config(config)
+        # by default the config exactly as config.yaml records it (settled values, detected data format)
+        params = flat_config(config if config is not None else _saved_config(run_dir))
         try:
             for name in names:
                 tracker = _make(name, run_dir, saved.get(name), purge_step)
@@ -166,6 +167,11 @@ def _load_ids(run_dir: Path) -> dict[str, str]:
 def _save_ids(run_dir: Path, ids: dict[str, str]) -> None:
     if ids:
         (run_dir / IDS_FILE).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
+
+
+def _saved_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return load_yaml(path) if path.is_file() else {}
 
 
 def flat_config(config: Any) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
             assemble.save_config(run)
         with MetricsLog(run_dir, report_to, enabled=accelerator.is_main_process,
-                        purge_step=state.step + 1 if state else None, config=cfg) as metrics:
+                        purge_step=state.step + 1 if state else None) as metrics:
             state = fit(run, accelerator, metrics, state, callbacks)
         if state.stopped:
             return _stopped(run, state, time.perf_counter() - t_start)
