@@ -7,6 +7,12 @@ two copies is one decoder block, the rest is embedding + head + loss. Each is fi
 ``b * (a*s + q*s^2) + c`` over a few small (b, s) points and scaled to the real batch, length and
 layer count. Matmul outputs are allocated but not computed (see _SkipMatmul), so even 70B-wide
 blocks measure in seconds; weights come from ``to_empty`` and are never written.
+
+Compile is modelled from the same forward (``_Tracker.compiled_alive``): torch.compile's min-cut
+partitioner saves the outputs of compute-heavy ops (matmuls, attention, reductions) and the inputs of
+matmuls and attention, and recomputes other elementwise results, casts and copies in backward,
+so a compiled block keeps, instead of such an intermediate, what it is recomputed from. An assumption, not a
+measurement of compiled code: plan/published.py gives its source and check.
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ log = logging.getLogger(__name__)
 
 POINTS = ((1, 16), (1, 48), (1, 96), (2, 32), (2, 64), (4, 24))  # (batch, length) probes for the fit
 MATMULS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default")
+# Ops compiled code recomputes in backward rather than saving their outputs, beside every op tagged
+# pointwise: casts, copies and concatenations (inductor fuses them into their consumers).
+RECOMPUTED = {"_to_copy", "clone", "cat", "stack", "copy", "_unsafe_view", "repeat", "expand_copy"}
+# ...except a tensor a matmul or attention kernel reads: its backward needs it materialized, so the
+# partitioner saves it (torch/_functorch/partitioners.py, "materialized in backward").
+HEAVY = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 @dataclass(frozen=True)
@@ -49,17 +61,23 @@ class ActivationModel:
     block: Fit  # one decoder block, no checkpointing
     block_ckpt: Fit  # one checkpointed decoder block (what stays alive: its input)
     base: Fit  # embedding, final norm, head, logits and loss
+    block_compiled: Fit | None = None  # one compiled block (see compiled_alive); None: as eager
 
-    def retained(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2) -> float:
-        """Bytes alive after forward for the whole model under a checkpointing mode."""
+    def retained(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
+                 compiled: bool = False) -> float:
+        """Bytes alive after forward for the whole model under a checkpointing mode. Compile is
+        regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them."""
         n_ckpt = checkpointed_layers(layers, mode, every)
         per_ckpt = 0.0 if mode == "offload" else self.block_ckpt.at(batch, seq)
-        return (self.base.at(batch, seq) + (layers - n_ckpt) * self.block.at(batch, seq)
+        return (self.base.at(batch, seq) + (layers - n_ckpt) * self._block(compiled).at(batch, seq)
                 + n_ckpt * per_ckpt)
 
-    def recompute_peak(self, batch: int, seq: int, mode: str) -> float:
+    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False) -> float:
         """Extra bytes while backward recomputes one checkpointed block."""
-        return 0.0 if mode == "off" else self.block.at(batch, seq)
+        return 0.0 if mode == "off" else self._block(compiled).at(batch, seq)
+
+    def _block(self, compiled: bool) -> Fit:
+        return self.block_compiled if compiled and self.block_compiled is not None else self.block
 
 
 def checkpointed_layers(layers: int, mode: str, every: int = 2) -> int:
@@ -75,7 +93,7 @@ def checkpointed_layers(layers: int, mode: str, every: int = 2) -> int:
 class _Tracker:
     """Records every storage an op creates, to sum those still alive later."""
 
-    def __init__(self, skip_matmul: bool):
+    def __init__(self, skip_matmul: bool, exclude: frozenset = frozenset()):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
@@ -84,11 +102,17 @@ class _Tracker:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = tracker._run(func, args, kwargs) if skip_matmul else func(*args, **kwargs)
-                tracker._record(out)
+                tracker._record(out, func, (args, kwargs))
                 return out
 
         self.mode = Mode()
-        self.refs: dict = {}
+        self.refs: dict = {}  # storage key -> (weak ref, bytes)
+        # Storage keys are addresses and get reused once freed, so each new storage gets a serial:
+        # serial -> (recomputed by compiled code?, serials of the op's inputs, bytes).
+        self.serial: dict = {}
+        self.made: dict = {}
+        self.exclude = exclude  # weights, buffers and inputs: there before forward, never counted
+        self.read_by_heavy: set = set()  # serials a matmul or attention kernel took as input
 
     def _run(self, func, args, kwargs):
         import torch
@@ -107,38 +131,85 @@ class _Tracker:
                     **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
         return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device)
 
-    def _record(self, out) -> None:
+    def _record(self, out, func=None, inputs=()) -> None:
         import torch
         from torch.multiprocessing.reductions import StorageWeakRef
         from torch.utils import _pytree as pytree
 
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        def storages(tree):
+            return [t.untyped_storage() for t in pytree.tree_leaves(tree)
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+
+        ins = {self.serial[st._cdata] for st in storages(inputs) if st._cdata in self.serial}
+        recomputed = func is not None and _recomputed(func)
+        if func is not None and _heavy(func):
+            self.read_by_heavy |= ins
+        for st in storages(out):
+            key = st._cdata
+            if key in self.exclude:  # a view of a weight or an input
+                continue
+            if key not in self.refs or self.refs[key][0].expired():  # a new storage, not a view
+                self.serial[key] = len(self.made)
+                self.made[len(self.made)] = (recomputed, ins - {self.serial[key]}, st.nbytes())
+            self.refs[key] = (StorageWeakRef(st), st.nbytes())
 
     def alive(self, exclude: set) -> int:
         return sum(n for key, (ref, n) in self.refs.items() if key not in exclude and not ref.expired())
+
+    def compiled_alive(self, exclude: set) -> int:
+        """Bytes compiled code would keep instead: each alive tensor an elementwise op made is
+        replaced by the heavy outputs it can be recomputed from (through chains of such ops);
+        weights and inputs are there anyway and cost nothing."""
+        todo = [self.serial[k] for k, (ref, _) in self.refs.items() if k not in exclude and not ref.expired()]
+        seen, kept = set(), 0
+        while todo:
+            s = todo.pop()
+            if s in seen or s not in self.made:
+                continue
+            seen.add(s)
+            recomputed, ins, nbytes = self.made[s]
+            if recomputed and ins and s not in self.read_by_heavy:
+                todo.extend(ins)
+            else:
+                kept += nbytes
+        return kept
+
+
+def _heavy(func) -> bool:
+    name = func.__name__.split(".")[0]
+    return name in HEAVY or "attention" in name
+
+
+def _recomputed(func) -> bool:
+    import torch
+
+    return torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in RECOMPUTED
 
 
 def retained_after_forward(model, batch: dict, loss_fn, autocast_dtype=None, skip_matmul: bool = False) -> int:
     """Bytes of tensors created by ``loss_fn(model, batch)`` that are alive after it returns
     (weights, buffers and the inputs excluded). Gradients are not computed."""
+    return retained_eager_and_compiled(model, batch, loss_fn, autocast_dtype, skip_matmul)[0]
+
+
+def retained_eager_and_compiled(model, batch: dict, loss_fn, autocast_dtype=None,
+                                skip_matmul: bool = False) -> tuple[int, int]:
+    """(retained_after_forward, what compiled code would keep of the same forward: compiled_alive)."""
     import torch
 
     exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]}
-    tracker = _Tracker(skip_matmul)
+    tracker = _Tracker(skip_matmul, frozenset(exclude))
     amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
     with amp, tracker.mode:
         loss = loss_fn(model, batch)
-    alive = tracker.alive(exclude)
+    alive = tracker.alive(exclude), tracker.compiled_alive(exclude)
     del loss
     return alive
 
 
 def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0,
-                          lora_targets: str = "all-linear"):
+                          lora_targets: str = "all-linear", lora_dtype: str = "auto"):
     """Training's own pipeline (techniques/prepare.py) with the settings that change what forward
     keeps: MoE router loss, LoRA adapters, checkpointing. Compile stays off: on CPU with matmuls
     skipped it would measure nothing real."""
@@ -146,45 +217,51 @@ def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: i
     from onegpu.techniques.prepare import prepare_model
 
     tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
-                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets))
+                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets,
+                                            dtype=lora_dtype))
     return prepare_model(model, tcfg, "cpu")
 
 
 def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,
-                     attention: str = "sdpa", lora_targets: str = "all-linear") -> ActivationModel:
-    """Measured activation model for an architecture (cached on disk by config and settings)."""
-    key = _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets)
+                     attention: str = "sdpa", lora_targets: str = "all-linear",
+                     lora_dtype: str = "fp32") -> ActivationModel:
+    """Measured activation model for an architecture (cached on disk by config and settings).
+    ``lora_dtype`` is the settled adapter dtype ("fp32" or "bf16")."""
+    key = _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets, lora_dtype)
     path = cache_dir() / "activations" / f"{key}.json"
     if path.is_file():
         raw = json.loads(path.read_text())
         return ActivationModel(**{k: Fit(**v) for k, v in raw.items()})
     fits = {}
     for mode in ("off", "full"):
-        one, two = (_fit(config, n, mode, precision, lora_rank, chunk_size, attention, lora_targets) for n in (1, 2))
-        fits[mode] = (one, two)
-    (off1, off2), (ck1, ck2) = fits["off"], fits["full"]
-    model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1), base=_sub(_scale(off1, 2), off2))
+        fits[mode] = [_fit(config, n, mode, precision, lora_rank, chunk_size, attention, lora_targets, lora_dtype)
+                      for n in (1, 2)]
+    ((off1, comp1), (off2, comp2)), ((ck1, _), (ck2, _)) = fits["off"], fits["full"]
+    model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1), base=_sub(_scale(off1, 2), off2),
+                            block_compiled=_sub(comp2, comp1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"block": asdict(model.block), "block_ckpt": asdict(model.block_ckpt),
-                                "base": asdict(model.base)}))
+    path.write_text(json.dumps({k: asdict(v) for k, v in vars(model).items()}))
     return model
 
 
 def _fit(config, layers: int, mode: str, precision: str, lora_rank: int, chunk_size: int, attention: str,
-         lora_targets: str = "all-linear") -> Fit:
+         lora_targets: str = "all-linear", lora_dtype: str = "fp32") -> tuple[Fit, Fit]:
+    """(eager fit, compiled fit) of the retained bytes over the (batch, length) points."""
     import numpy as np
 
-    model = build_probe_model(config, layers, precision, lora_rank, attention, mode, lora_targets)
+    model = build_probe_model(config, layers, precision, lora_rank, attention, mode, lora_targets, lora_dtype)
     rows, ys = [], []
     for b, s in POINTS:
         rows.append([b * s, b * s * s, b, s, 1.0])
-        ys.append(measure(model, b, s, precision, chunk_size, skip_matmul=True))
+        ys.append(measure(model, b, s, precision, chunk_size, skip_matmul=True, both=True))
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys, dtype=float), rcond=None)
-    return Fit(*map(float, coef))
+    return Fit(*map(float, coef[:, 0])), Fit(*map(float, coef[:, 1]))
 
 
-def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, skip_matmul: bool = False) -> int:
-    """Retained bytes of one training forward (the project's loss function) at (batch, seq)."""
+def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, skip_matmul: bool = False,
+            both: bool = False):
+    """Retained bytes of one training forward (the project's loss function) at (batch, seq);
+    with ``both``, (eager, compiled) bytes (see retained_eager_and_compiled)."""
     import functools
 
     import torch
@@ -196,11 +273,12 @@ def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, sk
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     amp = torch.bfloat16 if precision in ("fp16", "bf16") else None
-    return retained_after_forward(model, data, functools.partial(loss_sum, chunk_size=chunk_size), amp, skip_matmul)
+    out = retained_eager_and_compiled(model, data, functools.partial(loss_sum, chunk_size=chunk_size), amp, skip_matmul)
+    return out if both else out[0]
 
 
 def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: int = 0, attention: str = "sdpa",
-                      mode: str = "off", lora_targets: str = "all-linear"):
+                      mode: str = "off", lora_targets: str = "all-linear", lora_dtype: str = "fp32"):
     """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised,
     prepared as training prepares it."""
     import torch
@@ -215,7 +293,7 @@ def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: i
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention)
     model = model.to_empty(device="cpu")  # never written: untouched pages cost no RAM
     model.train()
-    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets)
+    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
     # The chunked loss checks once, by value, that it reproduces the model's logits; these weights
     # are uninitialised and the matmuls skipped, so only shapes are meaningful here.
     model._onegpu_head_verified = True
@@ -230,11 +308,13 @@ def _scale(a: Fit, k: float) -> Fit:
     return Fit(*(x * k for x in astuple(a)))
 
 
-def _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets="all-linear") -> str:
+def _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets="all-linear",
+               lora_dtype="fp32") -> str:
     text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     import torch
     import transformers
 
-    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, repr(POINTS),
+    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, lora_dtype, "compiled-v2",
+             repr(POINTS),
              torch.__version__, transformers.__version__]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]

@@ -23,6 +23,7 @@ class Candidate:
     every: int = 2  # checkpointing_every for every-n
     in_backward: bool = False  # optimizer step inside backward (grad_accum 1, no global clipping)
     lora_targets: str = "all-linear"  # lora.targets: which linear layers get adapters
+    lora_dtype: str = "auto"  # lora.dtype as configured (settled per precision by techniques.lora.adapter_dtype)
 
     @property
     def effective_batch(self) -> int:
@@ -36,6 +37,13 @@ class Candidate:
             return "qlora" if self.quantize_base != "none" else "lora"
         return "full"
 
+    @property
+    def adapter_dtype(self) -> str:
+        """"fp32" or "bf16": the dtype training gives the adapters under this precision."""
+        from onegpu.techniques.lora import adapter_dtype
+
+        return adapter_dtype(self.lora_dtype, self.precision)
+
     def label(self) -> str:
         parts = [f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
         if self.checkpointing != "off":
@@ -47,7 +55,8 @@ class Candidate:
             parts.append("compile")
         if self.lora_rank:
             parts.append(("q" + self.quantize_base + "-" if self.quantize_base != "none" else "") + f"lora{self.lora_rank}"
-                         + ("" if self.lora_targets == "all-linear" else f"[{self.lora_targets}]"))
+                         + ("" if self.lora_targets == "all-linear" else f"[{self.lora_targets}]")
+                         + ("-bf16" if self.adapter_dtype == "bf16" else ""))
         if self.offload != "none":
             parts.append(self.offload)
         return " ".join(parts)
@@ -67,6 +76,7 @@ class Candidate:
         t.lora.enabled = bool(self.lora_rank)
         if self.lora_rank:
             t.lora.r, t.lora.quantize_base, t.lora.targets = self.lora_rank, self.quantize_base, self.lora_targets
+            t.lora.dtype = self.lora_dtype
         out.plan = "off"  # the result is a concrete setup, not a request to plan again
         return out
 

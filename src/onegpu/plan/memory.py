@@ -49,6 +49,11 @@ def param_bytes(precision: str) -> int:
     return 2 if precision == "bf16-pure" else 4
 
 
+def trained_bytes(c: Candidate) -> int:
+    """Bytes per trainable parameter: the adapters' dtype under LoRA, else the weights'."""
+    return adapter_bytes(c) if c.lora_rank else param_bytes(c.precision)
+
+
 def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     """Resident model weights (frozen quantized base + adapters for QLoRA)."""
     pb = param_bytes(c.precision)
@@ -61,7 +66,12 @@ def weight_bytes(shape: ModelShape, c: Candidate) -> float:
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
         rest_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
         base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
-    return base + lora_params(shape, c) * 4
+    return base + lora_params(shape, c) * adapter_bytes(c)
+
+
+def adapter_bytes(c: Candidate) -> int:
+    """Bytes per adapter parameter, and so per adapter gradient and AdamW state element."""
+    return 2 if c.adapter_dtype == "bf16" else 4
 
 
 def lora_params(shape: ModelShape, c: Candidate) -> int:
@@ -74,9 +84,9 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
     if c.in_backward:  # each gradient is applied and freed as soon as it is complete
-        return min(trainable_params(shape, c), shape.largest_param) * (4 if c.lora_rank else param_bytes(c.precision))
+        return min(trainable_params(shape, c), shape.largest_param) * trained_bytes(c)
     if c.lora_rank:
-        return lora_params(shape, c) * 4
+        return lora_params(shape, c) * adapter_bytes(c)
     if c.offload != "none":
         return shape.params * 2 if c.offload == "zero2-cpu" else 2 * shape.largest_param * 2
     return shape.params * param_bytes(c.precision)
@@ -102,7 +112,7 @@ def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
 def state_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
-    pb = 4 if c.lora_rank else param_bytes(c.precision)
+    pb = trained_bytes(c)
     if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
         return (shape.factored_elems if not c.lora_rank else shape.lora_per_rank(c.lora_targets) + 2 * c.lora_rank) * pb
     if c.optimizer in STATE_BYTES:
@@ -118,7 +128,7 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
         return 0.0
     fused = c.optimizer == "adamw-fused" or (c.optimizer == "adamw" and on_gpu)
     if c.optimizer in ("adamw", "adamw-foreach") and not fused:
-        return n * (4 if c.lora_rank else param_bytes(c.precision))
+        return n * trained_bytes(c)
     return min(n, shape.largest_param) * 4 * 2
 
 
@@ -126,13 +136,14 @@ def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: Activa
                      attention: str = "sdpa") -> tuple[float, float]:
     """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
     acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
-                                    c.lora_targets)
-    kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every)
+                                    c.lora_targets, c.adapter_dtype if c.lora_rank else "fp32")
+    compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
+    kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every, compiled)
     tokens = c.micro_batch * seq_len if not c.loss_chunk else min(c.loss_chunk, c.micro_batch * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
     logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(c.micro_batch, seq_len, c.checkpointing) + logits_grad
+    return kept, acts.recompute_peak(c.micro_batch, seq_len, c.checkpointing, compiled) + logits_grad
 
 
 def _act_precision(precision: str) -> str:
