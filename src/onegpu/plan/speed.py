@@ -4,8 +4,9 @@ Efficiency is the compute-only utilisation of a well-filled micro-batch, without
 methods that change kernels rather than FLOPs (compile, a quantized base) and without the
 optimizer step, which is modelled on its own. The probe measures a whole step, takes those parts
 back out (``compute_efficiency``) and stores what is left per GPU model and precision, so a probed
-setup re-planned predicts exactly what was measured. Without a measurement DEFAULT_EFFICIENCY is
-used and every figure built on it is shown as "(uncalibrated)". The other constants below are
+setup re-planned predicts exactly what was measured. Without a measurement the efficiency of a
+published run on the same GPU class is used (plan/published.py; DEFAULT_EFFICIENCY for classes
+without one), and every figure built on it is shown as "(uncalibrated)". The other constants below are
 assumptions no probe fits; each estimate lists the ones it used.
 """
 
@@ -19,18 +20,16 @@ from onegpu.hardware import GpuSpec
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 from onegpu.plan.memory import trainable_params
+from onegpu.plan.published import COMPILE_SPEEDUP, FALLBACK_EFFICIENCY, QLORA_SLOWDOWN, default_efficiency
 from onegpu.paths import cache_dir
 
-# Typical MFU of a well-fed single-GPU transformer step (public nanoGPT/torchtitan reports: 35-50%
-# on A100/H100 in bf16). Only used until the probe has measured this GPU.
-DEFAULT_EFFICIENCY = 0.40
+# For a GPU class (or fp32 compute) without a published run: an assumption, until a probe measures it.
+DEFAULT_EFFICIENCY = FALLBACK_EFFICIENCY
 # Small micro-batches under-fill the GPU; utilisation reaches half its peak at this many tokens
 # per micro-batch (an assumption: a probe measures one micro-batch size, which cannot fit a curve).
 HALF_FILL_TOKENS = {"gpu": 512, "cpu": 16}
-# Relative speed factors for methods that change kernels, not FLOPs (assumptions, listed as such
-# in every estimate that uses them).
-COMPILE_SPEEDUP = 1.15  # fused elementwise ops (torch.compile, inductor)
-QLORA_SLOWDOWN = 0.65  # dequantizing 4-bit weights in every matmul
+# Relative speed factors for methods that change kernels, not FLOPs: COMPILE_SPEEDUP and
+# QLORA_SLOWDOWN, published figures (plan/published.py), listed as assumptions where used.
 OFFLOAD_PCIE_GBS = 20.0  # effective host<->device bandwidth for ZeRO offload
 CPU_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeed's CPUAdam, a many-core host
 
@@ -85,8 +84,15 @@ def base_efficiency(spec: GpuSpec, precision: str) -> tuple[float, bool]:
     Entries written before efficiencies were stored compute-only are not used."""
     entry = load_calibration().get(spec.key, {}).get(_prec_class(precision))
     if not entry or entry.get("kind") != CALIBRATION_KIND:
-        return DEFAULT_EFFICIENCY, False
+        return default(spec, precision)[0], False
     return entry["efficiency"], True
+
+
+def default(spec: GpuSpec, precision: str) -> tuple[float, str]:
+    """(efficiency, its label) before any probe: a published 16-bit run on this GPU class, if any."""
+    if spec.key == "CPU" or _prec_class(precision) != "16bit":
+        return DEFAULT_EFFICIENCY, f"efficiency {DEFAULT_EFFICIENCY:.2f} (assumed; no probe on this device yet)"
+    return default_efficiency(spec.capability)
 
 
 def method_factor(c: Candidate) -> float:
@@ -108,13 +114,14 @@ def compute_efficiency(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuS
 
 
 def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
-    out = [] if calibrated else [f"efficiency {DEFAULT_EFFICIENCY:.2f} (no probe on this GPU yet)"]
+    out = [] if calibrated else [default(spec, c.precision)[1]]
     half = HALF_FILL_TOKENS["cpu" if spec.key == "CPU" else "gpu"]
     out.append(f"micro-batch fill: half speed at {half} tokens")
     if c.compile != "off":
-        out.append(f"compile x{COMPILE_SPEEDUP}")
+        out.append(f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled blocks keep "
+                   "no elementwise intermediates (min-cut partitioner; -14.9% peak there)")
     if c.quantize_base != "none":
-        out.append(f"4-bit base x{QLORA_SLOWDOWN}")
+        out.append(f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)")
     if c.offload != "none":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
     elif c.checkpointing == "offload":
