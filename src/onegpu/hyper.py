@@ -44,6 +44,25 @@ def auto_table() -> dict[str, dict]:
     }
 
 
+def preference_table() -> dict[str, dict]:
+    """`auto` for training.objective dpo / orpo / simpo, which start from a tuned model and move it less:
+
+    - full: TRL's DPOConfig default learning rate 1e-6 (trl/trainer/dpo_config.py), with the 10%
+      warm-up of the alignment-handbook's DPO recipes (recipes/zephyr-7b-beta/dpo/config_full.yaml);
+    - lora / qlora: the alignment-handbook's QLoRA DPO recipe (recipes/zephyr-7b-beta/dpo/config_qlora.yaml):
+      lr 5e-6, warm-up ratio 0.1;
+    - scratch (a preset, as in the default job): 5e-4 with 10% warm-up, onegpu's own choice: a
+      randomly initialised model has no prior to stay near, and at 1e-6 its rewards would not move.
+    No weight decay in any: the recipes use none.
+    """
+    return {
+        "scratch": {"lr": 5e-4, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+        "full": {"lr": 1e-6, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+        "lora": {"lr": 5e-6, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+        "qlora": {"lr": 5e-6, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+    }
+
+
 def training_mode(cfg: Config, model_name: str | None = None) -> str:
     """scratch, full, lora or qlora. With adapters the adapters set the mode (they are what trains);
     otherwise a preset or model.from_scratch is from scratch. "auto" always names a preset."""
@@ -72,7 +91,7 @@ def _settle(cfg: Config, model_name: str | None) -> tuple[str, dict, dict]:
         raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}.",
                           hint="set training.warmup_ratio to e.g. 0.03, or use training.warmup_steps")
     mode = training_mode(cfg, model_name)
-    auto = auto_table()[mode]
+    auto = (auto_table() if cfg.training.objective == "sft" else preference_table())[mode]
     values, source = {}, {}
     for key in ("lr", "weight_decay"):
         value = getattr(t, key)
@@ -108,7 +127,8 @@ def describe(cfg: Config, model_name: str | None = None) -> str:
         warmup = f"{ratio * 100:g}% = {warmup_steps_of(cfg.training, ratio)} steps"
     else:
         warmup = f"{values['warmup_steps']} steps"
-    return (f"hyper-parameters ({LABELS[mode]}): lr {_num(values['lr'])} ({source['lr']}), warm-up {warmup} "
+    label = LABELS[mode] + ("" if cfg.training.objective == "sft" else f", {cfg.training.objective.upper()}")
+    return (f"hyper-parameters ({label}): lr {_num(values['lr'])} ({source['lr']}), warm-up {warmup} "
             f"({source['warmup']}), weight decay {_num(values['weight_decay'])} ({source['weight_decay']})")
 
 

@@ -9,12 +9,13 @@ from onegpu.config.sections import (
     LoraConfig,
     ModelConfig,
     OutputConfig,
+    PreferenceConfig,
     TechniquesConfig,
     TrainingConfig,
 )
 
 __all__ = [
-    "Config", "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OutputConfig", "TechniquesConfig",
+    "Config", "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PreferenceConfig", "TechniquesConfig",
     "TrainingConfig", "validate", "POSITIVE_INTS", "NON_NEGATIVE", "OFFLOAD_OPTIMIZERS", "from_dict", "to_dict",
     "load_yaml", "save_yaml", "redact", "SECRET_PATTERN",
 ]

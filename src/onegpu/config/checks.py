@@ -41,6 +41,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {cfg.distributed.zero_stage}.",
                           hint="set distributed.zero_stage to 1, 2 or 3")
     _check_conflicts(cfg)
+    _check_preference(cfg)
     return cfg
 
 
@@ -62,6 +63,30 @@ def _check_conflicts(cfg: Config) -> None:
     if out.resume and out.overwrite:
         raise ConfigError("output.resume and output.overwrite contradict each other (continue the run vs "
                           "start it again).", hint="drop one of --output.resume / --output.overwrite")
+
+
+def _check_preference(cfg: Config) -> None:
+    """The preference section: ranges, and a reference only where the objective has one."""
+    pref, objective = cfg.preference, cfg.training.objective
+    if pref.beta != "auto" and pref.beta <= 0:
+        raise ConfigError(f"preference.beta must be positive, got {pref.beta}.", hint="set preference.beta to e.g. 0.1")
+    if not 0.0 <= pref.label_smoothing < 0.5:
+        raise ConfigError(f"preference.label_smoothing must be in [0, 0.5), got {pref.label_smoothing}.",
+                          hint="set preference.label_smoothing to e.g. 0.1 (0 = plain DPO)")
+    if pref.simpo_gamma_ratio < 0:
+        raise ConfigError(f"preference.simpo_gamma_ratio must not be negative, got {pref.simpo_gamma_ratio}.",
+                          hint="set preference.simpo_gamma_ratio to e.g. 0.5")
+    if pref.reference != "auto" and objective in ("orpo", "simpo"):
+        raise ConfigError(f"preference.reference={pref.reference} is set, but training.objective={objective} uses no "
+                          "reference model.", hint="drop preference.reference, or set training.objective=dpo")
+    if pref.reference == "adapters" and not cfg.techniques.lora.enabled:
+        raise ConfigError("preference.reference=adapters needs LoRA: the reference is the base model with the "
+                          "adapters switched off.", hint="add --techniques.lora.enabled true, or set "
+                          "preference.reference=precomputed")
+    if objective != "sft" and cfg.data.format not in ("auto", "preference"):
+        raise ConfigError(f"training.objective={objective} trains on preference pairs, but data.format="
+                          f"{cfg.data.format}.", hint="set data.format=preference (or auto) with prompt / chosen / "
+                          "rejected columns")
 
 
 def _check_optimizer_in_backward(cfg: Config) -> None:

@@ -27,8 +27,8 @@ class DataConfig:
     path: Optional[str] = None
     """Local file or folder (jsonl/json/csv/parquet/txt) or a Hub dataset name. Default: the
     Python standard library's own source files."""
-    format: Literal["auto", "text", "prompt_completion", "messages"] = "auto"
-    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages)."""
+    format: Literal["auto", "text", "prompt_completion", "messages", "preference"] = "auto"
+    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages / prompt+chosen+rejected)."""
     text_field: str = "text"
     """Column holding raw text."""
     prompt_field: str = "prompt"
@@ -37,6 +37,10 @@ class DataConfig:
     """Column holding the completion (prompt_completion format)."""
     messages_field: str = "messages"
     """Column holding chat messages (messages format)."""
+    chosen_field: str = "chosen"
+    """Column holding the preferred response (preference format: text, or a list of chat messages)."""
+    rejected_field: str = "rejected"
+    """Column holding the dispreferred response (preference format)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
     overlong: Literal["truncate", "drop", "split"] = "split"
@@ -64,6 +68,10 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
+    """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning on
+    prompt + chosen + rejected pairs (the preference section); the default data then becomes pairs made
+    from the standard library (the real continuation of a snippet chosen over a word-shuffled one)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
@@ -170,6 +178,21 @@ class TechniquesConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    beta: Union[float, Literal["auto"]] = "auto"
+    """Strength of the preference term. auto: DPO 0.1 (Rafailov et al. 2023; TRL's default), ORPO's
+    lambda 0.1 (Hong et al. 2024), SimPO 2.0 (Meng et al. 2024, the range 2.0-2.5 of its recipes)."""
+    reference: Literal["auto", "adapters", "precomputed", "copy"] = "auto"
+    """DPO's reference model. adapters: the LoRA base with the adapters switched off (no copy);
+    precomputed: its log-probs computed in one pass before training (kept in the run directory);
+    copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed. ORPO/SimPO use none."""
+    label_smoothing: float = 0.0
+    """Share of pairs assumed mislabelled (conservative DPO, Mitchell 2023), in [0, 0.5)."""
+    simpo_gamma_ratio: float = 0.5
+    """SimPO's target margin as a share of beta (gamma = ratio x beta; the paper's recipes use 0.3-0.6)."""
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs"
     """Parent folder of run directories."""
@@ -251,6 +274,8 @@ class Config:
     """How each step runs: precision, attention, checkpointing, optimizer, compile, loss, LoRA, offload."""
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the run directory goes, what it keeps, and where metrics are reported."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """Preference tuning (training.objective dpo / orpo / simpo)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"

@@ -1,7 +1,8 @@
 """Datasets -> tokens: find the records, check them, tokenize (cached, multi-process), pack or mask.
 
-Three shapes: raw ``text`` (tokenized, joined with EOS, packed into fixed blocks), ``prompt`` /
-``completion`` (loss on the completion only) and chat ``messages`` (loss on assistant turns only).
+Four shapes: raw ``text`` (tokenized, joined with EOS, packed into fixed blocks), ``prompt`` /
+``completion`` (loss on the completion only), chat ``messages`` (loss on assistant turns only) and
+preference pairs ``prompt`` / ``chosen`` / ``rejected`` (tokenized by pairs.py).
 Labels are aligned with ``input_ids`` (the loss shifts them); -100 marks tokens that never count.
 """
 
@@ -148,9 +149,14 @@ def check_file(path: str, messages_field: str = "messages") -> None:
             problem = chat_problem(rec[messages_field]) if messages_field in rec else None
             if problem:
                 raise DataError(f"{path}:{n}: {problem[0]}", hint=problem[1])
+            for key in PAIR_FIELDS:  # chat-shaped preference pairs
+                problem = chat_problem(rec[key]) if isinstance(rec.get(key), list) else None
+                if problem:
+                    raise DataError(f"{path}:{n}, '{key}': {problem[0]}", hint=problem[1])
 
 
 ROLES = ("system", "user", "assistant", "tool")
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def chat_problem(conv) -> tuple[str, str] | None:
@@ -207,12 +213,14 @@ def load_records(cfg: DataConfig, seed: int):
 def detect_format(cfg: DataConfig, columns: list[str]) -> str:
     if cfg.format != "auto":
         needed = {"text": [cfg.text_field], "prompt_completion": [cfg.prompt_field, cfg.completion_field],
-                  "messages": [cfg.messages_field]}[cfg.format]
+                  "messages": [cfg.messages_field], "preference": [cfg.chosen_field, cfg.rejected_field]}[cfg.format]
         missing = [c for c in needed if c not in columns]
         if missing:
             raise DataError(f"data.format={cfg.format} needs column(s) {missing}, found {columns}.",
                             hint=_field_hint(cfg.format, columns))
         return cfg.format
+    if cfg.chosen_field in columns and cfg.rejected_field in columns:
+        return "preference"
     if cfg.messages_field in columns:
         return "messages"
     if cfg.prompt_field in columns and cfg.completion_field in columns:
@@ -220,7 +228,8 @@ def detect_format(cfg: DataConfig, columns: list[str]) -> str:
     if cfg.text_field in columns:
         return "text"
     raise DataError(f"cannot tell the data format from columns {columns}.",
-                    hint="name the columns text / prompt+completion / messages, or set data.text_field etc.")
+                    hint="name the columns text / prompt+completion / messages / prompt+chosen+rejected, or set "
+                    "data.text_field etc.")
 
 
 def _field_hint(fmt: str, columns: list[str]) -> str:
@@ -236,5 +245,14 @@ def corpus_texts(ds, fmt: str, cfg: DataConfig):
             yield rec[cfg.text_field] or ""
         elif fmt == "prompt_completion":
             yield f"{rec[cfg.prompt_field]}{rec[cfg.completion_field]}"
+        elif fmt == "preference":
+            yield "\n".join(_plain(rec.get(k)) for k in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field))
         else:
             yield "\n".join(str(m.get("content", "")) for m in rec[cfg.messages_field] or [])
+
+
+def _plain(value) -> str:
+    """Text of a field that is text or a list of chat messages."""
+    if isinstance(value, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
+    return value or ""

@@ -1,4 +1,5 @@
-"""Fused output head + cross-entropy ("fused linear cross-entropy", as in Liger-Kernel and Unsloth).
+"""Fused output head + cross-entropy ("fused linear cross-entropy", as in Liger-Kernel and Unsloth), and
+the per-token log-probs preference losses need, computed the same chunked way.
 
 The plain loss writes (tokens x vocab) fp32 logits, log-softmax writes a second tensor of that size,
 and backward two more: gigabytes at a 128k vocabulary, and most of a small model's memory traffic.
@@ -78,3 +79,64 @@ class _FusedHeadLoss(torch.autograd.Function):
         grads = [g.mul_(grad_out.to(g.dtype)) if g is not None else None for g in (ctx.grad_h, *ctx.grad_params)]
         ctx.grad_h = ctx.grad_params = None
         return (None, None, None, grads[0], None, *grads[1:])
+
+
+# ------------------------------------------------------------------------------ per-token log-probs
+def fused_token_logps(head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp) -> torch.Tensor:
+    """log p(y_i | h_i) for every row, fp32, ``chunk`` rows of logits at a time.
+
+    Preference losses need these per token (summed per sequence, then passed through a non-linear
+    loss), so the incoming gradient is a vector known only after the whole batch's forward: unlike
+    the cross-entropy above, the gradients cannot be taken in the forward. Backward therefore runs
+    the head again, chunk by chunk (one chunk of logits alive at a time, as in the forward): one
+    extra head matmul buys never holding the (tokens x vocab) logits.
+    """
+    params = [p for p in head.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (h.requires_grad or params):
+        with torch.no_grad():
+            return _all_chunks(head, h, y, chunk, amp)
+    return _FusedTokenLogps.apply(head, chunk, amp, h, y, *params)
+
+
+def _chunk_logps(head, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
+    device_type, enabled, dtype = amp
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        z = head.logits(h)
+    return -F.cross_entropy(z.float(), y, reduction="none")
+
+
+def _all_chunks(head, h, y, chunk, amp) -> torch.Tensor:
+    if y.numel() == 0:
+        return h.new_zeros((0,), dtype=torch.float32)
+    return torch.cat([_chunk_logps(head, h[s: s + chunk], y[s: s + chunk], amp) for s in range(0, y.numel(), chunk)])
+
+
+class _FusedTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, head, chunk: int, amp, h, y, *params):
+        with torch.no_grad():
+            out = _all_chunks(head, h, y, chunk, amp)
+        ctx.head, ctx.chunk, ctx.amp = head, chunk, amp
+        ctx.save_for_backward(h, y, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, y, *params = ctx.saved_tensors
+        want_h = ctx.needs_input_grad[3]
+        grad_h = torch.zeros_like(h) if want_h else None
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        with torch.enable_grad():
+            for start in range(0, y.numel(), ctx.chunk):
+                sl = slice(start, start + ctx.chunk)
+                hc = h[sl].detach().requires_grad_(want_h)
+                logps = _chunk_logps(ctx.head, hc, y[sl], ctx.amp)
+                grads = torch.autograd.grad(logps, ([hc] if want_h else []) + list(params), grad_outputs=grad_out[sl],
+                                            allow_unused=True)
+                if want_h:
+                    grad_h[sl] = grads[0]
+                for acc, g in zip(sums, grads[int(want_h):]):
+                    if g is not None:
+                        acc.add_(g)
+        ctx.head = None
+        return (None, None, None, grad_h, None, *[s.to(p.dtype) for s, p in zip(sums, params)])

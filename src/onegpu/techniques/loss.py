@@ -103,15 +103,35 @@ class LossFn:
         return loss_sum(model, batch)
 
 
+def token_logps(model, batch: dict, chunk_size: int = 0):
+    """(model output, log-prob of each target token, fp32) in the order of ``with_target_positions``:
+    what preference losses sum per sequence. chunk_size > 0: the fused head (no full logits)."""
+    if chunk_size > 0:
+        from onegpu.techniques.fused_loss import fused_token_logps
+
+        out, h, y, head, amp = _target_hidden(model, batch)
+        return out, fused_token_logps(head, h, y, chunk_size, amp)
+    out = model(**model_inputs(batch))
+    h, y = select_targets(out.logits, batch["labels"], batch.get(TARGETS))  # rows of logits, not hidden states
+    return out, -F.cross_entropy(h.float(), y, reduction="none")
+
+
 # ------------------------------------------------------------------------------- chunked loss
 def _chunked_forward(model, batch: dict, chunk_size: int):
     from onegpu.techniques.fused_loss import fused_head_loss
 
+    out, h, y, head, amp = _target_hidden(model, batch)
+    return out, fused_head_loss(head, h, y, chunk_size, amp)
+
+
+def _target_hidden(model, batch: dict):
+    """Run the model keeping its final hidden states; return (output, hidden states of the positions
+    that predict a target, those targets, the verified head, the autocast state)."""
     out, hidden, amp = _run_keeping_hidden(model, batch)
     head = _Head(model)
     head.verify(hidden[:, -1:], out.logits, amp)
     h, y = select_targets(hidden, batch["labels"], batch.get(TARGETS))
-    return out, fused_head_loss(head, h, y, chunk_size, amp)
+    return out, h, y, head, amp
 
 
 def with_target_positions(batch: dict) -> dict:

@@ -40,6 +40,8 @@ class Run:
     data_format: str = ""  # text | prompt-completion | chat: detected from the columns
     data_stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
     sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
+    reference_model: Any = None  # preference.reference=copy: the frozen starting model
+    val_rewards: dict = field(default_factory=dict)  # preference objectives: the last evaluation's rewards
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -140,7 +142,13 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
 def build_data(run: Run) -> None:
     cfg = run.cfg
     train_rec, val_rec, fingerprint = records.load_records(cfg.data, cfg.training.seed)
+    if cfg.training.objective != "sft":
+        return build_pair_data(run, train_rec, val_rec, fingerprint)
     fmt = records.detect_format(cfg.data, train_rec.column_names)
+    if fmt == "preference":
+        raise DataError(f"{cfg.data.path}: preference pairs (columns '{cfg.data.chosen_field}' and "
+                        f"'{cfg.data.rejected_field}'), but training.objective=sft.",
+                        hint="set --training.objective dpo (or orpo / simpo) to train on pairs")
     t0 = time.perf_counter()
     run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
     check_positions(cfg, run.model_name)  # before tokenizing: a too long seq_len is not "no examples"
@@ -165,6 +173,46 @@ def build_data(run: Run) -> None:
     run.sample_prompt = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
     log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
              len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
+
+
+def build_pair_data(run: Run, train_rec, val_rec, fingerprint: str) -> None:
+    """Preference pairs (training.objective dpo / orpo / simpo); with no data.path, pairs made from the
+    standard library's sources (data/pairs.py: corpus_pairs)."""
+    from onegpu.data import pairs
+
+    cfg = run.cfg
+    if cfg.data.path is None:  # as many pairs as the run will use: DPO's reference pass then costs no more
+        t = cfg.training
+        train_rec = pairs.corpus_pairs(train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size *
+                                       t.grad_accum)
+        if val_rec is not None:
+            val_rec = pairs.corpus_pairs(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size)
+    fmt = records.detect_format(cfg.data, train_rec.column_names)
+    if fmt != "preference":
+        raise DataError(f"training.objective={cfg.training.objective} needs preference pairs: columns "
+                        f"'{cfg.data.prompt_field}', '{cfg.data.chosen_field}' and '{cfg.data.rejected_field}'; "
+                        f"{cfg.data.path} has {train_rec.column_names}.",
+                        hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
+                        "training.objective=sft")
+    run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
+    run.sample_prompt = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
+    check_positions(cfg, run.model_name)
+    run.train_ds, stats = pairs.tokenize_pairs(train_rec, run.tokenizer, cfg.data, "train")
+    run.data_stats = [stats]
+    run.val_ds = None
+    if val_rec is not None:
+        run.val_ds, stats = pairs.tokenize_pairs(val_rec, run.tokenizer, cfg.data, "validation")
+        run.data_stats.append(stats)
+    for stats in run.data_stats:
+        log.info("data %s", stats.describe())
+    if len(run.train_ds) == 0:
+        raise DataError(f"no training pairs after tokenization: {run.data_stats[0].describe()}.",
+                        hint="raise data.seq_len, set data.overlong=truncate, or check the data")
+    run.collator = pairs.PairCollator(batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple,
+                                                       cfg.data.seq_len, position_ids=cfg.techniques.padding_free))
+    run.data_format = fmt
+    log.info("data: preference pairs, %d train / %d val of <= %d tokens per sequence", len(run.train_ds),
+             len(run.val_ds or []), cfg.data.seq_len)
 
 
 def check_positions(cfg: Config, model_name: str) -> None:
@@ -198,6 +246,14 @@ def build_model(run: Run, accelerator=None) -> None:
     if len(run.tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(run.tokenizer))
     check_model_settings(run, model)
+    if cfg.training.objective != "sft":
+        from onegpu.techniques import preference, reference
+
+        preference.disable_dropout(model)
+        if reference.choose(cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled) == "copy":
+            import copy
+
+            run.reference_model = copy.deepcopy(model)  # the starting weights, before adapters or compile
     shard = (functools.partial(distributed.apply_fsdp2, cfg=cfg, precision=run.precision, accelerator=accelerator)
              if accelerator is not None else None)
     run.model = prepare_model(model, resolved_techniques(cfg, run.device.type), run.device.type, shard)
@@ -219,7 +275,31 @@ def make_loss_fn(cfg: Config, vocab: int, on_gpu: bool):
     from onegpu import distributed
     from onegpu.techniques.loss import LossFn
 
-    return LossFn.for_run(cfg.techniques, vocab, on_gpu, distributed.shards_weights(cfg))
+    sft = LossFn.for_run(cfg.techniques, vocab, on_gpu, distributed.shards_weights(cfg))
+    if cfg.training.objective == "sft":
+        return sft
+    from onegpu.techniques.preference import PreferenceLoss
+
+    return PreferenceLoss(cfg.training.objective, cfg.preference, sft.chunk_size, fallback=sft.fallback)
+
+
+def prepare_reference(run: Run, accelerator, resumed: bool = False) -> None:
+    """DPO's reference, once the model is on its device (techniques/reference.py): adapters off, a copy,
+    or log-probs precomputed into the data. Nothing for SFT, ORPO and SimPO."""
+    from onegpu.techniques import reference
+
+    cfg = run.cfg
+    kind = reference.choose(cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled)
+    if kind == "adapters":
+        run.loss_fn.reference = reference.AdapterReference(run.loss_fn.chunk_size)
+    elif kind == "copy":
+        run.reference_model.to(accelerator.device)
+        run.loss_fn.reference = reference.CopyReference(run.reference_model, accelerator.autocast,
+                                                        run.loss_fn.chunk_size)
+    elif kind == "precomputed":
+        reference.precompute(run, accelerator, resumed)
+    if kind:
+        log.info("DPO reference: %s", kind)
 
 
 def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):

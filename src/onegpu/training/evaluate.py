@@ -1,4 +1,4 @@
-"""Validation: token-weighted loss over a fixed set of batches, logged with its perplexity."""
+"""Validation: token-weighted loss over a fixed set of batches, logged with its perplexity (pair-weighted,\nwith the reward accuracy and margin, for preference objectives)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 from onegpu.data import batches
 from onegpu.techniques.loss import TARGETS, with_target_positions
+from onegpu.techniques.preference import STATS, describe
 
 log = logging.getLogger(__name__)
 
@@ -20,15 +21,24 @@ def evaluate(run, accelerator) -> float | None:
     t = run.cfg.training
     model = run.model
     model.eval()
+    loss_fn = run.loss_fn
+    count_of = getattr(loss_fn, "count", lambda mb: mb[TARGETS].numel())  # pairs for preference losses
+    pairs = getattr(loss_fn, "begin_cycle", None) is not None
+    if pairs:
+        loss_fn.begin_cycle()
     total, count = torch.zeros((), device=accelerator.device), 0
     # Compiled blocks run eagerly here: a handful of batches does not repay compiling the
     # no-grad variant of every block (another full compile on a CPU).
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
             batch = with_target_positions(batch)  # on the host: the target rows, and so their count
-            count += batch[TARGETS].numel()
+            count += count_of(batch)
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            total += run.loss_fn(model, batch).float()
+            total += loss_fn(model, batch).float()
+    if pairs:  # the rewards of the validation pairs, apart from training's window
+        sums = torch.stack(loss_fn.pending).sum(0).tolist()
+        loss_fn.begin_cycle()
+        run.val_rewards = describe(dict(zip(STATS, sums)))
     return float(total) / max(count, 1)
 
 
@@ -38,7 +48,17 @@ def evaluate_and_log(run, accelerator, metrics, state) -> None:
         return
     state.history.append((state.step, loss))
     state.best_eval = min(state.best_eval, loss)
-    metrics.write({"split": "val", "step": state.step, "loss": loss, "perplexity": math.exp(min(loss, 50))})
+    rec = {"split": "val", "step": state.step, "loss": loss}
+    rewards = getattr(run, "val_rewards", None)
+    if rewards:  # preference tuning: a perplexity of a pair loss means nothing
+        rec.update(rewards)
+        if accelerator.is_main_process:
+            log.info("step %d: val loss %.4f, reward accuracy %.3f, margin %.4f", state.step, loss,
+                     rewards["reward_accuracy"], rewards["reward_margin"])
+        metrics.write(rec)
+        return
+    rec["perplexity"] = math.exp(min(loss, 50))
+    metrics.write(rec)
     if accelerator.is_main_process:
         log.info("step %d: val loss %.4f (ppl %.1f)", state.step, loss, math.exp(min(loss, 50)))
 

@@ -122,13 +122,17 @@ def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tu
     rec = {"split": "train", "step": state.step, "loss": loss,
            "lr": float(run.scheduler.get_last_lr()[0]), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
            "tokens_seen": state.tokens_seen, "memory_gb": device_memory_gb(run.device)}
+    pop = getattr(run.loss_fn, "pop_window", None)  # preference objectives: reward accuracy and margin
+    rec.update(pop() if pop is not None else {})
     metrics.write(rec)
     state.timed_tokens += window["tokens"]
     state.timed_seconds += elapsed
     for cb in callbacks:
         cb.on_log(run, state, rec)
     if bar is not None:
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+        extra = {"margin": f"{rec['reward_margin']:.3f}", "acc": f"{rec['reward_accuracy']:.2f}"} \
+            if "reward_margin" in rec else {}
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", **extra, tok_s=f"{rec['tokens_per_s']:.0f}",
                         mem=f"{rec['memory_gb']:.2f}GB", refresh=False)
         bar.update(1)
     window.update(tokens=0, t0=time.perf_counter(), loss=None, steps=0)

@@ -61,6 +61,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         assemble.check_disk(run)
         assemble.create_run_dir(run_dir, accelerator.is_main_process)
         run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
+        assemble.prepare_reference(run, accelerator, resumed=resume_from is not None)  # before resume loads weights
         state = resume(run, accelerator, resume_from) if resume_from else None
         if resume_from is None and accelerator.is_main_process:
             _start_fresh(run_dir)

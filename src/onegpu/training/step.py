@@ -15,14 +15,19 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
 
     Each micro-batch contributes its *summed* token loss divided by the target-token count of the
     whole accumulated batch (all processes), so the gradient equals that of one big batch however
-    the tokens fall across micro-batches. Returns (loss tensor, real input tokens) without syncing,
+    the tokens fall across micro-batches; a preference loss sums over pairs and is divided by pairs. Returns (loss tensor, real input tokens) without syncing,
     except for the guard's one scalar: a NaN/inf loss or gradient norm skips the update.
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
     """
     in_backward = steps_in_backward(optimizer)
     micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
-    n_targets = _global_sum(accelerator, sum(mb[TARGETS].numel() for mb in micro))
+    # What the summed loss is divided by: target tokens (SFT), or pairs (preference losses' `count`).
+    count = getattr(loss_fn, "count", lambda mb: mb[TARGETS].numel())
+    n_targets = _global_sum(accelerator, sum(count(mb) for mb in micro))
+    stats = getattr(loss_fn, "begin_cycle", None) is not None  # statistics kept per completed cycle
+    if stats:
+        loss_fn.begin_cycle()
     real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
     total = None
     for i, mb in enumerate(micro):
@@ -48,6 +53,8 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     if not bad:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if stats:
+        loss_fn.end_cycle()
     return total, real_tokens
 
 

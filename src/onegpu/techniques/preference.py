@@ -1,0 +1,168 @@
+"""Preference tuning: DPO, ORPO and SimPO as losses over the log-probs of chosen and rejected responses.
+
+One forward serves a whole pair batch (data/pairs.py puts the chosen and the rejected sequences in
+one batch), with the fused head computing per-token log-probs chunk by chunk (fused_loss.py), and
+the step, accumulation, checkpointing, compile, precision, optimizers and adapters are SFT's own.
+A micro-batch returns its *summed* per-pair loss; the step divides by the pairs of the whole
+accumulated batch, so the gradient equals one big batch's however the pairs fall.
+
+The formulas, per pair, with pi = a response's summed log-prob under the policy, ref = under the
+reference, |y| = its tokens, s(x) = log sigmoid(x), eps = label smoothing:
+- DPO (Rafailov et al. 2023, eq. 7; eps: Mitchell 2023): z = beta((pi_c - ref_c) - (pi_r - ref_r)),
+  loss = -(1 - eps) s(z) - eps s(-z); rewards beta(pi - ref).
+- SimPO (Meng et al. 2024, eq. 6): z = beta(pi_c/|y_c| - pi_r/|y_r|) - gamma, gamma = ratio x beta; loss as
+  DPO's; rewards beta pi/|y|.
+- ORPO (Hong et al. 2024, eqs. 6-7): a = pi/|y| (mean token log-prob); log odds(y) = a - log(1 - e^a);
+  loss = -a_c + lambda (-s(log odds_c - log odds_r)), lambda = beta; rewards beta a. The SFT term is
+  per pair (mean over its tokens), as in the paper; TRL's ORPOTrainer averages it over the batch's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from onegpu.data.pairs import PAIR_INDEX, REF_LOGPS, SEQUENCE_IDS
+from onegpu.errors import UnavailableError
+from onegpu.techniques.loss import TARGETS, token_logps
+
+log = logging.getLogger(__name__)
+
+AUTO_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}  # sources: config.PreferenceConfig.beta
+STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
+
+
+def resolve_beta(objective: str, beta) -> float:
+    return AUTO_BETA[objective] if beta == "auto" else float(beta)
+
+
+# ------------------------------------------------------------------------------------- formulas
+def dpo_loss(pi_c, pi_r, ref_c, ref_r, beta: float, smoothing: float = 0.0):
+    """(loss, chosen reward, rejected reward) per pair."""
+    rc, rr = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
+    z = rc - rr
+    return -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z), rc, rr
+
+
+def simpo_loss(pi_c, pi_r, len_c, len_r, beta: float, gamma_ratio: float, smoothing: float = 0.0):
+    rc, rr = beta * pi_c / len_c, beta * pi_r / len_r
+    z = rc - rr - gamma_ratio * beta
+    return -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z), rc, rr
+
+
+def orpo_loss(pi_c, pi_r, len_c, len_r, lam: float):
+    a_c, a_r = pi_c / len_c, pi_r / len_r
+    # log(1 - e^a) for a < 0, computed stably; a mean log-prob is never above 0
+    log_odds = (a_c - a_r) - (torch.log1p(-torch.exp(a_c).clamp(max=1 - 1e-7)) -
+                              torch.log1p(-torch.exp(a_r).clamp(max=1 - 1e-7)))
+    return -a_c - lam * F.logsigmoid(log_odds), lam * a_c, lam * a_r
+
+
+# ------------------------------------------------------------------------------- log-probs per sequence
+def sequence_logps(model, batch: dict, chunk_size: int = 0):
+    """(model output, summed response log-prob per sequence, response tokens per sequence): 2n values,
+    chosen first. The target of position p is token p + 1, so it belongs to token p + 1's sequence."""
+    out, logps = token_logps(model, batch, chunk_size)
+    positions = batch[TARGETS]
+    seq = batch[SEQUENCE_IDS].reshape(-1).index_select(0, positions + 1)
+    n_seq = 2 * batch[PAIR_INDEX].numel()
+    sums = logps.new_zeros(n_seq).index_add(0, seq, logps)
+    lengths = logps.new_zeros(n_seq).index_add_(0, seq, torch.ones_like(logps)).clamp_(min=1)
+    return out, sums, lengths
+
+
+class PreferenceLoss:
+    """The run's ``(model, batch) -> summed per-pair loss`` for training.objective dpo / orpo / simpo.
+
+    ``count`` tells the step what to normalise by (pairs). The reward statistics of each call are
+    kept on the device (no sync) as pending sums; the step commits them when its cycle completes (an
+    out-of-memory retry drops the failed cycle's), and the log reads and resets the committed ones.
+    """
+
+    def __init__(self, objective: str, pref, chunk_size: int, reference=None, fallback: bool = True):
+        self.objective, self.chunk_size, self.fallback = objective, chunk_size, fallback
+        self.beta = resolve_beta(objective, pref.beta)
+        self.smoothing, self.gamma_ratio = pref.label_smoothing, pref.simpo_gamma_ratio
+        self.reference = reference  # (model, batch) -> reference sums; None: the batch carries them
+        self.pending: list[torch.Tensor] = []
+        self.window: torch.Tensor | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.chunk_size > 0
+
+    @staticmethod
+    def count(batch: dict) -> int:
+        return batch[PAIR_INDEX].numel()
+
+    def __call__(self, model, batch: dict) -> torch.Tensor:
+        out, pi, lengths = self._logps(model, batch)
+        n = pi.numel() // 2
+        pi_c, pi_r, len_c, len_r = pi[:n], pi[n:], lengths[:n], lengths[n:]
+        if self.objective == "dpo":
+            ref = batch[REF_LOGPS] if REF_LOGPS in batch else self.reference(model, batch)
+            loss, rc, rr = dpo_loss(pi_c, pi_r, ref[:n], ref[n:], self.beta, self.smoothing)
+        elif self.objective == "simpo":
+            loss, rc, rr = simpo_loss(pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing)
+        else:
+            loss, rc, rr = orpo_loss(pi_c, pi_r, len_c, len_r, self.beta)
+        rc, rr = rc.detach(), rr.detach()
+        self.pending.append(torch.stack([rc.new_tensor(float(n)), (rc > rr).sum().float(), (rc - rr).sum(),
+                                         rc.sum(), rr.sum()]))
+        return loss.sum() + _moe_aux(model, out, n)
+
+    def _logps(self, model, batch):
+        if self.chunk_size:
+            try:
+                return sequence_logps(model, batch, self.chunk_size)
+            except UnavailableError as exc:
+                if not self.fallback:
+                    raise
+                log.info("fused log-probs unavailable, using the model's logits: %s", exc.message)
+                self.chunk_size = 0
+        return sequence_logps(model, batch)
+
+    # the statistics: pending (this cycle) -> window (since the last log)
+    def begin_cycle(self) -> None:
+        self.pending.clear()
+
+    def end_cycle(self) -> None:
+        if self.pending:
+            total = torch.stack(self.pending).sum(0)
+            self.window = total if self.window is None else self.window + total
+        self.pending.clear()
+
+    def pop_window(self) -> dict:
+        """Mean rewards, margin and accuracy over the pairs since the last call (one host sync)."""
+        if self.window is None:
+            return {}
+        values = dict(zip(STATS, self.window.tolist()))
+        self.window = None
+        return describe(values)
+
+
+def describe(sums: dict) -> dict:
+    n = max(sums["pairs"], 1.0)
+    return {"reward_accuracy": sums["correct"] / n, "reward_margin": sums["margin"] / n,
+            "reward_chosen": sums["chosen"] / n, "reward_rejected": sums["rejected"] / n}
+
+
+def _moe_aux(model, out, pairs: int):
+    """The MoE router loss weighted by the micro-batch's pairs: after the step divides by all pairs, the
+    step adds coef x (pair-weighted mean aux loss), as moe_aux_term does per token for SFT."""
+    aux = getattr(out, "aux_loss", None)
+    if aux is None or not model.training:
+        return 0.0
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux.float() * pairs
+
+
+def disable_dropout(model) -> int:
+    """Dropout off everywhere (as TRL's DPOTrainer does by default): with it, the policy's and the
+    reference's log-probs of the same text differ at step 0 and the reward margin starts as noise."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p, n = 0.0, n + 1
+    return n
