@@ -59,6 +59,11 @@ class ModelShape:
         return getattr(self.config, "max_position_embeddings", None)
 
 
+def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """One forward's FLOPs per token (a no-grad pass, e.g. DPO's reference): 2N plus the attention matmuls."""
+    return float(2 * shape.active_params + 4 * shape.layers * shape.hidden * seq_len)
+
+
 def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpointed_fraction: float = 0.0,
                     lora_targets: str = "all-linear") -> float:
     """Training FLOPs per token, the one count behind the planner's speed and the benchmarks' MFU.

@@ -24,6 +24,20 @@ class Candidate:
     in_backward: bool = False  # optimizer step inside backward (grad_accum 1, no global clipping)
     lora_targets: str = "all-linear"  # lora.targets: which linear layers get adapters
     lora_dtype: str = "auto"  # lora.dtype as configured (settled per precision by techniques.lora.adapter_dtype)
+    objective: str = "sft"  # training.objective: dpo / orpo / simpo run two sequences (chosen, rejected) per example
+    reference: str = "auto"  # preference.reference as configured (settled by techniques.reference.choose)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences through the model per example: a preference pair is two."""
+        return 1 if self.objective == "sft" else 2
+
+    @property
+    def reference_kind(self) -> str | None:
+        """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what auto means."""
+        from onegpu.techniques.reference import choose
+
+        return choose(self.objective, self.reference, bool(self.lora_rank))
 
     @property
     def effective_batch(self) -> int:

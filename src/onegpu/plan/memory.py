@@ -138,12 +138,13 @@ def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: Activa
     acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
                                     c.lora_targets, c.adapter_dtype if c.lora_rank else "fp32")
     compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
-    kept = acts.retained(c.micro_batch, seq_len, shape.layers, c.checkpointing, c.every, compiled)
-    tokens = c.micro_batch * seq_len if not c.loss_chunk else min(c.loss_chunk, c.micro_batch * seq_len)
+    rows = c.micro_batch * c.rows_per_example  # a preference pair: chosen and rejected in one forward
+    kept = acts.retained(rows, seq_len, shape.layers, c.checkpointing, c.every, compiled)
+    tokens = rows * seq_len if not c.loss_chunk else min(c.loss_chunk, rows * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
     logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(c.micro_batch, seq_len, c.checkpointing, compiled) + logits_grad
+    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + logits_grad
 
 
 def _act_precision(precision: str) -> str:
@@ -166,6 +167,9 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     step_peak = g + temp
     comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
              "backward transient": transient, "optimizer temporaries": temp}
+    if c.reference_kind == "copy":  # DPO's frozen reference: the whole model once more, in the weights' dtype
+        comps["reference copy"] = shape.params * param_bytes(c.precision)
+        w += comps["reference copy"]
     if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
     return MemoryEstimate(comps, w + o + max(backward_peak, step_peak))

@@ -138,6 +138,7 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
     assemble.build_model(run)
     assemble.build_optimizer(run)
     model, optimizer = accelerator.prepare(run.model, run.optimizer)
+    assemble.prepare_reference(run, accelerator, probe=True)  # DPO: its reference costs as in training
     t = cfg.training
     order = batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed)
     loader = iter(batches.make_loader(run.train_ds, order, run.collator, cfg.data, device.is_gpu))

@@ -90,7 +90,8 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
         if in_bwd and (mb != batch or off != "none"):
             continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
         out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
-                             t.checkpointing_every, in_bwd, targets))
+                             t.checkpointing_every, in_bwd, targets, lora_dtype=t.lora.dtype,
+                             objective=cfg.training.objective, reference=cfg.preference.reference))
     return out
 
 

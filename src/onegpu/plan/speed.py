@@ -47,10 +47,16 @@ class SpeedEstimate:
 def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     """arch.flops_per_token for a candidate's LoRA rank and checkpointed layers."""
     from onegpu.plan.activations import checkpointed_layers
-    from onegpu.plan.arch import flops_per_token as count
+    from onegpu.plan.arch import flops_per_token as count, forward_flops_per_token
 
     frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
-    return count(shape, seq_len, c.lora_rank, frac, c.lora_targets)
+    total = count(shape, seq_len, c.lora_rank, frac, c.lora_targets)
+    if c.objective != "sft":
+        # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
+        total += 2 * shape.vocab * shape.hidden if c.loss_chunk else 0
+        if c.reference_kind in ("adapters", "copy"):  # the reference's forward, every step
+            total += forward_flops_per_token(shape, seq_len)
+    return total
 
 
 def calibration_path():
@@ -105,12 +111,12 @@ def compute_efficiency(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuS
                        tf32: bool = True) -> float:
     """The stored efficiency that makes ``estimate`` predict ``tokens_per_s`` for this setup: the
     measured step minus the modelled optimizer step, over the peak, without fill and method factors."""
-    tokens = c.effective_batch * seq_len
+    tokens = c.effective_batch * c.rows_per_example * seq_len
     step = tokens / tokens_per_s
     # A measurement faster than the optimizer model allows still leaves the compute some time.
     compute = max(step - optimizer_seconds(shape, c, spec), 0.05 * step)
     used = tokens * flops_per_token(shape, c, seq_len) / (spec.peak_tflops(c.precision, tf32) * 1e12 * compute)
-    return used / (_fill(spec, c.micro_batch * seq_len) * method_factor(c))
+    return used / (_fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c))
 
 
 def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
@@ -122,6 +128,8 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
                    "no elementwise intermediates (min-cut partitioner; -14.9% peak there)")
     if c.quantize_base != "none":
         out.append(f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)")
+    if c.reference_kind == "precomputed":
+        out.append("DPO reference precomputed: one forward over the data before training, not in tokens/s")
     if c.offload != "none":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
     elif c.checkpointing == "offload":
@@ -141,9 +149,9 @@ def _prec_class(precision: str) -> str:
 def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True) -> SpeedEstimate:
     """Predicted training throughput (tokens/s) of one setup on one GPU."""
     eff, calibrated = base_efficiency(spec, c.precision)
-    eff *= _fill(spec, c.micro_batch * seq_len) * method_factor(c)
+    eff *= _fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
-    tokens = c.effective_batch * seq_len
+    tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
     compute = tokens * fpt / (spec.peak_tflops(c.precision, tf32) * 1e12 * eff)
     step = compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
     return SpeedEstimate(tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated))

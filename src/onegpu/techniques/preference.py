@@ -98,11 +98,13 @@ class PreferenceLoss:
         return batch[PAIR_INDEX].numel()
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
+        ref = None
+        if self.objective == "dpo":  # first: its no-grad forward is over before the policy's activations exist
+            ref = batch[REF_LOGPS] if REF_LOGPS in batch else self._reference(model, batch)
         out, pi, lengths = self._logps(model, batch)
         n = pi.numel() // 2
         pi_c, pi_r, len_c, len_r = pi[:n], pi[n:], lengths[:n], lengths[n:]
         if self.objective == "dpo":
-            ref = batch[REF_LOGPS] if REF_LOGPS in batch else self.reference(model, batch)
             loss, rc, rr = dpo_loss(pi_c, pi_r, ref[:n], ref[n:], self.beta, self.smoothing)
         elif self.objective == "simpo":
             loss, rc, rr = simpo_loss(pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing)
@@ -112,6 +114,12 @@ class PreferenceLoss:
         self.pending.append(torch.stack([rc.new_tensor(float(n)), (rc > rr).sum().float(), (rc - rr).sum(),
                                          rc.sum(), rr.sum()]))
         return loss.sum() + _moe_aux(model, out, n)
+
+    def _reference(self, model, batch):
+        if self.reference is None:
+            raise RuntimeError("DPO needs reference log-probs: none in the batch and no reference model set "
+                               "(training.assemble.prepare_reference sets one)")
+        return self.reference(model, batch)
 
     def _logps(self, model, batch):
         if self.chunk_size:

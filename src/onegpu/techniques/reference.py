@@ -60,6 +60,16 @@ class CopyReference:
             return sequence_logps(self.model, batch, self.chunk_size)[1]
 
 
+class FixedReference:
+    """Zero reference log-probs, for the planner's probes of a precomputed-reference setup: they time the
+    step, to which precomputed log-probs add nothing, whatever their values."""
+
+    def __call__(self, _policy, batch: dict) -> torch.Tensor:
+        from onegpu.data.pairs import PAIR_INDEX
+
+        return torch.zeros(2 * batch[PAIR_INDEX].numel(), device=batch[PAIR_INDEX].device)
+
+
 def _peft_model(model):
     inner = getattr(model, "module", model)  # DistributedDataParallel
     if not hasattr(inner, "disable_adapter"):

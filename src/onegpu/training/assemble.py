@@ -283,9 +283,10 @@ def make_loss_fn(cfg: Config, vocab: int, on_gpu: bool):
     return PreferenceLoss(cfg.training.objective, cfg.preference, sft.chunk_size, fallback=sft.fallback)
 
 
-def prepare_reference(run: Run, accelerator, resumed: bool = False) -> None:
+def prepare_reference(run: Run, accelerator, resumed: bool = False, probe: bool = False) -> None:
     """DPO's reference, once the model is on its device (techniques/reference.py): adapters off, a copy,
-    or log-probs precomputed into the data. Nothing for SFT, ORPO and SimPO."""
+    or log-probs precomputed into the data (a planner probe, timing steps only, takes fixed ones).
+    Nothing for SFT, ORPO and SimPO."""
     from onegpu.techniques import reference
 
     cfg = run.cfg
@@ -296,6 +297,8 @@ def prepare_reference(run: Run, accelerator, resumed: bool = False) -> None:
         run.reference_model.to(accelerator.device)
         run.loss_fn.reference = reference.CopyReference(run.reference_model, accelerator.autocast,
                                                         run.loss_fn.chunk_size)
+    elif kind == "precomputed" and probe:
+        run.loss_fn.reference = reference.FixedReference()
     elif kind == "precomputed":
         reference.precompute(run, accelerator, resumed)
     if kind:
