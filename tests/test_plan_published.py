@@ -32,7 +32,8 @@ def test_each_default_efficiency_is_what_our_model_derives_from_its_published_ru
     assert derived == pytest.approx(run.efficiency, rel=0.01)
 
 
-def test_default_efficiency_follows_the_gpu_class_until_a_probe():
+def test_default_efficiency_follows_the_gpu_class_until_a_probe(monkeypatch, tmp_path):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no calibration another test's probe may have stored
     shape, c = model_shape("tiny"), Candidate(16, 1, "bf16")
     for gpu, expected in (("A100-80GB", 0.599), ("H100", 0.36), ("A10G", speed.DEFAULT_EFFICIENCY)):
         eff, calibrated = speed.base_efficiency(find_gpu(gpu), "bf16")
