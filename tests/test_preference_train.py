@@ -208,10 +208,12 @@ def test_sft_on_pair_data_and_dpo_on_text_are_clear_errors(tmp_path, tiny_model_
     ({"compile": "default"}, 1e-4),
     ({"precision": "bf16"}, None),
     ({"optimizer": "adamw-8bit"}, None),
-], ids=["checkpointing", "compile", "bf16", "adamw-8bit"])
+    ({"padding_free": True}, 1e-4),
+    ({"lora": {"enabled": True, "r": 8, "quantize_base": "nf4"}}, None),
+], ids=["checkpointing", "compile", "bf16", "adamw-8bit", "padding-free", "qlora"])
 def test_dpo_runs_with_each_method(tmp_path, tiny_model_dir, techniques, tol):
     """Checkpointing and compile leave the math as it was; bf16 autocast and an 8-bit optimizer train."""
-    if techniques.get("optimizer") == "adamw-8bit":
+    if techniques.get("optimizer") == "adamw-8bit" or "lora" in techniques:
         pytest.importorskip("bitsandbytes")
     base = train(cfg_for(tmp_path, tiny_model_dir, name="base", max_steps=6, eval_every=0, log_every=1))
     cfg = cfg_for(tmp_path, tiny_model_dir, name="method", max_steps=6, eval_every=0, log_every=1)
