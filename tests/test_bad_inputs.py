@@ -243,6 +243,27 @@ CASES = [
           "start a new run without --output.resume")),
     Case("output-read-only", _read_only_output,
          ("/mnt is not a writable folder (read-only file system)", "choose a writable --output.dir"), _read_only_mount),
+    # preference pairs (training.objective dpo / orpo / simpo)
+    Case("pairs-with-objective-sft", _file("pairs.jsonl", json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"),
+         ("pairs.jsonl: preference pairs (columns 'chosen' and 'rejected'), but training.objective=sft",
+          "set --training.objective dpo")),
+    Case("dpo-on-text-data", ["--training.objective", "dpo"],
+         ("training.objective=dpo needs preference pairs: columns 'prompt', 'chosen' and 'rejected'",
+          "rename the columns")),
+    Case("pairs-response-not-text", lambda tmp, md: _file("pairs.jsonl", json.dumps(
+        {"prompt": "a", "chosen": 3, "rejected": "c"}) + "\n")(tmp, md) + ["--training.objective", "dpo",
+                                                                          "--data.val_fraction", "0"],
+         ("pairs.jsonl:1: 'chosen' must be text or a list of chat messages, got int", "check the 'chosen' column")),
+    Case("pairs-bad-chat-role", lambda tmp, md: _file("pairs.jsonl", json.dumps(
+        {"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}) + "\n")(tmp, md)
+         + ["--training.objective", "dpo"],
+         ("pairs.jsonl:1, 'chosen': chat message 1 has unknown role 'bot'", "rename e.g. 'bot'")),
+    Case("reference-adapters-without-lora", ["--training.objective", "dpo", "--preference.reference", "adapters"],
+         ("preference.reference=adapters needs LoRA", "--techniques.lora.enabled true")),
+    Case("reference-for-simpo", ["--training.objective", "simpo", "--preference.reference", "copy"],
+         ("training.objective=simpo uses no reference model", "drop preference.reference")),
+    Case("preference-beta-negative", ["--training.objective", "dpo", "--preference.beta", "-0.1"],
+         ("preference.beta must be positive, got -0.1", "set preference.beta to e.g. 0.1")),
     # optional libraries
     Case("bnb-not-installed", ["--techniques.optimizer", "adamw-8bit"],
          ("bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not installed",

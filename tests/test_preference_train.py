@@ -178,7 +178,7 @@ def test_resume_without_the_saved_reference_is_one_clear_error(tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize("record, match", [
-    ({"prompt": "a", "chosen": 3, "rejected": "b"}, r"train record \d+: 'chosen' must be text"),
+    ({"prompt": "a", "chosen": 3, "rejected": "b"}, r"pairs.jsonl:2: 'chosen' must be text"),
     ({"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "b"}, r"pairs.jsonl:2, 'chosen'"),
 ])
 def test_bad_pair_records_name_the_record(tmp_path, tiny_model_dir, record, match):

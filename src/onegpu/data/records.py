@@ -149,8 +149,12 @@ def check_file(path: str, messages_field: str = "messages") -> None:
             problem = chat_problem(rec[messages_field]) if messages_field in rec else None
             if problem:
                 raise DataError(f"{path}:{n}: {problem[0]}", hint=problem[1])
-            for key in PAIR_FIELDS:  # chat-shaped preference pairs
-                problem = chat_problem(rec[key]) if isinstance(rec.get(key), list) else None
+            for key in PAIR_FIELDS if "chosen" in rec and "rejected" in rec else ():  # preference pairs
+                value = rec.get(key)
+                if value is not None and not isinstance(value, (str, list)):
+                    raise DataError(f"{path}:{n}: '{key}' must be text or a list of chat messages, got "
+                                    f"{type(value).__name__}.", hint=f"check the '{key}' column")
+                problem = chat_problem(value) if isinstance(value, list) else None
                 if problem:
                     raise DataError(f"{path}:{n}, '{key}': {problem[0]}", hint=problem[1])
 

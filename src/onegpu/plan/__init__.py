@@ -25,11 +25,11 @@ def make_plan(cfg, model: str | None = None, gpu: str | None = None, seq_len: in
     seq_len = seq_len or cfg.data.seq_len
     batch = batch or cfg.training.micro_batch_size * cfg.training.grad_accum
     if seq_len < 1 or batch < 1:
-        raise ConfigError(f"--seq-len and --batch must be positive, got {seq_len} and {batch}.")
+        raise ConfigError(f"--data.seq_len and --batch must be positive, got {seq_len} and {batch}.")
     shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
     if shape.max_positions and seq_len > shape.max_positions:
         raise ConfigError(f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
-                          hint=f"use --seq-len <= {shape.max_positions}")
+                          hint=f"use --data.seq_len <= {shape.max_positions}")
     attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
     plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
     if plan.best is None:
