@@ -185,3 +185,7 @@ def test_activation_offload_is_searched_on_a_gpu_and_costs_pcie_time():
 
     kept = {c.checkpointing: memory.estimate(shape, c, 256).components["activations"] for c in (full, off)}
     assert kept["offload"] < kept["full"]  # layer inputs are in host memory, not on the device
+
+
+def test_the_plan_names_the_model_it_planned():
+    assert model_shape("tiny").name == "tiny"  # not the name of the model's last linear layer

@@ -216,10 +216,18 @@ def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: i
     from onegpu.config import LoraConfig, TechniquesConfig
     from onegpu.techniques.prepare import prepare_model
 
+    import logging
+
     tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
                             lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets,
                                             dtype=lora_dtype))
-    return prepare_model(model, tcfg, "cpu")
+    quiet = logging.getLogger("onegpu.techniques")  # its start-of-run lines mean nothing for a measuring model
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        return prepare_model(model, tcfg, "cpu")
+    finally:
+        quiet.setLevel(level)
 
 
 def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,

@@ -128,11 +128,11 @@ def _shape_of(name: str, config) -> ModelShape:
     from transformers.pytorch_utils import Conv1D  # GPT-2's transposed Linear
 
     linear, per_rank, by_name = 0, 0, {}
-    for name, mod in model.named_modules():
+    for module_name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head:
             linear += mod.weight.numel()
             per_rank += sum(mod.weight.shape)
-            short = name.rsplit(".", 1)[-1]
+            short = module_name.rsplit(".", 1)[-1]
             by_name[short] = by_name.get(short, 0) + sum(mod.weight.shape)
     experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
