@@ -2,9 +2,10 @@
 
     python benchmarks/bench_train.py cpu --snapshot        # the CPU table in benchmarks/results/
     python benchmarks/bench_train.py headline --snapshot   # onegpu vs HF Trainer only, more repetitions
+    python benchmarks/bench_train.py cpu-dpo --snapshot    # DPO: onegpu vs TRL's DPOTrainer, on this CPU
     python benchmarks/bench_train.py gpu-quick             # on a CUDA GPU: one preset (below)
     python benchmarks/bench_train.py gpu-quick gpu-best    # several presets, one after the other
-    python benchmarks/bench_train.py gpu                   # every GPU preset (~70 minutes)
+    python benchmarks/bench_train.py gpu                   # every GPU preset (~77 minutes)
     python benchmarks/bench_train.py gpu --dry-run         # list each preset's arms; nothing saved or trained
 
 Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the arms,
@@ -27,9 +28,10 @@ and every arm of every preset loads it from there. Each preset fits one 10-minut
     gpu-offload     offload (DeepSpeed ZeRO-2, CPU Adam), preload        7.3
     gpu-peft        lora, qlora, plain-loss                              7.2
     gpu-chat        padding-free, hf-trainer, trl-sft, on chat data      7.2 (+0.25 once: the data)
+    gpu-dpo         lora, trl-dpo, trl-dpo-lora: DPO vs TRL DPOTrainer   7.3
 
 `gpu-methods` runs gpu-memory .. gpu-offload (each method of the guide's table alone); `gpu` runs
-all nine. The minutes are estimates (see ARM_SECONDS), not measurements.
+all ten. The minutes are estimates (see ARM_SECONDS), not measurements.
 
 --snapshot runs every arm from a copy of src/ taken at the start, so edits made in the checkout
 while a long sweep runs cannot change the code half-way through; the results record the commit
@@ -80,6 +82,14 @@ HEADLINE = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_b
 # Sized for one 10-minute command each: 10 steps of 4 x 2 sequences of 2048 tokens (2 untimed: the
 # allocator and the compilers warm up there), 2 repetitions. Micro-batch 8 is the largest that fits
 # 80 GB at ~1B in bf16 (16 x 2048 needs ~100 GB of activations).
+# DPO on this CPU, onegpu's two defaults (full with a precomputed reference, LoRA with the adapters
+# off) and our loop with a frozen-copy reference, next to TRL's DPOTrainer full and LoRA: pairs from
+# the standard library (6 lines of code, then the 4 real next lines over the same words shuffled),
+# 4 pairs x 2 a step, 14 steps (4 untimed), 5 interleaved rounds: about 10 minutes, mostly the 25
+# processes starting.
+CPU_DPO = ("--training.objective", "dpo", "--model.name", "tiny", "--data.seq_len", "256",
+           "--training.micro_batch_size", "4", "--training.grad_accum", "2", "--training.max_steps", "14",
+           "--bench.warmup_steps", "4", "--bench.reps", "5", "--bench.max_seconds", "120")
 GPU = ("--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training.grad_accum", "2",
        "--training.max_steps", "10", "--bench.warmup_steps", "2", "--bench.reps", "2", "--bench.max_seconds", "240",
        "--bench.max_micro_batch", "8", "--techniques.precision", "bf16", "--data.max_bytes", "3000000")
@@ -87,6 +97,7 @@ GPU = ("--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training
 PRESETS = {p.name: p for p in [
     Preset("cpu", CPU),
     Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
+    Preset("cpu-dpo", CPU_DPO),
     Preset("gpu-quick", GPU, ("hf-trainer-tuned", "trl-sft"), gpu=True),
     Preset("gpu-best", GPU, ("best", "hf-trainer"), gpu=True),
     Preset("gpu-memory", GPU, ("batch-size", "grad-accum", "checkpointing"), gpu=True),
@@ -96,6 +107,8 @@ PRESETS = {p.name: p for p in [
     Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
     Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
     Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
+    # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10 minutes
+    Preset("gpu-dpo", GPU + ("--training.objective", "dpo"), ("lora", "trl-dpo", "trl-dpo-lora"), gpu=True),
 ]}
 GROUPS = {"gpu-methods": ["gpu-memory", "gpu-precision", "gpu-kernels", "gpu-optim", "gpu-offload"],
           "gpu": [n for n, p in PRESETS.items() if p.gpu]}
@@ -108,7 +121,10 @@ GROUPS = {"gpu-methods": ["gpu-memory", "gpu-precision", "gpu-kernels", "gpu-opt
 ARM_SECONDS = {"baseline": 50, "batch-size": 50, "grad-accum": 55, "checkpointing": 55, "fp32": 70, "fp32-tf32": 55,
                "fp16": 50, "bf16": 50, "tf32": 50, "flash": 50, "compile": 110, "plain-loss": 50, "adamw-fused": 50,
                "adafactor": 50, "adamw-8bit": 50, "preload": 50, "offload": 105, "lora": 45, "qlora": 55,
-               "padding-free": 45, "best": 110, "hf-trainer": 60, "hf-trainer-tuned": 100, "trl-sft": 45}
+               "padding-free": 45, "best": 110, "hf-trainer": 60, "hf-trainer-tuned": 100, "trl-sft": 45,
+               # DPO: pairs of ~100-300 tokens, so the steps are short; TRL loads its reference copy
+               # from disk (~10 s) and runs it every step
+               "ref-copy": 55, "trl-dpo": 60, "trl-dpo-lora": 50}
 SETUP_SECONDS = 30  # the parent: imports, tokenizing (cached after the first preset), the matmul peak
 MODEL_SECONDS = 45  # building and writing the random-init model, once per --workdir
 CHAT_SECONDS = 15  # writing the chat set, once per --workdir
@@ -197,7 +213,8 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
     if preset.chat:
         chat = workdir / "chat.jsonl"
         argv += ["--data.path", str(chat if dry_run else chat_data(chat))]
-    name = {"cpu": f"train-cpu-{stamp}", "headline": f"train-cpu-{stamp}-vs-hf"}.get(preset.name)
+    name = {"cpu": f"train-cpu-{stamp}", "headline": f"train-cpu-{stamp}-vs-hf",
+            "cpu-dpo": f"train-cpu-dpo-{stamp}"}.get(preset.name)
     return argv + ["--bench.out", str(RESULTS), "--bench.name", name or f"train-{preset.name}-{stamp}"]
 
 

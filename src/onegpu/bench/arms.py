@@ -2,7 +2,9 @@
 
 An arm is a few dotted overrides of the baseline run ``Config`` (so a method shows up here as soon
 as the config drives it), or a peer trainer given the same run settings: HF ``Trainer`` at its
-defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults.
+defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults. With
+``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next to
+TRL's ``DPOTrainer`` at its defaults.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("onegpu", "hf", "trl")  # our train(); transformers.Trainer; trl.SFTTrainer
+KINDS = ("onegpu", "hf", "trl", "trl-dpo")  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer
 
 
 @dataclass
@@ -101,6 +103,8 @@ def big_micro_batch(b: BenchTrainConfig) -> int:
 
 def all_arms(b: BenchTrainConfig) -> list[Arm]:
     """The guide's rows, one setting each; the baseline first, the peer trainers last."""
+    if b.training.objective == "dpo":
+        return dpo_arms()
     eff = b.training.micro_batch_size * b.training.grad_accum
     big = big_micro_batch(b)
     small = max(1, b.training.micro_batch_size // 4)
@@ -137,6 +141,23 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
         Arm("hf-trainer", "HF Trainer, defaults", {}, kind="hf"),
         Arm("hf-trainer-tuned", "HF Trainer, guide's flags", {}, kind="hf"),
         Arm("trl-sft", "TRL SFTTrainer, defaults", {}, kind="trl", needs=_module("trl")),
+    ]
+
+
+def dpo_arms() -> list[Arm]:
+    """DPO: our defaults (full fine-tune, reference log-probs precomputed once before the first step;
+    LoRA, reference = the adapters switched off), our loop with TRL's default full reference (a frozen
+    copy run every step) for a like-for-like step, and TRL's DPOTrainer at its defaults, full and with
+    the same LoRA adapters (the LoRA arms read r, alpha, dropout and targets from techniques.lora)."""
+    return [
+        Arm("baseline", "onegpu DPO, full (reference precomputed)", {}),
+        Arm("lora", "onegpu DPO, LoRA (reference: adapters off)", {"techniques.lora.enabled": True},
+            needs=_module("peft")),
+        Arm("ref-copy", "onegpu DPO, full (reference: frozen copy, every step)", {"preference.reference": "copy"}),
+        Arm("trl-dpo", "TRL DPOTrainer, defaults, full (reference: frozen copy, every step)", {}, kind="trl-dpo",
+            needs=_module("trl")),
+        Arm("trl-dpo-lora", "TRL DPOTrainer, defaults, LoRA (reference: adapters off)",
+            {"techniques.lora.enabled": True}, kind="trl-dpo", needs=_all(_module("trl"), _module("peft"))),
     ]
 
 

@@ -1,5 +1,5 @@
 """`onegpu bench train`: the guide's technique table, measured on this machine, next to HF Trainer
-and TRL's SFTTrainer.
+and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
 exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a fresh
@@ -92,6 +92,9 @@ def validate(b: BenchTrainConfig) -> None:
     from onegpu.config import validate as validate_run
 
     validate_run(b)
+    if b.training.objective not in ("sft", "dpo"):
+        raise ConfigError(f"bench train measures training.objective sft or dpo, not {b.training.objective}.",
+                          hint="use --objective dpo (or sft); orpo and simpo have no peer trainer here")
     for key in ("warmup_steps", "reps"):
         if getattr(b.bench, key) < 1:
             raise ConfigError(f"bench.{key} must be a positive integer, got {getattr(b.bench, key)}.",
@@ -167,7 +170,7 @@ def cli(argv) -> int:
 
     parser = make_parser("onegpu bench train", "Measure the training guide's methods on this device, one arm "
                          "per method, interleaved repetitions, next to HF Trainer.", BenchTrainConfig)
-    b, _ = parse(parser, argv, BenchTrainConfig)
+    b, _ = parse(parser, objective_shorthand(argv), BenchTrainConfig)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "datasets", "urllib3", "filelock", "torch", "torchao"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -178,6 +181,18 @@ def cli(argv) -> int:
     return 0
 
 
+def objective_shorthand(argv) -> list[str]:
+    """`--objective dpo` means `--training.objective dpo`: the objective picks the whole arm table, so
+    it gets a short flag of its own."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--objective":
+            out[i] = "--training.objective"
+        elif arg.startswith("--objective="):
+            out[i] = "--training.objective=" + arg.split("=", 1)[1]
+    return out
+
+
 def dry_run(b: BenchTrainConfig) -> int:
     """Check the settings and print the arms this device would run, with what each overrides and
     why any is skipped; nothing is tokenized or trained."""
@@ -185,13 +200,17 @@ def dry_run(b: BenchTrainConfig) -> int:
 
     validate(b)
     device = detect()
-    fmt = "text" if not b.data.path else "unknown"  # the format is only known once the data is read
+    fmt = "unknown" if b.data.path else ("text" if b.training.objective == "sft" else "preference")  # known once read
     print(f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
           f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps"
-          + (f" [{b.bench.name}]" if b.bench.name else ""))
-    peers = {"hf": "HF Trainer", "trl": "TRL SFTTrainer"}
+          + (f" [{b.bench.name}]" if b.bench.name else "")
+          + (f"; objective {b.training.objective}" if b.training.objective != "sft" else ""))
+    peers = {"hf": "HF Trainer", "trl": "TRL SFTTrainer", "trl-dpo": "TRL DPOTrainer"}
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)
-        what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items()) or peers.get(arm.kind, "-")
+        what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items())
+        if arm.kind in peers:  # a peer with settings of its own (LoRA) names both
+            what = peers[arm.kind] + (f" ({what})" if what else "")
+        what = what or "-"
         print(f"  {arm.name:<18} {'skip: ' + reason if reason else what}")
     return 0

@@ -1,6 +1,7 @@
 """One benchmark arm in a fresh process: ``python -m onegpu.bench.train_child spec.json result.json``.
 
-Every kind of arm — our `train()`, HF `Trainer` and TRL's `SFTTrainer` (train_peers.py) — imports
+Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py) and its
+`DPOTrainer` (train_dpo.py) — imports
 its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the model
 from the same seed and trains on the same examples in the same order. Timing leaves out the first
 `warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise anyway.
@@ -69,10 +70,12 @@ def preimport(kind: str) -> None:
 
     for mod in model_modules():
         importlib.import_module(mod)
-    if kind in ("hf", "trl"):
+    if kind in ("hf", "trl", "trl-dpo"):
         from transformers import Trainer, TrainingArguments  # noqa: F401
     if kind == "trl":
         from trl import SFTConfig, SFTTrainer  # noqa: F401
+    if kind == "trl-dpo":
+        from trl import DPOConfig, DPOTrainer  # noqa: F401
 
 
 def model_modules() -> list[str]:
@@ -92,14 +95,20 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
     handle on the run (to report which methods really took effect) and reads memory when the loop
     returns: saving the model and plotting afterwards are not training."""
     import onegpu
+    from onegpu.bench.train_dpo import timed_reference_pass
     from onegpu.config import from_dict
     from onegpu.report import read_metrics
 
     watch = Watch(probe)
-    result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
+    with timed_reference_pass() as reference_pass:
+        result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
     records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"]
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
+    if reference_pass:  # DPO with a precomputed reference: its pass ran before the timed steps
+        out["reference_pass"] = reference_pass
+    if records and "reward_accuracy" in records[-1]:  # preference objectives log them
+        out.update(reward_accuracy=records[-1]["reward_accuracy"], reward_margin=records[-1].get("reward_margin"))
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
     out.update(watch.memory)
@@ -154,7 +163,16 @@ def evidence(run) -> dict:
             "compiled": any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
                             for m in model.modules()),
             "peft": type(model).__module__.startswith("peft"),
-            "attention": getattr(getattr(model, "config", None), "_attn_implementation", None)}
+            "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
+            "reference": _reference_kind(run)}
+
+
+def _reference_kind(run) -> str | None:
+    """DPO's reference as this run really computed it (None for SFT and the reference-free objectives)."""
+    if run.cfg.training.objective == "sft":
+        return None
+    ref = getattr(run.loss_fn, "reference", None)
+    return type(ref).__name__ if ref is not None else ("precomputed" if run.cfg.training.objective == "dpo" else None)
 
 
 def main(argv: list[str]) -> int:
@@ -172,9 +190,10 @@ def main(argv: list[str]) -> int:
     if spec["kind"] == "onegpu":
         result = run_onegpu(spec, probe)
     else:
-        from onegpu.bench import train_peers
+        from onegpu.bench import train_dpo, train_peers
 
-        result = train_peers.run_hf(spec) if spec["kind"] == "hf" else train_peers.run_trl(spec)
+        runners = {"hf": train_peers.run_hf, "trl": train_peers.run_trl, "trl-dpo": train_dpo.run_trl_dpo}
+        result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:
         result.update(probe.read())
     result.update(peak_flops=peak, status="ok", wall_s=time.perf_counter() - t0, arm=spec["arm"], rep=spec["rep"])

@@ -26,6 +26,7 @@ class PeerSetup:
     model: Any
     dataset: Any  # datasets.Dataset: one row per micro-batch example, step by step
     per_step: list[int]  # real (non-padding) tokens of each optimizer step
+    indices: list[int]  # the row of run.train_ds behind each row of dataset
 
 
 def setup(spec: dict) -> PeerSetup:
@@ -46,10 +47,20 @@ def setup(spec: dict) -> PeerSetup:
     model = models.load_model(run.model_name, cfg.model, run.tokenizer, attn_implementation=_attention(cfg, device, run))
     order = iter(batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed))
     step_batches = [[i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)]
-    dataset = run.train_ds.select([i for step in step_batches for i in step])
-    lengths = [len(x) for x in dataset["input_ids"]]
+    indices = [i for step in step_batches for i in step]
+    dataset = run.train_ds.select(indices)
+    lengths = example_tokens(dataset)
     per_step = [sum(lengths[s * len(b): (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
-    return PeerSetup(cfg, device, run, model, dataset, per_step)
+    return PeerSetup(cfg, device, run, model, dataset, per_step, indices)
+
+
+def example_tokens(dataset) -> list[int]:
+    """Real tokens of each example as the loops feed them: one sequence, or for a preference pair
+    prompt + chosen and prompt + rejected (the two sequences of its forward)."""
+    if "input_ids" in dataset.column_names:
+        return [len(x) for x in dataset["input_ids"]]
+    return [2 * len(p) + len(c) + len(r) for p, c, r in
+            zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
 
 
 def _attention(cfg, device, run) -> str:

@@ -24,10 +24,13 @@ GUIDE = {"Batch size choice": ("Yes", "Yes"), "Gradient accumulation": ("No", "Y
 # Arms compared with the peer trainers in the headline. Trainer's default optimizer is fused
 # AdamW (torch >= 2.8), so "adamw-fused" is our loop with the same settings.
 VS_HF = ("baseline", "adamw-fused", "best")
-# The peers: document key -> (arm, how the headline names it).
-PEERS = {"vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)"),
-         "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)"),
-         "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)")}
+# The peers: document key -> (peer arm, how the headline names it, our arms compared with it).
+PEERS = {"vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
+         "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)", VS_HF),
+         "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)", VS_HF),
+         # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against LoRA
+         "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
+         "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",))}
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
 ACTIVE = {
@@ -40,6 +43,9 @@ ACTIVE = {
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
     "lora": ("peft", lambda v: v is True, "a PEFT model"),
     "qlora": ("peft", lambda v: v is True, "a PEFT model"),
+    "ref-copy": ("reference", lambda v: v == "CopyReference", "a frozen-copy reference"),
+    "trl-dpo": ("reference", lambda v: str(v).startswith("frozen copy"), "TRL's frozen-copy reference"),
+    "trl-dpo-lora": ("peft", lambda v: v is True, "a PEFT model"),
 }
 
 
@@ -109,20 +115,36 @@ def summarize(doc: dict) -> dict:
             r["samples_per_s"] = r["timed_steps"] * eff / r["timed_seconds"]
             # the child's own peak, measured just before it trained: same machine load as its steps
             r["mfu"] = r["tokens_per_s"] * fpt / (r.get("peak_flops") or peak) if peak else None
-        for key in ("tokens_per_s", "samples_per_s", "mfu", "train_mem_mb", "peak_mem_mb", "final_loss"):
+            r["tokens_per_s_with_ref"] = with_reference_pass(r, t["max_steps"])
+        for key in ("tokens_per_s", "samples_per_s", "mfu", "train_mem_mb", "peak_mem_mb", "final_loss",
+                    "tokens_per_s_with_ref", "reward_accuracy"):
             arm[key] = _median([r.get(key) for r in ok])
+        passes = [r["reference_pass"] for r in ok if r.get("reference_pass")]
+        arm["reference_pass_s"] = _median([x.get("seconds") for x in passes])
+        arm["reference_pass_warm_s"] = _median([x.get("warm_seconds") for x in passes])
         arm["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
         arm["inactive"] = _inactive(arm, ok)
     base = doc["arms"].get("baseline", {})
     for arm in doc["arms"].values():
         arm["speed_x"] = paired_ratio(arm, base, "tokens_per_s")
         arm["memory_x"] = paired_ratio(arm, base, "train_mem_mb")
-    for key, (ref, _) in PEERS.items():
+    for key, (ref, _, ours) in PEERS.items():
         hf = doc["arms"].get(ref, {})
-        doc[key] = {  # our defaults; our loop with Trainer's default optimizer; our best set
-            name: {"speed_x": paired_ratio(a, hf, "tokens_per_s"), "memory_x": paired_ratio(a, hf, "train_mem_mb")}
-            for name, a in doc["arms"].items() if name in VS_HF and a.get("tokens_per_s") and hf.get("tokens_per_s")}
+        doc[key] = {  # SFT: our defaults, our loop with Trainer's default optimizer, our best set
+            name: {"speed_x": paired_ratio(a, hf, "tokens_per_s"), "memory_x": paired_ratio(a, hf, "train_mem_mb"),
+                   "speed_x_with_ref": paired_ratio(a, hf, "tokens_per_s_with_ref")}
+            for name, a in doc["arms"].items() if name in ours and a.get("tokens_per_s") and hf.get("tokens_per_s")}
     return doc
+
+
+def with_reference_pass(rep: dict, max_steps: int) -> float:
+    """Tokens/s with DPO's precomputed reference pass charged to the timed steps pro rata: the pass
+    covers the pairs of all max_steps steps, so timed_steps / max_steps of it belongs to the timed ones.
+    Its warm time is charged (the first pass also pays the process's start-up, which the other arms
+    pay in their untimed steps); arms that compute the reference inside each step have nothing to add."""
+    ref = rep.get("reference_pass") or {}
+    seconds = ref.get("warm_seconds", ref.get("seconds", 0.0)) * rep["timed_steps"] / max(max_steps, 1)
+    return rep["timed_tokens"] / (rep["timed_seconds"] + seconds)
 
 
 def paired_ratio(arm: dict, ref: dict, key: str) -> Optional[float]:
@@ -164,6 +186,10 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
 
 
 def markdown(doc: dict, png_name: str | None = None) -> str:
+    if doc["config"]["training"].get("objective") == "dpo":
+        from onegpu.bench.train_dpo_report import dpo_markdown
+
+        return dpo_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
     lines = [f"# Training methods on {d['name']}", "",
@@ -174,7 +200,7 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
              f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
              f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
              f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.", ""]
-    for key, (_, label) in PEERS.items():
+    for key, (_, label, _ours) in PEERS.items():
         for name, vs in doc.get(key, {}).items():
             lines += [f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
                       f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"]

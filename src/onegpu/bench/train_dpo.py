@@ -1,0 +1,193 @@
+"""DPO arms of `onegpu bench train --objective dpo`, in the arm's own process (see train_child.py):
+TRL's ``DPOTrainer`` at its defaults as the peer, and the clock on our reference pass.
+
+TRL gets the very records our loop trains on (the pairs ``pairs.corpus_pairs`` makes from the standard
+library, or data.path's), in the order our loop draws them, and tokenizes them itself; the bench then
+checks that its token ids equal ours pair by pair, so both count the same real tokens. Only what a
+fair comparison needs is set to our run's values (hf_arguments plus ``aligned_arguments`` below, each
+with its reason); the rest, the reference included, is TRL's own default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+from onegpu.bench import train_peers
+
+
+# ---------------------------------------------------------------------------------------- onegpu
+@contextlib.contextmanager
+def timed_reference_pass():
+    """Times our precomputed reference (techniques/reference.py: one no-grad pass over every pair before
+    the first step) and counts its pairs and tokens. It runs before the loop's timing windows, so the
+    report charges it separately instead of it vanishing from tokens/s."""
+    from onegpu.techniques import reference
+
+    seen: dict = {}
+    original = reference.precompute
+
+    def timed(run, accelerator, resumed):
+        t0 = time.perf_counter()
+        original(run, accelerator, resumed)
+        cold = time.perf_counter() - t0
+        splits = [ds for ds in (run.train_ds, run.val_ds) if ds is not None]
+        seen.update(seconds=cold, pairs=sum(len(ds) for ds in splits),
+                    tokens=sum(sum(train_peers.example_tokens(ds)) for ds in splits))
+        # The pass above is the process's first forward and pays its one-off start-up (kernel and
+        # allocator warm-up), which the other arms pay in their untimed first steps. The same pass
+        # again, warm (results discarded, no weights touched), is what the report charges to tokens/s.
+        compute = getattr(reference, "_compute", None)
+        if compute is not None and not resumed:
+            t0 = time.perf_counter()
+            for ds in splits:
+                compute(run, accelerator, ds)
+            seen["warm_seconds"] = time.perf_counter() - t0
+
+    reference.precompute = timed  # looked up on the module at call time by training.assemble
+    try:
+        yield seen
+    finally:
+        reference.precompute = original
+
+
+# ------------------------------------------------------------------------------------------ TRL
+@contextlib.contextmanager
+def captured_records():
+    """The preference records the run tokenizes, per split, as the data code hands them over: TRL is
+    given these same records rather than a copy rebuilt by other means."""
+    from onegpu.data import pairs
+
+    seen: dict = {}
+    original = pairs.tokenize_pairs
+
+    def capture(ds, tok, cfg, split="train"):
+        seen.setdefault(split, ds)
+        return original(ds, tok, cfg, split)
+
+    pairs.tokenize_pairs = capture
+    try:
+        yield seen
+    finally:
+        pairs.tokenize_pairs = original
+
+
+def record_rows(records, tokenized, tok, data_cfg) -> list[int]:
+    """For each tokenized pair (run.train_ds, after over-long pairs were left out), the record it came
+    from. A pair our data code truncated has no record with its tokens; TRL would cut it elsewhere
+    (the end, not the prompt's start), so the bench refuses rather than compare different tokens."""
+    from onegpu.data.pairs import encode_pair
+    from onegpu.errors import ConfigError
+
+    index: dict = {}
+    for i, r in enumerate(records):
+        ids = encode_pair(r.get(data_cfg.prompt_field), r[data_cfg.chosen_field], r[data_cfg.rejected_field],
+                          tok, data_cfg, f"record {i}")
+        index.setdefault(tuple(map(tuple, ids)), i)
+    rows = []
+    for j, ex in enumerate(tokenized):
+        i = index.get((tuple(ex["prompt_ids"]), tuple(ex["chosen_ids"]), tuple(ex["rejected_ids"])))
+        if i is None:
+            raise ConfigError(f"training pair {j} was truncated to data.seq_len={data_cfg.seq_len}: TRL would "
+                              "truncate it differently, so the two would not train on the same tokens.",
+                              hint="raise --data.seq_len, or set --data.overlong drop")
+        rows.append(i)
+    return rows
+
+
+def trl_records(records, rows: list[int], data_cfg):
+    """The records in the given order, with TRL's column names (prompt / chosen / rejected)."""
+    cols = {data_cfg.prompt_field: "prompt", data_cfg.chosen_field: "chosen", data_cfg.rejected_field: "rejected"}
+    ds = records.select(rows).select_columns([c for c in cols if c in records.column_names])
+    return ds.rename_columns({k: v for k, v in cols.items() if k != v and k in ds.column_names})
+
+
+def aligned_arguments(cfg, device) -> dict:
+    """DPOConfig settings set to our run's, each because the comparison needs it (hf_arguments already
+    aligns batch, accumulation, steps, learning rate and schedule, optimizer betas, clipping, seed)."""
+    from onegpu.techniques.precision import resolve_precision
+    from onegpu.techniques.preference import resolve_beta
+
+    precision = resolve_precision(cfg.techniques, device)
+    kw = dict(
+        # the same arithmetic: TRL's default is bf16 autocast, ours fp32 on a CPU and the preset's bf16 on a GPU
+        bf16=precision.startswith("bf16"), fp16=precision == "fp16",
+        # TRL cuts at 1024 tokens by default; ours at data.seq_len (no pair here reaches either: see record_rows)
+        max_length=cfg.data.seq_len,
+        # the same objective: beta and label smoothing are the loss itself (TRL's 0.1 and 0.0 are our defaults too)
+        beta=resolve_beta("dpo", cfg.preference.beta), label_smoothing=cfg.preference.label_smoothing)
+    if device.type == "cpu":
+        kw["use_cpu"] = True
+    return kw
+
+
+def lora_config(cfg):
+    """The LoRA arm's adapters, as techniques/lora.py builds ours: the same trainable weights."""
+    import peft
+
+    lcfg = cfg.techniques.lora
+    return peft.LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                           target_modules=lcfg.targets if lcfg.targets == "all-linear" else
+                           [t.strip() for t in lcfg.targets.split(",") if t.strip()],
+                           use_dora=lcfg.dora, bias="none", task_type="CAUSAL_LM")
+
+
+def default_reference(model, lora: bool):
+    """What TRL does with ref_model=None, made possible here: with PEFT, nothing (it disables the
+    adapters); for a full fine-tune it loads a second copy of the policy from the policy's path, which a
+    model built in memory from a preset does not have, so the bench hands it that copy itself."""
+    path = getattr(model.config, "_name_or_path", "") or ""
+    if lora or (Path(path) / "config.json").is_file():
+        return None
+    return copy.deepcopy(model)
+
+
+def run_trl_dpo(spec: dict, callbacks: tuple = ()) -> dict:
+    """TRL's DPOTrainer at its defaults on our records in our order (full, or LoRA with the same adapters)."""
+    import trl
+    from trl import DPOConfig, DPOTrainer
+
+    with captured_records() as seen:
+        p = train_peers.setup(spec)
+    cfg = p.cfg
+    rows = record_rows(seen["train"], p.run.train_ds, p.run.tokenizer, cfg.data)
+    records = trl_records(seen["train"], [rows[i] for i in p.indices], cfg.data)
+    timer = train_peers.make_timer(spec["warmup_steps"], spec["budget_s"], cfg.training.log_every,
+                                   p.device.type == "cuda")
+    args = DPOConfig(**{**train_peers.hf_arguments(cfg, spec["arm"], p.device), **aligned_arguments(cfg, p.device)})
+    lora = cfg.techniques.lora.enabled
+    ref_model = default_reference(p.model, lora)
+    trainer = DPOTrainer(model=p.model, ref_model=ref_model, args=args, train_dataset=records,
+                         processing_class=p.run.tokenizer, peft_config=lora_config(cfg) if lora else None,
+                         callbacks=[timer, *callbacks])
+    same = same_tokens(trainer.train_dataset, p.dataset)
+    trainer.train()
+    out = train_peers._result(trainer, args, timer, p.per_step)
+    last = next((h for h in reversed(trainer.state.log_history) if "rewards/accuracies" in h), {})
+    total = sum(x.numel() for x in trainer.model.parameters())
+    out["evidence"].update(
+        trl=trl.__version__, loss_type=list(args.loss_type), beta=args.beta, max_length=args.max_length,
+        reference=("adapters off (PEFT model, ref_model None)" if lora else
+                   "frozen copy, " + ("loaded by TRL from the policy's path" if ref_model is None else
+                                      "handed over as ref_model (no path to load from)")),
+        precompute_ref_log_probs=bool(args.precompute_ref_log_probs), peft=hasattr(trainer.model, "disable_adapter"),
+        trainable_params=sum(x.numel() for x in trainer.model.parameters() if x.requires_grad), total_params=total,
+        same_tokens=same, pad_to_multiple_of=args.pad_to_multiple_of)
+    out["reward_accuracy"] = last.get("rewards/accuracies")
+    out["reward_margin"] = last.get("rewards/margins")
+    return out
+
+
+def same_tokens(trl_dataset, ours) -> bool:
+    """TRL's own tokenization of the records against ours, pair by pair (same order): a difference
+    would make the token counts, and so tokens/s, incomparable."""
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+    if len(trl_dataset) != len(ours):
+        raise RuntimeError(f"TRL kept {len(trl_dataset)} pairs of {len(ours)}")
+    for j in range(len(ours)):
+        a, b = trl_dataset[j], ours[j]
+        if any(list(a[k]) != list(b[k]) for k in keys):
+            raise RuntimeError(f"TRL tokenized pair {j} differently from onegpu: the arms would not be comparable")
+    return True
