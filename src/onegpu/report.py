@@ -104,6 +104,9 @@ def progress_bar(total: int, enabled: bool, initial: int = 0):
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "loss.png", "reference_logps.safetensors")
+
+
 def print_summary(r) -> None:
     first = f"{r.first_eval:.3f}" if r.first_eval is not None else "n/a"
     last = f"{r.last_eval:.3f}" if r.last_eval is not None else "n/a"
@@ -111,7 +114,8 @@ def print_summary(r) -> None:
           f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
     for stats in r.data_stats:
         print(f"data {stats.describe()}")
-    print(f"run directory: {r.run_dir}\n  config.yaml, metrics.jsonl, tensorboard/, loss.png")
+    files = [name + ("/" if (r.run_dir / name).is_dir() else "") for name in RUN_FILES if (r.run_dir / name).exists()]
+    print(f"run directory: {r.run_dir}\n  {', '.join(files)}")
     fmt = r.data_stats[0].fmt if r.data_stats else "text"
     print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
 
