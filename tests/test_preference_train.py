@@ -17,13 +17,7 @@ from onegpu.errors import DataError
 from onegpu.report import read_metrics
 from onegpu.training import assemble
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+from test_resume import one_thread  # noqa: F401 - autouse: tiny models run fastest on one thread
 
 
 def _shuffled(text: str, rng: random.Random) -> str:
