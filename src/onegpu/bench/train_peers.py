@@ -177,6 +177,9 @@ def make_timer(warmup: int, budget_s: float, every: int, cuda: bool):
 
                     torch.cuda.synchronize()
                 self.marks.append((state.global_step, time.perf_counter()))
+                # Trainer logs only every logging_steps; our loop also logs the last step, so the
+                # final loss is the same window's (steps since the previous log) on both sides.
+                control.should_log = True
             if time.perf_counter() - self.t0 > budget_s:
                 control.should_training_stop = True
 
