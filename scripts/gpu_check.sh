@@ -9,9 +9,10 @@
 #   infer     benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
+#   dpo       benchmarks/bench_train.py gpu-dpo (DPO vs TRL's DPOTrainer)   -> dpo.log, train-gpu-dpo-*
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. One 10-minute command on the
-# GPU machine holds "versions dry tests", "offload infer", "quick" or "best" (see benchmarks/README.md).
+# GPU machine holds "versions dry tests", "offload infer", "quick", "best" or "dpo" (see benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
 # there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
@@ -43,14 +44,14 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload infer quick best)
+ALL=(versions dry tests offload infer quick best dpo)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
     versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 240 ;;
-    quick|best) echo 560 ;; *) echo 300 ;;
+    quick|best|dpo) echo 560 ;; *) echo 300 ;;
   esac
 }
 
@@ -77,7 +78,7 @@ PYEOF
 step_cmd() {
   case $1 in
     versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
-    dry) "$PY" benchmarks/bench_train.py cpu headline gpu --dry-run \
+    dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo gpu --dry-run \
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
     # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
@@ -87,11 +88,12 @@ step_cmd() {
              -- --settings fp32,bf16,int8,nf4,ao-int8,bf16+static-compile --repeats 2 --new_tokens 32 ;;
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
+    dpo) "$PY" benchmarks/bench_train.py gpu-dpo --bench.out "$DIR" ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
   esac
 }
 
-needs_gpu() { case $1 in infer|quick|best) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|quick|best|dpo) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"

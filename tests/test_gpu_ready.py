@@ -28,12 +28,13 @@ GPU_ARMS = {
     "gpu-offload": ["baseline", "offload", "preload"],
     "gpu-peft": ["baseline", "lora", "qlora", "plain-loss"],
     "gpu-chat": ["baseline", "padding-free", "hf-trainer", "trl-sft"],
+    "gpu-dpo": ["baseline", "lora", "trl-dpo", "trl-dpo-lora"],
 }
 # The guide's table, each method alone (bf16 is the GPU baseline, measured against the fp32 arm),
 # the best set, PEFT, padding vs packing, and the three peers at their defaults / the guide's flags.
 MUST_COVER = {"batch-size", "grad-accum", "checkpointing", "fp32", "fp16", "fp32-tf32", "flash", "adamw-fused",
               "adafactor", "adamw-8bit", "preload", "compile", "offload", "lora", "qlora", "best", "padding-free",
-              "hf-trainer", "hf-trainer-tuned", "trl-sft"}
+              "hf-trainer", "hf-trainer-tuned", "trl-sft", "trl-dpo", "trl-dpo-lora"}
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -87,14 +88,15 @@ def _sections(out: str) -> dict[str, list[str]]:
 def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
     """Each preset's flags parse and validate, and it lists exactly its arms; nothing is written."""
     env = {**ENV, "ONEGPU_BENCH_WORKDIR": str(tmp_path / "work")}
-    proc = _run(sys.executable, "benchmarks/bench_train.py", "cpu", "headline", "gpu", "--dry-run", env=env)
+    proc = _run(sys.executable, "benchmarks/bench_train.py", "cpu", "headline", "cpu-dpo", "gpu", "--dry-run", env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     sections = _sections(proc.stdout)
-    from onegpu.bench.arms import all_arms
+    from onegpu.bench.arms import all_arms, dpo_arms
     from onegpu.bench.settings import BenchTrainConfig
 
     names = lambda lines: [line.split()[0] for line in lines]  # noqa: E731
     assert names(sections["cpu"]) == [a.name for a in all_arms(BenchTrainConfig())]
+    assert names(sections["cpu-dpo"]) == [a.name for a in dpo_arms()]
     assert names(sections["headline"]) == ["baseline", "plain-loss", "hf-trainer", "hf-trainer-tuned"]
     for preset, arms in GPU_ARMS.items():
         assert names(sections[preset]) == arms, preset
@@ -108,6 +110,9 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
     precision = dict(line.split(None, 1) for line in sections["gpu-precision"])
     assert precision["fp16"].startswith("skip: ") and precision["fp32"] == "techniques.precision=fp32"
     assert dict(line.split(None, 1) for line in sections["gpu-quick"])["trl-sft"] == "TRL SFTTrainer"
+    dpo = dict(line.split(None, 1) for line in sections["gpu-dpo"])
+    assert dpo["trl-dpo"] == "TRL DPOTrainer" and dpo["trl-dpo-lora"] == "TRL DPOTrainer (techniques.lora.enabled=True)"
+    assert re.search(r"2 reps \[train-gpu-dpo-\d+\]; objective dpo", proc.stdout)
 
 
 def test_gpu_presets_fit_a_ten_minute_command():
@@ -148,7 +153,8 @@ def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
 def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     """The planner's memory model (CPU-measured activations) for each GPU arm's micro-batch and
     precision, with the full logits (the worst case): all fit an 80 GB H100, while the uncapped
-    batch-size arm (16 x 2048) would not."""
+    batch-size arm (16 x 2048) would not. DPO arms run two sequences a pair, all of seq_len (the worst
+    case: the corpus pairs are far shorter), and TRL's full arm keeps a frozen copy of the model."""
     from onegpu.bench.arms import all_arms
     from onegpu.bench.settings import BenchTrainConfig
     from onegpu.cli.args import make_parser, parse
@@ -159,16 +165,26 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     script, capacity = _bench_train_script(), 80 * 2**30
     shape = model_shape("1b", 4096)
     parser = make_parser("onegpu bench train", "", BenchTrainConfig)
-    b, _ = parse(parser, list(script.GPU), BenchTrainConfig)
-    arms = {a.name: a for a in all_arms(b)}
-    peers = {"hf-trainer": "fp32", "hf-trainer-tuned": "bf16", "trl-sft": "bf16"}  # their own defaults
-    for name in sorted(set().union(*GPU_ARMS.values())):
-        o = arms[name].overrides
-        c = Candidate(o.get("training.micro_batch_size", b.training.micro_batch_size),
-                      o.get("training.grad_accum", b.training.grad_accum),
-                      peers.get(name) or o.get("techniques.precision", b.techniques.precision),
-                      checkpointing="full" if name == "trl-sft" else o.get("techniques.checkpointing", "off"))
-        assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (name, c.label())
+    # their own defaults: HF Trainer fp32, the guide's flags and TRL bf16; TRL checkpoints by default
+    peers = {"hf-trainer": "fp32", "hf-trainer-tuned": "bf16", "trl-sft": "bf16"}
+    trl = {"trl-sft", "trl-dpo", "trl-dpo-lora"}
+    checked = set()
+    for preset, arm_names in GPU_ARMS.items():
+        b, _ = parse(parser, list(script.PRESETS[preset].args), BenchTrainConfig)
+        arms = {a.name: a for a in all_arms(b)}
+        for name in arm_names:
+            o = arms[name].overrides
+            lora = o.get("techniques.lora.enabled", False)
+            reference = {"trl-dpo": "copy"}.get(name, o.get("preference.reference", b.preference.reference))
+            c = Candidate(o.get("training.micro_batch_size", b.training.micro_batch_size),
+                          o.get("training.grad_accum", b.training.grad_accum),
+                          peers.get(name) or o.get("techniques.precision", b.techniques.precision),
+                          checkpointing="full" if name in trl else o.get("techniques.checkpointing", "off"),
+                          lora_rank=b.techniques.lora.r if lora else 0, objective=b.training.objective,
+                          reference=reference)
+            assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (preset, name, c.label())
+            checked.add(name)
+    assert checked == set().union(*GPU_ARMS.values())
     assert not memory.estimate(shape, Candidate(16, 1, "bf16"), b.data.seq_len).fits(capacity)
 
 
