@@ -126,13 +126,13 @@ def test_a_truncated_pair_is_refused_rather_than_compared(tiny_tokenizer):
 
     from onegpu.bench.train_dpo import record_rows
     from onegpu.config import DataConfig
-    from onegpu.data import pairs
+    from onegpu.data import batches
 
     records = datasets.Dataset.from_list([
         {"prompt": "def f(x):\n", "chosen": "    return x\n", "rejected": "x return\n"},
         {"prompt": "import os\n" * 20, "chosen": "print(os.sep)\n" * 10, "rejected": "os print\n" * 10}])
     cfg = DataConfig(seq_len=48, overlong="truncate")
-    tokenized, _ = pairs.tokenize_pairs(records, tiny_tokenizer, cfg, "train")
+    tokenized, _ = batches.tokenize_counted(records, "preference", tiny_tokenizer, cfg, "test", "train")
     assert record_rows(records, tokenized.select([0]), tiny_tokenizer, cfg) == [0]
     with pytest.raises(ConfigError, match="truncated") as err:
         record_rows(records, tokenized, tiny_tokenizer, cfg)

@@ -22,8 +22,12 @@ def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = 
 
 def tokenize_counted(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str,
                      split: str = "train") -> tuple[Any, overlong.DataStats]:
-    """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the records."""
-    fn = {"text": _text, "prompt_completion": _prompt_completion, "messages": _messages}[fmt]
+    """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the records.
+    Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
+    from onegpu.data import pairs
+
+    fn = {"text": _text, "prompt_completion": _prompt_completion, "messages": _messages,
+          "preference": pairs.tokenize_batch}[fmt]
     kw = dict(batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"tokenizing ({fmt})",
               fn_kwargs={"tok": tok, "cfg": cfg, "split": split})
     if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
@@ -43,7 +47,9 @@ def tokenize_counted(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str,
         out = out.map(_pack, batched=True, fn_kwargs={"seq_len": cfg.seq_len}, desc="packing",
                       remove_columns=out.column_names)
         return out, overlong.text_stats(len(ds), split, cfg.seq_len, len(out))
-    stats = overlong.count(out, split, fmt, cfg.overlong, cfg.seq_len)
+    # a preference pair has no turn boundary to cut on: split drops it, and is reported as drop
+    policy = "drop" if fmt == "preference" and cfg.overlong == "split" else cfg.overlong
+    stats = overlong.count(out, split, fmt, policy, cfg.seq_len)
     out = out.filter(lambda fates: [f in overlong.KEPT for f in fates], batched=True, input_columns=overlong.FATE,
                      desc="dropping over-long and empty")
     return out.remove_columns([overlong.FATE, overlong.TURNS]), stats

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
-
 from onegpu.config import DataConfig
 from onegpu.data import overlong, records
 from onegpu.errors import DataError
@@ -27,27 +25,9 @@ REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 
 
 # ------------------------------------------------------------------------------------ tokenizing
-def tokenize_pairs(ds, tok, cfg: DataConfig, split: str = "train") -> tuple[Any, overlong.DataStats]:
-    """(examples with prompt_ids / chosen_ids / rejected_ids, what became of the records)."""
-    kw = dict(batched=True, with_indices=True, remove_columns=ds.column_names, desc="tokenizing (preference)",
-              fn_kwargs={"tok": tok, "cfg": cfg, "split": split})
-    if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
-        kw["num_proc"] = cfg.num_proc
-    try:
-        out = ds.map(_pairs, **kw)
-    except Exception as exc:  # datasets wraps worker errors; surface ours
-        cause = exc
-        while cause.__cause__ is not None and not isinstance(cause, DataError):
-            cause = cause.__cause__
-        raise (cause if isinstance(cause, DataError) else exc) from None
-    policy = "drop" if cfg.overlong == "split" else cfg.overlong  # a pair has no turn boundary to cut on
-    stats = overlong.count(out, split, "preference", policy, cfg.seq_len)
-    out = out.filter(lambda fates: [f in overlong.KEPT for f in fates], batched=True, input_columns=overlong.FATE,
-                     desc="dropping over-long and empty")
-    return out.remove_columns([overlong.FATE, overlong.TURNS]), stats
-
-
-def _pairs(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
+def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
+    """The `datasets.map` function batches.tokenize_counted applies to preference records: each record's
+    ids and its fate (fits, truncated, dropped; data/overlong.py)."""
     out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], overlong.FATE: [], overlong.TURNS: []}
     prompts = batch.get(cfg.prompt_field) or [None] * len(indices)
     for idx, p, c, r in zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field]):

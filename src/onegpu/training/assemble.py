@@ -40,7 +40,9 @@ class Run:
     data_format: str = ""  # text | prompt-completion | chat: detected from the columns
     data_stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
     sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
+    train_records: Any = None  # the training records before tokenizing (a peer benchmark tokenizes them itself)
     reference_model: Any = None  # preference.reference=copy: the frozen starting model
+    reference_seconds: float | None = None  # preference.reference=precomputed: the pass before training
     val_rewards: dict = field(default_factory=dict)  # preference objectives: the last evaluation's rewards
 
 
@@ -142,13 +144,10 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
 def build_data(run: Run) -> None:
     cfg = run.cfg
     train_rec, val_rec, fingerprint = records.load_records(cfg.data, cfg.training.seed)
-    if cfg.training.objective != "sft":
-        return build_pair_data(run, train_rec, val_rec, fingerprint)
+    if cfg.training.objective != "sft" and cfg.data.path is None:
+        train_rec, val_rec = corpus_pairs(cfg, train_rec, val_rec)
     fmt = records.detect_format(cfg.data, train_rec.column_names)
-    if fmt == "preference":
-        raise DataError(f"{cfg.data.path}: preference pairs (columns '{cfg.data.chosen_field}' and "
-                        f"'{cfg.data.rejected_field}'), but training.objective=sft.",
-                        hint="set --training.objective dpo (or orpo / simpo) to train on pairs")
+    check_objective(cfg, fmt, train_rec.column_names)
     t0 = time.perf_counter()
     run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
     check_positions(cfg, run.model_name)  # before tokenizing: a too long seq_len is not "no examples"
@@ -169,50 +168,39 @@ def build_data(run: Run) -> None:
                         hint="lower data.seq_len or check the data")
     run.collator = batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
                                     position_ids=cfg.techniques.padding_free)
-    run.data_format = fmt
+    if fmt == "preference":  # each pair: its chosen and rejected sequences in the one batch
+        from onegpu.data.pairs import PairCollator
+
+        run.collator = PairCollator(run.collator)
+    run.data_format, run.train_records = fmt, train_rec
     run.sample_prompt = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
     log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(run.train_ds),
              len(run.val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
 
 
-def build_pair_data(run: Run, train_rec, val_rec, fingerprint: str) -> None:
-    """Preference pairs (training.objective dpo / orpo / simpo); with no data.path, pairs made from the
-    standard library's sources (data/pairs.py: corpus_pairs)."""
-    from onegpu.data import pairs
+def corpus_pairs(cfg: Config, train_rec, val_rec):
+    """The default job's preference pairs, made from the standard library's sources (data/pairs.py), as
+    many as the run will use: DPO's reference pass then costs no more."""
+    from onegpu.data.pairs import corpus_pairs as make
 
-    cfg = run.cfg
-    if cfg.data.path is None:  # as many pairs as the run will use: DPO's reference pass then costs no more
-        t = cfg.training
-        train_rec = pairs.corpus_pairs(train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size *
-                                       t.grad_accum)
-        if val_rec is not None:
-            val_rec = pairs.corpus_pairs(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size)
-    fmt = records.detect_format(cfg.data, train_rec.column_names)
-    if fmt != "preference":
-        raise DataError(f"training.objective={cfg.training.objective} needs preference pairs: columns "
-                        f"'{cfg.data.prompt_field}', '{cfg.data.chosen_field}' and '{cfg.data.rejected_field}'; "
-                        f"{cfg.data.path} has {train_rec.column_names}.",
+    t = cfg.training
+    train = make(train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size * t.grad_accum)
+    val = make(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size) \
+        if val_rec is not None else None
+    return train, val
+
+
+def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
+    """Preference pairs go with a preference objective, and only with one."""
+    d, objective = cfg.data, cfg.training.objective
+    if objective == "sft" and fmt == "preference":
+        raise DataError(f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), but "
+                        "training.objective=sft.", hint="set --training.objective dpo (or orpo / simpo) to train on pairs")
+    if objective != "sft" and fmt != "preference":
+        raise DataError(f"training.objective={objective} needs preference pairs: columns '{d.prompt_field}', "
+                        f"'{d.chosen_field}' and '{d.rejected_field}'; {d.path} has {columns}.",
                         hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
                         "training.objective=sft")
-    run.tokenizer = build_tokenizer(cfg, run.model_name, train_rec, fmt, fingerprint)
-    run.sample_prompt = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
-    check_positions(cfg, run.model_name)
-    run.train_ds, stats = pairs.tokenize_pairs(train_rec, run.tokenizer, cfg.data, "train")
-    run.data_stats = [stats]
-    run.val_ds = None
-    if val_rec is not None:
-        run.val_ds, stats = pairs.tokenize_pairs(val_rec, run.tokenizer, cfg.data, "validation")
-        run.data_stats.append(stats)
-    for stats in run.data_stats:
-        log.info("data %s", stats.describe())
-    if len(run.train_ds) == 0:
-        raise DataError(f"no training pairs after tokenization: {run.data_stats[0].describe()}.",
-                        hint="raise data.seq_len, set data.overlong=truncate, or check the data")
-    run.collator = pairs.PairCollator(batches.Collator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple,
-                                                       cfg.data.seq_len, position_ids=cfg.techniques.padding_free))
-    run.data_format = fmt
-    log.info("data: preference pairs, %d train / %d val of <= %d tokens per sequence", len(run.train_ds),
-             len(run.val_ds or []), cfg.data.seq_len)
 
 
 def check_positions(cfg: Config, model_name: str) -> None:
@@ -251,8 +239,6 @@ def build_model(run: Run, accelerator=None) -> None:
 
         preference.disable_dropout(model)
         if reference.choose(cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled) == "copy":
-            import copy
-
             run.reference_model = copy.deepcopy(model)  # the starting weights, before adapters or compile
     shard = (functools.partial(distributed.apply_fsdp2, cfg=cfg, precision=run.precision, accelerator=accelerator)
              if accelerator is not None else None)
