@@ -120,8 +120,6 @@ def test_padded_and_packed_batches_give_the_same_sequence_logps(tiny_tokenizer):
 def test_pair_tokens_match_trl_tokenization(tiny_tokenizer, tmp_path):
     """The same prompt / chosen / rejected ids as TRL's DPOTrainer tokenizes (text records get an EOS)."""
     trl = pytest.importorskip("trl")
-    from trl.trainer.dpo_trainer import DPOTrainer  # noqa: F401 - the trainer the other test compares with
-
     ds = _trl_trainer(tiny_tokenizer, make_tiny_llama(tiny_tokenizer), trl, tmp=str(tmp_path)).train_dataset
     for i, r in enumerate(PAIRS):
         ours = pairs.encode_pair(r["prompt"], r["chosen"], r["rejected"], tiny_tokenizer, DataConfig(), "x")

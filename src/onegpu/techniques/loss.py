@@ -36,6 +36,12 @@ def model_inputs(batch: dict) -> dict:
     return inputs
 
 
+def normaliser(loss_fn):
+    """What a loss function's summed loss is divided by, per micro-batch: its own ``count`` (pairs, for
+    the preference losses), else the target tokens (``with_target_positions`` has been applied)."""
+    return getattr(loss_fn, "count", None) or (lambda batch: batch[TARGETS].numel())
+
+
 def count_targets(labels: torch.Tensor) -> int:
     """Tokens that count in the loss: labels shifted by one, -100 excluded."""
     return int((labels[:, 1:] != IGNORE).sum())

@@ -144,17 +144,23 @@ class PreferenceLoss:
 
     def pop_window(self) -> dict:
         """Mean rewards, margin and accuracy over the pairs since the last call (one host sync)."""
-        if self.window is None:
-            return {}
-        values = dict(zip(STATS, self.window.tolist()))
-        self.window = None
-        return describe(values)
+        window, self.window = self.window, None
+        return _means(window)
+
+    def take_pending(self) -> dict:
+        """The same means over the calls since begin_cycle, which are dropped (an evaluation's pairs)."""
+        pending = torch.stack(self.pending).sum(0) if self.pending else None
+        self.pending.clear()
+        return _means(pending)
 
 
-def describe(sums: dict) -> dict:
-    n = max(sums["pairs"], 1.0)
-    return {"reward_accuracy": sums["correct"] / n, "reward_margin": sums["margin"] / n,
-            "reward_chosen": sums["chosen"] / n, "reward_rejected": sums["rejected"] / n}
+def _means(sums: torch.Tensor | None) -> dict:
+    if sums is None:
+        return {}
+    s = dict(zip(STATS, sums.tolist()))
+    n = max(s["pairs"], 1.0)
+    return {"reward_accuracy": s["correct"] / n, "reward_margin": s["margin"] / n,
+            "reward_chosen": s["chosen"] / n, "reward_rejected": s["rejected"] / n}
 
 
 def _moe_aux(model, out, pairs: int):

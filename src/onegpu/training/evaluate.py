@@ -6,8 +6,7 @@ import logging
 import math
 
 from onegpu.data import batches
-from onegpu.techniques.loss import TARGETS, with_target_positions
-from onegpu.techniques.preference import STATS, describe
+from onegpu.techniques.loss import normaliser, with_target_positions
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +21,7 @@ def evaluate(run, accelerator) -> float | None:
     model = run.model
     model.eval()
     loss_fn = run.loss_fn
-    count_of = getattr(loss_fn, "count", lambda mb: mb[TARGETS].numel())  # pairs for preference losses
+    count_of = normaliser(loss_fn)  # target tokens, or pairs for a preference loss
     pairs = getattr(loss_fn, "begin_cycle", None) is not None
     if pairs:
         loss_fn.begin_cycle()
@@ -36,9 +35,7 @@ def evaluate(run, accelerator) -> float | None:
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             total += loss_fn(model, batch).float()
     if pairs:  # the rewards of the validation pairs, apart from training's window
-        sums = torch.stack(loss_fn.pending).sum(0).tolist()
-        loss_fn.begin_cycle()
-        run.val_rewards = describe(dict(zip(STATS, sums)))
+        run.val_rewards = loss_fn.take_pending()
     return float(total) / max(count, 1)
 
 
@@ -49,7 +46,7 @@ def evaluate_and_log(run, accelerator, metrics, state) -> None:
     state.history.append((state.step, loss))
     state.best_eval = min(state.best_eval, loss)
     rec = {"split": "val", "step": state.step, "loss": loss}
-    rewards = getattr(run, "val_rewards", None)
+    rewards = run.val_rewards
     if rewards:  # preference tuning: a perplexity of a pair loss means nothing
         rec.update(rewards)
         if accelerator.is_main_process:

@@ -4,7 +4,7 @@ planner's probes and its accuracy check all call it, so they share one loss norm
 from __future__ import annotations
 
 from onegpu import distributed
-from onegpu.techniques.loss import TARGETS, loss_sum, with_target_positions
+from onegpu.techniques.loss import loss_sum, normaliser, with_target_positions
 from onegpu.techniques.optimizer_in_backward import steps_in_backward
 from onegpu.training import recovery
 
@@ -22,8 +22,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     """
     in_backward = steps_in_backward(optimizer)
     micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
-    # What the summed loss is divided by: target tokens (SFT), or pairs (preference losses' `count`).
-    count = getattr(loss_fn, "count", lambda mb: mb[TARGETS].numel())
+    count = normaliser(loss_fn)  # target tokens, or pairs for a preference loss
     n_targets = _global_sum(accelerator, sum(count(mb) for mb in micro))
     stats = getattr(loss_fn, "begin_cycle", None) is not None  # statistics kept per completed cycle
     if stats:
