@@ -95,18 +95,16 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
     handle on the run (to report which methods really took effect) and reads memory when the loop
     returns: saving the model and plotting afterwards are not training."""
     import onegpu
-    from onegpu.bench.train_dpo import timed_reference_pass
     from onegpu.config import from_dict
     from onegpu.report import read_metrics
 
     watch = Watch(probe)
-    with timed_reference_pass() as reference_pass:
-        result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
+    result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
     records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"]
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
-    if reference_pass:  # DPO with a precomputed reference: its pass ran before the timed steps
-        out["reference_pass"] = reference_pass
+    if watch.reference_pass:  # DPO with a precomputed reference: its pass ran before the timed steps
+        out["reference_pass"] = watch.reference_pass
     if records and "reward_accuracy" in records[-1]:  # preference objectives log them
         out.update(reward_accuracy=records[-1]["reward_accuracy"], reward_margin=records[-1].get("reward_margin"))
     out["tokens_seen"] = result.state.tokens_seen
@@ -116,13 +114,17 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
 
 
 class Watch(Callback):
-    """Observes the loop: the prepared run (for the evidence) and memory when training ends."""
+    """Observes the loop: the prepared run (for the evidence), DPO's reference pass (timed again, warm,
+    in the untimed first window), and memory when training ends."""
 
     def __init__(self, probe: MemoryProbe | None):
-        self.probe, self.run, self.memory = probe, None, {}
+        self.probe, self.run, self.memory, self.reference_pass = probe, None, {}, {}
 
     def on_train_begin(self, run, state) -> None:
+        from onegpu.bench.train_dpo import reference_pass
+
         self.run = run
+        self.reference_pass = reference_pass(run)
 
     def on_train_end(self, run, state) -> None:
         self.memory = self.probe.read() if self.probe is not None else {}

@@ -10,7 +10,6 @@ with its reason); the rest, the reference included, is TRL's own default.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from pathlib import Path
@@ -19,61 +18,32 @@ from onegpu.bench import train_peers
 
 
 # ---------------------------------------------------------------------------------------- onegpu
-@contextlib.contextmanager
-def timed_reference_pass():
-    """Times our precomputed reference (techniques/reference.py: one no-grad pass over every pair before
-    the first step) and counts its pairs and tokens. It runs before the loop's timing windows, so the
-    report charges it separately instead of it vanishing from tokens/s."""
+def reference_pass(run) -> dict:
+    """Our precomputed reference (techniques/reference.py: one no-grad pass over every pair before the
+    first step) as the run timed it, with its pairs and tokens: it runs before the loop's timing
+    windows, so the report charges it separately instead of it vanishing from tokens/s.
+
+    That pass is the process's first forward and pays its one-off start-up (kernel and allocator
+    warm-up), which the other arms pay in their untimed first steps. The same pass again, warm (results
+    discarded, no weights touched), is what the report charges to tokens/s. Called when the loop begins
+    (Callback.on_train_begin): the first logged window, untimed, holds it.
+    """
+    import torch
+
     from onegpu.techniques import reference
 
-    seen: dict = {}
-    original = reference.precompute
-
-    def timed(run, accelerator, resumed):
-        t0 = time.perf_counter()
-        original(run, accelerator, resumed)
-        cold = time.perf_counter() - t0
-        splits = [ds for ds in (run.train_ds, run.val_ds) if ds is not None]
-        seen.update(seconds=cold, pairs=sum(len(ds) for ds in splits),
-                    tokens=sum(sum(train_peers.example_tokens(ds)) for ds in splits))
-        # The pass above is the process's first forward and pays its one-off start-up (kernel and
-        # allocator warm-up), which the other arms pay in their untimed first steps. The same pass
-        # again, warm (results discarded, no weights touched), is what the report charges to tokens/s.
-        compute = getattr(reference, "_compute", None)
-        if compute is not None and not resumed:
-            t0 = time.perf_counter()
-            for ds in splits:
-                compute(run, accelerator, ds)
-            seen["warm_seconds"] = time.perf_counter() - t0
-
-    reference.precompute = timed  # looked up on the module at call time by training.assemble
-    try:
-        yield seen
-    finally:
-        reference.precompute = original
+    if run is None or run.reference_seconds is None:  # no precomputed reference, or a resumed run
+        return {}
+    splits = [ds for ds in (run.train_ds, run.val_ds) if ds is not None]
+    t0 = time.perf_counter()
+    for ds in splits:
+        reference.compute(run, ds, torch.device(run.device.type))
+    return {"seconds": run.reference_seconds, "pairs": sum(len(ds) for ds in splits),
+            "tokens": sum(sum(train_peers.example_tokens(ds)) for ds in splits),
+            "warm_seconds": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------------ TRL
-@contextlib.contextmanager
-def captured_records():
-    """The preference records the run tokenizes, per split, as the data code hands them over: TRL is
-    given these same records rather than a copy rebuilt by other means."""
-    from onegpu.data import pairs
-
-    seen: dict = {}
-    original = pairs.tokenize_pairs
-
-    def capture(ds, tok, cfg, split="train"):
-        seen.setdefault(split, ds)
-        return original(ds, tok, cfg, split)
-
-    pairs.tokenize_pairs = capture
-    try:
-        yield seen
-    finally:
-        pairs.tokenize_pairs = original
-
-
 def record_rows(records, tokenized, tok, data_cfg) -> list[int]:
     """For each tokenized pair (run.train_ds, after over-long pairs were left out), the record it came
     from. A pair our data code truncated has no record with its tokens; TRL would cut it elsewhere
@@ -149,11 +119,10 @@ def run_trl_dpo(spec: dict, callbacks: tuple = ()) -> dict:
     import trl
     from trl import DPOConfig, DPOTrainer
 
-    with captured_records() as seen:
-        p = train_peers.setup(spec)
+    p = train_peers.setup(spec)
     cfg = p.cfg
-    rows = record_rows(seen["train"], p.run.train_ds, p.run.tokenizer, cfg.data)
-    records = trl_records(seen["train"], [rows[i] for i in p.indices], cfg.data)
+    rows = record_rows(p.run.train_records, p.run.train_ds, p.run.tokenizer, cfg.data)
+    records = trl_records(p.run.train_records, [rows[i] for i in p.indices], cfg.data)
     timer = train_peers.make_timer(spec["warmup_steps"], spec["budget_s"], cfg.training.log_every,
                                    p.device.type == "cuda")
     args = DPOConfig(**{**train_peers.hf_arguments(cfg, spec["arm"], p.device), **aligned_arguments(cfg, p.device)})

@@ -95,11 +95,12 @@ def precompute(run, accelerator, resumed: bool) -> None:
     else:
         t0 = time.perf_counter()
         saved = {f"{name}.{col}": v for name, ds in splits.items() if ds is not None
-                 for col, v in zip((REF_CHOSEN, REF_REJECTED), _compute(run, accelerator, ds))}
+                 for col, v in zip((REF_CHOSEN, REF_REJECTED), compute(run, ds, accelerator.device))}
+        run.reference_seconds = time.perf_counter() - t0  # reported; a benchmark charges it to the run
         if accelerator.is_main_process:
             _save(path, saved)
         log.info("reference log-probs: %d pairs in %.1fs (%s)", sum(len(v) for k, v in saved.items()
-                 if k.endswith(REF_CHOSEN)), time.perf_counter() - t0, path.name)
+                 if k.endswith(REF_CHOSEN)), run.reference_seconds, path.name)
     for name, ds in splits.items():
         if ds is None:
             continue
@@ -112,7 +113,9 @@ def precompute(run, accelerator, resumed: bool) -> None:
 
 
 @torch.no_grad()
-def _compute(run, accelerator, ds) -> tuple[torch.Tensor, torch.Tensor]:
+def compute(run, ds, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probs of every pair of ``ds`` under run.model as it is now. The
+    model is the prepared one: it runs under the run's autocast by itself."""
     from onegpu.data.batches import eval_batches
     from onegpu.techniques.loss import with_target_positions
     from onegpu.techniques.preference import sequence_logps
@@ -123,9 +126,9 @@ def _compute(run, accelerator, ds) -> tuple[torch.Tensor, torch.Tensor]:
     model.eval()
     try:
         # compiled blocks run eagerly: one pass does not repay compiling their no-grad variant
-        with torch.compiler.set_stance("force_eager"), accelerator.autocast():
+        with torch.compiler.set_stance("force_eager"):
             for batch in eval_batches(ds, run.cfg.training.micro_batch_size, run.collator):
-                batch = {k: v.to(accelerator.device) for k, v in with_target_positions(batch).items()}
+                batch = {k: v.to(device) for k, v in with_target_positions(batch).items()}
                 sums = sequence_logps(model, batch, chunk)[1].float().cpu()
                 n = sums.numel() // 2
                 chosen.append(sums[:n])
