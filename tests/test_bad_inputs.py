@@ -19,7 +19,9 @@ import pytest
 from onegpu import hardware
 from onegpu.cli.main import main
 
-from test_resume import one_thread, write_data  # noqa: F401
+from helpers import write_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 Case = namedtuple("Case", "id args expect patch", defaults=(None,))
 
@@ -71,7 +73,7 @@ def _other_shape_checkpoint(tmp, model_dir):
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.checkpoint import local
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

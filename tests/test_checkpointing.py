@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from onegpu.config import TechniquesConfig
 from onegpu.errors import UnavailableError
 from onegpu.techniques.checkpointing import (_enable_by_layer, apply_checkpointing, checkpointed_layers,

@@ -129,7 +129,7 @@ def test_cpu_adam_only_where_the_optimizer_leaves_the_gpu():
 # ------------------------------------------------------------------------------- multi-process
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    from conftest import CORPUS
+    from helpers import CORPUS
 
     root = tmp_path_factory.mktemp("dist")
     corpus = root / "corpus.txt"

@@ -16,8 +16,9 @@ from onegpu.errors import ConfigError
 from onegpu.hyper import auto_table, describe, resolve_hyperparameters, training_mode
 from onegpu.report import read_metrics
 
-from conftest import CORPUS
-from test_resume import one_thread  # noqa: F401  (autouse: tiny models run fastest single-threaded)
+from helpers import CORPUS
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PRETRAINED = "/some/local/model"  # never loaded: the mode is read from the name and the techniques
 MODES = {

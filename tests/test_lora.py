@@ -171,7 +171,7 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
 def test_missing_peft_raises_unavailable_with_install_hint(monkeypatch, tiny_tokenizer):
     import sys
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.errors import UnavailableError
 
     monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError

@@ -84,7 +84,7 @@ def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
 
 
 def test_dense_models_are_left_alone(tiny_tokenizer):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     assert not apply_moe_aux_loss(model)

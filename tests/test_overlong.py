@@ -13,7 +13,8 @@ from onegpu.config import DataConfig
 from onegpu.data import batches
 from onegpu.data.overlong import IGNORE
 
-from test_resume import one_thread  # noqa: F401
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+
 
 SYSTEM = {"role": "system", "content": "You write Python."}
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from onegpu.config import Config, TechniquesConfig
 from onegpu.errors import UnavailableError
 from onegpu.hardware import DeviceInfo

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from onegpu.config import DataConfig, PreferenceConfig
 from onegpu.data import pairs
 from onegpu.data.batches import Collator

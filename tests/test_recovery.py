@@ -13,44 +13,9 @@ from onegpu.training import recovery
 from onegpu import train
 from onegpu.training.step import train_step
 
-from conftest import make_tiny_llama
-from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
+from helpers import assert_same_weights, losses, make_cfg, make_tiny_llama, nan_at, oom_above
 
-
-def oom_above(limit: int, real_make):
-    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above `limit`."""
-
-    def make(*args):
-        fn = real_make(*args)
-
-        def loss(model, batch):
-            if model.training and batch["input_ids"].shape[0] > limit:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return fn(model, batch)
-
-        return loss
-
-    return make
-
-
-def nan_at(steps: set, real_make, grad_accum: int = 1):
-    """A make_loss_fn whose loss is NaN during the given optimizer steps (1-based)."""
-
-    def make(*args):
-        fn = real_make(*args)
-        calls = {"n": 0}
-
-        def loss(model, batch):
-            if not model.training:
-                return fn(model, batch)
-            calls["n"] += 1
-            step = (calls["n"] - 1) // grad_accum + 1
-            out = fn(model, batch)
-            return out * float("nan") if step in steps else out
-
-        return loss
-
-    return make
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def test_smaller_micro_batch_keeps_the_effective_batch():

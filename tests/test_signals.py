@@ -17,7 +17,9 @@ from onegpu.checkpoint import local as checkpoint
 from onegpu.cli.main import main
 from onegpu.report import read_metrics
 
-from test_resume import one_thread, write_data  # noqa: F401
+from helpers import write_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 LAUNCH = "import sys; from onegpu.cli.main import main; sys.exit(main(sys.argv[1:]))"
 

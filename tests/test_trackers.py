@@ -16,7 +16,7 @@ from onegpu.config import from_dict
 from onegpu.errors import ConfigError
 from onegpu.report import read_metrics
 
-from conftest import CORPUS
+from helpers import CORPUS
 
 HAS_TRACKIO = importlib.util.find_spec("trackio") is not None
 

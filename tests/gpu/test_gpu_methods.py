@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from onegpu.config import Config, ModelConfig, TechniquesConfig
 from onegpu.hardware import detect
 from onegpu.techniques.loss import loss_sum

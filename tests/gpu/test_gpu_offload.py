@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).parents[1] / "dist_scripts" / "capped_train.py"
 
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     path = tmp_path_factory.mktemp("llama-0.9b")
     model = make_tiny_llama(tiny_tokenizer, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,

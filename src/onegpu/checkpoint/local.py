@@ -35,8 +35,11 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 MANIFEST = "manifest.json"
 ENGINE_DIR = "engine"  # DeepSpeed's own per-process files (see checkpoint_sharded.py)
-# Fault injection for the crash tests: called with the name of each write just completed.
-crash_hook: Callable[[str], None] | None = None
+# Called with the name of each write of a checkpoint just completed, in order: SAVE_POINTS.
+# The crash tests stop the process at each of them; a caller may also report progress with it.
+WriteHook = Callable[[str], None]
+SAVE_POINTS = ("model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync", "trash",
+               "rename")
 
 
 # ------------------------------------------------------------------------------------------- RNG
@@ -71,13 +74,15 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train_state: dict, accelerator,
                     tokenizer=None, config: dict | None = None, rng: dict | None = None,
-                    gathered: dict | None = None) -> Path:
+                    gathered: dict | None = None, on_write: WriteHook | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically and return its path.
 
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
     abandoned accumulation cycle so that the resumed run replays that cycle exactly.
     ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across processes.
+    ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is saved again).
     """
+    written: WriteHook = on_write or (lambda point: None)
     gathered = gathered or {}
     run_dir = Path(run_dir)
     final = run_dir / f"{PREFIX}{step:08d}"
@@ -86,51 +91,46 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
     tmp.mkdir(parents=True)
     accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True,
                                                     state_dict=gathered.get("model"))
-    _hook("model")
+    written("model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
-        _hook("tokenizer")
+        written("tokenizer")
     if gathered.get("engine_dir") is not None:
         os.replace(gathered["engine_dir"], tmp / ENGINE_DIR)
     optim_state = gathered["optimizer"] if "optimizer" in gathered else optimizer.state_dict()
     torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rng if rng is not None else rng_state()}, tmp / "trainer_state.pt")
-    _hook("trainer_state")
+    written("trainer_state")
     (tmp / "state.json").write_text(json.dumps(train_state, indent=2))
-    _hook("state")
+    written("state")
     if config is not None:
         import yaml
 
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        _hook("config")
+        written("config")
     _write_manifest(tmp, step)
-    _hook("manifest")
+    written("manifest")
     _fsync_tree(tmp)
-    _hook("fsync")
-    _publish(tmp, final)
-    _hook("rename")
+    written("fsync")
+    _publish(tmp, final, written)
+    written("rename")
     return final
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _publish(tmp: Path, final: Path, written: WriteHook) -> None:
     """Rename into place. An older checkpoint of the same step (a run resumed from an earlier
     point) is moved aside first; at no moment is a half-written folder visible under a final name."""
     if final.exists():
         trash = final.with_name(f"{TRASH_PREFIX}{final.name}")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
-        _hook("trash")
+        written("trash")
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
-
-
-def _hook(point: str) -> None:
-    if crash_hook is not None:
-        crash_hook(point)
 
 
 def clean_stale(run_dir: Path) -> None:
