@@ -167,3 +167,45 @@ class Parts:
         return checkpoint.save_checkpoint(run_dir, step, self.model, self.optimizer, self.scheduler, state,
                                           self.accelerator, self.tokenizer, {"training": {"lr": 1e-3}},
                                           on_write=on_write)
+
+
+# ----------------------------------------------------------------------- what a model really does
+def saved_tensor_bytes(model, fn) -> int:
+    """Bytes of distinct tensors, other than ``model``'s weights, autograd keeps for backward while
+    ``fn()`` runs.
+
+    This is the activation memory a training step holds at the end of its forward. Checkpointed
+    regions save through their own inner hooks, so only what is really kept is counted; tensors
+    sent to host memory by an inner offload hook are not counted either.
+    """
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            key = (t.untyped_storage().data_ptr(), t.device)
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def attention_of(model) -> str:
+    """The attention implementation a loaded model really uses."""
+    return model.config._attn_implementation
+
+
+def is_compiled(module) -> bool:
+    """Whether ``module`` itself runs through torch.compile (in-place compile)."""
+    return module._compiled_call_impl is not None
+
+
+def is_quantized_layer(module) -> bool:
+    """True for one layer stored quantized: a bitsandbytes quantized Linear, or a Linear whose weight
+    is a torchao tensor subclass."""
+    if type(module).__name__ in ("Linear8bitLt", "Linear4bit", "LinearNF4", "LinearFP4"):
+        return True
+    weight = getattr(module, "weight", None)
+    return weight is not None and type(weight).__module__.startswith("torchao")

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from helpers import attention_of
 from onegpu.data.batches import Collator
 from onegpu.config import ModelConfig, TechniquesConfig
 from onegpu.errors import ConfigError
@@ -128,12 +129,12 @@ def test_explicit_kernel_the_model_refuses_is_a_config_error(tiny_tokenizer, mon
 def _run_cfg(model_dir, text_file, tmp_path, **techniques):
     return {"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
             "training": {"micro_batch_size": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
-            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
 
 
 class _Attention(Callback):
     def on_train_begin(self, run, state):
-        self.used = A.attention_of(run.model)
+        self.used = attention_of(run.model)
 
 
 def test_model_without_sdpa_trains_with_the_default(gemma2_dir, text_file, tmp_path, caplog):
@@ -215,7 +216,7 @@ def test_implementations_switch_and_agree(tiny_model_dir, tiny_tokenizer, monkey
     for attn in ("eager", "sdpa", A.SDPA_FLASH):
         calls.clear()
         model = _load(tiny_model_dir, tiny_tokenizer, attn)
-        assert A.attention_of(model) == attn
+        assert attention_of(model) == attn
         with torch.no_grad():
             logits[attn] = model(input_ids=ids).logits
         n_layers = model.config.num_hidden_layers

@@ -283,7 +283,7 @@ def base_args(tmp, model_dir) -> list[str]:
     return ["train", "--model.name", str(model_dir), "--data.path", str(data), "--data.seq_len", "32",
             "--data.num_proc", "1", "--training.micro_batch_size", "2", "--training.max_steps", "2",
             "--training.eval_every", "0", "--output.dir", str(tmp / "runs"), "--output.name", "run",
-            "--output.tensorboard", "false"]
+            "--output.report_to", "none"]
 
 
 def _snapshot(root):

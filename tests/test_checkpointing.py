@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, saved_tensor_bytes
 from onegpu.config import TechniquesConfig
 from onegpu.errors import UnavailableError
-from onegpu.techniques.checkpointing import (_enable_by_layer, apply_checkpointing, checkpointed_layers,
-                                             saved_tensor_bytes)
+from onegpu.techniques.checkpointing import _enable_by_layer, apply_checkpointing, checkpointed_layers
 from onegpu.techniques.loss import loss_sum
 
 LAYERS = 4

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_tiny_llama
+from helpers import is_compiled, make_tiny_llama
 from onegpu.data.batches import Collator
 from onegpu.config import TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
-from onegpu.techniques.compile import apply_compile, is_compiled
+from onegpu.techniques.compile import apply_compile
 from onegpu.techniques.loss import loss_sum
 
 COMPILED_FRAMES = []

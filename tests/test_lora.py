@@ -136,7 +136,7 @@ def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, 
            "training": {"micro_batch_size": 4, "max_steps": 4, "eval_every": 0, "eval_batches": 2,
                         "warmup_steps": 0, "lr": 1e-2},
            "techniques": {"lora": {"enabled": True, "r": 4, "merge_on_save": True}},
-           "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+           "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
     train(cfg)
     final, merged_dir = tmp_path / "run" / "final", tmp_path / "run" / "final-merged"
     assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()

@@ -104,7 +104,7 @@ def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
     r = train({"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
                "training": {"micro_batch_size": 4, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
                             "warmup_steps": 1, "log_every": 1},
-               "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}})
+               "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}})
     from onegpu.report import read_metrics
 
     assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0

@@ -100,7 +100,7 @@ def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypat
     args = ["train", "--model.name", cfg["model"]["name"], "--data.path", cfg["data"]["path"],
             "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
             "--training.max_steps", "10", "--training.max_bad_steps", "3", "--training.eval_every", "0",
-            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.tensorboard", "false"]
+            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.report_to", "none"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "NaN/inf for 3 steps in a row (last at step 4)" in err and "training.lr" in err

@@ -29,7 +29,7 @@ def train_args(tmp_path, model_dir, name: str) -> list[str]:
             "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
             "--training.grad_accum", "2", "--training.max_steps", "100000", "--training.eval_every", "0",
             "--training.log_every", "1", "--training.warmup_steps", "2", "--output.dir", str(tmp_path / "runs"),
-            "--output.name", name, "--output.tensorboard", "false"]
+            "--output.name", name, "--output.report_to", "none"]
 
 
 @pytest.fixture(scope="module")

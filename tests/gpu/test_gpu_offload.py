@@ -37,7 +37,7 @@ def _run(tmp_path: Path, model_dir: Path, text_file: Path, name: str, offload: s
            "training": {"micro_batch_size": 2, "grad_accum": 2, "max_steps": 3, "log_every": 1, "eval_every": 0,
                         "oom_retry": False},
            "techniques": {"precision": "bf16", "offload": offload},
-           "output": {"dir": str(tmp_path / "runs"), "name": name, "tensorboard": False}}
+           "output": {"dir": str(tmp_path / "runs"), "name": name, "report_to": "none"}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

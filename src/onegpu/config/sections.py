@@ -3,6 +3,7 @@ Every field is a ``--section.field`` flag (cli/args.py); the docstring under a f
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -220,6 +221,9 @@ class OutputConfig:
         if self.tensorboard is None:
             return
         # the old switch, folded in once: config.yaml then records only report_to
+        warnings.warn("output.tensorboard is deprecated: use output.report_to (e.g. --output.report_to "
+                      "none for tensorboard=false); this config's value is folded into report_to.",
+                      FutureWarning, stacklevel=3)
         if self.report_to == "all" and not self.tensorboard:
             raise ConfigError("output.tensorboard=false cannot take TensorBoard out of output.report_to=all.",
                               hint="name the trackers, e.g. --output.report_to wandb,mlflow")
