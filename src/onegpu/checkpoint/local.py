@@ -15,7 +15,6 @@ the manifest, so a checkpoint damaged afterwards (disk full, a partial copy) is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from onegpu.checkpoint.manifest import MANIFEST, fsync_dir, fsync_tree, verify, write_manifest
 from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-MANIFEST = "manifest.json"
 ENGINE_DIR = "engine"  # DeepSpeed's own per-process files (see checkpoint_sharded.py)
 # Called with the name of each write of a checkpoint just completed, in order: SAVE_POINTS.
 # The crash tests stop the process at each of them; a caller may also report progress with it.
@@ -109,9 +108,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
 
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         written("config")
-    _write_manifest(tmp, step)
+    write_manifest(tmp, step)
     written("manifest")
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     written("fsync")
     _publish(tmp, final, written)
     written("rename")
@@ -130,7 +129,7 @@ def _publish(tmp: Path, final: Path, written: WriteHook) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def clean_stale(run_dir: Path) -> None:
@@ -154,46 +153,6 @@ def discard_all(run_dir: Path) -> int:
     return len(old)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def _write_manifest(root: Path, step: int) -> None:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
-    (root / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        elif p.is_dir():
-            _fsync_dir(p)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------------- finding
 def step_of(path: Path) -> int:
     try:
@@ -207,29 +166,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and step_of(p) >= 0
              and (p / MANIFEST).is_file()]
     return sorted(found, key=step_of)
-
-
-def verify(path: Path, checksums: bool = True) -> str | None:
-    """None if every file listed in the manifest is present with its size and checksum, else why
-    not. Without checksums it is cheap enough for every prune; resuming checks them."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "missing or unreadable manifest.json"
-    for name in ("state.json", "trainer_state.pt"):
-        if name not in files:
-            return f"manifest lists no {name}"
-    for name, meta in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"missing file {name}"
-        if f.stat().st_size != meta["size"]:
-            return f"size mismatch in {name}"
-        if checksums and _sha256(f) != meta["sha256"]:
-            return f"checksum mismatch in {name}"
-    return None
 
 
 def find_latest(run_dir: Path) -> Path | None:
@@ -274,8 +210,45 @@ def prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """--output.resume: "latest" (in the run directory), a checkpoint folder or a run directory."""
+def resolve_resume(resume: str | None, run_dir: Path, objective: str | None = None) -> Path | None:
+    """--output.resume: "latest" (in the run directory), a checkpoint folder or a run directory.
+    With ``objective`` (training.objective), a checkpoint trained with another one is refused here,
+    before anything is built for the new objective (a DPO reference, preference data)."""
+    found = _resolve_resume(resume, run_dir)
+    if found is not None and objective is not None:
+        check_objective(found, objective)
+    return found
+
+
+def check_objective(path: Path, objective: str) -> None:
+    """The checkpoint's training.objective (its config.yaml; sft where none is recorded) must be
+    this run's: an SFT checkpoint has no reference log-probs or preference state to resume DPO from."""
+    config = _saved_config(path)
+    if config is None:
+        return  # written without a config (a checkpoint built by hand): nothing to compare
+    was = (config.get("training") or {}).get("objective") or "sft"
+    if was != objective:
+        raise ConfigError(f"checkpoint {path} was trained with training.objective={was}; this run asks for "
+                          f"{objective}.", hint=f"resume with --training.objective {was}, or start a new {objective} "
+                          f"run from its weights: --model.name {Path(path) / 'model'} without --output.resume")
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The run configuration a checkpoint recorded (its own config.yaml, else its run's)."""
+    import yaml
+
+    for candidate in (Path(path) / "config.yaml", Path(path).parent / "config.yaml"):
+        if candidate.is_file():
+            try:
+                data = yaml.safe_load(candidate.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def _resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     if not resume:
         return None
     target = Path(run_dir) if resume == "latest" else Path(resume).expanduser()

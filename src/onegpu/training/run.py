@@ -43,7 +43,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         set_seed(cfg.training.seed)
         report_to = trackers.resolve(cfg.output.report_to)  # a tracker not installed: refused before any mkdir
         run_dir = assemble.check_run_dir(cfg)
-        resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir)
+        resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir, cfg.training.objective)
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
