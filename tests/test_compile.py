@@ -80,11 +80,22 @@ def test_bucketed_lengths_do_not_recompile(tiny_tokenizer):
 
 
 def test_inductor_compiles_a_block(tiny_tokenizer):
+    """The default backend (inductor) compiles the block's forward and its backward, in one graph,
+    and the compiled block gives the eager loss."""
+    from torch._dynamo.utils import counters
+
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     batch = _batch(tiny_tokenizer, [16], multiple=16)
     eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1), batch)
     apply_compile(model, TechniquesConfig(compile="default"), "cpu")
+    counters.clear()
     compiled = _loss_and_grads(model, batch)
+    assert counters["frames"]["ok"] >= 1 and counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    # inductor produced (or took from its cache) the forward graph and the backward graph
+    inductor = counters["inductor"]
+    assert inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"] == 2, dict(inductor)
+    assert counters["aot_autograd"]["ok"] == 1
     assert torch.allclose(compiled[0], eager[0], rtol=1e-4)
 
 
