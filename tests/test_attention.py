@@ -168,8 +168,35 @@ def test_presets_resolve_without_loading_weights():
     assert load_kwargs(Config(), CPU, "fp32", "tiny")["attn_implementation"] == "sdpa"
 
 
-def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer):
+def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny_model_dir, gemma2_dir,
+                                                           monkeypatch, tmp_path):
+    """make_plan measures activations with the kernel a training run would use: Gemma-2 (which
+    refuses SDPA) runs its eager attention and never SDPA; Llama runs SDPA."""
     from transformers import LlamaConfig
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from onegpu.config import Config
+    from onegpu.plan import make_plan
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # nothing measured before: the planner measures now
+    calls = {"sdpa": 0, "eager": 0}
+    real_sdpa, real_eager = torch.nn.functional.scaled_dot_product_attention, modeling_gemma2.eager_attention_forward
+
+    def sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    def eager(*args, **kwargs):
+        calls["eager"] += 1
+        return real_eager(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager)
+    make_plan(Config(), model=str(gemma2_dir), gpu="A100")
+    assert calls["eager"] > 0 and calls["sdpa"] == 0, calls
+    calls.update(sdpa=0, eager=0)
+    make_plan(Config(), model=str(tiny_model_dir), gpu="A100")
+    assert calls["sdpa"] > 0, calls
 
     gemma2 = _gemma2_config(tiny_tokenizer)
     for choice in ("auto", "flash"):
