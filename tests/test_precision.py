@@ -189,16 +189,21 @@ def test_misaligned_shapes_warn_with_reason(caplog):
     assert caplog.text == ""
 
 
-def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
-    from types import SimpleNamespace
+def test_assemble_applies_start_up_checks(tiny_tokenizer, tmp_path, caplog, restore_tf32):
+    """Building the model of a run (assemble.build_model, what training calls) logs the start-up
+    advice: fp16 on a bf16-stored model, and shapes that leave tensor-core tiles half empty."""
+    from onegpu.training import assemble
 
-    from onegpu.training.assemble import check_model_settings
-
+    stored_bf16 = tmp_path / "bf16-model"
+    make_tiny_llama(tiny_tokenizer, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(str(stored_bf16))
+    tiny_tokenizer.save_pretrained(str(stored_bf16))
     cfg = Config()
-    cfg.training.micro_batch_size, cfg.data.seq_len = 12, 96
-    run = SimpleNamespace(cfg=cfg, device=A100, precision="fp16")
-    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    model.config.dtype = torch.bfloat16
-    check_model_settings(run, model)
+    cfg.model.name, cfg.training.micro_batch_size, cfg.data.seq_len = str(stored_bf16), 12, 96
+    cfg.techniques.compile = "off"
+    run = assemble.Run(cfg, A100, tmp_path / "run", str(stored_bf16), "fp16")
+    run.tokenizer = tiny_tokenizer
+    with caplog.at_level(logging.WARNING):
+        assemble.build_model(run)
     assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
     assert "transformers#14189" in caplog.text
+    assert run.model is not None  # the checks advise; the model is still built
