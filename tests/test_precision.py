@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig
 from onegpu.errors import UnavailableError
 from onegpu.hardware import DeviceInfo
@@ -27,13 +27,6 @@ def _fresh_accelerator_state():
     AcceleratorState._reset_state()
     yield
     AcceleratorState._reset_state()
-
-
-def _batch(tok, n=2, length=16):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, len(tok), (n, length), generator=g)
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
 
 def _prepared(tok, precision):
     from onegpu.training.assemble import make_accelerator
@@ -59,7 +52,7 @@ def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
 
     acc, model, opt = _prepared(tiny_tokenizer, "fp16")
     assert acc.scaler is not None
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer))
     assert _linear_output_dtypes(model, batch) == [torch.float16]  # autocast really is fp16
     weight = model.model.layers[0].self_attn.q_proj.weight
     handle = weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # inject an overflow
@@ -76,14 +69,14 @@ def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
 
 def test_bf16_autocast_changes_op_dtype(tiny_tokenizer):
     acc, model, _ = _prepared(tiny_tokenizer, "bf16")
-    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.bfloat16]
+    assert _linear_output_dtypes(model, random_batch(len(tiny_tokenizer))) == [torch.bfloat16]
     assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
 
 
 def test_fp32_runs_in_fp32(tiny_tokenizer):
     acc, model, _ = _prepared(tiny_tokenizer, "fp32")
     assert acc.scaler is None
-    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.float32]
+    assert _linear_output_dtypes(model, random_batch(len(tiny_tokenizer))) == [torch.float32]
 
 
 def test_bf16_pure_stores_bf16_weights(tiny_model_dir, tiny_tokenizer):
