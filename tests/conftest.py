@@ -76,7 +76,8 @@ def text_file(tmp_path):
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest single-threaded, and a shared CPU makes 2 threads crawl. Modules of
-    small training runs use it for every test: pytestmark = pytest.mark.usefixtures("one_thread")."""
+    small training runs use it for every test:
+    pytestmark = pytest.mark.usefixtures("one_thread")."""
     import torch
 
     old = torch.get_num_threads()

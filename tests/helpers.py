@@ -104,7 +104,8 @@ def straight_then_resumed(tmp_path, model_dir, techniques=None, resume_at=3, **t
 
 # ------------------------------------------------------------------------- fault injection
 def oom_above(limit: int, real_make):
-    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above `limit`."""
+    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above
+    `limit`."""
 
     def make(*args):
         fn = real_make(*args)
@@ -203,8 +204,8 @@ def is_compiled(module) -> bool:
 
 
 def is_quantized_layer(module) -> bool:
-    """True for one layer stored quantized: a bitsandbytes quantized Linear, or a Linear whose weight
-    is a torchao tensor subclass."""
+    """True for one layer stored quantized: a bitsandbytes quantized Linear, or a Linear whose
+    weight is a torchao tensor subclass."""
     if type(module).__name__ in ("Linear8bitLt", "Linear4bit", "LinearNF4", "LinearFP4"):
         return True
     weight = getattr(module, "weight", None)

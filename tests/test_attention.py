@@ -178,7 +178,8 @@ def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny
     from onegpu.config import Config
     from onegpu.plan import make_plan
 
-    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # nothing measured before: the planner measures now
+    # nothing measured before: the planner measures now
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
     calls = {"sdpa": 0, "eager": 0}
     real_sdpa, real_eager = torch.nn.functional.scaled_dot_product_attention, modeling_gemma2.eager_attention_forward
 

@@ -233,8 +233,9 @@ CASES = [
                                                                                "--model.tokenizer", str(md)],
          "has no config.json"),
     Case("model-dir-readme-only", _readme_only,
-         ("/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; it holds "
-          "README.md", "folder written by save_pretrained"), absent=("one of:", "give a local directory")),
+         ("/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; "
+          "it holds README.md", "folder written by save_pretrained"),
+         absent=("one of:", "give a local directory")),
     Case("tokenizer-missing", ["--model.tokenizer", "/nonexistent/tok"], "tokenizer directory '/nonexistent/tok' does not exist"),
     Case("lora-target-matches-nothing", ["--techniques.lora.enabled", "true", "--techniques.lora.targets", "nope_proj"],
          "techniques.lora.targets"),
@@ -273,8 +274,9 @@ CASES = [
     Case("resume-path-missing", ["--output.resume", "/nonexistent/checkpoint-00000001"], "does not exist"),
     Case("resume-damaged-checkpoint", _damaged_checkpoint, "is damaged"),
     Case("resume-with-another-objective", _sft_checkpoint,
-         ("was trained with training.objective=sft; this run asks for dpo", "resume with --training.objective sft",
-          "without --output.resume"), absent=("reference",)),
+         ("was trained with training.objective=sft; this run asks for dpo",
+          "resume with --training.objective sft", "without --output.resume"),
+         absent=("reference",)),
     Case("resume-other-model-shape", _other_shape_checkpoint,
          ("checkpoint-00000001 was written by a model of another shape: ", ", 32) there but (", ", 64) in this model",
           "start a new run without --output.resume")),
@@ -361,7 +363,8 @@ def test_debug_shows_the_traceback(tmp_path, tiny_model_dir, capsys):
 
 
 def test_debug_keeps_its_verbosity_through_train(tmp_path, tiny_model_dir):
-    """`onegpu --debug train` sets up logging once, verbosely: the train command does not reset it."""
+    """`onegpu --debug train` sets up logging once, verbosely: the train command does not reset
+    it."""
     import logging
 
     from onegpu.logs import QUIET
@@ -413,7 +416,8 @@ def test_summary_after_resume_counts_this_process(tmp_path, tiny_model_dir, caps
     here = second.state.tokens_seen - at_3
     assert second.state.tokens_seen == first.state.tokens_seen and 0 < here < second.state.tokens_seen
     assert second.state.timed_tokens == here  # the speed is this process's tokens over its own time
-    assert f"done: 6 steps (resumed at step 3: 3 steps here), {here:,} tokens trained in " in out, out
+    expect = f"done: 6 steps (resumed at step 3: 3 steps here), {here:,} tokens trained in "
+    assert expect in out, out
     assert f"{first.state.tokens_seen:,} tokens" not in out
 
 
@@ -428,8 +432,8 @@ def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
     from onegpu.data import batches
 
     tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
             {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
     ex = batches.tokenize(datasets.Dataset.from_dict({"messages": [conv]}), "messages", tok,
@@ -440,4 +444,4 @@ def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
     ids = ex["input_ids"]
     eos_then_newline = [i for i in range(len(ids) - 1)
                         if ids[i] == tok.eos_token_id and ids[i + 1: i + 1 + len(newline)] == newline]
-    assert len(eos_then_newline) == 4  # the template did write the newlines; none of them is a target
+    assert len(eos_then_newline) == 4  # the template wrote the newlines; none is a target

@@ -122,7 +122,7 @@ def test_resave_same_step_replaces_atomically(tmp_path, parts, point):
 
     with pytest.raises(SystemExit):
         parts.save(tmp_path, 3, on_write=crash)
-    assert any(p.name.startswith(".") for p in tmp_path.iterdir())  # the crash left a half-done save
+    assert any(p.name.startswith(".") for p in tmp_path.iterdir())  # a half-done save is left
     latest = checkpoint.resolve_resume("latest", tmp_path)  # what a resume picks after the crash
     assert latest == first and checkpoint.verify(latest) is None
     assert all(torch.equal(old[k], v) for k, v in saved_weights(latest).items())

@@ -61,7 +61,8 @@ def _other_value(name, t, default):
 
 def test_every_field_is_a_flag():
     """Each field of each section, given on the command line with a value other than its default,
-    lands in that field, or is refused by a check that names it (a value that needs another setting)."""
+    lands in that field, or is refused by a check that names it (a value that needs another
+    setting)."""
     fields = list(_leaves(Config))
     assert len(fields) >= 80 and "techniques.lora.r" in [f[0] for f in fields]
     parser, refused = make_parser("onegpu train", "", Config), []

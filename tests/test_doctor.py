@@ -31,8 +31,10 @@ def test_json_report_has_versions_gpu_and_every_check(capsys):
         assert report["checks"]["sdpa-mem-efficient"]["ok"] is False  # a CUDA-only kernel
 
 
-FAKE_BNB = {  # bitsandbytes/cextension.py of three installs: working, broken import, native library not loaded
-    "works": "BNB_BACKEND = 'CPU'\nclass NativeLibrary:\n    compiled_with_cuda = False\nlib = NativeLibrary()\n",
+# bitsandbytes/cextension.py of three installs: working, broken import, native library not loaded
+FAKE_BNB = {
+    "works": "BNB_BACKEND = 'CPU'\nclass NativeLibrary:\n    compiled_with_cuda = False\n"
+             "lib = NativeLibrary()\n",
     "no-import": "raise ImportError('libbitsandbytes_cpu.so: cannot open shared object file')\n",
     "no-library": "BNB_BACKEND = 'CUDA'\nclass ErrorHandlerMockBNBNativeLibrary:\n    pass\n"
                   "lib = ErrorHandlerMockBNBNativeLibrary()\n",
@@ -64,7 +66,8 @@ def fake_site(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bnb, ok, detail", [
     ("works", True, "9.9.9, CPU library loaded"),
-    ("no-import", False, "9.9.9 does not import: libbitsandbytes_cpu.so: cannot open shared object file"),
+    ("no-import", False,
+     "9.9.9 does not import: libbitsandbytes_cpu.so: cannot open shared object file"),
     ("no-library", False, "9.9.9: native CUDA library failed to load"),
 ])
 def test_installed_packages_are_detected_by_trying_them(fake_site, bnb, ok, detail):

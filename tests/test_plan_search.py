@@ -126,8 +126,11 @@ def test_plan_cli_table(capsys):
     plan, rec = make_plan(cfg, "tiny", "t4", None, 32)
     head, _, config_yaml = text.partition("# recommended config (onegpu train --config FILE):\n")
     lines = head.splitlines()
-    assert lines[0] == f"model tiny: {plan.shape.params / 1e6:,.1f}M parameters, {plan.shape.layers} layers, vocab 4096"
-    assert lines[1] == f"gpu   NVIDIA Tesla T4: {plan.gpu.memory_gib:.1f} GB, seq_len 256, effective batch 32"
+    shape = plan.shape
+    params = f"{shape.params / 1e6:,.1f}M parameters"
+    assert lines[0] == f"model tiny: {params}, {shape.layers} layers, vocab 4096"
+    gib = plan.gpu.memory_gib
+    assert lines[1] == f"gpu   NVIDIA Tesla T4: {gib:.1f} GB, seq_len 256, effective batch 32"
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["#", "plan", "peak"])
     assert "tokens/s (uncalibrated)" in lines[header]  # no probe has measured this GPU
     rows = [line for line in lines[header + 1:] if line.strip()][:3]

@@ -161,7 +161,8 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
     loss_fn = _loss_fn("dpo", chunk=16, beta=beta)
     loss_fn.reference = CopyReference(reference, contextlib.nullcontext, 16)
     ours.train()
-    our_loss = loss_fn(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)  # the step divides by the pairs
+    # the step divides by the pairs
+    our_loss = loss_fn(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)
     our_loss.backward()
     assert abs(float(our_loss) - math.log(2)) > 1e-3
     assert float(our_loss) == pytest.approx(float(trl_loss), abs=1e-5)

@@ -238,7 +238,7 @@ def test_old_tensorboard_switch_is_folded_into_report_to(output, report_to):
         out = from_dict({"output": output}).output
     assert (out.report_to, out.tensorboard) == (report_to, None)
     deprecated = [w for w in caught if "output.tensorboard is deprecated" in str(w.message)]
-    assert len(deprecated) == ("tensorboard" in output)  # the old switch, and only it, is warned about
+    assert len(deprecated) == ("tensorboard" in output)  # the old switch, and only it, warns
     assert all(w.category is FutureWarning for w in deprecated)
 
 

@@ -64,9 +64,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     return ensure_pad_token(tok)
 
 
-# What AutoTokenizer reads a tokenizer from: a fast tokenizer's file, its config, or a slow one's vocabulary
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+# What AutoTokenizer builds a tokenizer from: a fast tokenizer's file, its config, or a slow
+# tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
 
 
 def _check_tokenizer_files(folder: Path, name: str) -> None:
@@ -75,11 +76,13 @@ def _check_tokenizer_files(folder: Path, name: str) -> None:
     if any((folder / f).is_file() for f in TOKENIZER_FILES):
         return
     present = sorted(p.name for p in folder.iterdir())
-    holds = f"it holds {', '.join(present[:8])}{' ...' if len(present) > 8 else ''}" if present else "it is empty"
+    more = " ..." if len(present) > 8 else ""
+    holds = f"it holds {', '.join(present[:8])}{more}" if present else "it is empty"
     config = "" if (folder / "config.json").is_file() else " and no config.json"
-    raise ModelError(f"'{name}' holds no tokenizer (no {' or '.join(TOKENIZER_FILES[:2])}){config}; {holds}.",
-                     hint="point --model.name (or --model.tokenizer) at a folder written by save_pretrained "
-                     "(e.g. <run>/final), or a Hub id")
+    files = " or ".join(TOKENIZER_FILES[:2])
+    raise ModelError(f"'{name}' holds no tokenizer (no {files}){config}; {holds}.",
+                     hint="point --model.name (or --model.tokenizer) at a folder written by "
+                     "save_pretrained (e.g. <run>/final), or a Hub id")
 
 
 def ensure_pad_token(tok):
@@ -180,7 +183,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _one_line(exc: BaseException) -> str:
     """The whole message on one line: a first line alone can stop mid-sentence ("... one of:")."""
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    lines = (line.strip() for line in str(exc).splitlines())
+    return " ".join(line for line in lines if line) or type(exc).__name__
 
 
 def count_parameters(model) -> tuple[int, int]:

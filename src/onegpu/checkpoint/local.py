@@ -37,8 +37,8 @@ ENGINE_DIR = "engine"  # DeepSpeed's own per-process files (see checkpoint_shard
 # Called with the name of each write of a checkpoint just completed, in order: SAVE_POINTS.
 # The crash tests stop the process at each of them; a caller may also report progress with it.
 WriteHook = Callable[[str], None]
-SAVE_POINTS = ("model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync", "trash",
-               "rename")
+SAVE_POINTS = ("model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync",
+               "trash", "rename")
 
 
 # ------------------------------------------------------------------------------------------- RNG
@@ -79,7 +79,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
     abandoned accumulation cycle so that the resumed run replays that cycle exactly.
     ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across processes.
-    ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is saved again).
+    ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is saved
+    again).
     """
     written: WriteHook = on_write or (lambda point: None)
     gathered = gathered or {}
@@ -222,15 +223,20 @@ def resolve_resume(resume: str | None, run_dir: Path, objective: str | None = No
 
 def check_objective(path: Path, objective: str) -> None:
     """The checkpoint's training.objective (its config.yaml; sft where none is recorded) must be
-    this run's: an SFT checkpoint has no reference log-probs or preference state to resume DPO from."""
+    this run's: an SFT checkpoint has no reference log-probs or preference state to resume DPO
+    from."""
     config = _saved_config(path)
     if config is None:
         return  # written without a config (a checkpoint built by hand): nothing to compare
     was = (config.get("training") or {}).get("objective") or "sft"
     if was != objective:
-        raise ConfigError(f"checkpoint {path} was trained with training.objective={was}; this run asks for "
-                          f"{objective}.", hint=f"resume with --training.objective {was}, or start a new {objective} "
-                          f"run from its weights: --model.name {Path(path) / 'model'} without --output.resume")
+        weights = Path(path) / "model"
+        raise ConfigError(
+            f"checkpoint {path} was trained with training.objective={was}; this run asks for "
+            f"{objective}.",
+            hint=f"resume with --training.objective {was}, or start a new {objective} run from its "
+            f"weights: --model.name {weights} without --output.resume",
+        )
 
 
 def _saved_config(path: Path) -> dict | None:

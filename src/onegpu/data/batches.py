@@ -93,9 +93,11 @@ def _rows() -> dict:
 
 def _prompt_completion(batch, indices, tok, cfg, split):
     out = _rows()
-    for i, (idx, p, c) in enumerate(zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field])):
+    rows = zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field])
+    for i, (idx, p, c) in enumerate(rows):
         if not isinstance(p, str) or not isinstance(c, str):
-            raise DataError(f"{records.where(batch, i, idx, split)}: prompt/completion must be strings, got "
+            where = records.where(batch, i, idx, split)
+            raise DataError(f"{where}: prompt/completion must be strings, got "
                             f"{type(p).__name__}/{type(c).__name__}.",
                             hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns")
         p_ids = tok(p, add_special_tokens=True)["input_ids"]

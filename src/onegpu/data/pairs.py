@@ -30,7 +30,8 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     ids and its fate (fits, truncated, dropped; data/overlong.py)."""
     out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], overlong.FATE: [], overlong.TURNS: []}
     prompts = batch.get(cfg.prompt_field) or [None] * len(indices)
-    for i, (idx, p, c, r) in enumerate(zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field])):
+    rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field])
+    for i, (idx, p, c, r) in enumerate(rows):
         where = records.where(batch, i, idx, split)
         prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)
         fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(prompt_ids, chosen_ids, rejected_ids, cfg.seq_len,
@@ -61,7 +62,8 @@ def encode_pair(prompt, chosen, rejected, tok, cfg: DataConfig, where: str) -> t
         for name, value in ((cfg.prompt_field, prompt), (cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
             if value is None:
                 raise DataError(f"{where}: the record has no '{name}'.",
-                                hint=f"give every preference record a '{name}' (text or a list of chat messages)")
+                                hint=f"give every preference record a '{name}' "
+                                "(text or a list of chat messages)")
             if not isinstance(value, str):
                 raise DataError(f"{where}: '{name}' must be text or a list of chat messages, got "
                                 f"{type(value).__name__}.", hint=f"check the '{name}' column")

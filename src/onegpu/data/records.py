@@ -199,8 +199,9 @@ def load_records(cfg: DataConfig, seed: int):
     try:
         if src.hub_name:
             ds = datasets.load_dataset(src.hub_name)
-            train = _with_origins(ds["train"], [f"{src.hub_name} train row {i}" for i in range(len(ds["train"]))])
-            val = ds["validation"] if "validation" in ds else None
+            train, val = ds["train"], ds["validation"] if "validation" in ds else None
+            rows = range(len(train))
+            train = _with_origins(train, [f"{src.hub_name} train row {i}" for i in rows])
             if val is not None:
                 val = _with_origins(val, [f"{src.hub_name} validation row {i}" for i in range(len(val))])
         else:
@@ -232,9 +233,10 @@ def _with_origins(ds, origins: list[str] | None):
 
 
 def file_origins(files: list[str], builder: str) -> list[str] | None:
-    """Where each record of `files`, read by the datasets `builder` in order, comes from: "file:line"
-    for JSON lines and CSV, "file item N" for a JSON array, "file row N" for Parquet, the file for
-    a text document. None where a file cannot be read here (its records then go without)."""
+    """Where each record of `files`, read by the datasets `builder` in order, comes from:
+    "file:line" for JSON lines and CSV, "file item N" for a JSON array, "file row N" for Parquet,
+    the file for a text document. None where a file cannot be read here (its records then go
+    without)."""
     import csv
 
     out: list[str] = []
@@ -252,14 +254,16 @@ def file_origins(files: list[str], builder: str) -> list[str] | None:
                     for n, row in enumerate(reader):
                         if n and row:  # after the header; blank lines hold no record
                             rows.append(f"{f}:{start}")
-                        start = reader.line_num + 1  # a quoted field may span lines: the record's first
+                        # a quoted field may span lines: a record starts after the last one's end
+                        start = reader.line_num + 1
                 out += rows
             else:
                 text = Path(f).read_text(encoding="utf-8")
                 if text.lstrip().startswith("["):
                     out += [f"{f} item {i}" for i in range(len(json.loads(text)))]
                 else:  # JSON lines: datasets skips blank ones
-                    out += [f"{f}:{n}" for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+                    lines = enumerate(text.split("\n"), 1)
+                    out += [f"{f}:{n}" for n, line in lines if line.strip()]
         except (OSError, ValueError, ImportError):
             return None
     return out

@@ -27,8 +27,8 @@ class TrainState:
     # Not checkpointed: a resumed run reports its own speed.
     timed_tokens: int = 0
     timed_seconds: float = 0.0
-    # Where this process started (a resumed run: the checkpoint's step and tokens). Not checkpointed:
-    # the summary counts what this process trained, not what earlier processes did.
+    # Where this process started (a resumed run: the checkpoint's step and tokens). Not
+    # checkpointed: the summary counts what this process trained, not what earlier ones did.
     start_step: int = 0
     start_tokens: int = 0
 
