@@ -173,3 +173,18 @@ def test_model_flag_is_the_model_name(tmp_path):
     section.write_text("name: tiny\nvocab_size: 1024\n")
     cfg = _parse(model_shorthand(["--model", str(section)]))  # a section file keeps its meaning
     assert (cfg.model.name, cfg.model.vocab_size) == ("tiny", 1024)
+
+
+def test_lr_help_names_the_auto_values_of_every_objective():
+    """--help for training.lr gives what auto means for SFT and for the preference objectives
+    (hyper.py's two tables), each number as the table has it."""
+    import re
+
+    from onegpu.hyper import _num, auto_table, preference_table
+
+    text = " ".join(make_parser("onegpu train", "", Config).format_help().split())
+    lr_help = re.search(r"--training\.lr \S+ (.*?) --training\.", text).group(1)
+    for label, table in (("sft:", auto_table()), ("dpo/orpo/simpo:", preference_table())):
+        part = lr_help.split(label, 1)[1].split(";")[0]
+        assert [_num(table[mode]["lr"]) for mode in ("scratch", "full", "lora")] == \
+            re.findall(r"\d+e-\d+", part), (label, part)
