@@ -23,6 +23,7 @@ from pathlib import Path
 
 GIB = 2**30
 SEQ_LEN = 4096
+MICRO_BATCH = 2
 LORA_TARGETS = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
 
 
@@ -31,23 +32,23 @@ class Row:
     key: str
     technique: str
     published_gib: float
-    setup: dict | None  # Candidate fields; None: onegpu cannot express this row
+    setup: dict | None  # TechniquesConfig overrides (candidate.setup); None: onegpu cannot express it
     note: str = ""
 
 
 def rows(chunk: int) -> list[Row]:
     """torchtune's rows as onegpu setups. Full fine-tune rows: bf16 weights (bf16-pure), torch AdamW
     (onegpu's adamw: fused on a GPU, no whole-model temporaries, which their 24.9 GiB row implies)."""
-    base = dict(micro_batch=2, grad_accum=1, precision="bf16-pure", optimizer="adamw")
+    base = {"precision": "bf16-pure", "optimizer": "adamw"}
     packed = dict(base)
     comp = dict(packed, compile="default")
-    chunked = dict(comp, loss_chunk=chunk)
+    chunked = dict(comp, loss_chunk_size=chunk)
     ckpt = dict(chunked, checkpointing="full")
-    in_bwd = dict(ckpt, in_backward=True)
+    in_bwd = dict(ckpt, optimizer_in_backward=True)
     offload = dict(in_bwd, checkpointing="offload")
     eight = dict(offload, optimizer="adamw-8bit")
-    lora = dict(offload, in_backward=False, lora_rank=64, lora_targets=LORA_TARGETS)  # lora.dtype auto: bf16
-    qlora = dict(lora, quantize_base="nf4")
+    lora = dict(offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS})  # dtype auto: bf16
+    qlora = dict(lora, lora={"r": 64, "targets": LORA_TARGETS, "quantize_base": "nf4"})
     return [
         Row("baseline", "Baseline (unpacked)", 25.5, None,
             "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on the "
@@ -72,7 +73,7 @@ def predict(selected: list[str] | None = None) -> dict:
     from onegpu.config import TechniquesConfig
     from onegpu.plan import memory
     from onegpu.plan.arch import _shape_of
-    from onegpu.plan.candidate import Candidate
+    from onegpu.plan.candidate import setup
     from onegpu.plan.published import LLAMA_3_2_3B
     from onegpu.techniques.loss import fused_chunk
 
@@ -84,14 +85,14 @@ def predict(selected: list[str] | None = None) -> dict:
             continue
         entry = {"key": row.key, "technique": row.technique, "published_gib": row.published_gib, "note": row.note}
         if row.setup is not None:
-            c = Candidate(**row.setup)
+            c = setup(MICRO_BATCH, 1, **row.setup)
             est = memory.estimate(shape, c, SEQ_LEN, on_gpu=True, attention="sdpa")
             entry.update(setup=c.label(), predicted_gib=round(est.peak / GIB, 2),
                          ratio=round(est.peak / GIB / row.published_gib, 3),
                          components_gib={k: round(v / GIB, 2) for k, v in est.components.items()})
         out.append(entry)
     return {"model": "Llama-3.2-3B", "params": shape.params, "gpu": "A100 80GB", "seq_len": SEQ_LEN,
-            "micro_batch": 2, "rows": out}
+            "micro_batch": MICRO_BATCH, "rows": out}
 
 
 def markdown(result: dict) -> str:

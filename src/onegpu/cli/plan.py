@@ -99,7 +99,8 @@ def plan_json(plan, recommended) -> dict:
              "reserved_gb": r.memory.reserved() / 2**30, "tokens_per_s": r.speed.tokens_per_s,
              "calibrated": r.speed.calibrated, "assumptions": list(r.speed.assumptions), "why": r.why,
              "components_gb": {k: v / 2**30 for k, v in r.memory.components.items()},
-             "micro_batch": r.candidate.micro_batch, "grad_accum": r.candidate.grad_accum}
+             "micro_batch": r.candidate.training.micro_batch_size,
+             "grad_accum": r.candidate.training.grad_accum}
             for r in plan.rows]
     return {"model": plan.shape.name, "params": plan.shape.params, "gpu": plan.gpu.key,
             "memory_gb": plan.gpu.memory_gib, "seq_len": plan.seq_len, "batch": plan.batch, "rows": rows,

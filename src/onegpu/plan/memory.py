@@ -51,20 +51,21 @@ def param_bytes(precision: str) -> int:
 
 def trained_bytes(c: Candidate) -> int:
     """Bytes per trainable parameter: the adapters' dtype under LoRA, else the weights'."""
-    return adapter_bytes(c) if c.lora_rank else param_bytes(c.precision)
+    return adapter_bytes(c) if c.lora_rank else param_bytes(c.techniques.precision)
 
 
 def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     """Resident model weights (frozen quantized base + adapters for QLoRA)."""
-    pb = param_bytes(c.precision)
-    if c.offload == "zero3-cpu":
+    t = c.techniques
+    pb = param_bytes(t.precision)
+    if t.offload == "zero3-cpu":
         return 2 * shape.largest_param * 2  # only the gathered layer (and the prefetched next) in 16-bit
-    if c.offload == "zero2-cpu":
+    if t.offload == "zero2-cpu":
         return shape.params * 2  # 16-bit working copy; fp32 master lives with the optimizer on the host
     base = shape.params * pb
     if c.quantize_base in ("nf4", "fp4", "int8"):
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
-        rest_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+        rest_bytes = 2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4
         base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
     return base + lora_params(shape, c) * adapter_bytes(c)
 
@@ -75,7 +76,7 @@ def adapter_bytes(c: Candidate) -> int:
 
 
 def lora_params(shape: ModelShape, c: Candidate) -> int:
-    return c.lora_rank * shape.lora_per_rank(c.lora_targets)
+    return c.lora_rank * shape.lora_per_rank(c.techniques.lora.targets)
 
 
 def trainable_params(shape: ModelShape, c: Candidate) -> int:
@@ -83,13 +84,14 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
-    if c.in_backward:  # each gradient is applied and freed as soon as it is complete
+    t = c.techniques
+    if t.optimizer_in_backward:  # each gradient is applied and freed as soon as it is complete
         return min(trainable_params(shape, c), shape.largest_param) * trained_bytes(c)
     if c.lora_rank:
         return lora_params(shape, c) * adapter_bytes(c)
-    if c.offload != "none":
-        return shape.params * 2 if c.offload == "zero2-cpu" else 2 * shape.largest_param * 2
-    return shape.params * param_bytes(c.precision)
+    if t.offload != "none":
+        return shape.params * 2 if t.offload == "zero2-cpu" else 2 * shape.largest_param * 2
+    return shape.params * param_bytes(t.precision)
 
 
 PAGED = ("paged-adamw-8bit",)  # state in CUDA unified memory: outside the caching allocator, spills to host
@@ -98,7 +100,7 @@ PAGED = ("paged-adamw-8bit",)  # state in CUDA unified memory: outside the cachi
 def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Optimizer state in the device's caching allocator (none under ZeRO offload, which keeps it in
     host memory, nor for a paged optimizer on a GPU, whose state is host-backed unified memory)."""
-    if c.offload != "none" or paged_bytes(shape, c, on_gpu):
+    if c.techniques.offload != "none" or paged_bytes(shape, c, on_gpu):
         return 0.0
     return state_bytes(shape, c)
 
@@ -106,28 +108,32 @@ def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> flo
 def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Host-backed optimizer state of a paged optimizer (bitsandbytes' cudaMallocManaged pages;
     off a GPU it trains as the plain 8-bit optimizer, in ordinary memory)."""
-    return state_bytes(shape, c) if on_gpu and c.optimizer in PAGED and c.offload == "none" else 0.0
+    t = c.techniques
+    return state_bytes(shape, c) if on_gpu and t.optimizer in PAGED and t.offload == "none" else 0.0
 
 
 def state_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
-    pb = trained_bytes(c)
-    if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
-        return (shape.factored_elems if not c.lora_rank else shape.lora_per_rank(c.lora_targets) + 2 * c.lora_rank) * pb
-    if c.optimizer in STATE_BYTES:
-        return n * STATE_BYTES[c.optimizer]
-    return n * pb * STATE_RELATIVE.get(c.optimizer, 2.0)
+    pb, opt = trained_bytes(c), c.techniques.optimizer
+    if opt == "adafactor":  # factored second moment, no first moment (transformers' defaults)
+        if not c.lora_rank:
+            return shape.factored_elems * pb
+        return (shape.lora_per_rank(c.techniques.lora.targets) + 2 * c.lora_rank) * pb
+    if opt in STATE_BYTES:
+        return n * STATE_BYTES[opt]
+    return n * pb * STATE_RELATIVE.get(opt, 2.0)
 
 
 def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
     """Temporaries of optimizer.step(): foreach AdamW builds whole-model intermediate lists; fused
     and 8-bit kernels work in place; per-tensor optimizers need one tensor's worth."""
     n = trainable_params(shape, c)
-    if c.offload != "none":
+    opt = c.techniques.optimizer
+    if c.techniques.offload != "none":
         return 0.0
-    fused = c.optimizer == "adamw-fused" or (c.optimizer == "adamw" and on_gpu)
-    if c.optimizer in ("adamw", "adamw-foreach") and not fused:
+    fused = opt == "adamw-fused" or (opt == "adamw" and on_gpu)
+    if opt in ("adamw", "adamw-foreach") and not fused:
         return n * trained_bytes(c)
     return min(n, shape.largest_param) * 4 * 2
 
@@ -135,20 +141,17 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
 def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
                      attention: str = "sdpa") -> tuple[float, float]:
     """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
-    acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
-                                    c.lora_targets, c.adapter_dtype if c.lora_rank else "fp32")
-    compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
-    rows = c.micro_batch * c.rows_per_example  # a preference pair: chosen and rejected in one forward
-    kept = acts.retained(rows, seq_len, shape.layers, c.checkpointing, c.every, compiled)
-    tokens = rows * seq_len if not c.loss_chunk else min(c.loss_chunk, rows * seq_len)
+    t = c.techniques
+    acts = acts or activation_model(shape.config, t, attention)
+    compiled = t.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
+    rows = c.training.micro_batch_size * c.rows_per_example  # a preference pair: chosen and rejected
+    kept = acts.retained(rows, seq_len, shape.layers, t.checkpointing, t.checkpointing_every, compiled)
+    chunk = t.loss_chunk_size
+    tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
-    logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + logits_grad
-
-
-def _act_precision(precision: str) -> str:
-    return "bf16" if precision == "fp16" else precision  # same bytes: 16-bit activations
+    logits_grad = tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
+    return kept, acts.recompute_peak(rows, seq_len, t.checkpointing, compiled) + logits_grad
 
 
 def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
@@ -162,13 +165,13 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     kept, transient = activation_bytes(shape, c, seq_len, acts, attention)
     w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c, on_gpu)
     temp = optimizer_temp_bytes(shape, c, on_gpu)
-    held_grads = g if c.grad_accum > 1 else 0.0
+    held_grads = g if c.training.grad_accum > 1 else 0.0
     backward_peak = kept + transient + held_grads
     step_peak = g + temp
     comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
              "backward transient": transient, "optimizer temporaries": temp}
     if c.reference_kind == "copy":  # DPO's frozen reference: the whole model once more, in the weights' dtype
-        comps["reference copy"] = shape.params * param_bytes(c.precision)
+        comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
     if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)

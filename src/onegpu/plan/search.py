@@ -16,7 +16,7 @@ from onegpu.errors import ConfigError
 from onegpu.hardware import GpuSpec
 from onegpu.plan import memory, speed
 from onegpu.plan.arch import ModelShape
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import Candidate, setup
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,15 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
     if on_gpu and tier < 4:
         ckpts.append("offload")  # layer inputs in pinned host memory: slower, ranked by the PCIe time it adds
-    lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
-    if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
+    lora_on = t.lora.enabled
+    if tier in (2, 3) and (lora_on and (tier == 2 or t.lora.quantize_base != "none")):
         return []  # already training adapters (on a quantized base): this tier adds nothing
-    targets = t.lora.targets if t.lora.enabled else "all-linear"
-    lora = lora or (LORA_RANK if tier in (2, 3) else 0)
-    quant = "nf4" if tier == 3 else quant
+    lora = {}  # full fine-tuning, or the adapters as configured
+    if tier in (2, 3) and not lora_on:
+        lora = {"lora": {"r": LORA_RANK, "quantize_base": "nf4" if tier == 3 else "none",
+                              "targets": "all-linear"}}
+    elif tier == 3:
+        lora = {"lora": {"quantize_base": "nf4"}}
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
     chunks = {off: loss_chunk(cfg, shape.vocab, on_gpu, off) for off in offloads}
     out = []
@@ -89,9 +92,9 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
             micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, compiles, offloads):
         if in_bwd and (mb != batch or off != "none"):
             continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
-        out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
-                             t.checkpointing_every, in_bwd, targets, lora_dtype=t.lora.dtype,
-                             objective=cfg.training.objective, reference=cfg.preference.reference))
+        out.append(setup(mb, batch // mb, cfg, precision=prec, checkpointing=ck, optimizer=opt,
+                         loss_chunk_size=chunks[off], compile=comp, offload=off,
+                         optimizer_in_backward=in_bwd, **lora))
     return out
 
 

@@ -49,11 +49,12 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     from onegpu.plan.activations import checkpointed_layers
     from onegpu.plan.arch import flops_per_token as count, forward_flops_per_token
 
-    frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
-    total = count(shape, seq_len, c.lora_rank, frac, c.lora_targets)
-    if c.objective != "sft":
+    t = c.techniques
+    frac = checkpointed_layers(shape.layers, t.checkpointing, t.checkpointing_every) / max(shape.layers, 1)
+    total = count(shape, seq_len, c.lora_rank, frac, t.lora.targets)
+    if c.training.objective != "sft":
         # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
-        total += 2 * shape.vocab * shape.hidden if c.loss_chunk else 0
+        total += 2 * shape.vocab * shape.hidden if t.loss_chunk_size else 0
         if c.reference_kind in ("adapters", "copy"):  # the reference's forward, every step
             total += forward_flops_per_token(shape, seq_len)
     return total
@@ -103,7 +104,7 @@ def default(spec: GpuSpec, precision: str) -> tuple[float, str]:
 
 def method_factor(c: Candidate) -> float:
     """Speed factors of methods that change kernels, not FLOPs (assumed, see the constants)."""
-    factor = COMPILE_SPEEDUP if c.compile != "off" else 1.0
+    factor = COMPILE_SPEEDUP if c.techniques.compile != "off" else 1.0
     return factor * (QLORA_SLOWDOWN if c.quantize_base != "none" else 1.0)
 
 
@@ -115,24 +116,26 @@ def compute_efficiency(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuS
     step = tokens / tokens_per_s
     # A measurement faster than the optimizer model allows still leaves the compute some time.
     compute = max(step - optimizer_seconds(shape, c, spec), 0.05 * step)
-    used = tokens * flops_per_token(shape, c, seq_len) / (spec.peak_tflops(c.precision, tf32) * 1e12 * compute)
-    return used / (_fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c))
+    peak = spec.peak_tflops(c.techniques.precision, tf32) * 1e12
+    used = tokens * flops_per_token(shape, c, seq_len) / (peak * compute)
+    return used / (_fill(spec, _micro_tokens(c, seq_len)) * method_factor(c))
 
 
 def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
-    out = [] if calibrated else [default(spec, c.precision)[1]]
+    t = c.techniques
+    out = [] if calibrated else [default(spec, t.precision)[1]]
     half = HALF_FILL_TOKENS["cpu" if spec.key == "CPU" else "gpu"]
     out.append(f"micro-batch fill: half speed at {half} tokens")
-    if c.compile != "off":
+    if t.compile != "off":
         out.append(f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled blocks keep "
                    "no elementwise intermediates (min-cut partitioner; -14.9% peak there)")
     if c.quantize_base != "none":
         out.append(f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)")
     if c.reference_kind == "precomputed":
         out.append("DPO reference precomputed: one forward over the data before training, not in tokens/s")
-    if c.offload != "none":
+    if t.offload != "none":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
-    elif c.checkpointing == "offload":
+    elif t.checkpointing == "offload":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s for offloaded activations")
     return tuple(out)
 
@@ -142,17 +145,23 @@ def _fill(spec: GpuSpec, tokens: int) -> float:
     return tokens / (tokens + half)
 
 
+def _micro_tokens(c: Candidate, seq_len: int) -> int:
+    """Tokens of one micro-batch through the model (a preference pair is two sequences)."""
+    return c.training.micro_batch_size * c.rows_per_example * seq_len
+
+
 def _prec_class(precision: str) -> str:
     return "16bit" if precision in ("fp16", "bf16", "bf16-pure") else "fp32"
 
 
 def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True) -> SpeedEstimate:
     """Predicted training throughput (tokens/s) of one setup on one GPU."""
-    eff, calibrated = base_efficiency(spec, c.precision)
-    eff *= _fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c)
+    precision = c.techniques.precision
+    eff, calibrated = base_efficiency(spec, precision)
+    eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
     tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
-    compute = tokens * fpt / (spec.peak_tflops(c.precision, tf32) * 1e12 * eff)
+    compute = tokens * fpt / (spec.peak_tflops(precision, tf32) * 1e12 * eff)
     step = compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
     return SpeedEstimate(tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated))
 
@@ -160,9 +169,9 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32:
 def activation_offload_seconds(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     """checkpointing=offload: every layer's input (tokens x hidden, in the compute dtype) goes to
     pinned host memory in forward and comes back in backward, over PCIe (an assumed rate)."""
-    if c.checkpointing != "offload":
+    if c.techniques.checkpointing != "offload":
         return 0.0
-    dtype_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+    dtype_bytes = 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
     nbytes = 2 * c.effective_batch * seq_len * shape.hidden * shape.layers * dtype_bytes
     return nbytes / (OFFLOAD_PCIE_GBS * 1e9)
 
@@ -171,8 +180,9 @@ def optimizer_seconds(shape: ModelShape, c: Candidate, spec: GpuSpec) -> float:
     """optimizer.step() is memory-bound: bytes read and written per parameter over the bandwidth;
     under ZeRO offload, gradients and weights cross PCIe and Adam runs on the host."""
     n = trainable_params(shape, c)
-    if c.offload != "none":
+    opt = c.techniques.optimizer
+    if c.techniques.offload != "none":
         return n * 4 / (OFFLOAD_PCIE_GBS * 1e9) + n / CPU_ADAM_PARAMS_PER_S
-    per_param = {"sgd": 12, "adafactor": 12}.get(c.optimizer, 6 if "8bit" in c.optimizer or "4bit" in c.optimizer else 16)
+    per_param = {"sgd": 12, "adafactor": 12}.get(opt, 6 if "8bit" in opt or "4bit" in opt else 16)
     per_param += 4  # zeroing / clipping the gradients
     return n * per_param * 2 / (spec.bandwidth_gbs * 1e9)  # read + write
