@@ -8,7 +8,10 @@ The order, and why:
 3. LoRA / QLoRA: adapters replace the Linear layers that the later steps must see;
 4. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute;
 5. compile: over the final module structure;
-6. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
+6. activation offload: saved-tensor hooks the outermost module enters for its forward, so they
+   see what autograd saves wherever it is saved: inside compiled code, and with checkpointing
+   the checkpointed blocks' inputs (the recompute inside a block saves through its own hooks);
+7. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
 The optimizer comes last (``training.assemble.build_optimizer``; DeepSpeed offload brings its own).
 
 Global switches (TF32, dynamo's error fallback) are process-wide, so they are set in one place,
@@ -44,8 +47,9 @@ def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str
 
 
 def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
-    """Steps 2-6 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
+    """Steps 2-7 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
     ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one process."""
+    from onegpu.techniques.activation_offload import apply_activation_offload
     from onegpu.techniques.checkpointing import apply_checkpointing
     from onegpu.techniques.compile import apply_compile
     from onegpu.techniques.lora import apply_lora
@@ -55,6 +59,7 @@ def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
     model = apply_lora(model, tcfg)
     model = apply_checkpointing(model, tcfg, device_type)
     model = apply_compile(model, tcfg, device_type)
+    model = apply_activation_offload(model, tcfg, device_type)
     return shard(model) if shard is not None else model
 
 
