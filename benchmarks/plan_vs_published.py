@@ -45,7 +45,7 @@ def rows(chunk: int) -> list[Row]:
     chunked = dict(comp, loss_chunk_size=chunk)
     ckpt = dict(chunked, checkpointing="full")
     in_bwd = dict(ckpt, optimizer_in_backward=True)
-    offload = dict(in_bwd, checkpointing="offload")
+    offload = dict(in_bwd, activation_offload=True)  # torchtune offloads the checkpointed inputs
     eight = dict(offload, optimizer="adamw-8bit")
     lora = dict(offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS})  # dtype auto: bf16
     qlora = dict(lora, lora={"r": 64, "targets": LORA_TARGETS, "quantize_base": "nf4"})

@@ -37,6 +37,8 @@ def build_parser():
                    help="effective batch in sequences, kept exactly (default: micro_batch_size x grad_accum)")
     p.add_argument("--memory_gib", type=Optional[float], default=None,
                    help="memory to plan for instead of the GPU's total")
+    p.add_argument("--max-context", "--max_context", dest="max_context", type=bool, default=False,
+                   help="print, per setup, the longest sequence that fits at batch 1 and its tokens/s")
     p.add_argument("--top", type=int, default=12, help="rows of the table")
     p.add_argument("--json", type=bool, default=False, help="print JSON instead of the table and YAML")
     p.add_argument("--save", type=Optional[str], default=None,
@@ -46,11 +48,14 @@ def build_parser():
 
 
 def cli(argv: Sequence[str]) -> int:
-    argv = [a if a != "--json" else "--json=true" for a in renamed(argv, RENAMED)]  # --json alone: a switch
+    switches = {"--json": "--json=true", "--max-context": "--max-context=true", "--max_context": "--max-context=true"}
+    argv = [switches.get(a, a) for a in renamed(argv, RENAMED)]  # a switch alone means on
     cfg, ns = parse(build_parser(), model_shorthand(argv), Config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if ns.gpu and ns.gpu.lower() == "list":
         return _print_catalog()
+    if ns.max_context:
+        return _print_max_context(cfg, ns)
     from onegpu.plan import make_plan
 
     plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib)
@@ -105,6 +110,41 @@ def plan_json(plan, recommended) -> dict:
     return {"model": plan.shape.name, "params": plan.shape.params, "gpu": plan.gpu.key,
             "memory_gb": plan.gpu.memory_gib, "seq_len": plan.seq_len, "batch": plan.batch, "rows": rows,
             "recommended": to_dict(recommended) if recommended is not None else None}
+
+
+def _print_max_context(cfg, ns) -> int:
+    """--max-context: the longest sequence per setup (plan/context.py), and a published figure for
+    the same model, method and card class where there is one."""
+    from onegpu.plan import resolve
+    from onegpu.plan.context import max_context
+    from onegpu.plan.published import published_context
+
+    spec, _, shape, attention = resolve(cfg, ns.preset, ns.gpu)
+    rows = max_context(cfg, spec, shape, ns.memory_gib, attention)
+    gib = ns.memory_gib or spec.memory_gib
+    print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers")
+    print(f"gpu   {spec.name}: {gib:.1f} GB; batch 1, attention {attention}; method {rows[0].candidate.method}\n")
+    print(f"{'setup':<40} {'longest seq':>12} {'peak GB':>8} {'host GB':>8} {'tokens/s':>10}  plan")
+    for r in rows:
+        if not r.seq_len:
+            print(f"{r.label:<40} {'none fits':>12}")
+            continue
+        host = r.memory.host_activations / 2**30
+        print(f"{r.label:<40} {r.seq_len:>12,} {r.memory.peak / 2**30:>8.2f} {host:>8.1f} "
+              f"{r.speed.tokens_per_s:>10,.0f}  {r.candidate.label()}")
+    if shape.max_positions and any(r.seq_len > shape.max_positions for r in rows):
+        print(f"\nbeyond max_position_embeddings={shape.max_positions}: memory allows it; the model's "
+              "positions need extending (rope scaling) to train there")
+    pub = published_context(shape.config, gib, cfg.techniques.lora)
+    if pub is not None:
+        best = max(r.seq_len for r in rows)
+        print(f"\npublished, {pub.model} {pub.method} on a {pub.card_gb} GB card: Unsloth {pub.tokens:,} "
+              f"tokens, Hugging Face + FA2 {pub.baseline_tokens:,} ({pub.source}); ours {best:,} "
+              f"({best / pub.tokens:.2f}x Unsloth's)")
+    assumed = sorted({a for r in rows if r.speed for a in r.speed.assumptions})
+    if assumed:
+        print("\nassumed, not measured: " + "; ".join(assumed))
+    return 0
 
 
 def _print_catalog() -> int:

@@ -64,17 +64,27 @@ class ActivationModel:
     block_compiled: Fit | None = None  # one compiled block (see compiled_alive); None: as eager
 
     def retained(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
-                 compiled: bool = False) -> float:
+                 compiled: bool = False, not_kept: float = 0.0) -> float:
         """Bytes alive after forward for the whole model under a checkpointing mode. Compile is
-        regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them."""
+        regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them.
+        ``not_kept``: bytes per block a method keeps no longer (a tiled MLP's intermediates)."""
+        return self.base.at(batch, seq) + self.blocks(batch, seq, layers, mode, every, compiled, not_kept)
+
+    def blocks(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
+               compiled: bool = False, not_kept: float = 0.0) -> float:
+        """The decoder blocks' part of ``retained``: what activation offload moves to the host."""
         n_ckpt = checkpointed_layers(layers, mode, every)
         per_ckpt = 0.0 if mode == "offload" else self.block_ckpt.at(batch, seq)
-        return (self.base.at(batch, seq) + (layers - n_ckpt) * self._block(compiled).at(batch, seq)
-                + n_ckpt * per_ckpt)
+        return (layers - n_ckpt) * self.block_at(batch, seq, compiled, not_kept) + n_ckpt * per_ckpt
 
-    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False) -> float:
+    def block_at(self, batch: int, seq: int, compiled: bool = False, not_kept: float = 0.0) -> float:
+        """One block without checkpointing, less what a method keeps no longer."""
+        return max(0.0, self._block(compiled).at(batch, seq) - not_kept)
+
+    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False,
+                       not_kept: float = 0.0) -> float:
         """Extra bytes while backward recomputes one checkpointed block."""
-        return 0.0 if mode == "off" else self._block(compiled).at(batch, seq)
+        return 0.0 if mode == "off" else self.block_at(batch, seq, compiled, not_kept)
 
     def _block(self, compiled: bool) -> Fit:
         return self.block_compiled if compiled and self.block_compiled is not None else self.block

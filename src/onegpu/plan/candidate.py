@@ -81,6 +81,10 @@ class Candidate:
             every = f"every{t.checkpointing_every}"
             parts.append("ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing))
         parts.append(t.optimizer + ("-in-backward" if t.optimizer_in_backward else ""))
+        if t.activation_offload:
+            parts.append("act-offload")
+        if t.tiled_mlp == "on":
+            parts.append("tiled-mlp")
         if t.loss_chunk_size:
             parts.append(f"fused-loss{t.loss_chunk_size}")
         if t.compile != "off":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onegpu.plan.activations import ActivationModel, activation_model
+from onegpu.plan.activations import ActivationModel, activation_model, checkpointed_layers
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 
@@ -35,6 +35,7 @@ INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 class MemoryEstimate:
     components: dict = field(default_factory=dict)  # name -> bytes, at the peak
     peak: float = 0.0  # bytes allocated at the peak
+    host_activations: float = 0.0  # bytes activation offload holds in pinned host memory
 
     def reserved(self) -> float:
         """What the GPU must hold: the allocator's fragmentation and the CUDA context on top."""
@@ -140,18 +141,88 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
 
 def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
                      attention: str = "sdpa") -> tuple[float, float]:
-    """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
+    """(bytes kept for backward on the device, extra bytes during backward: one recomputed or
+    reloaded block + logits grad)."""
+    kept, transient, _ = activations(shape, c, seq_len, acts, attention)
+    return kept, transient
+
+
+def activations(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
+                attention: str = "sdpa") -> tuple[float, float, float]:
+    """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
+    host memory under activation offload)."""
     t = c.techniques
     acts = acts or activation_model(shape.config, t, attention)
     compiled = t.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
     rows = c.training.micro_batch_size * c.rows_per_example  # a preference pair: chosen and rejected
-    kept = acts.retained(rows, seq_len, shape.layers, t.checkpointing, t.checkpointing_every, compiled)
+    mode, every = t.checkpointing, t.checkpointing_every
+    tiled = mlp_tiled(shape, c, seq_len)
+    not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
+    kept = acts.retained(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
     chunk = t.loss_chunk_size
     tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
     logits_grad = tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(rows, seq_len, t.checkpointing, compiled) + logits_grad
+    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
+    if tiled:  # one tile's intermediates, and their gradients, exist at a time
+        transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
+    host = 0.0
+    if t.activation_offload and offloaded(shape, c, rows * seq_len):
+        # Every block's saved tensors wait in host memory; on the device stay the embedding, head
+        # and loss part, the copies in flight (techniques/activation_offload.py bounds them) and,
+        # in backward, the block whose saved tensors are back (a checkpointed one: its input,
+        # beside the recomputed block already counted).
+        from onegpu.techniques.activation_offload import MAX_IN_FLIGHT, PREFETCH
+
+        host = acts.blocks(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
+        n_ckpt = checkpointed_layers(shape.layers, mode, every)
+        storage = largest_saved(shape, c, rows * seq_len, tiled, n_ckpt == shape.layers)
+        kept = kept - host + min(host, MAX_IN_FLIGHT * storage)
+        back = acts.block_ckpt.at(rows, seq_len) if n_ckpt == shape.layers else acts.block_at(
+            rows, seq_len, compiled, not_kept)
+        transient += back + PREFETCH * storage
+    return kept, transient, host
+
+
+def act_bytes(c: Candidate) -> int:
+    """Bytes per activation element: 16-bit compute keeps 16-bit activations."""
+    return 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
+
+
+def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
+    """Whether training runs this setup's MLPs over token tiles (techniques/tiled_mlp.py): on, or
+    auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less."""
+    t = c.techniques
+    wanted = t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq)
+    tokens = c.training.micro_batch_size * c.rows_per_example * seq_len
+    return wanted and not shape.experts and shape.intermediate > 0 and tokens > tile_tokens(shape, c)
+
+
+def tile_tokens(shape: ModelShape, c: Candidate) -> int:
+    return c.techniques.tiled_mlp_tile_tokens or shape.hidden
+
+
+def mlp_saved_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
+    """What one block's MLP keeps for backward over ``tokens``: the gate and up projections, the
+    activation and their product (tokens x intermediate each); compiled code keeps only the two
+    matmul outputs and recomputes the elementwise ones (activations.py)."""
+    tensors = 2 if c.techniques.compile != "off" else 4
+    return tensors * tokens * shape.intermediate * act_bytes(c)
+
+
+def offloaded(shape: ModelShape, c: Candidate, tokens: int) -> bool:
+    """Whether the blocks' saved tensors reach activation_offload_min_bytes: a block input (tokens x
+    hidden) is the smallest of them that matters; smaller ones stay, and so do the rest (assumed:
+    a block's saved tensors are all at least that size)."""
+    return tokens * shape.hidden * act_bytes(c) >= c.techniques.activation_offload_min_bytes
+
+
+def largest_saved(shape: ModelShape, c: Candidate, tokens: int, tiled: bool, all_ckpt: bool) -> float:
+    """Bytes of the largest storage a block saves: its input under checkpointing, else an MLP
+    intermediate (tokens x intermediate) unless the MLP is tiled."""
+    width = shape.hidden if all_ckpt or tiled else max(shape.hidden, shape.intermediate)
+    return tokens * width * act_bytes(c)
 
 
 def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
@@ -162,7 +233,7 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     held from earlier micro-batches when accumulating) or in optimizer.step() (all gradients and the
     optimizer's temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient = activation_bytes(shape, c, seq_len, acts, attention)
+    kept, transient, host = activations(shape, c, seq_len, acts, attention)
     w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c, on_gpu)
     temp = optimizer_temp_bytes(shape, c, on_gpu)
     held_grads = g if c.training.grad_accum > 1 else 0.0
@@ -173,6 +244,8 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     if c.reference_kind == "copy":  # DPO's frozen reference: the whole model once more, in the weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
+    if host:  # shown, but not in the device peak
+        comps["offloaded activations (pinned host)"] = host
     if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
-    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak))
+    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak), host)

@@ -81,3 +81,44 @@ def default_efficiency(capability: tuple) -> tuple[float, str]:
         return FALLBACK_EFFICIENCY, f"efficiency {FALLBACK_EFFICIENCY:.2f} (assumed: no published run for this GPU class, no probe on this GPU yet)"
     return run.efficiency, (f"efficiency {run.efficiency:.2f} (published: {run.model} on {run.gpu}, "
                             f"{run.tokens_per_s:,.0f} tokens/s; no probe on this GPU yet)")
+
+
+UNSLOTH_LLAMA_3_3 = "https://unsloth.ai/blog/llama3-3 (Llama 3.1 (8B) max. context length table, 2024-12)"
+
+
+@dataclass(frozen=True)
+class PublishedContext:
+    """A published longest trainable context: model, method, card memory, tokens at batch 1."""
+
+    source: str
+    model: str
+    config: dict  # LlamaConfig arguments of that model (what --max-context matches a shape against)
+    method: str
+    lora_rank: int
+    quantize_base: str
+    card_gb: int  # the card's memory class, GB
+    tokens: int  # Unsloth's longest sequence
+    baseline_tokens: int  # Hugging Face + FlashAttention-2's, same card
+
+
+# Unsloth (+ Apple Cut Cross Entropy) against Hugging Face + FA2: QLoRA on all linear layers,
+# rank 32, batch 1, sequences padded to the length; 80 GB is an A100.
+UNSLOTH_CONTEXT = (
+    PublishedContext(UNSLOTH_LLAMA_3_3, "Llama-3.1-8B", LLAMA_3_1_8B, "QLoRA r32 all-linear", 32, "nf4",
+                     24, 78_475, 5_789),
+    PublishedContext(UNSLOTH_LLAMA_3_3, "Llama-3.1-8B", LLAMA_3_1_8B, "QLoRA r32 all-linear", 32, "nf4",
+                     80, 342_733, 28_454),
+)
+
+
+def published_context(shape_config, memory_gib: float, lora) -> PublishedContext | None:
+    """The published figure for this model shape, method (a LoraConfig) and card class, if any."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size")
+    card = 24 if 20 <= memory_gib < 30 else 80 if 70 <= memory_gib < 90 else 0
+    for p in UNSLOTH_CONTEXT:
+        same = all(shape_config.to_dict().get(k) == p.config[k] for k in keys)
+        if (same and p.card_gb == card and lora.enabled and lora.r == p.lora_rank
+                and lora.quantize_base == p.quantize_base and lora.targets == "all-linear"):
+            return p
+    return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from onegpu.hardware import GpuSpec
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
-from onegpu.plan.memory import trainable_params
+from onegpu.plan.memory import mlp_tiled, trainable_params
 from onegpu.plan.published import COMPILE_SPEEDUP, FALLBACK_EFFICIENCY, QLORA_SLOWDOWN, default_efficiency
 from onegpu.paths import cache_dir
 
@@ -31,6 +31,14 @@ HALF_FILL_TOKENS = {"gpu": 512, "cpu": 16}
 # Relative speed factors for methods that change kernels, not FLOPs: COMPILE_SPEEDUP and
 # QLORA_SLOWDOWN, published figures (plan/published.py), listed as assumptions where used.
 OFFLOAD_PCIE_GBS = 20.0  # effective host<->device bandwidth for ZeRO offload
+# Host<->device copy rate per direction for activation offload, by the card's PCIe generation:
+# the link's 16 lanes carry 15.75 / 31.5 / 63 GB/s per direction (gen3 / gen4 / gen5, PCI-SIG);
+# pinned copies reach about 80% of that (an assumption: CUDA's bandwidthTest on a gen4 x16 host
+# typically shows 24-26 GB/s). The generation is the vendor's datasheet's.
+PCIE_GEN = {"T4": 3, "V100": 3, "V100-16GB": 3, "H100": 5, "H100-PCIe": 5, "H100-NVL": 5, "H200": 5,
+            "B200": 5}  # every other catalogued card: gen4
+PCIE_LINK_GBS = {3: 15.75, 4: 31.5, 5: 63.0}
+PINNED_COPY_EFFICIENCY = 0.8
 CPU_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeed's CPUAdam, a many-core host
 
 
@@ -52,6 +60,8 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     t = c.techniques
     frac = checkpointed_layers(shape.layers, t.checkpointing, t.checkpointing_every) / max(shape.layers, 1)
     total = count(shape, seq_len, c.lora_rank, frac, t.lora.targets)
+    if mlp_tiled(shape, c, seq_len):  # each tile's MLP forward runs again in its backward
+        total += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
     if c.training.objective != "sft":
         # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
         total += 2 * shape.vocab * shape.hidden if t.loss_chunk_size else 0
@@ -133,6 +143,11 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
         out.append(f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)")
     if c.reference_kind == "precomputed":
         out.append("DPO reference precomputed: one forward over the data before training, not in tokens/s")
+    if t.tiled_mlp != "off":
+        out.append("tiled MLP: its forward once more per step (gate, up and down projections)")
+    if t.activation_offload:
+        out.append(f"activation offload at {pcie_gbs(spec):.0f} GB/s per direction (PCIe gen "
+                   f"{PCIE_GEN.get(spec.key, 4)} x16 at {PINNED_COPY_EFFICIENCY:.0%}), overlapped with compute")
     if t.offload != "none":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
     elif t.checkpointing == "offload":
@@ -154,15 +169,18 @@ def _prec_class(precision: str) -> str:
     return "16bit" if precision in ("fp16", "bf16", "bf16-pure") else "fp32"
 
 
-def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True) -> SpeedEstimate:
-    """Predicted training throughput (tokens/s) of one setup on one GPU."""
+def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True,
+             offloaded: float = 0.0) -> SpeedEstimate:
+    """Predicted training throughput (tokens/s) of one setup on one GPU; ``offloaded``: the bytes
+    of activations one micro-batch sends to the host (memory.MemoryEstimate.host_activations)."""
     precision = c.techniques.precision
     eff, calibrated = base_efficiency(spec, precision)
     eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
     tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
     compute = tokens * fpt / (spec.peak_tflops(precision, tf32) * 1e12 * eff)
-    step = compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
+    step = (compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
+            + offload_exposed_seconds(c, spec, compute, offloaded))
     return SpeedEstimate(tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated))
 
 
@@ -174,6 +192,23 @@ def activation_offload_seconds(shape: ModelShape, c: Candidate, seq_len: int) ->
     dtype_bytes = 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
     nbytes = 2 * c.effective_batch * seq_len * shape.hidden * shape.layers * dtype_bytes
     return nbytes / (OFFLOAD_PCIE_GBS * 1e9)
+
+
+def pcie_gbs(spec: GpuSpec) -> float:
+    """Pinned host<->device copy rate per direction, GB/s (see PCIE_GEN)."""
+    return PCIE_LINK_GBS[PCIE_GEN.get(spec.key, 4)] * PINNED_COPY_EFFICIENCY
+
+
+def offload_exposed_seconds(c: Candidate, spec: GpuSpec, compute: float, offloaded: float) -> float:
+    """techniques.activation_offload: the saved activations cross PCIe once each way per
+    micro-batch, on a side stream. Copies to the host overlap the forward (a third of the compute,
+    2 of the 6 FLOPs per parameter), copies back the backward (the other two thirds); only what
+    a copy takes beyond the compute it overlaps adds to the step. ``offloaded``: bytes one
+    micro-batch moves (memory.MemoryEstimate.host_activations)."""
+    if not c.techniques.activation_offload or spec.key == "CPU":
+        return 0.0
+    copy = offloaded * c.training.grad_accum / (pcie_gbs(spec) * 1e9)
+    return max(0.0, copy - compute / 3) + max(0.0, copy - 2 * compute / 3)
 
 
 def optimizer_seconds(shape: ModelShape, c: Candidate, spec: GpuSpec) -> float:
