@@ -32,7 +32,9 @@ class Row:
     key: str
     technique: str
     published_gib: float
-    setup: dict | None  # TechniquesConfig overrides (candidate.setup); None: onegpu cannot express it
+    setup: (
+        dict | None
+    )  # TechniquesConfig overrides (candidate.setup); None: onegpu cannot express it
     note: str = ""
 
 
@@ -45,25 +47,53 @@ def rows(chunk: int) -> list[Row]:
     chunked = dict(comp, loss_chunk_size=chunk)
     ckpt = dict(chunked, checkpointing="full")
     in_bwd = dict(ckpt, optimizer_in_backward=True)
-    offload = dict(in_bwd, activation_offload=True)  # torchtune offloads the checkpointed inputs
+    offload = dict(
+        in_bwd, activation_offload=True
+    )  # torchtune offloads the checkpointed inputs
     eight = dict(offload, optimizer="adamw-8bit")
-    lora = dict(offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS})  # dtype auto: bf16
+    lora = dict(
+        offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS}
+    )  # dtype auto: bf16
     qlora = dict(lora, lora={"r": 64, "targets": LORA_TARGETS, "quantize_base": "nf4"})
     return [
-        Row("baseline", "Baseline (unpacked)", 25.5, None,
+        Row(
+            "baseline",
+            "Baseline (unpacked)",
+            25.5,
+            None,
             "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on the "
-            "dataset's length distribution, which the planner does not model (it plans full rows)"),
+            "dataset's length distribution, which the planner does not model (it plans full rows)",
+        ),
         Row("packed", "+ Packed Dataset", 60.0, packed),
-        Row("compile", "+ Compile", 51.0, comp, "compile's memory: elementwise intermediates recomputed (modelled)"),
-        Row("chunked", "+ Chunked Cross Entropy", 42.9, chunked,
+        Row(
+            "compile",
+            "+ Compile",
+            51.0,
+            comp,
+            "compile's memory: elementwise intermediates recomputed (modelled)",
+        ),
+        Row(
+            "chunked",
+            "+ Chunked Cross Entropy",
+            42.9,
+            chunked,
             "onegpu's fused loss (gradients in the forward) stands in for torchtune's chunked CE, "
-            "which keeps the whole bf16 logits"),
+            "which keeps the whole bf16 logits",
+        ),
         Row("ckpt", "+ Activation Checkpointing", 24.9, ckpt),
         Row("in_bwd", "+ Fuse optimizer step into backward", 23.1, in_bwd),
         Row("offload", "+ Activation Offloading", 21.8, offload),
         Row("adamw8bit", "+ 8-bit AdamW", 17.6, eight, "bitsandbytes AdamW8bit"),
-        Row("lora", "LoRA", 8.5, lora, "rank 64, bf16 adapters (torchtune trains them in bf16)"),
-        Row("qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"),
+        Row(
+            "lora",
+            "LoRA",
+            8.5,
+            lora,
+            "rank 64, bf16 adapters (torchtune trains them in bf16)",
+        ),
+        Row(
+            "qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"
+        ),
     ]
 
 
@@ -83,49 +113,81 @@ def predict(selected: list[str] | None = None) -> dict:
     for row in rows(chunk):
         if selected and row.key not in selected:
             continue
-        entry = {"key": row.key, "technique": row.technique, "published_gib": row.published_gib, "note": row.note}
+        entry = {
+            "key": row.key,
+            "technique": row.technique,
+            "published_gib": row.published_gib,
+            "note": row.note,
+        }
         if row.setup is not None:
             c = setup(MICRO_BATCH, 1, **row.setup)
             est = memory.estimate(shape, c, SEQ_LEN, on_gpu=True, attention="sdpa")
-            entry.update(setup=c.label(), predicted_gib=round(est.peak / GIB, 2),
-                         ratio=round(est.peak / GIB / row.published_gib, 3),
-                         components_gib={k: round(v / GIB, 2) for k, v in est.components.items()})
+            entry.update(
+                setup=c.label(),
+                predicted_gib=round(est.peak / GIB, 2),
+                ratio=round(est.peak / GIB / row.published_gib, 3),
+                components_gib={
+                    k: round(v / GIB, 2) for k, v in est.components.items()
+                },
+            )
         out.append(entry)
-    return {"model": "Llama-3.2-3B", "params": shape.params, "gpu": "A100 80GB", "seq_len": SEQ_LEN,
-            "micro_batch": MICRO_BATCH, "rows": out}
+    return {
+        "model": "Llama-3.2-3B",
+        "params": shape.params,
+        "gpu": "A100 80GB",
+        "seq_len": SEQ_LEN,
+        "micro_batch": MICRO_BATCH,
+        "rows": out,
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
-             "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB.", "",
-             "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
-             "|:--|--:|--:|--:|:--|"]
+    lines = [
+        f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
+        "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB.",
+        "",
+        "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
+        "|:--|--:|--:|--:|:--|",
+    ]
     for r in result["rows"]:
         if "predicted_gib" in r:
             what = f"`{r['setup']}`" + (f"; {r['note']}" if r["note"] else "")
-            lines.append(f"| {r['technique']} | {r['published_gib']:.1f} | {r['predicted_gib']:.1f} | "
-                         f"{r['ratio']:.2f} | {what} |")
+            lines.append(
+                f"| {r['technique']} | {r['published_gib']:.1f} | {r['predicted_gib']:.1f} | "
+                f"{r['ratio']:.2f} | {what} |"
+            )
         else:
-            lines.append(f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |")
+            lines.append(
+                f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |"
+            )
     meta = result["meta"]
-    lines += ["", f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-                  f"command: `{meta['command']}`"]
+    lines += [
+        "",
+        f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"command: `{meta['command']}`",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="", help="comma-separated row keys (default: all)")
+    ap.add_argument(
+        "--rows", default="", help="comma-separated row keys (default: all)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     import torch
     import transformers
 
     result = predict([k for k in args.rows.split(",") if k] or None)
-    result["meta"] = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                      "transformers": transformers.__version__,
-                      "command": "python benchmarks/plan_vs_published.py" + (f" --rows {args.rows}" if args.rows else ""),
-                      "source": "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)"}
+    result["meta"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": "python benchmarks/plan_vs_published.py"
+        + (f" --rows {args.rows}" if args.rows else ""),
+        "source": "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)",
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_vs_published.json").write_text(json.dumps(result, indent=1))

@@ -33,14 +33,36 @@ def _bench():
 
 
 def test_tier_one_crosses_bf16_weights_8bit_and_paged_state_step_in_backward_and_offload():
-    rows = tier_candidates(1, Config(), find_gpu("RTX4090"), model_shape("tiny"), 2, 256)
-    seen = {(c.techniques.precision, c.techniques.optimizer, c.techniques.optimizer_in_backward,
-             c.techniques.activation_offload) for c in rows}
+    rows = tier_candidates(
+        1, Config(), find_gpu("RTX4090"), model_shape("tiny"), 2, 256
+    )
+    seen = {
+        (
+            c.techniques.precision,
+            c.techniques.optimizer,
+            c.techniques.optimizer_in_backward,
+            c.techniques.activation_offload,
+        )
+        for c in rows
+    }
     for opt in ("adamw-8bit", "paged-adamw-8bit"):
-        assert ("bf16-pure", opt, True, True) in seen and ("bf16", opt, True, False) in seen
+        assert ("bf16-pure", opt, True, True) in seen and (
+            "bf16",
+            opt,
+            True,
+            False,
+        ) in seen
     assert ("bf16-pure", "adamw", False, False) in seen  # bf16 weights alone
-    assert ("bf16", "adamw", False, False) not in seen  # tier 0's setup, not offered twice
-    assert not any(c.techniques.activation_offload and c.techniques.checkpointing == "offload" for c in rows)
+    assert (
+        "bf16",
+        "adamw",
+        False,
+        False,
+    ) not in seen  # tier 0's setup, not offered twice
+    assert not any(
+        c.techniques.activation_offload and c.techniques.checkpointing == "offload"
+        for c in rows
+    )
 
 
 def test_activation_offload_moves_the_blocks_to_pinned_host_memory():
@@ -50,23 +72,40 @@ def test_activation_offload_moves_the_blocks_to_pinned_host_memory():
         off = setup(2, 1, precision="bf16", checkpointing=ckpt, activation_offload=True)
         a, b = memory.estimate(shape, plain, 2048), memory.estimate(shape, off, 2048)
         host = memory.activations(shape, off, 2048)[2]
-        blocks = memory.activation_model(shape.config, plain.techniques).blocks(2, 2048, shape.layers, ckpt)
+        blocks = memory.activation_model(shape.config, plain.techniques).blocks(
+            2, 2048, shape.layers, ckpt
+        )
         assert host == pytest.approx(blocks) and b.host_activations == host > 0
         # what stays on the device: the rest, and the copies in flight (4 of the largest storage)
         storage = memory.largest_saved(shape, off, 4096, False, ckpt == "full")
-        assert b.components["activations"] == pytest.approx(a.components["activations"] - host + 4 * storage)
+        assert b.components["activations"] == pytest.approx(
+            a.components["activations"] - host + 4 * storage
+        )
         assert "offloaded activations (pinned host)" in b.components
 
 
 def test_activation_offload_costs_only_the_copy_time_compute_does_not_hide():
-    shape, c = model_shape("1b"), setup(2, 1, precision="bf16", checkpointing="full", activation_offload=True)
+    shape, c = (
+        model_shape("1b"),
+        setup(2, 1, precision="bf16", checkpointing="full", activation_offload=True),
+    )
     moved = memory.estimate(shape, c, 2048).host_activations
     gpu = find_gpu("RTX4090")
-    assert speed.pcie_gbs(gpu) == pytest.approx(31.5 * 0.8) and speed.pcie_gbs(find_gpu("H100")) == 63 * 0.8
+    assert (
+        speed.pcie_gbs(gpu) == pytest.approx(31.5 * 0.8)
+        and speed.pcie_gbs(find_gpu("H100")) == 63 * 0.8
+    )
     copy = moved / (speed.pcie_gbs(gpu) * 1e9)
-    assert speed.offload_exposed_seconds(c, gpu, compute=3 * copy, offloaded=moved) == 0  # hidden
-    assert speed.offload_exposed_seconds(c, gpu, compute=0.0, offloaded=moved) == pytest.approx(2 * copy)
-    assert any("activation offload at 25 GB/s" in a for a in speed.estimate(shape, c, 2048, gpu).assumptions)
+    assert (
+        speed.offload_exposed_seconds(c, gpu, compute=3 * copy, offloaded=moved) == 0
+    )  # hidden
+    assert speed.offload_exposed_seconds(
+        c, gpu, compute=0.0, offloaded=moved
+    ) == pytest.approx(2 * copy)
+    assert any(
+        "activation offload at 25 GB/s" in a
+        for a in speed.estimate(shape, c, 2048, gpu).assumptions
+    )
 
 
 def test_tiled_mlp_drops_the_mlp_intermediates_and_pays_one_more_mlp_forward():
@@ -74,13 +113,23 @@ def test_tiled_mlp_drops_the_mlp_intermediates_and_pays_one_more_mlp_forward():
     plain = setup(1, 1, precision="bf16", tiled_mlp="off")
     tiled = setup(1, 1, precision="bf16", tiled_mlp="on")
     seq = 8192
-    drop = memory.estimate(shape, plain, seq).components["activations"] - memory.estimate(
-        shape, tiled, seq).components["activations"]
-    assert drop == pytest.approx(shape.layers * 4 * seq * shape.intermediate * 2)  # gate, up, act, product
-    extra = speed.flops_per_token(shape, tiled, seq) - speed.flops_per_token(shape, plain, seq)
+    drop = (
+        memory.estimate(shape, plain, seq).components["activations"]
+        - memory.estimate(shape, tiled, seq).components["activations"]
+    )
+    assert drop == pytest.approx(
+        shape.layers * 4 * seq * shape.intermediate * 2
+    )  # gate, up, act, product
+    extra = speed.flops_per_token(shape, tiled, seq) - speed.flops_per_token(
+        shape, plain, seq
+    )
     assert extra == 6 * shape.hidden * shape.intermediate * shape.layers
-    auto = setup(1, 1, precision="bf16")  # tiled_mlp=auto: from tiled_mlp_min_seq tokens
-    assert not memory.mlp_tiled(shape, auto, 4096) and memory.mlp_tiled(shape, auto, 8192)
+    auto = setup(
+        1, 1, precision="bf16"
+    )  # tiled_mlp=auto: from tiled_mlp_min_seq tokens
+    assert not memory.mlp_tiled(shape, auto, 4096) and memory.mlp_tiled(
+        shape, auto, 8192
+    )
 
 
 def test_max_context_bisects_to_the_last_length_that_fits(capsys):
@@ -90,10 +139,27 @@ def test_max_context_bisects_to_the_last_length_that_fits(capsys):
     lengths = []
     for _, c in rows:
         n = longest(shape, c, spec, gib * GIB)
-        assert memory.estimate(shape, c, n).fits(gib * GIB) and not memory.estimate(shape, c, n + 1).fits(gib * GIB)
+        assert memory.estimate(shape, c, n).fits(gib * GIB) and not memory.estimate(
+            shape, c, n + 1
+        ).fits(gib * GIB)
         lengths.append(n)
-    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]  # each technique adds length
-    assert main(["plan", "small", "--gpu", "RTX4090", "--memory_gib", str(gib), "--max-context"]) == 0
+    assert (
+        lengths == sorted(lengths) and lengths[-1] > lengths[0]
+    )  # each technique adds length
+    assert (
+        main(
+            [
+                "plan",
+                "small",
+                "--gpu",
+                "RTX4090",
+                "--memory_gib",
+                str(gib),
+                "--max-context",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for (label, _), n in zip(rows, lengths):
         assert re.search(re.escape(label) + rf"\s+{n:,}\s", out), label
@@ -103,10 +169,19 @@ def test_unsloths_figures_are_matched_to_the_same_model_method_and_card():
     from transformers import LlamaConfig
 
     cfg = Config()
-    cfg.techniques.lora.enabled, cfg.techniques.lora.r, cfg.techniques.lora.quantize_base = True, 32, "nf4"
+    (
+        cfg.techniques.lora.enabled,
+        cfg.techniques.lora.r,
+        cfg.techniques.lora.quantize_base,
+    ) = True, 32, "nf4"
     llama8b = LlamaConfig(**published.LLAMA_3_1_8B)
-    assert published.published_context(llama8b, 23.5, cfg.techniques.lora).tokens == 78_475
-    assert published.published_context(llama8b, 79.2, cfg.techniques.lora).baseline_tokens == 28_454
+    assert (
+        published.published_context(llama8b, 23.5, cfg.techniques.lora).tokens == 78_475
+    )
+    assert (
+        published.published_context(llama8b, 79.2, cfg.techniques.lora).baseline_tokens
+        == 28_454
+    )
     cfg.techniques.lora.r = 16
     assert published.published_context(llama8b, 79.2, cfg.techniques.lora) is None
 
@@ -118,15 +193,25 @@ def llama8b():
     return _shape_of("Llama-3.1-8B", LlamaConfig(**published.LLAMA_3_1_8B))
 
 
-def test_llama_8b_full_fine_tune_on_a_4090_is_found_within_10_percent_of_torchtune(llama8b):
+def test_llama_8b_full_fine_tune_on_a_4090_is_found_within_10_percent_of_torchtune(
+    llama8b,
+):
     """torchtune: 18.9 GiB peak, bf16 weights, paged 8-bit AdamW with the step in backward,
     activation checkpointing, chunked cross-entropy; batch 2 x 2048 on one RTX 4090."""
     plan = search(Config(), find_gpu("RTX4090"), llama8b, 2048, 2)
-    assert plan.best is not None and plan.best.candidate.lora_rank == 0  # a full fine-tune, not LoRA
-    rows = [r for r in plan.rows if r.fits and r.candidate.techniques.precision == "bf16-pure"
-            and r.candidate.techniques.optimizer == "paged-adamw-8bit"
-            and r.candidate.techniques.optimizer_in_backward and r.candidate.techniques.checkpointing == "full"
-            and r.candidate.techniques.loss != "plain"]
+    assert (
+        plan.best is not None and plan.best.candidate.lora_rank == 0
+    )  # a full fine-tune, not LoRA
+    rows = [
+        r
+        for r in plan.rows
+        if r.fits
+        and r.candidate.techniques.precision == "bf16-pure"
+        and r.candidate.techniques.optimizer == "paged-adamw-8bit"
+        and r.candidate.techniques.optimizer_in_backward
+        and r.candidate.techniques.checkpointing == "full"
+        and r.candidate.techniques.loss != "plain"
+    ]
     assert rows, "torchtune's setup is not among the fitting rows"
     assert rows[0].memory.peak / GIB == pytest.approx(18.9, rel=0.10)
     assert "paged optimizer state (host-backed)" in rows[0].memory.components

@@ -53,7 +53,9 @@ class Candidate:
         auto means."""
         from onegpu.techniques.reference import choose
 
-        return choose(self.training.objective, self.preference.reference, bool(self.lora_rank))
+        return choose(
+            self.training.objective, self.preference.reference, bool(self.lora_rank)
+        )
 
     @property
     def effective_batch(self) -> int:
@@ -69,7 +71,7 @@ class Candidate:
 
     @property
     def adapter_dtype(self) -> str:
-        """"fp32" or "bf16": the dtype training gives the adapters under this precision."""
+        """ "fp32" or "bf16": the dtype training gives the adapters under this precision."""
         from onegpu.techniques.lora import adapter_dtype
 
         return adapter_dtype(self.techniques.lora.dtype, self.techniques.precision)
@@ -79,7 +81,9 @@ class Candidate:
         parts = [f"mb{tr.micro_batch_size}x{tr.grad_accum}", t.precision]
         if t.checkpointing != "off":
             every = f"every{t.checkpointing_every}"
-            parts.append("ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing))
+            parts.append(
+                "ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing)
+            )
         parts.append(t.optimizer + ("-in-backward" if t.optimizer_in_backward else ""))
         if t.activation_offload:
             parts.append("act-offload")
@@ -90,7 +94,9 @@ class Candidate:
         if t.compile != "off":
             parts.append("compile")
         if self.lora_rank:
-            quant = "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
+            quant = (
+                "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
+            )
             targets = "" if t.lora.targets == "all-linear" else f"[{t.lora.targets}]"
             bf16 = "-bf16" if self.adapter_dtype == "bf16" else ""
             parts.append(f"{quant}lora{self.lora_rank}{targets}{bf16}")
@@ -108,8 +114,14 @@ class Candidate:
         return out
 
 
-def setup(micro_batch_size: int, grad_accum: int = 1, base: Config | None = None,
-          training: dict | None = None, preference: dict | None = None, **techniques) -> Candidate:
+def setup(
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    base: Config | None = None,
+    training: dict | None = None,
+    preference: dict | None = None,
+    **techniques,
+) -> Candidate:
     """A candidate: ``base``'s sections (default: the defaults) with these overrides.
 
     ``techniques`` are TechniquesConfig fields; ``lora`` may be a dict of LoraConfig fields, which
@@ -119,17 +131,25 @@ def setup(micro_batch_size: int, grad_accum: int = 1, base: Config | None = None
     base = base or Config()
     lora = techniques.pop("lora", None)
     if isinstance(lora, dict):
-        techniques["lora"] = dataclasses.replace(base.techniques.lora, **{"enabled": True, **lora})
+        techniques["lora"] = dataclasses.replace(
+            base.techniques.lora, **{"enabled": True, **lora}
+        )
     elif isinstance(lora, LoraConfig):
         techniques["lora"] = lora
     t = dataclasses.replace(base.techniques, **techniques)
     chunk = t.loss_chunk_size
     t = dataclasses.replace(
-        t, precision="fp32" if t.precision == "auto" else t.precision,
+        t,
+        precision="fp32" if t.precision == "auto" else t.precision,
         compile="off" if t.compile == "auto" else t.compile,
-        loss="plain" if not chunk else ("fused" if t.loss == "plain" else t.loss))
-    tr = dataclasses.replace(base.training, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                             **(training or {}))
+        loss="plain" if not chunk else ("fused" if t.loss == "plain" else t.loss),
+    )
+    tr = dataclasses.replace(
+        base.training,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        **(training or {}),
+    )
     if t.optimizer_in_backward:
         tr = dataclasses.replace(tr, max_grad_norm=0.0)
     return Candidate(tr, t, dataclasses.replace(base.preference, **(preference or {})))

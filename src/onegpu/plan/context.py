@@ -39,16 +39,28 @@ class Longest:
     speed: speed.SpeedEstimate | None
 
 
-def ladder(cfg: Config, spec: GpuSpec, shape: ModelShape) -> list[tuple[str, Candidate]]:
+def ladder(
+    cfg: Config, spec: GpuSpec, shape: ModelShape
+) -> list[tuple[str, Candidate]]:
     """The setups of the table, batch 1, on cfg's method and optimizer."""
     from onegpu.plan.search import loss_chunk, precisions
 
     on_gpu = spec.key != "CPU"
     t = cfg.techniques
-    base = {"precision": precisions(spec, t.precision)[0], "compile": "off", "offload": "none",
-            "checkpointing": "off", "loss": "plain", "loss_chunk_size": 0, "tiled_mlp": "off",
-            "activation_offload": False}
-    fused = {"loss": "fused", "loss_chunk_size": loss_chunk(cfg, shape.vocab, on_gpu, "none") or 0}
+    base = {
+        "precision": precisions(spec, t.precision)[0],
+        "compile": "off",
+        "offload": "none",
+        "checkpointing": "off",
+        "loss": "plain",
+        "loss_chunk_size": 0,
+        "tiled_mlp": "off",
+        "activation_offload": False,
+    }
+    fused = {
+        "loss": "fused",
+        "loss_chunk_size": loss_chunk(cfg, shape.vocab, on_gpu, "none") or 0,
+    }
     out, techniques = [], dict(base)
     for label, adds in LADDER:
         if adds.get("activation_offload") and not on_gpu:
@@ -60,13 +72,21 @@ def ladder(cfg: Config, spec: GpuSpec, shape: ModelShape) -> list[tuple[str, Can
     return out
 
 
-def longest(shape: ModelShape, c: Candidate, spec: GpuSpec, capacity: float, attention: str = "sdpa",
-            tf32: bool = True) -> int:
+def longest(
+    shape: ModelShape,
+    c: Candidate,
+    spec: GpuSpec,
+    capacity: float,
+    attention: str = "sdpa",
+    tf32: bool = True,
+) -> int:
     """The longest sequence (tokens, batch 1) whose predicted peak fits in ``capacity`` bytes."""
     on_gpu = spec.key != "CPU"
 
     def fits(seq: int) -> bool:
-        return memory.estimate(shape, c, seq, on_gpu=on_gpu, attention=attention).fits(capacity)
+        return memory.estimate(shape, c, seq, on_gpu=on_gpu, attention=attention).fits(
+            capacity
+        )
 
     if not fits(MIN_SEQ):
         return 0
@@ -81,8 +101,13 @@ def longest(shape: ModelShape, c: Candidate, spec: GpuSpec, capacity: float, att
     return lo
 
 
-def max_context(cfg: Config, spec: GpuSpec, shape: ModelShape, capacity_gib: float | None = None,
-                attention: str = "sdpa") -> list[Longest]:
+def max_context(
+    cfg: Config,
+    spec: GpuSpec,
+    shape: ModelShape,
+    capacity_gib: float | None = None,
+    attention: str = "sdpa",
+) -> list[Longest]:
     """Per setup of the ladder, the longest sequence that fits and its predicted speed."""
     capacity = (capacity_gib or spec.memory_gib) * 2**30
     tf32 = cfg.techniques.tf32 if cfg.techniques.tf32 is not None else True
@@ -92,6 +117,16 @@ def max_context(cfg: Config, spec: GpuSpec, shape: ModelShape, capacity_gib: flo
         if not seq:
             out.append(Longest(label, c, 0, None, None))
             continue
-        mem = memory.estimate(shape, c, seq, on_gpu=spec.key != "CPU", attention=attention)
-        out.append(Longest(label, c, seq, mem, speed.estimate(shape, c, seq, spec, tf32, mem.host_activations)))
+        mem = memory.estimate(
+            shape, c, seq, on_gpu=spec.key != "CPU", attention=attention
+        )
+        out.append(
+            Longest(
+                label,
+                c,
+                seq,
+                mem,
+                speed.estimate(shape, c, seq, spec, tf32, mem.host_activations),
+            )
+        )
     return out

@@ -10,24 +10,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onegpu.plan.activations import ActivationModel, activation_model, checkpointed_layers
+from onegpu.plan.activations import (
+    ActivationModel,
+    activation_model,
+    checkpointed_layers,
+)
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 
 GIB = 2**30
-CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
+CUDA_CONTEXT = (
+    0.6 * GIB
+)  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
 FRAGMENTATION = 0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
 
 # Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
 # exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
 STATE_RELATIVE = {"adamw": 2.0, "adamw-foreach": 2.0, "adamw-fused": 2.0, "sgd": 1.0}
 STATE_BYTES = {
-    "adamw-8bit": 2.0 + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
+    "adamw-8bit": 2.0
+    + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
     "paged-adamw-8bit": 2.0 + 8 / 2048,
     "adamw-8bit-ao": 2.0 + 8 / 256,  # torchao: block size 256
     "adamw-4bit-ao": 1.0 + 8 / 128,  # torchao: two 4-bit states, block size 128
 }
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + double-quantized absmax per 64 weights
+NF4_BYTES = (
+    0.5 + 1 / 64 + 4 / (64 * 256)
+)  # 4-bit codes + double-quantized absmax per 64 weights
 INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 
 
@@ -35,7 +44,9 @@ INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 class MemoryEstimate:
     components: dict = field(default_factory=dict)  # name -> bytes, at the peak
     peak: float = 0.0  # bytes allocated at the peak
-    host_activations: float = 0.0  # bytes activation offload holds in pinned host memory
+    host_activations: float = (
+        0.0  # bytes activation offload holds in pinned host memory
+    )
 
     def reserved(self) -> float:
         """What the GPU must hold: the allocator's fragmentation and the CUDA context on top."""
@@ -60,14 +71,21 @@ def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     t = c.techniques
     pb = param_bytes(t.precision)
     if t.offload == "zero3-cpu":
-        return 2 * shape.largest_param * 2  # only the gathered layer (and the prefetched next) in 16-bit
+        return (
+            2 * shape.largest_param * 2
+        )  # only the gathered layer (and the prefetched next) in 16-bit
     if t.offload == "zero2-cpu":
-        return shape.params * 2  # 16-bit working copy; fp32 master lives with the optimizer on the host
+        return (
+            shape.params * 2
+        )  # 16-bit working copy; fp32 master lives with the optimizer on the host
     base = shape.params * pb
     if c.quantize_base in ("nf4", "fp4", "int8"):
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
         rest_bytes = 2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4
-        base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
+        base = (
+            shape.linear_params * per
+            + (shape.params - shape.linear_params) * rest_bytes
+        )
     return base + lora_params(shape, c) * adapter_bytes(c)
 
 
@@ -86,16 +104,24 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
     t = c.techniques
-    if t.optimizer_in_backward:  # each gradient is applied and freed as soon as it is complete
+    if (
+        t.optimizer_in_backward
+    ):  # each gradient is applied and freed as soon as it is complete
         return min(trainable_params(shape, c), shape.largest_param) * trained_bytes(c)
     if c.lora_rank:
         return lora_params(shape, c) * adapter_bytes(c)
     if t.offload != "none":
-        return shape.params * 2 if t.offload == "zero2-cpu" else 2 * shape.largest_param * 2
+        return (
+            shape.params * 2
+            if t.offload == "zero2-cpu"
+            else 2 * shape.largest_param * 2
+        )
     return shape.params * param_bytes(t.precision)
 
 
-PAGED = ("paged-adamw-8bit",)  # state in CUDA unified memory: outside the caching allocator, spills to host
+PAGED = (
+    "paged-adamw-8bit",
+)  # state in CUDA unified memory: outside the caching allocator, spills to host
 
 
 def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
@@ -110,14 +136,20 @@ def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Host-backed optimizer state of a paged optimizer (bitsandbytes' cudaMallocManaged pages;
     off a GPU it trains as the plain 8-bit optimizer, in ordinary memory)."""
     t = c.techniques
-    return state_bytes(shape, c) if on_gpu and t.optimizer in PAGED and t.offload == "none" else 0.0
+    return (
+        state_bytes(shape, c)
+        if on_gpu and t.optimizer in PAGED and t.offload == "none"
+        else 0.0
+    )
 
 
 def state_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
     pb, opt = trained_bytes(c), c.techniques.optimizer
-    if opt == "adafactor":  # factored second moment, no first moment (transformers' defaults)
+    if (
+        opt == "adafactor"
+    ):  # factored second moment, no first moment (transformers' defaults)
         if not c.lora_rank:
             return shape.factored_elems * pb
         return (shape.lora_per_rank(c.techniques.lora.targets) + 2 * c.lora_rank) * pb
@@ -139,22 +171,36 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
     return min(n, shape.largest_param) * 4 * 2
 
 
-def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
-                     attention: str = "sdpa") -> tuple[float, float]:
+def activation_bytes(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+) -> tuple[float, float]:
     """(bytes kept for backward on the device, extra bytes during backward: one recomputed or
     reloaded block + logits grad)."""
     kept, transient, _ = activations(shape, c, seq_len, acts, attention)
     return kept, transient
 
 
-def activations(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
-                attention: str = "sdpa") -> tuple[float, float, float]:
+def activations(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+) -> tuple[float, float, float]:
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
     host memory under activation offload)."""
     t = c.techniques
     acts = acts or activation_model(shape.config, t, attention)
-    compiled = t.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
-    rows = c.training.micro_batch_size * c.rows_per_example  # a preference pair: chosen and rejected
+    compiled = (
+        t.compile != "off"
+    )  # elementwise intermediates recomputed (activations.py; an assumption)
+    rows = (
+        c.training.micro_batch_size * c.rows_per_example
+    )  # a preference pair: chosen and rejected
     mode, every = t.checkpointing, t.checkpointing_every
     tiled = mlp_tiled(shape, c, seq_len)
     not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
@@ -163,10 +209,18 @@ def activations(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationM
     tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
-    logits_grad = tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
+    logits_grad = (
+        tokens
+        * shape.vocab
+        * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
+    )
+    transient = (
+        acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
+    )
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
-        transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
+        transient += 2 * mlp_saved_bytes(
+            shape, c, min(tile_tokens(shape, c), rows * seq_len)
+        )
     host = 0.0
     if t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
@@ -179,8 +233,11 @@ def activations(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationM
         n_ckpt = checkpointed_layers(shape.layers, mode, every)
         storage = largest_saved(shape, c, rows * seq_len, tiled, n_ckpt == shape.layers)
         kept = kept - host + min(host, MAX_IN_FLIGHT * storage)
-        back = acts.block_ckpt.at(rows, seq_len) if n_ckpt == shape.layers else acts.block_at(
-            rows, seq_len, compiled, not_kept)
+        back = (
+            acts.block_ckpt.at(rows, seq_len)
+            if n_ckpt == shape.layers
+            else acts.block_at(rows, seq_len, compiled, not_kept)
+        )
         transient += back + PREFETCH * storage
     return kept, transient, host
 
@@ -194,9 +251,16 @@ def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
     """Whether training runs this setup's MLPs over token tiles (techniques/tiled_mlp.py): on, or
     auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less."""
     t = c.techniques
-    wanted = t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq)
+    wanted = t.tiled_mlp == "on" or (
+        t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq
+    )
     tokens = c.training.micro_batch_size * c.rows_per_example * seq_len
-    return wanted and not shape.experts and shape.intermediate > 0 and tokens > tile_tokens(shape, c)
+    return (
+        wanted
+        and not shape.experts
+        and shape.intermediate > 0
+        and tokens > tile_tokens(shape, c)
+    )
 
 
 def tile_tokens(shape: ModelShape, c: Candidate) -> int:
@@ -215,18 +279,29 @@ def offloaded(shape: ModelShape, c: Candidate, tokens: int) -> bool:
     """Whether the blocks' saved tensors reach activation_offload_min_bytes: a block input (tokens x
     hidden) is the smallest of them that matters; smaller ones stay, and so do the rest (assumed:
     a block's saved tensors are all at least that size)."""
-    return tokens * shape.hidden * act_bytes(c) >= c.techniques.activation_offload_min_bytes
+    return (
+        tokens * shape.hidden * act_bytes(c)
+        >= c.techniques.activation_offload_min_bytes
+    )
 
 
-def largest_saved(shape: ModelShape, c: Candidate, tokens: int, tiled: bool, all_ckpt: bool) -> float:
+def largest_saved(
+    shape: ModelShape, c: Candidate, tokens: int, tiled: bool, all_ckpt: bool
+) -> float:
     """Bytes of the largest storage a block saves: its input under checkpointing, else an MLP
     intermediate (tokens x intermediate) unless the MLP is tiled."""
     width = shape.hidden if all_ckpt or tiled else max(shape.hidden, shape.intermediate)
     return tokens * width * act_bytes(c)
 
 
-def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
-             acts: ActivationModel | None = None, attention: str = "sdpa") -> MemoryEstimate:
+def estimate(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    on_gpu: bool = True,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+) -> MemoryEstimate:
     """Peak bytes of one optimizer step.
 
     The peak is either late in forward / early in backward (activations, plus gradients already
@@ -234,18 +309,32 @@ def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
     optimizer's temporaries); weights and optimizer state are there throughout.
     """
     kept, transient, host = activations(shape, c, seq_len, acts, attention)
-    w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c, on_gpu)
+    w, g, o = (
+        weight_bytes(shape, c),
+        grad_bytes(shape, c),
+        optimizer_bytes(shape, c, on_gpu),
+    )
     temp = optimizer_temp_bytes(shape, c, on_gpu)
     held_grads = g if c.training.grad_accum > 1 else 0.0
     backward_peak = kept + transient + held_grads
     step_peak = g + temp
-    comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
-             "backward transient": transient, "optimizer temporaries": temp}
-    if c.reference_kind == "copy":  # DPO's frozen reference: the whole model once more, in the weights' dtype
+    comps = {
+        "weights": w,
+        "optimizer": o,
+        "gradients": g,
+        "activations": kept,
+        "backward transient": transient,
+        "optimizer temporaries": temp,
+    }
+    if (
+        c.reference_kind == "copy"
+    ):  # DPO's frozen reference: the whole model once more, in the weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
     if host:  # shown, but not in the device peak
         comps["offloaded activations (pinned host)"] = host
-    if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
+    if paged_bytes(
+        shape, c, on_gpu
+    ):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
     return MemoryEstimate(comps, w + o + max(backward_peak, step_peak), host)
