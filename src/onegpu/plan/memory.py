@@ -204,6 +204,7 @@ def activations(
     mode, every = t.checkpointing, t.checkpointing_every
     tiled = mlp_tiled(shape, c, seq_len)
     not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
+    not_kept += quantized_cast_bytes(shape, c)
     kept = acts.retained(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
     chunk = t.loss_chunk_size
     tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
@@ -240,6 +241,20 @@ def activations(
         )
         transient += back + PREFETCH * storage
     return kept, transient, host
+
+
+def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Per block, what the measured model keeps that a quantized base does not. The activation
+    model is measured on an unquantized copy, whose autocast keeps a 16-bit copy of each frozen
+    Linear weight for its input's gradient; bitsandbytes' 4-bit and 8-bit matmuls save the packed
+    weight (already counted with the weights) and dequantize it again in backward."""
+    autocast = c.techniques.precision in (
+        "fp16",
+        "bf16",
+    )  # bf16-pure weights need no cast
+    if c.quantize_base == "none" or not autocast or not shape.layers:
+        return 0.0
+    return shape.linear_params / shape.layers * 2
 
 
 def act_bytes(c: Candidate) -> int:
