@@ -24,7 +24,9 @@ from pathlib import Path
 GIB = 2**30
 SEQ_LEN = 4096
 MICRO_BATCH = 2
-LORA_TARGETS = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
+LORA_TARGETS = (
+    "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
+)
 
 
 @dataclass
@@ -47,9 +49,7 @@ def rows(chunk: int) -> list[Row]:
     chunked = dict(comp, loss_chunk_size=chunk)
     ckpt = dict(chunked, checkpointing="full")
     in_bwd = dict(ckpt, optimizer_in_backward=True)
-    offload = dict(
-        in_bwd, activation_offload=True
-    )  # torchtune offloads the checkpointed inputs
+    offload = dict(in_bwd, activation_offload=True)  # torchtune offloads the checkpointed inputs
     eight = dict(offload, optimizer="adamw-8bit")
     lora = dict(
         offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS}
@@ -91,9 +91,7 @@ def rows(chunk: int) -> list[Row]:
             lora,
             "rank 64, bf16 adapters (torchtune trains them in bf16)",
         ),
-        Row(
-            "qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"
-        ),
+        Row("qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"),
     ]
 
 
@@ -126,9 +124,7 @@ def predict(selected: list[str] | None = None) -> dict:
                 setup=c.label(),
                 predicted_gib=round(est.peak / GIB, 2),
                 ratio=round(est.peak / GIB / row.published_gib, 3),
-                components_gib={
-                    k: round(v / GIB, 2) for k, v in est.components.items()
-                },
+                components_gib={k: round(v / GIB, 2) for k, v in est.components.items()},
             )
         out.append(entry)
     return {
@@ -171,9 +167,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--rows", default="", help="comma-separated row keys (default: all)"
-    )
+    ap.add_argument("--rows", default="", help="comma-separated row keys (default: all)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     import torch

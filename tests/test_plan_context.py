@@ -33,9 +33,7 @@ def _bench():
 
 
 def test_tier_one_crosses_bf16_weights_8bit_and_paged_state_step_in_backward_and_offload():
-    rows = tier_candidates(
-        1, Config(), find_gpu("RTX4090"), model_shape("tiny"), 2, 256
-    )
+    rows = tier_candidates(1, Config(), find_gpu("RTX4090"), model_shape("tiny"), 2, 256)
     seen = {
         (
             c.techniques.precision,
@@ -60,8 +58,7 @@ def test_tier_one_crosses_bf16_weights_8bit_and_paged_state_step_in_backward_and
         False,
     ) not in seen  # tier 0's setup, not offered twice
     assert not any(
-        c.techniques.activation_offload and c.techniques.checkpointing == "offload"
-        for c in rows
+        c.techniques.activation_offload and c.techniques.checkpointing == "offload" for c in rows
     )
 
 
@@ -96,12 +93,10 @@ def test_activation_offload_costs_only_the_copy_time_compute_does_not_hide():
         and speed.pcie_gbs(find_gpu("H100")) == 63 * 0.8
     )
     copy = moved / (speed.pcie_gbs(gpu) * 1e9)
-    assert (
-        speed.offload_exposed_seconds(c, gpu, compute=3 * copy, offloaded=moved) == 0
-    )  # hidden
-    assert speed.offload_exposed_seconds(
-        c, gpu, compute=0.0, offloaded=moved
-    ) == pytest.approx(2 * copy)
+    assert speed.offload_exposed_seconds(c, gpu, compute=3 * copy, offloaded=moved) == 0  # hidden
+    assert speed.offload_exposed_seconds(c, gpu, compute=0.0, offloaded=moved) == pytest.approx(
+        2 * copy
+    )
     assert any(
         "activation offload at 25 GB/s" in a
         for a in speed.estimate(shape, c, 2048, gpu).assumptions
@@ -120,16 +115,10 @@ def test_tiled_mlp_drops_the_mlp_intermediates_and_pays_one_more_mlp_forward():
     assert drop == pytest.approx(
         shape.layers * 4 * seq * shape.intermediate * 2
     )  # gate, up, act, product
-    extra = speed.flops_per_token(shape, tiled, seq) - speed.flops_per_token(
-        shape, plain, seq
-    )
+    extra = speed.flops_per_token(shape, tiled, seq) - speed.flops_per_token(shape, plain, seq)
     assert extra == 6 * shape.hidden * shape.intermediate * shape.layers
-    auto = setup(
-        1, 1, precision="bf16"
-    )  # tiled_mlp=auto: from tiled_mlp_min_seq tokens
-    assert not memory.mlp_tiled(shape, auto, 4096) and memory.mlp_tiled(
-        shape, auto, 8192
-    )
+    auto = setup(1, 1, precision="bf16")  # tiled_mlp=auto: from tiled_mlp_min_seq tokens
+    assert not memory.mlp_tiled(shape, auto, 4096) and memory.mlp_tiled(shape, auto, 8192)
 
 
 def test_max_context_bisects_to_the_last_length_that_fits(capsys):
@@ -143,9 +132,7 @@ def test_max_context_bisects_to_the_last_length_that_fits(capsys):
             shape, c, n + 1
         ).fits(gib * GIB)
         lengths.append(n)
-    assert (
-        lengths == sorted(lengths) and lengths[-1] > lengths[0]
-    )  # each technique adds length
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]  # each technique adds length
     assert (
         main(
             [
@@ -175,13 +162,8 @@ def test_unsloths_figures_are_matched_to_the_same_model_method_and_card():
         cfg.techniques.lora.quantize_base,
     ) = True, 32, "nf4"
     llama8b = LlamaConfig(**published.LLAMA_3_1_8B)
-    assert (
-        published.published_context(llama8b, 23.5, cfg.techniques.lora).tokens == 78_475
-    )
-    assert (
-        published.published_context(llama8b, 79.2, cfg.techniques.lora).baseline_tokens
-        == 28_454
-    )
+    assert published.published_context(llama8b, 23.5, cfg.techniques.lora).tokens == 78_475
+    assert published.published_context(llama8b, 79.2, cfg.techniques.lora).baseline_tokens == 28_454
     cfg.techniques.lora.r = 16
     assert published.published_context(llama8b, 79.2, cfg.techniques.lora) is None
 

@@ -95,9 +95,7 @@ def cli(argv: Sequence[str]) -> int:
         "--max-context": "--max-context=true",
         "--max_context": "--max-context=true",
     }
-    argv = [
-        switches.get(a, a) for a in renamed(argv, RENAMED)
-    ]  # a switch alone means on
+    argv = [switches.get(a, a) for a in renamed(argv, RENAMED)]  # a switch alone means on
     cfg, ns = parse(build_parser(), model_shorthand(argv), Config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if ns.gpu and ns.gpu.lower() == "list":
@@ -199,15 +197,11 @@ def _print_max_context(cfg, ns) -> int:
     spec, _, shape, attention = resolve(cfg, ns.preset, ns.gpu)
     rows = max_context(cfg, spec, shape, ns.memory_gib, attention)
     gib = ns.memory_gib or spec.memory_gib
-    print(
-        f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers"
-    )
+    print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers")
     print(
         f"gpu   {spec.name}: {gib:.1f} GB; batch 1, attention {attention}; method {rows[0].candidate.method}\n"
     )
-    print(
-        f"{'setup':<40} {'longest seq':>12} {'peak GB':>8} {'host GB':>8} {'tokens/s':>10}  plan"
-    )
+    print(f"{'setup':<40} {'longest seq':>12} {'peak GB':>8} {'host GB':>8} {'tokens/s':>10}  plan")
     for r in rows:
         if not r.seq_len:
             print(f"{r.label:<40} {'none fits':>12}")

@@ -54,12 +54,8 @@ def resolve(cfg, model: str | None = None, gpu: str | None = None):
     from onegpu.plan.arch import cached_shape
     from onegpu.techniques.attention import planning_attention
 
-    spec = (
-        hardware.find_gpu(gpu) if gpu else hardware.spec_from_device(hardware.detect())
-    )
+    spec = hardware.find_gpu(gpu) if gpu else hardware.spec_from_device(hardware.detect())
     name = model or models.resolve_name(cfg.model, spec.key != "CPU")
     shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
-    attention = planning_attention(
-        cfg.techniques, shape.config, cfg.model.trust_remote_code
-    )
+    attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
     return spec, name, shape, attention

@@ -53,9 +53,7 @@ class Candidate:
         auto means."""
         from onegpu.techniques.reference import choose
 
-        return choose(
-            self.training.objective, self.preference.reference, bool(self.lora_rank)
-        )
+        return choose(self.training.objective, self.preference.reference, bool(self.lora_rank))
 
     @property
     def effective_batch(self) -> int:
@@ -81,9 +79,7 @@ class Candidate:
         parts = [f"mb{tr.micro_batch_size}x{tr.grad_accum}", t.precision]
         if t.checkpointing != "off":
             every = f"every{t.checkpointing_every}"
-            parts.append(
-                "ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing)
-            )
+            parts.append("ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing))
         parts.append(t.optimizer + ("-in-backward" if t.optimizer_in_backward else ""))
         if t.activation_offload:
             parts.append("act-offload")
@@ -94,9 +90,7 @@ class Candidate:
         if t.compile != "off":
             parts.append("compile")
         if self.lora_rank:
-            quant = (
-                "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
-            )
+            quant = "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
             targets = "" if t.lora.targets == "all-linear" else f"[{t.lora.targets}]"
             bf16 = "-bf16" if self.adapter_dtype == "bf16" else ""
             parts.append(f"{quant}lora{self.lora_rank}{targets}{bf16}")
@@ -131,9 +125,7 @@ def setup(
     base = base or Config()
     lora = techniques.pop("lora", None)
     if isinstance(lora, dict):
-        techniques["lora"] = dataclasses.replace(
-            base.techniques.lora, **{"enabled": True, **lora}
-        )
+        techniques["lora"] = dataclasses.replace(base.techniques.lora, **{"enabled": True, **lora})
     elif isinstance(lora, LoraConfig):
         techniques["lora"] = lora
     t = dataclasses.replace(base.techniques, **techniques)

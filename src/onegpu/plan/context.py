@@ -39,9 +39,7 @@ class Longest:
     speed: speed.SpeedEstimate | None
 
 
-def ladder(
-    cfg: Config, spec: GpuSpec, shape: ModelShape
-) -> list[tuple[str, Candidate]]:
+def ladder(cfg: Config, spec: GpuSpec, shape: ModelShape) -> list[tuple[str, Candidate]]:
     """The setups of the table, batch 1, on cfg's method and optimizer."""
     from onegpu.plan.search import loss_chunk, precisions
 
@@ -84,9 +82,7 @@ def longest(
     on_gpu = spec.key != "CPU"
 
     def fits(seq: int) -> bool:
-        return memory.estimate(shape, c, seq, on_gpu=on_gpu, attention=attention).fits(
-            capacity
-        )
+        return memory.estimate(shape, c, seq, on_gpu=on_gpu, attention=attention).fits(capacity)
 
     if not fits(MIN_SEQ):
         return 0
@@ -117,9 +113,7 @@ def max_context(
         if not seq:
             out.append(Longest(label, c, 0, None, None))
             continue
-        mem = memory.estimate(
-            shape, c, seq, on_gpu=spec.key != "CPU", attention=attention
-        )
+        mem = memory.estimate(shape, c, seq, on_gpu=spec.key != "CPU", attention=attention)
         out.append(
             Longest(
                 label,

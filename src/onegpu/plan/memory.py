@@ -19,10 +19,10 @@ from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 
 GIB = 2**30
-CUDA_CONTEXT = (
-    0.6 * GIB
-)  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
-FRAGMENTATION = 0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
+CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
+FRAGMENTATION = (
+    0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
+)
 
 # Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
 # exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
@@ -34,9 +34,7 @@ STATE_BYTES = {
     "adamw-8bit-ao": 2.0 + 8 / 256,  # torchao: block size 256
     "adamw-4bit-ao": 1.0 + 8 / 128,  # torchao: two 4-bit states, block size 128
 }
-NF4_BYTES = (
-    0.5 + 1 / 64 + 4 / (64 * 256)
-)  # 4-bit codes + double-quantized absmax per 64 weights
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + double-quantized absmax per 64 weights
 INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 
 
@@ -44,9 +42,7 @@ INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 class MemoryEstimate:
     components: dict = field(default_factory=dict)  # name -> bytes, at the peak
     peak: float = 0.0  # bytes allocated at the peak
-    host_activations: float = (
-        0.0  # bytes activation offload holds in pinned host memory
-    )
+    host_activations: float = 0.0  # bytes activation offload holds in pinned host memory
 
     def reserved(self) -> float:
         """What the GPU must hold: the allocator's fragmentation and the CUDA context on top."""
@@ -82,10 +78,7 @@ def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     if c.quantize_base in ("nf4", "fp4", "int8"):
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
         rest_bytes = 2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4
-        base = (
-            shape.linear_params * per
-            + (shape.params - shape.linear_params) * rest_bytes
-        )
+        base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
     return base + lora_params(shape, c) * adapter_bytes(c)
 
 
@@ -104,18 +97,12 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
     t = c.techniques
-    if (
-        t.optimizer_in_backward
-    ):  # each gradient is applied and freed as soon as it is complete
+    if t.optimizer_in_backward:  # each gradient is applied and freed as soon as it is complete
         return min(trainable_params(shape, c), shape.largest_param) * trained_bytes(c)
     if c.lora_rank:
         return lora_params(shape, c) * adapter_bytes(c)
     if t.offload != "none":
-        return (
-            shape.params * 2
-            if t.offload == "zero2-cpu"
-            else 2 * shape.largest_param * 2
-        )
+        return shape.params * 2 if t.offload == "zero2-cpu" else 2 * shape.largest_param * 2
     return shape.params * param_bytes(t.precision)
 
 
@@ -136,20 +123,14 @@ def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Host-backed optimizer state of a paged optimizer (bitsandbytes' cudaMallocManaged pages;
     off a GPU it trains as the plain 8-bit optimizer, in ordinary memory)."""
     t = c.techniques
-    return (
-        state_bytes(shape, c)
-        if on_gpu and t.optimizer in PAGED and t.offload == "none"
-        else 0.0
-    )
+    return state_bytes(shape, c) if on_gpu and t.optimizer in PAGED and t.offload == "none" else 0.0
 
 
 def state_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
     pb, opt = trained_bytes(c), c.techniques.optimizer
-    if (
-        opt == "adafactor"
-    ):  # factored second moment, no first moment (transformers' defaults)
+    if opt == "adafactor":  # factored second moment, no first moment (transformers' defaults)
         if not c.lora_rank:
             return shape.factored_elems * pb
         return (shape.lora_per_rank(c.techniques.lora.targets) + 2 * c.lora_rank) * pb
@@ -211,17 +192,11 @@ def activations(
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
     logits_grad = (
-        tokens
-        * shape.vocab
-        * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
+        tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
     )
-    transient = (
-        acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
-    )
+    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
-        transient += 2 * mlp_saved_bytes(
-            shape, c, min(tile_tokens(shape, c), rows * seq_len)
-        )
+        transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     host = 0.0
     if t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
@@ -266,15 +241,10 @@ def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
     """Whether training runs this setup's MLPs over token tiles (techniques/tiled_mlp.py): on, or
     auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less."""
     t = c.techniques
-    wanted = t.tiled_mlp == "on" or (
-        t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq
-    )
+    wanted = t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq)
     tokens = c.training.micro_batch_size * c.rows_per_example * seq_len
     return (
-        wanted
-        and not shape.experts
-        and shape.intermediate > 0
-        and tokens > tile_tokens(shape, c)
+        wanted and not shape.experts and shape.intermediate > 0 and tokens > tile_tokens(shape, c)
     )
 
 
@@ -294,10 +264,7 @@ def offloaded(shape: ModelShape, c: Candidate, tokens: int) -> bool:
     """Whether the blocks' saved tensors reach activation_offload_min_bytes: a block input (tokens x
     hidden) is the smallest of them that matters; smaller ones stay, and so do the rest (assumed:
     a block's saved tensors are all at least that size)."""
-    return (
-        tokens * shape.hidden * act_bytes(c)
-        >= c.techniques.activation_offload_min_bytes
-    )
+    return tokens * shape.hidden * act_bytes(c) >= c.techniques.activation_offload_min_bytes
 
 
 def largest_saved(

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TORCHTUNE_README = "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags table, 2024-11)"
-TORCHTITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+TORCHTUNE_README = (
+    "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags table, 2024-11)"
+)
+TORCHTITAN_H100 = (
+    "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,9 @@ def default_efficiency(capability: tuple) -> tuple[float, str]:
     )
 
 
-UNSLOTH_LLAMA_3_3 = "https://unsloth.ai/blog/llama3-3 (Llama 3.1 (8B) max. context length table, 2024-12)"
+UNSLOTH_LLAMA_3_3 = (
+    "https://unsloth.ai/blog/llama3-3 (Llama 3.1 (8B) max. context length table, 2024-12)"
+)
 
 
 @dataclass(frozen=True)

@@ -63,11 +63,7 @@ def micro_batches(target: int, multiple: int = 8) -> list[int]:
 
 def precisions(spec: GpuSpec, requested: str) -> list[str]:
     if requested != "auto":
-        if (
-            spec.key != "CPU"
-            and requested in ("bf16", "bf16-pure")
-            and not spec.has_bf16
-        ):
+        if spec.key != "CPU" and requested in ("bf16", "bf16-pure") and not spec.has_bf16:
             raise ConfigError(
                 f"techniques.precision={requested}: {spec.name} has no bf16.",
                 hint="use techniques.precision=fp16 or auto on this GPU",
@@ -114,9 +110,7 @@ def tier_candidates(
     chunks = {off: loss_chunk(cfg, shape.vocab, on_gpu, off) for off in offloads}
     # Activation offload changes no numerics: offered wherever it can run (a GPU, no ZeRO offload).
     act_offloads = (
-        [t.activation_offload]
-        if t.activation_offload or not on_gpu or tier == 4
-        else [False, True]
+        [t.activation_offload] if t.activation_offload or not on_gpu or tier == 4 else [False, True]
     )
     out = []
     for mb, (prec, opt, in_bwd), ck, comp, off, act in itertools.product(
@@ -159,12 +153,7 @@ def _tiling(t, shape: ModelShape, micro_batch: int, seq_len: int | None) -> list
     if t.tiled_mlp != "auto":
         return [t.tiled_mlp]
     tile = t.tiled_mlp_tile_tokens or shape.hidden
-    if (
-        seq_len is None
-        or shape.experts
-        or not shape.intermediate
-        or micro_batch * seq_len <= tile
-    ):
+    if seq_len is None or shape.experts or not shape.intermediate or micro_batch * seq_len <= tile:
         return ["off"]
     return ["off", "on"]
 
@@ -184,9 +173,7 @@ def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
     shards the head's weights, so it takes the plain loss)."""
     from onegpu.techniques.loss import fused_chunk
 
-    return fused_chunk(
-        cfg.techniques, vocab, on_gpu, sharded=offload.startswith("zero3")
-    )
+    return fused_chunk(cfg.techniques, vocab, on_gpu, sharded=offload.startswith("zero3"))
 
 
 def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str, bool]]:
@@ -201,27 +188,15 @@ def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str, bool]]:
         return [(p, t.optimizer, in_bwd) for p in plain]
     if tier == 1:
         weights = precs if t.precision == "auto" else plain
-        states = [t.optimizer] + (
-            [] if t.optimizer in memory.STATE_BYTES else list(EIGHT_BIT)
-        )
+        states = [t.optimizer] + ([] if t.optimizer in memory.STATE_BYTES else list(EIGHT_BIT))
         if (
             spec.key == "CPU"
         ):  # paged state is CUDA unified memory: on a CPU it is the plain 8-bit one
             states = [s for s in states if s not in memory.PAGED] or states
         steps = [in_bwd] if in_bwd else [False, True]
-        out = [
-            (p, o, b)
-            for p in weights
-            for o in states
-            for b in steps
-            if not (b and p == "fp16")
-        ]
-        return [
-            n for n in out if n not in set(_numerics(0, spec, t))
-        ]  # tier 0 offered those
-    return [
-        (p, t.optimizer if tier < 4 else "adamw", in_bwd and tier < 4) for p in plain
-    ]
+        out = [(p, o, b) for p in weights for o in states for b in steps if not (b and p == "fp16")]
+        return [n for n in out if n not in set(_numerics(0, spec, t))]  # tier 0 offered those
+    return [(p, t.optimizer if tier < 4 else "adamw", in_bwd and tier < 4) for p in plain]
 
 
 EIGHT_BIT = ("adamw-8bit", "paged-adamw-8bit")
@@ -245,9 +220,7 @@ def search(
             _evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention)
             for c in tier_candidates(tier, cfg, spec, shape, batch, seq_len)
         ]
-        fitting = sorted(
-            (r for r in rows if r.fits), key=lambda r: -r.speed.tokens_per_s
-        )
+        fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.speed.tokens_per_s)
         losing = sorted((r for r in rows if not r.fits), key=lambda r: r.memory.peak)
         plan.rows.extend(fitting)
         if fitting:
@@ -259,9 +232,7 @@ def search(
             TIERS[tier],
             TIERS[tier + 1] if tier + 1 < len(TIERS) else "-",
         )
-    plan.rows.sort(
-        key=lambda r: (not r.fits, -r.speed.tokens_per_s if r.fits else r.memory.peak)
-    )
+    plan.rows.sort(key=lambda r: (not r.fits, -r.speed.tokens_per_s if r.fits else r.memory.peak))
     return plan
 
 
@@ -275,9 +246,7 @@ def _evaluate(
     tf32: bool,
     attention: str,
 ) -> Row:
-    mem = memory.estimate(
-        shape, c, seq_len, on_gpu=spec.key != "CPU", attention=attention
-    )
+    mem = memory.estimate(shape, c, seq_len, on_gpu=spec.key != "CPU", attention=attention)
     spd = speed.estimate(shape, c, seq_len, spec, tf32, mem.host_activations)
     fits = mem.fits(capacity)
     if fits:

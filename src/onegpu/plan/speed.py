@@ -74,13 +74,11 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     from onegpu.plan.arch import forward_flops_per_token
 
     t = c.techniques
-    frac = checkpointed_layers(
-        shape.layers, t.checkpointing, t.checkpointing_every
-    ) / max(shape.layers, 1)
+    frac = checkpointed_layers(shape.layers, t.checkpointing, t.checkpointing_every) / max(
+        shape.layers, 1
+    )
     total = count(shape, seq_len, c.lora_rank, frac, t.lora.targets)
-    if mlp_tiled(
-        shape, c, seq_len
-    ):  # each tile's MLP forward runs again in its backward
+    if mlp_tiled(shape, c, seq_len):  # each tile's MLP forward runs again in its backward
         total += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
     if c.training.objective != "sft":
         # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
@@ -105,7 +103,9 @@ def load_calibration() -> dict:
         return {}
 
 
-CALIBRATION_KIND = "compute-saturated"  # what "efficiency" means in the stored entries (see the docstring)
+CALIBRATION_KIND = (
+    "compute-saturated"  # what "efficiency" means in the stored entries (see the docstring)
+)
 
 
 def save_calibration(
@@ -187,9 +187,7 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
             "DPO reference precomputed: one forward over the data before training, not in tokens/s"
         )
     if t.tiled_mlp != "off":
-        out.append(
-            "tiled MLP: its forward once more per step (gate, up and down projections)"
-        )
+        out.append("tiled MLP: its forward once more per step (gate, up and down projections)")
     if t.activation_offload:
         out.append(
             f"activation offload at {pcie_gbs(spec):.0f} GB/s per direction (PCIe gen "
@@ -232,9 +230,7 @@ def estimate(
     eff, calibrated = base_efficiency(spec, precision)
     eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
-    tokens = (
-        c.effective_batch * c.rows_per_example * seq_len
-    )  # a preference pair is two sequences
+    tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
     compute = tokens * fpt / (spec.peak_tflops(precision, tf32) * 1e12 * eff)
     step = (
         compute
@@ -262,9 +258,7 @@ def pcie_gbs(spec: GpuSpec) -> float:
     return PCIE_LINK_GBS[PCIE_GEN.get(spec.key, 4)] * PINNED_COPY_EFFICIENCY
 
 
-def offload_exposed_seconds(
-    c: Candidate, spec: GpuSpec, compute: float, offloaded: float
-) -> float:
+def offload_exposed_seconds(c: Candidate, spec: GpuSpec, compute: float, offloaded: float) -> float:
     """techniques.activation_offload: the saved activations cross PCIe once each way per
     micro-batch, on a side stream. Copies to the host overlap the forward (a third of the compute,
     2 of the 6 FLOPs per parameter), copies back the backward (the other two thirds); only what
@@ -283,8 +277,6 @@ def optimizer_seconds(shape: ModelShape, c: Candidate, spec: GpuSpec) -> float:
     opt = c.techniques.optimizer
     if c.techniques.offload != "none":
         return n * 4 / (OFFLOAD_PCIE_GBS * 1e9) + n / CPU_ADAM_PARAMS_PER_S
-    per_param = {"sgd": 12, "adafactor": 12}.get(
-        opt, 6 if "8bit" in opt or "4bit" in opt else 16
-    )
+    per_param = {"sgd": 12, "adafactor": 12}.get(opt, 6 if "8bit" in opt or "4bit" in opt else 16)
     per_param += 4  # zeroing / clipping the gradients
     return n * per_param * 2 / (spec.bandwidth_gbs * 1e9)  # read + write
