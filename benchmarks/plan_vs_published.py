@@ -9,6 +9,9 @@ what the planner's peak predicts (without fragmentation or the CUDA context).
 No download: the model is built from its config on the meta device; activations are measured on
 CPU as the planner always does (several minutes the first time, cached afterwards).
 
+Then torchtune's Llama-3.1-8B full fine-tune on one RTX 4090 (18.9 GiB): does the search find it
+(row key llama_8b_4090), and at what predicted peak.
+
     python benchmarks/plan_vs_published.py [--rows packed,compile] [--out benchmarks/results]
 """
 
@@ -137,10 +140,64 @@ def predict(selected: list[str] | None = None) -> dict:
     }
 
 
+# torchtune README, single-device table: Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048:
+# bf16 weights, paged 8-bit AdamW with the step in backward, activation checkpointing, chunked CE.
+LLAMA_8B_4090 = {
+    "published_gib": 18.9,
+    "published_tokens_per_s": 1650.0,
+    "seq_len": 2048,
+    "batch": 2,
+}
+
+
+def torchtune_setup(techniques) -> bool:
+    """Whether a candidate's techniques are torchtune's 8B/4090 setup (the fused loss standing in
+    for its chunked cross-entropy; compile either way)."""
+    return (
+        techniques.precision == "bf16-pure"
+        and techniques.optimizer == "paged-adamw-8bit"
+        and techniques.optimizer_in_backward
+        and techniques.checkpointing == "full"
+        and techniques.loss != "plain"
+        and not techniques.activation_offload
+        and techniques.tiled_mlp == "off"
+    )
+
+
+def predict_8b_4090() -> dict:
+    """Search Llama-3.1-8B full fine-tuning on an RTX 4090 as `onegpu plan` does; report whether
+    torchtune's setup is among the rows that fit, its predicted peak and speed, and the plan's pick."""
+    from transformers import LlamaConfig
+
+    from onegpu.config import Config
+    from onegpu.hardware import find_gpu
+    from onegpu.plan.arch import _shape_of
+    from onegpu.plan.published import LLAMA_3_1_8B
+    from onegpu.plan.search import search
+
+    shape = _shape_of("Llama-3.1-8B", LlamaConfig(**LLAMA_3_1_8B))
+    ref = LLAMA_8B_4090
+    plan = search(Config(), find_gpu("RTX4090"), shape, ref["seq_len"], ref["batch"])
+    theirs = [r for r in plan.rows if r.fits and torchtune_setup(r.candidate.techniques)]
+    out = dict(ref, found=bool(theirs), best=plan.best.candidate.label() if plan.best else None)
+    if theirs:
+        row = min(theirs, key=lambda r: r.candidate.techniques.compile != "off")  # eager first
+        out.update(
+            setup=row.candidate.label(),
+            predicted_gib=round(row.memory.peak / GIB, 2),
+            ratio=round(row.memory.peak / GIB / ref["published_gib"], 3),
+            predicted_tokens_per_s=round(row.speed.tokens_per_s),
+            components_gib={k: round(v / GIB, 2) for k, v in row.memory.components.items()},
+        )
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [
-        f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
-        "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB.",
+        (
+            f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
+            "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB."
+        ),
         "",
         "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
         "|:--|--:|--:|--:|:--|",
@@ -156,11 +213,38 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |"
             )
+    big = result.get("llama_8b_4090")
+    if big:
+        lines += [
+            "",
+            (
+                "Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048 (torchtune README: "
+                f"{big['published_gib']} GiB, {big['published_tokens_per_s']:,.0f} tokens/s; bf16 "
+                "weights, paged 8-bit AdamW in backward, checkpointing, chunked CE):"
+            ),
+            "",
+        ]
+        if big["found"]:
+            lines += [
+                (
+                    "| found by the search | predicted GiB | predicted/published | predicted tokens/s "
+                    "(uncalibrated) | onegpu setup | the plan's pick |"
+                ),
+                "|:--|--:|--:|--:|:--|:--|",
+                (
+                    f"| yes | {big['predicted_gib']:.1f} | {big['ratio']:.2f} | "
+                    f"{big['predicted_tokens_per_s']:,} | `{big['setup']}` | `{big['best']}` |"
+                ),
+            ]
+        else:
+            lines.append(f"not found: the plan's pick is `{big['best']}`")
     meta = result["meta"]
     lines += [
         "",
-        f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-        f"command: `{meta['command']}`",
+        (
+            f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+            f"command: `{meta['command']}`"
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -173,7 +257,10 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    result = predict([k for k in args.rows.split(",") if k] or None)
+    selected = [k for k in args.rows.split(",") if k] or None
+    result = predict(selected)
+    if not selected or "llama_8b_4090" in selected:
+        result["llama_8b_4090"] = predict_8b_4090()
     result["meta"] = {
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
