@@ -31,10 +31,18 @@ class Largest(TorchDispatchMode):
 
 def _model(tokens, hidden=32, inter=64, heads=2, **tech):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=tokens,
-        attn_implementation="sdpa"))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=1,
+            max_position_embeddings=tokens,
+            attn_implementation="sdpa",
+        )
+    )
     return prepare_model(model, TechniquesConfig(**tech), "cpu")
 
 
@@ -42,8 +50,10 @@ def _packed(tokens, docs=1):
     """A padding-free row of ``docs`` documents, cut so the row gets a padded tail."""
     g = torch.Generator().manual_seed(0)
     size = (tokens - 5) // docs
-    examples = [{"input_ids": (ids := torch.randint(3, 256, (size,), generator=g).tolist()), "labels": ids}
-                for _ in range(docs)]
+    examples = [
+        {"input_ids": (ids := torch.randint(3, 256, (size,), generator=g).tolist()), "labels": ids}
+        for _ in range(docs)
+    ]
     return Collator(0, multiple=64, position_ids=True)(examples)
 
 
@@ -60,7 +70,9 @@ def test_packed_single_document_row_builds_no_mask():
     assert one.largest[0] == tokens * 256 * 4, one.largest  # the fp32 logits (tokens x vocab)
     with torch.no_grad(), Largest() as two:
         two_docs = _packed(tokens, docs=2)
-        model(input_ids=two_docs["input_ids"], position_ids=two_docs["position_ids"], use_cache=False)
+        model(
+            input_ids=two_docs["input_ids"], position_ids=two_docs["position_ids"], use_cache=False
+        )
     assert two.largest[0] >= tokens * tokens  # the block-diagonal mask: what flash varlen avoids
 
 
@@ -68,8 +80,11 @@ def test_padded_tail_changes_no_loss():
     batch = _packed(1000)
     n = int(batch["attention_mask"].sum())
     model = _model(1024)
-    trimmed = {"input_ids": batch["input_ids"][:, :n], "labels": batch["labels"][:, :n],
-               "position_ids": batch["position_ids"][:, :n]}
+    trimmed = {
+        "input_ids": batch["input_ids"][:, :n],
+        "labels": batch["labels"][:, :n],
+        "position_ids": batch["position_ids"][:, :n],
+    }
     assert batch["input_ids"].shape[1] > n
     assert torch.allclose(loss_sum(model, batch), loss_sum(model, trimmed), rtol=1e-6)
 
@@ -83,9 +98,15 @@ def test_64k_forward_builds_nothing_quadratic():
     batch = _packed(tokens)
     model = _model(tokens, hidden=16, inter=32, heads=1)
     with torch.no_grad(), Largest() as forward:
-        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-              logits_to_keep=1)
-    assert forward.largest[0] <= tokens * 32 * 4, forward.largest  # 32 = the intermediate size, fp32
+        model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    assert forward.largest[0] <= tokens * 32 * 4, (
+        forward.largest
+    )  # 32 = the intermediate size, fp32
 
 
 @pytest.mark.slow

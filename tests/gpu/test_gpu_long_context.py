@@ -20,9 +20,16 @@ TOKENS = 4096
 def _model(tok, **tech):
     from conftest import make_tiny_llama
 
-    model = make_tiny_llama(tok, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=TOKENS,
-                            attn_implementation="sdpa")
+    model = make_tiny_llama(
+        tok,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=TOKENS,
+        attn_implementation="sdpa",
+    )
     return prepare_model(model.to("cuda", torch.bfloat16), TechniquesConfig(**tech), "cuda").train()
 
 
@@ -74,7 +81,9 @@ def test_offload_copies_overlap_compute(tiny_tokenizer):
     kernels = [e.time_range for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
     assert copies and kernels
     copy_time = sum(c.elapsed_us() for c in copies)
-    overlapped = sum(max(0, min(c.end, k.end) - max(c.start, k.start)) for c in copies for k in kernels)
+    overlapped = sum(
+        max(0, min(c.end, k.end) - max(c.start, k.start)) for c in copies for k in kernels
+    )
     assert overlapped >= 0.5 * copy_time
 
 
