@@ -34,7 +34,9 @@ def _step(model, batch, chunk=0):
     model.zero_grad(set_to_none=True)
     loss = loss_sum(model, batch, chunk)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def _assert_same(a, b):
@@ -57,7 +59,7 @@ def _in_forward(model, pack):
 
 
 def _saved_storages(model, batch) -> list[int]:
-    """Bytes of each distinct non-weight storage autograd saves in the model's forward (plain run)."""
+    """Bytes of each distinct non-weight storage autograd saves in the model's forward."""
     weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict = {}  # address -> (weak ref, bytes); an address freed and reused is a new storage
     sizes: list = []
@@ -84,7 +86,9 @@ def test_same_loss_and_gradients(tiny_tokenizer, batch, checkpointing, chunk):
     first = _step(model, batch, chunk)
     _assert_same(first, plain)
     assert offload.stats.moved > 0
-    _assert_same(_step(model, batch, chunk), plain)  # a second step: nothing left over from the first
+    _assert_same(
+        _step(model, batch, chunk), plain
+    )  # a second step: nothing left over from the first
 
 
 def test_moved_and_kept_bytes_as_predicted(tiny_tokenizer, batch):
@@ -97,7 +101,7 @@ def test_moved_and_kept_bytes_as_predicted(tiny_tokenizer, batch):
     loss_sum(model.train(), batch).backward()
     assert offload.stats.moved == sum(n for n in sizes if n >= threshold) > 0
     assert offload.stats.kept == sum(n for n in sizes if n < threshold) > 0
-    # the largest saved activations are (batch x seq x intermediate) fp32: they must be among the moved
+    # the largest saved activations, (batch x seq x intermediate) fp32, are among the moved
     assert max(sizes) >= batch["input_ids"].numel() * 128 * 4
 
 
@@ -123,8 +127,9 @@ def test_lora_same_gradients_adapters_only(tiny_tokenizer, batch):
 def _saves(fn) -> list:
     """(shape, dtype) of each tensor autograd saves while ``fn`` runs, outside inner hooks."""
     saves = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append((t.shape, t.dtype)) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saves.append((t.shape, t.dtype)) or t, lambda t: t
+    ):
         fn()
     return saves
 
@@ -133,15 +138,21 @@ def test_pipeline_switch_takes_the_saved_tensors(tiny_tokenizer, batch):
     """Through prepare_model, every tensor saved in the model's forward goes to the offload hooks:
     an outer tracker sees exactly what the loss saves outside it, and no hook is left active."""
     plain = make_tiny_llama(tiny_tokenizer)
-    off = prepare_model(make_tiny_llama(tiny_tokenizer),
-                        TechniquesConfig(activation_offload=True, activation_offload_min_bytes=0), "cpu")
+    off = prepare_model(
+        make_tiny_llama(tiny_tokenizer),
+        TechniquesConfig(activation_offload=True, activation_offload_min_bytes=0),
+        "cpu",
+    )
     everything = _saves(lambda: loss_sum(plain.train(), batch, 32))
     with _in_forward(plain, lambda t: t):  # the model's own saves hidden from the tracker
         outside = _saves(lambda: loss_sum(plain.train(), batch, 32))
     assert _saves(lambda: loss_sum(off.train(), batch, 32)) == outside
     assert len(outside) < len(everything) / 2
     x = torch.ones(4, requires_grad=True)
-    assert _saves(lambda: off(input_ids=batch["input_ids"]) and (x * x).sum()) == [(x.shape, x.dtype)] * 2
+    assert (
+        _saves(lambda: off(input_ids=batch["input_ids"]) and (x * x).sum())
+        == [(x.shape, x.dtype)] * 2
+    )
 
 
 def test_hooks_left_when_forward_raises_and_off_without_grad(tiny_tokenizer, batch):

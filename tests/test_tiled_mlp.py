@@ -1,4 +1,4 @@
-"""Tiled MLP keeps the math, and the (tokens x intermediate) tensors of the MLP are never kept whole."""
+"""Tiled MLP keeps the math, and the MLP's (tokens x intermediate) tensors are never kept whole."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ SEQ, INTER = 96, 128  # the tiny model: hidden 64, intermediate 128
 
 @pytest.fixture(scope="module")
 def batch(tiny_tokenizer):
-    ids = torch.randint(0, len(tiny_tokenizer), (2, SEQ), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        0, len(tiny_tokenizer), (2, SEQ), generator=torch.Generator().manual_seed(5)
+    )
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
 def _tiled(tok, mode="on", tile=32, min_seq=8192, **tech):
-    tcfg = TechniquesConfig(tiled_mlp=mode, tiled_mlp_tile_tokens=tile, tiled_mlp_min_seq=min_seq, **tech)
+    tcfg = TechniquesConfig(
+        tiled_mlp=mode, tiled_mlp_tile_tokens=tile, tiled_mlp_min_seq=min_seq, **tech
+    )
     return prepare_model(make_tiny_llama(tok), tcfg, "cpu")
 
 
@@ -31,7 +35,9 @@ def _step(model, batch):
     model.train()
     loss = loss_sum(model, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def _assert_same(a, b):
@@ -50,7 +56,9 @@ def test_same_loss_and_gradients(tiny_tokenizer, batch):
 
 def test_same_gradients_with_lora(tiny_tokenizer, batch):
     lora = LoraConfig(enabled=True, r=4)
-    plain = _step(prepare_model(make_tiny_llama(tiny_tokenizer), TechniquesConfig(lora=lora), "cpu"), batch)
+    plain = _step(
+        prepare_model(make_tiny_llama(tiny_tokenizer), TechniquesConfig(lora=lora), "cpu"), batch
+    )
     tiled = _step(_tiled(tiny_tokenizer, lora=lora), batch)
     _assert_same(tiled, plain)
     assert any("mlp.down_proj.lora_" in name for name in tiled[1])
@@ -67,8 +75,9 @@ def _saves(model, batch) -> list:
     """(shape, dtype) of each tensor autograd keeps for backward in one training forward (what a
     checkpointed region saves through its own hooks is not kept: it is recomputed)."""
     saves = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append((t.shape, t.dtype)) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saves.append((t.shape, t.dtype)) or t, lambda t: t
+    ):
         loss_sum(model.train(), batch, 32)
     return saves
 
@@ -77,8 +86,13 @@ def test_intermediates_not_kept_and_auto_threshold(tiny_tokenizer, batch):
     """Tiled, none of the (tokens x intermediate) tensors of the MLPs is kept for backward (plain:
     four a layer: gate and up projections, activation, product); auto tiles only sequences of at
     least tiled_mlp_min_seq tokens; untile restores the model's own MLP."""
+
     def intermediates(saves):
-        return [shape for shape, _ in saves if shape[-1:] == (INTER,) and shape.numel() == 2 * SEQ * INTER]
+        return [
+            shape
+            for shape, _ in saves
+            if shape[-1:] == (INTER,) and shape.numel() == 2 * SEQ * INTER
+        ]
 
     plain = _saves(make_tiny_llama(tiny_tokenizer), batch)
     assert len(intermediates(plain)) == 4 * 2  # 2 layers
@@ -100,8 +114,12 @@ def test_one_block_peak_drops_as_predicted(tiny_tokenizer):
     predicted = 4 * tokens * inter * 4
 
     def measure(mode):
-        model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1, intermediate_size=inter,
-                                max_position_embeddings=tokens)
+        model = make_tiny_llama(
+            tiny_tokenizer,
+            num_hidden_layers=1,
+            intermediate_size=inter,
+            max_position_embeddings=tokens,
+        )
         apply_tiled_mlp(model, TechniquesConfig(tiled_mlp=mode, tiled_mlp_tile_tokens=256))
         layer = model.model.layers[0]
         x = torch.randn(1, tokens, 64, requires_grad=True)
@@ -123,9 +141,18 @@ def test_one_block_peak_drops_as_predicted(tiny_tokenizer):
 def test_moe_blocks_left_whole_with_a_log_line(tiny_tokenizer, caplog):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2))
+    model = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=len(tiny_tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     with caplog.at_level(logging.INFO, logger="onegpu.techniques.tiled_mlp"):
         apply_tiled_mlp(model, TechniquesConfig(tiled_mlp="on"))
     assert not any(isinstance(layer.mlp.forward, TiledForward) for layer in model.model.layers)

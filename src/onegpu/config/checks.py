@@ -61,10 +61,11 @@ def _check_conflicts(cfg: Config) -> None:
         raise ConfigError(f"techniques.loss_chunk_size={tech.loss_chunk_size} sets the fused loss's chunks, but "
                           "techniques.loss=plain.", hint="drop techniques.loss_chunk_size, or set techniques.loss=fused")
     if tech.activation_offload and tech.checkpointing == "offload":
-        raise ConfigError("techniques.activation_offload and techniques.checkpointing=offload both send "
-                          "the checkpointed layer inputs to host memory.",
-                          hint="use techniques.checkpointing=full with techniques.activation_offload "
-                          "(overlapped copies), or drop techniques.activation_offload")
+        raise ConfigError(
+            "techniques.activation_offload and techniques.checkpointing=offload both send the "
+            "checkpointed layer inputs to host memory.",
+            hint="use techniques.checkpointing=full with techniques.activation_offload (overlapped "
+            "copies), or drop techniques.activation_offload")
     if tech.optimizer_in_backward:
         _check_optimizer_in_backward(cfg)
     if out.resume and out.overwrite:

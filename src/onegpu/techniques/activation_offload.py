@@ -103,11 +103,15 @@ def apply_activation_offload(model, tcfg, device_type: str):
     if not tcfg.activation_offload:
         return model
     if device_type == "cpu":
-        log.warning("activation_offload on CPU: activations already live in host memory; saved tensors "
-                    "are only booked as host-held, nothing is copied")
+        log.warning(
+            "activation_offload on CPU: activations already live in host memory; saved tensors "
+            "are only booked as host-held, nothing is copied"
+        )
     ActivationOffload(model, tcfg.activation_offload_min_bytes).attach()
-    log.info("activation offload: saved tensors of %d bytes or more wait in host memory until the backward",
-             tcfg.activation_offload_min_bytes)
+    log.info(
+        "activation offload: saved tensors of %d bytes or more wait in host memory for the backward",
+        tcfg.activation_offload_min_bytes,
+    )
     return model
 
 
@@ -134,8 +138,10 @@ class ActivationOffload:
     def enter(self, module, args) -> None:
         if not torch.is_grad_enabled():  # evaluation or a reference pass: nothing is saved
             return
-        self._weights = {t.untyped_storage().data_ptr()
-                         for t in (*self.model.parameters(), *self.model.buffers())}
+        self._weights = {
+            t.untyped_storage().data_ptr()
+            for t in (*self.model.parameters(), *self.model.buffers())
+        }
         self.stats = OffloadStats()
         self._release_in_flight()  # a forward whose backward never ran (its graph was dropped)
         self._forward = _Forward()
@@ -170,7 +176,9 @@ class ActivationOffload:
             fwd.by_address[address] = stored
             self.stats.moved += stored.nbytes
         stored.pending += 1
-        return _Saved(stored, fwd, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return _Saved(
+            stored, fwd, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+        )
 
     def _to_host(self, stored: _Stored, storage) -> None:
         if storage.device.type == "cpu":  # already host memory: book it, copy nothing
@@ -187,7 +195,7 @@ class ActivationOffload:
             stored.host.copy_(source, non_blocking=True)
             stored.ready = side.record_event()
         # The device storage lives until its copy is done; beyond MAX_IN_FLIGHT, release the
-        # oldest once the compute stream has waited for its copy (so its memory is not reused early).
+        # oldest once the compute stream has waited for its copy (its memory is not reused early).
         stored.on_device = source
         self._in_flight.append(stored)
         while len(self._in_flight) > MAX_IN_FLIGHT:
@@ -223,8 +231,11 @@ class ActivationOffload:
         if stored.device.type == "cpu":
             return stored.host
         if stored.device.type != "cuda":
-            return stored.on_device if stored.on_device is not None else stored.host.to(stored.device)
-        self._in_flight.clear()  # the backward has begun: what is still on the device stays until used
+            return (
+                stored.on_device if stored.on_device is not None else stored.host.to(stored.device)
+            )
+        # the backward has begun: what is still on the device stays there until used
+        self._in_flight.clear()
         compute = torch.cuda.current_stream(stored.device)
         if stored.on_device is None:
             self._fetch(stored, compute)
@@ -248,5 +259,5 @@ class ActivationOffload:
 
 def _next_in_backward(fwd: _Forward, stored: _Stored) -> list:
     """The PREFETCH storages saved just before this one (the backward's next) not on the device."""
-    ahead = fwd.order[max(0, stored.index - PREFETCH):stored.index][::-1]
+    ahead = fwd.order[max(0, stored.index - PREFETCH) : stored.index][::-1]
     return [s for s in ahead if s.on_device is None and s.pending > 0]

@@ -89,8 +89,13 @@ def apply_tiled_mlp(model, tcfg):
             continue
         mlp.forward = TiledForward(mlp.forward, tcfg.tiled_mlp_tile_tokens, min_seq)
     if tileable:
-        log.info("tiled MLP: %d decoder layers run their MLP in tiles of %s tokens from %d tokens a "
-                 "sequence", len(tileable), tcfg.tiled_mlp_tile_tokens or "hidden-size", min_seq)
+        log.info(
+            "tiled MLP: %d decoder layers run their MLP in tiles of %s tokens from %d tokens a "
+            "sequence",
+            len(tileable),
+            tcfg.tiled_mlp_tile_tokens or "hidden-size",
+            min_seq,
+        )
     return model
 
 
