@@ -171,9 +171,10 @@ def activations(
     seq_len: int,
     acts: ActivationModel | None = None,
     attention: str = "sdpa",
+    on_gpu: bool = True,
 ) -> tuple[float, float, float]:
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
-    host memory under activation offload)."""
+    host memory under activation offload; off a GPU they are already in host memory and stay)."""
     t = c.techniques
     acts = acts or activation_model(shape.config, t, attention)
     compiled = (
@@ -198,7 +199,7 @@ def activations(
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     host = 0.0
-    if t.activation_offload and offloaded(shape, c, rows * seq_len):
+    if on_gpu and t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
         # and loss part, the copies in flight (techniques/activation_offload.py bounds them) and,
         # in backward, the block whose saved tensors are back (a checkpointed one: its input,
@@ -290,7 +291,7 @@ def estimate(
     held from earlier micro-batches when accumulating) or in optimizer.step() (all gradients and the
     optimizer's temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient, host = activations(shape, c, seq_len, acts, attention)
+    kept, transient, host = activations(shape, c, seq_len, acts, attention, on_gpu)
     w, g, o = (
         weight_bytes(shape, c),
         grad_bytes(shape, c),
