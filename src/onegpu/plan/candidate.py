@@ -121,7 +121,8 @@ def setup(
     ``techniques`` are TechniquesConfig fields; ``lora`` may be a dict of LoraConfig fields, which
     trains adapters (enabled=True unless given). Unsettled values are settled as the planner does
     by default: precision fp32, compile off, loss fused exactly when loss_chunk_size > 0, and the
-    step in backward without gradient clipping (it has no global norm)."""
+    step in backward without gradient clipping (it has no global norm). tiled_mlp stays as given:
+    auto tiles from tiled_mlp_min_seq tokens, as training does."""
     base = base or Config()
     lora = techniques.pop("lora", None)
     if isinstance(lora, dict):
