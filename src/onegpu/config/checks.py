@@ -12,11 +12,13 @@ POSITIVE_INTS = {
     "data.seq_len", "data.num_proc", "data.prefetch_factor", "data.pad_to_multiple", "model.vocab_size",
     "training.micro_batch_size", "training.grad_accum", "training.max_steps", "training.log_every",
     "techniques.checkpointing_every", "techniques.lora.r", "output.keep_last",
+    "techniques.tiled_mlp_min_seq",
 }
 NON_NEGATIVE = {
     "data.max_bytes", "data.num_workers", "training.max_minutes", "training.lr", "training.warmup_steps",
     "training.weight_decay", "training.max_grad_norm", "training.eval_every", "training.eval_batches",
     "training.save_every", "techniques.loss_chunk_size", "techniques.lora.dropout", "training.max_bad_steps",
+    "techniques.activation_offload_min_bytes", "techniques.tiled_mlp_tile_tokens",
 }
 # Optimizers DeepSpeed offload can replace with its own CPU Adam; the others keep state it cannot move.
 OFFLOAD_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused")
@@ -58,6 +60,12 @@ def _check_conflicts(cfg: Config) -> None:
     if tech.loss == "plain" and tech.loss_chunk_size:
         raise ConfigError(f"techniques.loss_chunk_size={tech.loss_chunk_size} sets the fused loss's chunks, but "
                           "techniques.loss=plain.", hint="drop techniques.loss_chunk_size, or set techniques.loss=fused")
+    if tech.activation_offload and tech.checkpointing == "offload":
+        raise ConfigError(
+            "techniques.activation_offload and techniques.checkpointing=offload both send the "
+            "checkpointed layer inputs to host memory.",
+            hint="use techniques.checkpointing=full with techniques.activation_offload (overlapped "
+            "copies), or drop techniques.activation_offload")
     if tech.optimizer_in_backward:
         _check_optimizer_in_backward(cfg)
     if out.resume and out.overwrite:

@@ -180,6 +180,23 @@ class TechniquesConfig:
     """DeepSpeed ZeRO with optimizer/parameter offload, for models that do not fit."""
     nvme_path: str = "/tmp/onegpu-nvme"
     """Folder for offload=zero3-nvme."""
+    activation_offload: bool = False
+    """Move every tensor autograd saves for backward (above activation_offload_min_bytes) to host
+    memory during the forward and bring it back just before the backward needs it; on CUDA the
+    copies run on a side stream, overlapped with compute, into pinned buffers. With checkpointing
+    on, the saved tensors are the block inputs. Trades PCIe traffic for GPU memory."""
+    activation_offload_min_bytes: int = 1 << 20
+    """Saved tensors smaller than this stay on the device: their copies would cost more in launch
+    and synchronisation than the memory they free."""
+    tiled_mlp: Literal["auto", "on", "off"] = "auto"
+    """Run each decoder layer's MLP over tiles of the sequence, recomputing the tile's intermediate
+    in backward, so the (tokens x intermediate) activations never exist whole. auto: on when the
+    training sequence is at least tiled_mlp_min_seq tokens; MoE blocks are left as they are."""
+    tiled_mlp_min_seq: int = 8192
+    """With tiled_mlp=auto: the sequence length (tokens per row) from which the MLP is tiled."""
+    tiled_mlp_tile_tokens: int = 0
+    """Tokens per MLP tile (0 = the model's hidden size: a tile's intermediate is then about the
+    size of one MLP weight matrix)."""
 
 
 @dataclass

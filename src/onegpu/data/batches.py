@@ -192,10 +192,16 @@ class Collator:
         n = len(ids)
         width = -(-n // self.multiple) * self.multiple
         tail = width - n
+        # The padded tail continues the last document's positions instead of starting one of its
+        # own: no real token attends to it (it comes after all of them) and its labels are ignored,
+        # so the loss is the same, and a row holding one document stays one document. A boundary
+        # makes transformers build a (tokens x tokens) mask for sdpa/eager (4 GiB of bool and the
+        # kernel's float copy at 64K tokens); without one, sdpa runs causal with no mask at all.
+        last = pos[-1] + 1 if pos else 0
         batch = {"input_ids": torch.tensor([ids + [self.pad_id] * tail]),
                  "labels": torch.tensor([labels + [IGNORE] * tail]),
                  "attention_mask": torch.tensor([[1] * n + [0] * tail]),
-                 "position_ids": torch.tensor([pos + list(range(tail))])}  # the tail is a document of its own
+                 "position_ids": torch.tensor([pos + list(range(last, last + tail))])}
         return batch
 
 

@@ -6,9 +6,14 @@ The order, and why:
    when ``from_pretrained`` builds the model;
 2. MoE router loss: a config switch on the loaded model, before anything wraps it;
 3. LoRA / QLoRA: adapters replace the Linear layers that the later steps must see;
-4. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute;
-5. compile: over the final module structure;
-6. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
+4. tiled MLP: each MLP's forward runs over sequence tiles; after LoRA, whose adapted Linear
+   layers the tiles must call, and before compile, so the compiled blocks hold the tiling;
+5. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute;
+6. compile: over the final module structure;
+7. activation offload: saved-tensor hooks the outermost module enters for its forward, so they
+   see what autograd saves wherever it is saved: inside compiled code, and with checkpointing
+   the checkpointed blocks' inputs (the recompute inside a block saves through its own hooks);
+8. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
 The optimizer comes last (``training.assemble.build_optimizer``; DeepSpeed offload brings its own).
 
 Global switches (TF32, dynamo's error fallback) are process-wide, so they are set in one place,
@@ -44,17 +49,21 @@ def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str
 
 
 def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
-    """Steps 2-6 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
+    """Steps 2-8 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
     ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one process."""
+    from onegpu.techniques.activation_offload import apply_activation_offload
     from onegpu.techniques.checkpointing import apply_checkpointing
     from onegpu.techniques.compile import apply_compile
     from onegpu.techniques.lora import apply_lora
     from onegpu.techniques.moe import apply_moe_aux_loss
+    from onegpu.techniques.tiled_mlp import apply_tiled_mlp
 
     apply_moe_aux_loss(model)
     model = apply_lora(model, tcfg)
+    model = apply_tiled_mlp(model, tcfg)
     model = apply_checkpointing(model, tcfg, device_type)
     model = apply_compile(model, tcfg, device_type)
+    model = apply_activation_offload(model, tcfg, device_type)
     return shard(model) if shard is not None else model
 
 

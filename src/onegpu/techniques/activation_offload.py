@@ -1,0 +1,263 @@
+"""Activation offload: the tensors autograd saves for backward wait in host memory.
+
+During the forward, every saved tensor whose storage holds at least
+``techniques.activation_offload_min_bytes`` is copied to pinned host memory and the device copy
+is released; in the backward it is copied back just before the node that needs it runs. This is
+the design of torchtune's ``OffloadActivations`` and TRL's ``activation_offloading``
+(``torch.autograd.graph.saved_tensors_hooks``), with three choices of our own:
+
+- whole storages move, once: views and repeated saves of one storage (a weight-free activation
+  saved by several nodes) share one host copy, and each saved tensor is rebuilt from it as the
+  same view (size, stride, offset), so nothing is copied twice or materialised larger;
+- on CUDA the copies run on a side stream. Device-to-host: the compute stream goes on at once;
+  the device storage is kept alive until its copy is done, for at most ``MAX_IN_FLIGHT`` storages
+  (then the compute stream waits for the oldest copy), which bounds the extra memory.
+  Host-to-device: when the backward asks for one storage, the next ``PREFETCH`` storages in
+  reverse forward order start copying too, so the copies overlap with the backward's compute;
+- tensors already in host memory (a CPU run) are not copied: they are only booked as host-held,
+  and each saved tensor is still rebuilt from its storage, so the bookkeeping is the one a GPU
+  run uses.
+
+Weights are never moved (they stay on the device anyway), nor small tensors, nor tensor subclasses.
+With checkpointing, what autograd saves is each checkpointed block's inputs (the block's own
+intermediates are recomputed), so those are what moves.
+
+The hooks are active while the model's forward runs (a forward pre-hook enters them and a
+forward hook that runs even when the forward raises leaves them); the backward reads the saved
+tensors through the unpack hook stored with each of them, so it needs no hook of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+log = logging.getLogger(__name__)
+
+# Device storages kept alive while their copy to the host is under way. More lets the side stream
+# fall further behind the compute without a wait; each costs one activation of device memory.
+MAX_IN_FLIGHT = 4
+# Storages copied back ahead of the one the backward asks for (same trade-off, in backward).
+PREFETCH = 2
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """What the last forward saved for backward, in bytes of distinct storages."""
+
+    kept: int = 0
+    """Left on the device: below the size threshold, or not a plain tensor."""
+    moved: int = 0
+    """Held in host memory until the backward."""
+
+
+class _Stored:
+    """One storage the forward saved: its host copy, and its device copy while there is one."""
+
+    def __init__(self, storage, index: int):
+        self.ref = StorageWeakRef(storage)  # to tell a reused address from the same storage
+        self.device = storage.device
+        self.nbytes = storage.nbytes()
+        self.index = index  # position in forward order: the backward runs the other way
+        self.host = None  # a uint8 tensor in host memory
+        self.on_device = None  # a uint8 tensor over the device storage, or its copy back
+        self.ready = None  # CUDA event: the copy in flight is done
+        self.pending = 0  # saved tensors not yet unpacked
+
+
+class _Forward:
+    """The storages one forward moved, in order; the handles of its saved tensors refer to it,
+    so it lives exactly as long as that forward's autograd graph (no reference cycle: the host
+    memory goes back as soon as the graph does)."""
+
+    def __init__(self):
+        self.order: list[_Stored] = []
+        self.by_address: dict = {}
+        self.small: dict = {}  # storages left on the device, by address (for the stats)
+
+
+@dataclasses.dataclass
+class _Saved:
+    """What autograd keeps instead of a moved tensor: the storage and the view into it."""
+
+    stored: _Stored
+    forward: _Forward
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def apply_activation_offload(model, tcfg, device_type: str):
+    """Offload the model's saved activations when ``tcfg.activation_offload`` is on; returns the
+    model (hooks are added in place)."""
+    if not tcfg.activation_offload:
+        return model
+    if device_type == "cpu":
+        log.warning(
+            "activation_offload on CPU: activations already live in host memory; saved tensors "
+            "are only booked as host-held, nothing is copied"
+        )
+    ActivationOffload(model, tcfg.activation_offload_min_bytes).attach()
+    log.info(
+        "activation offload: saved tensors of %d bytes or more wait in host memory for the backward",
+        tcfg.activation_offload_min_bytes,
+    )
+    return model
+
+
+class ActivationOffload:
+    """The pack / unpack hooks of one model, and the streams they copy on."""
+
+    def __init__(self, model: torch.nn.Module, min_bytes: int):
+        self.model = model
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()
+        self._weights: set = set()
+        self._forward: _Forward | None = None
+        self._in_flight: collections.deque = collections.deque()
+        self._stream = None  # the side stream, made on the first CUDA copy
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def attach(self) -> ActivationOffload:
+        """Enter the hooks at each forward of the model and leave them at its end."""
+        self.model.register_forward_pre_hook(self.enter)
+        self.model.register_forward_hook(self.leave, always_call=True)
+        return self
+
+    # ---- the forward: enter and leave the hooks ----------------------------------------------
+    def enter(self, module, args) -> None:
+        if not torch.is_grad_enabled():  # evaluation or a reference pass: nothing is saved
+            return
+        self._weights = {
+            t.untyped_storage().data_ptr()
+            for t in (*self.model.parameters(), *self.model.buffers())
+        }
+        self.stats = OffloadStats()
+        self._release_in_flight()  # a forward whose backward never ran (its graph was dropped)
+        self._forward = _Forward()
+        self._hooks.__enter__()
+
+    def leave(self, module, args, output) -> None:
+        if self._forward is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._forward = None  # the graph's handles keep what they need; nothing else may
+
+    # ---- pack: in the forward ----------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor):
+        fwd = self._forward
+        if fwd is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return tensor  # a subclass (quantized weight, DTensor) keeps its own storage logic
+        storage = tensor.untyped_storage()
+        address = (storage.device, storage.data_ptr())
+        if storage.data_ptr() in self._weights or storage.device.type == "meta":
+            return tensor
+        stored = fwd.by_address.get(address)
+        if stored is None or stored.ref.expired():  # a new storage (an address can be reused)
+            if storage.nbytes() < self.min_bytes:
+                small = fwd.small.get(address)
+                if small is None or small.expired():  # count each storage once
+                    fwd.small[address] = StorageWeakRef(storage)
+                    self.stats.kept += storage.nbytes()
+                return tensor
+            stored = _Stored(storage, len(fwd.order))
+            self._to_host(stored, storage)
+            fwd.order.append(stored)
+            fwd.by_address[address] = stored
+            self.stats.moved += stored.nbytes
+        stored.pending += 1
+        return _Saved(
+            stored, fwd, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+        )
+
+    def _to_host(self, stored: _Stored, storage) -> None:
+        if storage.device.type == "cpu":  # already host memory: book it, copy nothing
+            stored.host = _bytes_of(storage)
+            return
+        source = _bytes_of(storage)
+        stored.host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
+        if storage.device.type != "cuda":  # another accelerator: a plain synchronous copy
+            stored.host.copy_(source)
+            return
+        compute, side = torch.cuda.current_stream(storage.device), self._side_stream(storage.device)
+        side.wait_stream(compute)  # the tensor's producer has run
+        with torch.cuda.stream(side):
+            stored.host.copy_(source, non_blocking=True)
+            stored.ready = side.record_event()
+        # The device storage lives until its copy is done; beyond MAX_IN_FLIGHT, release the
+        # oldest once the compute stream has waited for its copy (its memory is not reused early).
+        stored.on_device = source
+        self._in_flight.append(stored)
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            old = self._in_flight.popleft()
+            compute.wait_event(old.ready)
+            old.on_device = None
+
+    def _release_in_flight(self) -> None:
+        while self._in_flight:
+            old = self._in_flight.popleft()
+            torch.cuda.current_stream(old.device).wait_event(old.ready)
+            old.on_device = None
+
+    def _side_stream(self, device):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    # ---- unpack: in the backward -------------------------------------------------------------
+    def unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        stored = saved.stored
+        data = self._device_bytes(stored, saved.forward)
+        tensor = torch.empty(0, dtype=saved.dtype, device=stored.device)
+        tensor.set_(data.untyped_storage(), saved.offset, saved.size, saved.stride)
+        stored.pending -= 1
+        if stored.pending <= 0:  # the last saved tensor of this storage: the graph holds it now
+            stored.on_device = None
+        return tensor
+
+    def _device_bytes(self, stored: _Stored, fwd: _Forward) -> torch.Tensor:
+        if stored.device.type == "cpu":
+            return stored.host
+        if stored.device.type != "cuda":
+            return (
+                stored.on_device if stored.on_device is not None else stored.host.to(stored.device)
+            )
+        # the backward has begun: what is still on the device stays there until used
+        self._in_flight.clear()
+        compute = torch.cuda.current_stream(stored.device)
+        if stored.on_device is None:
+            self._fetch(stored, compute)
+        for ahead in _next_in_backward(fwd, stored):
+            self._fetch(ahead, compute)
+        if stored.ready is not None:
+            compute.wait_event(stored.ready)
+        return stored.on_device
+
+    def _fetch(self, stored: _Stored, compute) -> None:
+        """Start the copy of one storage back to the device on the side stream. The buffer is
+        allocated on the compute stream, which uses and frees it, so it needs no record_stream."""
+        side = self._side_stream(stored.device)
+        buffer = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
+        side.wait_stream(compute)  # the buffer's previous user has finished with it
+        with torch.cuda.stream(side):
+            buffer.copy_(stored.host, non_blocking=True)
+            stored.ready = side.record_event()
+        stored.on_device = buffer
+
+
+def _next_in_backward(fwd: _Forward, stored: _Stored) -> list:
+    """The PREFETCH storages saved just before this one (the backward's next) not on the device."""
+    ahead = fwd.order[max(0, stored.index - PREFETCH) : stored.index][::-1]
+    return [s for s in ahead if s.on_device is None and s.pending > 0]

@@ -1,0 +1,106 @@
+"""Tiled MLP: each decoder layer's MLP runs over tiles of the sequence.
+
+A Llama-family MLP keeps four (tokens x intermediate) tensors for its backward (the gate and up
+projections, the activation, their product); at long sequences they are the largest activations
+of a block, 4 x intermediate / hidden times its input (about 14x for Llama-3-8B). Tiled, the MLP
+runs ``tile`` tokens at a time, each tile under a non-reentrant checkpoint: only the tile's input
+(a view of the MLP input, which is kept anyway) is saved, and the tile's intermediates are
+recomputed in its backward, so they never exist for more than one tile (the design of ALST's
+TiledMLP, Arctic Long Sequence Training, and of Unsloth's and Axolotl's tiling). The cost is one
+more MLP forward per step. The gradients are the plain MLP's: autograd sums each weight's tile
+contributions before the weight's gradient is accumulated, once, as without tiling.
+
+An MLP is tokenwise, so the tiles cut the flattened tokens (all rows of the micro-batch) into
+pieces of ``techniques.tiled_mlp_tile_tokens`` (default: the hidden size, which makes a tile's
+intermediate about the size of one MLP weight matrix). Under ``no_grad`` (evaluation) the tiles
+run without the checkpoint: the full intermediate never exists there either.
+
+``auto`` tiles a call whose sequence has at least ``techniques.tiled_mlp_min_seq`` tokens and runs
+shorter ones as they are, so short-sequence runs pay nothing. Mixture-of-Experts blocks are left
+whole: their routing and load-balancing loss are computed over the whole sequence.
+
+The tiling replaces one attribute, ``forward``, on each MLP instance (the class is untouched, the
+module tree and state_dict keys stay the same, so PEFT, save_pretrained and compile see the model
+as before); ``untile`` puts the model's own forward back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Children that make an `mlp` a Mixture-of-Experts block (Qwen-MoE, Mixtral, gpt-oss, DeepSeek).
+MOE_CHILDREN = {"experts", "router", "shared_expert", "shared_experts"}
+
+
+class TiledForward:
+    """An MLP's own forward, run over tiles of tokens (see the module docstring)."""
+
+    def __init__(self, forward, tile_tokens: int, min_seq: int):
+        self.forward = forward  # the module's bound forward, as it was
+        self.tile_tokens = tile_tokens
+        self.min_seq = min_seq
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        tile = self.tile_tokens or x.shape[-1]
+        if x.dim() < 2 or x.shape[-2] < self.min_seq or x.shape[:-1].numel() <= tile:
+            return self.forward(x)
+        pieces = x.reshape(-1, x.shape[-1]).split(tile)
+        if torch.is_grad_enabled():
+            outs = [checkpoint(self.forward, p, use_reentrant=False) for p in pieces]
+        else:
+            outs = [self.forward(p) for p in pieces]
+        out = torch.cat(outs)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def mlp_blocks(model) -> tuple[list, list]:
+    """(MLP modules of the decoder layers that can be tiled, reasons for the layers that cannot)."""
+    from onegpu.techniques.checkpointing import decoder_layers
+
+    tileable, skipped = [], []
+    for i, layer in enumerate(decoder_layers(model)):
+        mlp = dict(layer.named_children()).get("mlp")
+        if mlp is None:
+            skipped.append(f"layer {i} has no `mlp` submodule")
+        elif MOE_CHILDREN & {name for name, _ in mlp.named_children()}:
+            skipped.append(f"layer {i} is a Mixture-of-Experts block")
+        else:
+            tileable.append(mlp)
+    return tileable, skipped
+
+
+def apply_tiled_mlp(model, tcfg):
+    """Tile the decoder layers' MLPs according to ``tcfg.tiled_mlp``; returns the model."""
+    if tcfg.tiled_mlp == "off":
+        return model
+    tileable, skipped = mlp_blocks(model)
+    if skipped:
+        reasons = sorted({why.split(" ", 2)[2] for why in skipped})  # "layer 3 <reason>"
+        log.info("tiled MLP: %d decoder layers left whole (%s)", len(skipped), "; ".join(reasons))
+    min_seq = tcfg.tiled_mlp_min_seq if tcfg.tiled_mlp == "auto" else 1
+    for mlp in tileable:
+        if isinstance(mlp.forward, TiledForward):  # prepared twice: tile once
+            continue
+        mlp.forward = TiledForward(mlp.forward, tcfg.tiled_mlp_tile_tokens, min_seq)
+    if tileable:
+        log.info(
+            "tiled MLP: %d decoder layers run their MLP in tiles of %s tokens from %d tokens a "
+            "sequence",
+            len(tileable),
+            tcfg.tiled_mlp_tile_tokens or "hidden-size",
+            min_seq,
+        )
+    return model
+
+
+def untile(model) -> None:
+    """Put each MLP's own forward back."""
+    for mlp in mlp_blocks(model)[0]:
+        if isinstance(mlp.forward, TiledForward):
+            del mlp.forward  # the instance attribute: the class's forward shows through again

@@ -1,0 +1,168 @@
+"""Activation offload keeps the math and moves the saved tensors it should, and only those."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from onegpu.config import LoraConfig, TechniquesConfig
+from onegpu.techniques.activation_offload import ActivationOffload
+from onegpu.techniques.checkpointing import apply_checkpointing, saved_tensor_bytes
+from onegpu.techniques.loss import loss_sum
+from onegpu.techniques.prepare import prepare_model
+
+LAYERS, HIDDEN = 3, 64
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_tokenizer):
+    ids = torch.randint(0, len(tiny_tokenizer), (2, 96), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def _model(tok, checkpointing="off"):
+    model = make_tiny_llama(tok, num_hidden_layers=LAYERS)
+    return apply_checkpointing(model, TechniquesConfig(checkpointing=checkpointing), "cpu")
+
+
+def _step(model, batch, chunk=0):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = loss_sum(model, batch, chunk)
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def _assert_same(a, b):
+    assert torch.allclose(a[0], b[0], rtol=1e-6)
+    assert a[1].keys() == b[1].keys()
+    for name, g in a[1].items():
+        assert torch.allclose(g, b[1][name], rtol=1e-5, atol=1e-7), name
+
+
+@contextlib.contextmanager
+def _in_forward(model, pack):
+    """Saved-tensor hooks (``pack``, identity unpack) active during the model's forward only."""
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    h1 = model.register_forward_pre_hook(lambda *a: hooks.__enter__())
+    h2 = model.register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
+    try:
+        yield
+    finally:
+        h1.remove(), h2.remove()
+
+
+def _saved_storages(model, batch) -> list[int]:
+    """Bytes of each distinct non-weight storage autograd saves in the model's forward."""
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict = {}  # address -> (weak ref, bytes); an address freed and reused is a new storage
+    sizes: list = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        known = seen.get(st.data_ptr())
+        if st.data_ptr() not in weights and (known is None or known[0].expired()):
+            seen[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+            sizes.append(st.nbytes())
+        return t
+
+    with _in_forward(model, pack):
+        loss_sum(model.train(), batch).backward()
+    return sizes
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_same_loss_and_gradients(tiny_tokenizer, batch, checkpointing, chunk):
+    plain = _step(_model(tiny_tokenizer, checkpointing), batch, chunk)
+    model = _model(tiny_tokenizer, checkpointing)
+    offload = ActivationOffload(model, min_bytes=0).attach()
+    first = _step(model, batch, chunk)
+    _assert_same(first, plain)
+    assert offload.stats.moved > 0
+    _assert_same(
+        _step(model, batch, chunk), plain
+    )  # a second step: nothing left over from the first
+
+
+def test_moved_and_kept_bytes_as_predicted(tiny_tokenizer, batch):
+    """Each distinct saved storage of at least min_bytes moves, the rest stays: the device bytes
+    alive at the end of the forward drop by exactly the predicted amount."""
+    sizes = _saved_storages(_model(tiny_tokenizer), batch)
+    threshold = sorted(sizes)[len(sizes) // 2]  # about half the storages on each side
+    model = _model(tiny_tokenizer)
+    offload = ActivationOffload(model, min_bytes=threshold).attach()
+    loss_sum(model.train(), batch).backward()
+    assert offload.stats.moved == sum(n for n in sizes if n >= threshold) > 0
+    assert offload.stats.kept == sum(n for n in sizes if n < threshold) > 0
+    # the largest saved activations, (batch x seq x intermediate) fp32, are among the moved
+    assert max(sizes) >= batch["input_ids"].numel() * 128 * 4
+
+
+def test_with_checkpointing_the_block_inputs_move(tiny_tokenizer, batch):
+    """Checkpointed blocks save only their inputs, and those are what moves."""
+    block_input = batch["input_ids"].numel() * HIDDEN * 4  # (batch x seq x hidden) fp32
+    plain = ActivationOffload(m := _model(tiny_tokenizer), min_bytes=block_input).attach()
+    loss_sum(m.train(), batch).backward()
+    ckpt = ActivationOffload(m := _model(tiny_tokenizer, "full"), min_bytes=block_input).attach()
+    loss_sum(m.train(), batch).backward()
+    assert LAYERS * block_input <= ckpt.stats.moved < plain.stats.moved / 3
+
+
+def test_lora_same_gradients_adapters_only(tiny_tokenizer, batch):
+    tcfg = TechniquesConfig(lora=LoraConfig(enabled=True, r=4))
+    plain = _step(prepare_model(make_tiny_llama(tiny_tokenizer), tcfg, "cpu"), batch)
+    tcfg.activation_offload, tcfg.activation_offload_min_bytes = True, 0
+    offloaded = _step(prepare_model(make_tiny_llama(tiny_tokenizer), tcfg, "cpu"), batch)
+    _assert_same(offloaded, plain)
+    assert all("lora_" in name for name in offloaded[1])
+
+
+def _saves(fn) -> list:
+    """(shape, dtype) of each tensor autograd saves while ``fn`` runs, outside inner hooks."""
+    saves = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saves.append((t.shape, t.dtype)) or t, lambda t: t
+    ):
+        fn()
+    return saves
+
+
+def test_pipeline_switch_takes_the_saved_tensors(tiny_tokenizer, batch):
+    """Through prepare_model, every tensor saved in the model's forward goes to the offload hooks:
+    an outer tracker sees exactly what the loss saves outside it, and no hook is left active."""
+    plain = make_tiny_llama(tiny_tokenizer)
+    off = prepare_model(
+        make_tiny_llama(tiny_tokenizer),
+        TechniquesConfig(activation_offload=True, activation_offload_min_bytes=0),
+        "cpu",
+    )
+    everything = _saves(lambda: loss_sum(plain.train(), batch, 32))
+    with _in_forward(plain, lambda t: t):  # the model's own saves hidden from the tracker
+        outside = _saves(lambda: loss_sum(plain.train(), batch, 32))
+    assert _saves(lambda: loss_sum(off.train(), batch, 32)) == outside
+    assert len(outside) < len(everything) / 2
+    x = torch.ones(4, requires_grad=True)
+    assert (
+        _saves(lambda: off(input_ids=batch["input_ids"]) and (x * x).sum())
+        == [(x.shape, x.dtype)] * 2
+    )
+
+
+def test_hooks_left_when_forward_raises_and_off_without_grad(tiny_tokenizer, batch):
+    model = _model(tiny_tokenizer)
+    offload = ActivationOffload(model, min_bytes=0).attach()
+    with pytest.raises(IndexError):
+        model(input_ids=torch.full((1, 4), 10_000))  # past the vocabulary
+    x = torch.ones(4, requires_grad=True)
+    assert saved_tensor_bytes(model, lambda: (x * x).sum()) > 0  # the tracker's hooks, not ours
+    after_raise = offload.stats
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+    assert offload.stats is after_raise  # no forward was entered: nothing is saved without grad
