@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.techniques.loss import loss_sum
