@@ -10,7 +10,7 @@ from onegpu.config import TechniquesConfig
 from onegpu.errors import UnavailableError
 from onegpu.techniques.checkpointing import (_enable_by_layer, apply_checkpointing, checkpointed_layers,
                                              saved_tensor_bytes)
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
 
 LAYERS = 4
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onegpu.techniques.loss import IGNORE, loss_sum
+from onegpu.objectives.sft import loss_sum
+from onegpu.objectives.tokens import IGNORE
 from onegpu.techniques.moe import apply_moe_aux_loss
 
 

@@ -175,7 +175,7 @@ def test_fp16_on_bf16_model_warns(tiny_tokenizer, caplog):
 
 # ---------------------------------------------------------------------------- batch-shape advice
 def test_misaligned_shapes_warn_with_reason(caplog):
-    from onegpu.techniques.batchsize import check_shapes
+    from onegpu.training.startup import check_shapes
 
     found = check_shapes(micro_batch=6, seq_len=200, hidden_size=100, precision="fp16", device=A100)
     assert len(found) == 3
@@ -192,13 +192,13 @@ def test_misaligned_shapes_warn_with_reason(caplog):
 def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
     from types import SimpleNamespace
 
-    from onegpu.training.assemble import check_model_settings
+    from onegpu.training.startup import check_model_settings
 
     cfg = Config()
     cfg.training.micro_batch_size, cfg.data.seq_len = 12, 96
     run = SimpleNamespace(cfg=cfg, device=A100, precision="fp16")
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     model.config.dtype = torch.bfloat16
-    check_model_settings(run, model)
+    check_model_settings(run.cfg, run.device, run.precision, model)
     assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
     assert "transformers#14189" in caplog.text

@@ -27,30 +27,20 @@ def run_config(c: Candidate):
 
 
 def build(config, c: Candidate):
-    """Model (prepared by training's pipeline), optimizer, loss function and accelerator for a setup.
-    Full or LoRA fine-tuning; quantized bases and DeepSpeed offload are measured through
-    `train --plan auto` instead."""
+    """Model, optimizer, objective and accelerator for a setup, assembled as training assembles them
+    (training/assemble.assemble) from a transformers config at random weights. Full or LoRA
+    fine-tuning; quantized bases and DeepSpeed offload are measured through `train --plan auto` instead."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from onegpu.hardware import detect
-    from onegpu.techniques.attention import model_kernels, resolve_attention
-    from onegpu.techniques.loss import LossFn
-    from onegpu.techniques.optimizers import build_optimizer
-    from onegpu.techniques.prepare import prepare_model
-    from onegpu.techniques.precision import weights_dtype
-    from onegpu.training.assemble import make_accelerator
+    from onegpu.training.assemble import assemble, make_accelerator
 
     cfg = run_config(c)
     device = detect()
     accelerator = make_accelerator(cfg, device, c.precision)
     torch.manual_seed(0)
-    attention = resolve_attention(cfg.techniques, device, c.precision, model_kernels(config))
-    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation=attention)
-    model = prepare_model(model.to(accelerator.device).train(), cfg.techniques, device.type)
-    optimizer = build_optimizer(model, cfg.techniques, cfg.training)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    return model, optimizer, LossFn(c.loss_chunk), accelerator
+    parts = assemble(cfg, device, c.precision, config, accelerator=accelerator)
+    return parts.model, parts.optimizer, parts.objective, accelerator
 
 
 def _batch(vocab: int, batch: int, seq: int):
@@ -64,12 +54,14 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
     """Device bytes a forward leaves allocated for backward (what ActivationModel.retained predicts)."""
     import torch
 
+    from onegpu.objectives.tokens import with_target_positions
+
     _require_cuda()
-    model, _, loss_fn, accelerator = build(config, c)
+    model, _, objective, accelerator = build(config, c)
     data = {k: v.cuda() for k, v in _batch(config.vocab_size, c.micro_batch, seq).items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    loss = loss_fn(model, data)  # the prepared model autocasts itself, as in training
+    loss = objective.loss(model, with_target_positions(data))  # the prepared model autocasts itself
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
     del loss, model
@@ -84,7 +76,7 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
     from onegpu.training.step import train_step
 
     _require_cuda()
-    model, opt, loss_fn, accelerator = build(config, c)
+    model, opt, objective, accelerator = build(config, c)
     max_grad_norm = run_config(c).training.max_grad_norm
     micro = [_batch(config.vocab_size, c.micro_batch, seq) for _ in range(c.grad_accum)]
     t0 = 0.0
@@ -93,7 +85,7 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-        train_step(model, opt, micro, accelerator, max_grad_norm, loss_fn)
+        train_step(model, opt, micro, accelerator, max_grad_norm, objective)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     out = {"peak_bytes": torch.cuda.max_memory_allocated(),

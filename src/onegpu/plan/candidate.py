@@ -25,7 +25,7 @@ class Candidate:
     lora_targets: str = "all-linear"  # lora.targets: which linear layers get adapters
     lora_dtype: str = "auto"  # lora.dtype as configured (settled per precision by techniques.lora.adapter_dtype)
     objective: str = "sft"  # training.objective: dpo / orpo / simpo run two sequences (chosen, rejected) per example
-    reference: str = "auto"  # preference.reference as configured (settled by techniques.reference.choose)
+    reference: str = "auto"  # preference.reference as configured (settled by objectives.reference.choose)
 
     @property
     def rows_per_example(self) -> int:
@@ -35,7 +35,7 @@ class Candidate:
     @property
     def reference_kind(self) -> str | None:
         """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what auto means."""
-        from onegpu.techniques.reference import choose
+        from onegpu.objectives.reference import choose
 
         return choose(self.objective, self.reference, bool(self.lora_rank))
 

@@ -15,7 +15,8 @@ from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import Config
 from onegpu.data import batches
 from onegpu.report import MetricsLog, plot_loss, print_summary
-from onegpu.training import assemble
+from onegpu.training import assemble, rundir
+from onegpu.training.data import Data, build_data
 from onegpu.training.loop import fit
 from onegpu.training.state import Callback, RunResult, TrainState
 
@@ -42,31 +43,32 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         accelerator = assemble.make_accelerator(cfg, device, precision)
         set_seed(cfg.training.seed)
         report_to = trackers.resolve(cfg.output.report_to)  # a tracker not installed: refused before any mkdir
-        run_dir = assemble.check_run_dir(cfg)
+        run_dir = rundir.check_run_dir(cfg)
         resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir)
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
         log.info(hyper.describe(cfg, model_name))
         cfg = _as_saved(hyper.resolve_hyperparameters(cfg, model_name), run_dir)
-        run = assemble.Run(cfg, device, run_dir, model_name, precision)
-        log.info("device: %s; precision %s; model %s", device.name, precision, run.model_name)
-        assemble.build_data(run)
+        log.info("device: %s; precision %s; model %s", device.name, precision, model_name)
+        data = build_data(cfg, model_name)
+        batches.BatchOrder(len(data.train_ds), cfg.training.micro_batch_size, cfg.training.seed)  # enough examples?
         set_seed(cfg.training.seed)  # model init independent of how much randomness data prep used
-        assemble.build_model(run, accelerator)
-        assemble.build_optimizer(run)
-        batches.BatchOrder(len(run.train_ds), cfg.training.micro_batch_size, cfg.training.seed)  # enough examples?
+        parts = assemble.assemble(cfg, device, precision, model_name, tokenizer=data.tokenizer,
+                                  accelerator=accelerator)
         if resume_from is not None:  # a checkpoint of another model shape fails here, not after the mkdir
-            checkpoint.check_fits(resume_from, accelerator.unwrap_model(run.model))
-        assemble.check_disk(run)
-        assemble.create_run_dir(run_dir, accelerator.is_main_process)
-        run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
-        assemble.prepare_reference(run, accelerator, resumed=resume_from is not None)  # before resume loads weights
+            checkpoint.check_fits(resume_from, accelerator.unwrap_model(parts.model))
+        rundir.check_disk(parts.model, run_dir)
+        rundir.create_run_dir(run_dir, accelerator.is_main_process)
+        if parts.objective.reference_name == "precomputed":  # before a resume loads trained weights
+            data = _precompute_reference(cfg, data, parts, run_dir, accelerator, resume_from is not None, callbacks)
+        run = assemble.Run(cfg, device, run_dir, model_name, precision, data, parts.model, parts.optimizer,
+                           parts.scheduler, parts.objective)
         state = resume(run, accelerator, resume_from) if resume_from else None
         if resume_from is None and accelerator.is_main_process:
             _start_fresh(run_dir)
         if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
-            assemble.save_config(run)
+            rundir.save_config(cfg, data.format, run_dir)
         with MetricsLog(run_dir, report_to, enabled=accelerator.is_main_process,
                         purge_step=state.step + 1 if state else None) as metrics:
             state = fit(run, accelerator, metrics, state, callbacks)
@@ -78,10 +80,28 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     hist = state.history
     result = RunResult(run_dir, final, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
-                       state.tokens_per_second, data_stats=run.data_stats, sample_prompt=run.sample_prompt)
+                       state.tokens_per_second, data_stats=data.stats, sample_prompt=data.sample_prompt)
     if accelerator.is_main_process:
         print_summary(result)
     return result
+
+
+def _precompute_reference(cfg: Config, data: Data, parts: assemble.Prepared, run_dir: Path, accelerator,
+                          resumed: bool, callbacks: tuple[Callback, ...]) -> Data:
+    """DPO's precomputed reference (objectives/reference.py): the data with the reference log-probs of
+    every pair, from the starting weights (or, resumed, read back from the run directory). The time of
+    a fresh pass goes to the callbacks (a benchmark charges it to the run)."""
+    import dataclasses
+
+    from onegpu.objectives import reference
+
+    train_ds, val_ds, seconds = reference.precompute(
+        parts.model, parts.objective.tokens, data.train_ds, data.val_ds, data.collator,
+        cfg.training.micro_batch_size, run_dir, accelerator.device, resumed, accelerator.is_main_process)
+    if seconds is not None:
+        for cb in callbacks:
+            cb.on_reference_pass(seconds)
+    return dataclasses.replace(data, train_ds=train_ds, val_ds=val_ds)
 
 
 def _as_saved(cfg: Config, run_dir: Path) -> Config:
@@ -144,7 +164,7 @@ def _stopped(run, state: TrainState, wall: float) -> RunResult:
     print(f"stopped by {state.stopped} at step {state.step}; checkpoint saved: {ckpt}\n"
           f"resume with: onegpu train --config {run.dir / 'config.yaml'} --output.resume latest")
     return RunResult(run.dir, ckpt, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
-                     state.tokens_per_second, stopped=state.stopped, data_stats=run.data_stats)
+                     state.tokens_per_second, stopped=state.stopped, data_stats=run.data.stats)
 
 
 def save_final(run, accelerator) -> Path:

@@ -1,4 +1,7 @@
-"""Shape advice: tensor cores run matmuls fastest when the dimensions are multiples of 8 (16-bit)
+"""Training start-up advice on the loaded model and the device: not methods applied to a model, but
+what a run says once before its first step.
+
+Shape advice: tensor cores run matmuls fastest when the dimensions are multiples of 8 (16-bit)
 or, for fp16/bf16 on A100-class and newer GPUs, multiples of 64. A misaligned micro-batch, sequence
 length or hidden size still works, only slower; we say so once at start-up rather than change it."""
 
@@ -6,9 +9,19 @@ from __future__ import annotations
 
 import logging
 
+from onegpu.config import Config
 from onegpu.hardware import DeviceInfo
 
 log = logging.getLogger(__name__)
+
+
+def check_model_settings(cfg: Config, device: DeviceInfo, precision: str, model) -> None:
+    """Start-up advice that depends on the loaded model and the device."""
+    from onegpu.techniques.precision import warn_fp16_on_bf16_model
+
+    warn_fp16_on_bf16_model(model.config, precision)
+    check_shapes(cfg.training.micro_batch_size, cfg.data.seq_len, getattr(model.config, "hidden_size", None),
+                 precision, device)
 
 
 def preferred_multiple(precision: str, device: DeviceInfo) -> int:
