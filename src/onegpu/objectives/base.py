@@ -16,8 +16,10 @@ set on it afterwards) and is then called only through these methods:
   for the preference objectives, a rollout's reward for GRPO; nothing for SFT), reset when read;
 - ``begin_eval()`` / ``eval_metrics()``: the same figures over an evaluation pass, kept apart from
   training's window;
-- ``reference_name``: which reference it was given (None, an adapters-off, copy or fixed reference,
-  or "precomputed": the batches carry the reference log-probs).
+- ``needs_reference``: what it needs from a reference: None, "adapters" (the policy with its
+  adapters off), "copy" (a frozen copy), "fixed" (a planner probe's stand-in) or "precomputed" (the
+  batches must carry reference log-probs: the run computes them before the first step);
+  ``reference_name`` names the reference object it was given, for reports.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class Objective(ABC):
     def eval_metrics(self) -> dict[str, float]:
         """The evaluation pass's figures (dropped once read)."""
         return {}
+
+    @property
+    def needs_reference(self) -> str | None:
+        """None, "adapters", "copy", "fixed" or "precomputed" (see the module's docstring)."""
+        return None
 
     @property
     def reference_name(self) -> str | None:

@@ -117,6 +117,12 @@ class Preference(Objective):
         return self.reference(model, batch)
 
     @property
+    def needs_reference(self) -> str | None:
+        if self.reference is not None:
+            return self.reference.kind
+        return "precomputed" if self.objective == "dpo" else None
+
+    @property
     def reference_name(self) -> str | None:
         if self.reference is not None:
             return type(self.reference).__name__

@@ -50,6 +50,8 @@ def build(kind: str | None, tokens: TokenLoss, model=None, autocast=None, probe:
 class AdapterReference:
     """Reference log-probs from the policy with its LoRA adapters disabled."""
 
+    kind = "adapters"
+
     def __init__(self, tokens: TokenLoss):
         self.tokens = tokens
 
@@ -62,6 +64,8 @@ class AdapterReference:
 
 class CopyReference:
     """Reference log-probs from a frozen copy of the starting model, under the run's autocast."""
+
+    kind = "copy"
 
     def __init__(self, model, autocast, tokens: TokenLoss):
         self.model, self.autocast, self.tokens = model, autocast, tokens
@@ -77,6 +81,8 @@ class CopyReference:
 class FixedReference:
     """Zero reference log-probs, for the planner's probes of a precomputed-reference setup: they time the
     step, to which precomputed log-probs add nothing, whatever their values."""
+
+    kind = "fixed"
 
     def __call__(self, _policy, batch: dict) -> torch.Tensor:
         from onegpu.data.pairs import PAIR_INDEX

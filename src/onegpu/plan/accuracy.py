@@ -20,10 +20,12 @@ def _require_cuda():
 
 
 def run_config(c: Candidate):
-    """The training Config of a setup (what `train` would run for this candidate)."""
+    """The training Config of a setup (what `train` would run for this candidate), its `auto`
+    hyper-parameters settled as a run settles them (a model from a config: the scratch values)."""
     from onegpu.config import Config
+    from onegpu.hyper import resolve_hyperparameters
 
-    return c.apply(Config())
+    return resolve_hyperparameters(c.apply(Config()))
 
 
 def build(config, c: Candidate):

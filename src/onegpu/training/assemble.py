@@ -72,12 +72,12 @@ class Prepared:
 
 
 def assemble(cfg: Config, device: DeviceInfo, precision: str, source, *, tokenizer=None, accelerator=None,
-             optimizer: bool = True, probe: bool = False, attention: str | None = None) -> Prepared:
+             optimizer: bool = True, probe: bool = False) -> Prepared:
     """Build a model and what trains it, in this order (and why):
 
     1. the model from ``source``: a model name (``models.load_model``, with the load-time arguments of
-       techniques/prepare.load_kwargs), a transformers config (built at random, as load_kwargs would
-       load it; ``attention`` overrides the kernel) or an already built model (the planner's
+       techniques/prepare.load_kwargs), a transformers config (built at random, with the dtype and
+       attention kernel load_kwargs would choose) or an already built model (the planner's
        uninitialised measuring copy);
     2. with a tokenizer: start-up checks on the loaded model (positions, shape advice) and the
        embeddings sized to the tokenizer;
@@ -95,7 +95,7 @@ def assemble(cfg: Config, device: DeviceInfo, precision: str, source, *, tokeniz
     from onegpu.objectives import preference, reference
     from onegpu.techniques.prepare import prepare_model, resolved_techniques
 
-    model = _load(cfg, device, precision, source, tokenizer, attention)
+    model = _load(cfg, device, precision, source, tokenizer)
     if tokenizer is not None:
         check_seq_len(cfg, getattr(model.config, "max_position_embeddings", None))
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
@@ -119,12 +119,12 @@ def assemble(cfg: Config, device: DeviceInfo, precision: str, source, *, tokeniz
         if copied is not None:
             copied.to(accelerator.device)
     loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe)
-    if loss.reference_name is not None:
-        log.info("DPO reference: %s", loss.reference_name)
+    if loss.needs_reference is not None:
+        log.info("DPO reference: %s", loss.needs_reference)
     return Prepared(model, loss, opt, scheduler)
 
 
-def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer, attention: str | None):
+def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer):
     import torch
 
     if isinstance(source, str):
@@ -139,7 +139,7 @@ def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer, at
     from onegpu.techniques.precision import weights_dtype
 
     trust = cfg.model.trust_remote_code
-    attention = attention or resolve_attention(cfg.techniques, device, precision, model_kernels(source, trust))
+    attention = resolve_attention(cfg.techniques, device, precision, model_kernels(source, trust))
     return AutoModelForCausalLM.from_config(source, dtype=weights_dtype(precision), attn_implementation=attention,
                                             trust_remote_code=trust)
 

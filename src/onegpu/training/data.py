@@ -128,7 +128,7 @@ def check_positions(cfg: Config, model_name: str) -> None:
     weights). A config that cannot be read here is left to the model load, which explains why."""
     try:
         config = models.model_config(model_name, cfg.model.trust_remote_code)
-    except Exception:  # noqa: BLE001 - any failure here is reported by build_model with its fix
+    except Exception:  # noqa: BLE001 - any failure here is reported by the model load (assemble) with its fix
         return
     check_seq_len(cfg, getattr(config, "max_position_embeddings", None))
 

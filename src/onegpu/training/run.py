@@ -60,7 +60,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
             checkpoint.check_fits(resume_from, accelerator.unwrap_model(parts.model))
         rundir.check_disk(parts.model, run_dir)
         rundir.create_run_dir(run_dir, accelerator.is_main_process)
-        if parts.objective.reference_name == "precomputed":  # before a resume loads trained weights
+        if parts.objective.needs_reference == "precomputed":  # before a resume loads trained weights
             data = _precompute_reference(cfg, data, parts, run_dir, accelerator, resume_from is not None, callbacks)
         run = assemble.Run(cfg, device, run_dir, model_name, precision, data, parts.model, parts.optimizer,
                            parts.scheduler, parts.objective)
