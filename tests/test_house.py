@@ -40,7 +40,9 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             for name in names:
                 target = owner(name) if name.startswith("onegpu") else None
-                if target and target != mod and not mod.startswith(target + "."):  # a package's own parent: fine
+                if (
+                    target and target != mod and not mod.startswith(target + ".")
+                ):  # a package's own parent: fine
                     graph[mod].add(target)
     return graph
 
@@ -95,8 +97,11 @@ def test_training_does_not_import_the_planner():
 
 
 def test_no_module_over_the_size_limit():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
@@ -104,7 +109,9 @@ def test_methods_are_applied_only_by_the_pipeline():
     """apply_lora / apply_checkpointing / apply_compile / apply_moe_aux_loss are called from
     techniques/prepare.py only: training, planner and benchmarks all go through prepare_model."""
     callers = _callers({"apply_lora", "apply_checkpointing", "apply_compile", "apply_moe_aux_loss"})
-    assert callers and all(mods == {"onegpu.techniques.prepare"} for mods in callers.values()), callers
+    assert callers and all(mods == {"onegpu.techniques.prepare"} for mods in callers.values()), (
+        callers
+    )
 
 
 # Who may build what: one assembly (training/assemble.assemble) builds models, objectives and
@@ -124,7 +131,7 @@ OBJECTIVES = {"SFT", "Preference", "AdapterReference", "CopyReference", "FixedRe
 
 
 def _call_name(node: ast.Call) -> set[str]:
-    """The names a call is known by: ``f(...)`` -> f; ``x.f(...)`` -> f and, for a plain name x, x.f."""
+    """The names a call is known by: ``f(...)`` -> f; ``x.f(...)`` -> f and (a plain name x) x.f."""
     func = node.func
     if isinstance(func, ast.Name):
         return {func.id}
@@ -155,7 +162,9 @@ def test_one_assembly():
     """Models are loaded and prepared, accelerators made and prepared, and objectives chosen in
     training/assemble.py only; objectives are constructed in objectives/ only (make_objective)."""
     callers = _callers(set(ONLY))
-    assert set(callers) == set(ONLY), callers  # each is really called somewhere: the scan reads calls
+    assert set(callers) == set(ONLY), (
+        callers
+    )  # each is really called somewhere: the scan reads calls
     wrong = {name: mods - ONLY[name] for name, mods in callers.items() if mods - ONLY[name]}
     assert wrong == {}
     built = {m for mods in _callers(OBJECTIVES).values() for m in mods}
@@ -166,11 +175,16 @@ def test_the_planner_assembles_through_training():
     """Training and every planner path (probes, accuracy check, activation measurement) use the one
     assembly (test_one_assembly: none of them builds a model, objective or accelerator itself)."""
     users = {m for m, targets in import_graph().items() if ASSEMBLY in targets}
-    assert {"onegpu.plan.activations", "onegpu.plan.accuracy", "onegpu.plan.probe", "onegpu.training.run"} <= users
+    assert {
+        "onegpu.plan.activations",
+        "onegpu.plan.accuracy",
+        "onegpu.plan.probe",
+        "onegpu.training.run",
+    } <= users
 
 
 def test_no_getattr_probing_of_the_objective():
-    """The step, the loop and evaluation call the Objective protocol; they never probe for methods."""
+    """The step, the loop and evaluation call the Objective protocol; they never probe for it."""
     for name in ("step", "loop", "evaluate", "run", "assemble"):
         text = (SRC / "training" / f"{name}.py").read_text(encoding="utf-8")
         assert "getattr(objective" not in text and "getattr(run.objective" not in text

@@ -33,8 +33,11 @@ def require_deepspeed():
     try:
         import deepspeed
     except ImportError:
-        raise UnavailableError("DeepSpeed is not installed (needed for techniques.offload / "
-                               "distributed.strategy=deepspeed).", hint="pip install 'onegpu[deepspeed]'") from None
+        raise UnavailableError(
+            "DeepSpeed is not installed (needed for techniques.offload / "
+            "distributed.strategy=deepspeed).",
+            hint="pip install 'onegpu[deepspeed]'",
+        ) from None
     return deepspeed
 
 
@@ -47,14 +50,18 @@ def check(cfg: Config) -> None:
     """Settings that cannot work under DeepSpeed: one clear error before anything is built."""
     tech = cfg.techniques
     if tech.optimizer not in COMPATIBLE_OPTIMIZERS:
-        raise ConfigError(f"techniques.optimizer={tech.optimizer} cannot run under DeepSpeed ZeRO "
-                          f"(techniques.offload={tech.offload}, distributed.strategy={cfg.distributed.strategy}): "
-                          "its optimizer state is not plain per-parameter tensors that ZeRO can partition.",
-                          hint=f"use techniques.optimizer one of {', '.join(COMPATIBLE_OPTIMIZERS)}")
+        raise ConfigError(
+            f"techniques.optimizer={tech.optimizer} cannot run under DeepSpeed ZeRO "
+            f"(techniques.offload={tech.offload}, distributed.strategy={cfg.distributed.strategy}): "
+            "its optimizer state is not plain per-parameter tensors that ZeRO can partition.",
+            hint=f"use techniques.optimizer one of {', '.join(COMPATIBLE_OPTIMIZERS)}",
+        )
     if tech.lora.quantize_base != "none":
-        raise ConfigError("techniques.lora.quantize_base cannot be combined with DeepSpeed offload: "
-                          "ZeRO cannot partition bitsandbytes-quantized weights.",
-                          hint="use QLoRA without offload (the 4-bit base already fits), or quantize_base=none")
+        raise ConfigError(
+            "techniques.lora.quantize_base cannot be combined with DeepSpeed offload: "
+            "ZeRO cannot partition bitsandbytes-quantized weights.",
+            hint="use QLoRA without offload (the 4-bit base already fits), or quantize_base=none",
+        )
     if tech.offload == "zero3-nvme":
         _check_nvme(Path(tech.nvme_path).expanduser())
 
@@ -66,8 +73,10 @@ def _check_nvme(path: Path) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"techniques.nvme_path={path} is not a writable folder ({exc.strerror}).",
-                          hint="point techniques.nvme_path at a folder on a fast local NVMe drive") from None
+        raise ConfigError(
+            f"techniques.nvme_path={path} is not a writable folder ({exc.strerror}).",
+            hint="point techniques.nvme_path at a folder on a fast local NVMe drive",
+        ) from None
 
 
 def ds_config(cfg: Config, precision: str, world_size: int, local_accum: int, on_gpu: bool) -> dict:
@@ -102,11 +111,15 @@ def _offload_targets(mode: str, nvme_path: Path, on_gpu: bool) -> dict:
     if mode == "zero2-cpu":
         return {"offload_optimizer": {"device": "cpu", "pin_memory": pin}}
     if mode == "zero3-cpu":
-        return {"offload_optimizer": {"device": "cpu", "pin_memory": pin},
-                "offload_param": {"device": "cpu", "pin_memory": pin}}
+        return {
+            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+            "offload_param": {"device": "cpu", "pin_memory": pin},
+        }
     path = str(nvme_path)
-    return {"offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": pin},
-            "offload_param": {"device": "nvme", "nvme_path": path, "pin_memory": pin}}
+    return {
+        "offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": pin},
+        "offload_param": {"device": "nvme", "nvme_path": path, "pin_memory": pin},
+    }
 
 
 def accelerate_plugin(cfg: Config, precision: str, world_size: int, local_accum: int, on_gpu: bool):
@@ -123,7 +136,12 @@ def accelerate_plugin(cfg: Config, precision: str, world_size: int, local_accum:
 
     config = ds_config(cfg, precision, world_size, local_accum, on_gpu)
     stage = config["zero_optimization"]["stage"]
-    log.info("DeepSpeed ZeRO-%d%s, %d process(es), %d x %d micro-batches per process", stage,
-             f" with {cfg.techniques.offload} offload" if cfg.techniques.offload != "none" else "",
-             world_size, local_accum, cfg.training.micro_batch_size)
+    log.info(
+        "DeepSpeed ZeRO-%d%s, %d process(es), %d x %d micro-batches per process",
+        stage,
+        f" with {cfg.techniques.offload} offload" if cfg.techniques.offload != "none" else "",
+        world_size,
+        local_accum,
+        cfg.training.micro_batch_size,
+    )
     return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3)

@@ -3,8 +3,9 @@
 An objective is built once per run with everything it needs (its reference included: no attribute is
 set on it afterwards) and is then called only through these methods:
 
-- ``count(batch)``: what one micro-batch's summed loss is normalised by (target tokens for SFT, pairs
-  for the preference objectives); the step divides by the sum over the whole accumulated batch;
+- ``count(batch)``: what one micro-batch's summed loss is normalised by (target tokens for SFT,
+  pairs for the preference objectives); the step divides by the sum over the whole accumulated
+  batch;
 - ``loss(model, batch)``: the micro-batch's *summed* loss;
 - ``begin_cycle(model, micro)`` / ``end_cycle()``: an accumulation cycle's start and end. The cycle
   trains on the micro-batches ``begin_cycle`` returns: the data's own for SFT and the preference

@@ -51,16 +51,19 @@ def simpo_loss(pi_c, pi_r, len_c, len_r, beta: float, gamma_ratio: float, smooth
 def orpo_loss(pi_c, pi_r, len_c, len_r, lam: float):
     a_c, a_r = pi_c / len_c, pi_r / len_r
     # log(1 - e^a) for a < 0, computed stably; a mean log-prob is never above 0
-    log_odds = (a_c - a_r) - (torch.log1p(-torch.exp(a_c).clamp(max=1 - 1e-7)) -
-                              torch.log1p(-torch.exp(a_r).clamp(max=1 - 1e-7)))
+    log_odds = (a_c - a_r) - (
+        torch.log1p(-torch.exp(a_c).clamp(max=1 - 1e-7))
+        - torch.log1p(-torch.exp(a_r).clamp(max=1 - 1e-7))
+    )
     return -a_c - lam * F.logsigmoid(log_odds), lam * a_c, lam * a_r
 
 
 # ------------------------------------------------------------------------------- log-probs per sequence
 def sequence_logps(model, batch: dict, tokens: TokenLoss | int = 0):
-    """(model output, summed response log-prob per sequence, response tokens per sequence): 2n values,
-    chosen first. The target of position p is token p + 1, so it belongs to token p + 1's sequence.
-    ``tokens``: the objective's TokenLoss (an int: a fused chunk size without fallback, 0 = plain)."""
+    """(model output, summed response log-prob per sequence, response tokens per sequence): 2n
+    values, chosen first. The target of position p is token p + 1, so it belongs to token p + 1's
+    sequence. ``tokens``: the objective's TokenLoss (an int: a fused chunk size without fallback,
+    0 = plain)."""
     tokens = tokens if isinstance(tokens, TokenLoss) else TokenLoss(tokens)
     out, logps = tokens.token_logps(model, batch)
     positions = batch[TARGETS]
@@ -72,11 +75,13 @@ def sequence_logps(model, batch: dict, tokens: TokenLoss | int = 0):
 
 
 class Preference(Objective):
-    """training.objective dpo / orpo / simpo: the summed per-pair loss of a pair batch, normalised by pairs.
+    """training.objective dpo / orpo / simpo: the summed per-pair loss of a pair batch, normalised
+    by pairs.
 
-    The reward statistics of each call are kept on the device (no sync) as pending sums; ``end_cycle``
-    commits them to the window (an out-of-memory retry drops the failed cycle's), ``window_metrics``
-    reads and resets the committed ones; an evaluation reads its own pending sums (``eval_metrics``).
+    The reward statistics of each call are kept on the device (no sync) as pending sums;
+    ``end_cycle`` commits them to the window (an out-of-memory retry drops the failed cycle's),
+    ``window_metrics`` reads and resets the committed ones; an evaluation reads its own pending
+    sums (``eval_metrics``).
     ``reference`` (DPO): ``(model, batch) -> reference log-probs`` (reference.py), or None when the
     batches carry them (precomputed).
     """
@@ -94,7 +99,9 @@ class Preference(Objective):
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         ref = None
-        if self.objective == "dpo":  # first: its no-grad forward is over before the policy's activations exist
+        if (
+            self.objective == "dpo"
+        ):  # first: its no-grad forward is over before the policy's activations exist
             ref = batch[REF_LOGPS] if REF_LOGPS in batch else self._reference(model, batch)
         out, pi, lengths = sequence_logps(model, batch, self.tokens)
         n = pi.numel() // 2
@@ -102,18 +109,31 @@ class Preference(Objective):
         if self.objective == "dpo":
             loss, rc, rr = dpo_loss(pi_c, pi_r, ref[:n], ref[n:], self.beta, self.smoothing)
         elif self.objective == "simpo":
-            loss, rc, rr = simpo_loss(pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing)
+            loss, rc, rr = simpo_loss(
+                pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing
+            )
         else:
             loss, rc, rr = orpo_loss(pi_c, pi_r, len_c, len_r, self.beta)
         rc, rr = rc.detach(), rr.detach()
-        self.pending.append(torch.stack([rc.new_tensor(float(n)), (rc > rr).sum().float(), (rc - rr).sum(),
-                                         rc.sum(), rr.sum()]))
+        self.pending.append(
+            torch.stack(
+                [
+                    rc.new_tensor(float(n)),
+                    (rc > rr).sum().float(),
+                    (rc - rr).sum(),
+                    rc.sum(),
+                    rr.sum(),
+                ]
+            )
+        )
         return loss.sum() + _moe_aux(model, out, n)
 
     def _reference(self, model, batch):
         if self.reference is None:
-            raise RuntimeError("DPO needs reference log-probs: none in the batch and no reference given "
-                               "(objectives.make_objective builds one)")
+            raise RuntimeError(
+                "DPO needs reference log-probs: none in the batch and no reference given "
+                "(objectives.make_objective builds one)"
+            )
         return self.reference(model, batch)
 
     @property
@@ -159,8 +179,12 @@ def _means(sums: torch.Tensor | None) -> dict:
         return {}
     s = dict(zip(STATS, sums.tolist()))
     n = max(s["pairs"], 1.0)
-    return {"reward_accuracy": s["correct"] / n, "reward_margin": s["margin"] / n,
-            "reward_chosen": s["chosen"] / n, "reward_rejected": s["rejected"] / n}
+    return {
+        "reward_accuracy": s["correct"] / n,
+        "reward_margin": s["margin"] / n,
+        "reward_chosen": s["chosen"] / n,
+        "reward_rejected": s["rejected"] / n,
+    }
 
 
 def _moe_aux(model, out, pairs: int):

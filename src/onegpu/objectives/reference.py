@@ -98,10 +98,20 @@ def _peft_model(model):
 
 
 # ----------------------------------------------------------------------------------- precomputed
-def precompute(model, tokens: TokenLoss, train_ds, val_ds, collator, micro_batch: int, run_dir: Path,
-               device, resumed: bool, is_main: bool = True):
-    """(train_ds, val_ds, seconds): the datasets with the reference log-probs of every pair as two more
-    columns, and the time the pass took (None when read back).
+def precompute(
+    model,
+    tokens: TokenLoss,
+    train_ds,
+    val_ds,
+    collator,
+    micro_batch: int,
+    run_dir: Path,
+    device,
+    resumed: bool,
+    is_main: bool = True,
+):
+    """(train_ds, val_ds, seconds): the datasets with the reference log-probs of every pair as two
+    more columns, and the time the pass took (None when read back).
 
     A resumed run reads them from its run directory; a fresh run computes them with ``model`` as it
     is now (its starting weights) and writes them there.
@@ -111,20 +121,32 @@ def precompute(model, tokens: TokenLoss, train_ds, val_ds, collator, micro_batch
     seconds = None
     if resumed:
         if not path.is_file():
-            raise DataError(f"{path} is missing: a resumed DPO run needs the reference log-probs computed from its "
-                            "starting weights.", hint="restore the file, or start the run again with "
-                            "--output.overwrite true")
+            raise DataError(
+                f"{path} is missing: a resumed DPO run needs the reference log-probs computed from its "
+                "starting weights.",
+                hint="restore the file, or start the run again with --output.overwrite true",
+            )
         saved = _load(path)
     else:
         t0 = time.perf_counter()
-        saved = {f"{name}.{col}": v for name, ds in splits.items() if ds is not None
-                 for col, v in zip((REF_CHOSEN, REF_REJECTED), compute(model, ds, tokens, collator, micro_batch,
-                                                                       device))}
+        saved = {
+            f"{name}.{col}": v
+            for name, ds in splits.items()
+            if ds is not None
+            for col, v in zip(
+                (REF_CHOSEN, REF_REJECTED),
+                compute(model, ds, tokens, collator, micro_batch, device),
+            )
+        }
         seconds = time.perf_counter() - t0
         if is_main:
             _save(path, saved)
-        log.info("reference log-probs: %d pairs in %.1fs (%s)", sum(len(v) for k, v in saved.items()
-                 if k.endswith(REF_CHOSEN)), seconds, path.name)
+        log.info(
+            "reference log-probs: %d pairs in %.1fs (%s)",
+            sum(len(v) for k, v in saved.items() if k.endswith(REF_CHOSEN)),
+            seconds,
+            path.name,
+        )
     out = {}
     for name, ds in splits.items():
         if ds is None:
@@ -132,14 +154,20 @@ def precompute(model, tokens: TokenLoss, train_ds, val_ds, collator, micro_batch
             continue
         chosen, rejected = saved.get(f"{name}.{REF_CHOSEN}"), saved.get(f"{name}.{REF_REJECTED}")
         if chosen is None or len(chosen) != len(ds):
-            raise DataError(f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
-                            hint="the data changed since the run began: start it again with --output.overwrite true")
-        out[name] = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(REF_REJECTED, rejected.tolist())
+            raise DataError(
+                f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
+                hint="the data changed since the run began: start it again with --output.overwrite true",
+            )
+        out[name] = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(
+            REF_REJECTED, rejected.tolist()
+        )
     return out["train"], out["validation"], seconds
 
 
 @torch.no_grad()
-def compute(model, ds, tokens: TokenLoss, collator, micro_batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def compute(
+    model, ds, tokens: TokenLoss, collator, micro_batch: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed log-probs of every pair of ``ds`` under ``model`` as it is now. The
     model is the prepared one: it runs under the run's autocast by itself."""
     from onegpu.data.batches import eval_batches

@@ -27,7 +27,9 @@ TARGETS = "target_positions"  # batch key: see with_target_positions
 def model_inputs(batch: dict) -> dict:
     """Forward arguments for a loss computation. No KV cache: it is never read here, and its
     presence stops transformers from detecting packed documents."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {
+        k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")
+    }
     if "position_ids" in inputs:
         # Packed rows (padding-free): transformers separates the documents from the restarting
         # position_ids, but only when no 2-D attention mask is given.
@@ -50,7 +52,9 @@ def with_target_positions(batch: dict) -> dict:
     return {**batch, TARGETS: b * labels.size(1) + t}
 
 
-def select_targets(hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None):
+def select_targets(
+    hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+):
     """(hidden states, target tokens) of the positions that predict a target: row b*T+t of the
     flattened hidden states predicts label b*T+t+1."""
     if positions is None:
@@ -75,14 +79,21 @@ class TokenLoss:
         self.chunk_size, self.fallback, self.verify = chunk_size, fallback, verify
 
     @classmethod
-    def for_run(cls, tcfg, vocab: int, on_gpu: bool, sharded: bool, verify: bool = True) -> TokenLoss:
+    def for_run(
+        cls, tcfg, vocab: int, on_gpu: bool, sharded: bool, verify: bool = True
+    ) -> TokenLoss:
         from onegpu.errors import ConfigError
         from onegpu.techniques.fused_loss import fused_chunk
 
         if tcfg.loss == "fused" and sharded:
-            raise ConfigError("techniques.loss=fused needs the output head's weights whole in every process, "
-                              "but FSDP2 / DeepSpeed ZeRO-3 shards them.", hint="set techniques.loss=auto (or plain)")
-        return cls(fused_chunk(tcfg, vocab, on_gpu, sharded), fallback=tcfg.loss == "auto", verify=verify)
+            raise ConfigError(
+                "techniques.loss=fused needs the output head's weights whole in every process, "
+                "but FSDP2 / DeepSpeed ZeRO-3 shards them.",
+                hint="set techniques.loss=auto (or plain)",
+            )
+        return cls(
+            fused_chunk(tcfg, vocab, on_gpu, sharded), fallback=tcfg.loss == "auto", verify=verify
+        )
 
     @property
     def fused(self) -> bool:
@@ -93,7 +104,8 @@ class TokenLoss:
         return self._fused_or_plain(_fused_loss, _plain_loss, model, batch)
 
     def token_logps(self, model, batch: dict):
-        """(model output, log-prob of each target token, fp32) in the order of ``with_target_positions``."""
+        """(model output, log-prob of each target token, fp32), in the order of
+        ``with_target_positions``."""
         return self._fused_or_plain(_fused_logps, _plain_logps, model, batch)
 
     def _fused_or_plain(self, fused, plain, model, batch: dict):
@@ -103,7 +115,10 @@ class TokenLoss:
             except UnavailableError as exc:
                 if not self.fallback:
                     raise
-                log.info("fused head unavailable, using the plain loss (the model's logits): %s", exc.message)
+                log.info(
+                    "fused head unavailable, using the plain loss (the model's logits): %s",
+                    exc.message,
+                )
                 self.chunk_size = 0
         return plain(model, batch)
 
@@ -113,13 +128,19 @@ def _plain_loss(model, batch: dict):
     # Shift the labels, not the logits: slicing logits[:, :-1] would copy (tokens x vocab).
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
     logits = out.logits
-    return out, F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                ignore_index=IGNORE, reduction="sum")
+    return out, F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
 
 
 def _plain_logps(model, batch: dict):
     out = model(**model_inputs(batch))
-    h, y = select_targets(out.logits, batch["labels"], batch.get(TARGETS))  # rows of logits, not hidden states
+    h, y = select_targets(
+        out.logits, batch["labels"], batch.get(TARGETS)
+    )  # rows of logits, not hidden states
     return out, -F.cross_entropy(h.float(), y, reduction="none")
 
 

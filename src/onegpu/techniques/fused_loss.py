@@ -43,8 +43,13 @@ def fused_head_loss(head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp) -> 
     params = [p for p in head.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or params):
         with torch.no_grad():  # evaluation: the loss alone, still one chunk of logits at a time
-            return sum((_chunk_loss(head, h[s: s + chunk], y[s: s + chunk], amp)
-                        for s in range(0, y.numel(), chunk)), h.new_zeros((), dtype=torch.float32))
+            return sum(
+                (
+                    _chunk_loss(head, h[s : s + chunk], y[s : s + chunk], amp)
+                    for s in range(0, y.numel(), chunk)
+                ),
+                h.new_zeros((), dtype=torch.float32),
+            )
     return _FusedHeadLoss.apply(head, chunk, amp, h, y, *params)
 
 
@@ -73,7 +78,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 grads = torch.autograd.grad(loss, ([hc] if want_h else []) + list(params))
                 if want_h:
                     grad_h[sl] = grads[0]
-                for acc, g in zip(sums, grads[int(want_h):]):
+                for acc, g in zip(sums, grads[int(want_h) :]):
                     acc.add_(g)
                 total += loss.detach()
         ctx.grad_h = grad_h
@@ -83,7 +88,10 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         # The stored gradients are used once: scale them in place rather than allocate copies.
-        grads = [g.mul_(grad_out.to(g.dtype)) if g is not None else None for g in (ctx.grad_h, *ctx.grad_params)]
+        grads = [
+            g.mul_(grad_out.to(g.dtype)) if g is not None else None
+            for g in (ctx.grad_h, *ctx.grad_params)
+        ]
         ctx.grad_h = ctx.grad_params = None
         return (None, None, None, grads[0], None, *grads[1:])
 
@@ -115,7 +123,12 @@ def _chunk_logps(head, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
 def _all_chunks(head, h, y, chunk, amp) -> torch.Tensor:
     if y.numel() == 0:
         return h.new_zeros((0,), dtype=torch.float32)
-    return torch.cat([_chunk_logps(head, h[s: s + chunk], y[s: s + chunk], amp) for s in range(0, y.numel(), chunk)])
+    return torch.cat(
+        [
+            _chunk_logps(head, h[s : s + chunk], y[s : s + chunk], amp)
+            for s in range(0, y.numel(), chunk)
+        ]
+    )
 
 
 class _FusedTokenLogps(torch.autograd.Function):
@@ -138,11 +151,15 @@ class _FusedTokenLogps(torch.autograd.Function):
                 sl = slice(start, start + ctx.chunk)
                 hc = h[sl].detach().requires_grad_(want_h)
                 logps = _chunk_logps(ctx.head, hc, y[sl], ctx.amp)
-                grads = torch.autograd.grad(logps, ([hc] if want_h else []) + list(params), grad_outputs=grad_out[sl],
-                                            allow_unused=True)
+                grads = torch.autograd.grad(
+                    logps,
+                    ([hc] if want_h else []) + list(params),
+                    grad_outputs=grad_out[sl],
+                    allow_unused=True,
+                )
                 if want_h:
                     grad_h[sl] = grads[0]
-                for acc, g in zip(sums, grads[int(want_h):]):
+                for acc, g in zip(sums, grads[int(want_h) :]):
                     if g is not None:
                         acc.add_(g)
         ctx.head = None
@@ -168,12 +185,17 @@ def run_keeping_hidden(model, inputs: dict):
         except TypeError as exc:  # custom model code without the argument
             if "logits_to_keep" not in str(exc):
                 raise
-            raise UnavailableError(f"techniques.loss=fused: {type(model).__name__} cannot skip computing "
-                                   "its full logits (no logits_to_keep argument).",
-                                   hint="set techniques.loss=plain for this model") from None
+            raise UnavailableError(
+                f"techniques.loss=fused: {type(model).__name__} cannot skip computing "
+                "its full logits (no logits_to_keep argument).",
+                hint="set techniques.loss=plain for this model",
+            ) from None
         if "hidden" not in captured:
-            raise UnavailableError(f"techniques.loss=fused: cannot reach the final hidden states of "
-                                   f"{type(model).__name__}.", hint="set techniques.loss=plain for this model")
+            raise UnavailableError(
+                f"techniques.loss=fused: cannot reach the final hidden states of "
+                f"{type(model).__name__}.",
+                hint="set techniques.loss=plain for this model",
+            )
         return out, captured["hidden"], captured["amp"]
     finally:
         captured.clear()  # do not keep the last batch's activations alive between steps
@@ -205,7 +227,11 @@ def _capture_slot(model) -> dict:
 def _unwrap(model):
     """The model inside a DistributedDataParallel wrapper (which has no get_decoder). Not
     accelerate's extract_model_from_parallel: it imports DeepSpeed, seconds on every run."""
-    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return (
+        getattr(model, "module", model)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        else model
+    )
 
 
 class Head:
@@ -245,7 +271,9 @@ class Head:
         theirs = model_logits[:, -1:].float()
         tol = 1e-4 if h_last.dtype == torch.float32 and not enabled else 2e-2
         if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=tol, atol=tol * 10):
-            raise UnavailableError(f"techniques.loss=fused: {type(self.model).__name__} transforms its "
-                                   "logits in a way the fused loss cannot reproduce.",
-                                   hint="set techniques.loss=plain for this model")
+            raise UnavailableError(
+                f"techniques.loss=fused: {type(self.model).__name__} transforms its "
+                "logits in a way the fused loss cannot reproduce.",
+                hint="set techniques.loss=plain for this model",
+            )
         self.model._onegpu_head_verified = True

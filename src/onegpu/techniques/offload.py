@@ -14,17 +14,26 @@ def use_cpu_adam(cfg: Config, on_gpu: bool) -> bool:
     """DeepSpeed's vectorised CPU Adam is what makes optimizer offload fast on a GPU machine. It is
     a C++ op compiled on first use; where it cannot be built, torch's AdamW runs the offloaded step.
     On a CPU-only machine the optimizer never leaves the CPU, and torch's AdamW avoids the build."""
-    if cfg.techniques.offload == "none" or not on_gpu or cfg.techniques.optimizer not in ("adamw", "adamw-fused"):
+    if (
+        cfg.techniques.offload == "none"
+        or not on_gpu
+        or cfg.techniques.optimizer not in ("adamw", "adamw-fused")
+    ):
         return False
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         ok = CPUAdamBuilder().is_compatible(verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build-system problem means: not available
-        log.warning("DeepSpeed CPU Adam unavailable (%s); torch AdamW runs the offloaded optimizer step", exc)
+        log.warning(
+            "DeepSpeed CPU Adam unavailable (%s); torch AdamW runs the offloaded optimizer step",
+            exc,
+        )
         return False
     if not ok:
-        log.warning("DeepSpeed CPU Adam cannot be built here; torch AdamW runs the offloaded optimizer step")
+        log.warning(
+            "DeepSpeed CPU Adam cannot be built here; torch AdamW runs the offloaded optimizer step"
+        )
     return ok
 
 

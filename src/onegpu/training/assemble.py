@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Run:
-    """A run, built: its settled config, where it runs and writes, its data and its prepared parts."""
+    """A run, built: its settled config, where it runs and writes, its data, its prepared parts."""
 
     cfg: Config
     device: DeviceInfo
@@ -71,18 +71,27 @@ class Prepared:
     scheduler: Any = None
 
 
-def assemble(cfg: Config, device: DeviceInfo, precision: str, source, *, tokenizer=None, accelerator=None,
-             optimizer: bool = True, probe: bool = False) -> Prepared:
+def assemble(
+    cfg: Config,
+    device: DeviceInfo,
+    precision: str,
+    source,
+    *,
+    tokenizer=None,
+    accelerator=None,
+    optimizer: bool = True,
+    probe: bool = False,
+) -> Prepared:
     """Build a model and what trains it, in this order (and why):
 
-    1. the model from ``source``: a model name (``models.load_model``, with the load-time arguments of
-       techniques/prepare.load_kwargs), a transformers config (built at random, with the dtype and
+    1. the model from ``source``: a model name (``models.load_model``, with the load-time
+       arguments of techniques/prepare.load_kwargs), a transformers config (built at random, with the dtype and
        attention kernel load_kwargs would choose) or an already built model (the planner's
        uninitialised measuring copy);
     2. with a tokenizer: start-up checks on the loaded model (positions, shape advice) and the
        embeddings sized to the tokenizer;
     3. preference objectives: dropout off; a copy reference taken now, before adapters or compile;
-    4. THE pipeline (techniques/prepare.prepare_model), FSDP2 sharding last when an accelerator is given;
+    4. THE pipeline (techniques/prepare.prepare_model), FSDP2 sharding last with an accelerator;
     5. the optimizer and its schedule, over the final parameters (``optimizer=False``: none);
     6. the accelerator's prepare (device placement, DDP / DeepSpeed engines), before any reference
        pass, so the reference runs on the device and under the run's autocast;
@@ -106,10 +115,18 @@ def assemble(cfg: Config, device: DeviceInfo, precision: str, source, *, tokeniz
     copied = None
     if objective != "sft":
         preference.disable_dropout(model)
-        if reference.choose(objective, cfg.preference.reference, cfg.techniques.lora.enabled) == "copy":
+        if (
+            reference.choose(objective, cfg.preference.reference, cfg.techniques.lora.enabled)
+            == "copy"
+        ):
             copied = copy.deepcopy(model)  # the starting weights, before adapters or compile
-    shard = (functools.partial(distributed.apply_fsdp2, cfg=cfg, precision=precision, accelerator=accelerator)
-             if accelerator is not None else None)
+    shard = (
+        functools.partial(
+            distributed.apply_fsdp2, cfg=cfg, precision=precision, accelerator=accelerator
+        )
+        if accelerator is not None
+        else None
+    )
     model = prepare_model(model, resolved_techniques(cfg, device.type), device.type, shard)
     opt, scheduler = build_optimizer(cfg, device, model) if optimizer else (None, None)
     autocast = None
@@ -130,7 +147,9 @@ def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer):
     if isinstance(source, str):
         from onegpu.techniques.prepare import load_kwargs
 
-        return models.load_model(source, cfg.model, tokenizer, **load_kwargs(cfg, device, precision, source))
+        return models.load_model(
+            source, cfg.model, tokenizer, **load_kwargs(cfg, device, precision, source)
+        )
     if isinstance(source, torch.nn.Module):
         return source
     from transformers import AutoModelForCausalLM
@@ -140,8 +159,12 @@ def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer):
 
     trust = cfg.model.trust_remote_code
     attention = resolve_attention(cfg.techniques, device, precision, model_kernels(source, trust))
-    return AutoModelForCausalLM.from_config(source, dtype=weights_dtype(precision), attn_implementation=attention,
-                                            trust_remote_code=trust)
+    return AutoModelForCausalLM.from_config(
+        source,
+        dtype=weights_dtype(precision),
+        attn_implementation=attention,
+        trust_remote_code=trust,
+    )
 
 
 def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
@@ -171,7 +194,9 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
     accelerator = Accelerator(**kwargs)
     distributed.fix_cpu_deepspeed_state(accelerator)
     if "deepspeed_plugin" not in engine:  # DeepSpeed scales fp16 losses itself
-        enable_loss_scaling(accelerator, precision)  # fp16 on CPU: Accelerate creates no scaler there
+        enable_loss_scaling(
+            accelerator, precision
+        )  # fp16 on CPU: Accelerate creates no scaler there
     return accelerator
 
 
@@ -186,12 +211,16 @@ def build_optimizer(cfg: Config, device: DeviceInfo, model):
     t = cfg.training  # settled (plain numbers) where the run or the probe began: see hyper.py
     if cfg.techniques.optimizer_in_backward:
         if distributed.world_size() > 1:
-            raise ConfigError("techniques.optimizer_in_backward runs in one process only: several processes reduce "
-                              "gradients after the update would already have used them.",
-                              hint="launch one process, or turn techniques.optimizer_in_backward off")
+            raise ConfigError(
+                "techniques.optimizer_in_backward runs in one process only: several processes reduce "
+                "gradients after the update would already have used them.",
+                hint="launch one process, or turn techniques.optimizer_in_backward off",
+            )
         if t.oom_retry:
-            log.info("optimizer_in_backward: out-of-memory retry is off (a step that runs out of memory in "
-                     "backward has already updated part of the weights)")
+            log.info(
+                "optimizer_in_backward: out-of-memory retry is off (a step that runs out of memory in "
+                "backward has already updated part of the weights)"
+            )
     if offload.use_cpu_adam(cfg, device.is_gpu):  # offloaded state: DeepSpeed's vectorised CPU Adam
         from onegpu.techniques.optimizers import BETAS, param_groups
 

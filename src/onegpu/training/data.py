@@ -52,36 +52,54 @@ def read_records(cfg: Config) -> Records:
 
 
 def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Data:
-    """Tokenizer, tokenized splits and collator of the run (``recs``: already read, else read here)."""
+    """Tokenizer, tokenized splits and collator of the run (``recs``: read already, else here)."""
     recs = recs if recs is not None else read_records(cfg)
     train_rec, val_rec, fmt = recs.train, recs.val, recs.format
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, model_name, train_rec, fmt, recs.fingerprint)
     check_positions(cfg, model_name)  # before tokenizing: a too long seq_len is not "no examples"
-    train_ds, stats = batches.tokenize_counted(train_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "train")
+    train_ds, stats = batches.tokenize_counted(
+        train_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "train"
+    )
     all_stats = [stats]
     val_ds = None
     if val_rec is not None:
-        val_ds, stats = batches.tokenize_counted(val_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "validation")
+        val_ds, stats = batches.tokenize_counted(
+            val_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "validation"
+        )
         all_stats.append(stats)
     for stats in all_stats:
         log.info("data %s", stats.describe())
     if len(train_ds) == 0:
         train = all_stats[0]
         if train.overlong:  # the policy left nothing: say so, with the counts
-            raise DataError(f"no training examples after tokenization: {train.describe()}.",
-                            hint="raise data.seq_len (up to the model's limit), or choose another data.overlong")
-        raise DataError("no training examples after tokenization (all records too short or fully masked).",
-                        hint="lower data.seq_len or check the data")
-    collator = batches.Collator(tokenizer.pad_token_id, cfg.data.pad_to_multiple, cfg.data.seq_len,
-                                position_ids=cfg.techniques.padding_free)
+            raise DataError(
+                f"no training examples after tokenization: {train.describe()}.",
+                hint="raise data.seq_len (up to the model's limit), or choose another data.overlong",
+            )
+        raise DataError(
+            "no training examples after tokenization (all records too short or fully masked).",
+            hint="lower data.seq_len or check the data",
+        )
+    collator = batches.Collator(
+        tokenizer.pad_token_id,
+        cfg.data.pad_to_multiple,
+        cfg.data.seq_len,
+        position_ids=cfg.techniques.padding_free,
+    )
     if fmt == "preference":  # each pair: its chosen and rejected sequences in the one batch
         from onegpu.data.pairs import PairCollator
 
         collator = PairCollator(collator)
     sample = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
-    log.info("data: %s, %d train / %d val examples of <= %d tokens (%.1fs)", fmt, len(train_ds),
-             len(val_ds or []), cfg.data.seq_len, time.perf_counter() - t0)
+    log.info(
+        "data: %s, %d train / %d val examples of <= %d tokens (%.1fs)",
+        fmt,
+        len(train_ds),
+        len(val_ds or []),
+        cfg.data.seq_len,
+        time.perf_counter() - t0,
+    )
     return Data(tokenizer, train_ds, val_ds, collator, fmt, all_stats, sample)
 
 
@@ -104,9 +122,14 @@ def corpus_pairs(cfg: Config, train_rec, val_rec):
     from onegpu.data.pairs import corpus_pairs as make
 
     t = cfg.training
-    train = make(train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size * t.grad_accum)
-    val = make(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size) \
-        if val_rec is not None else None
+    train = make(
+        train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size * t.grad_accum
+    )
+    val = (
+        make(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size)
+        if val_rec is not None
+        else None
+    )
     return train, val
 
 
@@ -114,13 +137,18 @@ def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
     """Preference pairs go with a preference objective, and only with one."""
     d, objective = cfg.data, cfg.training.objective
     if objective == "sft" and fmt == "preference":
-        raise DataError(f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), but "
-                        "training.objective=sft.", hint="set --training.objective dpo (or orpo / simpo) to train on pairs")
+        raise DataError(
+            f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), but "
+            "training.objective=sft.",
+            hint="set --training.objective dpo (or orpo / simpo) to train on pairs",
+        )
     if objective != "sft" and fmt != "preference":
-        raise DataError(f"training.objective={objective} needs preference pairs: columns '{d.prompt_field}', "
-                        f"'{d.chosen_field}' and '{d.rejected_field}'; {d.path} has {columns}.",
-                        hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
-                        "training.objective=sft")
+        raise DataError(
+            f"training.objective={objective} needs preference pairs: columns '{d.prompt_field}', "
+            f"'{d.chosen_field}' and '{d.rejected_field}'; {d.path} has {columns}.",
+            hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
+            "training.objective=sft",
+        )
 
 
 def check_positions(cfg: Config, model_name: str) -> None:
@@ -135,5 +163,7 @@ def check_positions(cfg: Config, model_name: str) -> None:
 
 def check_seq_len(cfg: Config, limit) -> None:
     if isinstance(limit, int) and cfg.data.seq_len > limit:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
-                          hint=f"set data.seq_len <= {limit}")
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
+            hint=f"set data.seq_len <= {limit}",
+        )

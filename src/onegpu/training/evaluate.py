@@ -1,4 +1,5 @@
-"""Validation: token-weighted loss over a fixed set of batches, logged with its perplexity (pair-weighted,\nwith the reward accuracy and margin, for preference objectives)."""
+"""Validation: token-weighted loss over a fixed set of batches, logged with its perplexity
+(pair-weighted, with the reward accuracy and margin, for preference objectives)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def evaluate(run, accelerator) -> tuple[float, dict] | None:
     # Compiled blocks run eagerly here: a handful of batches does not repay compiling the
     # no-grad variant of every block (another full compile on a CPU).
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        for batch in batches.eval_batches(run.val_ds, t.micro_batch_size, run.collator, t.eval_batches):
+        for batch in batches.eval_batches(
+            run.val_ds, t.micro_batch_size, run.collator, t.eval_batches
+        ):
             batch = with_target_positions(batch)  # on the host: the target rows, and so their count
             count += objective.count(batch)
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
@@ -47,12 +50,16 @@ def evaluate_and_log(run, accelerator, metrics, state) -> None:
     if rewards:  # preference tuning: a perplexity of a pair loss means nothing
         rec.update(rewards)
         if accelerator.is_main_process:
-            log.info("step %d: val loss %.4f, reward accuracy %.3f, margin %.4f", state.step, loss,
-                     rewards["reward_accuracy"], rewards["reward_margin"])
+            log.info(
+                "step %d: val loss %.4f, reward accuracy %.3f, margin %.4f",
+                state.step,
+                loss,
+                rewards["reward_accuracy"],
+                rewards["reward_margin"],
+            )
         metrics.write(rec)
         return
     rec["perplexity"] = math.exp(min(loss, 50))
     metrics.write(rec)
     if accelerator.is_main_process:
         log.info("step %d: val loss %.4f (ppl %.1f)", state.step, loss, math.exp(min(loss, 50)))
-

@@ -18,15 +18,21 @@ def check_run_dir(cfg: Config) -> Path:
     name = out.name or time.strftime("%Y%m%d-%H%M%S")
     path = Path(out.dir).expanduser() / name
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"run directory {path} is a file.", hint="choose another --output.name or --output.dir")
+        raise ConfigError(
+            f"run directory {path} is a file.", hint="choose another --output.name or --output.dir"
+        )
     if path.exists() and any(path.iterdir()) and not (out.overwrite or out.resume):
-        raise ConfigError(f"run directory {path} is not empty.",
-                          hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name")
+        raise ConfigError(
+            f"run directory {path} is not empty.",
+            hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name",
+        )
     parent = _existing_ancestor(path)
     problem = _unwritable(parent)
     if problem:
-        raise ConfigError(f"cannot write to run directory {path}: {parent} is not a writable folder ({problem}).",
-                          hint="choose a writable --output.dir")
+        raise ConfigError(
+            f"cannot write to run directory {path}: {parent} is not a writable folder ({problem}).",
+            hint="choose a writable --output.dir",
+        )
     return path
 
 
@@ -42,7 +48,11 @@ def _unwritable(folder: Path) -> str | None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".onegpu-write-test-", dir=folder)
     except OSError as exc:
-        return "read-only file system" if exc.errno == errno.EROFS else (exc.strerror or str(exc)).lower()
+        return (
+            "read-only file system"
+            if exc.errno == errno.EROFS
+            else (exc.strerror or str(exc)).lower()
+        )
     os.close(fd)
     os.unlink(probe)
     return None
@@ -64,8 +74,10 @@ def create_run_dir(path: Path, is_main: bool = True) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"cannot write to run directory {path}: {exc.strerror}.",
-                          hint="choose a writable --output.dir") from None
+        raise ConfigError(
+            f"cannot write to run directory {path}: {exc.strerror}.",
+            hint="choose a writable --output.dir",
+        ) from None
 
 
 CHECKPOINT_MARGIN = 64 * 2**20  # bytes: config, tokenizer, metrics and filesystem slack
@@ -87,11 +99,16 @@ def check_disk(model, run_dir: Path) -> None:
         # A read-only filesystem reports no free space: say what is really wrong.
         problem = _unwritable(folder)
         if problem:
-            raise ConfigError(f"cannot write to run directory {run_dir}: {folder} is not a writable folder "
-                              f"({problem}).", hint="choose a writable --output.dir")
-        raise ConfigError(f"not enough free disk for checkpoints in {run_dir}: {free / 2**30:.2f} GiB free, "
-                          f"about {need / 2**30:.2f} GiB needed per checkpoint.",
-                          hint="free space, or choose another --output.dir")
+            raise ConfigError(
+                f"cannot write to run directory {run_dir}: {folder} is not a writable folder "
+                f"({problem}).",
+                hint="choose a writable --output.dir",
+            )
+        raise ConfigError(
+            f"not enough free disk for checkpoints in {run_dir}: {free / 2**30:.2f} GiB free, "
+            f"about {need / 2**30:.2f} GiB needed per checkpoint.",
+            hint="free space, or choose another --output.dir",
+        )
 
 
 def save_config(cfg: Config, data_format: str, run_dir: Path) -> None:

@@ -20,20 +20,30 @@ def check_model_settings(cfg: Config, device: DeviceInfo, precision: str, model)
     from onegpu.techniques.precision import warn_fp16_on_bf16_model
 
     warn_fp16_on_bf16_model(model.config, precision)
-    check_shapes(cfg.training.micro_batch_size, cfg.data.seq_len, getattr(model.config, "hidden_size", None),
-                 precision, device)
+    check_shapes(
+        cfg.training.micro_batch_size,
+        cfg.data.seq_len,
+        getattr(model.config, "hidden_size", None),
+        precision,
+        device,
+    )
 
 
 def preferred_multiple(precision: str, device: DeviceInfo) -> int:
     """64 for 16-bit math on Ampere+ (A100-class) tensor cores, 8 everywhere else."""
-    if precision in ("fp16", "bf16", "bf16-pure") and device.type == "cuda" and device.capability \
-            and device.capability >= (8, 0):
+    if (
+        precision in ("fp16", "bf16", "bf16-pure")
+        and device.type == "cuda"
+        and device.capability
+        and device.capability >= (8, 0)
+    ):
         return 64
     return 8
 
 
-def check_shapes(micro_batch: int, seq_len: int, hidden_size: int | None, precision: str,
-                 device: DeviceInfo) -> list[str]:
+def check_shapes(
+    micro_batch: int, seq_len: int, hidden_size: int | None, precision: str, device: DeviceInfo
+) -> list[str]:
     """Log one warning per misaligned dimension; returns the warnings (empty when all is aligned).
 
     Only CUDA GPUs are checked: CPUs and MPS have no tensor-core tiles to fill.
@@ -43,14 +53,18 @@ def check_shapes(micro_batch: int, seq_len: int, hidden_size: int | None, precis
     multiple = preferred_multiple(precision, device)
     where = f"{precision} on {device.name}"
     found = []
-    checks = [("training.micro_batch_size", micro_batch, 8),
-              ("data.seq_len", seq_len, multiple),
-              ("model hidden_size", hidden_size, multiple)]
+    checks = [
+        ("training.micro_batch_size", micro_batch, 8),
+        ("data.seq_len", seq_len, multiple),
+        ("model hidden_size", hidden_size, multiple),
+    ]
     for name, value, want in checks:
         if value and value % want:
             # The batch dimension only has to fill 8-wide tiles; 64 matters for the matmul K/N dims.
-            msg = (f"{name}={value} is not a multiple of {want}: matmuls on {where} run fastest with "
-                   f"multiples of {want} (tensor-core tiles); consider {_round(value, want)}")
+            msg = (
+                f"{name}={value} is not a multiple of {want}: matmuls on {where} run fastest with "
+                f"multiples of {want} (tensor-core tiles); consider {_round(value, want)}"
+            )
             log.warning(msg)
             found.append(msg)
     return found

@@ -10,15 +10,23 @@ from onegpu.techniques.optimizer_in_backward import steps_in_backward
 from onegpu.training import recovery
 
 
-def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: float,
-               objective: Objective | None = None, guard: recovery.NanGuard | None = None, step: int = 0,
-               should_stop=None):
+def train_step(
+    model,
+    optimizer,
+    micro: list[dict],
+    accelerator,
+    max_grad_norm: float,
+    objective: Objective | None = None,
+    guard: recovery.NanGuard | None = None,
+    step: int = 0,
+    should_stop=None,
+):
     """One optimizer step over k micro-batches.
 
     Each micro-batch contributes its *summed* loss divided by the objective's count of the whole
     accumulated batch (all processes: target tokens, or pairs for a preference objective), so the
-    gradient equals that of one big batch however the tokens fall across micro-batches. ``objective``
-    defaults to SFT's plain loss. Returns (loss tensor, real input tokens) without syncing,
+    gradient equals that of one big batch however the tokens fall across micro-batches.
+    ``objective`` defaults to SFT's plain loss. Returns (loss tensor, real input tokens) without syncing,
     except for the guard's one scalar: a NaN/inf loss or gradient norm skips the update.
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
@@ -29,7 +37,9 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
         objective = plain()
     in_backward = steps_in_backward(optimizer)
     micro = objective.begin_cycle(model, micro)  # statistics are kept per completed cycle
-    micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
+    micro = [
+        with_target_positions(mb) for mb in micro
+    ]  # on the host: the target rows, and so their count
     n_targets = _global_sum(accelerator, sum(objective.count(mb) for mb in micro))
     real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
     total = None
@@ -44,7 +54,9 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
             if not (in_backward and guard is not None and not bool(loss.detach().isfinite())):
                 distributed.backward(accelerator, loss)
         total = loss.detach() if total is None else total + loss.detach()
-    total = distributed.global_loss(accelerator, total)  # the same value, and NaN verdict, on every rank
+    total = distributed.global_loss(
+        accelerator, total
+    )  # the same value, and NaN verdict, on every rank
     norm = distributed.clip_grad_norm(accelerator, model, max_grad_norm) if max_grad_norm else None
     bad = False
     if guard is not None:
