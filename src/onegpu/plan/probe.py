@@ -56,8 +56,8 @@ def auto_plan(cfg: Config) -> Config:
                           hint="run 'onegpu plan' to see what each setup needs; shorten data.seq_len")
     # The first setup probed in a process pays one-off start-up costs that its own warm-up steps do
     # not absorb (measured: ~4x slower on a CPU); one untimed pass keeps them out of every probe.
-    probe_one(rows[0], cfg, shared, device, name)
-    results = [probe_one(r, cfg, shared, device, name) for r in rows]
+    probe_one(rows[0], cfg, shared, device)
+    results = [probe_one(r, cfg, shared, device) for r in rows]
     _log_table(results)
     ok = [(m, r) for m, r in zip(results, rows) if not m.error]
     if not ok:
@@ -94,19 +94,21 @@ def _shared_data(cfg: Config, device, name: str):
     return build_data(cfg, name)
 
 
-def probe_one(row, cfg: Config, shared, device, name: str) -> Measured:
+def probe_one(row, cfg: Config, shared, device) -> Measured:
     """Run WARMUP_STEPS + MEASURE_STEPS optimizer steps of one setup; tokens/s and peak memory."""
     import torch
 
     from onegpu.hyper import resolve_hyperparameters
+    from onegpu.models import resolve_name
     from onegpu.techniques.prepare import global_switches
 
     m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
     # Settled per candidate, as run_training settles a run: a LoRA candidate gets LoRA's auto values.
+    name = resolve_name(cfg.model, device.is_gpu)
     setup = resolve_hyperparameters(row.candidate.apply(cfg), name)
     try:
         with global_switches(setup, device):  # as training sets them, and put back after
-            m.tokens_per_s, m.peak_gb = _run_steps(setup, shared, device, name)
+            m.tokens_per_s, m.peak_gb = _run_steps(setup, shared, device)
     except torch.OutOfMemoryError:
         m.error = "out of memory"
     except Exception as exc:  # a method unavailable here: skip this setup, keep probing the others
@@ -116,11 +118,13 @@ def probe_one(row, cfg: Config, shared, device, name: str) -> Measured:
     return m
 
 
-def _run_steps(cfg: Config, shared, device, name: str) -> tuple[float, float]:
+def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
+    """(tokens/s, peak GB) of one setup; ``shared``: the data (training/data.Data), built once."""
     import torch
     from accelerate.utils import set_seed
 
     from onegpu.data import batches
+    from onegpu.models import resolve_name
     from onegpu.techniques.precision import resolve_precision
     from onegpu.training import assemble
     from onegpu.training.step import train_step
@@ -130,6 +134,7 @@ def _run_steps(cfg: Config, shared, device, name: str) -> tuple[float, float]:
     set_seed(cfg.training.seed)
     rss_before = _rss()
     # as training assembles it; a precomputed DPO reference is timed with fixed log-probs (probe)
+    name = resolve_name(cfg.model, device.is_gpu)
     parts = assemble.assemble(cfg, device, precision, name, tokenizer=shared.tokenizer, accelerator=accelerator,
                               probe=True)
     model, optimizer = parts.model, parts.optimizer
