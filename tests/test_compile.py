@@ -153,7 +153,7 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
     cfg.techniques.compile, cfg.techniques.compile_backend = "default", "counting_eager"
     device, name = hardware.detect(), str(tiny_model_dir)
     data = build_data(cfg, name)
-    parts = assemble.assemble(cfg, device, "fp32", name, tokenizer=data.tokenizer)
+    parts = assemble.assemble(cfg, device, "fp32", name, tokenizer=data.tokenizer, optimizer=False)
     assert all(is_compiled(layer) for layer in parts.model.model.layers)
     batch = next(iter(batches.eval_batches(data.train_ds, 2, data.collator, 1)))
     parts.objective.loss(parts.model, with_target_positions(batch)).backward()
