@@ -166,19 +166,18 @@ def saved_model(path: Path, preset: str = "1b", max_bytes: int = 3_000_000) -> P
     same weights through from_pretrained. Step speed does not depend on the weights' values.
     Written once per folder, into a temporary name renamed at the end, so a killed write is never
     mistaken for a model by the next preset."""
-    from onegpu import hardware, models
+    from onegpu import models
     from onegpu.config import from_dict
-    from onegpu.training import assemble
+    from onegpu.training.data import build_data
 
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     cfg = from_dict({"model": {"name": preset}, "data": {"max_bytes": max_bytes}})
-    run = assemble.Run(cfg, hardware.detect(), tmp, preset, "fp32")
-    assemble.build_data(run)
-    models.load_model(preset, cfg.model, run.tokenizer).save_pretrained(str(tmp))
-    run.tokenizer.save_pretrained(str(tmp))
+    tokenizer = build_data(cfg, preset).tokenizer
+    models.load_model(preset, cfg.model, tokenizer).save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
     os.replace(tmp, path)
     return path
 

@@ -106,7 +106,7 @@ def predict(selected: list[str] | None = None) -> dict:
     from onegpu.plan.arch import _shape_of
     from onegpu.plan.candidate import setup
     from onegpu.plan.published import LLAMA_3_2_3B
-    from onegpu.techniques.loss import fused_chunk
+    from onegpu.techniques.fused_loss import fused_chunk
 
     shape = _shape_of("Llama-3.2-3B", LlamaConfig(**LLAMA_3_2_3B))
     chunk = fused_chunk(TechniquesConfig(), shape.vocab, on_gpu=True, sharded=False)

@@ -104,27 +104,30 @@ def straight_then_resumed(tmp_path, model_dir, techniques=None, resume_at=3, **t
 
 # ------------------------------------------------------------------------- fault injection
 def oom_above(limit: int, real_make):
-    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above
+    """A make_objective whose training loss raises OutOfMemoryError for micro-batches above
     `limit`."""
 
     def make(*args):
-        fn = real_make(*args)
+        objective = real_make(*args)
+        fn = objective.loss
 
         def loss(model, batch):
             if model.training and batch["input_ids"].shape[0] > limit:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             return fn(model, batch)
 
-        return loss
+        objective.loss = loss
+        return objective
 
     return make
 
 
 def nan_at(steps: set, real_make, grad_accum: int = 1):
-    """A make_loss_fn whose loss is NaN during the given optimizer steps (1-based)."""
+    """A make_objective whose loss is NaN during the given optimizer steps (1-based)."""
 
     def make(*args):
-        fn = real_make(*args)
+        objective = real_make(*args)
+        fn = objective.loss
         calls = {"n": 0}
 
         def loss(model, batch):
@@ -135,7 +138,8 @@ def nan_at(steps: set, real_make, grad_accum: int = 1):
             out = fn(model, batch)
             return out * float("nan") if step in steps else out
 
-        return loss
+        objective.loss = loss
+        return objective
 
     return make
 

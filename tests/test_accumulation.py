@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from onegpu.data.batches import Collator
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import SFT, loss_sum
 from onegpu.training.step import train_step
 
 from helpers import make_tiny_llama
@@ -42,7 +42,7 @@ def _grads(model, micro):
 
     acc = Accelerator(cpu=True)
     opt = RecordingOptimizer(model)
-    train_step(model, opt, micro, acc, max_grad_norm=0.0, loss_fn=loss_sum)
+    train_step(model, opt, micro, acc, max_grad_norm=0.0, objective=SFT())
     return opt.grads
 
 

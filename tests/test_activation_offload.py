@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.techniques.activation_offload import ActivationOffload
 from onegpu.techniques.checkpointing import apply_checkpointing
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
 
 LAYERS, HIDDEN = 3, 64

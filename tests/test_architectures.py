@@ -119,7 +119,7 @@ class Seen(Callback):
         self.layers = config.num_hidden_layers
 
     def on_train_end(self, run, state):
-        self.fused = run.loss_fn.fused  # False after a fallback to the plain loss
+        self.fused = run.objective.tokens.fused  # False after a fallback to the plain loss
 
 
 @pytest.mark.parametrize("family,mode", list(_matrix()))

@@ -16,7 +16,7 @@ from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 from onegpu.models import load_model
 from onegpu.techniques import attention as A
-from onegpu.techniques.loss import model_inputs
+from onegpu.objectives.tokens import model_inputs
 from onegpu.training.state import Callback
 
 CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
@@ -282,7 +282,8 @@ def test_padding_free_documents_do_not_see_each_other(tiny_model_dir, tiny_token
 def test_padding_free_batch_has_the_same_loss_without_padding(tiny_model_dir, tiny_tokenizer):
     """Prompt/completion examples packed into one row: same summed loss and target count as the
     padded batch, fewer positions computed."""
-    from onegpu.techniques.loss import IGNORE, count_targets, loss_sum
+    from onegpu.objectives.sft import loss_sum
+    from onegpu.objectives.tokens import IGNORE, count_targets
 
     model = _load(tiny_model_dir, tiny_tokenizer, "sdpa")
     examples = []

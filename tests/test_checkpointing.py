@@ -8,8 +8,12 @@ import torch
 from helpers import make_tiny_llama, random_batch, saved_tensor_bytes
 from onegpu.config import TechniquesConfig
 from onegpu.errors import UnavailableError
-from onegpu.techniques.checkpointing import _enable_by_layer, apply_checkpointing, checkpointed_layers
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
+from onegpu.techniques.checkpointing import (
+    _enable_by_layer,
+    apply_checkpointing,
+    checkpointed_layers,
+)
 
 LAYERS = 4
 

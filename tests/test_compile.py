@@ -10,8 +10,8 @@ from helpers import is_compiled, make_tiny_llama
 from onegpu.data.batches import Collator
 from onegpu.config import TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
+from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.compile import apply_compile
-from onegpu.techniques.loss import loss_sum
 
 COMPILED_FRAMES = []
 
@@ -141,6 +141,7 @@ def test_auto_compile_resolution(monkeypatch):
 def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, tiny_model_dir, text_file, monkeypatch):
     """A default run long enough to repay compiling gets its decoder blocks compiled; evaluation
     runs them eagerly instead of compiling a no-grad variant."""
+    import dataclasses
     import shutil
 
     from accelerate import Accelerator
@@ -150,6 +151,8 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
     from onegpu.data import batches
     from onegpu.config import from_dict
     from onegpu.techniques.prepare import resolved_techniques
+    from onegpu.objectives.tokens import with_target_positions
+    from onegpu.training.data import build_data
     from onegpu.training.evaluate import evaluate
 
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
@@ -159,14 +162,16 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
     assert tcfg.compile == "default" and cfg.techniques.compile == "auto"  # settled on a copy
     # The same path with the graph-counting backend, so the test needs no C++ build.
     cfg.techniques.compile, cfg.techniques.compile_backend = "default", "counting_eager"
-    run = assemble.Run(cfg, hardware.detect(), tmp_path / "run", str(tiny_model_dir), "fp32")
-    assemble.build_data(run)
-    assemble.build_model(run)
-    assert all(is_compiled(layer) for layer in run.model.model.layers)
-    batch = next(iter(batches.eval_batches(run.train_ds, 2, run.collator, 1)))
-    run.loss_fn(run.model, batch).backward()
+    device, name = hardware.detect(), str(tiny_model_dir)
+    data = build_data(cfg, name)
+    parts = assemble.assemble(cfg, device, "fp32", name, tokenizer=data.tokenizer, optimizer=False)
+    assert all(is_compiled(layer) for layer in parts.model.model.layers)
+    batch = next(iter(batches.eval_batches(data.train_ds, 2, data.collator, 1)))
+    parts.objective.loss(parts.model, with_target_positions(batch)).backward()
     trained = len(COMPILED_FRAMES)
     assert trained >= 1
-    run.val_ds = run.train_ds
+    data = dataclasses.replace(data, val_ds=data.train_ds)
+    run = assemble.Run(cfg, device, tmp_path / "run", name, "fp32", data, parts.model, parts.optimizer,
+                       parts.scheduler, parts.objective)
     assert evaluate(run, Accelerator(cpu=True)) is not None
     assert len(COMPILED_FRAMES) == trained  # no compile for evaluation

@@ -23,7 +23,7 @@ from onegpu import distributed
 from onegpu.data.batches import BatchOrder
 from onegpu.config import Config, from_dict
 from onegpu.errors import ConfigError
-from onegpu.techniques import offload
+from onegpu.distributed import zero
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "train_many.py"
 REL_TOL = 1e-4
@@ -33,7 +33,7 @@ REL_TOL = 1e-4
 def test_deepspeed_config_is_generated_from_our_settings(tmp_path):
     cfg = from_dict({"training": {"micro_batch_size": 4, "grad_accum": 8, "max_grad_norm": 0.5},
                      "techniques": {"offload": "zero3-nvme", "nvme_path": str(tmp_path)}})
-    ds = offload.ds_config(cfg, "bf16", world_size=2, local_accum=4, on_gpu=True)
+    ds = zero.ds_config(cfg, "bf16", world_size=2, local_accum=4, on_gpu=True)
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 4
     assert ds["train_batch_size"] == 4 * 4 * 2  # = micro x grad_accum of the one-process run
@@ -44,7 +44,7 @@ def test_deepspeed_config_is_generated_from_our_settings(tmp_path):
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
     assert zero["offload_param"]["device"] == "nvme"
     assert '"auto"' not in json.dumps(ds)  # nothing left for DeepSpeed to guess (transformers#27830)
-    z2 = offload.ds_config(from_dict({"techniques": {"offload": "zero2-cpu"}}), "fp32", 1, 1, on_gpu=False)
+    z2 = zero.ds_config(from_dict({"techniques": {"offload": "zero2-cpu"}}), "fp32", 1, 1, on_gpu=False)
     assert z2["zero_optimization"]["stage"] == 2
     assert z2["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "offload_param" not in z2["zero_optimization"]
@@ -59,7 +59,7 @@ def test_offload_conflicts_are_clear_errors(techniques, match):
     cfg = Config()
     cfg.techniques = from_dict({"techniques": techniques}).techniques
     with pytest.raises(ConfigError, match=match):
-        offload.check(cfg)
+        zero.check(cfg)
 
 
 def test_offload_needs_deepspeed_strategy_and_a_writable_nvme_path(tmp_path):
@@ -70,7 +70,7 @@ def test_offload_needs_deepspeed_strategy_and_a_writable_nvme_path(tmp_path):
     blocker.write_text("x")
     cfg = from_dict({"techniques": {"offload": "zero3-nvme", "nvme_path": str(blocker / "sub")}})
     with pytest.raises(ConfigError, match="nvme_path"):
-        offload.check(cfg)
+        zero.check(cfg)
 
 
 def test_strategy_choice():
@@ -78,8 +78,8 @@ def test_strategy_choice():
     assert distributed.strategy(Config(), world=2) == "ddp"
     assert distributed.strategy(from_dict({"distributed": {"strategy": "fsdp2"}}), world=1) == "single"
     assert distributed.strategy(from_dict({"techniques": {"offload": "zero2-cpu"}}), world=1) == "deepspeed"
-    assert offload.zero_stage(from_dict({"distributed": {"zero_stage": 1}})) == 1
-    assert offload.zero_stage(from_dict({"techniques": {"offload": "zero3-cpu"}})) == 3
+    assert zero.zero_stage(from_dict({"distributed": {"zero_stage": 1}})) == 1
+    assert zero.zero_stage(from_dict({"techniques": {"offload": "zero3-cpu"}})) == 3
 
 
 def test_global_batch_rule():

@@ -40,7 +40,9 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             for name in names:
                 target = owner(name) if name.startswith("onegpu") else None
-                if target and target != mod and not mod.startswith(target + "."):  # a package's own parent: fine
+                if (
+                    target and target != mod and not mod.startswith(target + ".")
+                ):  # a package's own parent: fine
                     graph[mod].add(target)
     return graph
 
@@ -95,21 +97,95 @@ def test_training_does_not_import_the_planner():
 
 
 def test_no_module_over_the_size_limit():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
 def test_methods_are_applied_only_by_the_pipeline():
     """apply_lora / apply_checkpointing / apply_compile / apply_moe_aux_loss are called from
     techniques/prepare.py only: training, planner and benchmarks all go through prepare_model."""
-    callers = {}
+    callers = _callers({"apply_lora", "apply_checkpointing", "apply_compile", "apply_moe_aux_loss"})
+    assert callers and all(mods == {"onegpu.techniques.prepare"} for mods in callers.values()), (
+        callers
+    )
+
+
+# Who may build what: one assembly (training/assemble.assemble) builds models, objectives and
+# accelerators for training and every planner path. The HF peers of the benchmark load their model
+# themselves: they are the comparison, built as HF builds it, not a second assembly of ours.
+ASSEMBLY = "onegpu.training.assemble"
+ONLY = {
+    "prepare_model": {ASSEMBLY},
+    "load_model": {ASSEMBLY, "onegpu.bench.train_peers"},
+    "Accelerator": {ASSEMBLY},
+    "_reset_state": {ASSEMBLY},  # Accelerate's private reset: one place, with the reason beside it
+    "make_objective": {ASSEMBLY},
+    "accelerator.prepare": {"onegpu.distributed"},  # distributed.prepare: the FSDP2-aware wrapper
+    "distributed.prepare": {ASSEMBLY},
+}
+OBJECTIVES = {"SFT", "Preference", "AdapterReference", "CopyReference", "FixedReference"}
+
+
+def _call_name(node: ast.Call) -> set[str]:
+    """The names a call is known by: ``f(...)`` -> f; ``x.f(...)`` -> f and (a plain name x) x.f."""
+    func = node.func
+    if isinstance(func, ast.Name):
+        return {func.id}
+    if isinstance(func, ast.Attribute):
+        names = {func.attr}
+        if isinstance(func.value, ast.Name):
+            names.add(f"{func.value.id}.{func.attr}")
+        return names
+    return set()
+
+
+def _callers(names: set[str]) -> dict[str, set[str]]:
+    callers: dict[str, set[str]] = {}
     for mod, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                    "apply_lora", "apply_checkpointing", "apply_compile", "apply_moe_aux_loss"):
-                callers.setdefault(node.func.id, set()).add(mod)
-    assert callers and all(mods == {"onegpu.techniques.prepare"} for mods in callers.values()), callers
-    users = {m for m, targets in import_graph().items() if "onegpu.techniques.prepare" in targets}
-    assert {"onegpu.training.assemble", "onegpu.plan.activations", "onegpu.plan.accuracy",
-            "onegpu.plan.probe", "onegpu.training.run"} <= users
+            if isinstance(node, ast.Call):
+                for name in _call_name(node) & names:
+                    callers.setdefault(name, set()).add(mod)
+    return callers
+
+
+def test_call_finder_sees_calls_and_methods():
+    call = ast.parse("accelerator.prepare(m, o)").body[0].value
+    assert _call_name(call) == {"prepare", "accelerator.prepare"}
+
+
+def test_one_assembly():
+    """Models are loaded and prepared, accelerators made and prepared, and objectives chosen in
+    training/assemble.py only; objectives are constructed in objectives/ only (make_objective)."""
+    callers = _callers(set(ONLY))
+    assert set(callers) == set(ONLY), (
+        callers
+    )  # each is really called somewhere: the scan reads calls
+    wrong = {name: mods - ONLY[name] for name, mods in callers.items() if mods - ONLY[name]}
+    assert wrong == {}
+    built = {m for mods in _callers(OBJECTIVES).values() for m in mods}
+    assert built and all(m.startswith("onegpu.objectives") for m in built), built
+
+
+def test_the_planner_assembles_through_training():
+    """Training and every planner path (probes, accuracy check, activation measurement) use the one
+    assembly (test_one_assembly: none of them builds a model, objective or accelerator itself)."""
+    users = {m for m, targets in import_graph().items() if ASSEMBLY in targets}
+    assert {
+        "onegpu.plan.activations",
+        "onegpu.plan.accuracy",
+        "onegpu.plan.probe",
+        "onegpu.training.run",
+    } <= users
+
+
+def test_no_getattr_probing_of_the_objective():
+    """The step, the loop and evaluation call the Objective protocol; they never probe for it."""
+    for name in ("step", "loop", "evaluate", "run", "assemble"):
+        text = (SRC / "training" / f"{name}.py").read_text(encoding="utf-8")
+        assert "getattr(objective" not in text and "getattr(run.objective" not in text
+        assert "loss_fn" not in text, name

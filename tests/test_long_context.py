@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from onegpu.config import TechniquesConfig
 from onegpu.data.batches import Collator
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
 
 

@@ -155,11 +155,11 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
 
     cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"seq_len": 32},
                      "techniques": {"lora": {"enabled": True, "r": 4, "quantize_base": "nf4"}}})
-    run = assemble.Run(cfg, hardware.detect(), tmp_path, str(tiny_model_dir), "fp32", tokenizer=tiny_tokenizer)
-    assemble.build_model(run)
-    linears = [m for m in run.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    model = assemble.assemble(cfg, hardware.detect(), "fp32", str(tiny_model_dir), tokenizer=tiny_tokenizer,
+                              optimizer=False).model
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(linears) == 2 * len(LINEARS) and all(m.weight.dtype == torch.uint8 for m in linears)
-    assert run.model.peft_config["default"].r == 4
+    assert model.peft_config["default"].r == 4
 
 
 def test_missing_peft_raises_unavailable_with_install_hint(monkeypatch, tiny_tokenizer):

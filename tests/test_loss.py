@@ -11,8 +11,9 @@ from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.techniques.fused_loss import auto_chunk
-from onegpu.techniques.loss import (IGNORE, TARGETS, LossFn, count_targets, loss_sum, model_inputs, select_targets,
-                                   with_target_positions)
+from onegpu.objectives.sft import SFT, loss_sum
+from onegpu.objectives.tokens import (IGNORE, TARGETS, TokenLoss, count_targets, model_inputs, select_targets,
+                                      with_target_positions)
 
 def _loss_and_grads(model, batch, chunk):
     model.zero_grad(set_to_none=True)
@@ -172,23 +173,23 @@ def test_auto_falls_back_to_the_plain_loss_where_fused_cannot_serve(tiny_tokeniz
 
     model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))
     batch = random_batch(len(tiny_tokenizer), length=8, seed=2, masked_prefix=5)
-    auto = LossFn(4, fallback=True)
+    auto = SFT(TokenLoss(4, fallback=True))
     with caplog.at_level(logging.INFO, logger="onegpu"):
-        loss = auto(model, batch)
-    assert not auto.fused and "using the plain loss" in caplog.text
+        loss = auto.loss(model, batch)
+    assert not auto.tokens.fused and "using the plain loss" in caplog.text
     assert torch.allclose(loss, loss_sum(model, batch))  # the model's own (scaled) logits
     with pytest.raises(UnavailableError, match="techniques.loss=plain"):
-        LossFn(4, fallback=False)(model, batch)
+        SFT(TokenLoss(4, fallback=False)).loss(model, batch)
 
 
 def test_loss_setting_resolution():
     tc = TechniquesConfig
-    assert LossFn.for_run(tc(), vocab=4096, on_gpu=False, sharded=False).chunk_size == auto_chunk(4096, False) == 512
-    assert LossFn.for_run(tc(loss_chunk_size=100), 4096, False, False).chunk_size == 100
-    assert not LossFn.for_run(tc(loss="plain"), 4096, False, False).fused
-    assert not LossFn.for_run(tc(), 4096, True, sharded=True).fused  # FSDP2 / ZeRO-3: plain
+    assert TokenLoss.for_run(tc(), vocab=4096, on_gpu=False, sharded=False).chunk_size == auto_chunk(4096, False) == 512
+    assert TokenLoss.for_run(tc(loss_chunk_size=100), 4096, False, False).chunk_size == 100
+    assert not TokenLoss.for_run(tc(loss="plain"), 4096, False, False).fused
+    assert not TokenLoss.for_run(tc(), 4096, True, sharded=True).fused  # FSDP2 / ZeRO-3: plain
     with pytest.raises(ConfigError, match="shards them"):
-        LossFn.for_run(tc(loss="fused"), 4096, True, sharded=True)
+        TokenLoss.for_run(tc(loss="fused"), 4096, True, sharded=True)
     with pytest.raises(ConfigError, match="techniques.loss=plain"):
         validate(from_dict({"techniques": {"loss": "plain", "loss_chunk_size": 64}}))
     assert auto_chunk(128256, on_gpu=True) == 256 and auto_chunk(128256, on_gpu=False) == 32
@@ -198,14 +199,16 @@ def test_loss_setting_resolution():
 def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_file):
     from onegpu import hardware
     from onegpu.training import assemble
+    from onegpu.training.data import build_data
     from onegpu.config import from_dict
 
     cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
                      "output": {"dir": str(tmp_path)}})
-    run = assemble.Run(cfg, hardware.detect(), tmp_path / "run", str(tiny_model_dir), "fp32")
-    assemble.build_data(run)
-    assemble.build_model(run)
-    assert run.loss_fn.fused and run.loss_fn.chunk_size == auto_chunk(len(run.tokenizer), False)
+    data = build_data(cfg, str(tiny_model_dir))
+    parts = assemble.assemble(cfg, hardware.detect(), "fp32", str(tiny_model_dir), tokenizer=data.tokenizer,
+                              optimizer=False)
+    tokens = parts.objective.tokens
+    assert tokens.fused and tokens.chunk_size == auto_chunk(len(data.tokenizer), False)
 
 
 def test_target_positions_from_the_host_select_the_same_rows(tiny_tokenizer):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers import random_batch
-from onegpu.techniques.loss import IGNORE, loss_sum
+from onegpu.objectives.sft import loss_sum
+from onegpu.objectives.tokens import IGNORE
 from onegpu.techniques.moe import apply_moe_aux_loss
 
 

@@ -138,7 +138,7 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     import functools
 
     from onegpu.config import TechniquesConfig, TrainingConfig
-    from onegpu.techniques.loss import loss_sum
+    from onegpu.objectives.sft import loss_sum
     from onegpu.techniques.optimizers import build_optimizer
 
     from helpers import make_tiny_llama

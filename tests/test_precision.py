@@ -168,7 +168,7 @@ def test_fp16_on_bf16_model_warns(tiny_tokenizer, caplog):
 
 # ---------------------------------------------------------------------------- batch-shape advice
 def test_misaligned_shapes_warn_with_reason(caplog):
-    from onegpu.techniques.batchsize import check_shapes
+    from onegpu.training.startup import check_shapes
 
     found = check_shapes(micro_batch=6, seq_len=200, hidden_size=100, precision="fp16", device=A100)
     assert len(found) == 3
@@ -183,7 +183,7 @@ def test_misaligned_shapes_warn_with_reason(caplog):
 
 
 def test_assemble_applies_start_up_checks(tiny_tokenizer, tmp_path, caplog, restore_tf32):
-    """Building the model of a run (assemble.build_model, what training calls) logs the start-up
+    """Building the model of a run (assemble.assemble, what training calls) logs the start-up
     advice: fp16 on a bf16-stored model, and shapes that leave tensor-core tiles half empty."""
     from onegpu.training import assemble
 
@@ -193,10 +193,10 @@ def test_assemble_applies_start_up_checks(tiny_tokenizer, tmp_path, caplog, rest
     cfg = Config()
     cfg.model.name, cfg.training.micro_batch_size, cfg.data.seq_len = str(stored_bf16), 12, 96
     cfg.techniques.compile = "off"
-    run = assemble.Run(cfg, A100, tmp_path / "run", str(stored_bf16), "fp16")
-    run.tokenizer = tiny_tokenizer
     with caplog.at_level(logging.WARNING):
-        assemble.build_model(run)
+        parts = assemble.assemble(
+            cfg, A100, "fp16", str(stored_bf16), tokenizer=tiny_tokenizer, optimizer=False
+        )
     assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
     assert "transformers#14189" in caplog.text
-    assert run.model is not None  # the checks advise; the model is still built
+    assert parts.model is not None  # the checks advise; the model is still built

@@ -13,8 +13,8 @@ from helpers import make_tiny_llama
 from onegpu.config import DataConfig, PreferenceConfig
 from onegpu.data import pairs
 from onegpu.data.batches import Collator
-from onegpu.techniques import preference
-from onegpu.techniques.loss import with_target_positions
+from onegpu.objectives import preference
+from onegpu.objectives.tokens import TokenLoss, with_target_positions
 
 PAIRS = [
     {"prompt": "def add(a, b):\n", "chosen": "    return a + b\n", "rejected": "    print(a)\n    return None\n"},
@@ -37,8 +37,8 @@ def _pair_batch(tok, records=PAIRS, refs=None, packed=False):
     return with_target_positions(pairs.PairCollator(Collator(tok.pad_token_id, 8, 128, position_ids=packed))(examples))
 
 
-def _loss_fn(objective, chunk=0, **pref):
-    return preference.PreferenceLoss(objective, PreferenceConfig(**pref), chunk, fallback=False)
+def _loss_fn(objective, chunk=0, reference=None, **pref):
+    return preference.Preference(objective, PreferenceConfig(**pref), TokenLoss(chunk), reference)
 
 
 # ------------------------------------------------------------------------------------ formulas
@@ -62,7 +62,7 @@ def test_reward_margin_is_positive_when_the_policy_moves_toward_chosen():
     loss_fn.pending.append(torch.stack([torch.tensor(2.0), (rc > rr).sum().float(), (rc - rr).sum(), rc.sum(),
                                         rr.sum()]))
     loss_fn.end_cycle()
-    stats = loss_fn.pop_window()
+    stats = loss_fn.window_metrics()
     assert stats["reward_accuracy"] == 1.0 and stats["reward_margin"] == pytest.approx(0.15)
     # and the other way round: the margin's sign follows the preference
     _, rc, rr = preference.dpo_loss(ref_c - 1.0, ref_r + 0.5, ref_c, ref_r, loss_fn.beta)
@@ -155,14 +155,12 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
     trl_loss = trainer.compute_loss(trainer.model, batch)
     trl_loss.backward()
 
-    from onegpu.techniques.reference import CopyReference
+    from onegpu.objectives.reference import CopyReference
     import contextlib
 
-    loss_fn = _loss_fn("dpo", chunk=16, beta=beta)
-    loss_fn.reference = CopyReference(reference, contextlib.nullcontext, 16)
+    loss_fn = _loss_fn("dpo", 16, CopyReference(reference, contextlib.nullcontext, TokenLoss(16)), beta=beta)
     ours.train()
-    # the step divides by the pairs
-    our_loss = loss_fn(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)
+    our_loss = loss_fn.loss(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)  # the step divides by the pairs
     our_loss.backward()
     assert abs(float(our_loss) - math.log(2)) > 1e-3
     assert float(our_loss) == pytest.approx(float(trl_loss), abs=1e-5)
@@ -176,15 +174,14 @@ def test_adapters_off_reference_is_the_base_model(tiny_tokenizer):
     itself (the loss is log 2, the margin 0), and after the adapters change it is still the base."""
     from peft import LoraConfig, get_peft_model
 
-    from onegpu.techniques.reference import AdapterReference
+    from onegpu.objectives.reference import AdapterReference
 
     base = make_tiny_llama(tiny_tokenizer)
     with torch.no_grad():
         expected = preference.sequence_logps(base, _pair_batch(tiny_tokenizer))[1]
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules="all-linear"))
-    loss_fn = _loss_fn("dpo", chunk=16)
-    loss_fn.reference = AdapterReference(16)
-    loss = loss_fn(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)
+    loss_fn = _loss_fn("dpo", chunk=16, reference=AdapterReference(TokenLoss(16)))
+    loss = loss_fn.loss(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)
     assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -192,4 +189,4 @@ def test_adapters_off_reference_is_the_base_model(tiny_tokenizer):
                 p.add_(0.1)
     ref = loss_fn.reference(model, _pair_batch(tiny_tokenizer))
     assert torch.allclose(ref, expected, atol=1e-5)
-    assert float(loss_fn(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(math.log(2), abs=1e-4)
+    assert float(loss_fn.loss(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(math.log(2), abs=1e-4)

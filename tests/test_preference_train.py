@@ -122,7 +122,7 @@ def test_accumulation_and_oom_retry_keep_the_pair_batch(tmp_path, tiny_model_dir
     accum = train(cfg_for(tmp_path, tiny_model_dir, name="accum", max_steps=4, eval_every=0, log_every=1,
                           micro_batch_size=2, grad_accum=2))
 
-    real = assemble.make_loss_fn
+    real = assemble.make_objective
 
     class OomAbove2:
         def __init__(self, fn):
@@ -131,12 +131,12 @@ def test_accumulation_and_oom_retry_keep_the_pair_batch(tmp_path, tiny_model_dir
         def __getattr__(self, name):
             return getattr(self.fn, name)
 
-        def __call__(self, model, batch):
+        def loss(self, model, batch):
             if model.training and self.fn.count(batch) > 2:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return self.fn(model, batch)
+            return self.fn.loss(model, batch)
 
-    monkeypatch.setattr(assemble, "make_loss_fn", lambda *a: OomAbove2(real(*a)))
+    monkeypatch.setattr(assemble, "make_objective", lambda *a: OomAbove2(real(*a)))
     retried = train(cfg_for(tmp_path, tiny_model_dir, name="oom", max_steps=4, eval_every=0, log_every=1))
     assert (retried.state.micro_batch_size, retried.state.grad_accum) == (2, 2)
     base = [r[k] for r in train_records(whole.run_dir) for k in ("loss", "reward_margin")]

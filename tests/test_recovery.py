@@ -41,7 +41,7 @@ def test_convert_position_points_at_the_same_examples():
 
 def test_oom_retry_equals_smaller_micro_batch_from_the_start(tmp_path, tiny_model_dir, monkeypatch, caplog):
     ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
-    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
     with caplog.at_level(logging.WARNING, logger="onegpu"):
         got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
     assert "out of memory with micro_batch_size 4; retrying with 2 x grad_accum 2" in caplog.text
@@ -52,7 +52,7 @@ def test_oom_retry_equals_smaller_micro_batch_from_the_start(tmp_path, tiny_mode
 
 
 def test_oom_retry_off_raises(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
     with pytest.raises(torch.OutOfMemoryError):
         train(make_cfg(tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1, oom_retry=False))
 
@@ -66,10 +66,13 @@ def _one_step(tiny_tokenizer, loss_value: float, guard):
     ids = torch.randint(5, 100, (2, 16))
     micro = [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}]
 
-    def loss_fn(m, b):
-        return m(input_ids=b["input_ids"]).logits.float().sum() * loss_value
+    from onegpu.objectives.sft import SFT
 
-    train_step(model, opt, micro, Accelerator(cpu=True), max_grad_norm=0.0, loss_fn=loss_fn, guard=guard, step=1)
+    class Scaled(SFT):  # a loss of the value the test asks for
+        def loss(self, m, b):
+            return m(input_ids=b["input_ids"]).logits.float().sum() * loss_value
+
+    train_step(model, opt, micro, Accelerator(cpu=True), max_grad_norm=0.0, objective=Scaled(), guard=guard, step=1)
     changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     return changed
 
@@ -84,7 +87,7 @@ def test_non_finite_step_changes_no_weight(tiny_tokenizer, bad):
 
 
 def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(assemble, "make_loss_fn", nan_at({2, 4}, assemble.make_loss_fn, grad_accum=2))
+    monkeypatch.setattr(assemble, "make_objective", nan_at({2, 4}, assemble.make_objective, grad_accum=2))
     r = train(make_cfg(tmp_path, tiny_model_dir, eval_every=0))
     recs = losses(r.run_dir)
     assert [x[1] for x in recs if x[3]] == [2, 4]
@@ -95,7 +98,7 @@ def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, mon
 def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from onegpu.cli.main import main
 
-    monkeypatch.setattr(assemble, "make_loss_fn", nan_at(set(range(2, 100)), assemble.make_loss_fn, grad_accum=1))
+    monkeypatch.setattr(assemble, "make_objective", nan_at(set(range(2, 100)), assemble.make_objective, grad_accum=1))
     cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=10, grad_accum=1, max_bad_steps=3, save_every=0)
     args = ["train", "--model.name", cfg["model"]["name"], "--data.path", cfg["data"]["path"],
             "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
@@ -116,9 +119,9 @@ def test_guard_costs_one_host_sync_per_step(tiny_tokenizer, monkeypatch):
     ids = torch.randint(5, 100, (2, 16))
     micro = [{"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}] * 2
     acc = Accelerator(cpu=True)
-    from onegpu.techniques.loss import loss_sum
+    from onegpu.objectives.sft import SFT
 
-    train_step(model, opt, micro, acc, 1.0, loss_sum)  # warm-up, unguarded
+    train_step(model, opt, micro, acc, 1.0, SFT())  # warm-up, unguarded
     reads = {"n": 0}
     for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
         real = getattr(torch.Tensor, name)
@@ -130,7 +133,7 @@ def test_guard_costs_one_host_sync_per_step(tiny_tokenizer, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     def scalar_reads(**kw) -> int:
         before = reads["n"]
-        train_step(model, opt, micro, acc, 1.0, loss_sum, **kw)
+        train_step(model, opt, micro, acc, 1.0, SFT(), **kw)
         return reads["n"] - before
 
     unguarded = scalar_reads()  # the token counts of the (host-side) batches

@@ -50,7 +50,7 @@ def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(tmp_path, tiny
     """An OOM at step 2 halves the micro-batch; the checkpoint records it and resume keeps it."""
     from helpers import oom_above
 
-    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
     expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1)
     assert got == expected
     assert_same_weights(a, b)
@@ -64,10 +64,11 @@ def test_stop_mid_accumulation_cycle_restarts_the_cycle(tmp_path, tiny_model_dir
     cfg = make_cfg(tmp_path, tiny_model_dir, name="straight", grad_accum=3, save_every=0)
     straight = train(cfg)
     calls = {"n": 0}
-    real = assemble.make_loss_fn
+    real = assemble.make_objective
 
     def interrupting(*args):
-        fn = real(*args)
+        objective = real(*args)
+        fn = objective.loss
 
         def loss(model, batch):
             calls["n"] += model.training
@@ -75,15 +76,16 @@ def test_stop_mid_accumulation_cycle_restarts_the_cycle(tmp_path, tiny_model_dir
                 os.kill(os.getpid(), signal.SIGINT)
             return fn(model, batch)
 
-        return loss
+        objective.loss = loss
+        return objective
 
-    monkeypatch.setattr(assemble, "make_loss_fn", interrupting)
+    monkeypatch.setattr(assemble, "make_objective", interrupting)
     cfg2 = make_cfg(tmp_path, tiny_model_dir, name="stopped", grad_accum=3, save_every=0)
     stopped = train(cfg2)
     assert stopped.stopped == "SIGINT" and stopped.state.step == 3
     state = json.loads((stopped.run_dir / "checkpoint-00000003" / "state.json").read_text())
     assert state["batches_seen"] == 9  # three whole cycles: the interrupted one is redone
-    monkeypatch.setattr(assemble, "make_loss_fn", real)
+    monkeypatch.setattr(assemble, "make_objective", real)
     cfg2["output"]["resume"] = "latest"
     resumed = train(cfg2)
     assert losses(resumed.run_dir) == losses(straight.run_dir)

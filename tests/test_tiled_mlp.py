@@ -9,7 +9,7 @@ import torch
 from helpers import make_tiny_llama
 
 from onegpu.config import LoraConfig, TechniquesConfig
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
 from onegpu.techniques.tiled_mlp import TiledForward, apply_tiled_mlp, untile
 

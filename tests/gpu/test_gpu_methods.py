@@ -9,7 +9,7 @@ import torch
 from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, ModelConfig, TechniquesConfig
 from onegpu.hardware import detect
-from onegpu.techniques.loss import loss_sum
+from onegpu.objectives.sft import loss_sum
 
 pytestmark = pytest.mark.gpu
 
@@ -185,7 +185,8 @@ def test_fused_loss_needs_no_host_sync(tiny_tokenizer):
     """With the target rows computed on the host (as the training loop does), selecting them and
     the fused head + loss run without a device-to-host sync."""
     from onegpu.techniques.fused_loss import fused_head_loss
-    from onegpu.techniques.loss import TARGETS, _Head, select_targets, with_target_positions
+    from onegpu.objectives.tokens import TARGETS, select_targets, with_target_positions
+    from onegpu.techniques.fused_loss import Head as _Head
 
     model = make_tiny_llama(tiny_tokenizer).cuda()
     cpu = with_target_positions(random_batch(len(tiny_tokenizer), n=4, length=128))

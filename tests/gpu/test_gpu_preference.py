@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import make_tiny_llama
-from onegpu.techniques import preference
-from onegpu.techniques.loss import with_target_positions
+from onegpu.objectives import preference
+from onegpu.objectives.tokens import with_target_positions
 
 pytestmark = pytest.mark.gpu
 

@@ -42,7 +42,7 @@ def test_oom_retry_on_cuda_matches_smaller_micro_batch(tmp_path, tiny_model_dir,
     from onegpu import train
 
     ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
-    monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
+    monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
     got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
     train_only = lambda r: [x for x in losses(r.run_dir) if x[0] == "train"]  # noqa: E731
     assert train_only(got) == train_only(ref)

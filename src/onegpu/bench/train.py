@@ -117,15 +117,15 @@ def prepare(b: BenchTrainConfig) -> dict:
     from onegpu import hardware, models
     from onegpu.config import from_dict
     from onegpu.plan.arch import flops_per_token, model_shape
-    from onegpu.training import assemble
+    from onegpu.training.data import build_data
 
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-prep-") as tmp:
         cfg = from_dict(base_config(b, tmp))
         device = hardware.detect()
-        run = assemble.Run(cfg, device, Path(tmp), models.resolve_name(cfg.model, device.is_gpu), "fp32")
-        assemble.build_data(run)
-    shape = model_shape(run.model_name, len(run.tokenizer), cfg.model.trust_remote_code)
-    return {"data_format": run.data_format, "train_examples": len(run.train_ds), "model_name": run.model_name,
+        name = models.resolve_name(cfg.model, device.is_gpu)
+        data = build_data(cfg, name)
+    shape = model_shape(name, len(data.tokenizer), cfg.model.trust_remote_code)
+    return {"data_format": data.format, "train_examples": len(data.train_ds), "model_name": name,
             "params": shape.params, "active_params": shape.active_params,
             "flops_per_token": flops_per_token(shape, b.data.seq_len),
             "peak_flops": hardware.measure_matmul_flops(device.type, seconds=1.0),

@@ -119,12 +119,16 @@ class Watch(Callback):
 
     def __init__(self, probe: MemoryProbe | None):
         self.probe, self.run, self.memory, self.reference_pass = probe, None, {}, {}
+        self.reference_seconds: float | None = None
+
+    def on_reference_pass(self, seconds: float) -> None:
+        self.reference_seconds = seconds
 
     def on_train_begin(self, run, state) -> None:
         from onegpu.bench.train_dpo import reference_pass
 
         self.run = run
-        self.reference_pass = reference_pass(run)
+        self.reference_pass = reference_pass(run, self.reference_seconds)
 
     def on_train_end(self, run, state) -> None:
         self.memory = self.probe.read() if self.probe is not None else {}
@@ -171,10 +175,7 @@ def evidence(run) -> dict:
 
 def _reference_kind(run) -> str | None:
     """DPO's reference as this run really computed it (None for SFT and the reference-free objectives)."""
-    if run.cfg.training.objective == "sft":
-        return None
-    ref = getattr(run.loss_fn, "reference", None)
-    return type(ref).__name__ if ref is not None else ("precomputed" if run.cfg.training.objective == "dpo" else None)
+    return run.objective.reference_name
 
 
 def main(argv: list[str]) -> int:

@@ -18,27 +18,30 @@ from onegpu.bench import train_peers
 
 
 # ---------------------------------------------------------------------------------------- onegpu
-def reference_pass(run) -> dict:
-    """Our precomputed reference (techniques/reference.py: one no-grad pass over every pair before the
+def reference_pass(run, seconds: float | None) -> dict:
+    """Our precomputed reference (objectives/reference.py: one no-grad pass over every pair before the
     first step) as the run timed it, with its pairs and tokens: it runs before the loop's timing
     windows, so the report charges it separately instead of it vanishing from tokens/s.
 
     That pass is the process's first forward and pays its one-off start-up (kernel and allocator
     warm-up), which the other arms pay in their untimed first steps. The same pass again, warm (results
     discarded, no weights touched), is what the report charges to tokens/s. Called when the loop begins
-    (Callback.on_train_begin): the first logged window, untimed, holds it.
+    (Callback.on_train_begin): the first logged window, untimed, holds it. ``seconds``: the run's own
+    pass, as the run reported it (Callback.on_reference_pass); None when it made none (no precomputed
+    reference, or a resumed run).
     """
     import torch
 
-    from onegpu.techniques import reference
+    from onegpu.objectives import reference
 
-    if run is None or run.reference_seconds is None:  # no precomputed reference, or a resumed run
+    if run is None or seconds is None:
         return {}
     splits = [ds for ds in (run.train_ds, run.val_ds) if ds is not None]
     t0 = time.perf_counter()
     for ds in splits:
-        reference.compute(run, ds, torch.device(run.device.type))
-    return {"seconds": run.reference_seconds, "pairs": sum(len(ds) for ds in splits),
+        reference.compute(run.model, ds, run.objective.tokens, run.collator, run.cfg.training.micro_batch_size,
+                          torch.device(run.device.type))
+    return {"seconds": seconds, "pairs": sum(len(ds) for ds in splits),
             "tokens": sum(sum(train_peers.example_tokens(ds)) for ds in splits),
             "warm_seconds": time.perf_counter() - t0}
 
@@ -78,7 +81,7 @@ def aligned_arguments(cfg, device) -> dict:
     """DPOConfig settings set to our run's, each because the comparison needs it (hf_arguments already
     aligns batch, accumulation, steps, learning rate and schedule, optimizer betas, clipping, seed)."""
     from onegpu.techniques.precision import resolve_precision
-    from onegpu.techniques.preference import resolve_beta
+    from onegpu.objectives.preference import resolve_beta
 
     precision = resolve_precision(cfg.techniques, device)
     kw = dict(
@@ -121,15 +124,15 @@ def run_trl_dpo(spec: dict, callbacks: tuple = ()) -> dict:
 
     p = train_peers.setup(spec)
     cfg = p.cfg
-    rows = record_rows(p.run.train_records, p.run.train_ds, p.run.tokenizer, cfg.data)
-    records = trl_records(p.run.train_records, [rows[i] for i in p.indices], cfg.data)
+    rows = record_rows(p.records.train, p.data.train_ds, p.data.tokenizer, cfg.data)
+    records = trl_records(p.records.train, [rows[i] for i in p.indices], cfg.data)
     timer = train_peers.make_timer(spec["warmup_steps"], spec["budget_s"], cfg.training.log_every,
                                    p.device.type == "cuda")
     args = DPOConfig(**{**train_peers.hf_arguments(cfg, spec["arm"], p.device), **aligned_arguments(cfg, p.device)})
     lora = cfg.techniques.lora.enabled
     ref_model = default_reference(p.model, lora)
     trainer = DPOTrainer(model=p.model, ref_model=ref_model, args=args, train_dataset=records,
-                         processing_class=p.run.tokenizer, peft_config=lora_config(cfg) if lora else None,
+                         processing_class=p.data.tokenizer, peft_config=lora_config(cfg) if lora else None,
                          callbacks=[timer, *callbacks])
     same = same_tokens(trainer.train_dataset, p.dataset)
     trainer.train()

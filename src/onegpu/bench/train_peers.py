@@ -22,11 +22,13 @@ class PeerSetup:
 
     cfg: Any  # onegpu.config.Config
     device: Any  # onegpu.hardware.DeviceInfo
-    run: Any  # onegpu.training.assemble.Run (data built, no model)
+    model_name: str
+    records: Any  # onegpu.training.data.Records: the records before tokenizing (TRL tokenizes them itself)
+    data: Any  # onegpu.training.data.Data: tokenizer, tokenized splits, collator
     model: Any
     dataset: Any  # datasets.Dataset: one row per micro-batch example, step by step
     per_step: list[int]  # real (non-padding) tokens of each optimizer step
-    indices: list[int]  # the row of run.train_ds behind each row of dataset
+    indices: list[int]  # the row of data.train_ds behind each row of dataset
 
 
 def setup(spec: dict) -> PeerSetup:
@@ -35,23 +37,25 @@ def setup(spec: dict) -> PeerSetup:
     from onegpu import hardware, models
     from onegpu.config import from_dict
     from onegpu.data import batches
-    from onegpu.training import assemble
+    from onegpu.training.data import build_data, read_records
 
     cfg = from_dict(spec["config"])
     t = cfg.training
     device = hardware.detect()
     set_seed(t.seed)
-    run = assemble.Run(cfg, device, Path(cfg.output.dir), models.resolve_name(cfg.model, device.is_gpu), "fp32")
-    assemble.build_data(run)
+    name = models.resolve_name(cfg.model, device.is_gpu)
+    recs = read_records(cfg)
+    data = build_data(cfg, name, recs)
     set_seed(t.seed)
-    model = models.load_model(run.model_name, cfg.model, run.tokenizer, attn_implementation=_attention(cfg, device, run))
-    order = iter(batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed))
+    # the peers' model as HF builds it (their own techniques, not our pipeline), at our seed and kernel
+    model = models.load_model(name, cfg.model, data.tokenizer, attn_implementation=_attention(cfg, device, name))
+    order = iter(batches.BatchOrder(len(data.train_ds), t.micro_batch_size, t.seed))
     step_batches = [[i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)]
     indices = [i for step in step_batches for i in step]
-    dataset = run.train_ds.select(indices)
+    dataset = data.train_ds.select(indices)
     lengths = example_tokens(dataset)
     per_step = [sum(lengths[s * len(b): (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
-    return PeerSetup(cfg, device, run, model, dataset, per_step, indices)
+    return PeerSetup(cfg, device, name, recs, data, model, dataset, per_step, indices)
 
 
 def example_tokens(dataset) -> list[int]:
@@ -63,14 +67,14 @@ def example_tokens(dataset) -> list[int]:
             zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
 
 
-def _attention(cfg, device, run) -> str:
+def _attention(cfg, device, model_name: str) -> str:
     """The kernel our arms resolve for this model and device, so the peers run the same attention."""
     from onegpu import models
     from onegpu.techniques.attention import model_kernels, resolve_attention
     from onegpu.techniques.precision import resolve_precision
 
     trust = cfg.model.trust_remote_code
-    kernels = model_kernels(models.model_config(run.model_name, trust), trust)
+    kernels = model_kernels(models.model_config(model_name, trust), trust)
     return resolve_attention(cfg.techniques, device, resolve_precision(cfg.techniques, device), kernels)
 
 
@@ -81,7 +85,7 @@ def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
     p = setup(spec)
     timer = make_timer(spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda")
     args = TrainingArguments(**hf_arguments(p.cfg, spec["arm"], p.device))
-    trainer = Trainer(model=p.model, args=args, train_dataset=p.dataset, data_collator=p.run.collator,
+    trainer = Trainer(model=p.model, args=args, train_dataset=p.dataset, data_collator=p.data.collator,
                       callbacks=[timer, *callbacks])
     trainer.train()
     return _result(trainer, args, timer, p.per_step)
@@ -104,7 +108,7 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
     if p.device.type == "cpu":
         kw["use_cpu"] = True  # TRL's default bf16 refuses to start on a CPU without it
     args = SFTConfig(**kw, dataset_kwargs={"skip_prepare_dataset": True})
-    trainer = SFTTrainer(model=p.model, args=args, train_dataset=p.dataset, processing_class=p.run.tokenizer,
+    trainer = SFTTrainer(model=p.model, args=args, train_dataset=p.dataset, processing_class=p.data.tokenizer,
                          callbacks=[timer, *callbacks])
     trainer.train()
     out = _result(trainer, args, timer, p.per_step)

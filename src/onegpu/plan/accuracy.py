@@ -20,39 +20,30 @@ def _require_cuda():
 
 
 def run_config(c: Candidate):
-    """The training Config of a setup (what `train` would run for this candidate)."""
+    """The training Config of a setup (what `train` would run for this candidate), its `auto`
+    hyper-parameters settled as a run settles them (a model from a config: the scratch values)."""
     from onegpu.config import Config
+    from onegpu.hyper import resolve_hyperparameters
 
-    return c.apply(Config())
+    return resolve_hyperparameters(c.apply(Config()))
 
 
 def build(config, c: Candidate):
-    """Model (prepared by training's pipeline), optimizer, loss function and accelerator for a setup.
-    Full or LoRA fine-tuning; quantized bases and DeepSpeed offload are measured through
-    `train --plan auto` instead."""
+    """Model, optimizer, objective and accelerator for a setup, assembled as training assembles them
+    (training/assemble.assemble) from a transformers config at random weights. Full or LoRA
+    fine-tuning; quantized bases and DeepSpeed offload are measured through `train --plan auto` instead."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from onegpu.hardware import detect
-    from onegpu.techniques.attention import model_kernels, resolve_attention
-    from onegpu.techniques.loss import LossFn
-    from onegpu.techniques.optimizers import build_optimizer
-    from onegpu.techniques.prepare import prepare_model
-    from onegpu.techniques.precision import weights_dtype
-    from onegpu.training.assemble import make_accelerator
+    from onegpu.training.assemble import assemble, make_accelerator
 
     cfg = run_config(c)
     device = detect()
     precision = c.techniques.precision
     accelerator = make_accelerator(cfg, device, precision)
     torch.manual_seed(0)
-    attention = resolve_attention(cfg.techniques, device, precision, model_kernels(config))
-    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(precision),
-                                             attn_implementation=attention)
-    model = prepare_model(model.to(accelerator.device).train(), cfg.techniques, device.type)
-    optimizer = build_optimizer(model, cfg.techniques, cfg.training)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    return model, optimizer, LossFn(c.techniques.loss_chunk_size), accelerator
+    parts = assemble(cfg, device, precision, config, accelerator=accelerator)
+    return parts.model, parts.optimizer, parts.objective, accelerator
 
 
 def _batch(vocab: int, batch: int, seq: int):
@@ -66,13 +57,15 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
     """Device bytes a forward leaves allocated for backward (what ActivationModel.retained predicts)."""
     import torch
 
+    from onegpu.objectives.tokens import with_target_positions
+
     _require_cuda()
-    model, _, loss_fn, accelerator = build(config, c)
+    model, _, objective, accelerator = build(config, c)
     rows = c.training.micro_batch_size
     data = {k: v.cuda() for k, v in _batch(config.vocab_size, rows, seq).items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    loss = loss_fn(model, data)  # the prepared model autocasts itself, as in training
+    loss = objective.loss(model, with_target_positions(data))  # the prepared model autocasts itself
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
     del loss, model
@@ -87,7 +80,7 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
     from onegpu.training.step import train_step
 
     _require_cuda()
-    model, opt, loss_fn, accelerator = build(config, c)
+    model, opt, objective, accelerator = build(config, c)
     max_grad_norm = run_config(c).training.max_grad_norm
     rows = c.training.micro_batch_size
     micro = [_batch(config.vocab_size, rows, seq) for _ in range(c.training.grad_accum)]
@@ -97,7 +90,7 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-        train_step(model, opt, micro, accelerator, max_grad_norm, loss_fn)
+        train_step(model, opt, micro, accelerator, max_grad_norm, objective)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     out = {"peak_bytes": torch.cuda.max_memory_allocated(),

@@ -220,22 +220,25 @@ def retained_eager_and_compiled(model, batch: dict, loss_fn, autocast_dtype=None
 
 def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0,
                           lora_targets: str = "all-linear", lora_dtype: str = "auto"):
-    """Training's own pipeline (techniques/prepare.py) with the settings that change what forward
-    keeps: MoE router loss, LoRA adapters, checkpointing. Compile stays off: on CPU with matmuls
-    skipped it would measure nothing real."""
-    from onegpu.config import LoraConfig, TechniquesConfig
-    from onegpu.techniques.prepare import prepare_model
-
+    """Training's own assembly (training/assemble.assemble, and so techniques/prepare.py) of a built
+    model, with the settings that change what forward keeps: MoE router loss, LoRA adapters,
+    checkpointing. Compile stays off: on CPU with matmuls skipped it would measure nothing real. No
+    optimizer and no accelerator: only a forward is measured."""
     import logging
 
-    tcfg = TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
-                            lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets,
-                                            dtype=lora_dtype))
-    quiet = logging.getLogger("onegpu.techniques")  # its start-of-run lines mean nothing for a measuring model
+    from onegpu.config import Config, LoraConfig, TechniquesConfig
+    from onegpu.hardware import DeviceInfo
+    from onegpu.training.assemble import assemble
+
+    cfg = Config(techniques=TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
+                                             lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16,
+                                                             targets=lora_targets, dtype=lora_dtype)))
+    cpu = DeviceInfo("cpu", "cpu", 0)
+    quiet = logging.getLogger("onegpu")  # its start-of-run lines mean nothing for a measuring model
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        return prepare_model(model, tcfg, "cpu")
+        return assemble(cfg, cpu, "fp32", model, optimizer=False).model
     finally:
         quiet.setLevel(level)
 
@@ -297,14 +300,17 @@ def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, sk
 
     import torch
 
-    from onegpu.techniques.loss import loss_sum
+    from onegpu.objectives.sft import loss_sum
 
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     amp = torch.bfloat16 if precision in ("fp16", "bf16") else None
-    out = retained_eager_and_compiled(model, data, functools.partial(loss_sum, chunk_size=chunk_size), amp, skip_matmul)
+    # The fused head's one check by value against the model's logits is skipped: the measuring
+    # models' weights are uninitialised and their matmuls skipped, so only shapes mean anything.
+    out = retained_eager_and_compiled(model, data, functools.partial(loss_sum, chunk_size=chunk_size, verify=False),
+                                      amp, skip_matmul)
     return out if both else out[0]
 
 
@@ -324,11 +330,7 @@ def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: i
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention)
     model = model.to_empty(device="cpu")  # never written: untouched pages cost no RAM
     model.train()
-    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
-    # The chunked loss checks once, by value, that it reproduces the model's logits; these weights
-    # are uninitialised and the matmuls skipped, so only shapes are meaningful here.
-    model._onegpu_head_verified = True
-    return model
+    return prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
 
 
 def _sub(a: Fit, b: Fit) -> Fit:

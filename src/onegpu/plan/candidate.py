@@ -30,7 +30,7 @@ class Candidate:
     techniques: TechniquesConfig
     """The methods this setup trains with, settled (see the module docstring)."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    """preference.reference as configured (settled by techniques.reference.choose)."""
+    """preference.reference as configured (settled by objectives.reference.choose)."""
 
     @property
     def lora_rank(self) -> int:
@@ -51,7 +51,7 @@ class Candidate:
     def reference_kind(self) -> str | None:
         """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what
         auto means."""
-        from onegpu.techniques.reference import choose
+        from onegpu.objectives.reference import choose
 
         return choose(self.training.objective, self.preference.reference, bool(self.lora_rank))
 

@@ -1,19 +1,17 @@
 """`onegpu train --plan auto`: plan, then run the best few setups for a few steps on this device,
 keep the fastest that really fits, store the measured efficiency as calibration, and train with it.
 
-A probe builds the data once and, per setup, the model and optimizer through the same assemble
-functions (and so training's one pipeline, techniques/prepare.py) and train_step as training, so
-what it measures is what training will do.
+A probe builds the data once and, per setup, the model, objective and optimizer through training's
+one assembly (training/assemble.assemble, and so its one pipeline, techniques/prepare.py) and steps
+them with train_step, so what it measures is what training will do.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from onegpu.config import Config
 
@@ -91,11 +89,9 @@ def _device_spec(device):
 
 def _shared_data(cfg: Config, device, name: str):
     """Tokenizer, datasets and collator, built once for all probes (they do not depend on the setup)."""
-    from onegpu.training import assemble
+    from onegpu.training.data import build_data
 
-    run = assemble.Run(cfg, device, Path(tempfile.gettempdir()), name, "fp32")
-    assemble.build_data(run)
-    return run
+    return build_data(cfg, name)
 
 
 def probe_one(row, cfg: Config, shared, device) -> Measured:
@@ -103,11 +99,13 @@ def probe_one(row, cfg: Config, shared, device) -> Measured:
     import torch
 
     from onegpu.hyper import resolve_hyperparameters
+    from onegpu.models import resolve_name
     from onegpu.techniques.prepare import global_switches
 
     m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
     # Settled per candidate, as run_training settles a run: a LoRA candidate gets LoRA's auto values.
-    setup = resolve_hyperparameters(row.candidate.apply(cfg), shared.model_name)
+    name = resolve_name(cfg.model, device.is_gpu)
+    setup = resolve_hyperparameters(row.candidate.apply(cfg), name)
     try:
         with global_switches(setup, device):  # as training sets them, and put back after
             m.tokens_per_s, m.peak_gb = _run_steps(setup, shared, device)
@@ -121,27 +119,28 @@ def probe_one(row, cfg: Config, shared, device) -> Measured:
 
 
 def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
+    """(tokens/s, peak GB) of one setup; ``shared``: the data (training/data.Data), built once."""
     import torch
     from accelerate.utils import set_seed
 
-    from onegpu.training import assemble
     from onegpu.data import batches
+    from onegpu.models import resolve_name
     from onegpu.techniques.precision import resolve_precision
+    from onegpu.training import assemble
     from onegpu.training.step import train_step
 
     precision = resolve_precision(cfg.techniques, device)
     accelerator = assemble.make_accelerator(cfg, device, precision)
-    run = assemble.Run(cfg, device, shared.dir, shared.model_name, precision, tokenizer=shared.tokenizer,
-                       train_ds=shared.train_ds, val_ds=shared.val_ds, collator=shared.collator)
     set_seed(cfg.training.seed)
     rss_before = _rss()
-    assemble.build_model(run)
-    assemble.build_optimizer(run)
-    model, optimizer = accelerator.prepare(run.model, run.optimizer)
-    assemble.prepare_reference(run, accelerator, probe=True)  # DPO: its reference costs as in training
+    # as training assembles it; a precomputed DPO reference is timed with fixed log-probs (probe)
+    name = resolve_name(cfg.model, device.is_gpu)
+    parts = assemble.assemble(cfg, device, precision, name, tokenizer=shared.tokenizer, accelerator=accelerator,
+                              probe=True)
+    model, optimizer = parts.model, parts.optimizer
     t = cfg.training
-    order = batches.BatchOrder(len(run.train_ds), t.micro_batch_size, t.seed)
-    loader = iter(batches.make_loader(run.train_ds, order, run.collator, cfg.data, device.is_gpu))
+    order = batches.BatchOrder(len(shared.train_ds), t.micro_batch_size, t.seed)
+    loader = iter(batches.make_loader(shared.train_ds, order, shared.collator, cfg.data, device.is_gpu))
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -151,7 +150,7 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
             _sync(device)
             tokens, t0 = 0, time.perf_counter()
         micro = [next(loader) for _ in range(t.grad_accum)]
-        loss, real = train_step(model, optimizer, micro, accelerator, t.max_grad_norm, loss_fn=run.loss_fn)
+        loss, real = train_step(model, optimizer, micro, accelerator, t.max_grad_norm, parts.objective)
         tokens += real
     float(loss)  # wait for the device
     elapsed = time.perf_counter() - t0
@@ -185,11 +184,9 @@ def _sync(device) -> None:
 
 
 def _release(device) -> None:
-    """Free the probe's model and optimizer, and let the next Accelerator start fresh."""
+    """Free the probe's model and optimizer (the next probe's make_accelerator starts Accelerate afresh)."""
     import torch
-    from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

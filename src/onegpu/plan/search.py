@@ -171,7 +171,7 @@ def _compiles(cfg: Config, on_gpu: bool) -> list[str]:
 def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
     """The loss a candidate trains with, as training resolves techniques.loss (ZeRO-3 offload
     shards the head's weights, so it takes the plain loss)."""
-    from onegpu.techniques.loss import fused_chunk
+    from onegpu.techniques.fused_loss import fused_chunk
 
     return fused_chunk(cfg.techniques, vocab, on_gpu, sharded=offload.startswith("zero3"))
 

@@ -83,7 +83,7 @@ def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFee
     while True:
         micro = feed.next_cycle()
         try:
-            return train_step(run.model, run.optimizer, micro, accelerator, t.max_grad_norm, run.loss_fn,
+            return train_step(run.model, run.optimizer, micro, accelerator, t.max_grad_norm, run.objective,
                               guard=guard, step=state.step + 1, should_stop=lambda: stop.requested)
         except recovery.StepInterrupted:
             return None
@@ -121,8 +121,7 @@ def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tu
     rec = {"split": "train", "step": state.step, "loss": loss,
            "lr": float(run.scheduler.get_last_lr()[0]), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
            "tokens_seen": state.tokens_seen, "memory_gb": device_memory_gb(run.device)}
-    pop = getattr(run.loss_fn, "pop_window", None)  # preference objectives: reward accuracy and margin
-    rec.update(pop() if pop is not None else {})
+    rec.update(run.objective.window_metrics())  # preference objectives: reward accuracy and margin
     metrics.write(rec)
     state.timed_tokens += window["tokens"]
     state.timed_seconds += elapsed

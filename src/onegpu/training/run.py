@@ -15,7 +15,8 @@ from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import Config
 from onegpu.data import batches
 from onegpu.report import MetricsLog, plot_loss, print_summary
-from onegpu.training import assemble
+from onegpu.training import assemble, rundir
+from onegpu.training.data import Data, build_data
 from onegpu.training.loop import fit
 from onegpu.training.state import Callback, RunResult, TrainState
 
@@ -41,34 +42,61 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     with global_switches(cfg, device):
         accelerator = assemble.make_accelerator(cfg, device, precision)
         set_seed(cfg.training.seed)
-        report_to = trackers.resolve(cfg.output.report_to)  # a tracker not installed: refused before any mkdir
-        run_dir = assemble.check_run_dir(cfg)
+        # a tracker not installed: refused before any mkdir
+        report_to = trackers.resolve(cfg.output.report_to)
+        run_dir = rundir.check_run_dir(cfg)
         resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir, cfg.training.objective)
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
         log.info(hyper.describe(cfg, model_name))
         cfg = _as_saved(hyper.resolve_hyperparameters(cfg, model_name), run_dir)
-        run = assemble.Run(cfg, device, run_dir, model_name, precision)
-        log.info("device: %s; precision %s; model %s", device.name, precision, run.model_name)
-        assemble.build_data(run)
+        log.info("device: %s; precision %s; model %s", device.name, precision, model_name)
+        data = build_data(cfg, model_name)
+        batches.BatchOrder(
+            len(data.train_ds), cfg.training.micro_batch_size, cfg.training.seed
+        )  # enough examples?
         set_seed(cfg.training.seed)  # model init independent of how much randomness data prep used
-        assemble.build_model(run, accelerator)
-        assemble.build_optimizer(run)
-        batches.BatchOrder(len(run.train_ds), cfg.training.micro_batch_size, cfg.training.seed)  # enough examples?
-        if resume_from is not None:  # a checkpoint of another model shape fails here, not after the mkdir
-            checkpoint.check_fits(resume_from, accelerator.unwrap_model(run.model))
-        assemble.check_disk(run)
-        assemble.create_run_dir(run_dir, accelerator.is_main_process)
-        run.model, run.optimizer = distributed.prepare(accelerator, run.model, run.optimizer)
-        assemble.prepare_reference(run, accelerator, resumed=resume_from is not None)  # before resume loads weights
+        parts = assemble.assemble(
+            cfg, device, precision, model_name, tokenizer=data.tokenizer, accelerator=accelerator
+        )
+        if (
+            resume_from is not None
+        ):  # a checkpoint of another model shape fails here, not after the mkdir
+            checkpoint.check_fits(resume_from, accelerator.unwrap_model(parts.model))
+        rundir.check_disk(parts.model, run_dir)
+        rundir.create_run_dir(run_dir, accelerator.is_main_process)
+        if (
+            parts.objective.needs_reference == "precomputed"
+        ):  # before a resume loads trained weights
+            data = _precompute_reference(
+                cfg, data, parts, run_dir, accelerator, resume_from is not None, callbacks
+            )
+        run = assemble.Run(
+            cfg,
+            device,
+            run_dir,
+            model_name,
+            precision,
+            data,
+            parts.model,
+            parts.optimizer,
+            parts.scheduler,
+            parts.objective,
+        )
         state = resume(run, accelerator, resume_from) if resume_from else None
         if resume_from is None and accelerator.is_main_process:
             _start_fresh(run_dir)
-        if accelerator.is_main_process:  # after a resume that fits, so a failed one leaves the old config
-            assemble.save_config(run)
-        with MetricsLog(run_dir, report_to, enabled=accelerator.is_main_process,
-                        purge_step=state.step + 1 if state else None) as metrics:
+        if (
+            accelerator.is_main_process
+        ):  # after a resume that fits, so a failed one leaves the old config
+            rundir.save_config(cfg, data.format, run_dir)
+        with MetricsLog(
+            run_dir,
+            report_to,
+            enabled=accelerator.is_main_process,
+            purge_step=state.step + 1 if state else None,
+        ) as metrics:
             state = fit(run, accelerator, metrics, state, callbacks)
         if state.stopped:
             return _stopped(run, state, time.perf_counter() - t_start)
@@ -76,11 +104,54 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     wall = time.perf_counter() - t_start
     if accelerator.is_main_process:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    result = RunResult(run_dir, final, state, state.first_eval, state.last_eval, wall,
-                       state.tokens_per_second, data_stats=run.data_stats, sample_prompt=run.sample_prompt)
+    result = RunResult(
+        run_dir,
+        final,
+        state,
+        state.first_eval,
+        state.last_eval,
+        wall,
+        state.tokens_per_second,
+        data_stats=data.stats,
+        sample_prompt=data.sample_prompt,
+    )
     if accelerator.is_main_process:
         print_summary(result)
     return result
+
+
+def _precompute_reference(
+    cfg: Config,
+    data: Data,
+    parts: assemble.Prepared,
+    run_dir: Path,
+    accelerator,
+    resumed: bool,
+    callbacks: tuple[Callback, ...],
+) -> Data:
+    """DPO's precomputed reference (objectives/reference.py): the data with the reference log-probs
+    of every pair, from the starting weights (or, resumed, read back from the run directory). The
+    time of a fresh pass goes to the callbacks (a benchmark charges it to the run)."""
+    import dataclasses
+
+    from onegpu.objectives import reference
+
+    train_ds, val_ds, seconds = reference.precompute(
+        parts.model,
+        parts.objective.tokens,
+        data.train_ds,
+        data.val_ds,
+        data.collator,
+        cfg.training.micro_batch_size,
+        run_dir,
+        accelerator.device,
+        resumed,
+        accelerator.is_main_process,
+    )
+    if seconds is not None:
+        for cb in callbacks:
+            cb.on_reference_pass(seconds)
+    return dataclasses.replace(data, train_ds=train_ds, val_ds=val_ds)
 
 
 def _as_saved(cfg: Config, run_dir: Path) -> Config:
@@ -93,16 +164,27 @@ def _as_saved(cfg: Config, run_dir: Path) -> Config:
 
 def resume(run: assemble.Run, accelerator, path: Path) -> TrainState:
     """Restore model, optimizer, scheduler, scaler and data position from a checkpoint."""
-    if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process loads its shards
-        saved = checkpoint_sharded.load_sharded(path, run.model, run.optimizer, run.scheduler, accelerator)
+    if distributed.is_sharded(
+        accelerator, run.model
+    ):  # FSDP2 / DeepSpeed: every process loads its shards
+        saved = checkpoint_sharded.load_sharded(
+            path, run.model, run.optimizer, run.scheduler, accelerator
+        )
     else:
-        saved = checkpoint.load_checkpoint(path, run.model, run.optimizer, run.scheduler, accelerator)
+        saved = checkpoint.load_checkpoint(
+            path, run.model, run.optimizer, run.scheduler, accelerator
+        )
     state = TrainState.from_dict(saved)
     state.rng = saved["rng"]
     t = run.cfg.training
     if (state.micro_batch_size, state.grad_accum) != (t.micro_batch_size, t.grad_accum):
-        log.info("resuming with micro_batch_size %d x grad_accum %d as the checkpoint ran (config: %d x %d)",
-                 state.micro_batch_size, state.grad_accum, t.micro_batch_size, t.grad_accum)
+        log.info(
+            "resuming with micro_batch_size %d x grad_accum %d as the checkpoint ran (config: %d x %d)",
+            state.micro_batch_size,
+            state.grad_accum,
+            t.micro_batch_size,
+            t.grad_accum,
+        )
     if accelerator.is_main_process:
         _trim_metrics(run.dir / "metrics.jsonl", state.step)
     log.info("resumed from %s at step %d", path, state.step)
@@ -139,20 +221,37 @@ def _start_fresh(run_dir: Path) -> None:
 
 def _stopped(run, state: TrainState, wall: float) -> RunResult:
     ckpt = run.dir / f"{checkpoint.PREFIX}{state.step:08d}"
-    print(f"stopped by {state.stopped} at step {state.step}; checkpoint saved: {ckpt}\n"
-          f"resume with: onegpu train --config {run.dir / 'config.yaml'} --output.resume latest")
-    return RunResult(run.dir, ckpt, state, state.first_eval, state.last_eval, wall,
-                     state.tokens_per_second, stopped=state.stopped, data_stats=run.data_stats)
+    print(
+        f"stopped by {state.stopped} at step {state.step}; checkpoint saved: {ckpt}\n"
+        f"resume with: onegpu train --config {run.dir / 'config.yaml'} --output.resume latest"
+    )
+    return RunResult(
+        run.dir,
+        ckpt,
+        state,
+        state.first_eval,
+        state.last_eval,
+        wall,
+        state.tokens_per_second,
+        stopped=state.stopped,
+        data_stats=run.data.stats,
+    )
 
 
 def save_final(run, accelerator) -> Path:
     final = run.dir / "final"
     accelerator.wait_for_everyone()
     # FSDP2 / DeepSpeed ZeRO-3: gather the full weights (a collective: every process takes part)
-    full = distributed.full_state_dict(accelerator, run.model) if distributed.is_sharded(accelerator, run.model) else None
+    full = (
+        distributed.full_state_dict(accelerator, run.model)
+        if distributed.is_sharded(accelerator, run.model)
+        else None
+    )
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(run.model)
-        model.save_pretrained(str(final), safe_serialization=True, state_dict=full)  # PeftModel: the adapter
+        model.save_pretrained(
+            str(final), safe_serialization=True, state_dict=full
+        )  # PeftModel: the adapter
         run.tokenizer.save_pretrained(str(final))
         if run.cfg.techniques.lora.enabled and run.cfg.techniques.lora.merge_on_save:
             from onegpu.techniques.lora import save_merged

@@ -90,6 +90,9 @@ class Callback:
     """Hooks into the loop, for code that observes a run without changing it (the benchmark child,
     a notebook). Override what you need; every process calls them."""
 
+    def on_reference_pass(self, seconds: float) -> None:
+        """DPO's precomputed reference pass took ``seconds`` (before the loop, before on_train_begin)."""
+
     def on_train_begin(self, run, state: TrainState) -> None:
         """Model, optimizer and data are built and prepared; the first step is next."""
 

@@ -4,29 +4,43 @@ planner's probes and its accuracy check all call it, so they share one loss norm
 from __future__ import annotations
 
 from onegpu import distributed
-from onegpu.techniques.loss import loss_sum, normaliser, with_target_positions
+from onegpu.objectives import Objective
+from onegpu.objectives.tokens import with_target_positions
 from onegpu.techniques.optimizer_in_backward import steps_in_backward
 from onegpu.training import recovery
 
 
-def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: float, loss_fn=loss_sum,
-               guard: recovery.NanGuard | None = None, step: int = 0, should_stop=None):
+def train_step(
+    model,
+    optimizer,
+    micro: list[dict],
+    accelerator,
+    max_grad_norm: float,
+    objective: Objective | None = None,
+    guard: recovery.NanGuard | None = None,
+    step: int = 0,
+    should_stop=None,
+):
     """One optimizer step over k micro-batches.
 
-    Each micro-batch contributes its *summed* token loss divided by the target-token count of the
-    whole accumulated batch (all processes), so the gradient equals that of one big batch however
-    the tokens fall across micro-batches; a preference loss sums over pairs and is divided by pairs. Returns (loss tensor, real input tokens) without syncing,
+    Each micro-batch contributes its *summed* loss divided by the objective's count of the whole
+    accumulated batch (all processes: target tokens, or pairs for a preference objective), so the
+    gradient equals that of one big batch however the tokens fall across micro-batches.
+    ``objective`` defaults to SFT's plain loss. Returns (loss tensor, real input tokens) without syncing,
     except for the guard's one scalar: a NaN/inf loss or gradient norm skips the update.
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
     """
+    if objective is None:
+        from onegpu.objectives.sft import plain
+
+        objective = plain()
     in_backward = steps_in_backward(optimizer)
-    micro = [with_target_positions(mb) for mb in micro]  # on the host: the target rows, and so their count
-    count = normaliser(loss_fn)  # target tokens, or pairs for a preference loss
-    n_targets = _global_sum(accelerator, sum(count(mb) for mb in micro))
-    stats = getattr(loss_fn, "begin_cycle", None) is not None  # statistics kept per completed cycle
-    if stats:
-        loss_fn.begin_cycle()
+    micro = objective.begin_cycle(model, micro)  # statistics are kept per completed cycle
+    micro = [
+        with_target_positions(mb) for mb in micro
+    ]  # on the host: the target rows, and so their count
+    n_targets = _global_sum(accelerator, sum(objective.count(mb) for mb in micro))
     real_tokens = _global_sum(accelerator, sum(int(mb["attention_mask"].sum()) for mb in micro))
     total = None
     for i, mb in enumerate(micro):
@@ -35,12 +49,14 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
             raise recovery.StepInterrupted()
         mb = {k: v.to(accelerator.device, non_blocking=True) for k, v in mb.items()}
         with distributed.accumulating(accelerator, model, last=i == len(micro) - 1):
-            loss = loss_fn(model, mb) / max(n_targets, 1)
+            loss = objective.loss(model, mb) / max(n_targets, 1)
             # Updates made inside backward cannot be skipped afterwards: a bad loss stops before it.
             if not (in_backward and guard is not None and not bool(loss.detach().isfinite())):
                 distributed.backward(accelerator, loss)
         total = loss.detach() if total is None else total + loss.detach()
-    total = distributed.global_loss(accelerator, total)  # the same value, and NaN verdict, on every rank
+    total = distributed.global_loss(
+        accelerator, total
+    )  # the same value, and NaN verdict, on every rank
     norm = distributed.clip_grad_norm(accelerator, model, max_grad_norm) if max_grad_norm else None
     bad = False
     if guard is not None:
@@ -52,8 +68,7 @@ def train_step(model, optimizer, micro: list[dict], accelerator, max_grad_norm: 
     if not bad:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if stats:
-        loss_fn.end_cycle()
+    objective.end_cycle()
     return total, real_tokens
 
 

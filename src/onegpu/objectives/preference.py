@@ -19,16 +19,12 @@ reference, |y| = its tokens, s(x) = log sigmoid(x), eps = label smoothing:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from onegpu.data.pairs import PAIR_INDEX, REF_LOGPS, SEQUENCE_IDS
-from onegpu.errors import UnavailableError
-from onegpu.techniques.loss import TARGETS, token_logps
-
-log = logging.getLogger(__name__)
+from onegpu.objectives.base import Objective
+from onegpu.objectives.tokens import TARGETS, TokenLoss
 
 AUTO_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}  # sources: config.PreferenceConfig.beta
 STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
@@ -55,16 +51,21 @@ def simpo_loss(pi_c, pi_r, len_c, len_r, beta: float, gamma_ratio: float, smooth
 def orpo_loss(pi_c, pi_r, len_c, len_r, lam: float):
     a_c, a_r = pi_c / len_c, pi_r / len_r
     # log(1 - e^a) for a < 0, computed stably; a mean log-prob is never above 0
-    log_odds = (a_c - a_r) - (torch.log1p(-torch.exp(a_c).clamp(max=1 - 1e-7)) -
-                              torch.log1p(-torch.exp(a_r).clamp(max=1 - 1e-7)))
+    log_odds = (a_c - a_r) - (
+        torch.log1p(-torch.exp(a_c).clamp(max=1 - 1e-7))
+        - torch.log1p(-torch.exp(a_r).clamp(max=1 - 1e-7))
+    )
     return -a_c - lam * F.logsigmoid(log_odds), lam * a_c, lam * a_r
 
 
 # ------------------------------------------------------------------------------- log-probs per sequence
-def sequence_logps(model, batch: dict, chunk_size: int = 0):
-    """(model output, summed response log-prob per sequence, response tokens per sequence): 2n values,
-    chosen first. The target of position p is token p + 1, so it belongs to token p + 1's sequence."""
-    out, logps = token_logps(model, batch, chunk_size)
+def sequence_logps(model, batch: dict, tokens: TokenLoss | int = 0):
+    """(model output, summed response log-prob per sequence, response tokens per sequence): 2n
+    values, chosen first. The target of position p is token p + 1, so it belongs to token p + 1's
+    sequence. ``tokens``: the objective's TokenLoss (an int: a fused chunk size without fallback,
+    0 = plain)."""
+    tokens = tokens if isinstance(tokens, TokenLoss) else TokenLoss(tokens)
+    out, logps = tokens.token_logps(model, batch)
     positions = batch[TARGETS]
     seq = batch[SEQUENCE_IDS].reshape(-1).index_select(0, positions + 1)
     n_seq = 2 * batch[PAIR_INDEX].numel()
@@ -73,68 +74,84 @@ def sequence_logps(model, batch: dict, chunk_size: int = 0):
     return out, sums, lengths
 
 
-class PreferenceLoss:
-    """The run's ``(model, batch) -> summed per-pair loss`` for training.objective dpo / orpo / simpo.
+class Preference(Objective):
+    """training.objective dpo / orpo / simpo: the summed per-pair loss of a pair batch, normalised
+    by pairs.
 
-    ``count`` tells the step what to normalise by (pairs). The reward statistics of each call are
-    kept on the device (no sync) as pending sums; the step commits them when its cycle completes (an
-    out-of-memory retry drops the failed cycle's), and the log reads and resets the committed ones.
+    The reward statistics of each call are kept on the device (no sync) as pending sums;
+    ``end_cycle`` commits them to the window (an out-of-memory retry drops the failed cycle's),
+    ``window_metrics`` reads and resets the committed ones; an evaluation reads its own pending
+    sums (``eval_metrics``).
+    ``reference`` (DPO): ``(model, batch) -> reference log-probs`` (reference.py), or None when the
+    batches carry them (precomputed).
     """
 
-    def __init__(self, objective: str, pref, chunk_size: int, reference=None, fallback: bool = True):
-        self.objective, self.chunk_size, self.fallback = objective, chunk_size, fallback
+    def __init__(self, objective: str, pref, tokens: TokenLoss, reference=None):
+        self.objective, self.tokens = objective, tokens
         self.beta = resolve_beta(objective, pref.beta)
         self.smoothing, self.gamma_ratio = pref.label_smoothing, pref.simpo_gamma_ratio
-        self.reference = reference  # (model, batch) -> reference sums; None: the batch carries them
+        self.reference = reference
         self.pending: list[torch.Tensor] = []
         self.window: torch.Tensor | None = None
 
-    @property
-    def fused(self) -> bool:
-        return self.chunk_size > 0
-
-    @staticmethod
-    def count(batch: dict) -> int:
+    def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
 
-    def __call__(self, model, batch: dict) -> torch.Tensor:
+    def loss(self, model, batch: dict) -> torch.Tensor:
         ref = None
-        if self.objective == "dpo":  # first: its no-grad forward is over before the policy's activations exist
+        if (
+            self.objective == "dpo"
+        ):  # first: its no-grad forward is over before the policy's activations exist
             ref = batch[REF_LOGPS] if REF_LOGPS in batch else self._reference(model, batch)
-        out, pi, lengths = self._logps(model, batch)
+        out, pi, lengths = sequence_logps(model, batch, self.tokens)
         n = pi.numel() // 2
         pi_c, pi_r, len_c, len_r = pi[:n], pi[n:], lengths[:n], lengths[n:]
         if self.objective == "dpo":
             loss, rc, rr = dpo_loss(pi_c, pi_r, ref[:n], ref[n:], self.beta, self.smoothing)
         elif self.objective == "simpo":
-            loss, rc, rr = simpo_loss(pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing)
+            loss, rc, rr = simpo_loss(
+                pi_c, pi_r, len_c, len_r, self.beta, self.gamma_ratio, self.smoothing
+            )
         else:
             loss, rc, rr = orpo_loss(pi_c, pi_r, len_c, len_r, self.beta)
         rc, rr = rc.detach(), rr.detach()
-        self.pending.append(torch.stack([rc.new_tensor(float(n)), (rc > rr).sum().float(), (rc - rr).sum(),
-                                         rc.sum(), rr.sum()]))
+        self.pending.append(
+            torch.stack(
+                [
+                    rc.new_tensor(float(n)),
+                    (rc > rr).sum().float(),
+                    (rc - rr).sum(),
+                    rc.sum(),
+                    rr.sum(),
+                ]
+            )
+        )
         return loss.sum() + _moe_aux(model, out, n)
 
     def _reference(self, model, batch):
         if self.reference is None:
-            raise RuntimeError("DPO needs reference log-probs: none in the batch and no reference model set "
-                               "(training.assemble.prepare_reference sets one)")
+            raise RuntimeError(
+                "DPO needs reference log-probs: none in the batch and no reference given "
+                "(objectives.make_objective builds one)"
+            )
         return self.reference(model, batch)
 
-    def _logps(self, model, batch):
-        if self.chunk_size:
-            try:
-                return sequence_logps(model, batch, self.chunk_size)
-            except UnavailableError as exc:
-                if not self.fallback:
-                    raise
-                log.info("fused log-probs unavailable, using the model's logits: %s", exc.message)
-                self.chunk_size = 0
-        return sequence_logps(model, batch)
+    @property
+    def needs_reference(self) -> str | None:
+        if self.reference is not None:
+            return self.reference.kind
+        return "precomputed" if self.objective == "dpo" else None
+
+    @property
+    def reference_name(self) -> str | None:
+        if self.reference is not None:
+            return type(self.reference).__name__
+        return "precomputed" if self.objective == "dpo" else None
 
     # the statistics: pending (this cycle) -> window (since the last log)
-    def begin_cycle(self) -> None:
+    def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
         self.pending.clear()
+        return micro
 
     def end_cycle(self) -> None:
         if self.pending:
@@ -142,13 +159,16 @@ class PreferenceLoss:
             self.window = total if self.window is None else self.window + total
         self.pending.clear()
 
-    def pop_window(self) -> dict:
+    def window_metrics(self) -> dict:
         """Mean rewards, margin and accuracy over the pairs since the last call (one host sync)."""
         window, self.window = self.window, None
         return _means(window)
 
-    def take_pending(self) -> dict:
-        """The same means over the calls since begin_cycle, which are dropped (an evaluation's pairs)."""
+    def begin_eval(self) -> None:
+        self.pending.clear()
+
+    def eval_metrics(self) -> dict:
+        """The same means over the evaluation's calls, which are dropped."""
         pending = torch.stack(self.pending).sum(0) if self.pending else None
         self.pending.clear()
         return _means(pending)
@@ -159,8 +179,12 @@ def _means(sums: torch.Tensor | None) -> dict:
         return {}
     s = dict(zip(STATS, sums.tolist()))
     n = max(s["pairs"], 1.0)
-    return {"reward_accuracy": s["correct"] / n, "reward_margin": s["margin"] / n,
-            "reward_chosen": s["chosen"] / n, "reward_rejected": s["rejected"] / n}
+    return {
+        "reward_accuracy": s["correct"] / n,
+        "reward_margin": s["margin"] / n,
+        "reward_chosen": s["chosen"] / n,
+        "reward_rejected": s["rejected"] / n,
+    }
 
 
 def _moe_aux(model, out, pairs: int):

@@ -66,7 +66,7 @@ def strategy(cfg: Config, world: int | None = None) -> str:
 def shards_weights(cfg: Config, world: int | None = None) -> bool:
     """The weights themselves are split across processes (FSDP2, ZeRO-3): code outside the
     model's forward cannot use them as plain tensors."""
-    from onegpu.techniques.offload import zero_stage
+    from onegpu.distributed.zero import zero_stage
 
     chosen = strategy(cfg, world)
     return chosen == "fsdp2" or (chosen == "deepspeed" and zero_stage(cfg) == 3)
@@ -113,12 +113,12 @@ def accelerator_kwargs(cfg: Config, precision: str, on_gpu: bool) -> dict:
     engine = strategy(cfg)
     local_accum(global_accum(cfg))  # a batch that cannot split fails now, not after loading the model
     if engine == "deepspeed":
-        from onegpu.techniques import offload
+        from onegpu.distributed import zero
 
-        offload.check(cfg)
+        zero.check(cfg)
         ensure_process_env()
         world = world_size()
-        plugin = offload.accelerate_plugin(cfg, precision, world, local_accum(global_accum(cfg, world), world), on_gpu)
+        plugin = zero.accelerate_plugin(cfg, precision, world, local_accum(global_accum(cfg, world), world), on_gpu)
         # DeepSpeed keeps fp32 master weights itself: pure bf16 is its plain bf16 mode.
         mixed = {"fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16"}.get(precision, "no")
         return {"deepspeed_plugin": plugin, "mixed_precision": mixed}

@@ -19,6 +19,7 @@ import torch
 
 from onegpu.data.pairs import REF_CHOSEN, REF_REJECTED
 from onegpu.errors import DataError
+from onegpu.objectives.tokens import TokenLoss
 
 log = logging.getLogger(__name__)
 FILE = "reference_logps.safetensors"
@@ -33,36 +34,55 @@ def choose(objective: str, reference: str, lora: bool) -> str | None:
     return reference
 
 
+def build(kind: str | None, tokens: TokenLoss, model=None, autocast=None, probe: bool = False):
+    """The ``(policy, batch) -> reference log-probs`` callable for ``choose``'s answer; None where
+    there is none to call (ORPO, SimPO, or precomputed log-probs carried by the batches). ``tokens``
+    is the objective's own, so a fallback from the fused head happens once for both."""
+    if kind == "adapters":
+        return AdapterReference(tokens)
+    if kind == "copy":
+        return CopyReference(model, autocast, tokens)
+    if kind == "precomputed" and probe:
+        return FixedReference()
+    return None
+
+
 class AdapterReference:
     """Reference log-probs from the policy with its LoRA adapters disabled."""
 
-    def __init__(self, chunk_size: int):
-        self.chunk_size = chunk_size
+    kind = "adapters"
+
+    def __init__(self, tokens: TokenLoss):
+        self.tokens = tokens
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
-        from onegpu.techniques.preference import sequence_logps
+        from onegpu.objectives.preference import sequence_logps
 
         with torch.no_grad(), _peft_model(model).disable_adapter():
-            return sequence_logps(model, batch, self.chunk_size)[1]
+            return sequence_logps(model, batch, self.tokens)[1]
 
 
 class CopyReference:
     """Reference log-probs from a frozen copy of the starting model, under the run's autocast."""
 
-    def __init__(self, model, autocast, chunk_size: int):
-        self.model, self.autocast, self.chunk_size = model, autocast, chunk_size
+    kind = "copy"
+
+    def __init__(self, model, autocast, tokens: TokenLoss):
+        self.model, self.autocast, self.tokens = model, autocast, tokens
         self.model.eval().requires_grad_(False)
 
     def __call__(self, _policy, batch: dict) -> torch.Tensor:
-        from onegpu.techniques.preference import sequence_logps
+        from onegpu.objectives.preference import sequence_logps
 
         with torch.no_grad(), self.autocast():
-            return sequence_logps(self.model, batch, self.chunk_size)[1]
+            return sequence_logps(self.model, batch, self.tokens)[1]
 
 
 class FixedReference:
     """Zero reference log-probs, for the planner's probes of a precomputed-reference setup: they time the
     step, to which precomputed log-probs add nothing, whatever their values."""
+
+    kind = "fixed"
 
     def __call__(self, _policy, batch: dict) -> torch.Tensor:
         from onegpu.data.pairs import PAIR_INDEX
@@ -78,58 +98,91 @@ def _peft_model(model):
 
 
 # ----------------------------------------------------------------------------------- precomputed
-def precompute(run, accelerator, resumed: bool) -> None:
-    """Add the reference log-probs of every pair to run.train_ds / run.val_ds as two columns.
+def precompute(
+    model,
+    tokens: TokenLoss,
+    train_ds,
+    val_ds,
+    collator,
+    micro_batch: int,
+    run_dir: Path,
+    device,
+    resumed: bool,
+    is_main: bool = True,
+):
+    """(train_ds, val_ds, seconds): the datasets with the reference log-probs of every pair as two
+    more columns, and the time the pass took (None when read back).
 
-    A resumed run reads them from its run directory; a fresh run computes them with the model as it
+    A resumed run reads them from its run directory; a fresh run computes them with ``model`` as it
     is now (its starting weights) and writes them there.
     """
-    path = Path(run.dir) / FILE
-    splits = {"train": run.train_ds, "validation": run.val_ds}
+    path = Path(run_dir) / FILE
+    splits = {"train": train_ds, "validation": val_ds}
+    seconds = None
     if resumed:
         if not path.is_file():
-            raise DataError(f"{path} is missing: a resumed DPO run needs the reference log-probs computed from its "
-                            "starting weights.", hint="restore the file, or start the run again with "
-                            "--output.overwrite true")
+            raise DataError(
+                f"{path} is missing: a resumed DPO run needs the reference log-probs computed from its "
+                "starting weights.",
+                hint="restore the file, or start the run again with --output.overwrite true",
+            )
         saved = _load(path)
     else:
         t0 = time.perf_counter()
-        saved = {f"{name}.{col}": v for name, ds in splits.items() if ds is not None
-                 for col, v in zip((REF_CHOSEN, REF_REJECTED), compute(run, ds, accelerator.device))}
-        run.reference_seconds = time.perf_counter() - t0  # reported; a benchmark charges it to the run
-        if accelerator.is_main_process:
+        saved = {
+            f"{name}.{col}": v
+            for name, ds in splits.items()
+            if ds is not None
+            for col, v in zip(
+                (REF_CHOSEN, REF_REJECTED),
+                compute(model, ds, tokens, collator, micro_batch, device),
+            )
+        }
+        seconds = time.perf_counter() - t0
+        if is_main:
             _save(path, saved)
-        log.info("reference log-probs: %d pairs in %.1fs (%s)", sum(len(v) for k, v in saved.items()
-                 if k.endswith(REF_CHOSEN)), run.reference_seconds, path.name)
+        log.info(
+            "reference log-probs: %d pairs in %.1fs (%s)",
+            sum(len(v) for k, v in saved.items() if k.endswith(REF_CHOSEN)),
+            seconds,
+            path.name,
+        )
+    out = {}
     for name, ds in splits.items():
         if ds is None:
+            out[name] = None
             continue
         chosen, rejected = saved.get(f"{name}.{REF_CHOSEN}"), saved.get(f"{name}.{REF_REJECTED}")
         if chosen is None or len(chosen) != len(ds):
-            raise DataError(f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
-                            hint="the data changed since the run began: start it again with --output.overwrite true")
-        ds = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(REF_REJECTED, rejected.tolist())
-        setattr(run, "train_ds" if name == "train" else "val_ds", ds)
+            raise DataError(
+                f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
+                hint="the data changed since the run began: start it again with --output.overwrite true",
+            )
+        out[name] = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(
+            REF_REJECTED, rejected.tolist()
+        )
+    return out["train"], out["validation"], seconds
 
 
 @torch.no_grad()
-def compute(run, ds, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed log-probs of every pair of ``ds`` under run.model as it is now. The
+def compute(
+    model, ds, tokens: TokenLoss, collator, micro_batch: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probs of every pair of ``ds`` under ``model`` as it is now. The
     model is the prepared one: it runs under the run's autocast by itself."""
     from onegpu.data.batches import eval_batches
-    from onegpu.techniques.loss import with_target_positions
-    from onegpu.techniques.preference import sequence_logps
+    from onegpu.objectives.preference import sequence_logps
+    from onegpu.objectives.tokens import with_target_positions
 
-    model, chunk = run.model, run.loss_fn.chunk_size
     chosen, rejected = [], []
     was_training = model.training
     model.eval()
     try:
         # compiled blocks run eagerly: one pass does not repay compiling their no-grad variant
         with torch.compiler.set_stance("force_eager"):
-            for batch in eval_batches(ds, run.cfg.training.micro_batch_size, run.collator):
+            for batch in eval_batches(ds, micro_batch, collator):
                 batch = {k: v.to(device) for k, v in with_target_positions(batch).items()}
-                sums = sequence_logps(model, batch, chunk)[1].float().cpu()
+                sums = sequence_logps(model, batch, tokens)[1].float().cpu()
                 n = sums.numel() // 2
                 chosen.append(sums[:n])
                 rejected.append(sums[n:])

@@ -1,0 +1,35 @@
+"""What a run optimises, behind one protocol (objectives/base.Objective): SFT (sft.py), the
+preference objectives DPO / ORPO / SimPO (preference.py) and DPO's reference (reference.py). The
+output head's loss they share, fused or plain, is a method applied to the model
+(techniques/fused_loss.py) reached through tokens.TokenLoss."""
+
+from __future__ import annotations
+
+from onegpu.objectives.base import Objective
+
+__all__ = ["Objective", "make_objective"]
+
+
+def make_objective(
+    cfg, vocab: int, on_gpu: bool, reference_model=None, autocast=None, probe: bool = False
+) -> Objective:
+    """The run's objective from training.objective and the loss settings, with the reference DPO
+    needs built in (reference.choose says which): ``reference_model`` is the frozen copy
+    (preference.reference=copy) already on its device, ``autocast`` the run's; ``probe``: a planner
+    probe of a precomputed reference, which times the step with fixed reference log-probs."""
+    from onegpu import distributed
+    from onegpu.objectives.tokens import TokenLoss
+
+    tokens = TokenLoss.for_run(cfg.techniques, vocab, on_gpu, distributed.shards_weights(cfg))
+    if cfg.training.objective == "sft":
+        from onegpu.objectives.sft import SFT
+
+        return SFT(tokens)
+    from onegpu.objectives import reference
+    from onegpu.objectives.preference import Preference
+
+    kind = reference.choose(
+        cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled
+    )
+    ref = reference.build(kind, tokens, reference_model, autocast, probe)
+    return Preference(cfg.training.objective, cfg.preference, tokens, ref)

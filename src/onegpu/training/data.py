@@ -1,0 +1,170 @@
+"""A run's data, built once and typed: tokenizer, tokenized splits, collator, detected format."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from onegpu import models, report
+from onegpu.config import Config
+from onegpu.data import batches
+from onegpu.data import records as records_io
+from onegpu.data.overlong import DataStats
+from onegpu.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Records:
+    """The records as read (before tokenizing), with their detected format."""
+
+    train: Any  # datasets.Dataset
+    val: Any  # datasets.Dataset or None
+    fingerprint: str
+    format: str  # text | prompt-completion | chat | preference: detected from the columns
+
+
+@dataclass(frozen=True)
+class Data:
+    """Everything the loop, evaluation and checkpoints need of the data."""
+
+    tokenizer: Any
+    train_ds: Any  # tokenized training split (datasets.Dataset)
+    val_ds: Any  # tokenized validation split, or None
+    collator: Any  # batches.Collator (or pairs.PairCollator for preference pairs)
+    format: str  # text | prompt-completion | chat | preference: detected from the columns
+    stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
+    sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
+
+
+def read_records(cfg: Config) -> Records:
+    """The configured records (or the default job's corpus, made into pairs for a preference
+    objective), checked against the objective."""
+    train_rec, val_rec, fingerprint = records_io.load_records(cfg.data, cfg.training.seed)
+    if cfg.training.objective != "sft" and cfg.data.path is None:
+        train_rec, val_rec = corpus_pairs(cfg, train_rec, val_rec)
+    fmt = records_io.detect_format(cfg.data, train_rec.column_names)
+    check_objective(cfg, fmt, train_rec.column_names)
+    return Records(train_rec, val_rec, fingerprint, fmt)
+
+
+def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Data:
+    """Tokenizer, tokenized splits and collator of the run (``recs``: read already, else here)."""
+    recs = recs if recs is not None else read_records(cfg)
+    train_rec, val_rec, fmt = recs.train, recs.val, recs.format
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer(cfg, model_name, train_rec, fmt, recs.fingerprint)
+    check_positions(cfg, model_name)  # before tokenizing: a too long seq_len is not "no examples"
+    train_ds, stats = batches.tokenize_counted(
+        train_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "train"
+    )
+    all_stats = [stats]
+    val_ds = None
+    if val_rec is not None:
+        val_ds, stats = batches.tokenize_counted(
+            val_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "validation"
+        )
+        all_stats.append(stats)
+    for stats in all_stats:
+        log.info("data %s", stats.describe())
+    if len(train_ds) == 0:
+        train = all_stats[0]
+        if train.overlong:  # the policy left nothing: say so, with the counts
+            raise DataError(
+                f"no training examples after tokenization: {train.describe()}.",
+                hint="raise data.seq_len (up to the model's limit), or choose another data.overlong",
+            )
+        raise DataError(
+            "no training examples after tokenization (all records too short or fully masked).",
+            hint="lower data.seq_len or check the data",
+        )
+    collator = batches.Collator(
+        tokenizer.pad_token_id,
+        cfg.data.pad_to_multiple,
+        cfg.data.seq_len,
+        position_ids=cfg.techniques.padding_free,
+    )
+    if fmt == "preference":  # each pair: its chosen and rejected sequences in the one batch
+        from onegpu.data.pairs import PairCollator
+
+        collator = PairCollator(collator)
+    sample = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
+    log.info(
+        "data: %s, %d train / %d val examples of <= %d tokens (%.1fs)",
+        fmt,
+        len(train_ds),
+        len(val_ds or []),
+        cfg.data.seq_len,
+        time.perf_counter() - t0,
+    )
+    return Data(tokenizer, train_ds, val_ds, collator, fmt, all_stats, sample)
+
+
+def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, fingerprint: str):
+    """Presets get a byte-level BPE trained on the training split; everything else its own tokenizer."""
+    mcfg = cfg.model
+    if mcfg.tokenizer:
+        return models.load_tokenizer(mcfg.tokenizer, mcfg.trust_remote_code)
+    if not models.is_preset(model_name):
+        return models.load_tokenizer(model_name, mcfg.trust_remote_code)
+    from onegpu.data.tokenizer import train_tokenizer
+
+    texts = records_io.corpus_texts(train_records, fmt, cfg.data)
+    return train_tokenizer(texts, mcfg.vocab_size, fingerprint)
+
+
+def corpus_pairs(cfg: Config, train_rec, val_rec):
+    """The default job's preference pairs, made from the standard library's sources (data/pairs.py), as
+    many as the run will use: DPO's reference pass then costs no more."""
+    from onegpu.data.pairs import corpus_pairs as make
+
+    t = cfg.training
+    train = make(
+        train_rec, cfg.data.text_field, t.seed, t.max_steps * t.micro_batch_size * t.grad_accum
+    )
+    val = (
+        make(val_rec, cfg.data.text_field, t.seed, max(t.eval_batches, 1) * t.micro_batch_size)
+        if val_rec is not None
+        else None
+    )
+    return train, val
+
+
+def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
+    """Preference pairs go with a preference objective, and only with one."""
+    d, objective = cfg.data, cfg.training.objective
+    if objective == "sft" and fmt == "preference":
+        raise DataError(
+            f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), but "
+            "training.objective=sft.",
+            hint="set --training.objective dpo (or orpo / simpo) to train on pairs",
+        )
+    if objective != "sft" and fmt != "preference":
+        columns = [c for c in columns if c != records_io.ORIGIN]  # ours, not the user's
+        raise DataError(
+            f"training.objective={objective} needs preference pairs: columns '{d.prompt_field}', "
+            f"'{d.chosen_field}' and '{d.rejected_field}'; {d.path} has {columns}.",
+            hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
+            "training.objective=sft",
+        )
+
+
+def check_positions(cfg: Config, model_name: str) -> None:
+    """data.seq_len against the model's max_position_embeddings, read from its config alone (no
+    weights). A config that cannot be read here is left to the model load, which explains why."""
+    try:
+        config = models.model_config(model_name, cfg.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - any failure here is reported by the model load (assemble) with its fix
+        return
+    check_seq_len(cfg, getattr(config, "max_position_embeddings", None))
+
+
+def check_seq_len(cfg: Config, limit) -> None:
+    if isinstance(limit, int) and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
+            hint=f"set data.seq_len <= {limit}",
+        )
