@@ -14,7 +14,8 @@ Accelerate, PEFT and onegpu):
   ``get_device_properties`` (name as the driver reports it, total memory, capability, SM count, L2),
   ``get_device_capability``, ``get_device_name``, ``is_bf16_supported``, ``synchronize``,
   ``mem_get_info``, ``_lazy_init``, ``is_initialized``, ``get_rng_state_all``/``manual_seed``, and
-  the driver API version (``torch._C._cuda_getDriverVersion``, ``DRIVER_API``);
+  the driver API version (``torch._C._cuda_getDriverVersion``, ``DRIVER_API``) and the current
+  stream's handle (``torch._C._cuda_getCurrentRawStream``, 0: bitsandbytes reads it on import);
 - torch.cuda's memory statistics (``memory_allocated``, ``max_memory_allocated``,
   ``reset_peak_memory_stats``, ``memory_reserved``, ``empty_cache``): the bytes of the live
   storages of fake "cuda" tensors, counted by a dispatch mode (``CudaMemory``), peak included;
@@ -22,9 +23,15 @@ Accelerate, PEFT and onegpu):
 - transformers under fake tensors: ``is_torchdynamo_compiling``-style "tracing" checks count
   FakeTensors as tracing, so the causal mask is always materialised (SDPA gets a bool mask);
   batches are built on the CPU and moved (``torch.tensor(..., device="cuda")`` would allocate);
-- values: a fake tensor holds none, so wherever a test or the loop needs one (the NaN guard's
-  verdict, a logged loss, ``.item()``), ``fake_cuda`` answers with ``VALUE`` (a finite number),
-  or, for a test that asks for it, ``inf`` (``fake_value``);
+- the host keeps real values: an op whose tensors are all real host tensors, and that names no
+  "cuda" device, runs for real outside the fake mode (``_card_mode``);
+- values: a fake tensor holds none, so wherever a test or the loop reads one (``.item()``,
+  ``bool()``, ``float()``: the NaN guard's verdict, a logged loss, GradScaler's inf check) the
+  answer is ``VALUE`` (finite), or what a test asks for with ``fake_value`` (``inf``: a skipped
+  step); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
+  head reproduces the model's logits; the CPU tier checks it with values);
+- the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
+  ``module.to()`` can swap fake parameters in place;
 - the training loop runs with checkpoint writing and text generation off: they need real values.
 """
 
@@ -42,7 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ENV_CARD = "ONEGPU_SIMGPU_CARD"
 DRIVER_API = 12080  # what the driver API reports (CUDA 12.8), for `onegpu doctor`
-VALUE = 1.0  # what .item() of a fake tensor reads: finite, so the loop's NaN guard passes
+VALUE = 0.0  # what .item() of a fake tensor reads: finite (the NaN guard passes), no inf found
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,8 @@ def install(card: Card) -> None:
             setattr(cuda.memory, name, fn)
     # `onegpu doctor` asks the driver API for its version where nvidia-smi is absent.
     torch._C._cuda_getDriverVersion = lambda: DRIVER_API
+    # bitsandbytes (imported by PEFT) asks for the current stream's handle when it loads.
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
 
 
 # ---------------------------------------------------------------- fake tensors and their memory
@@ -211,19 +220,54 @@ class CudaMemory:
 MEMORY = CudaMemory()
 
 
-def _counting_mode():
+def _card_mode(fake_mode):
+    """Above the fake mode: ops on real host tensors run for real (the host side of a step counts
+    its target tokens from real labels); ops that touch the card go to the fake mode, and the
+    card's memory is counted."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Counting(TorchDispatchMode):
+    def on_card(args, kwargs) -> bool:
+        for x in pytree.tree_leaves((args, kwargs)):
+            if isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda"):
+                return True
+        return False
+
+    class Card(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            # Page-locked host buffers (activation offload) need the CUDA host allocator: fake too.
+            if not on_card(args, kwargs) and not kwargs.get("pin_memory"):
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(), float()
+                return _scalar(args[0].dtype)
+            if func is torch.ops.aten.allclose.default:
+                return True
+            # Real host tensors bound for the card become fake first: the fake mode would run an op
+            # whose inputs are all real for real, on a CUDA backend that is not there.
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
+                (args, kwargs))
+            out = func(*args, **kwargs)
             MEMORY.record(out)
             return out
 
-    return Counting()
+    return Card()
 
 
 _VALUES: list[float] = []
+
+
+def _scalar(dtype):
+    import torch
+
+    value = _VALUES[-1] if _VALUES else VALUE
+    if dtype == torch.bool:
+        return bool(value)
+    return value if dtype.is_floating_point or value != value or abs(value) == float("inf") else int(value)
 
 
 @contextlib.contextmanager
@@ -240,20 +284,17 @@ def fake_value(value: float):
 def fake_cuda():
     """FakeTensorMode for "cuda" tensors, with memory counted and ``.item()`` answered."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def item(self):
-        return _VALUES[-1] if _VALUES else VALUE
-
-    saved = FakeTensor.item, FakeTensor.tolist
-    FakeTensor.item = item
-    FakeTensor.tolist = lambda self: [item(self)] * self.numel() if self.dim() else item(self)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # The converter remembers each fake tensor it made from a real one through a weak reference;
+    # module.to() on fake parameters (Accelerate's prepare) swaps them in place, which a weak
+    # reference forbids. A plain dict remembers them strongly, for the length of the block.
+    mode.fake_tensor_converter.meta_converter.tensor_memo = {}
     try:
-        with mode, _counting_mode():
+        with mode, _card_mode(mode):
             yield mode
     finally:
-        FakeTensor.item, FakeTensor.tolist = saved
         torch.cuda.empty_cache()
 
 
