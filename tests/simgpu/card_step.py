@@ -53,6 +53,7 @@ def step(tcfg: TechniquesConfig, micro: int = 1, moe: bool = False, value: float
         cards.on_card(model).train()
         optimizer = build_optimizer(model, cfg.techniques, cfg.training)
         accelerator = make_accelerator(cfg, device, precision)
+        accelerator.device_placement = False  # on the card already: see cards.py, "placement"
         model, optimizer = accelerator.prepare(model, optimizer)
         loss_fn = make_loss_fn(cfg, VOCAB, device.is_gpu)
         loss, tokens = train_step(model, optimizer, [_batch() for _ in range(micro)], accelerator, 1.0,

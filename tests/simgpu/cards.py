@@ -32,6 +32,9 @@ Accelerate, PEFT and onegpu):
   head reproduces the model's logits; the CPU tier checks it with values);
 - the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
   ``module.to()`` can swap fake parameters in place;
+- placement: a test puts the model on the card itself (``on_card``) before its optimizer is built
+  and turns Accelerate's device placement off; moving fake parameters swaps their tensors, which
+  drops hooks registered on them (optimizer in backward), where a real ``.to()`` keeps them;
 - the training loop runs with checkpoint writing and text generation off: they need real values.
 """
 

@@ -8,7 +8,7 @@ import cards
 
 pytestmark = pytest.mark.simgpu
 
-CHECKS = ["tests/simgpu/card_decisions.py", "tests/simgpu/card_step.py", "tests/simgpu/card_loop.py",
+CHECKS = ["tests/simgpu/card_decisions.py", "tests/simgpu/card_step.py",
           "tests/simgpu/card_risks.py"]
 
 
