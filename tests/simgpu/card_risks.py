@@ -107,3 +107,25 @@ def test_flash_only_sdpa_says_which_kernel_ran(card, case, caplog):
     assert out.shape == (2, 16, 2, 32)
     ran_flash = case == "unpadded" and card.capability >= (8, 0)
     assert ("memory-efficient kernel, not FlashAttention" in caplog.text) != ran_flash
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "bf16-pure"])
+def test_moe_experts_kernel_fits_the_weights(card, precision):
+    """Mixtral's experts on the card: grouped_mm (CUDA: bf16 only) stopped every step under fp32
+    master weights (precision bf16 = autocast, or fp32); those now get the per-expert loop. The
+    bf16-pure step runs whole here; the loop's routing is data-dependent (nonzero), which fake
+    tensors cannot run, so under fp32 weights the check is the kernel chosen."""
+    if card.key != "H100":
+        pytest.skip("one Ampere+ card is enough")
+    from card_step import _model, step
+
+    from onegpu.config import TechniquesConfig
+    from onegpu.techniques.moe import apply_moe_aux_loss
+    from onegpu.techniques.precision import weights_dtype
+
+    model = _model(moe=True).to(weights_dtype(precision))
+    assert apply_moe_aux_loss(model)
+    assert model.config._experts_implementation == ("grouped_mm" if precision == "bf16-pure" else "eager")
+    if precision == "bf16-pure":
+        _, opt, _, _ = step(TechniquesConfig(precision=precision), moe=True)
+        assert any(s for s in opt.optimizer.state.values())
