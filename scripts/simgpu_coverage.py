@@ -26,17 +26,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "onegpu"
-CUDA_TEST = re.compile(r'torch\.cuda\.is_available\(\)|(device_type|device|\.type|device\.type)\s*[!=]=\s*"cuda"'
+CUDA_TEST = re.compile(r'torch\.cuda\.is_available\(\)'
+                       r'|(device_type|device|\.type|device\.type)\s*[!=]=\s*"cuda"'
                        r'|\bis_gpu\b|\bon_gpu\b|\bon_cuda\b|\.is_cuda\b')
 NOT_CUDA = re.compile(r'\bnot\s+[\w.]*(is_available\(\)|is_gpu|on_gpu|on_cuda|is_cuda)|!=\s*"cuda"')
 CUDA_CALL = re.compile(r"torch\.cuda\.(?!is_available\b)\w+|\.cuda\(\)|torch\._C\._cuda_\w+")
 # Why a line cannot run on a simulated card: a real kernel with no fake implementation.
 NO_FAKE = [
-    (re.compile(r"bitsandbytes|bnb|compiled_with_cuda|quantiz", re.I), "bitsandbytes' CUDA kernels (no fake)"),
-    (re.compile(r"flash_attn|FLASH2|flash_attention_2"), "the flash_attn package (CUDA only, not installed)"),
-    (re.compile(r"deepspeed|DeepSpeed|ds_config|zero", re.I), "DeepSpeed's CUDA/CPU-Adam build and launcher"),
-    (re.compile(r"compile|inductor|triton|reduce-overhead", re.I), "torch.compile's CUDA code generation (triton)"),
-    (re.compile(r"nvidia-smi|getDriverVersion|set_rng_state|get_rng_state"), "the real driver / CUDA RNG state"),
+    (re.compile(r"bitsandbytes|bnb|compiled_with_cuda|quantiz", re.IGNORECASE),
+     "bitsandbytes' CUDA kernels (no fake)"),
+    (re.compile(r"flash_attn|FLASH2|flash_attention_2"),
+     "the flash_attn package (CUDA only, not installed)"),
+    (re.compile(r"deepspeed|DeepSpeed|ds_config|zero", re.IGNORECASE),
+     "DeepSpeed's CUDA/CPU-Adam build and launcher"),
+    (re.compile(r"compile|inductor|triton|reduce-overhead", re.IGNORECASE),
+     "torch.compile's CUDA code generation (triton)"),
+    (re.compile(r"nvidia-smi|getDriverVersion|set_rng_state|get_rng_state"),
+     "the real driver / CUDA RNG state"),
 ]
 
 
@@ -62,9 +68,11 @@ def cuda_only_lines(path: Path) -> set[int]:
             if not isinstance(block, list):
                 continue
             for i, node in enumerate(block):
-                if not isinstance(node, ast.If) or not CUDA_TEST.search(ast.get_source_segment(text, node.test) or ""):
+                if not isinstance(node, ast.If):
                     continue
                 cond = ast.get_source_segment(text, node.test) or ""
+                if not CUDA_TEST.search(cond):
+                    continue
                 if " or " in cond:  # a CUDA test beside others: the branch is not CUDA-only
                     continue
                 if _negated(cond):
@@ -80,7 +88,8 @@ def cuda_only_lines(path: Path) -> set[int]:
         if CUDA_CALL.search(code) and " if " not in code:
             found.add(no)
     # blank lines, comments and docstrings are not code
-    code_lines = {no for no, line in enumerate(src, 1) if line.strip() and not line.strip().startswith("#")}
+    code_lines = {no for no, line in enumerate(src, 1)
+                  if line.strip() and not line.strip().startswith("#")}
     return found & code_lines & _statement_lines(tree)
 
 
@@ -131,11 +140,11 @@ def report(ran: dict[str, set[int]]) -> str:
             line = src[no - 1].strip()
             (rows_ok if no in hit else rows_no).append((f"{rel}:{no}", line, reason(line, path)))
     out = ["# CUDA-only lines of src/ under the simulated-GPU tier", "",
-           "Regenerate: `.venv/bin/python scripts/simgpu_coverage.py` (runs `pytest tests/simgpu` under "
-           "coverage, card processes included). CUDA-only: inside a branch taken only on CUDA, or a call "
-           "into `torch.cuda` (see the script's docstring); `bench/` is left to `scripts/gpu_check.sh`.", "",
-           f"**{len(rows_ok) + len(rows_no)} CUDA-only lines: {len(rows_ok)} executed on a simulated card, "
-           f"{len(rows_no)} not** (each named with why below).", "",
+           ("Regenerate: `.venv/bin/python scripts/simgpu_coverage.py` (runs `pytest tests/simgpu` under "
+            "coverage, card processes included). CUDA-only: inside a branch taken only on CUDA, or a call "
+            "into `torch.cuda` (see the script's docstring); `bench/` is left to `scripts/gpu_check.sh`."), "",
+           (f"**{len(rows_ok) + len(rows_no)} CUDA-only lines: {len(rows_ok)} executed on a simulated card, "
+            f"{len(rows_no)} not** (each named with why below)."), "",
            f"## Not executed ({len(rows_no)})", "", "| line | code | why |", "|---|---|---|"]
     out += [f"| {where} | `{code[:90]}` | {why} |" for where, code, why in rows_no]
     out += ["", f"## Executed ({len(rows_ok)})", "", "| line | code |", "|---|---|"]

@@ -75,7 +75,11 @@ def test_catalogue_match(card):
 
 
 def test_attention_auto_and_flash(card):
-    from onegpu.techniques.attention import SDPA_FLASH, flash_attn_installed, resolve_attention
+    from onegpu.techniques.attention import (
+        SDPA_FLASH,
+        flash_attn_installed,
+        resolve_attention,
+    )
 
     precision = "bf16" if card.bf16 else "fp16"
     auto = resolve_attention(TechniquesConfig(), detect(), precision)
@@ -102,6 +106,7 @@ def test_pinned_memory_and_non_blocking_copies(card):
     """The loader pins batches on a GPU (the page-locking kernel itself is CUDA's: not run here),
     and training's non-blocking copy puts them on the card."""
     import cards
+
     from onegpu.config.sections import DataConfig
     from onegpu.data.batches import make_loader
 
@@ -119,6 +124,7 @@ def test_pinned_memory_and_non_blocking_copies(card):
 
 def test_fused_adamw_on_card_parameters(card):
     import cards
+
     from onegpu.config.sections import TrainingConfig
     from onegpu.techniques.optimizers import build_optimizer
 
@@ -154,7 +160,7 @@ def test_doctor_report(card):
         mp.setattr("shutil.which", lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name)
         assert doctor.driver_version() == "CUDA driver API 12.8"
     gpu = doctor.gpu_info()
-    assert gpu == {"name": card.name, "capability": "%d.%d" % card.capability,
+    assert gpu == {"name": card.name, "capability": "{}.{}".format(*card.capability),
                    "memory_gib": round(card.total_memory / 2**30, 1), "count": 1}
     checks = {c.name: c for c in doctor.check_precision()}
     assert checks["bf16"].ok == card.bf16 and checks["tf32"].ok == card.bf16

@@ -3,10 +3,10 @@ make_accelerator, LossFn and train_step (not a copy). Runs inside a card's proce
 
 from __future__ import annotations
 
+import cards
 import pytest
 import torch
 
-import cards
 from onegpu.config import Config, TechniquesConfig
 from onegpu.hardware import detect
 
@@ -25,8 +25,8 @@ def _model(moe: bool = False):
     """A tiny Llama (or Mixtral) built on the meta device, as a loaded model would be shaped."""
     import transformers
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    kw = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "use_cache": False}
     config = (transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw) if moe
               else transformers.LlamaConfig(tie_word_embeddings=True, **kw))
     with torch.device("meta"):
@@ -119,7 +119,7 @@ def test_lora_step(card):
 
 def test_fused_loss_step(card):
     _every_step(card)
-    model, opt, _, _ = step(TechniquesConfig(loss="fused", loss_chunk_size=8))
+    _, opt, _, _ = step(TechniquesConfig(loss="fused", loss_chunk_size=8))
     assert _stepped(opt)
 
 

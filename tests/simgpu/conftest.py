@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 import cards
+import pytest
 
 if os.environ.get(cards.ENV_CARD):
     cards.install(cards.current())

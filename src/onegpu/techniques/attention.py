@@ -162,7 +162,8 @@ def flash_blocker(query, attention_mask) -> str | None:
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"{str(query.dtype).removeprefix('torch.')} inputs"
     if query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) < (8, 0):
-        return "compute capability %d.%d (flash needs 8.0+)" % torch.cuda.get_device_capability(query.device)
+        major, minor = torch.cuda.get_device_capability(query.device)
+        return f"compute capability {major}.{minor} (flash needs 8.0+)"
     return None
 
 

@@ -7,7 +7,7 @@ imported only when asked for, and a missing one raises an UnavailableError with 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
