@@ -24,7 +24,11 @@ def simulated_peak(config, setup, seq: int) -> int:
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
         accuracy.step_peak(config, setup, seq, steps=1)
     peak = tracker.get_tracker_snapshot("peak")
-    return max(v["Total"] for k, v in peak.items() if isinstance(k, torch.device) and k.type == "cuda")
+    return max(
+        v["Total"]
+        for k, v in peak.items()
+        if isinstance(k, torch.device) and k.type == "cuda"
+    )
 
 
 def main() -> int:
@@ -37,15 +41,25 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("simgpu_vs_real: no CUDA GPU; nothing to compare")
         return 0
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
-                                      num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                                      use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        use_cache=False,
+    )
     print(f"{'setup':<28} {'simulated MiB':>14} {'real MiB':>10} {'sim/real':>9}")
     for ckpt in ("off", "full", "every-n"):
-        setup = Candidate(micro_batch=4, grad_accum=1, precision="bf16", checkpointing=ckpt)
+        setup = Candidate(
+            micro_batch=4, grad_accum=1, precision="bf16", checkpointing=ckpt
+        )
         sim = simulated_peak(config, setup, 1024)
         real = accuracy.step_peak(config, setup, 1024)["peak_bytes"]
-        print(f"{'bf16, checkpointing ' + ckpt:<28} {sim / 2**20:>14.1f} {real / 2**20:>10.1f} {sim / real:>9.3f}")
+        print(
+            f"{'bf16, checkpointing ' + ckpt:<28} {sim / 2**20:>14.1f} {real / 2**20:>10.1f} {sim / real:>9.3f}"
+        )
     return 0
 
 

@@ -24,8 +24,12 @@ EXPECTED = {
 
 def test_detected_device_is_the_card(card):
     d = detect()
-    assert (d.type, d.name, d.total_memory, d.capability) == ("cuda", card.name, card.total_memory,
-                                                              card.capability)
+    assert (d.type, d.name, d.total_memory, d.capability) == (
+        "cuda",
+        card.name,
+        card.total_memory,
+        card.capability,
+    )
     assert d.bf16 == card.bf16 and d.tf32 == card.bf16
 
 
@@ -61,7 +65,9 @@ def test_shape_advice_multiple(card, caplog):
     assert preferred_multiple(precision, detect()) == want
     with caplog.at_level(logging.WARNING):
         found = check_shapes(8, 1004, 4096, precision, detect())
-    assert len(found) == 1 and f"data.seq_len=1004 is not a multiple of {want}" in found[0]
+    assert (
+        len(found) == 1 and f"data.seq_len=1004 is not a multiple of {want}" in found[0]
+    )
 
 
 def test_catalogue_match(card):
@@ -115,7 +121,9 @@ def test_pinned_memory_and_non_blocking_copies(card):
             return self
 
     rows = Rows([torch.arange(4)] * 4)
-    loader = make_loader(rows, [[0, 1], [2, 3]], torch.stack, DataConfig(), on_gpu=detect().is_gpu)
+    loader = make_loader(
+        rows, [[0, 1], [2, 3]], torch.stack, DataConfig(), on_gpu=detect().is_gpu
+    )
     assert loader.pin_memory
     with cards.fake_cuda():
         moved = torch.stack(list(rows[:2])).to("cuda", non_blocking=True)
@@ -128,15 +136,21 @@ def test_fused_adamw_on_card_parameters(card):
     from onegpu.config.sections import TrainingConfig
     from onegpu.techniques.optimizers import build_optimizer
 
-    model = torch.nn.Linear(16, 16, device="meta")  # built outside the fake mode, moved inside it
+    model = torch.nn.Linear(
+        16, 16, device="meta"
+    )  # built outside the fake mode, moved inside it
     with cards.fake_cuda():
         cards.on_card(model)
-        opt = build_optimizer(model, TechniquesConfig(optimizer="adamw"), TrainingConfig())
+        opt = build_optimizer(
+            model, TechniquesConfig(optimizer="adamw"), TrainingConfig()
+        )
         assert opt.defaults["fused"] is True
         model(torch.ones(2, 16, device="cuda")).sum().backward()
         opt.step()  # the fused CUDA kernel's fake: the step counter stays on the card
         assert opt.state[model.weight]["step"].device.type == "cuda"
-        foreach = build_optimizer(model, TechniquesConfig(optimizer="adamw-foreach"), TrainingConfig())
+        foreach = build_optimizer(
+            model, TechniquesConfig(optimizer="adamw-foreach"), TrainingConfig()
+        )
     assert foreach.defaults["foreach"] is True and not foreach.defaults["fused"]
 
 
@@ -148,7 +162,9 @@ def test_paged_optimizer_is_paged_on_a_gpu(card, caplog):
 
     model = torch.nn.Linear(64, 64)  # still on the CPU, as in training's assembly
     with caplog.at_level(logging.INFO):
-        opt = build_optimizer(model, TechniquesConfig(optimizer="paged-adamw-8bit"), TrainingConfig())
+        opt = build_optimizer(
+            model, TechniquesConfig(optimizer="paged-adamw-8bit"), TrainingConfig()
+        )
     assert type(opt).__name__ == "PagedAdamW8bit" and opt.is_paged
     assert "runs as adamw-8bit" not in caplog.text
 
@@ -157,11 +173,18 @@ def test_doctor_report(card):
     from onegpu.cli import doctor
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("shutil.which", lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name)
+        mp.setattr(
+            "shutil.which",
+            lambda name: None if name == "nvidia-smi" else "/usr/bin/" + name,
+        )
         assert doctor.driver_version() == "CUDA driver API 12.8"
     gpu = doctor.gpu_info()
-    assert gpu == {"name": card.name, "capability": "{}.{}".format(*card.capability),
-                   "memory_gib": round(card.total_memory / 2**30, 1), "count": 1}
+    assert gpu == {
+        "name": card.name,
+        "capability": "{}.{}".format(*card.capability),
+        "memory_gib": round(card.total_memory / 2**30, 1),
+        "count": 1,
+    }
     checks = {c.name: c for c in doctor.check_precision()}
     assert checks["bf16"].ok == card.bf16 and checks["tf32"].ok == card.bf16
     if not card.bf16:

@@ -18,10 +18,14 @@ def test_tf32_switches_survive_the_new_api(card):
     from onegpu.techniques.prepare import global_switches
 
     saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = "tf32"  # what TrainingArguments(tf32=True) does
+    torch.backends.cuda.matmul.fp32_precision = (
+        "tf32"  # what TrainingArguments(tf32=True) does
+    )
     try:
         with global_switches(Config(), detect()):
-            assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if card.bf16 else "ieee")
+            assert torch.backends.cuda.matmul.fp32_precision == (
+                "tf32" if card.bf16 else "ieee"
+            )
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
@@ -32,7 +36,9 @@ def test_inference_bf16_follows_training_rule(card):
     from onegpu.errors import UnavailableError
     from onegpu.infer.loading import _resolve_dtype
 
-    assert _resolve_dtype("auto", "cuda") == (torch.bfloat16 if card.bf16 else torch.float16)
+    assert _resolve_dtype("auto", "cuda") == (
+        torch.bfloat16 if card.bf16 else torch.float16
+    )
     if card.bf16:
         assert _resolve_dtype("bf16", "cuda") == torch.bfloat16
     else:
@@ -65,15 +71,24 @@ def test_accuracy_peak_leaves_out_what_earlier_setups_hold(card):
     from onegpu.plan import accuracy
     from onegpu.plan.candidate import Candidate
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_cache=False,
+    )
     setup = Candidate(precision="bf16", micro_batch=1, grad_accum=1)
 
     class Cycle:
         pass
 
     with cards.fake_cuda():
-        accuracy.step_peak(config, setup, 16, steps=1)  # one-time set-up (autocast, kernels' caches)
+        accuracy.step_peak(
+            config, setup, 16, steps=1
+        )  # one-time set-up (autocast, kernels' caches)
         clean = accuracy.step_peak(config, setup, 16, steps=1)["peak_bytes"]
         kept = torch.empty(2**20, device="cuda")  # held by the caller: 4 MiB
         cycle = Cycle()
@@ -99,10 +114,20 @@ def test_flash_only_sdpa_says_which_kernel_ran(card, case, caplog):
         num_key_value_groups = 1
 
     attention._REPORTED.clear()
-    dtype = torch.float32 if case == "fp32" else torch.bfloat16 if card.bf16 else torch.float16
+    dtype = (
+        torch.float32
+        if case == "fp32"
+        else torch.bfloat16
+        if card.bf16
+        else torch.float16
+    )
     with cards.fake_cuda(), caplog.at_level(logging.INFO):
         q = torch.empty(2, 2, 16, 32, device="cuda", dtype=dtype)
-        mask = torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool) if case == "padded" else None
+        mask = (
+            torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool)
+            if case == "padded"
+            else None
+        )
         out, _ = attention._sdpa_flash_attention(Layer(), q, q, q, mask, dropout=0.0)
     assert out.shape == (2, 16, 2, 32)
     ran_flash = case == "unpadded" and card.capability >= (8, 0)
@@ -125,7 +150,9 @@ def test_moe_experts_kernel_fits_the_weights(card, precision):
 
     model = _model(moe=True).to(weights_dtype(precision))
     assert apply_moe_aux_loss(model)
-    assert model.config._experts_implementation == ("grouped_mm" if precision == "bf16-pure" else "eager")
+    assert model.config._experts_implementation == (
+        "grouped_mm" if precision == "bf16-pure" else "eager"
+    )
     if precision == "bf16-pure":
         _, opt, _, _ = step(TechniquesConfig(precision=precision), moe=True)
         assert any(s for s in opt.optimizer.state.values())

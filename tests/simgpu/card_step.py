@@ -25,12 +25,25 @@ def _model(moe: bool = False):
     """A tiny Llama (or Mixtral) built on the meta device, as a loaded model would be shaped."""
     import transformers
 
-    kw = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "use_cache": False}
-    config = (transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw) if moe
-              else transformers.LlamaConfig(tie_word_embeddings=True, **kw))
+    kw = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "use_cache": False,
+    }
+    config = (
+        transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw)
+        if moe
+        else transformers.LlamaConfig(tie_word_embeddings=True, **kw)
+    )
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        return transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa"
+        )
 
 
 def _batch(pad: int = 0) -> dict:
@@ -42,7 +55,12 @@ def _batch(pad: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def step(tcfg: TechniquesConfig, micro: int = 1, moe: bool = False, value: float = cards.VALUE):
+def step(
+    tcfg: TechniquesConfig,
+    micro: int = 1,
+    moe: bool = False,
+    value: float = cards.VALUE,
+):
     """Prepare a tiny model as training does, then run one train_step on the card; returns
     (model, optimizer, accelerator, loss)."""
     from onegpu.techniques.optimizers import build_optimizer
@@ -61,11 +79,19 @@ def step(tcfg: TechniquesConfig, micro: int = 1, moe: bool = False, value: float
         cards.on_card(model).train()
         optimizer = build_optimizer(model, cfg.techniques, cfg.training)
         accelerator = make_accelerator(cfg, device, precision)
-        accelerator.device_placement = False  # on the card already: see cards.py, "placement"
+        accelerator.device_placement = (
+            False  # on the card already: see cards.py, "placement"
+        )
         model, optimizer = accelerator.prepare(model, optimizer)
         loss_fn = make_loss_fn(cfg, VOCAB, device.is_gpu)
-        loss, tokens = train_step(model, optimizer, [_batch() for _ in range(micro)], accelerator, 1.0,
-                                  loss_fn)
+        loss, tokens = train_step(
+            model,
+            optimizer,
+            [_batch() for _ in range(micro)],
+            accelerator,
+            1.0,
+            loss_fn,
+        )
     assert tokens == 32 * micro and loss.device.type == "cuda"
     return model, optimizer, accelerator, loss
 
@@ -78,14 +104,18 @@ def _stepped(optimizer) -> bool:
 def test_autocast_step_on_the_card(card):
     """precision=auto: bf16 autocast (fp16 with a GradScaler on the T4); weights stay fp32."""
     model, opt, acc, _ = step(TechniquesConfig())
-    assert acc.device.type == "cuda" and acc.mixed_precision == ("bf16" if card.bf16 else "fp16")
+    assert acc.device.type == "cuda" and acc.mixed_precision == (
+        "bf16" if card.bf16 else "fp16"
+    )
     assert (acc.scaler is not None) == (not card.bf16)  # loss scaling only for fp16
     w = next(model.parameters())
     assert w.device.type == "cuda" and w.dtype == torch.float32
     assert _stepped(opt)
     with cards.fake_cuda(), acc.autocast():
         logits = model(**{k: v.to("cuda") for k, v in _batch().items()}).logits
-    assert logits.dtype == torch.float32 or logits.dtype == (torch.bfloat16 if card.bf16 else torch.float16)
+    assert logits.dtype == torch.float32 or logits.dtype == (
+        torch.bfloat16 if card.bf16 else torch.float16
+    )
 
 
 def test_fp16_scaler_skips_an_inf_step(card):
@@ -104,8 +134,12 @@ def test_checkpointing_modes(card, mode):
     _every_step(card)
     from onegpu.techniques.checkpointing import checkpointed_layers
 
-    model, opt, _, _ = step(TechniquesConfig(checkpointing=mode, precision="fp32"), micro=2)
-    assert len(checkpointed_layers(model)) == (1 if mode == "every-n" else 2) and _stepped(opt)
+    model, opt, _, _ = step(
+        TechniquesConfig(checkpointing=mode, precision="fp32"), micro=2
+    )
+    assert len(checkpointed_layers(model)) == (
+        1 if mode == "every-n" else 2
+    ) and _stepped(opt)
 
 
 def test_lora_step(card):
@@ -128,4 +162,6 @@ def test_optimizer_in_backward_step(card):
     _, opt, _, _ = step(TechniquesConfig(optimizer_in_backward=True, precision="fp32"))
     inner = opt.optimizer
     assert type(inner).__name__ == "OptimizerInBackward"
-    assert all(o.state for o in inner.inner)  # every parameter's optimizer stepped inside backward
+    assert all(
+        o.state for o in inner.inner
+    )  # every parameter's optimizer stepped inside backward

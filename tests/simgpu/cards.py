@@ -74,9 +74,15 @@ class Card:
 
 # Total memory is what the driver leaves visible (nvidia-smi's MiB x 2**20).
 CARDS = {
-    "H100": Card("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * 2**20, 132, 50 * 2**20),
-    "RTX4090": Card("RTX4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * 2**20, 128, 72 * 2**20),
-    "A100": Card("A100", "NVIDIA A100-SXM4-80GB", (8, 0), 81154 * 2**20, 108, 40 * 2**20),
+    "H100": Card(
+        "H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * 2**20, 132, 50 * 2**20
+    ),
+    "RTX4090": Card(
+        "RTX4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * 2**20, 128, 72 * 2**20
+    ),
+    "A100": Card(
+        "A100", "NVIDIA A100-SXM4-80GB", (8, 0), 81154 * 2**20, 108, 40 * 2**20
+    ),
     "T4": Card("T4", "Tesla T4", (7, 5), 15102 * 2**20, 40, 4 * 2**20),
 }
 
@@ -93,7 +99,10 @@ def build_shim(cache: Path) -> tuple[Path | None, str]:
     torch version changes; ~3 s with g++."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
-        return None, "no C++ compiler (g++ or c++, or $CXX) to build tests/simgpu/shim.cpp"
+        return (
+            None,
+            "no C++ compiler (g++ or c++, or $CXX) to build tests/simgpu/shim.cpp",
+        )
     tdir = torch_dir()
     if not (tdir / "include" / "ATen" / "detail" / "CUDAHooksInterface.h").is_file():
         return None, f"the installed torch ({tdir}) ships no C++ headers"
@@ -105,13 +114,32 @@ def build_shim(cache: Path) -> tuple[Path | None, str]:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     lib = tdir / "lib"
-    cmd = [compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{tdir / 'include'}", str(src),
-           "-o", str(tmp), f"-L{lib}", "-Wl,--no-as-needed", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    cmd = [
+        compiler,
+        "-std=c++17",
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-w",
+        f"-I{tdir / 'include'}",
+        str(src),
+        "-o",
+        str(tmp),
+        f"-L{lib}",
+        "-Wl,--no-as-needed",
+        f"-Wl,-rpath,{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         # C++20 is what newer torch headers need; try it before giving up.
-        done = subprocess.run([c.replace("c++17", "c++20") for c in cmd], capture_output=True, text=True,
-                              check=False)
+        done = subprocess.run(
+            [c.replace("c++17", "c++20") for c in cmd],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     if done.returncode:
         return None, f"building shim.cpp failed: {done.stderr.strip()[-400:]}"
     tmp.replace(out)
@@ -122,11 +150,32 @@ def run_card(card: str, shim: Path, paths: list[str], timeout: int = 600):
     """Run pytest on ``paths`` in a fresh process that sees ``card``; returns the CompletedProcess."""
     env = dict(os.environ, LD_PRELOAD=str(shim), **{ENV_CARD: card})
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CUDA accelerator would load the real CUDA runtime
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--no-header", "-rfE",
-           "-o", "python_files=card_*.py", *paths]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=HERE.parent.parent)
+    env["DS_ACCELERATOR"] = (
+        "cpu"  # DeepSpeed's CUDA accelerator would load the real CUDA runtime
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "--no-header",
+        "-rfE",
+        "-o",
+        "python_files=card_*.py",
+        *paths,
+    ]
+    return subprocess.run(
+        cmd,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=HERE.parent.parent,
+    )
 
 
 # -------------------------------------------------------------------- inside a card's process
@@ -166,9 +215,14 @@ def install(card: Card) -> None:
         "get_device_properties": lambda device=None: Props(card),
         "get_device_capability": lambda device=None: card.capability,
         "get_device_name": lambda device=None: card.name,
-        "is_bf16_supported": lambda including_emulation=True: card.bf16 or including_emulation,
+        "is_bf16_supported": lambda including_emulation=True: (
+            card.bf16 or including_emulation
+        ),
         "synchronize": lambda device=None: None,
-        "mem_get_info": lambda device=None: (card.total_memory - mem.allocated(), card.total_memory),
+        "mem_get_info": lambda device=None: (
+            card.total_memory - mem.allocated(),
+            card.total_memory,
+        ),
         "_lazy_init": lambda: None,
         "is_initialized": lambda: True,
         "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
@@ -235,7 +289,9 @@ def _card_mode(fake_mode):
 
     def on_card(args, kwargs) -> bool:
         for x in pytree.tree_leaves((args, kwargs)):
-            if isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda"):
+            if isinstance(x, FakeTensor) or (
+                isinstance(x, torch.device) and x.type == "cuda"
+            ):
                 return True
         return False
 
@@ -246,15 +302,19 @@ def _card_mode(fake_mode):
             if not on_card(args, kwargs) and not kwargs.get("pin_memory"):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(), float()
+            if (
+                func is torch.ops.aten._local_scalar_dense.default
+            ):  # .item(), bool(), float()
                 return _scalar(args[0].dtype)
             if func is torch.ops.aten.allclose.default:
                 return True
             # Real host tensors bound for the card become fake first: the fake mode would run an op
             # whose inputs are all real for real, on a CUDA backend that is not there.
             args, kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
-                (args, kwargs))
+                torch.Tensor,
+                lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
+                (args, kwargs),
+            )
             out = func(*args, **kwargs)
             MEMORY.record(out)
             return out
@@ -323,4 +383,7 @@ def batch(vocab: int, size: int = 2, seq: int = 16, pad: int = 0) -> dict:
     if pad:
         mask[:, -pad:] = 0
         labels[:, -pad:] = -100
-    return {k: v.to("cuda") for k, v in {"input_ids": ids, "attention_mask": mask, "labels": labels}.items()}
+    return {
+        k: v.to("cuda")
+        for k, v in {"input_ids": ids, "attention_mask": mask, "labels": labels}.items()
+    }

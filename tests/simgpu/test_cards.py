@@ -7,12 +7,17 @@ import pytest
 
 pytestmark = pytest.mark.simgpu
 
-CHECKS = ["tests/simgpu/card_decisions.py", "tests/simgpu/card_step.py",
-          "tests/simgpu/card_risks.py"]
+CHECKS = [
+    "tests/simgpu/card_decisions.py",
+    "tests/simgpu/card_step.py",
+    "tests/simgpu/card_risks.py",
+]
 
 
 @pytest.mark.parametrize("card", list(cards.CARDS))
 def test_card(card, shim):
     """Every card-dependent decision, the training step and (H100) the loop, on a simulated card."""
     done = cards.run_card(card, shim, CHECKS)
-    assert done.returncode == 0, f"{card}:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"{card}:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
+    )
