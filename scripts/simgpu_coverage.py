@@ -39,8 +39,9 @@ CUDA_CALL = re.compile(
 )
 # Why a line cannot run on a simulated card: a real kernel with no fake implementation.
 NO_FAKE = [
+    (re.compile(r"torchao|\bao\.|tinygemm|Int4|quantization"), "torchao's int4 CUDA kernel (tinygemm; no fake)"),
     (
-        re.compile(r"bitsandbytes|bnb|compiled_with_cuda|quantiz", re.IGNORECASE),
+        re.compile(r"bitsandbytes|bnb|compiled_with_cuda|device_map", re.IGNORECASE),
         "bitsandbytes' CUDA kernels (no fake)",
     ),
     (

@@ -189,3 +189,25 @@ def test_doctor_report(card):
     assert checks["bf16"].ok == card.bf16 and checks["tf32"].ok == card.bf16
     if not card.bf16:
         assert "precision=fp16" in checks["bf16"].hint
+
+
+def test_unknown_card_is_named_in_the_refusal(card):
+    """A card missing from the catalogue gets no guessed speed: the planner says which card."""
+    from onegpu.errors import UnavailableError
+    from onegpu.hardware import DeviceInfo, spec_from_device
+
+    other = DeviceInfo("cuda", "NVIDIA Quadro Imaginary 9000", card.total_memory, card.capability)
+    assert match_device(other) is None
+    with pytest.raises(UnavailableError, match="Quadro Imaginary 9000"):
+        spec_from_device(other)
+
+
+def test_matmul_peak_is_measured_in_bf16_on_the_card(card):
+    import cards
+
+    from onegpu.hardware import measure_matmul_flops
+
+    with cards.fake_cuda():
+        assert measure_matmul_flops("cuda", seconds=0.01) > 0
+        # the 8192 x 8192 bf16 operands lived on the card
+        assert cards.MEMORY.peak >= 2 * 8192 * 8192 * 2

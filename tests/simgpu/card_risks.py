@@ -96,6 +96,7 @@ def test_accuracy_peak_leaves_out_what_earlier_setups_hold(card):
         del cycle  # an earlier case's garbage: freed only by gc
         busy = accuracy.step_peak(config, setup, 16, steps=1)["peak_bytes"]
         del kept
+        assert accuracy.retained_bytes(config, setup, 16) > 0  # what forward keeps for backward
     assert clean > 0 and busy == clean
 
 

@@ -111,6 +111,9 @@ def test_autocast_step_on_the_card(card):
     w = next(model.parameters())
     assert w.device.type == "cuda" and w.dtype == torch.float32
     assert _stepped(opt)
+    from onegpu.report import device_memory_gb
+
+    assert device_memory_gb(acc.device) > 0  # the run's peak, read from the card's counters
     with cards.fake_cuda(), acc.autocast():
         logits = model(**{k: v.to("cuda") for k, v in _batch().items()}).logits
     assert logits.dtype == torch.float32 or logits.dtype == (
