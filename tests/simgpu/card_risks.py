@@ -1,5 +1,5 @@
-"""The risks found by reading the CUDA-only code (../shared notes §5), each pinned by a check that
-failed before its fix. Runs inside a card's process (test_cards.py)."""
+"""Bugs found by reading the CUDA-only code, each pinned by a check that failed before its fix.
+Runs inside a card's process (test_cards.py)."""
 
 from __future__ import annotations
 

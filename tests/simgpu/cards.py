@@ -35,7 +35,10 @@ Accelerate, PEFT and onegpu):
 - placement: a test puts the model on the card itself (``on_card``) before its optimizer is built
   and turns Accelerate's device placement off; moving fake parameters swaps their tensors, which
   drops hooks registered on them (optimizer in backward), where a real ``.to()`` keeps them;
-- the training loop runs with checkpoint writing and text generation off: they need real values.
+- page-locked host buffers (``pin_memory=True``, activation offload) are fake host tensors: the
+  CUDA host allocator is not there;
+- checkpoint writing, text generation and the CUDA RNG state stay out of the tier: they need real
+  values or the real driver.
 """
 
 from __future__ import annotations
