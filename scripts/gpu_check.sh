@@ -10,6 +10,7 @@
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
 #   dpo       benchmarks/bench_train.py gpu-dpo (DPO vs TRL's DPOTrainer)   -> dpo.log, train-gpu-dpo-*
+#   simpeak   scripts/simgpu_vs_real.py: simulated peak vs real max_memory_allocated -> simpeak.log
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. One 10-minute command on the
 # GPU machine holds "versions dry tests", "offload infer", "quick", "best" or "dpo" (see benchmarks/README.md).
@@ -44,14 +45,14 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload infer quick best dpo)
+ALL=(versions dry tests offload infer quick best dpo simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
     versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 240 ;;
-    quick|best|dpo) echo 560 ;; *) echo 300 ;;
+    quick|best|dpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
 
@@ -89,11 +90,13 @@ step_cmd() {
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
     dpo) "$PY" benchmarks/bench_train.py gpu-dpo --bench.out "$DIR" ;;
+    # the simulated tier's memory (fake tensors, MemTracker) against the card's allocator
+    simpeak) "$PY" scripts/simgpu_vs_real.py ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
   esac
 }
 
-needs_gpu() { case $1 in infer|quick|best|dpo) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|quick|best|dpo|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"

@@ -105,23 +105,19 @@ def test_auto_precision_follows_device():
 
 @pytest.fixture
 def restore_tf32():
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = P.tf32_state()
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-    torch.set_float32_matmul_precision(saved[2])
+    P.set_tf32(saved)
 
 
 def test_tf32_flags_default_on_for_ampere_and_off_elsewhere(restore_tf32, caplog):
     """The decision and the flags it sets; tests/gpu measures the effect on a real fp32 matmul."""
     caplog.set_level(logging.INFO, logger="onegpu")
     assert P.apply_tf32(TechniquesConfig(), A100) is True
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    assert torch.get_float32_matmul_precision() == "high"
+    assert P.tf32_state() == ("tf32", "tf32", "tf32")
     assert "TF32 matmuls on" in caplog.text
     assert P.apply_tf32(TechniquesConfig(tf32=False), A100) is False
-    assert not torch.backends.cuda.matmul.allow_tf32
-    assert torch.get_float32_matmul_precision() == "highest"
+    assert P.tf32_state() == ("ieee", "ieee", "ieee")
     assert P.apply_tf32(TechniquesConfig(), T4) is False
 
 
@@ -133,14 +129,13 @@ def test_run_switches_are_put_back_after_the_run(restore_tf32):
     from onegpu.techniques.compile import auto_compiles
     from onegpu.techniques.prepare import global_switches
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    P.set_tf32(False)
     torch._dynamo.config.suppress_errors = False
     cfg = Config(techniques=TechniquesConfig(tf32=None, compile="auto"))
     cfg.training.max_steps = 200  # long enough for compile=auto to compile where a compiler exists
     with global_switches(cfg, A100):
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
-    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
     if not auto_compiles(cfg, "cpu"):
         pytest.skip("no C++ compiler: compile=auto does not compile here")
     with global_switches(cfg, CPU):
@@ -150,7 +145,7 @@ def test_run_switches_are_put_back_after_the_run(restore_tf32):
 
 def test_tf32_requested_without_support_warns(restore_tf32, caplog):
     assert P.apply_tf32(TechniquesConfig(tf32=True), T4) is False
-    assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
     assert "tf32=true ignored" in caplog.text
 
 

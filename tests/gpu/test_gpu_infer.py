@@ -57,12 +57,15 @@ def test_torchao_on_cuda(kind, bf16, tiny_model_dir):
     assert (out - ref).abs().max() < 0.2 * ref.abs().max()
 
 
-def test_static_cache_and_inductor_compile_match_eager(bf16):
-    eager = generate(bf16.model, bf16.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=16, greedy=True))
-    compiled = generate(bf16.model, bf16.tokenizer, PROMPTS,
+def test_static_cache_and_inductor_compile_match_eager(tiny_model_dir):
+    """Greedy text must match exactly, so the model runs in fp32: a random bf16 model of hidden size
+    64 has near-ties between its top logits that bf16 rounding (kernel order) can flip."""
+    fp32 = load(_cfg(tiny_model_dir, dtype="fp32"))
+    eager = generate(fp32.model, fp32.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=16, greedy=True))
+    compiled = generate(fp32.model, fp32.tokenizer, PROMPTS,
                         SamplingConfig(max_new_tokens=16, greedy=True, compile="reduce-overhead"))
     assert [c.text for c in compiled] == [c.text for c in eager]
-    assert hasattr(bf16.model, "_compiled_call")
+    assert hasattr(fp32.model, "_compiled_call")
 
 
 def test_flash_attention_loads_in_bf16(tiny_model_dir):

@@ -82,10 +82,10 @@ def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
             torch.cuda.synchronize()
         return ((out.double() - exact).norm() / exact.norm()).item()
 
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = torch.backends.cuda.matmul.fp32_precision
     on, off = rel_error(None), rel_error(False)
     assert on > 1e-4 and off < 1e-5, (on, off)
-    assert torch.backends.cuda.matmul.allow_tf32 == before  # the run's switch is put back afterwards
+    assert torch.backends.cuda.matmul.fp32_precision == before  # the run's switch is put back afterwards
 
 
 def _kernel_names(fn) -> str:

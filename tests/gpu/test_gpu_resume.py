@@ -28,10 +28,16 @@ def test_checkpoint_holds_cuda_rng_and_scaler(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_resume_is_exact_on_cuda(tmp_path, tiny_model_dir, precision):
-    """Deterministic kernels make the second half repeat bitwise, as on CPU."""
+    """Deterministic kernels make the second half repeat bitwise, as on CPU: cuBLAS with a fixed
+    workspace (CUBLAS_WORKSPACE_CONFIG, set before CUDA starts: tests/gpu/conftest.py) and eager
+    attention, whose backward is deterministic where SDPA's memory-efficient backward is not."""
+    import os
+
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"precision": precision})
+        expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir,
+                                                    {"precision": precision, "attention": "eager"})
     finally:
         torch.use_deterministic_algorithms(False)
     assert got == expected

@@ -148,13 +148,22 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _resolve_dtype(name: str, device: str):
+def _resolve_dtype(name: str, device: str, field: str = "dtype"):
     import torch
 
+    from onegpu.hardware import detect
+
+    # bf16 on a GPU: native from Ampere (capability 8.0), the rule training uses (hardware.DeviceInfo.bf16);
+    # torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (T4, V100), and slow.
+    gpu = detect() if device == "cuda" else None
     if name == "auto":
-        if device != "cuda":
+        if gpu is None:
             return torch.float32  # bf16/fp16 matmuls are 10-40x slower than fp32 on most CPUs
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if gpu.bf16 else torch.float16
+    if name == "bf16" and gpu is not None and not gpu.bf16:
+        cap = ".".join(map(str, gpu.capability or ()))
+        raise UnavailableError(f"--{field} bf16: {gpu.name} (compute capability {cap}) has no native bf16; "
+                               "it needs an Ampere or newer GPU (capability 8.0+).", hint=f"use --{field} fp16")
     return getattr(torch, DTYPES[name])
 
 
@@ -180,7 +189,7 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     if cfg.quantization in BNB_KINDS:
         from onegpu.techniques.quantization import bnb_config, quiet_int8_cast_warning
 
-        compute = dtype if cfg.compute_dtype == "auto" else _resolve_dtype(cfg.compute_dtype, device)
+        compute = dtype if cfg.compute_dtype == "auto" else _resolve_dtype(cfg.compute_dtype, device, "compute_dtype")
         kwargs["quantization_config"] = bnb_config(cfg.quantization, compute, cfg.double_quant, cfg.int8_threshold)
         quiet_int8_cast_warning()
         if device == "cuda" and not cfg.device_map:

@@ -69,7 +69,7 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
     del loss, model
-    torch.cuda.empty_cache()
+    _baseline()
     return kept
 
 
@@ -80,6 +80,7 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
     from onegpu.training.step import train_step
 
     _require_cuda()
+    base = _baseline()
     model, opt, objective, accelerator = build(config, c)
     max_grad_norm = run_config(c).training.max_grad_norm
     rows = c.training.micro_batch_size
@@ -93,8 +94,21 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
         train_step(model, opt, micro, accelerator, max_grad_norm, objective)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    out = {"peak_bytes": torch.cuda.max_memory_allocated(),
+    out = {"peak_bytes": torch.cuda.max_memory_allocated() - base,
            "tokens_per_s": steps * c.effective_batch * seq / elapsed}
     del model, opt
-    torch.cuda.empty_cache()
+    _baseline()
     return out
+
+
+def _baseline() -> int:
+    """What this process holds on the device before a setup is built: earlier setups' reference
+    cycles collected first (del alone leaves them), then the bytes still allocated, which the
+    setup's own peak leaves out."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()

@@ -124,7 +124,7 @@ def _flash(model: ModelKernels, device_type: str, device_name: str) -> str:
         raise _refused("flash", model, device_type, True)
     register_sdpa_flash()
     why = "flash_attn package not installed" if model.flash else f"{model} has no flash_attention_2 support"
-    log.info("attention: SDPA with the FlashAttention kernel (%s)", why)
+    log.info("attention: SDPA with the FlashAttention kernel where it applies, else memory-efficient (%s)", why)
     return SDPA_FLASH
 
 
@@ -149,9 +149,32 @@ def register_sdpa_flash() -> str:
     return SDPA_FLASH
 
 
+_REPORTED: set[str] = set()  # why the memory-efficient kernel ran, each reason logged once
+
+
+def flash_blocker(query, attention_mask) -> str | None:
+    """Why SDPA's FlashAttention kernel cannot take this call (None: it can): it takes no explicit
+    mask, computes in fp16/bf16 only, and needs an Ampere or newer GPU."""
+    import torch
+
+    if attention_mask is not None:
+        return "an explicit attention mask (padding)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(query.dtype).removeprefix('torch.')} inputs"
+    if query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(query.device)
+        return f"compute capability {major}.{minor} (flash needs 8.0+)"
+    return None
+
+
 def _sdpa_flash_attention(module, query, key, value, attention_mask, **kwargs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    why = flash_blocker(query, attention_mask)
+    if why is not None and why not in _REPORTED:
+        _REPORTED.add(why)
+        log.info("attention=flash: SDPA runs its memory-efficient kernel, not FlashAttention, for %s", why)
 
     # Priority order: flash wherever it can run (no explicit mask, fp16/bf16), else mem-efficient.
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]

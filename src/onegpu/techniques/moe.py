@@ -6,16 +6,38 @@ router logits (off by default); without it a few experts take every token.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def apply_moe_aux_loss(model) -> bool:
-    """Make MoE models return their load-balancing loss (off by default in their configs)."""
+    """Make MoE models return their load-balancing loss (off by default in their configs), with
+    experts that can run in the weights' dtype (see ``experts_kernel``)."""
     config = model.config
     if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(config, "output_router_logits"):
         return False
     config.output_router_logits = True
+    kernel = experts_kernel(model)
+    if kernel != config._experts_implementation:
+        model.set_experts_implementation(kernel)
     return True
+
+
+def experts_kernel(model) -> str:
+    """transformers' default experts kernel, torch's grouped_mm, takes bf16 only on CUDA GPUs; under
+    fp32 master weights (precision bf16 with autocast, or fp32) it gets fp32 and stops the step
+    ("Expected inputs of BF16 type"). Those run the per-expert loop ("eager") there instead: the
+    same math, no (tokens x experts) gather. Training runs on CUDA whenever one is available."""
+    current = model.config._experts_implementation
+    weights = next(model.parameters()).dtype
+    if current == "grouped_mm" and weights != torch.bfloat16 and torch.cuda.is_available():
+        log.info("MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights only, "
+                 "these are %s)", str(weights).removeprefix("torch."))
+        return "eager"
+    return current
 
 
 def moe_aux_term(model, out, labels: torch.Tensor) -> torch.Tensor | float:

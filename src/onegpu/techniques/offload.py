@@ -30,6 +30,12 @@ def use_cpu_adam(cfg: Config, on_gpu: bool) -> bool:
             exc,
         )
         return False
+    # is_compatible() does not look at what the JIT build needs: ninja and a C++ compiler.
+    missing = _missing_build_tools()
+    if ok and missing:
+        log.warning("DeepSpeed CPU Adam cannot be built here (no %s); torch AdamW runs the offloaded "
+                    "optimizer step", " or ".join(missing))
+        return False
     if not ok:
         log.warning(
             "DeepSpeed CPU Adam cannot be built here; torch AdamW runs the offloaded optimizer step"
@@ -37,9 +43,27 @@ def use_cpu_adam(cfg: Config, on_gpu: bool) -> bool:
     return ok
 
 
-def cpu_adam(groups, lr: float, betas: tuple[float, float]):
-    """DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, like torch.optim.AdamW)."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+def _missing_build_tools() -> list[str]:
+    import importlib.util
+    import shutil
 
+    missing = [] if shutil.which("ninja") or importlib.util.find_spec("ninja") else ["ninja"]
+    cxx = os.environ.get("CXX") or "c++"
+    return missing + ([] if shutil.which(cxx) or shutil.which("g++") else ["C++ compiler"])
+
+
+def cpu_adam(groups, lr: float, betas: tuple[float, float]):
+    """DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, like torch.optim.AdamW); torch's AdamW
+    where its build fails after all (the first use compiles it), as use_cpu_adam documents."""
+    import torch
+
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+    except Exception as exc:  # noqa: BLE001 - a JIT build fails with anything from OSError to RuntimeError
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        log.warning("DeepSpeed CPU Adam failed to build (%s); torch AdamW runs the offloaded optimizer step", first)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
     log.info("optimizer: DeepSpeedCPUAdam (AdamW mode) on the offloaded state")
-    return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+    return opt

@@ -7,7 +7,7 @@ imported only when asked for, and a missing one raises an UnavailableError with 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -51,7 +51,9 @@ def build_optimizer(model, tcfg: TechniquesConfig, train: TrainingConfig) -> tor
     if name not in BUILDERS:
         raise ConfigError(f"techniques.optimizer: unknown optimizer '{name}'.",
                           hint=f"choose one of: {', '.join(BUILDERS)}")
-    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    # Training builds the optimizer before Accelerate moves the model to its device, and that device
+    # is the CUDA GPU whenever one is available (hardware.detect): the parameters alone would say CPU.
+    on_cuda = torch.cuda.is_available() or any(p.is_cuda for g in groups for p in g["params"])
     if tcfg.optimizer_in_backward:
         from onegpu.techniques.optimizer_in_backward import OptimizerInBackward
 

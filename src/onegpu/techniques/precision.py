@@ -64,18 +64,37 @@ def apply_tf32(tcfg: TechniquesConfig, device: DeviceInfo) -> bool:
     Default (tf32=None) is on for Ampere+ GPUs: fp32 matmuls then run on tensor cores with a 10-bit
     mantissa, which training tolerates. Asking for it where there is none is ignored with a warning.
     """
-    import torch
-
     want = device.tf32 if tcfg.tf32 is None else tcfg.tf32
     if want and not device.tf32:
         log.warning("techniques.tf32=true ignored: %s has no TF32 tensor cores (needs an Ampere+ GPU)", device.name)
         want = False
-    torch.backends.cuda.matmul.allow_tf32 = want
-    torch.backends.cudnn.allow_tf32 = want
-    torch.set_float32_matmul_precision("high" if want else "highest")
+    set_tf32(want)
     if device.type == "cuda":
         log.info("TF32 matmuls %s", "on" if want else "off")
     return want
+
+
+# torch >= 2.9 has two APIs for TF32 (allow_tf32 / set_float32_matmul_precision, and per-backend
+# fp32_precision); once anything in the process uses the new one (transformers' TrainingArguments(tf32=True)
+# does), reading a legacy flag raises. So TF32 is set and read through the new API only.
+def _tf32_backends() -> tuple:
+    import torch
+
+    b = torch.backends
+    return b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn
+
+
+def tf32_state() -> tuple[str, ...]:
+    """The fp32 precision of each CUDA backend ("tf32", "ieee" or "none" = unset), to restore later."""
+    return tuple(b.fp32_precision for b in _tf32_backends())
+
+
+def set_tf32(on: bool | tuple[str, ...]) -> None:
+    """TF32 on or off for CUDA matmuls and cuDNN, or a saved ``tf32_state()`` put back."""
+    backends = _tf32_backends()
+    values = on if isinstance(on, tuple) else ("tf32" if on else "ieee",) * len(backends)
+    for backend, value in zip(backends, values):
+        backend.fp32_precision = value
 
 
 def warn_fp16_on_bf16_model(model_config, precision: str) -> bool:

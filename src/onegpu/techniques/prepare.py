@@ -86,16 +86,14 @@ def global_switches(cfg: Config, device: DeviceInfo):
     import torch._dynamo
 
     from onegpu.techniques.compile import auto_compiles
-    from onegpu.techniques.precision import apply_tf32
+    from onegpu.techniques.precision import apply_tf32, set_tf32, tf32_state
 
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision(), torch._dynamo.config.suppress_errors)
+    saved = (tf32_state(), torch._dynamo.config.suppress_errors)
     try:
         apply_tf32(cfg.techniques, device)
         if auto_compiles(cfg, device.type):
             torch._dynamo.config.suppress_errors = True
         yield
     finally:
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
-        torch._dynamo.config.suppress_errors = saved[3]
+        set_tf32(saved[0])
+        torch._dynamo.config.suppress_errors = saved[1]

@@ -30,6 +30,7 @@ def fit(run, accelerator, metrics: MetricsLog, state: TrainState | None = None,
     window = {"tokens": 0, "t0": time.perf_counter(), "loss": None, "steps": 0}
     if not resumed:
         evaluate_and_log(run, accelerator, metrics, state)  # the untrained baseline: step 0
+        window["t0"] = time.perf_counter()  # training speed leaves the baseline evaluation out
     for cb in callbacks:
         cb.on_train_begin(run, state)
     if getattr(state, "rng", None) is not None:

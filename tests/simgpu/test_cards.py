@@ -1,0 +1,23 @@
+"""The simulated-GPU tier: each card's checks (card_*.py) run in one process that sees that card."""
+
+from __future__ import annotations
+
+import cards
+import pytest
+
+pytestmark = pytest.mark.simgpu
+
+CHECKS = [
+    "tests/simgpu/card_decisions.py",
+    "tests/simgpu/card_step.py",
+    "tests/simgpu/card_risks.py",
+]
+
+
+@pytest.mark.parametrize("card", list(cards.CARDS))
+def test_card(card, shim):
+    """Every card-dependent decision, the training step and (H100) the loop, on a simulated card."""
+    done = cards.run_card(card, shim, CHECKS)
+    assert done.returncode == 0, (
+        f"{card}:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
+    )
