@@ -57,7 +57,7 @@ def test_tf32_default_sets_the_cuda_backends(card):
 
 
 def test_shape_advice_multiple(card, caplog):
-    from onegpu.techniques.batchsize import check_shapes, preferred_multiple
+    from onegpu.training.startup import check_shapes, preferred_multiple
     from onegpu.techniques.precision import resolve_precision
 
     precision = resolve_precision(TechniquesConfig(), detect())
