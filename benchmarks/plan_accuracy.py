@@ -34,11 +34,11 @@ def models():
 
 
 def setups():
-    from onegpu.plan.candidate import Candidate as C
+    from onegpu.plan.candidate import setup as C
 
-    return [C(8, 1, "bf16"), C(8, 1, "bf16", "full"), C(8, 1, "bf16", "every-n"), C(16, 1, "bf16", "full"),
-            C(8, 1, "bf16-pure"), C(8, 2, "bf16", optimizer="adamw-8bit"), C(8, 1, "bf16", "full", loss_chunk=4096),
-            C(8, 1, "bf16", "full", lora_rank=16)]
+    return [C(8, 1, precision='bf16'), C(8, 1, precision='bf16', checkpointing='full'), C(8, 1, precision='bf16', checkpointing='every-n'), C(16, 1, precision='bf16', checkpointing='full'),
+            C(8, 1, precision='bf16-pure'), C(8, 2, precision='bf16', optimizer='adamw-8bit'), C(8, 1, precision='bf16', checkpointing='full', loss_chunk_size=4096),
+            C(8, 1, precision='bf16', checkpointing='full', lora={"r": 16})]
 
 
 def main(argv=None) -> int:
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             rows.append({"model": name, "setup": c.label(), "pred_gb": mem.peak / 2**30,
                          "meas_gb": got["peak_bytes"] / 2**30, "pred_tok_s": pred.tokens_per_s,
                          "meas_tok_s": got["tokens_per_s"], "calibrated": pred.calibrated,
-                         "efficiency": got["tokens_per_s"] * pred.flops_per_token / (spec.peak_tflops(c.precision) * 1e12)})
+                         "efficiency": got["tokens_per_s"] * pred.flops_per_token / (spec.peak_tflops(c.techniques.precision) * 1e12)})
             print(_row(rows[-1]), flush=True)
     if args.calibrate and rows:
         best = max(rows, key=lambda r: r["efficiency"] if r["efficiency"] == r["efficiency"] else 0)

@@ -9,6 +9,9 @@ what the planner's peak predicts (without fragmentation or the CUDA context).
 No download: the model is built from its config on the meta device; activations are measured on
 CPU as the planner always does (several minutes the first time, cached afterwards).
 
+Then torchtune's Llama-3.1-8B full fine-tune on one RTX 4090 (18.9 GiB): does the search find it
+(row key llama_8b_4090), and at what predicted peak.
+
     python benchmarks/plan_vs_published.py [--rows packed,compile] [--out benchmarks/results]
 """
 
@@ -23,7 +26,10 @@ from pathlib import Path
 
 GIB = 2**30
 SEQ_LEN = 4096
-LORA_TARGETS = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
+MICRO_BATCH = 2
+LORA_TARGETS = (
+    "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
+)
 
 
 @dataclass
@@ -31,37 +37,63 @@ class Row:
     key: str
     technique: str
     published_gib: float
-    setup: dict | None  # Candidate fields; None: onegpu cannot express this row
+    setup: (
+        dict | None
+    )  # TechniquesConfig overrides (candidate.setup); None: onegpu cannot express it
     note: str = ""
 
 
 def rows(chunk: int) -> list[Row]:
     """torchtune's rows as onegpu setups. Full fine-tune rows: bf16 weights (bf16-pure), torch AdamW
     (onegpu's adamw: fused on a GPU, no whole-model temporaries, which their 24.9 GiB row implies)."""
-    base = dict(micro_batch=2, grad_accum=1, precision="bf16-pure", optimizer="adamw")
+    base = {"precision": "bf16-pure", "optimizer": "adamw"}
     packed = dict(base)
     comp = dict(packed, compile="default")
-    chunked = dict(comp, loss_chunk=chunk)
+    chunked = dict(comp, loss_chunk_size=chunk)
     ckpt = dict(chunked, checkpointing="full")
-    in_bwd = dict(ckpt, in_backward=True)
-    offload = dict(in_bwd, checkpointing="offload")
+    in_bwd = dict(ckpt, optimizer_in_backward=True)
+    offload = dict(in_bwd, activation_offload=True)  # torchtune offloads the checkpointed inputs
     eight = dict(offload, optimizer="adamw-8bit")
-    lora = dict(offload, in_backward=False, lora_rank=64, lora_targets=LORA_TARGETS)  # lora.dtype auto: bf16
-    qlora = dict(lora, quantize_base="nf4")
+    lora = dict(
+        offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS}
+    )  # dtype auto: bf16
+    qlora = dict(lora, lora={"r": 64, "targets": LORA_TARGETS, "quantize_base": "nf4"})
     return [
-        Row("baseline", "Baseline (unpacked)", 25.5, None,
+        Row(
+            "baseline",
+            "Baseline (unpacked)",
+            25.5,
+            None,
             "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on the "
-            "dataset's length distribution, which the planner does not model (it plans full rows)"),
+            "dataset's length distribution, which the planner does not model (it plans full rows)",
+        ),
         Row("packed", "+ Packed Dataset", 60.0, packed),
-        Row("compile", "+ Compile", 51.0, comp, "compile's memory: elementwise intermediates recomputed (modelled)"),
-        Row("chunked", "+ Chunked Cross Entropy", 42.9, chunked,
+        Row(
+            "compile",
+            "+ Compile",
+            51.0,
+            comp,
+            "compile's memory: elementwise intermediates recomputed (modelled)",
+        ),
+        Row(
+            "chunked",
+            "+ Chunked Cross Entropy",
+            42.9,
+            chunked,
             "onegpu's fused loss (gradients in the forward) stands in for torchtune's chunked CE, "
-            "which keeps the whole bf16 logits"),
+            "which keeps the whole bf16 logits",
+        ),
         Row("ckpt", "+ Activation Checkpointing", 24.9, ckpt),
         Row("in_bwd", "+ Fuse optimizer step into backward", 23.1, in_bwd),
         Row("offload", "+ Activation Offloading", 21.8, offload),
         Row("adamw8bit", "+ 8-bit AdamW", 17.6, eight, "bitsandbytes AdamW8bit"),
-        Row("lora", "LoRA", 8.5, lora, "rank 64, bf16 adapters (torchtune trains them in bf16)"),
+        Row(
+            "lora",
+            "LoRA",
+            8.5,
+            lora,
+            "rank 64, bf16 adapters (torchtune trains them in bf16)",
+        ),
         Row("qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"),
     ]
 
@@ -72,7 +104,7 @@ def predict(selected: list[str] | None = None) -> dict:
     from onegpu.config import TechniquesConfig
     from onegpu.plan import memory
     from onegpu.plan.arch import _shape_of
-    from onegpu.plan.candidate import Candidate
+    from onegpu.plan.candidate import setup
     from onegpu.plan.published import LLAMA_3_2_3B
     from onegpu.techniques.loss import fused_chunk
 
@@ -82,33 +114,138 @@ def predict(selected: list[str] | None = None) -> dict:
     for row in rows(chunk):
         if selected and row.key not in selected:
             continue
-        entry = {"key": row.key, "technique": row.technique, "published_gib": row.published_gib, "note": row.note}
+        entry = {
+            "key": row.key,
+            "technique": row.technique,
+            "published_gib": row.published_gib,
+            "note": row.note,
+        }
         if row.setup is not None:
-            c = Candidate(**row.setup)
+            c = setup(MICRO_BATCH, 1, **row.setup)
             est = memory.estimate(shape, c, SEQ_LEN, on_gpu=True, attention="sdpa")
-            entry.update(setup=c.label(), predicted_gib=round(est.peak / GIB, 2),
-                         ratio=round(est.peak / GIB / row.published_gib, 3),
-                         components_gib={k: round(v / GIB, 2) for k, v in est.components.items()})
+            entry.update(
+                setup=c.label(),
+                predicted_gib=round(est.peak / GIB, 2),
+                ratio=round(est.peak / GIB / row.published_gib, 3),
+                components_gib={k: round(v / GIB, 2) for k, v in est.components.items()},
+            )
         out.append(entry)
-    return {"model": "Llama-3.2-3B", "params": shape.params, "gpu": "A100 80GB", "seq_len": SEQ_LEN,
-            "micro_batch": 2, "rows": out}
+    return {
+        "model": "Llama-3.2-3B",
+        "params": shape.params,
+        "gpu": "A100 80GB",
+        "seq_len": SEQ_LEN,
+        "micro_batch": MICRO_BATCH,
+        "rows": out,
+    }
+
+
+# torchtune README, single-device table: Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048:
+# bf16 weights, paged 8-bit AdamW with the step in backward, activation checkpointing, chunked CE.
+LLAMA_8B_4090 = {
+    "published_gib": 18.9,
+    "published_tokens_per_s": 1650.0,
+    "seq_len": 2048,
+    "batch": 2,
+}
+
+
+def torchtune_setup(techniques) -> bool:
+    """Whether a candidate's techniques are torchtune's 8B/4090 setup (the fused loss standing in
+    for its chunked cross-entropy; compile either way)."""
+    return (
+        techniques.precision == "bf16-pure"
+        and techniques.optimizer == "paged-adamw-8bit"
+        and techniques.optimizer_in_backward
+        and techniques.checkpointing == "full"
+        and techniques.loss != "plain"
+        and not techniques.activation_offload
+        and techniques.tiled_mlp == "off"
+    )
+
+
+def predict_8b_4090() -> dict:
+    """Search Llama-3.1-8B full fine-tuning on an RTX 4090 as `onegpu plan` does; report whether
+    torchtune's setup is among the rows that fit, its predicted peak and speed, and the plan's pick."""
+    from transformers import LlamaConfig
+
+    from onegpu.config import Config
+    from onegpu.hardware import find_gpu
+    from onegpu.plan.arch import _shape_of
+    from onegpu.plan.published import LLAMA_3_1_8B
+    from onegpu.plan.search import search
+
+    shape = _shape_of("Llama-3.1-8B", LlamaConfig(**LLAMA_3_1_8B))
+    ref = LLAMA_8B_4090
+    plan = search(Config(), find_gpu("RTX4090"), shape, ref["seq_len"], ref["batch"])
+    theirs = [r for r in plan.rows if r.fits and torchtune_setup(r.candidate.techniques)]
+    out = dict(ref, found=bool(theirs), best=plan.best.candidate.label() if plan.best else None)
+    if theirs:
+        row = min(theirs, key=lambda r: r.candidate.techniques.compile != "off")  # eager first
+        out.update(
+            setup=row.candidate.label(),
+            predicted_gib=round(row.memory.peak / GIB, 2),
+            ratio=round(row.memory.peak / GIB / ref["published_gib"], 3),
+            predicted_tokens_per_s=round(row.speed.tokens_per_s),
+            components_gib={k: round(v / GIB, 2) for k, v in row.memory.components.items()},
+        )
+    return out
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
-             "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB.", "",
-             "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
-             "|:--|--:|--:|--:|:--|"]
+    lines = [
+        (
+            f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
+            "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB."
+        ),
+        "",
+        "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
+        "|:--|--:|--:|--:|:--|",
+    ]
     for r in result["rows"]:
         if "predicted_gib" in r:
             what = f"`{r['setup']}`" + (f"; {r['note']}" if r["note"] else "")
-            lines.append(f"| {r['technique']} | {r['published_gib']:.1f} | {r['predicted_gib']:.1f} | "
-                         f"{r['ratio']:.2f} | {what} |")
+            lines.append(
+                f"| {r['technique']} | {r['published_gib']:.1f} | {r['predicted_gib']:.1f} | "
+                f"{r['ratio']:.2f} | {what} |"
+            )
         else:
-            lines.append(f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |")
+            lines.append(
+                f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |"
+            )
+    big = result.get("llama_8b_4090")
+    if big:
+        lines += [
+            "",
+            (
+                "Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048 (torchtune README: "
+                f"{big['published_gib']} GiB, {big['published_tokens_per_s']:,.0f} tokens/s; bf16 "
+                "weights, paged 8-bit AdamW in backward, checkpointing, chunked CE):"
+            ),
+            "",
+        ]
+        if big["found"]:
+            lines += [
+                (
+                    "| found by the search | predicted GiB | predicted/published | predicted tokens/s "
+                    "(uncalibrated) | onegpu setup | the plan's pick |"
+                ),
+                "|:--|--:|--:|--:|:--|:--|",
+                (
+                    f"| yes | {big['predicted_gib']:.1f} | {big['ratio']:.2f} | "
+                    f"{big['predicted_tokens_per_s']:,} | `{big['setup']}` | `{big['best']}` |"
+                ),
+            ]
+        else:
+            lines.append(f"not found: the plan's pick is `{big['best']}`")
     meta = result["meta"]
-    lines += ["", f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-                  f"command: `{meta['command']}`"]
+    lines += [
+        "",
+        (
+            f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
+            f"command: `{meta['command']}`"
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -120,11 +257,18 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    result = predict([k for k in args.rows.split(",") if k] or None)
-    result["meta"] = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                      "transformers": transformers.__version__,
-                      "command": "python benchmarks/plan_vs_published.py" + (f" --rows {args.rows}" if args.rows else ""),
-                      "source": "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)"}
+    selected = [k for k in args.rows.split(",") if k] or None
+    result = predict(selected)
+    if not selected or "llama_8b_4090" in selected:
+        result["llama_8b_4090"] = predict_8b_4090()
+    result["meta"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": "python benchmarks/plan_vs_published.py"
+        + (f" --rows {args.rows}" if args.rows else ""),
+        "source": "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)",
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_vs_published.json").write_text(json.dumps(result, indent=1))

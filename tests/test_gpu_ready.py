@@ -160,7 +160,7 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     from onegpu.cli.args import make_parser, parse
     from onegpu.plan import memory
     from onegpu.plan.arch import model_shape
-    from onegpu.plan.candidate import Candidate
+    from onegpu.plan.candidate import setup
 
     script, capacity = _bench_train_script(), 80 * 2**30
     shape = model_shape("1b", 4096)
@@ -176,16 +176,17 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
             o = arms[name].overrides
             lora = o.get("techniques.lora.enabled", False)
             reference = {"trl-dpo": "copy"}.get(name, o.get("preference.reference", b.preference.reference))
-            c = Candidate(o.get("training.micro_batch_size", b.training.micro_batch_size),
-                          o.get("training.grad_accum", b.training.grad_accum),
-                          peers.get(name) or o.get("techniques.precision", b.techniques.precision),
-                          checkpointing="full" if name in trl else o.get("techniques.checkpointing", "off"),
-                          lora_rank=b.techniques.lora.r if lora else 0, objective=b.training.objective,
-                          reference=reference)
+            c = setup(o.get("training.micro_batch_size", b.training.micro_batch_size),
+                      o.get("training.grad_accum", b.training.grad_accum),
+                      precision=peers.get(name) or o.get("techniques.precision", b.techniques.precision),
+                      checkpointing="full" if name in trl else o.get("techniques.checkpointing", "off"),
+                      lora={"r": b.techniques.lora.r, "enabled": lora},
+                      training={"objective": b.training.objective},
+                      preference={"reference": reference})
             assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (preset, name, c.label())
             checked.add(name)
     assert checked == set().union(*GPU_ARMS.values())
-    assert not memory.estimate(shape, Candidate(16, 1, "bf16"), b.data.seq_len).fits(capacity)
+    assert not memory.estimate(shape, setup(16, 1, precision="bf16"), b.data.seq_len).fits(capacity)
 
 
 def test_bench_infer_gpu_preset_dry_runs():

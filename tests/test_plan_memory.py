@@ -13,7 +13,7 @@ import torch
 from onegpu.plan import activations as acts
 from onegpu.plan import memory
 from onegpu.plan.arch import _shape_of
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import setup
 
 
 def _llama():
@@ -83,27 +83,27 @@ def test_fit_is_linear_in_batch_and_length(fitted):
 def test_components_follow_dtypes_and_methods():
     shape = _shape_of("llama", _llama())
     n = shape.params
-    full = Candidate(8, 1, "bf16")
+    full = setup(8, 1, precision="bf16")
     assert memory.weight_bytes(shape, full) == n * 4  # fp32 master weights under autocast
     assert memory.grad_bytes(shape, full) == n * 4
     assert memory.optimizer_bytes(shape, full) == n * 8  # AdamW: two fp32 states
-    pure = Candidate(8, 1, "bf16-pure")
+    pure = setup(8, 1, precision="bf16-pure")
     assert memory.weight_bytes(shape, pure) == n * 2 and memory.optimizer_bytes(shape, pure) == n * 4
-    eight = Candidate(8, 1, "bf16", optimizer="adamw-8bit")
+    eight = setup(8, 1, precision="bf16", optimizer="adamw-8bit")
     assert memory.optimizer_bytes(shape, eight) == pytest.approx(n * 2, rel=0.01)
-    four = Candidate(8, 1, "bf16", optimizer="adamw-4bit-ao")
+    four = setup(8, 1, precision="bf16", optimizer="adamw-4bit-ao")
     assert memory.optimizer_bytes(shape, four) == pytest.approx(n * 1, rel=0.1)
-    ada = Candidate(8, 1, "bf16", optimizer="adafactor")
+    ada = setup(8, 1, precision="bf16", optimizer="adafactor")
     assert memory.optimizer_bytes(shape, ada) < n * 4 / 4  # factored second moment
-    sgd = Candidate(8, 1, "bf16", optimizer="sgd")
+    sgd = setup(8, 1, precision="bf16", optimizer="sgd")
     assert memory.optimizer_bytes(shape, sgd) == n * 4
-    qlora = Candidate(8, 1, "bf16", lora_rank=8, quantize_base="nf4")
+    qlora = setup(8, 1, precision="bf16", lora={"r": 8, "quantize_base": "nf4"})
     lora_n = 8 * shape.lora_params_per_rank
     assert memory.trainable_params(shape, qlora) == lora_n
     assert memory.weight_bytes(shape, qlora) == pytest.approx(
         shape.linear_params * memory.NF4_BYTES + (n - shape.linear_params) * 2 + lora_n * 4)
     assert memory.optimizer_bytes(shape, qlora) == lora_n * 8
-    assert memory.optimizer_bytes(shape, Candidate(8, 1, "bf16", offload="zero2-cpu")) == 0
+    assert memory.optimizer_bytes(shape, setup(8, 1, precision="bf16", offload="zero2-cpu")) == 0
 
 
 def test_shapes_from_meta_models():
@@ -141,7 +141,7 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     from onegpu.techniques.loss import loss_sum
     from onegpu.techniques.optimizers import build_optimizer
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=3)
     model.train()
@@ -164,7 +164,7 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
         step()
     measured = resident + pt.peak
     shape = _shape_of("tiny", model.config)
-    predicted = memory.estimate(shape, Candidate(4, 1, "fp32", optimizer="adamw"), 128, on_gpu=False)
+    predicted = memory.estimate(shape, setup(4, 1, precision="fp32", optimizer="adamw"), 128, on_gpu=False)
     assert predicted.peak == pytest.approx(measured, rel=0.15)  # about -8% here
     assert predicted.components["optimizer"] == pytest.approx(resident - sum(p.numel() * 4 for p in model.parameters()), rel=0.01)
 
@@ -173,7 +173,7 @@ def test_paged_optimizer_state_is_host_backed_on_a_gpu():
     """bitsandbytes' paged state lives in unified memory, outside torch's allocator (so outside
     max_memory_allocated): shown as its own component, not in the device peak."""
     shape = _shape_of("llama", _llama())
-    eight, paged = Candidate(8, 1, "bf16", optimizer="adamw-8bit"), Candidate(8, 1, "bf16", optimizer="paged-adamw-8bit")
+    eight, paged = setup(8, 1, precision="bf16", optimizer="adamw-8bit"), setup(8, 1, precision="bf16", optimizer="paged-adamw-8bit")
     on_device = memory.estimate(shape, eight, 64)
     host = memory.estimate(shape, paged, 64)
     state = memory.optimizer_bytes(shape, eight)
@@ -188,7 +188,7 @@ def test_paged_optimizer_state_is_host_backed_on_a_gpu():
 def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targets):
     """The planner counts exactly the adapter parameters PEFT creates for lora.targets."""
     pytest.importorskip("peft")
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.config import Config, LoraConfig, TechniquesConfig
     from onegpu.models import count_parameters
     from onegpu.techniques.lora import apply_lora
@@ -197,8 +197,8 @@ def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targe
     shape = _shape_of("tiny", model.config)
     adapted = apply_lora(model, TechniquesConfig(lora=LoraConfig(enabled=True, r=8, targets=targets)))
     _, trainable = count_parameters(adapted)
-    c = Candidate(4, 1, "fp32", lora_rank=8, lora_targets=targets)
+    c = setup(4, 1, precision="fp32", lora={"r": 8, "targets": targets})
     assert memory.lora_params(shape, c) == trainable
-    every = Candidate(4, 1, "fp32", lora_rank=8)
+    every = setup(4, 1, precision="fp32", lora={"r": 8})
     assert memory.lora_params(shape, c) <= memory.lora_params(shape, every)
     assert c.apply(Config()).techniques.lora.targets == targets

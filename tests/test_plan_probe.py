@@ -23,7 +23,7 @@ def _cfg(tiny_model_dir, text_file, tmp_path, **training):
     t.update(training)
     return from_dict({"model": {"name": str(tiny_model_dir)},
                       "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
-                      "training": t, "output": {"dir": str(tmp_path / "runs"), "tensorboard": False},
+                      "training": t, "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
                       "plan": "auto"})
 
 
@@ -42,10 +42,8 @@ def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path,
     # The stored efficiency is the chosen probe's measured speed turned back into compute-only
     # efficiency: recompute it from the logged measurement and the chosen setup.
     measured = float(re.search(r"training with .+ \(([\d,]+) tokens/s measured\)", text).group(1).replace(",", ""))
-    tech = saved["techniques"]
-    chosen = Candidate(t["micro_batch_size"], t["grad_accum"], tech["precision"], tech["checkpointing"],
-                       tech["optimizer"], tech["loss_chunk_size"] if tech["loss"] != "plain" else 0,
-                       every=tech["checkpointing_every"])
+    trained = from_dict(saved)
+    chosen = Candidate(trained.training, trained.techniques, trained.preference)
     shape = model_shape(str(tiny_model_dir))
     spec = speed_spec()
     expected = speed.compute_efficiency(shape, chosen, 64, spec, measured)

@@ -13,7 +13,7 @@ from onegpu.config import Config
 from onegpu.hardware import find_gpu
 from onegpu.plan import memory, published, speed
 from onegpu.plan.arch import _shape_of, model_shape
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import setup
 
 
 def _llama(config: dict):
@@ -27,14 +27,14 @@ def test_each_default_efficiency_is_what_our_model_derives_from_its_published_ru
     run = published.EFFICIENCY_RUNS[capability]
     spec = find_gpu(run.gpu)
     assert spec.capability == capability
-    c = Candidate(run.micro_batch, 1, "bf16-pure")
+    c = setup(run.micro_batch, 1, precision="bf16-pure", tiled_mlp="off")  # none of them tiled
     derived = speed.compute_efficiency(_llama(run.config), c, run.seq_len, spec, run.tokens_per_s)
     assert derived == pytest.approx(run.efficiency, rel=0.01)
 
 
 def test_default_efficiency_follows_the_gpu_class_until_a_probe(monkeypatch, tmp_path):
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no calibration another test's probe may have stored
-    shape, c = model_shape("tiny"), Candidate(16, 1, "bf16")
+    shape, c = model_shape("tiny"), setup(16, 1, precision="bf16")
     for gpu, expected in (("A100-80GB", 0.599), ("H100", 0.36), ("A10G", speed.DEFAULT_EFFICIENCY)):
         eff, calibrated = speed.base_efficiency(find_gpu(gpu), "bf16")
         assert (eff, calibrated) == (pytest.approx(expected), False)
@@ -46,7 +46,7 @@ def test_default_efficiency_follows_the_gpu_class_until_a_probe(monkeypatch, tmp
 def test_compile_and_qlora_speed_factors_are_torchtunes_measurements():
     assert speed.COMPILE_SPEEDUP == pytest.approx(1.27, abs=0.005)  # 7,075 -> 8,998 tokens/s
     assert speed.QLORA_SLOWDOWN == pytest.approx(0.98, abs=0.005)  # LoRA 8,210 vs QLoRA 8,035
-    c = Candidate(8, 1, "bf16", compile="default", lora_rank=16, quantize_base="nf4")
+    c = setup(8, 1, precision="bf16", compile="default", lora={"r": 16, "quantize_base": "nf4"})
     assert speed.method_factor(c) == pytest.approx(speed.COMPILE_SPEEDUP * speed.QLORA_SLOWDOWN)
     text = " ".join(speed.assumptions(c, find_gpu("A100-80GB"), calibrated=True))
     assert "torchtune" in text and "elementwise" in text
@@ -54,14 +54,14 @@ def test_compile_and_qlora_speed_factors_are_torchtunes_measurements():
 
 def test_bf16_adapters_halve_adapter_weights_grads_and_adam_state():
     shape = model_shape("tiny")
-    fp32 = Candidate(4, 1, "bf16", lora_rank=8, lora_dtype="fp32")
-    bf16 = Candidate(4, 1, "bf16", lora_rank=8, lora_dtype="bf16")
+    fp32 = setup(4, 1, precision="bf16", lora={"r": 8, "dtype": "fp32"})
+    bf16 = setup(4, 1, precision="bf16", lora={"r": 8, "dtype": "bf16"})
     n = memory.lora_params(shape, fp32)
     assert memory.grad_bytes(shape, fp32) == 4 * n and memory.grad_bytes(shape, bf16) == 2 * n
     assert memory.optimizer_bytes(shape, bf16) == 2 * 2 * n
     assert memory.weight_bytes(shape, fp32) - memory.weight_bytes(shape, bf16) == 2 * n
-    auto_pure = Candidate(4, 1, "bf16-pure", lora_rank=8)  # lora.dtype auto
-    assert auto_pure.adapter_dtype == "bf16" and Candidate(4, 1, "bf16", lora_rank=8).adapter_dtype == "fp32"
+    auto_pure = setup(4, 1, precision="bf16-pure", lora={"r": 8})  # lora.dtype auto
+    assert auto_pure.adapter_dtype == "bf16" and setup(4, 1, precision="bf16", lora={"r": 8}).adapter_dtype == "fp32"
     assert "bf16" in bf16.label() and bf16.apply(Config()).techniques.lora.dtype == "bf16"
 
 
@@ -74,7 +74,7 @@ def test_compiled_blocks_keep_less_than_eager_ones():
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    acts = activation_model(cfg, "bf16-pure")
+    acts = activation_model(cfg, setup(2, precision="bf16-pure").techniques)
     eager, compiled = acts.block.at(2, 256), acts.block_compiled.at(2, 256)
     tokens, h, i = 2 * 256, 128, 384
     # q, k, v, o_proj input, gate, up, down input, the norms' inputs: bf16 (2 B) each.

@@ -10,7 +10,7 @@ from onegpu import hardware
 from onegpu.plan import accuracy, memory
 from onegpu.plan.activations import activation_model
 from onegpu.plan.arch import _shape_of
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import setup
 
 pytestmark = pytest.mark.gpu
 
@@ -49,10 +49,10 @@ def test_this_gpu_is_in_the_catalog():
 @pytest.mark.parametrize("mode", ["off", "full", "every-n", "offload"])
 def test_retained_activation_bytes_on_gpu(make, mode):
     config = make()
-    c = Candidate(4, 1, "bf16", mode)
-    am = activation_model(config, "bf16")
+    c = setup(4, 1, precision="bf16", checkpointing=mode)
+    am = activation_model(config, c.techniques)
     measured = accuracy.retained_bytes(config, c, 1024)
-    predicted = am.retained(4, 1024, config.num_hidden_layers, mode, c.every)
+    predicted = am.retained(4, 1024, config.num_hidden_layers, mode, c.techniques.checkpointing_every)
     if mode == "offload":  # block inputs live in host memory: only embedding/head/loss stay
         assert measured <= am.base.at(4, 1024) * 1.10 + 2**20
     else:
@@ -60,8 +60,8 @@ def test_retained_activation_bytes_on_gpu(make, mode):
 
 
 @pytest.mark.parametrize("cand", [
-    Candidate(8, 1, "bf16"), Candidate(8, 2, "bf16", "full"), Candidate(16, 1, "bf16-pure", "every-n"),
-    Candidate(8, 1, "bf16", optimizer="adamw-8bit"), Candidate(8, 1, "bf16", "full", lora_rank=16),
+    setup(8, 1, precision="bf16"), setup(8, 2, precision="bf16", checkpointing="full"), setup(16, 1, precision="bf16-pure", checkpointing="every-n"),
+    setup(8, 1, precision="bf16", optimizer="adamw-8bit"), setup(8, 1, precision="bf16", checkpointing="full", lora={"r": 16}),
 ], ids=lambda c: c.label())
 def test_step_peak_matches_max_memory_allocated(cand):
     config = _llama()

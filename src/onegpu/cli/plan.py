@@ -16,7 +16,13 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from onegpu.cli.args import make_parser, model_shorthand, note_model_shorthand, parse, renamed
+from onegpu.cli.args import (
+    make_parser,
+    model_shorthand,
+    note_model_shorthand,
+    parse,
+    renamed,
+)
 from onegpu.config import Config, to_dict
 from onegpu.errors import OnegpuError
 
@@ -24,33 +30,78 @@ RENAMED = {"--seq-len": "--data.seq_len", "--memory-gib": "--memory_gib"}
 
 
 def build_parser():
-    p = make_parser("onegpu plan", "Predict peak memory and tokens/s of training setups for a model on a GPU "
-                    "(detected, or named with --gpu), and print the fastest that fits as a config. Takes "
-                    "every 'onegpu train' flag; the setup it describes is what gets planned.", Config,
-                    usage="onegpu plan [MODEL] [--gpu NAME] [--batch B] [--section.field VALUE ...]",
-                    skip={"plan"})  # train's --plan (probe while training) means nothing here
-    p.add_argument("preset", metavar="MODEL", nargs="?", default=None,
-                   help="preset name, local model directory or Hub id (same as --model.name)")
-    p.add_argument("--gpu", type=Optional[str], default=None,
-                   help="plan for this GPU (e.g. H100, A100-40GB, T4); 'list' shows the catalog")
-    p.add_argument("--batch", type=Optional[int], default=None,
-                   help="effective batch in sequences, kept exactly (default: micro_batch_size x grad_accum)")
-    p.add_argument("--memory_gib", type=Optional[float], default=None,
-                   help="memory to plan for instead of the GPU's total")
+    p = make_parser(
+        "onegpu plan",
+        "Predict peak memory and tokens/s of training setups for a model on a GPU "
+        "(detected, or named with --gpu), and print the fastest that fits as a config. Takes "
+        "every 'onegpu train' flag; the setup it describes is what gets planned.",
+        Config,
+        usage="onegpu plan [MODEL] [--gpu NAME] [--batch B] [--section.field VALUE ...]",
+        skip={"plan"},
+    )  # train's --plan (probe while training) means nothing here
+    p.add_argument(
+        "preset",
+        metavar="MODEL",
+        nargs="?",
+        default=None,
+        help="preset name, local model directory or Hub id (same as --model.name)",
+    )
+    p.add_argument(
+        "--gpu",
+        type=Optional[str],
+        default=None,
+        help="plan for this GPU (e.g. H100, A100-40GB, T4); 'list' shows the catalog",
+    )
+    p.add_argument(
+        "--batch",
+        type=Optional[int],
+        default=None,
+        help="effective batch in sequences, kept exactly (default: micro_batch_size x grad_accum)",
+    )
+    p.add_argument(
+        "--memory_gib",
+        type=Optional[float],
+        default=None,
+        help="memory to plan for instead of the GPU's total",
+    )
+    p.add_argument(
+        "--max-context",
+        "--max_context",
+        dest="max_context",
+        type=bool,
+        default=False,
+        help="print, per setup, the longest sequence that fits at batch 1 and its tokens/s",
+    )
     p.add_argument("--top", type=int, default=12, help="rows of the table")
-    p.add_argument("--json", type=bool, default=False, help="print JSON instead of the table and YAML")
-    p.add_argument("--save", type=Optional[str], default=None,
-                   help="also write the recommended config to this YAML file")
+    p.add_argument(
+        "--json",
+        type=bool,
+        default=False,
+        help="print JSON instead of the table and YAML",
+    )
+    p.add_argument(
+        "--save",
+        type=Optional[str],
+        default=None,
+        help="also write the recommended config to this YAML file",
+    )
     note_model_shorthand(p)
     return p
 
 
 def cli(argv: Sequence[str]) -> int:
-    argv = [a if a != "--json" else "--json=true" for a in renamed(argv, RENAMED)]  # --json alone: a switch
+    switches = {
+        "--json": "--json=true",
+        "--max-context": "--max-context=true",
+        "--max_context": "--max-context=true",
+    }
+    argv = [switches.get(a, a) for a in renamed(argv, RENAMED)]  # a switch alone means on
     cfg, ns = parse(build_parser(), model_shorthand(argv), Config)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if ns.gpu and ns.gpu.lower() == "list":
         return _print_catalog()
+    if ns.max_context:
+        return _print_max_context(cfg, ns)
     from onegpu.plan import make_plan
 
     plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib)
@@ -62,11 +113,16 @@ def cli(argv: Sequence[str]) -> int:
         from onegpu.config import save_yaml
 
         save_yaml(recommended, ns.save)
-        print(f"\nsaved: {ns.save}  (train with: onegpu train --config {ns.save})", file=sys.stderr)
+        print(
+            f"\nsaved: {ns.save}  (train with: onegpu train --config {ns.save})",
+            file=sys.stderr,
+        )
     if recommended is None:
-        raise OnegpuError(f"no setup of {plan.shape.name} fits in {plan.gpu.memory_gib:.0f} GB at "
-                          f"seq_len={plan.seq_len}, batch={plan.batch}.",
-                          hint="shorten --data.seq_len, pick a bigger GPU with --gpu, or a smaller model")
+        raise OnegpuError(
+            f"no setup of {plan.shape.name} fits in {plan.gpu.memory_gib:.0f} GB at "
+            f"seq_len={plan.seq_len}, batch={plan.batch}.",
+            hint="shorten --data.seq_len, pick a bigger GPU with --gpu, or a smaller model",
+        )
     return 0
 
 
@@ -74,19 +130,27 @@ def print_plan(plan, recommended, top: int) -> None:
     calibrated = any(r.speed.calibrated for r in plan.rows)
     tag = "" if calibrated else " (uncalibrated)"
     shape = plan.shape
-    print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers, vocab {shape.vocab}")
-    print(f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective batch {plan.batch}\n")
+    print(
+        f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers, vocab {shape.vocab}"
+    )
+    print(
+        f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective batch {plan.batch}\n"
+    )
     print(f"{'#':>2}  {'plan':<52} {'peak GB':>8} {'tokens/s' + tag:>24}  why")
     for i, r in enumerate(plan.rows[:top], 1):
         mark = "" if r.fits else "x"
-        print(f"{mark or i:>2}  {r.candidate.label():<52} {r.memory.peak / 2**30:>8.2f} "
-              f"{r.speed.tokens_per_s:>24,.0f}  {r.why}")
+        print(
+            f"{mark or i:>2}  {r.candidate.label():<52} {r.memory.peak / 2**30:>8.2f} "
+            f"{r.speed.tokens_per_s:>24,.0f}  {r.why}"
+        )
     assumed = sorted({a for r in plan.rows[:top] for a in r.speed.assumptions})
     if assumed:
         print("\nassumed, not measured: " + "; ".join(assumed))
     if not calibrated:
-        print("\n(uncalibrated): speeds assume the default efficiency; a probe on this GPU "
-              "(onegpu train --plan auto) measures and stores the real one.")
+        print(
+            "\n(uncalibrated): speeds assume the default efficiency; a probe on this GPU "
+            "(onegpu train --plan auto) measures and stores the real one."
+        )
     if recommended is not None:
         import yaml
 
@@ -95,23 +159,87 @@ def print_plan(plan, recommended, top: int) -> None:
 
 
 def plan_json(plan, recommended) -> dict:
-    rows = [{"plan": r.candidate.label(), "fits": r.fits, "peak_gb": r.memory.peak / 2**30,
-             "reserved_gb": r.memory.reserved() / 2**30, "tokens_per_s": r.speed.tokens_per_s,
-             "calibrated": r.speed.calibrated, "assumptions": list(r.speed.assumptions), "why": r.why,
-             "components_gb": {k: v / 2**30 for k, v in r.memory.components.items()},
-             "micro_batch": r.candidate.micro_batch, "grad_accum": r.candidate.grad_accum}
-            for r in plan.rows]
-    return {"model": plan.shape.name, "params": plan.shape.params, "gpu": plan.gpu.key,
-            "memory_gb": plan.gpu.memory_gib, "seq_len": plan.seq_len, "batch": plan.batch, "rows": rows,
-            "recommended": to_dict(recommended) if recommended is not None else None}
+    rows = [
+        {
+            "plan": r.candidate.label(),
+            "fits": r.fits,
+            "peak_gb": r.memory.peak / 2**30,
+            "reserved_gb": r.memory.reserved() / 2**30,
+            "tokens_per_s": r.speed.tokens_per_s,
+            "calibrated": r.speed.calibrated,
+            "assumptions": list(r.speed.assumptions),
+            "why": r.why,
+            "components_gb": {k: v / 2**30 for k, v in r.memory.components.items()},
+            "micro_batch": r.candidate.training.micro_batch_size,
+            "grad_accum": r.candidate.training.grad_accum,
+        }
+        for r in plan.rows
+    ]
+    return {
+        "model": plan.shape.name,
+        "params": plan.shape.params,
+        "gpu": plan.gpu.key,
+        "memory_gb": plan.gpu.memory_gib,
+        "seq_len": plan.seq_len,
+        "batch": plan.batch,
+        "rows": rows,
+        "recommended": to_dict(recommended) if recommended is not None else None,
+    }
+
+
+def _print_max_context(cfg, ns) -> int:
+    """--max-context: the longest sequence per setup (plan/context.py), and a published figure for
+    the same model, method and card class where there is one."""
+    from onegpu.plan import resolve
+    from onegpu.plan.context import max_context
+    from onegpu.plan.published import published_context
+
+    spec, _, shape, attention = resolve(cfg, ns.preset, ns.gpu)
+    rows = max_context(cfg, spec, shape, ns.memory_gib, attention)
+    gib = ns.memory_gib or spec.memory_gib
+    print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers")
+    print(
+        f"gpu   {spec.name}: {gib:.1f} GB; batch 1, attention {attention}; method {rows[0].candidate.method}\n"
+    )
+    print(f"{'setup':<40} {'longest seq':>12} {'peak GB':>8} {'host GB':>8} {'tokens/s':>10}  plan")
+    for r in rows:
+        if not r.seq_len:
+            print(f"{r.label:<40} {'none fits':>12}")
+            continue
+        host = r.memory.host_activations / 2**30
+        print(
+            f"{r.label:<40} {r.seq_len:>12,} {r.memory.peak / 2**30:>8.2f} {host:>8.1f} "
+            f"{r.speed.tokens_per_s:>10,.0f}  {r.candidate.label()}"
+        )
+    if shape.max_positions and any(r.seq_len > shape.max_positions for r in rows):
+        print(
+            f"\nbeyond max_position_embeddings={shape.max_positions}: memory allows it; the model's "
+            "positions need extending (rope scaling) to train there"
+        )
+    pub = published_context(shape.config, gib, cfg.techniques.lora)
+    if pub is not None:
+        best = max(r.seq_len for r in rows)
+        print(
+            f"\npublished, {pub.model} {pub.method} on a {pub.card_gb} GB card: Unsloth {pub.tokens:,} "
+            f"tokens, Hugging Face + FA2 {pub.baseline_tokens:,} ({pub.source}); ours {best:,} "
+            f"({best / pub.tokens:.2f}x Unsloth's)"
+        )
+    assumed = sorted({a for r in rows if r.speed for a in r.speed.assumptions})
+    if assumed:
+        print("\nassumed, not measured: " + "; ".join(assumed))
+    return 0
 
 
 def _print_catalog() -> int:
     from onegpu.hardware import CATALOG
 
-    print(f"{'gpu':<11} {'memory GB':>9} {'fp32':>6} {'tf32':>7} {'bf16':>7} {'fp8':>7} {'GB/s':>6}  name")
+    print(
+        f"{'gpu':<11} {'memory GB':>9} {'fp32':>6} {'tf32':>7} {'bf16':>7} {'fp8':>7} {'GB/s':>6}  name"
+    )
     for g in CATALOG:
-        print(f"{g.key:<11} {g.memory_gib:>9.1f} {g.fp32:>6.1f} {g.tf32:>7.1f} {g.bf16:>7.1f} {g.fp8:>7.1f} "
-              f"{g.bandwidth_gbs:>6.0f}  {g.name}")
+        print(
+            f"{g.key:<11} {g.memory_gib:>9.1f} {g.fp32:>6.1f} {g.tf32:>7.1f} {g.bf16:>7.1f} {g.fp8:>7.1f} "
+            f"{g.bandwidth_gbs:>6.0f}  {g.name}"
+        )
     print("\nTFLOP/s are dense peaks from the vendors' datasheets.")
     return 0

@@ -43,14 +43,16 @@ def build(config, c: Candidate):
 
     cfg = run_config(c)
     device = detect()
-    accelerator = make_accelerator(cfg, device, c.precision)
+    precision = c.techniques.precision
+    accelerator = make_accelerator(cfg, device, precision)
     torch.manual_seed(0)
-    attention = resolve_attention(cfg.techniques, device, c.precision, model_kernels(config))
-    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision), attn_implementation=attention)
+    attention = resolve_attention(cfg.techniques, device, precision, model_kernels(config))
+    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(precision),
+                                             attn_implementation=attention)
     model = prepare_model(model.to(accelerator.device).train(), cfg.techniques, device.type)
     optimizer = build_optimizer(model, cfg.techniques, cfg.training)
     model, optimizer = accelerator.prepare(model, optimizer)
-    return model, optimizer, LossFn(c.loss_chunk), accelerator
+    return model, optimizer, LossFn(c.techniques.loss_chunk_size), accelerator
 
 
 def _batch(vocab: int, batch: int, seq: int):
@@ -66,7 +68,8 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
 
     _require_cuda()
     model, _, loss_fn, accelerator = build(config, c)
-    data = {k: v.cuda() for k, v in _batch(config.vocab_size, c.micro_batch, seq).items()}
+    rows = c.training.micro_batch_size
+    data = {k: v.cuda() for k, v in _batch(config.vocab_size, rows, seq).items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     loss = loss_fn(model, data)  # the prepared model autocasts itself, as in training
@@ -86,7 +89,8 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
     _require_cuda()
     model, opt, loss_fn, accelerator = build(config, c)
     max_grad_norm = run_config(c).training.max_grad_norm
-    micro = [_batch(config.vocab_size, c.micro_batch, seq) for _ in range(c.grad_accum)]
+    rows = c.training.micro_batch_size
+    micro = [_batch(config.vocab_size, rows, seq) for _ in range(c.training.grad_accum)]
     t0 = 0.0
     for step in range(steps + 1):
         if step == 1:  # optimizer state exists from here on, as in every later step

@@ -64,17 +64,27 @@ class ActivationModel:
     block_compiled: Fit | None = None  # one compiled block (see compiled_alive); None: as eager
 
     def retained(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
-                 compiled: bool = False) -> float:
+                 compiled: bool = False, not_kept: float = 0.0) -> float:
         """Bytes alive after forward for the whole model under a checkpointing mode. Compile is
-        regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them."""
+        regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them.
+        ``not_kept``: bytes per block a method keeps no longer (a tiled MLP's intermediates)."""
+        return self.base.at(batch, seq) + self.blocks(batch, seq, layers, mode, every, compiled, not_kept)
+
+    def blocks(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
+               compiled: bool = False, not_kept: float = 0.0) -> float:
+        """The decoder blocks' part of ``retained``: what activation offload moves to the host."""
         n_ckpt = checkpointed_layers(layers, mode, every)
         per_ckpt = 0.0 if mode == "offload" else self.block_ckpt.at(batch, seq)
-        return (self.base.at(batch, seq) + (layers - n_ckpt) * self._block(compiled).at(batch, seq)
-                + n_ckpt * per_ckpt)
+        return (layers - n_ckpt) * self.block_at(batch, seq, compiled, not_kept) + n_ckpt * per_ckpt
 
-    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False) -> float:
+    def block_at(self, batch: int, seq: int, compiled: bool = False, not_kept: float = 0.0) -> float:
+        """One block without checkpointing, less what a method keeps no longer."""
+        return max(0.0, self._block(compiled).at(batch, seq) - not_kept)
+
+    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False,
+                       not_kept: float = 0.0) -> float:
         """Extra bytes while backward recomputes one checkpointed block."""
-        return 0.0 if mode == "off" else self._block(compiled).at(batch, seq)
+        return 0.0 if mode == "off" else self.block_at(batch, seq, compiled, not_kept)
 
     def _block(self, compiled: bool) -> Fit:
         return self.block_compiled if compiled and self.block_compiled is not None else self.block
@@ -230,38 +240,51 @@ def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: i
         quiet.setLevel(level)
 
 
-def activation_model(config, precision: str = "fp32", lora_rank: int = 0, chunk_size: int = 0,
-                     attention: str = "sdpa", lora_targets: str = "all-linear",
-                     lora_dtype: str = "fp32") -> ActivationModel:
-    """Measured activation model for an architecture (cached on disk by config and settings).
-    ``lora_dtype`` is the settled adapter dtype ("fp32" or "bf16")."""
-    key = _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets, lora_dtype)
+def activation_model(config, techniques=None, attention: str = "sdpa") -> ActivationModel:
+    """Measured activation model for an architecture (cached on disk by config and settings) under a
+    setup's settled TechniquesConfig (default: fp32, no adapters, the plain loss). Only what changes
+    what forward keeps is read: precision, the LoRA adapters and the fused loss's chunk."""
+    from onegpu.config import TechniquesConfig
+
+    t = techniques or TechniquesConfig(precision="fp32", compile="off", loss="plain")
+    key = _cache_key(config, attention, *measured_settings(t))
     path = cache_dir() / "activations" / f"{key}.json"
     if path.is_file():
         raw = json.loads(path.read_text())
         return ActivationModel(**{k: Fit(**v) for k, v in raw.items()})
-    fits = {}
-    for mode in ("off", "full"):
-        fits[mode] = [_fit(config, n, mode, precision, lora_rank, chunk_size, attention, lora_targets, lora_dtype)
-                      for n in (1, 2)]
+    fits = {mode: [_fit(config, n, mode, t, attention) for n in (1, 2)] for mode in ("off", "full")}
     ((off1, comp1), (off2, comp2)), ((ck1, _), (ck2, _)) = fits["off"], fits["full"]
-    model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1), base=_sub(_scale(off1, 2), off2),
-                            block_compiled=_sub(comp2, comp1))
+    model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1),
+                            base=_sub(_scale(off1, 2), off2), block_compiled=_sub(comp2, comp1))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({k: asdict(v) for k, v in vars(model).items()}))
     return model
 
 
-def _fit(config, layers: int, mode: str, precision: str, lora_rank: int, chunk_size: int, attention: str,
-         lora_targets: str = "all-linear", lora_dtype: str = "fp32") -> tuple[Fit, Fit]:
-    """(eager fit, compiled fit) of the retained bytes over the (batch, length) points."""
+def measured_settings(t) -> tuple[str, int, int, str, str]:
+    """(activation precision, LoRA rank, fused-loss chunk, LoRA targets, settled adapter dtype) of
+    a TechniquesConfig: the settings an activation model is measured under. fp16 keeps the same
+    bytes as bf16; without adapters their targets and dtype do not matter."""
+    from onegpu.techniques.lora import adapter_dtype
+
+    precision = "bf16" if t.precision == "fp16" else t.precision
+    if not t.lora.enabled:
+        return precision, 0, t.loss_chunk_size, "all-linear", "fp32"
+    return (precision, t.lora.r, t.loss_chunk_size, t.lora.targets,
+            adapter_dtype(t.lora.dtype, t.precision))
+
+
+def _fit(config, layers: int, mode: str, techniques, attention: str) -> tuple[Fit, Fit]:
+    """(eager fit, compiled fit) of the retained bytes over the (batch, length) points, for a model
+    with ``layers`` blocks checkpointed per ``mode``."""
     import numpy as np
 
-    model = build_probe_model(config, layers, precision, lora_rank, attention, mode, lora_targets, lora_dtype)
+    precision, rank, chunk, targets, lora_dtype = measured_settings(techniques)
+    model = build_probe_model(config, layers, precision, rank, attention, mode, targets, lora_dtype)
     rows, ys = [], []
     for b, s in POINTS:
         rows.append([b * s, b * s * s, b, s, 1.0])
-        ys.append(measure(model, b, s, precision, chunk_size, skip_matmul=True, both=True))
+        ys.append(measure(model, b, s, precision, chunk, skip_matmul=True, both=True))
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys, dtype=float), rcond=None)
     return Fit(*map(float, coef[:, 0])), Fit(*map(float, coef[:, 1]))
 
@@ -316,13 +339,11 @@ def _scale(a: Fit, k: float) -> Fit:
     return Fit(*(x * k for x in astuple(a)))
 
 
-def _cache_key(config, precision, lora_rank, chunk_size, attention, lora_targets="all-linear",
-               lora_dtype="fp32") -> str:
+def _cache_key(config, attention, precision, lora_rank, chunk_size, lora_targets, lora_dtype) -> str:
     text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     import torch
     import transformers
 
-    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, lora_dtype, "compiled-v2",
-             repr(POINTS),
-             torch.__version__, transformers.__version__]
+    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, lora_dtype,
+             "compiled-v2", repr(POINTS), torch.__version__, transformers.__version__]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]

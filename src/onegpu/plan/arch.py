@@ -29,6 +29,7 @@ class ModelShape:
     largest_param: int = 0  # elements of the biggest tensor (optimizer temporaries, ZeRO-3 buffers)
     lookup_params: int = 0  # nn.Embedding weights (token and position tables): looked up, not multiplied
     lora_per_rank_by_name: dict = field(default_factory=dict)  # "q_proj" -> sum of (in + out) over such layers
+    intermediate: int = 0  # the dense MLP's width (what a tiled MLP never holds whole); 0 = unknown
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
         """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated names)."""
@@ -143,7 +144,7 @@ def _shape_of(name: str, config) -> ModelShape:
     return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
                       text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
                       experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest, lookups,
-                      by_name)
+                      by_name, int(getattr(text, "intermediate_size", 0) or 0))
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,96 +1,148 @@
-"""One training setup the planner can choose: batch split and the memory/speed methods."""
+"""One training setup the planner can choose: the config sections a run trains with, settled.
+
+A candidate is a set of overrides on the real configs, not a parallel vocabulary: it holds the
+``TrainingConfig`` (batch split, objective), ``TechniquesConfig`` and ``PreferenceConfig`` a run
+would train with, and the memory, speed and activation models read their fields. Settled means
+what training resolves is resolved: ``precision`` and ``compile`` are never ``auto``, and
+``loss_chunk_size`` is the fused loss's chunk (0 with ``loss=plain``).
+"""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
-from onegpu.config import Config
+from onegpu.config import (
+    Config,
+    LoraConfig,
+    PreferenceConfig,
+    TechniquesConfig,
+    TrainingConfig,
+)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    micro_batch: int
-    grad_accum: int
-    precision: str = "fp32"  # fp32, fp16, bf16 (autocast, fp32 weights) or bf16-pure
-    checkpointing: str = "off"  # off, every-n, full, offload
-    optimizer: str = "adamw"
-    loss_chunk: int = 0  # tokens per chunk of the fused loss; 0 = the plain loss
-    compile: str = "off"
-    lora_rank: int = 0  # 0 = full fine-tuning
-    quantize_base: str = "none"  # none, nf4, int8 (LoRA only)
-    offload: str = "none"  # none, zero2-cpu, zero3-cpu
-    every: int = 2  # checkpointing_every for every-n
-    in_backward: bool = False  # optimizer step inside backward (grad_accum 1, no global clipping)
-    lora_targets: str = "all-linear"  # lora.targets: which linear layers get adapters
-    lora_dtype: str = "auto"  # lora.dtype as configured (settled per precision by techniques.lora.adapter_dtype)
-    objective: str = "sft"  # training.objective: dpo / orpo / simpo run two sequences (chosen, rejected) per example
-    reference: str = "auto"  # preference.reference as configured (settled by techniques.reference.choose)
+    training: TrainingConfig
+    """micro_batch_size, grad_accum and objective of this setup (max_grad_norm 0 with the step
+    in backward, where no global norm exists)."""
+    techniques: TechniquesConfig
+    """The methods this setup trains with, settled (see the module docstring)."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """preference.reference as configured (settled by techniques.reference.choose)."""
+
+    @property
+    def lora_rank(self) -> int:
+        """Rank of the trained adapters; 0 = full fine-tuning (lora.enabled off)."""
+        return self.techniques.lora.r if self.techniques.lora.enabled else 0
+
+    @property
+    def quantize_base(self) -> str:
+        """The base's quantization under LoRA; "none" for full fine-tuning, which ignores it."""
+        return self.techniques.lora.quantize_base if self.lora_rank else "none"
 
     @property
     def rows_per_example(self) -> int:
         """Sequences through the model per example: a preference pair is two."""
-        return 1 if self.objective == "sft" else 2
+        return 1 if self.training.objective == "sft" else 2
 
     @property
     def reference_kind(self) -> str | None:
-        """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what auto means."""
+        """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what
+        auto means."""
         from onegpu.techniques.reference import choose
 
-        return choose(self.objective, self.reference, bool(self.lora_rank))
+        return choose(self.training.objective, self.preference.reference, bool(self.lora_rank))
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.grad_accum
+        return self.training.micro_batch_size * self.training.grad_accum
 
     @property
     def method(self) -> str:
-        if self.offload != "none":
-            return f"offload:{self.offload}"
+        if self.techniques.offload != "none":
+            return f"offload:{self.techniques.offload}"
         if self.lora_rank:
             return "qlora" if self.quantize_base != "none" else "lora"
         return "full"
 
     @property
     def adapter_dtype(self) -> str:
-        """"fp32" or "bf16": the dtype training gives the adapters under this precision."""
+        """ "fp32" or "bf16": the dtype training gives the adapters under this precision."""
         from onegpu.techniques.lora import adapter_dtype
 
-        return adapter_dtype(self.lora_dtype, self.precision)
+        return adapter_dtype(self.techniques.lora.dtype, self.techniques.precision)
 
     def label(self) -> str:
-        parts = [f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
-        if self.checkpointing != "off":
-            parts.append("ckpt-" + (f"every{self.every}" if self.checkpointing == "every-n" else self.checkpointing))
-        parts.append(self.optimizer + ("-in-backward" if self.in_backward else ""))
-        if self.loss_chunk:
-            parts.append(f"fused-loss{self.loss_chunk}")
-        if self.compile != "off":
+        t, tr = self.techniques, self.training
+        parts = [f"mb{tr.micro_batch_size}x{tr.grad_accum}", t.precision]
+        if t.checkpointing != "off":
+            every = f"every{t.checkpointing_every}"
+            parts.append("ckpt-" + (every if t.checkpointing == "every-n" else t.checkpointing))
+        parts.append(t.optimizer + ("-in-backward" if t.optimizer_in_backward else ""))
+        if t.activation_offload:
+            parts.append("act-offload")
+        if t.tiled_mlp == "on":
+            parts.append("tiled-mlp")
+        if t.loss_chunk_size:
+            parts.append(f"fused-loss{t.loss_chunk_size}")
+        if t.compile != "off":
             parts.append("compile")
         if self.lora_rank:
-            parts.append(("q" + self.quantize_base + "-" if self.quantize_base != "none" else "") + f"lora{self.lora_rank}"
-                         + ("" if self.lora_targets == "all-linear" else f"[{self.lora_targets}]")
-                         + ("-bf16" if self.adapter_dtype == "bf16" else ""))
-        if self.offload != "none":
-            parts.append(self.offload)
+            quant = "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
+            targets = "" if t.lora.targets == "all-linear" else f"[{t.lora.targets}]"
+            bf16 = "-bf16" if self.adapter_dtype == "bf16" else ""
+            parts.append(f"{quant}lora{self.lora_rank}{targets}{bf16}")
+        if t.offload != "none":
+            parts.append(t.offload)
         return " ".join(parts)
 
     def apply(self, cfg: Config) -> Config:
-        """A copy of cfg that trains with this setup (everything else unchanged)."""
+        """A copy of cfg that trains with this setup (its other sections unchanged)."""
         out = copy.deepcopy(cfg)
-        out.training.micro_batch_size, out.training.grad_accum = self.micro_batch, self.grad_accum
-        t = out.techniques
-        t.precision, t.checkpointing, t.checkpointing_every = self.precision, self.checkpointing, self.every
-        t.optimizer, t.loss_chunk_size, t.compile, t.offload = self.optimizer, self.loss_chunk, self.compile, self.offload
-        # A fused candidate keeps loss=auto where it was asked (a model without support falls back).
-        t.loss = "plain" if not self.loss_chunk else ("fused" if t.loss == "plain" else t.loss)
-        t.optimizer_in_backward = self.in_backward
-        if self.in_backward:  # the global norm does not exist when each update happens in backward
-            out.training.max_grad_norm = 0.0
-        t.lora.enabled = bool(self.lora_rank)
-        if self.lora_rank:
-            t.lora.r, t.lora.quantize_base, t.lora.targets = self.lora_rank, self.quantize_base, self.lora_targets
-            t.lora.dtype = self.lora_dtype
+        out.training = copy.deepcopy(self.training)
+        out.techniques = copy.deepcopy(self.techniques)
+        out.preference = copy.deepcopy(self.preference)
         out.plan = "off"  # the result is a concrete setup, not a request to plan again
         return out
 
+
+def setup(
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    base: Config | None = None,
+    training: dict | None = None,
+    preference: dict | None = None,
+    **techniques,
+) -> Candidate:
+    """A candidate: ``base``'s sections (default: the defaults) with these overrides.
+
+    ``techniques`` are TechniquesConfig fields; ``lora`` may be a dict of LoraConfig fields, which
+    trains adapters (enabled=True unless given). Unsettled values are settled as the planner does
+    by default: precision fp32, compile off, loss fused exactly when loss_chunk_size > 0, and the
+    step in backward without gradient clipping (it has no global norm). tiled_mlp stays as given:
+    auto tiles from tiled_mlp_min_seq tokens, as training does."""
+    base = base or Config()
+    lora = techniques.pop("lora", None)
+    if isinstance(lora, dict):
+        techniques["lora"] = dataclasses.replace(base.techniques.lora, **{"enabled": True, **lora})
+    elif isinstance(lora, LoraConfig):
+        techniques["lora"] = lora
+    t = dataclasses.replace(base.techniques, **techniques)
+    chunk = t.loss_chunk_size
+    t = dataclasses.replace(
+        t,
+        precision="fp32" if t.precision == "auto" else t.precision,
+        compile="off" if t.compile == "auto" else t.compile,
+        loss="plain" if not chunk else ("fused" if t.loss == "plain" else t.loss),
+    )
+    tr = dataclasses.replace(
+        base.training,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        **(training or {}),
+    )
+    if t.optimizer_in_backward:
+        tr = dataclasses.replace(tr, max_grad_norm=0.0)
+    return Candidate(tr, t, dataclasses.replace(base.preference, **(preference or {})))

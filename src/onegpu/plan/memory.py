@@ -10,19 +10,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onegpu.plan.activations import ActivationModel, activation_model
+from onegpu.plan.activations import (
+    ActivationModel,
+    activation_model,
+    checkpointed_layers,
+)
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
-FRAGMENTATION = 0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
+FRAGMENTATION = (
+    0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
+)
 
 # Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
 # exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
 STATE_RELATIVE = {"adamw": 2.0, "adamw-foreach": 2.0, "adamw-fused": 2.0, "sgd": 1.0}
 STATE_BYTES = {
-    "adamw-8bit": 2.0 + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
+    "adamw-8bit": 2.0
+    + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
     "paged-adamw-8bit": 2.0 + 8 / 2048,
     "adamw-8bit-ao": 2.0 + 8 / 256,  # torchao: block size 256
     "adamw-4bit-ao": 1.0 + 8 / 128,  # torchao: two 4-bit states, block size 128
@@ -35,6 +42,7 @@ INT8_BYTES = 1.0  # LLM.int8: int8 weights (+ a per-row fp32 scale, negligible)
 class MemoryEstimate:
     components: dict = field(default_factory=dict)  # name -> bytes, at the peak
     peak: float = 0.0  # bytes allocated at the peak
+    host_activations: float = 0.0  # bytes activation offload holds in pinned host memory
 
     def reserved(self) -> float:
         """What the GPU must hold: the allocator's fragmentation and the CUDA context on top."""
@@ -51,20 +59,25 @@ def param_bytes(precision: str) -> int:
 
 def trained_bytes(c: Candidate) -> int:
     """Bytes per trainable parameter: the adapters' dtype under LoRA, else the weights'."""
-    return adapter_bytes(c) if c.lora_rank else param_bytes(c.precision)
+    return adapter_bytes(c) if c.lora_rank else param_bytes(c.techniques.precision)
 
 
 def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     """Resident model weights (frozen quantized base + adapters for QLoRA)."""
-    pb = param_bytes(c.precision)
-    if c.offload == "zero3-cpu":
-        return 2 * shape.largest_param * 2  # only the gathered layer (and the prefetched next) in 16-bit
-    if c.offload == "zero2-cpu":
-        return shape.params * 2  # 16-bit working copy; fp32 master lives with the optimizer on the host
+    t = c.techniques
+    pb = param_bytes(t.precision)
+    if t.offload == "zero3-cpu":
+        return (
+            2 * shape.largest_param * 2
+        )  # only the gathered layer (and the prefetched next) in 16-bit
+    if t.offload == "zero2-cpu":
+        return (
+            shape.params * 2
+        )  # 16-bit working copy; fp32 master lives with the optimizer on the host
     base = shape.params * pb
     if c.quantize_base in ("nf4", "fp4", "int8"):
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
-        rest_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+        rest_bytes = 2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4
         base = shape.linear_params * per + (shape.params - shape.linear_params) * rest_bytes
     return base + lora_params(shape, c) * adapter_bytes(c)
 
@@ -75,7 +88,7 @@ def adapter_bytes(c: Candidate) -> int:
 
 
 def lora_params(shape: ModelShape, c: Candidate) -> int:
-    return c.lora_rank * shape.lora_per_rank(c.lora_targets)
+    return c.lora_rank * shape.lora_per_rank(c.techniques.lora.targets)
 
 
 def trainable_params(shape: ModelShape, c: Candidate) -> int:
@@ -83,22 +96,25 @@ def trainable_params(shape: ModelShape, c: Candidate) -> int:
 
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
-    if c.in_backward:  # each gradient is applied and freed as soon as it is complete
+    t = c.techniques
+    if t.optimizer_in_backward:  # each gradient is applied and freed as soon as it is complete
         return min(trainable_params(shape, c), shape.largest_param) * trained_bytes(c)
     if c.lora_rank:
         return lora_params(shape, c) * adapter_bytes(c)
-    if c.offload != "none":
-        return shape.params * 2 if c.offload == "zero2-cpu" else 2 * shape.largest_param * 2
-    return shape.params * param_bytes(c.precision)
+    if t.offload != "none":
+        return shape.params * 2 if t.offload == "zero2-cpu" else 2 * shape.largest_param * 2
+    return shape.params * param_bytes(t.precision)
 
 
-PAGED = ("paged-adamw-8bit",)  # state in CUDA unified memory: outside the caching allocator, spills to host
+PAGED = (
+    "paged-adamw-8bit",
+)  # state in CUDA unified memory: outside the caching allocator, spills to host
 
 
 def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Optimizer state in the device's caching allocator (none under ZeRO offload, which keeps it in
     host memory, nor for a paged optimizer on a GPU, whose state is host-backed unified memory)."""
-    if c.offload != "none" or paged_bytes(shape, c, on_gpu):
+    if c.techniques.offload != "none" or paged_bytes(shape, c, on_gpu):
         return 0.0
     return state_bytes(shape, c)
 
@@ -106,70 +122,202 @@ def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> flo
 def paged_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
     """Host-backed optimizer state of a paged optimizer (bitsandbytes' cudaMallocManaged pages;
     off a GPU it trains as the plain 8-bit optimizer, in ordinary memory)."""
-    return state_bytes(shape, c) if on_gpu and c.optimizer in PAGED and c.offload == "none" else 0.0
+    t = c.techniques
+    return state_bytes(shape, c) if on_gpu and t.optimizer in PAGED and t.offload == "none" else 0.0
 
 
 def state_bytes(shape: ModelShape, c: Candidate) -> float:
     """Bytes of optimizer state wherever it lives."""
     n = trainable_params(shape, c)
-    pb = trained_bytes(c)
-    if c.optimizer == "adafactor":  # factored second moment, no first moment (transformers' defaults)
-        return (shape.factored_elems if not c.lora_rank else shape.lora_per_rank(c.lora_targets) + 2 * c.lora_rank) * pb
-    if c.optimizer in STATE_BYTES:
-        return n * STATE_BYTES[c.optimizer]
-    return n * pb * STATE_RELATIVE.get(c.optimizer, 2.0)
+    pb, opt = trained_bytes(c), c.techniques.optimizer
+    if opt == "adafactor":  # factored second moment, no first moment (transformers' defaults)
+        if not c.lora_rank:
+            return shape.factored_elems * pb
+        return (shape.lora_per_rank(c.techniques.lora.targets) + 2 * c.lora_rank) * pb
+    if opt in STATE_BYTES:
+        return n * STATE_BYTES[opt]
+    return n * pb * STATE_RELATIVE.get(opt, 2.0)
 
 
 def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
     """Temporaries of optimizer.step(): foreach AdamW builds whole-model intermediate lists; fused
     and 8-bit kernels work in place; per-tensor optimizers need one tensor's worth."""
     n = trainable_params(shape, c)
-    if c.offload != "none":
+    opt = c.techniques.optimizer
+    if c.techniques.offload != "none":
         return 0.0
-    fused = c.optimizer == "adamw-fused" or (c.optimizer == "adamw" and on_gpu)
-    if c.optimizer in ("adamw", "adamw-foreach") and not fused:
+    fused = opt == "adamw-fused" or (opt == "adamw" and on_gpu)
+    if opt in ("adamw", "adamw-foreach") and not fused:
         return n * trained_bytes(c)
     return min(n, shape.largest_param) * 4 * 2
 
 
-def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
-                     attention: str = "sdpa") -> tuple[float, float]:
-    """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
-    acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
-                                    c.lora_targets, c.adapter_dtype if c.lora_rank else "fp32")
-    compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
-    rows = c.micro_batch * c.rows_per_example  # a preference pair: chosen and rejected in one forward
-    kept = acts.retained(rows, seq_len, shape.layers, c.checkpointing, c.every, compiled)
-    tokens = rows * seq_len if not c.loss_chunk else min(c.loss_chunk, rows * seq_len)
+def activation_bytes(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+) -> tuple[float, float]:
+    """(bytes kept for backward on the device, extra bytes during backward: one recomputed or
+    reloaded block + logits grad)."""
+    kept, transient, _ = activations(shape, c, seq_len, acts, attention)
+    return kept, transient
+
+
+def activations(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+    on_gpu: bool = True,
+) -> tuple[float, float, float]:
+    """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
+    host memory under activation offload; off a GPU they are already in host memory and stay)."""
+    t = c.techniques
+    acts = acts or activation_model(shape.config, t, attention)
+    compiled = (
+        t.compile != "off"
+    )  # elementwise intermediates recomputed (activations.py; an assumption)
+    rows = (
+        c.training.micro_batch_size * c.rows_per_example
+    )  # a preference pair: chosen and rejected
+    mode, every = t.checkpointing, t.checkpointing_every
+    tiled = mlp_tiled(shape, c, seq_len)
+    not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
+    not_kept += quantized_cast_bytes(shape, c)
+    kept = acts.retained(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
+    chunk = t.loss_chunk_size
+    tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
     # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
     # shift-by-one slice scatters it into (in the logits' dtype).
-    logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + logits_grad
+    logits_grad = (
+        tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
+    )
+    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
+    if tiled:  # one tile's intermediates, and their gradients, exist at a time
+        transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
+    host = 0.0
+    if on_gpu and t.activation_offload and offloaded(shape, c, rows * seq_len):
+        # Every block's saved tensors wait in host memory; on the device stay the embedding, head
+        # and loss part, the copies in flight (techniques/activation_offload.py bounds them) and,
+        # in backward, the block whose saved tensors are back (a checkpointed one: its input,
+        # beside the recomputed block already counted).
+        from onegpu.techniques.activation_offload import MAX_IN_FLIGHT, PREFETCH
+
+        host = acts.blocks(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
+        n_ckpt = checkpointed_layers(shape.layers, mode, every)
+        storage = largest_saved(shape, c, rows * seq_len, tiled, n_ckpt == shape.layers)
+        kept = kept - host + min(host, MAX_IN_FLIGHT * storage)
+        back = (
+            acts.block_ckpt.at(rows, seq_len)
+            if n_ckpt == shape.layers
+            else acts.block_at(rows, seq_len, compiled, not_kept)
+        )
+        transient += back + PREFETCH * storage
+    return kept, transient, host
 
 
-def _act_precision(precision: str) -> str:
-    return "bf16" if precision == "fp16" else precision  # same bytes: 16-bit activations
+def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:
+    """Per block, what the measured model keeps that a quantized base does not. The activation
+    model is measured on an unquantized copy, whose autocast keeps a 16-bit copy of each frozen
+    Linear weight for its input's gradient; bitsandbytes' 4-bit and 8-bit matmuls save the packed
+    weight (already counted with the weights) and dequantize it again in backward."""
+    autocast = c.techniques.precision in (
+        "fp16",
+        "bf16",
+    )  # bf16-pure weights need no cast
+    if c.quantize_base == "none" or not autocast or not shape.layers:
+        return 0.0
+    return shape.linear_params / shape.layers * 2
 
 
-def estimate(shape: ModelShape, c: Candidate, seq_len: int, on_gpu: bool = True,
-             acts: ActivationModel | None = None, attention: str = "sdpa") -> MemoryEstimate:
+def act_bytes(c: Candidate) -> int:
+    """Bytes per activation element: 16-bit compute keeps 16-bit activations."""
+    return 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
+
+
+def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
+    """Whether training runs this setup's MLPs over token tiles (techniques/tiled_mlp.py): on, or
+    auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less."""
+    t = c.techniques
+    wanted = t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq)
+    tokens = c.training.micro_batch_size * c.rows_per_example * seq_len
+    return (
+        wanted and not shape.experts and shape.intermediate > 0 and tokens > tile_tokens(shape, c)
+    )
+
+
+def tile_tokens(shape: ModelShape, c: Candidate) -> int:
+    return c.techniques.tiled_mlp_tile_tokens or shape.hidden
+
+
+def mlp_saved_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
+    """What one block's MLP keeps for backward over ``tokens``: the gate and up projections, the
+    activation and their product (tokens x intermediate each); compiled code keeps only the two
+    matmul outputs and recomputes the elementwise ones (activations.py)."""
+    tensors = 2 if c.techniques.compile != "off" else 4
+    return tensors * tokens * shape.intermediate * act_bytes(c)
+
+
+def offloaded(shape: ModelShape, c: Candidate, tokens: int) -> bool:
+    """Whether the blocks' saved tensors reach activation_offload_min_bytes: a block input (tokens x
+    hidden) is the smallest of them that matters; smaller ones stay, and so do the rest (assumed:
+    a block's saved tensors are all at least that size)."""
+    return tokens * shape.hidden * act_bytes(c) >= c.techniques.activation_offload_min_bytes
+
+
+def largest_saved(
+    shape: ModelShape, c: Candidate, tokens: int, tiled: bool, all_ckpt: bool
+) -> float:
+    """Bytes of the largest storage a block saves: its input under checkpointing, else an MLP
+    intermediate (tokens x intermediate) unless the MLP is tiled."""
+    width = shape.hidden if all_ckpt or tiled else max(shape.hidden, shape.intermediate)
+    return tokens * width * act_bytes(c)
+
+
+def estimate(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    on_gpu: bool = True,
+    acts: ActivationModel | None = None,
+    attention: str = "sdpa",
+) -> MemoryEstimate:
     """Peak bytes of one optimizer step.
 
     The peak is either late in forward / early in backward (activations, plus gradients already
     held from earlier micro-batches when accumulating) or in optimizer.step() (all gradients and the
     optimizer's temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient = activation_bytes(shape, c, seq_len, acts, attention)
-    w, g, o = weight_bytes(shape, c), grad_bytes(shape, c), optimizer_bytes(shape, c, on_gpu)
+    kept, transient, host = activations(shape, c, seq_len, acts, attention, on_gpu)
+    w, g, o = (
+        weight_bytes(shape, c),
+        grad_bytes(shape, c),
+        optimizer_bytes(shape, c, on_gpu),
+    )
     temp = optimizer_temp_bytes(shape, c, on_gpu)
-    held_grads = g if c.grad_accum > 1 else 0.0
+    held_grads = g if c.training.grad_accum > 1 else 0.0
     backward_peak = kept + transient + held_grads
     step_peak = g + temp
-    comps = {"weights": w, "optimizer": o, "gradients": g, "activations": kept,
-             "backward transient": transient, "optimizer temporaries": temp}
-    if c.reference_kind == "copy":  # DPO's frozen reference: the whole model once more, in the weights' dtype
-        comps["reference copy"] = shape.params * param_bytes(c.precision)
+    comps = {
+        "weights": w,
+        "optimizer": o,
+        "gradients": g,
+        "activations": kept,
+        "backward transient": transient,
+        "optimizer temporaries": temp,
+    }
+    if (
+        c.reference_kind == "copy"
+    ):  # DPO's frozen reference: the whole model once more, in the weights' dtype
+        comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
-    if paged_bytes(shape, c, on_gpu):  # shown, but not in the peak: outside the allocator, pages out
+    if host:  # shown, but not in the device peak
+        comps["offloaded activations (pinned host)"] = host
+    if paged_bytes(
+        shape, c, on_gpu
+    ):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
-    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak))
+    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak), host)

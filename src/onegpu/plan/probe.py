@@ -202,8 +202,9 @@ def _calibrate(spec, row, measured: Measured, seq_len: int, shape, tf32: bool = 
 
     c = row.candidate
     eff = speed.compute_efficiency(shape, c, seq_len, spec, measured.tokens_per_s, tf32)
-    speed.save_calibration(spec.key, c.precision, eff, c.micro_batch * seq_len)
-    log.info("plan: calibrated %s %s compute efficiency %.3f", spec.key, c.precision, eff)
+    precision = c.techniques.precision
+    speed.save_calibration(spec.key, precision, eff, c.training.micro_batch_size * seq_len)
+    log.info("plan: calibrated %s %s compute efficiency %.3f", spec.key, precision, eff)
 
 
 def _log_table(results: list[Measured]) -> None:

@@ -16,12 +16,17 @@ from onegpu.errors import ConfigError
 from onegpu.hardware import GpuSpec
 from onegpu.plan import memory, speed
 from onegpu.plan.arch import ModelShape
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import Candidate, setup
 
 log = logging.getLogger(__name__)
 
-TIERS = ("as configured", "bf16 weights, 8-bit optimizer state or optimizer step in backward", "LoRA adapters",
-         "QLoRA (4-bit base)", "DeepSpeed CPU offload")
+TIERS = (
+    "as configured",
+    "bf16 weights, 8-bit or paged 8-bit optimizer state, optimizer step in backward",
+    "LoRA adapters",
+    "QLoRA (4-bit base)",
+    "DeepSpeed CPU offload",
+)
 LORA_RANK = 16
 
 
@@ -59,15 +64,24 @@ def micro_batches(target: int, multiple: int = 8) -> list[int]:
 def precisions(spec: GpuSpec, requested: str) -> list[str]:
     if requested != "auto":
         if spec.key != "CPU" and requested in ("bf16", "bf16-pure") and not spec.has_bf16:
-            raise ConfigError(f"techniques.precision={requested}: {spec.name} has no bf16.",
-                              hint="use techniques.precision=fp16 or auto on this GPU")
+            raise ConfigError(
+                f"techniques.precision={requested}: {spec.name} has no bf16.",
+                hint="use techniques.precision=fp16 or auto on this GPU",
+            )
         return [requested]
     if spec.key == "CPU":
         return ["fp32"]  # bf16/fp16 math is emulated and many times slower on CPUs
     return ["bf16", "bf16-pure"] if spec.has_bf16 else ["fp16"]
 
 
-def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, batch: int) -> list[Candidate]:
+def tier_candidates(
+    tier: int,
+    cfg: Config,
+    spec: GpuSpec,
+    shape: ModelShape,
+    batch: int,
+    seq_len: int | None = None,
+) -> list[Candidate]:
     import itertools
 
     t = cfg.techniques
@@ -75,24 +89,73 @@ def tier_candidates(tier: int, cfg: Config, spec: GpuSpec, shape: ModelShape, ba
     compiles = _compiles(cfg, on_gpu)
     ckpts = ["off", "every-n", "full"] if tier < 4 else ["full"]
     if on_gpu and tier < 4:
-        ckpts.append("offload")  # layer inputs in pinned host memory: slower, ranked by the PCIe time it adds
-    lora, quant = (t.lora.r, t.lora.quantize_base) if t.lora.enabled else (0, "none")
-    if tier in (2, 3) and (lora and (tier == 2 or quant != "none")):
+        ckpts.append(
+            "offload"
+        )  # layer inputs in pinned host memory: slower, ranked by the PCIe time it adds
+    lora_on = t.lora.enabled
+    if tier in (2, 3) and (lora_on and (tier == 2 or t.lora.quantize_base != "none")):
         return []  # already training adapters (on a quantized base): this tier adds nothing
-    targets = t.lora.targets if t.lora.enabled else "all-linear"
-    lora = lora or (LORA_RANK if tier in (2, 3) else 0)
-    quant = "nf4" if tier == 3 else quant
+    lora = {}  # full fine-tuning, or the adapters as configured
+    if tier in (2, 3) and not lora_on:
+        lora = {
+            "lora": {
+                "r": LORA_RANK,
+                "quantize_base": "nf4" if tier == 3 else "none",
+                "targets": "all-linear",
+            }
+        }
+    elif tier == 3:
+        lora = {"lora": {"quantize_base": "nf4"}}
     offloads = ["zero2-cpu", "zero3-cpu"] if tier == 4 else [t.offload]
     chunks = {off: loss_chunk(cfg, shape.vocab, on_gpu, off) for off in offloads}
+    # Activation offload changes no numerics: offered wherever it can run (a GPU, no ZeRO offload).
+    act_offloads = (
+        [t.activation_offload] if t.activation_offload or not on_gpu or tier == 4 else [False, True]
+    )
     out = []
-    for mb, (prec, opt, in_bwd), ck, comp, off in itertools.product(
-            micro_batches(batch, spec.tc_multiple), _numerics(tier, spec, t), ckpts, compiles, offloads):
+    for mb, (prec, opt, in_bwd), ck, comp, off, act in itertools.product(
+        micro_batches(batch, spec.tc_multiple),
+        _numerics(tier, spec, t),
+        ckpts,
+        compiles,
+        offloads,
+        act_offloads,
+    ):
         if in_bwd and (mb != batch or off != "none"):
             continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
-        out.append(Candidate(mb, batch // mb, prec, ck, opt, chunks[off], comp, lora, quant, off,
-                             t.checkpointing_every, in_bwd, targets, lora_dtype=t.lora.dtype,
-                             objective=cfg.training.objective, reference=cfg.preference.reference))
+        if act and ck == "offload":
+            continue  # both would send the checkpointed inputs to the host (config/checks.py refuses it)
+        for tiled in _tiling(t, shape, mb, seq_len):
+            out.append(
+                setup(
+                    mb,
+                    batch // mb,
+                    cfg,
+                    precision=prec,
+                    checkpointing=ck,
+                    optimizer=opt,
+                    loss_chunk_size=chunks[off],
+                    compile=comp,
+                    offload=off,
+                    optimizer_in_backward=in_bwd,
+                    activation_offload=act,
+                    tiled_mlp=tiled,
+                    **lora,
+                )
+            )
     return out
+
+
+def _tiling(t, shape: ModelShape, micro_batch: int, seq_len: int | None) -> list[str]:
+    """tiled_mlp settings to try. auto is the planner's to settle: off and on both, where tiling
+    can apply at this length (the faster that fits wins, so on only where memory needs it);
+    a setting the user fixed is kept."""
+    if t.tiled_mlp != "auto":
+        return [t.tiled_mlp]
+    tile = t.tiled_mlp_tile_tokens or shape.hidden
+    if seq_len is None or shape.experts or not shape.intermediate or micro_batch * seq_len <= tile:
+        return ["off"]
+    return ["off", "on"]
 
 
 def _compiles(cfg: Config, on_gpu: bool) -> list[str]:
@@ -116,29 +179,47 @@ def loss_chunk(cfg: Config, vocab: int, on_gpu: bool, offload: str) -> int:
 def _numerics(tier: int, spec: GpuSpec, t) -> list[tuple[str, str, bool]]:
     """(precision, optimizer, step in backward) of a tier. bf16 weights change the numerics (updates
     below bf16 resolution are lost), and so do an 8-bit optimizer and an update in backward (no
-    global clipping): they wait for tier 1."""
+    global clipping): they wait for tier 1, which crosses them all: bf16 weights or not, the
+    configured, 8-bit or paged 8-bit state, the step in backward or not (never with fp16)."""
     precs = precisions(spec, t.precision)
     plain = [p for p in precs if p != "bf16-pure" or t.precision == "bf16-pure"]
     in_bwd = t.optimizer_in_backward
     if tier == 0:
         return [(p, t.optimizer, in_bwd) for p in plain]
     if tier == 1:
-        pure = [("bf16-pure", t.optimizer, in_bwd)] if "bf16-pure" in precs and t.precision == "auto" else []
-        eight = [] if t.optimizer in memory.STATE_BYTES else [(p, "adamw-8bit", in_bwd) for p in plain]
-        backward = [] if in_bwd else [(p, t.optimizer, True) for p in precs if p != "fp16"]
-        return pure + eight + backward
+        weights = precs if t.precision == "auto" else plain
+        states = [t.optimizer] + ([] if t.optimizer in memory.STATE_BYTES else list(EIGHT_BIT))
+        if (
+            spec.key == "CPU"
+        ):  # paged state is CUDA unified memory: on a CPU it is the plain 8-bit one
+            states = [s for s in states if s not in memory.PAGED] or states
+        steps = [in_bwd] if in_bwd else [False, True]
+        out = [(p, o, b) for p in weights for o in states for b in steps if not (b and p == "fp16")]
+        return [n for n in out if n not in set(_numerics(0, spec, t))]  # tier 0 offered those
     return [(p, t.optimizer if tier < 4 else "adamw", in_bwd and tier < 4) for p in plain]
 
 
-def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: int,
-           capacity_gib: float | None = None, attention: str = "sdpa") -> Plan:
+EIGHT_BIT = ("adamw-8bit", "paged-adamw-8bit")
+
+
+def search(
+    cfg: Config,
+    spec: GpuSpec,
+    shape: ModelShape,
+    seq_len: int,
+    batch: int,
+    capacity_gib: float | None = None,
+    attention: str = "sdpa",
+) -> Plan:
     """All setups of the first tier that has any that fit, ranked; the best few that do not fit follow."""
     capacity = (capacity_gib or spec.memory_gib) * 2**30
     plan = Plan(spec, shape, seq_len, batch)
     tf32 = cfg.techniques.tf32 if cfg.techniques.tf32 is not None else True
     for tier in range(len(TIERS)):
-        rows = [_evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention)
-                for c in tier_candidates(tier, cfg, spec, shape, batch)]
+        rows = [
+            _evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention)
+            for c in tier_candidates(tier, cfg, spec, shape, batch, seq_len)
+        ]
         fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.speed.tokens_per_s)
         losing = sorted((r for r in rows if not r.fits), key=lambda r: r.memory.peak)
         plan.rows.extend(fitting)
@@ -146,15 +227,27 @@ def search(cfg: Config, spec: GpuSpec, shape: ModelShape, seq_len: int, batch: i
             plan.rows.extend(losing[:3])
             break
         plan.rows.extend(losing[:2])
-        log.info("nothing fits with %s; trying %s", TIERS[tier], TIERS[tier + 1] if tier + 1 < len(TIERS) else "-")
+        log.info(
+            "nothing fits with %s; trying %s",
+            TIERS[tier],
+            TIERS[tier + 1] if tier + 1 < len(TIERS) else "-",
+        )
     plan.rows.sort(key=lambda r: (not r.fits, -r.speed.tokens_per_s if r.fits else r.memory.peak))
     return plan
 
 
-def _evaluate(c: Candidate, tier: int, shape: ModelShape, spec: GpuSpec, seq_len: int, capacity: float,
-              tf32: bool, attention: str) -> Row:
+def _evaluate(
+    c: Candidate,
+    tier: int,
+    shape: ModelShape,
+    spec: GpuSpec,
+    seq_len: int,
+    capacity: float,
+    tf32: bool,
+    attention: str,
+) -> Row:
     mem = memory.estimate(shape, c, seq_len, on_gpu=spec.key != "CPU", attention=attention)
-    spd = speed.estimate(shape, c, seq_len, spec, tf32)
+    spd = speed.estimate(shape, c, seq_len, spec, tf32, mem.host_activations)
     fits = mem.fits(capacity)
     if fits:
         why = f"{_gb(capacity - mem.reserved())} GB spare"

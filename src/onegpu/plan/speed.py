@@ -17,11 +17,16 @@ import time
 from dataclasses import dataclass
 
 from onegpu.hardware import GpuSpec
+from onegpu.paths import cache_dir
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
-from onegpu.plan.memory import trainable_params
-from onegpu.plan.published import COMPILE_SPEEDUP, FALLBACK_EFFICIENCY, QLORA_SLOWDOWN, default_efficiency
-from onegpu.paths import cache_dir
+from onegpu.plan.memory import mlp_tiled, trainable_params
+from onegpu.plan.published import (
+    COMPILE_SPEEDUP,
+    FALLBACK_EFFICIENCY,
+    QLORA_SLOWDOWN,
+    default_efficiency,
+)
 
 # For a GPU class (or fp32 compute) without a published run: an assumption, until a probe measures it.
 DEFAULT_EFFICIENCY = FALLBACK_EFFICIENCY
@@ -31,6 +36,22 @@ HALF_FILL_TOKENS = {"gpu": 512, "cpu": 16}
 # Relative speed factors for methods that change kernels, not FLOPs: COMPILE_SPEEDUP and
 # QLORA_SLOWDOWN, published figures (plan/published.py), listed as assumptions where used.
 OFFLOAD_PCIE_GBS = 20.0  # effective host<->device bandwidth for ZeRO offload
+# Host<->device copy rate per direction for activation offload, by the card's PCIe generation:
+# the link's 16 lanes carry 15.75 / 31.5 / 63 GB/s per direction (gen3 / gen4 / gen5, PCI-SIG);
+# pinned copies reach about 80% of that (an assumption: CUDA's bandwidthTest on a gen4 x16 host
+# typically shows 24-26 GB/s). The generation is the vendor's datasheet's.
+PCIE_GEN = {
+    "T4": 3,
+    "V100": 3,
+    "V100-16GB": 3,
+    "H100": 5,
+    "H100-PCIe": 5,
+    "H100-NVL": 5,
+    "H200": 5,
+    "B200": 5,
+}  # every other catalogued card: gen4
+PCIE_LINK_GBS = {3: 15.75, 4: 31.5, 5: 63.0}
+PINNED_COPY_EFFICIENCY = 0.8
 CPU_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeed's CPUAdam, a many-core host
 
 
@@ -41,20 +62,31 @@ class SpeedEstimate:
     flops_per_token: float
     efficiency: float
     calibrated: bool
-    assumptions: tuple[str, ...] = ()  # constants this figure rests on that no measurement has fitted
+    assumptions: tuple[
+        str, ...
+    ] = ()  # constants this figure rests on that no measurement has fitted
 
 
 def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     """arch.flops_per_token for a candidate's LoRA rank and checkpointed layers."""
     from onegpu.plan.activations import checkpointed_layers
-    from onegpu.plan.arch import flops_per_token as count, forward_flops_per_token
+    from onegpu.plan.arch import flops_per_token as count
+    from onegpu.plan.arch import forward_flops_per_token
 
-    frac = checkpointed_layers(shape.layers, c.checkpointing, c.every) / max(shape.layers, 1)
-    total = count(shape, seq_len, c.lora_rank, frac, c.lora_targets)
-    if c.objective != "sft":
+    t = c.techniques
+    frac = checkpointed_layers(shape.layers, t.checkpointing, t.checkpointing_every) / max(
+        shape.layers, 1
+    )
+    total = count(shape, seq_len, c.lora_rank, frac, t.lora.targets)
+    if mlp_tiled(shape, c, seq_len):  # each tile's MLP forward runs again in its backward
+        total += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
+    if c.training.objective != "sft":
         # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
-        total += 2 * shape.vocab * shape.hidden if c.loss_chunk else 0
-        if c.reference_kind in ("adapters", "copy"):  # the reference's forward, every step
+        total += 2 * shape.vocab * shape.hidden if t.loss_chunk_size else 0
+        if c.reference_kind in (
+            "adapters",
+            "copy",
+        ):  # the reference's forward, every step
             total += forward_flops_per_token(shape, seq_len)
     return total
 
@@ -71,15 +103,22 @@ def load_calibration() -> dict:
         return {}
 
 
-CALIBRATION_KIND = "compute-saturated"  # what "efficiency" means in the stored entries (see the docstring)
+CALIBRATION_KIND = (
+    "compute-saturated"  # what "efficiency" means in the stored entries (see the docstring)
+)
 
 
-def save_calibration(gpu_key: str, precision: str, efficiency: float, tokens_per_micro: int) -> None:
+def save_calibration(
+    gpu_key: str, precision: str, efficiency: float, tokens_per_micro: int
+) -> None:
     """Remember a measured compute-only, saturated efficiency for this GPU model and precision."""
     data = load_calibration()
     data.setdefault(gpu_key, {})[_prec_class(precision)] = {
-        "efficiency": efficiency, "kind": CALIBRATION_KIND, "tokens_per_micro": tokens_per_micro,
-        "measured": time.strftime("%Y-%m-%d")}
+        "efficiency": efficiency,
+        "kind": CALIBRATION_KIND,
+        "tokens_per_micro": tokens_per_micro,
+        "measured": time.strftime("%Y-%m-%d"),
+    }
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
@@ -97,42 +136,68 @@ def base_efficiency(spec: GpuSpec, precision: str) -> tuple[float, bool]:
 def default(spec: GpuSpec, precision: str) -> tuple[float, str]:
     """(efficiency, its label) before any probe: a published 16-bit run on this GPU class, if any."""
     if spec.key == "CPU" or _prec_class(precision) != "16bit":
-        return DEFAULT_EFFICIENCY, f"efficiency {DEFAULT_EFFICIENCY:.2f} (assumed; no probe on this device yet)"
+        return (
+            DEFAULT_EFFICIENCY,
+            f"efficiency {DEFAULT_EFFICIENCY:.2f} (assumed; no probe on this device yet)",
+        )
     return default_efficiency(spec.capability)
 
 
 def method_factor(c: Candidate) -> float:
     """Speed factors of methods that change kernels, not FLOPs (assumed, see the constants)."""
-    factor = COMPILE_SPEEDUP if c.compile != "off" else 1.0
+    factor = COMPILE_SPEEDUP if c.techniques.compile != "off" else 1.0
     return factor * (QLORA_SLOWDOWN if c.quantize_base != "none" else 1.0)
 
 
-def compute_efficiency(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tokens_per_s: float,
-                       tf32: bool = True) -> float:
+def compute_efficiency(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    spec: GpuSpec,
+    tokens_per_s: float,
+    tf32: bool = True,
+) -> float:
     """The stored efficiency that makes ``estimate`` predict ``tokens_per_s`` for this setup: the
     measured step minus the modelled optimizer step, over the peak, without fill and method factors."""
     tokens = c.effective_batch * c.rows_per_example * seq_len
     step = tokens / tokens_per_s
     # A measurement faster than the optimizer model allows still leaves the compute some time.
     compute = max(step - optimizer_seconds(shape, c, spec), 0.05 * step)
-    used = tokens * flops_per_token(shape, c, seq_len) / (spec.peak_tflops(c.precision, tf32) * 1e12 * compute)
-    return used / (_fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c))
+    peak = spec.peak_tflops(c.techniques.precision, tf32) * 1e12
+    used = tokens * flops_per_token(shape, c, seq_len) / (peak * compute)
+    return used / (_fill(spec, _micro_tokens(c, seq_len)) * method_factor(c))
 
 
 def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
-    out = [] if calibrated else [default(spec, c.precision)[1]]
+    t = c.techniques
+    out = [] if calibrated else [default(spec, t.precision)[1]]
     half = HALF_FILL_TOKENS["cpu" if spec.key == "CPU" else "gpu"]
     out.append(f"micro-batch fill: half speed at {half} tokens")
-    if c.compile != "off":
-        out.append(f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled blocks keep "
-                   "no elementwise intermediates (min-cut partitioner; -14.9% peak there)")
+    if t.compile != "off":
+        out.append(
+            f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled blocks keep "
+            "no elementwise intermediates (min-cut partitioner; -14.9% peak there)"
+        )
     if c.quantize_base != "none":
-        out.append(f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)")
+        out.append(
+            f"4-bit base x{QLORA_SLOWDOWN:.2f} of LoRA speed (torchtune, Llama-3.2-3B on A100)"
+        )
     if c.reference_kind == "precomputed":
-        out.append("DPO reference precomputed: one forward over the data before training, not in tokens/s")
-    if c.offload != "none":
-        out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s")
-    elif c.checkpointing == "offload":
+        out.append(
+            "DPO reference precomputed: one forward over the data before training, not in tokens/s"
+        )
+    if t.tiled_mlp != "off":
+        out.append("tiled MLP: its forward once more per step (gate, up and down projections)")
+    if t.activation_offload:
+        out.append(
+            f"activation offload at {pcie_gbs(spec):.0f} GB/s per direction (PCIe gen "
+            f"{PCIE_GEN.get(spec.key, 4)} x16 at {PINNED_COPY_EFFICIENCY:.0%}), overlapped with compute"
+        )
+    if t.offload != "none":
+        out.append(
+            f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s, CPU Adam {CPU_ADAM_PARAMS_PER_S:.1e} params/s"
+        )
+    elif t.checkpointing == "offload":
         out.append(f"PCIe {OFFLOAD_PCIE_GBS:.0f} GB/s for offloaded activations")
     return tuple(out)
 
@@ -142,37 +207,76 @@ def _fill(spec: GpuSpec, tokens: int) -> float:
     return tokens / (tokens + half)
 
 
+def _micro_tokens(c: Candidate, seq_len: int) -> int:
+    """Tokens of one micro-batch through the model (a preference pair is two sequences)."""
+    return c.training.micro_batch_size * c.rows_per_example * seq_len
+
+
 def _prec_class(precision: str) -> str:
     return "16bit" if precision in ("fp16", "bf16", "bf16-pure") else "fp32"
 
 
-def estimate(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec, tf32: bool = True) -> SpeedEstimate:
-    """Predicted training throughput (tokens/s) of one setup on one GPU."""
-    eff, calibrated = base_efficiency(spec, c.precision)
-    eff *= _fill(spec, c.micro_batch * c.rows_per_example * seq_len) * method_factor(c)
+def estimate(
+    shape: ModelShape,
+    c: Candidate,
+    seq_len: int,
+    spec: GpuSpec,
+    tf32: bool = True,
+    offloaded: float = 0.0,
+) -> SpeedEstimate:
+    """Predicted training throughput (tokens/s) of one setup on one GPU; ``offloaded``: the bytes
+    of activations one micro-batch sends to the host (memory.MemoryEstimate.host_activations)."""
+    precision = c.techniques.precision
+    eff, calibrated = base_efficiency(spec, precision)
+    eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
     tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
-    compute = tokens * fpt / (spec.peak_tflops(c.precision, tf32) * 1e12 * eff)
-    step = compute + optimizer_seconds(shape, c, spec) + activation_offload_seconds(shape, c, seq_len)
-    return SpeedEstimate(tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated))
+    compute = tokens * fpt / (spec.peak_tflops(precision, tf32) * 1e12 * eff)
+    step = (
+        compute
+        + optimizer_seconds(shape, c, spec)
+        + activation_offload_seconds(shape, c, seq_len)
+        + offload_exposed_seconds(c, spec, compute, offloaded)
+    )
+    return SpeedEstimate(
+        tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated)
+    )
 
 
 def activation_offload_seconds(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     """checkpointing=offload: every layer's input (tokens x hidden, in the compute dtype) goes to
     pinned host memory in forward and comes back in backward, over PCIe (an assumed rate)."""
-    if c.checkpointing != "offload":
+    if c.techniques.checkpointing != "offload":
         return 0.0
-    dtype_bytes = 2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4
+    dtype_bytes = 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
     nbytes = 2 * c.effective_batch * seq_len * shape.hidden * shape.layers * dtype_bytes
     return nbytes / (OFFLOAD_PCIE_GBS * 1e9)
+
+
+def pcie_gbs(spec: GpuSpec) -> float:
+    """Pinned host<->device copy rate per direction, GB/s (see PCIE_GEN)."""
+    return PCIE_LINK_GBS[PCIE_GEN.get(spec.key, 4)] * PINNED_COPY_EFFICIENCY
+
+
+def offload_exposed_seconds(c: Candidate, spec: GpuSpec, compute: float, offloaded: float) -> float:
+    """techniques.activation_offload: the saved activations cross PCIe once each way per
+    micro-batch, on a side stream. Copies to the host overlap the forward (a third of the compute,
+    2 of the 6 FLOPs per parameter), copies back the backward (the other two thirds); only what
+    a copy takes beyond the compute it overlaps adds to the step. ``offloaded``: bytes one
+    micro-batch moves (memory.MemoryEstimate.host_activations)."""
+    if not c.techniques.activation_offload or spec.key == "CPU":
+        return 0.0
+    copy = offloaded * c.training.grad_accum / (pcie_gbs(spec) * 1e9)
+    return max(0.0, copy - compute / 3) + max(0.0, copy - 2 * compute / 3)
 
 
 def optimizer_seconds(shape: ModelShape, c: Candidate, spec: GpuSpec) -> float:
     """optimizer.step() is memory-bound: bytes read and written per parameter over the bandwidth;
     under ZeRO offload, gradients and weights cross PCIe and Adam runs on the host."""
     n = trainable_params(shape, c)
-    if c.offload != "none":
+    opt = c.techniques.optimizer
+    if c.techniques.offload != "none":
         return n * 4 / (OFFLOAD_PCIE_GBS * 1e9) + n / CPU_ADAM_PARAMS_PER_S
-    per_param = {"sgd": 12, "adafactor": 12}.get(c.optimizer, 6 if "8bit" in c.optimizer or "4bit" in c.optimizer else 16)
+    per_param = {"sgd": 12, "adafactor": 12}.get(opt, 6 if "8bit" in opt or "4bit" in opt else 16)
     per_param += 4  # zeroing / clipping the gradients
     return n * per_param * 2 / (spec.bandwidth_gbs * 1e9)  # read + write
