@@ -6,12 +6,12 @@ import contextlib
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from helpers import make_tiny_llama, saved_tensor_bytes
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.techniques.activation_offload import ActivationOffload
-from onegpu.techniques.checkpointing import apply_checkpointing, saved_tensor_bytes
+from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.loss import loss_sum
 from onegpu.techniques.prepare import prepare_model
 

@@ -18,7 +18,7 @@ TOKENS = 4096
 
 
 def _model(tok, **tech):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(
         tok,
