@@ -6,9 +6,9 @@ import contextlib
 
 import pytest
 import torch
-from helpers import make_tiny_llama, saved_tensor_bytes
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from helpers import make_tiny_llama, saved_tensor_bytes
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.techniques.activation_offload import ActivationOffload
 from onegpu.techniques.checkpointing import apply_checkpointing

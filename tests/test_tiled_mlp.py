@@ -6,8 +6,8 @@ import logging
 
 import pytest
 import torch
-from helpers import make_tiny_llama
 
+from helpers import make_tiny_llama
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
