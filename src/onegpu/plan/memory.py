@@ -140,11 +140,33 @@ def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: Activa
     compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
     rows = c.micro_batch * c.rows_per_example  # a preference pair: chosen and rejected in one forward
     kept = acts.retained(rows, seq_len, shape.layers, c.checkpointing, c.every, compiled)
-    tokens = rows * seq_len if not c.loss_chunk else min(c.loss_chunk, rows * seq_len)
-    # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
-    # shift-by-one slice scatters it into (in the logits' dtype).
-    logits_grad = tokens * shape.vocab * (4 + (2 if c.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + logits_grad
+    loss = loss_transient_bytes(shape, c, rows * seq_len)
+    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + loss
+
+
+def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
+    """Bytes the loss holds above the kept activations at its own peak.
+
+    Plain loss: at the start of backward, cross-entropy's two fp32 (tokens x vocab) gradients are
+    alive together (nll_loss's, and log_softmax's computed from it); the cast back to the logits'
+    dtype comes after the first is freed. Fused loss: the peak is inside its forward, which takes
+    the head's gradient chunk by chunk (techniques/fused_loss.py): beside the kept activations it
+    holds the fp32 sum of the head's gradient (counted as kept when the weights are fp32: the sum
+    is the gradient), the previous chunk's gradient (still referenced while the next is computed)
+    and, under autocast over fp32 weights, the weight's 16-bit copy. Its peak is either in a
+    chunk's cross-entropy backward (three fp32 chunk x vocab tensors) or while the chunk's weight
+    gradient is made (that gradient, and its 16-bit form under autocast).
+    """
+    if not c.loss_chunk:
+        return 8.0 * tokens * shape.vocab
+    chunk = min(c.loss_chunk, tokens) * shape.vocab
+    cast = 2 if c.precision in ("fp16", "bf16") else 0  # autocast's 16-bit copy of an fp32 weight
+    head = shape.vocab * shape.hidden
+    if c.lora_rank:  # a frozen head: no gradient sums, only the weight's copy the matmul saves
+        return cast * head + 12.0 * chunk
+    pb = param_bytes(c.precision)
+    held = (4 - pb) + pb + cast  # fp32 sums beyond the kept gradient, previous chunk's, weight copy
+    return max(held * head + 12.0 * chunk, (held + pb + cast) * head + 2.0 * chunk)
 
 
 def _act_precision(precision: str) -> str:
