@@ -13,8 +13,8 @@ Substitutions, each because fake tensors hold no values or this machine has no C
 - the weights are fake CPU tensors (``to_empty`` inside a ``FakeTensorMode``), so autograd and
   CPU autocast run as they do on a card; the batch stays real (train_step counts its tokens on the
   host, as training does before copying a batch to the device);
-- attention: the composite SDPA call is routed as a CUDA card's dispatcher routes it (see
-  ``CardAttention``): half-precision inputs without a mask run
+- attention: transformers' SDPA call is routed as a CUDA card's dispatcher routes it (see
+  ``CardAttention``: it replaces transformers' "sdpa" attention function while entered): half-precision inputs without a mask run
   ``aten._scaled_dot_product_flash_attention``; CUDA autocast casts SDPA's inputs to half, which
   CPU autocast does not, so the router casts them; anything else runs the composite op (math);
 - the fused loss verifies its head against the model's logits by value, once per model: marked
@@ -23,6 +23,8 @@ Substitutions, each because fake tensors hold no values or this machine has no C
   the model's forward, with ``torch.autograd.grad`` inside that forward): ``ModulesInModel`` leaves
   module calls made outside the model's forward out of the per-module hooks. Their memory is still
   counted (the tracker counts every allocation); only the module breakdown skips them;
+- MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: frozen
+  parameters are entered as hooked already (``Tracker``);
 - Accelerate keeps the fake weights where they are (``device_placement=False``): moving fake
   parameters between devices would swap them for real storage.
 
@@ -32,15 +34,19 @@ the cuBLAS workspace and allocator rounding stay the planner's own additions (``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from onegpu.plan.candidate import Candidate
 
@@ -51,8 +57,8 @@ HALF = (torch.float16, torch.bfloat16)
 def _llama(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                rms_norm_eps=1e-5, num_key_value_heads=8, hidden_act="silu")
+    base = {"vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "hidden_act": "silu"}
     return LlamaConfig(**{**base, **kw})
 
 
@@ -106,13 +112,21 @@ class Setup:
     model: str  # a key of SHAPES
     candidate: Candidate
     seq: int
+    layers: int = 0  # decoder layers; 0: the published depth
 
     @property
     def label(self) -> str:
-        return f"{self.model} {self.candidate.label()} seq{self.seq}"
+        depth = f" {self.layers} layers" if self.layers else ""
+        return f"{self.model}{depth} {self.candidate.label()} seq{self.seq}"
+
+    def config(self):
+        config = SHAPES[self.model]()
+        if self.layers:
+            config.num_hidden_layers = self.layers
+        return config
 
 
-class CardAttention(TorchFunctionMode):
+class _CardSdpa(TorchFunctionMode):
     """SDPA as a CUDA card (sm80+) dispatches it: FlashAttention for half-precision inputs with no
     mask (GQA native, ``enable_gqa``), after autocast's cast of the inputs to half; the composite
     op (math, on these devices) for anything else. Counts what it routed."""
@@ -140,6 +154,41 @@ class CardAttention(TorchFunctionMode):
         return func(q, k, v, *args[3:], **kwargs)
 
 
+class CardAttention:
+    """While entered, transformers' "sdpa" attention runs its SDPA call as a card routes it
+    (``_CardSdpa``). Registered as the "sdpa" attention function, not as a mode around the step,
+    so that checkpointing's recompute in backward (where a mode entered around the step is not
+    active) routes the same way as the forward did."""
+
+    def __init__(self):
+        self.mode = _CardSdpa()
+
+    @property
+    def flash(self) -> int:
+        return self.mode.flash
+
+    @property
+    def other(self) -> int:
+        return self.mode.other
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+
+        self.plain = AttentionInterface._global_mapping["sdpa"]
+
+        def routed(*args, **kwargs):
+            with self.mode:
+                return self.plain(*args, **kwargs)
+
+        AttentionInterface.register("sdpa", routed)
+        return self
+
+    def __exit__(self, *exc):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("sdpa", self.plain)
+
+
 class ModulesInModel(ModTracker):
     """ModTracker hooks only for the model and module calls inside its forward (see the module
     docstring: the fused loss calls the output head outside it)."""
@@ -158,6 +207,18 @@ class ModulesInModel(ModTracker):
     def _fw_post_hook(self, mod, input, output):
         if not self._outside(mod):
             super()._fw_post_hook(mod, input, output)
+
+
+class Tracker(MemTracker):
+    """MemTracker with the two adjustments the module docstring names."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._mod_tracker = ModulesInModel(model)
+        none = OrderedDict()  # a handle over no hooks: removing it does nothing
+        for p in model.parameters():
+            if not p.requires_grad:  # never gets a gradient; a hook on it raises
+                self._param_to_grad_hook_handles[p] = (RemovableHandle(none), RemovableHandle(none))
 
 
 def build(config, c: Candidate):
@@ -190,23 +251,21 @@ def build(config, c: Candidate):
     return model, optimizer, loss_fn, accelerator, cfg
 
 
-def tracked(setup: Setup) -> dict:
+def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
     """One optimizer step after a warm one (optimizer state exists, gradients were freed by
-    ``zero_grad(set_to_none=True)``), under MemTracker: its peak and the parts at that peak, bytes."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    ``zero_grad(set_to_none=True)``), under MemTracker: its peak and the parts at that peak, bytes.
+    ``route_sdpa=False``: SDPA as this machine runs it (math), to show what the routing changes."""
     from onegpu.training.step import train_step
 
-    config, c = SHAPES[setup.model](), setup.candidate
+    config, c = setup.config(), setup.candidate
     model, optimizer, loss_fn, accelerator, cfg = build(config, c)
     ids = torch.randint(0, config.vocab_size, (c.micro_batch, setup.seq), generator=torch.Generator().manual_seed(0))
     micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}] * c.grad_accum
     route = CardAttention()
     t0 = time.perf_counter()
-    with route:
+    with route if route_sdpa else contextlib.nullcontext():
         train_step(model, optimizer, micro, accelerator, cfg.training.max_grad_norm, loss_fn)
-        tracker = MemTracker()
-        tracker._mod_tracker = ModulesInModel(model)  # see the module docstring
+        tracker = Tracker(model)
         tracker.track_external(model, optimizer)
         with tracker:
             train_step(model, optimizer, micro, accelerator, cfg.training.max_grad_norm, loss_fn)
@@ -236,7 +295,7 @@ def predicted(setup: Setup) -> dict:
     from onegpu.plan.arch import _shape_of
     from onegpu.techniques.attention import planning_attention
 
-    config = SHAPES[setup.model]()
+    config = setup.config()
     shape = _shape_of(setup.model, config)
     attention = planning_attention(Config().techniques, config)
     est = memory.estimate(shape, setup.candidate, setup.seq, on_gpu=True, attention=attention)
@@ -255,3 +314,38 @@ def row(setup: Setup) -> dict:
             "predicted_parts_gib": {k: v / GIB for k, v in p["parts"].items()},
             "flash_calls": t["flash_calls"], "other_sdpa_calls": t["other_sdpa_calls"],
             "optimizer_impl": t["optimizer_impl"], "step_seconds": t["seconds"]}
+
+
+TOLERANCE = 0.05  # the planner's peak within ±5% of the tracked one
+
+
+def _setups() -> list[Setup]:
+    from onegpu.techniques.fused_loss import auto_chunk
+
+    def fused(model: str) -> int:  # the chunk loss=auto picks on a GPU for this vocabulary
+        return auto_chunk(SHAPES[model]().vocab_size, on_gpu=True)
+
+    c = Candidate
+    rows = [
+        ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
+        ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
+        ("Llama-3.2-1B", c(4, 1, "bf16-pure", "every-n", loss_chunk=fused("Llama-3.2-1B")), 2048),
+        ("Llama-3.2-1B", c(4, 1, "bf16", "full", lora_rank=16), 2048),
+        ("Llama-3.2-1B", c(2, 1, "bf16-pure", "full", "sgd", loss_chunk=fused("Llama-3.2-1B")), 4096),
+        ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
+        ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk=fused("Llama-3.2-3B")), 2048),
+        ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
+        ("Llama-3.1-8B", c(2, 1, "bf16", "full", lora_rank=16, loss_chunk=fused("Llama-3.1-8B")), 4096),
+        ("Qwen2.5-7B", c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk=fused("Qwen2.5-7B")), 2048),
+        ("Qwen2.5-7B", c(1, 1, "bf16", "off", lora_rank=16), 2048),
+        ("Mistral-7B-v0.3", c(1, 1, "bf16-pure", "every-n"), 4096),
+        ("Mistral-7B-v0.3", c(2, 1, "bf16", "full", "adafactor"), 2048),
+        ("Mixtral-8x7B", c(1, 1, "bf16-pure", "off", lora_rank=16), 1024),
+    ]
+    return [Setup(m, cand, seq) for m, cand, seq in rows]
+
+
+SETUPS = _setups()
+# The cheapest rows (Llama-3.2-1B, all 16 layers; plain and fused loss, bf16 weights and mixed,
+# checkpointing off / every-n / full, LoRA): the test tier runs these.
+CHEAP = [SETUPS[0], SETUPS[2], SETUPS[3]]
