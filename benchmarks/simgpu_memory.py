@@ -31,28 +31,40 @@ PARTS = (("param", "weights"), ("grad", "gradients"), ("opt", "optimizer"), ("ac
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="run only the rows whose label contains this text")
+    p.add_argument("--only", default="",
+                   help="comma-separated texts: run only the rows whose label contains one of them, "
+                        "and update those rows in the results (the others are kept)")
     args = p.parse_args(argv)
-    rows, t0 = [], time.perf_counter()
+    wanted = [w for w in args.only.split(",") if w]
+    t0 = time.perf_counter()
+    rows = []
     for setup in SETUPS:
-        if args.only and args.only not in setup.label:
+        if wanted and not any(w in setup.label for w in wanted):
             continue
         r = fullsize.row(setup)
-        rows.append(r)
         print(f"{r['setup']:<70} tracked {r['tracked_gib']:7.2f}  predicted {r['predicted_gib']:7.2f}  "
               f"ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)", flush=True)
-    meta = {"torch": _version("torch"), "transformers": _version("transformers"),
-            "machine": platform.machine(), "seconds": round(time.perf_counter() - t0, 1)}
-    if args.only and OUT.with_suffix(".json").is_file():  # update those rows, keep the others
-        fresh = {r["setup"]: r for r in rows}
-        kept = json.loads(OUT.with_suffix(".json").read_text())["rows"]
-        rows = [fresh.pop(r["setup"], r) for r in kept] + list(fresh.values())
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    OUT.with_suffix(".md").write_text(markdown(rows, meta))
+        rows = write(r, keep=bool(wanted) or bool(rows))  # after each row: a long run keeps its rows
     bad = [r["setup"] for r in rows if abs(r["ratio"] - 1) > fullsize.TOLERANCE]
-    print(f"{len(rows)} rows in {meta['seconds']:.0f} s; outside ±{fullsize.TOLERANCE:.0%}: {bad or 'none'}")
+    print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s; outside ±{fullsize.TOLERANCE:.0%}: "
+          f"{bad or 'none'}")
     return 1 if bad else 0
+
+
+def write(r: dict, keep: bool) -> list[dict]:
+    """Add or replace row ``r`` in the results (``keep``: beside the rows already there), rows in
+    the order of SETUPS; returns all rows."""
+    path = OUT.with_suffix(".json")
+    old = json.loads(path.read_text())["rows"] if keep and path.is_file() else []
+    by_label = {x["setup"]: x for x in old} | {r["setup"]: r}
+    order = [s.label for s in SETUPS]
+    rows = sorted(by_label.values(), key=lambda x: order.index(x["setup"]) if x["setup"] in order else 99)
+    meta = {"torch": _version("torch"), "transformers": _version("transformers"),
+            "machine": platform.machine()}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    OUT.with_suffix(".md").write_text(markdown(rows, meta))
+    return rows
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

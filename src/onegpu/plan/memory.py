@@ -134,14 +134,17 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
 
 def activation_bytes(shape: ModelShape, c: Candidate, seq_len: int, acts: ActivationModel | None = None,
                      attention: str = "sdpa") -> tuple[float, float]:
-    """(bytes kept for backward, extra bytes during backward: one recomputed block + logits grad)."""
+    """(bytes kept for backward, extra bytes at the peak above them: the loss's own peak, or one
+    recomputed block, whichever is larger)."""
     acts = acts or activation_model(shape.config, _act_precision(c.precision), c.lora_rank, c.loss_chunk, attention,
                                     c.lora_targets, c.adapter_dtype if c.lora_rank else "fp32")
     compiled = c.compile != "off"  # elementwise intermediates recomputed (activations.py; an assumption)
     rows = c.micro_batch * c.rows_per_example  # a preference pair: chosen and rejected in one forward
     kept = acts.retained(rows, seq_len, shape.layers, c.checkpointing, c.every, compiled)
+    # Not at the same time: the loss's peak is over (its gradients freed, or, fused, inside the
+    # forward) before backward reaches the last checkpointed block and recomputes it.
     loss = loss_transient_bytes(shape, c, rows * seq_len)
-    return kept, acts.recompute_peak(rows, seq_len, c.checkpointing, compiled) + loss
+    return kept, max(acts.recompute_peak(rows, seq_len, c.checkpointing, compiled), loss)
 
 
 def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
