@@ -16,7 +16,7 @@ Substitutions, each because fake tensors hold no values or this machine has no C
 - attention: transformers' SDPA call is routed as a CUDA card's dispatcher routes it (see
   ``CardAttention``: it replaces transformers' "sdpa" attention function while entered): half-precision inputs without a mask run
   ``aten._scaled_dot_product_flash_attention``; CUDA autocast casts SDPA's inputs to half, which
-  CPU autocast does not, so the router casts them; anything else runs the composite op (math);
+  CPU autocast does not, so the router casts them; anything else runs the composite op;
 - the fused loss verifies its head against the model's logits by value, once per model: marked
   verified, as the planner's own measuring model is (plan/activations.build_probe_model);
 - MemTracker's module hooks refuse the fused loss's calls of the output head (once per chunk, outside
@@ -129,7 +129,7 @@ class Setup:
 class _CardSdpa(TorchFunctionMode):
     """SDPA as a CUDA card (sm80+) dispatches it: FlashAttention for half-precision inputs with no
     mask (GQA native, ``enable_gqa``), after autocast's cast of the inputs to half; the composite
-    op (math, on these devices) for anything else. Counts what it routed."""
+    op (whatever this CPU picks) for anything else. Counts what it routed."""
 
     def __init__(self):
         super().__init__()
@@ -254,7 +254,7 @@ def build(config, c: Candidate):
 def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
     """One optimizer step after a warm one (optimizer state exists, gradients were freed by
     ``zero_grad(set_to_none=True)``), under MemTracker: its peak and the parts at that peak, bytes.
-    ``route_sdpa=False``: SDPA as this machine runs it (math), to show what the routing changes."""
+    ``route_sdpa=False``: SDPA as this machine runs it (its CPU kernels)."""
     from onegpu.training.step import train_step
 
     config, c = setup.config(), setup.candidate
