@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny models built from configs, saved and reloaded through from_pretrained."""
+"""Shared fixtures: tiny models built from configs, saved and reloaded through from_pretrained.
+Plain helpers (the corpus, the tiny model, random batches, small runs) are in helpers.py."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from helpers import CORPUS, make_tiny_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,14 +25,6 @@ def _cuda_available() -> bool:
 # nothing is set there. tests/test_distributed.py names "cpu" itself for its CPU-only subprocesses.
 if not _cuda_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-CORPUS = [
-    "def add(a, b):\n    return a + b\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "import os\nprint(os.path.join('a', 'b'))\n",
-    "The quick brown fox jumps over the lazy dog.\n",
-] * 20
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,19 +57,6 @@ def tiny_tokenizer():
     return train_tokenizer(CORPUS, vocab_size=512, fingerprint="tests-corpus")
 
 
-def make_tiny_llama(tokenizer, **overrides):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id)
-    kw.update(overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**kw))
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     """A 2-layer Llama saved with save_pretrained (safetensors) plus its tokenizer."""
@@ -89,3 +71,16 @@ def text_file(tmp_path):
     p = tmp_path / "corpus.txt"
     p.write_text("".join(CORPUS), encoding="utf-8")
     return p
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest single-threaded, and a shared CPU makes 2 threads crawl. Modules of
+    small training runs use it for every test:
+    pytestmark = pytest.mark.usefixtures("one_thread")."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

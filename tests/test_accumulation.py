@@ -11,7 +11,7 @@ from onegpu.data.batches import Collator
 from onegpu.techniques.loss import loss_sum
 from onegpu.training.step import train_step
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 
 
 class RecordingOptimizer:

@@ -129,7 +129,7 @@ def test_family_trains_reloads_and_generates(family, mode, saved_family, text_fi
            "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
            "training": {"micro_batch_size": 2, "max_steps": 8, "eval_every": 0, "eval_batches": 2,
                         "warmup_steps": 1, "log_every": 1, "lr": lr},
-           "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+           "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
     seen = Seen()
     train(cfg, callbacks=[seen])
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from helpers import attention_of
 from onegpu.data.batches import Collator
 from onegpu.config import ModelConfig, TechniquesConfig
 from onegpu.errors import ConfigError
@@ -128,12 +129,12 @@ def test_explicit_kernel_the_model_refuses_is_a_config_error(tiny_tokenizer, mon
 def _run_cfg(model_dir, text_file, tmp_path, **techniques):
     return {"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
             "training": {"micro_batch_size": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
-            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
 
 
 class _Attention(Callback):
     def on_train_begin(self, run, state):
-        self.used = A.attention_of(run.model)
+        self.used = attention_of(run.model)
 
 
 def test_model_without_sdpa_trains_with_the_default(gemma2_dir, text_file, tmp_path, caplog):
@@ -155,7 +156,8 @@ def test_llama_under_auto_loads_with_sdpa(tiny_model_dir, text_file, tmp_path, c
     seen = _Attention()
     with caplog.at_level(logging.INFO, logger="onegpu.techniques.attention"):
         train(_run_cfg(tiny_model_dir, text_file, tmp_path), callbacks=[seen])
-    assert seen.used == "sdpa" and not caplog.records  # nothing to fall back from
+    fallbacks = [r for r in caplog.records if r.name == "onegpu.techniques.attention"]
+    assert seen.used == "sdpa" and not fallbacks  # nothing to fall back from
 
 
 def test_presets_resolve_without_loading_weights():
@@ -167,8 +169,36 @@ def test_presets_resolve_without_loading_weights():
     assert load_kwargs(Config(), CPU, "fp32", "tiny")["attn_implementation"] == "sdpa"
 
 
-def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer):
+def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny_model_dir, gemma2_dir,
+                                                           monkeypatch, tmp_path):
+    """make_plan measures activations with the kernel a training run would use: Gemma-2 (which
+    refuses SDPA) runs its eager attention and never SDPA; Llama runs SDPA."""
     from transformers import LlamaConfig
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from onegpu.config import Config
+    from onegpu.plan import make_plan
+
+    # nothing measured before: the planner measures now
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    calls = {"sdpa": 0, "eager": 0}
+    real_sdpa, real_eager = torch.nn.functional.scaled_dot_product_attention, modeling_gemma2.eager_attention_forward
+
+    def sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    def eager(*args, **kwargs):
+        calls["eager"] += 1
+        return real_eager(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager)
+    make_plan(Config(), model=str(gemma2_dir), gpu="A100")
+    assert calls["eager"] > 0 and calls["sdpa"] == 0, calls
+    calls.update(sdpa=0, eager=0)
+    make_plan(Config(), model=str(tiny_model_dir), gpu="A100")
+    assert calls["sdpa"] > 0, calls
 
     gemma2 = _gemma2_config(tiny_tokenizer)
     for choice in ("auto", "flash"):
@@ -215,7 +245,7 @@ def test_implementations_switch_and_agree(tiny_model_dir, tiny_tokenizer, monkey
     for attn in ("eager", "sdpa", A.SDPA_FLASH):
         calls.clear()
         model = _load(tiny_model_dir, tiny_tokenizer, attn)
-        assert A.attention_of(model) == attn
+        assert attention_of(model) == attn
         with torch.no_grad():
             logits[attn] = model(input_ids=ids).logits
         n_layers = model.config.num_hidden_layers

@@ -19,9 +19,12 @@ import pytest
 from onegpu import hardware
 from onegpu.cli.main import main
 
-from test_resume import one_thread, write_data  # noqa: F401
+from helpers import write_data
 
-Case = namedtuple("Case", "id args expect patch", defaults=(None,))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+
+# absent: text the error must not hold (a misleading hint, a message cut short)
+Case = namedtuple("Case", "id args expect patch absent", defaults=(None, ()))
 
 
 def _file(name: str, content, mode: str = "w"):
@@ -71,7 +74,7 @@ def _other_shape_checkpoint(tmp, model_dir):
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.checkpoint import local
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -146,6 +149,30 @@ def _occupied(tmp, model_dir):
     return ["--output.name", "taken"]
 
 
+def _pairs_line5_without_rejected(tmp, model_dir):
+    rows = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(20)]
+    del rows[4]["rejected"]  # file line 5
+    path = tmp / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return ["--data.path", str(path), "--training.objective", "dpo"]
+
+
+def _readme_only(tmp, model_dir):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "README.md").write_text("# my model\n")
+    return ["--model.name", str(tmp / "m")]
+
+
+def _sft_checkpoint(tmp, model_dir):
+    from onegpu import train
+
+    train({"model": {"name": str(model_dir)}, "data": {"path": str(write_data(tmp, n=40)), "seq_len": 32,
+                                                       "num_proc": 1},
+           "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0, "save_every": 1},
+           "output": {"dir": str(tmp / "runs"), "name": "sft", "report_to": "none"}})
+    return ["--output.name", "sft", "--output.resume", "latest", "--training.objective", "dpo"]
+
+
 def _under_a_file(tmp, model_dir):
     (tmp / "afile").write_text("x")
     return ["--output.dir", str(tmp / "afile" / "runs")]
@@ -174,6 +201,10 @@ CASES = [
          "set data.text_field to one of the columns: text"),
     Case("data-prompt-not-string", _file("pc.jsonl", '{"prompt": 5, "completion": "six"}\n' * 20),
          "prompt/completion must be strings"),
+    # the file's own line (blank lines counted), not the record's place in a shuffled split
+    Case("data-prompt-not-string-names-line",
+         lambda tmp, md: _file("pc.jsonl", "\n\n" + '{"prompt": 5, "completion": "six"}\n' * 20)(tmp, md)
+         + ["--data.val_fraction", "0"], "pc.jsonl:3: prompt/completion must be strings, got int/str"),
     Case("data-bad-chat-message", _file("chat.jsonl", json.dumps({"messages": [{"content": "hi"}]}) + "\n"),
          "chat.jsonl:1: malformed chat message 1 {'content': 'hi'}: needs 'role' and 'content'"),
     Case("data-unknown-chat-role", _file("roles.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"},
@@ -201,6 +232,10 @@ CASES = [
     Case("model-dir-without-config", lambda tmp, md: (tmp / "m").mkdir() or ["--model.name", str(tmp / "m"),
                                                                                "--model.tokenizer", str(md)],
          "has no config.json"),
+    Case("model-dir-readme-only", _readme_only,
+         ("/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; "
+          "it holds README.md", "folder written by save_pretrained"),
+         absent=("one of:", "give a local directory")),
     Case("tokenizer-missing", ["--model.tokenizer", "/nonexistent/tok"], "tokenizer directory '/nonexistent/tok' does not exist"),
     Case("lora-target-matches-nothing", ["--techniques.lora.enabled", "true", "--techniques.lora.targets", "nope_proj"],
          "techniques.lora.targets"),
@@ -238,6 +273,10 @@ CASES = [
     Case("resume-latest-nothing-there", ["--output.resume", "latest", "--output.name", "fresh"], "does not exist"),
     Case("resume-path-missing", ["--output.resume", "/nonexistent/checkpoint-00000001"], "does not exist"),
     Case("resume-damaged-checkpoint", _damaged_checkpoint, "is damaged"),
+    Case("resume-with-another-objective", _sft_checkpoint,
+         ("was trained with training.objective=sft; this run asks for dpo",
+          "resume with --training.objective sft", "without --output.resume"),
+         absent=("reference",)),
     Case("resume-other-model-shape", _other_shape_checkpoint,
          ("checkpoint-00000001 was written by a model of another shape: ", ", 32) there but (", ", 64) in this model",
           "start a new run without --output.resume")),
@@ -258,6 +297,9 @@ CASES = [
         {"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}) + "\n")(tmp, md)
          + ["--training.objective", "dpo"],
          ("pairs.jsonl:1, 'chosen': chat message 1 has unknown role 'bot'", "rename e.g. 'bot'")),
+    Case("pairs-missing-rejected-names-line", _pairs_line5_without_rejected,
+         ("pairs.jsonl:5: the record has no 'rejected'", "give every preference record a 'rejected'"),
+         absent=("record 15",)),
     Case("reference-adapters-without-lora", ["--training.objective", "dpo", "--preference.reference", "adapters"],
          ("preference.reference=adapters needs LoRA", "--techniques.lora.enabled true")),
     Case("reference-for-simpo", ["--training.objective", "simpo", "--preference.reference", "copy"],
@@ -281,7 +323,7 @@ def base_args(tmp, model_dir) -> list[str]:
     return ["train", "--model.name", str(model_dir), "--data.path", str(data), "--data.seq_len", "32",
             "--data.num_proc", "1", "--training.micro_batch_size", "2", "--training.max_steps", "2",
             "--training.eval_every", "0", "--output.dir", str(tmp / "runs"), "--output.name", "run",
-            "--output.tensorboard", "false"]
+            "--output.report_to", "none"]
 
 
 def _snapshot(root):
@@ -302,6 +344,7 @@ def test_bad_input(case, tmp_path, tiny_model_dir, capsys, monkeypatch):
         assert expect in err, err
     assert "Traceback" not in err and err.count("error: ") == 1 and ("\n" + err).count("\nerror: ") == 1
     assert " at at " not in err and "<class " not in err
+    assert not [a for a in case.absent if a in err], err
     assert _snapshot(tmp_path / "runs") == before  # no run directory, no partial files
 
 
@@ -317,6 +360,25 @@ def test_catalogue_is_big_enough_and_documented():
 def test_debug_shows_the_traceback(tmp_path, tiny_model_dir, capsys):
     code = main(base_args(tmp_path, tiny_model_dir) + ["--training.micro_batch_size", "0", "--debug"])
     assert code == 2 and "Traceback" in capsys.readouterr().err
+
+
+def test_debug_keeps_its_verbosity_through_train(tmp_path, tiny_model_dir):
+    """`onegpu --debug train` sets up logging once, verbosely: the train command does not reset
+    it."""
+    import logging
+
+    from onegpu.logs import QUIET
+
+    names = ["", *QUIET, "datasets"]
+    saved = {n: logging.getLogger(n).level for n in names}
+    try:
+        assert main(["--debug"] + base_args(tmp_path, tiny_model_dir) + ["--training.max_steps", "1"]) == 0
+        assert logging.getLogger().level == logging.DEBUG
+        # ERROR without --debug (datasets sets its own level when it is first imported)
+        assert all(logging.getLogger(n).level == logging.INFO for n in QUIET if n != "datasets")
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
 
 
 def test_secrets_never_reach_saved_configs_or_logs(tmp_path, tiny_model_dir, monkeypatch, capsys):
@@ -337,3 +399,49 @@ def test_secrets_never_reach_saved_configs_or_logs(tmp_path, tiny_model_dir, mon
     assert redact({"model": {"name": f"x/{token}"}, "k": f"sk-{'a' * 24}"}) == {"model": {"name": "x/<redacted>"},
                                                                              "k": "<redacted>"}
     shutil.rmtree(run)
+
+
+def test_summary_after_resume_counts_this_process(tmp_path, tiny_model_dir, capsys):
+    """summary-after-resume-counts-this-process (docs/guarantees.md)."""
+    from helpers import make_cfg
+    from onegpu import train
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=6, save_every=3, eval_every=0)
+    first = train(cfg)
+    at_3 = json.loads((first.run_dir / "checkpoint-00000003" / "state.json").read_text())["tokens_seen"]
+    cfg["output"]["resume"] = str(first.run_dir / "checkpoint-00000003")
+    capsys.readouterr()
+    second = train(cfg)
+    out = capsys.readouterr().out
+    here = second.state.tokens_seen - at_3
+    assert second.state.tokens_seen == first.state.tokens_seen and 0 < here < second.state.tokens_seen
+    assert second.state.timed_tokens == here  # the speed is this process's tokens over its own time
+    expect = f"done: 6 steps (resumed at step 3: 3 steps here), {here:,} tokens trained in "
+    assert expect in out, out
+    assert f"{first.state.tokens_seen:,} tokens" not in out
+
+
+def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
+    """chat-turn-trains-content-and-end-token (docs/guarantees.md): with a ChatML-like template
+    (a newline after each turn's end), the targets are each reply and its EOS, nothing else."""
+    import copy
+
+    import datasets
+
+    from onegpu.config import DataConfig
+    from onegpu.data import batches
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+    ex = batches.tokenize(datasets.Dataset.from_dict({"messages": [conv]}), "messages", tok,
+                          DataConfig(seq_len=128, num_proc=1), "t")[0]
+    targets = [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100]
+    assert tok.decode(targets) == "hi there<|eos|>see you<|eos|>"
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    ids = ex["input_ids"]
+    eos_then_newline = [i for i in range(len(ids) - 1)
+                        if ids[i] == tok.eos_token_id and ids[i + 1: i + 1 + len(newline)] == newline]
+    assert len(eos_then_newline) == 4  # the template wrote the newlines; none is a target

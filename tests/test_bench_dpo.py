@@ -100,7 +100,7 @@ def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, 
     with LoRA (TRL switches the adapters off)."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.bench.train_dpo import default_reference
 
     saved = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))

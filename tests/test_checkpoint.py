@@ -13,32 +13,9 @@ import torch
 from onegpu.checkpoint import local as checkpoint
 from onegpu.errors import ConfigError
 
-from conftest import make_tiny_llama
-from test_resume import one_thread  # noqa: F401
+from helpers import Parts, make_tiny_llama
 
-
-class Parts:
-    def __init__(self, tokenizer):
-        from accelerate import Accelerator
-
-        self.accelerator = Accelerator(cpu=True)
-        self.model = make_tiny_llama(tokenizer)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (s + 1))
-        self.tokenizer = tokenizer
-
-    def step(self):
-        ids = torch.randint(5, 100, (2, 16))
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.scheduler.step()
-
-    def save(self, run_dir, step, eval_loss=None):
-        return checkpoint.save_checkpoint(run_dir, step, self.model, self.optimizer, self.scheduler,
-                                          {"step": step, "batches_seen": step, "tokens_seen": 0, "best_eval": 1.0,
-                                           "history": [], "eval_loss": eval_loss}, self.accelerator,
-                                          self.tokenizer, {"training": {"lr": 1e-3}})
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 @pytest.fixture
@@ -125,16 +102,41 @@ def test_keep_last_and_best(tmp_path, parts):
     assert checkpoint.find_best(tmp_path).name == "checkpoint-00000002"
 
 
-def test_resave_same_step_replaces_atomically(tmp_path, parts):
+@pytest.mark.parametrize("point", ["model", "manifest", "fsync", "trash"])
+def test_resave_same_step_replaces_atomically(tmp_path, parts, point):
+    """A run resumed from an earlier point saves a step again. A crash at any moment of that save,
+    the old folder already moved aside ("trash") included, leaves the old checkpoint whole; the
+    next save replaces it with the new weights."""
+    from safetensors.torch import load_file
+
+    def saved_weights(path):
+        return load_file(str(path / "model" / "model.safetensors"))
+
     first = parts.save(tmp_path, 3)
+    old = saved_weights(first)
     parts.step()
+
+    def crash(at):
+        if at == point:
+            raise SystemExit(f"crash at {at}")
+
+    with pytest.raises(SystemExit):
+        parts.save(tmp_path, 3, on_write=crash)
+    assert any(p.name.startswith(".") for p in tmp_path.iterdir())  # a half-done save is left
+    latest = checkpoint.resolve_resume("latest", tmp_path)  # what a resume picks after the crash
+    assert latest == first and checkpoint.verify(latest) is None
+    assert all(torch.equal(old[k], v) for k, v in saved_weights(latest).items())
+
     second = parts.save(tmp_path, 3)
-    assert first == second and checkpoint.verify(second) is None
+    assert second == first and checkpoint.verify(second) is None
+    new = saved_weights(second)
+    assert not all(torch.equal(old[k], v) for k, v in new.items())  # the step's new weights
+    assert all(torch.equal(p.detach(), new[n]) for n, p in parts.model.named_parameters() if n in new)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("point", ["model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync"])
-def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point, monkeypatch):
+def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point):
     """An exception at each write stands in for a crash; test_killpoints does it with kill -9."""
     good = parts.save(tmp_path, 1)
 
@@ -142,11 +144,9 @@ def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point, 
         if at == point:
             raise SystemExit(f"crash at {at}")
 
-    monkeypatch.setattr(checkpoint, "crash_hook", crash)
     with pytest.raises(SystemExit):
-        parts.save(tmp_path, 2)
+        parts.save(tmp_path, 2, on_write=crash)
     assert checkpoint.find_latest(tmp_path) == good
-    monkeypatch.setattr(checkpoint, "crash_hook", None)
     parts.save(tmp_path, 2)  # the next save clears the leftover temporary folder
     assert not list(tmp_path.glob(".tmp-*"))
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, random_batch, saved_tensor_bytes
 from onegpu.config import TechniquesConfig
 from onegpu.errors import UnavailableError
-from onegpu.techniques.checkpointing import (_enable_by_layer, apply_checkpointing, checkpointed_layers,
-                                             saved_tensor_bytes)
+from onegpu.techniques.checkpointing import _enable_by_layer, apply_checkpointing, checkpointed_layers
 from onegpu.techniques.loss import loss_sum
 
 LAYERS = 4
@@ -17,9 +16,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def batch(tiny_tokenizer):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, len(tiny_tokenizer), (2, 64), generator=g)
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    return random_batch(len(tiny_tokenizer), length=64, seed=1)
 
 
 def _run(model, batch):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import is_compiled, make_tiny_llama
 from onegpu.data.batches import Collator
 from onegpu.config import TechniquesConfig
 from onegpu.errors import ConfigError, UnavailableError
-from onegpu.techniques.compile import apply_compile, is_compiled
+from onegpu.techniques.compile import apply_compile
 from onegpu.techniques.loss import loss_sum
 
 COMPILED_FRAMES = []
@@ -31,7 +31,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _batch(tok, lengths, multiple):
+def _padded_batch(tok, lengths, multiple):
     g = torch.Generator().manual_seed(3)
     examples = []
     for n in lengths:
@@ -49,7 +49,7 @@ def _loss_and_grads(model, batch):
 
 @pytest.mark.parametrize("regional", [True, False])
 def test_compiled_loss_and_gradients_equal_eager(tiny_tokenizer, regional):
-    batch = _batch(tiny_tokenizer, [20, 30], multiple=32)
+    batch = _padded_batch(tiny_tokenizer, [20, 30], multiple=32)
     eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer), batch)
     model = make_tiny_llama(tiny_tokenizer)
     tcfg = TechniquesConfig(compile="default", compile_backend="aot_eager", compile_regional=regional)
@@ -65,7 +65,7 @@ def _compiles_for(tok, lengths, multiple):
     model = make_tiny_llama(tok)
     apply_compile(model, TechniquesConfig(compile="default", compile_backend="counting_eager"), "cpu")
     for n in lengths:
-        loss_sum(model, _batch(tok, [n, n - 3], multiple)).backward()
+        loss_sum(model, _padded_batch(tok, [n, n - 3], multiple)).backward()
     return len(COMPILED_FRAMES)
 
 
@@ -80,11 +80,22 @@ def test_bucketed_lengths_do_not_recompile(tiny_tokenizer):
 
 
 def test_inductor_compiles_a_block(tiny_tokenizer):
+    """The default backend (inductor) compiles the block's forward and its backward, in one graph,
+    and the compiled block gives the eager loss."""
+    from torch._dynamo.utils import counters
+
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    batch = _batch(tiny_tokenizer, [16], multiple=16)
+    batch = _padded_batch(tiny_tokenizer, [16], multiple=16)
     eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1), batch)
     apply_compile(model, TechniquesConfig(compile="default"), "cpu")
+    counters.clear()
     compiled = _loss_and_grads(model, batch)
+    assert counters["frames"]["ok"] >= 1 and counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    # inductor produced (or took from its cache) the forward graph and the backward graph
+    inductor = counters["inductor"]
+    assert inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"] == 2, dict(inductor)
+    assert counters["aot_autograd"]["ok"] == 1
     assert torch.allclose(compiled[0], eager[0], rtol=1e-4)
 
 

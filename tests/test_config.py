@@ -13,7 +13,83 @@ def _parse(argv):
     return parse(make_parser("onegpu train", "", Config), argv, Config)[0]
 
 
-def test_every_field_is_a_flag_and_yaml_is_overridden_by_flags(tmp_path):
+def _leaves(cls, prefix=""):
+    """(dotted name, type, default) of every field of every section, nested ones (lora) included."""
+    import dataclasses
+    import typing
+
+    from onegpu.config import sections
+
+    hints = typing.get_type_hints(cls, vars(sections))
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaves(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            yield f"{prefix}{f.name}", hints[f.name], default
+
+
+STRINGS = {"output.report_to": "wandb", "techniques.compile_backend": "eager", "techniques.lora.targets": "q_proj"}
+
+
+def _other_value(name, t, default):
+    """A valid value of the field's type that is not its default."""
+    import typing
+
+    if name in STRINGS:
+        return STRINGS[name]
+    if t is bool:
+        return not default
+    if t is int:
+        return default + 1
+    if t is float:
+        return default + 0.5 if default < 0.4 else default / 2
+    if t is str:
+        return "x"
+    args = typing.get_args(t)
+    if typing.get_origin(t) is typing.Literal:
+        return next(a for a in args if a != default)
+    for a in args:  # Optional[...] / Union[number, Literal["auto"]]
+        if a in (int, float):
+            return _other_value(name, a, default if isinstance(default, a) else 0)
+        if a is bool:
+            return True
+        if a is str:
+            return "x"
+    raise AssertionError(f"no test value for {name}: {t}")
+
+
+def test_every_field_is_a_flag():
+    """Each field of each section, given on the command line with a value other than its default,
+    lands in that field, or is refused by a check that names it (a value that needs another
+    setting)."""
+    fields = list(_leaves(Config))
+    assert len(fields) >= 80 and "techniques.lora.r" in [f[0] for f in fields]
+    parser, refused = make_parser("onegpu train", "", Config), []
+    for name, t, default in fields:
+        value = _other_value(name, t, default)
+        if name == "output.tensorboard":  # the deprecated switch: folded into report_to
+            value = False
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        section, _, key = name.rpartition(".")
+        try:
+            cfg = parse(parser, [f"--{name}", text], Config)[0]
+        except ConfigError as exc:
+            assert key in str(exc) + exc.hint, (name, str(exc))
+            refused.append(name)
+            continue
+        holder = cfg
+        for part in section.split(".") if section else ():
+            holder = getattr(holder, part)
+        if name == "output.tensorboard":
+            assert (cfg.output.report_to, cfg.output.tensorboard) == ("none", None)
+        else:
+            assert getattr(holder, key) == value, name
+    print("refused alone:", refused)
+    assert len(refused) <= 5, refused  # most fields take any valid value on their own
+
+
+def test_yaml_is_overridden_by_flags(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({"training": {"lr": 0.5, "max_steps": 7}, "techniques": {"optimizer": "sgd"}}))
     cfg = _parse(["--config", str(p), "--training.lr", "0.25", "--techniques.lora.r", "4"])
@@ -97,3 +173,18 @@ def test_model_flag_is_the_model_name(tmp_path):
     section.write_text("name: tiny\nvocab_size: 1024\n")
     cfg = _parse(model_shorthand(["--model", str(section)]))  # a section file keeps its meaning
     assert (cfg.model.name, cfg.model.vocab_size) == ("tiny", 1024)
+
+
+def test_lr_help_names_the_auto_values_of_every_objective():
+    """--help for training.lr gives what auto means for SFT and for the preference objectives
+    (hyper.py's two tables), each number as the table has it."""
+    import re
+
+    from onegpu.hyper import _num, auto_table, preference_table
+
+    text = " ".join(make_parser("onegpu train", "", Config).format_help().split())
+    lr_help = re.search(r"--training\.lr \S+ (.*?) --training\.", text).group(1)
+    for label, table in (("sft:", auto_table()), ("dpo/orpo/simpo:", preference_table())):
+        part = lr_help.split(label, 1)[1].split(";")[0]
+        assert [_num(table[mode]["lr"]) for mode in ("scratch", "full", "lora")] == \
+            re.findall(r"\d+e-\d+", part), (label, part)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from onegpu.cli import doctor
 from onegpu.cli.main import main
@@ -28,10 +31,55 @@ def test_json_report_has_versions_gpu_and_every_check(capsys):
         assert report["checks"]["sdpa-mem-efficient"]["ok"] is False  # a CUDA-only kernel
 
 
-def test_installed_packages_are_detected_by_trying_them():
+# bitsandbytes/cextension.py of three installs: working, broken import, native library not loaded
+FAKE_BNB = {
+    "works": "BNB_BACKEND = 'CPU'\nclass NativeLibrary:\n    compiled_with_cuda = False\n"
+             "lib = NativeLibrary()\n",
+    "no-import": "raise ImportError('libbitsandbytes_cpu.so: cannot open shared object file')\n",
+    "no-library": "BNB_BACKEND = 'CUDA'\nclass ErrorHandlerMockBNBNativeLibrary:\n    pass\n"
+                  "lib = ErrorHandlerMockBNBNativeLibrary()\n",
+}
+
+
+def _install_fake(root, dist: str, version: str, files: dict) -> None:
+    """A package as pip leaves it: the module files and a dist-info folder with its version."""
+    info = root / f"{dist}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+@pytest.fixture
+def fake_site(tmp_path, monkeypatch):
+    """A folder first on sys.path, for fake installs of peft and bitsandbytes; the real modules are
+    hidden while the test runs and put back after it."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("peft", "bitsandbytes")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.split(".")[0] in ("peft", "bitsandbytes")]:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("bnb, ok, detail", [
+    ("works", True, "9.9.9, CPU library loaded"),
+    ("no-import", False,
+     "9.9.9 does not import: libbitsandbytes_cpu.so: cannot open shared object file"),
+    ("no-library", False, "9.9.9: native CUDA library failed to load"),
+])
+def test_installed_packages_are_detected_by_trying_them(fake_site, bnb, ok, detail):
+    """Installed (a version in the metadata) is not enough: each package is imported, and
+    bitsandbytes' native library loaded, and a package that fails is reported with why."""
+    _install_fake(fake_site, "bitsandbytes", "9.9.9", {"bitsandbytes/__init__.py": "",
+                                                        "bitsandbytes/cextension.py": FAKE_BNB[bnb]})
+    _install_fake(fake_site, "peft", "9.9.9", {"peft/__init__.py": "raise ImportError('needs torch>=99')\n"})
     checks = doctor.collect()["checks"]
-    assert checks["peft"]["ok"] and checks["bitsandbytes"]["ok"]  # both in this environment
-    assert "library loaded" in checks["bitsandbytes"]["detail"]
+    assert (checks["bitsandbytes"]["ok"], checks["bitsandbytes"]["detail"]) == (ok, detail)
+    assert (checks["peft"]["ok"], checks["peft"]["detail"]) == (False, "9.9.9 does not import: needs torch>=99")
+    assert checks["peft"]["hint"] == "pip install --force-reinstall peft"
 
 
 def test_missing_packages_carry_an_install_hint(monkeypatch):

@@ -16,8 +16,9 @@ from onegpu.errors import ConfigError
 from onegpu.hyper import auto_table, describe, resolve_hyperparameters, training_mode
 from onegpu.report import read_metrics
 
-from conftest import CORPUS
-from test_resume import one_thread  # noqa: F401  (autouse: tiny models run fastest single-threaded)
+from helpers import CORPUS
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 PRETRAINED = "/some/local/model"  # never loaded: the mode is read from the name and the techniques
 MODES = {
@@ -148,7 +149,7 @@ def losses(run_dir) -> list[tuple]:
 
 SHORT = {"data": {"max_bytes": 200_000, "seq_len": 64, "num_proc": 1},
          "training": {"micro_batch_size": 4, "max_steps": 24, "eval_every": 12, "eval_batches": 2, "log_every": 4},
-         "output": {"tensorboard": False}}
+         "output": {"report_to": "none"}}
 
 
 def test_the_default_job_trains_exactly_as_before(tmp_path, caplog):
@@ -179,7 +180,7 @@ def test_a_fine_tune_saves_settled_numbers_and_resumes_from_its_config(tmp_path,
     data.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(60)))
     cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(data), "seq_len": 32, "num_proc": 1},
            "training": {"micro_batch_size": 2, "max_steps": 40, "eval_every": 0, "log_every": 1, "save_every": 20},
-           "output": {"dir": str(tmp_path / "runs"), "name": "run", "tensorboard": False, "keep_last": 10}}
+           "output": {"dir": str(tmp_path / "runs"), "name": "run", "report_to": "none", "keep_last": 10}}
     with caplog.at_level(logging.INFO, logger="onegpu.training.run"):
         run_dir = train(cfg).run_dir
     assert "(full fine-tune of a pretrained model): lr 2e-5 (auto), warm-up 3% = 2 steps (auto)" in caplog.text

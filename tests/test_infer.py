@@ -10,7 +10,9 @@ import torch
 
 from onegpu.errors import ConfigError, ModelError, UnavailableError
 from onegpu.infer import InferConfig, load, parse_max_memory, resolve_model
-from onegpu.techniques.quantization import is_quantized, weight_bytes
+from onegpu.techniques.quantization import weight_bytes
+
+from helpers import is_quantized_layer
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_attention_choice_reaches_the_model(fp32, tiny_model_dir):
 def test_bitsandbytes_quantizes_the_linears(kind, cls, fp32, ids, tiny_model_dir):
     q = load(InferConfig(model=str(tiny_model_dir), quantization=kind, int8_threshold=4.0))
     layers = _linears(q.model)
-    assert layers and all(type(m).__name__ == cls and is_quantized(m) for m in layers)
+    assert layers and all(type(m).__name__ == cls and is_quantized_layer(m) for m in layers)
     weight = layers[0].weight
     if kind == "int8":
         assert weight.dtype == torch.int8 and q.model.config.quantization_config.llm_int8_threshold == 4.0
@@ -83,8 +85,8 @@ def test_torchao_int8_swaps_weights_for_quantized_tensors(kind, fp32, ids, tiny_
 
     q = load(InferConfig(model=str(tiny_model_dir), quantization=kind))
     layers = _linears(q.model)
-    assert layers and all(isinstance(m.weight, TorchAOBaseTensor) and is_quantized(m) for m in layers)
-    assert not is_quantized(q.model.lm_head)  # logits stay full precision
+    assert layers and all(isinstance(m.weight, TorchAOBaseTensor) and is_quantized_layer(m) for m in layers)
+    assert not is_quantized_layer(q.model.lm_head)  # logits stay full precision
     assert weight_bytes(q.model) < 0.75 * weight_bytes(fp32.model)
     ref, out = fp32.model(ids).logits, q.model(ids).logits
     assert (out - ref).abs().max() < 0.1 * ref.abs().max()

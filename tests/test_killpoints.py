@@ -20,10 +20,12 @@ import torch
 from onegpu.checkpoint import local as checkpoint
 from onegpu import train
 
-from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
+from helpers import assert_same_weights, losses, make_cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 RANDOM_KILLS = 20
-SAVE_POINTS = ["model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync", "trash", "rename"]
+SAVE_POINTS = checkpoint.SAVE_POINTS
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def ctx():
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver: one thread per tiny child
     c = multiprocessing.get_context("forkserver")
     # Everything a child imports lazily, imported once here so that each restart is cheap.
-    c.set_forkserver_preload(["onegpu.training.run", "onegpu.data.records", "onegpu.techniques", "test_checkpoint", "accelerate",
+    c.set_forkserver_preload(["onegpu.training.run", "onegpu.data.records", "onegpu.techniques", "helpers", "accelerate",
                               "datasets", "transformers.models.llama.modeling_llama", "safetensors.torch",
                               "transformers.tokenization_utils_tokenizers", "deepspeed"])
     yield c
@@ -46,7 +48,7 @@ def _save_and_die(run_dir: str, step: int, point: str, tokenizer_dir: str) -> No
     """Child: build the parts, save checkpoint `step`, and SIGKILL itself right after `point`."""
     from transformers import AutoTokenizer
 
-    from test_checkpoint import Parts
+    from helpers import Parts
 
     torch.manual_seed(step)
     parts = Parts(AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -56,14 +58,13 @@ def _save_and_die(run_dir: str, step: int, point: str, tokenizer_dir: str) -> No
         if at == point:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint.crash_hook = die
-    parts.save(run_dir, step)
+    parts.save(run_dir, step, on_write=die)
     os._exit(0)
 
 
 def _assert_loads(path, tiny_tokenizer):
     """Weights fit the model and the trainer state passes the weights_only unpickler."""
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     assert checkpoint.verify(path) is None
     checkpoint.load_model_weights(path / "model", make_tiny_llama(tiny_tokenizer))
@@ -72,7 +73,7 @@ def _assert_loads(path, tiny_tokenizer):
 
 
 def test_kill_inside_checkpoint_writes(ctx, tmp_path, tiny_tokenizer, tiny_model_dir):
-    from test_checkpoint import Parts
+    from helpers import Parts
 
     first = Parts(tiny_tokenizer)
     first.step()

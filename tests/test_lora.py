@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from helpers import random_batch
 from onegpu import models
 from onegpu.config import LoraConfig, ModelConfig, TechniquesConfig, TrainingConfig
 from onegpu.errors import ConfigError
@@ -25,18 +26,11 @@ def _load(model_dir, tok, quant=None):
 def _tcfg(**lora):
     return TechniquesConfig(lora=LoraConfig(enabled=True, r=4, **lora))
 
-
-def _batch(tok, n=4, length=24):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, len(tok), (n, length), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
 def _train(model, batch, steps=8, lr=1e-2):
     opt = build_optimizer(model, TechniquesConfig(), TrainingConfig(lr=lr, weight_decay=0.0))
     losses = []
     for _ in range(steps):
-        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss = model(**batch).loss  # labels: the input ids
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -62,7 +56,7 @@ def test_lora_trains_only_adapters_and_leaves_base_untouched(tiny_model_dir, tin
             "down_proj": (cfg.intermediate_size, 64)}
     expected = cfg.num_hidden_layers * sum(4 * (i + o) for i, o in dims.values())  # r * (in + out)
     assert sum(p.numel() for p in trainable.values()) == expected
-    losses = _train(model, _batch(tiny_tokenizer))
+    losses = _train(model, random_batch(len(tiny_tokenizer), n=4, length=24))
     assert losses[-1] < losses[0] - 0.1
     after = model.get_base_model().state_dict()
     for name, before in base_before.items():
@@ -72,7 +66,7 @@ def test_lora_trains_only_adapters_and_leaves_base_untouched(tiny_model_dir, tin
 
     model.save_pretrained(str(tmp_path / "adapter"))
     reloaded = PeftModel.from_pretrained(_load(tiny_model_dir, tiny_tokenizer), str(tmp_path / "adapter"))
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), n=4, length=24)
     torch.testing.assert_close(_logits(reloaded, batch), _logits(model, batch), rtol=0, atol=0)
 
 
@@ -91,7 +85,7 @@ def test_dora_adds_trainable_magnitude_vectors(tiny_model_dir, tiny_tokenizer):
     assert len(mags) == model.config.num_hidden_layers * len(LINEARS)
     q = next(p for n, p in mags.items() if "q_proj" in n)
     assert q.ndim == 1 and q.shape[0] == 64 and q.requires_grad
-    losses = _train(model, _batch(tiny_tokenizer), steps=4)
+    losses = _train(model, random_batch(len(tiny_tokenizer), n=4, length=24), steps=4)
     assert losses[-1] < losses[0]
 
 
@@ -104,7 +98,7 @@ def test_qlora_base_is_4bit_on_cpu_and_adapters_train(tiny_model_dir, tiny_token
     assert isinstance(q.base_layer, bnb.nn.Linear4bit) and q.base_layer.weight.dtype == torch.uint8
     assert q.base_layer.weight.quant_state.quant_type == "nf4"
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
-    losses = _train(model, _batch(tiny_tokenizer), steps=6)
+    losses = _train(model, random_batch(len(tiny_tokenizer), n=4, length=24), steps=6)
     assert losses[-1] < losses[0]
     merged = save_merged(model, tmp_path / "merged", str(tiny_model_dir), ModelConfig())
     from transformers import AutoModelForCausalLM
@@ -136,12 +130,12 @@ def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, 
            "training": {"micro_batch_size": 4, "max_steps": 4, "eval_every": 0, "eval_batches": 2,
                         "warmup_steps": 0, "lr": 1e-2},
            "techniques": {"lora": {"enabled": True, "r": 4, "merge_on_save": True}},
-           "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+           "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
     train(cfg)
     final, merged_dir = tmp_path / "run" / "final", tmp_path / "run" / "final-merged"
     assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
     assert json.loads((final / "adapter_config.json").read_text())["r"] == 4
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), n=4, length=24)
     base_logits = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), batch)
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), final)
     adapter_logits = _logits(adapter, batch)
@@ -171,7 +165,7 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
 def test_missing_peft_raises_unavailable_with_install_hint(monkeypatch, tiny_tokenizer):
     import sys
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.errors import UnavailableError
 
     monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError

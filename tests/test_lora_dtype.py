@@ -10,7 +10,7 @@ from onegpu.errors import ConfigError
 from onegpu.techniques.lora import adapter_dtype, apply_lora
 from onegpu.techniques.optimizers import build_optimizer
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 
 pytest.importorskip("peft")
 

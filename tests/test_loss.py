@@ -7,20 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.techniques.fused_loss import auto_chunk
 from onegpu.techniques.loss import (IGNORE, TARGETS, LossFn, count_targets, loss_sum, model_inputs, select_targets,
                                    with_target_positions)
-
-
-def _batch(vocab, n=2, length=48, masked_prefix=5):
-    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(2))
-    labels = ids.clone()
-    labels[:, :masked_prefix] = IGNORE  # prompt tokens do not count
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
-
 
 def _loss_and_grads(model, batch, chunk):
     model.zero_grad(set_to_none=True)
@@ -32,7 +24,7 @@ def _loss_and_grads(model, batch, chunk):
 @pytest.mark.parametrize("chunk", [7, 32, 1000])
 def test_chunked_loss_equals_plain_loss_and_gradients(tiny_tokenizer, chunk):
     model = make_tiny_llama(tiny_tokenizer)
-    batch = _batch(len(tiny_tokenizer))
+    batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     plain, g_plain = _loss_and_grads(model, batch, 0)
     chunked, g_chunked = _loss_and_grads(model, batch, chunk)
     assert torch.allclose(plain, chunked, rtol=1e-5)
@@ -44,7 +36,7 @@ def test_chunked_loss_equals_plain_loss_and_gradients(tiny_tokenizer, chunk):
 def test_chunked_loss_keeps_the_forward_autocast(tiny_tokenizer):
     """Under bf16 autocast (as Accelerate runs the forward) the chunks' head matmul runs in bf16 too."""
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    batch = _batch(len(tiny_tokenizer), length=16)
+    batch = random_batch(len(tiny_tokenizer), seed=2, masked_prefix=5)
     head_dtypes = []
     model.lm_head.register_forward_hook(lambda m, i, o: head_dtypes.append(o.dtype))
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # only the forward, like Accelerate
@@ -64,7 +56,7 @@ def test_softcapped_model_handled(tiny_tokenizer):
         vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
         pad_token_id=tiny_tokenizer.pad_token_id))
-    batch = _batch(len(tiny_tokenizer), length=16)
+    batch = random_batch(len(tiny_tokenizer), seed=2, masked_prefix=5)
     plain, _ = _loss_and_grads(model, batch, 0)
     chunked, _ = _loss_and_grads(model, batch, 5)
     assert torch.allclose(plain, chunked, rtol=1e-5)
@@ -73,7 +65,7 @@ def test_softcapped_model_handled(tiny_tokenizer):
 def test_unknown_logit_transform_is_refused(tiny_tokenizer):
     model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))  # post-processes its logits
     with pytest.raises(UnavailableError, match="techniques.loss=fused"):
-        loss_sum(model, _batch(len(tiny_tokenizer), length=8), chunk_size=4)
+        loss_sum(model, random_batch(len(tiny_tokenizer), length=8, seed=2, masked_prefix=5), chunk_size=4)
 
 
 def _peak_cpu_bytes(fn) -> int:
@@ -95,7 +87,7 @@ def test_chunked_loss_lowers_peak_memory(tiny_tokenizer):
     """A large vocabulary makes the logits dominate, as in real LLMs (transformers#30860)."""
     vocab = 16384
     model = make_tiny_llama(tiny_tokenizer, vocab_size=vocab, num_hidden_layers=1)
-    batch = _batch(vocab, n=2, length=256, masked_prefix=0)
+    batch = random_batch(vocab, length=256, seed=2)
     peaks = {}
     for chunk in (0, 64):
         model.zero_grad(set_to_none=True)
@@ -118,7 +110,7 @@ def test_model_inputs_and_count_targets():
 
 def test_fused_loss_never_builds_the_full_logits_and_recomputes_nothing(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer)
-    batch = _batch(len(tiny_tokenizer), n=2, length=48, masked_prefix=5)
+    batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     rows, phase = [], {"now": "forward"}
     model.lm_head.register_forward_hook(lambda m, i, o: rows.append((phase["now"], o.shape[:-1].numel())))
     loss = loss_sum(model, batch, chunk_size=16)
@@ -136,7 +128,7 @@ def test_frozen_head_gets_no_gradient_and_the_rest_matches(tiny_tokenizer):
     """As under LoRA: the head is frozen, only the hidden states need a gradient."""
     model = make_tiny_llama(tiny_tokenizer, tie_word_embeddings=False)
     model.lm_head.weight.requires_grad_(False)
-    batch = _batch(len(tiny_tokenizer))
+    batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     plain, g_plain = _loss_and_grads(model, batch, 0)
     fused, g_fused = _loss_and_grads(model, batch, 13)
     assert model.lm_head.weight.grad is None and "lm_head.weight" not in g_fused
@@ -147,7 +139,7 @@ def test_frozen_head_gets_no_gradient_and_the_rest_matches(tiny_tokenizer):
 
 def test_bf16_weights_get_bf16_gradients_close_to_plain(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer).to(torch.bfloat16)
-    batch = _batch(len(tiny_tokenizer), length=32)
+    batch = random_batch(len(tiny_tokenizer), length=32, seed=2, masked_prefix=5)
     plain, g_plain = _loss_and_grads(model, batch, 0)
     fused, g_fused = _loss_and_grads(model, batch, 8)
     assert torch.allclose(plain.float(), fused.float(), rtol=1e-2)
@@ -158,7 +150,7 @@ def test_bf16_weights_get_bf16_gradients_close_to_plain(tiny_tokenizer):
 
 def test_fused_loss_without_grad_equals_plain(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer).eval()
-    batch = _batch(len(tiny_tokenizer))
+    batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     with torch.no_grad():
         assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=9), rtol=1e-5)
 
@@ -179,7 +171,7 @@ def test_auto_falls_back_to_the_plain_loss_where_fused_cannot_serve(tiny_tokeniz
     import logging
 
     model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))
-    batch = _batch(len(tiny_tokenizer), length=8)
+    batch = random_batch(len(tiny_tokenizer), length=8, seed=2, masked_prefix=5)
     auto = LossFn(4, fallback=True)
     with caplog.at_level(logging.INFO, logger="onegpu"):
         loss = auto(model, batch)
@@ -219,7 +211,7 @@ def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_fil
 def test_target_positions_from_the_host_select_the_same_rows(tiny_tokenizer):
     """The loop computes the target rows on the host (no device sync); they are the rows a
     boolean mask would pick, and the loss and gradients do not change."""
-    batch = _batch(len(tiny_tokenizer), n=3, length=20, masked_prefix=4)
+    batch = random_batch(len(tiny_tokenizer), n=3, length=20, seed=2, masked_prefix=4)
     batch["labels"][1, 10:] = IGNORE  # a padded row
     hidden = torch.randn(3, 20, 8)
     h, y = select_targets(hidden, batch["labels"], with_target_positions(batch)[TARGETS])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import random_batch
 from onegpu.techniques.loss import IGNORE, loss_sum
 from onegpu.techniques.moe import apply_moe_aux_loss
 
@@ -30,14 +31,6 @@ def _qwen_moe(tok):
 
 BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen_moe}
 
-
-def _batch(tok):
-    ids = torch.randint(0, len(tok), (2, 24), generator=torch.Generator().manual_seed(4))
-    labels = ids.clone()
-    labels[0, :6] = IGNORE
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
-
-
 def _router_weights(model):
     return {n: p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
 
@@ -48,7 +41,8 @@ def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
     model = BUILDERS[arch](tiny_tokenizer)
     assert apply_moe_aux_loss(model) and model.config.output_router_logits
     model.train()
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), length=24, seed=4)
+    batch["labels"][0, :6] = IGNORE  # one row with a prompt that does not count
     n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
     losses, router_grads = {}, {}
     for coef in (0.0, 0.5):
@@ -72,7 +66,8 @@ def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
     torch.manual_seed(0)
     model = _mixtral(tiny_tokenizer)
     apply_moe_aux_loss(model)
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), length=24, seed=4)
+    batch["labels"][0, :6] = IGNORE  # one row with a prompt that does not count
     model.train()
     assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=8), rtol=1e-5)
     model.eval()
@@ -84,7 +79,7 @@ def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
 
 
 def test_dense_models_are_left_alone(tiny_tokenizer):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     assert not apply_moe_aux_loss(model)
@@ -104,7 +99,7 @@ def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
     r = train({"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
                "training": {"micro_batch_size": 4, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
                             "warmup_steps": 1, "log_every": 1},
-               "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}})
+               "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}})
     from onegpu.report import read_metrics
 
     assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0

@@ -14,8 +14,10 @@ from onegpu.techniques.optimizer_in_backward import OptimizerInBackward, steps_i
 from onegpu.techniques.optimizers import build_optimizer, state_bytes
 from onegpu.training.step import train_step
 
-from conftest import make_tiny_llama
-from test_resume import assert_same_weights, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from helpers import make_tiny_llama
+from helpers import assert_same_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def _batches(tokenizer, n: int, seed: int = 0) -> list[dict]:
@@ -118,7 +120,7 @@ def test_what_it_cannot_do_is_refused_clearly(training, techniques, match):
 
 
 def test_trains_and_resumes_exactly(tmp_path, tiny_model_dir):
-    from test_resume import straight_then_resumed
+    from helpers import straight_then_resumed
 
     expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"optimizer_in_backward": True},
                                                 grad_accum=1, max_grad_norm=0.0)

@@ -45,7 +45,7 @@ def test_every_optimizer_reduces_loss(name):
 
 
 def test_no_weight_decay_on_biases_and_norms(tiny_tokenizer):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, attention_bias=True, mlp_bias=True)
     decay, no_decay = param_groups(model, 0.1)

@@ -13,7 +13,8 @@ from onegpu.config import DataConfig
 from onegpu.data import batches
 from onegpu.data.overlong import IGNORE
 
-from test_resume import one_thread  # noqa: F401
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+
 
 SYSTEM = {"role": "system", "content": "You write Python."}
 
@@ -156,7 +157,7 @@ def test_counts_in_the_log_and_the_summary(tmp_path, tiny_model_dir, caplog, cap
     cfg = {"model": {"name": str(tiny_model_dir)},
            "data": {"path": str(data), "seq_len": SEQ, "num_proc": 1, "val_fraction": 0.1},
            "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0, "eval_batches": 1},
-           "output": {"dir": str(tmp_path / "runs"), "name": "run", "tensorboard": False}}
+           "output": {"dir": str(tmp_path / "runs"), "name": "run", "report_to": "none"}}
     caplog.set_level(logging.INFO)
     result = train(cfg)
     train_stats, val_stats = result.data_stats

@@ -141,7 +141,7 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     from onegpu.techniques.loss import loss_sum
     from onegpu.techniques.optimizers import build_optimizer
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=3)
     model.train()
@@ -188,7 +188,7 @@ def test_paged_optimizer_state_is_host_backed_on_a_gpu():
 def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targets):
     """The planner counts exactly the adapter parameters PEFT creates for lora.targets."""
     pytest.importorskip("peft")
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.config import Config, LoraConfig, TechniquesConfig
     from onegpu.models import count_parameters
     from onegpu.techniques.lora import apply_lora

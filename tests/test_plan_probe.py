@@ -23,7 +23,7 @@ def _cfg(tiny_model_dir, text_file, tmp_path, **training):
     t.update(training)
     return from_dict({"model": {"name": str(tiny_model_dir)},
                       "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
-                      "training": t, "output": {"dir": str(tmp_path / "runs"), "tensorboard": False},
+                      "training": t, "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
                       "plan": "auto"})
 
 

@@ -113,9 +113,39 @@ def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
 
 
 def test_plan_cli_table(capsys):
+    """The table shows the planner's best rows in order with their own numbers, and the YAML under
+    it is the recommended config."""
+    import yaml
+
+    from onegpu.config import to_dict
+
     assert main(["plan", "tiny", "--gpu", "t4", "--data.seq_len", "256", "--batch", "32", "--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "peak GB" in text and "(uncalibrated)" in text and "micro_batch_size:" in text
+    cfg = Config()
+    cfg.data.seq_len = 256
+    plan, rec = make_plan(cfg, "tiny", "t4", None, 32)
+    head, _, config_yaml = text.partition("# recommended config (onegpu train --config FILE):\n")
+    lines = head.splitlines()
+    shape = plan.shape
+    params = f"{shape.params / 1e6:,.1f}M parameters"
+    assert lines[0] == f"model tiny: {params}, {shape.layers} layers, vocab 4096"
+    gib = plan.gpu.memory_gib
+    assert lines[1] == f"gpu   NVIDIA Tesla T4: {gib:.1f} GB, seq_len 256, effective batch 32"
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["#", "plan", "peak"])
+    assert "tokens/s (uncalibrated)" in lines[header]  # no probe has measured this GPU
+    rows = [line for line in lines[header + 1:] if line.strip()][:3]
+    assert len(plan.rows) > 3 and lines[header + 4] == ""  # --top 3: three rows, then a blank line
+    for n, (line, row) in enumerate(zip(rows, plan.rows), 1):
+        rank, rest = line[:2].strip(), line[4:]
+        label, peak, tokens, why = rest[:52].strip(), rest[53:61].strip(), rest[62:86].strip(), rest[88:]
+        assert rank == str(n) and row.fits
+        assert label == row.candidate.label() and why == row.why
+        assert float(peak) == round(row.memory.peak / 2**30, 2)
+        assert int(tokens.replace(",", "")) == round(row.speed.tokens_per_s)
+    speeds = [row.speed.tokens_per_s for row in plan.rows[:3]]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first
+    assert yaml.safe_load(config_yaml) == to_dict(rec)
+    assert rec.training.micro_batch_size * rec.training.grad_accum == 32
 
 
 def test_plan_cli_errors_name_the_fix(capsys):

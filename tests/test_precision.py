@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig
 from onegpu.errors import UnavailableError
 from onegpu.hardware import DeviceInfo
@@ -27,13 +27,6 @@ def _fresh_accelerator_state():
     AcceleratorState._reset_state()
     yield
     AcceleratorState._reset_state()
-
-
-def _batch(tok, n=2, length=16):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, len(tok), (n, length), generator=g)
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
 
 def _prepared(tok, precision):
     from onegpu.training.assemble import make_accelerator
@@ -59,7 +52,7 @@ def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
 
     acc, model, opt = _prepared(tiny_tokenizer, "fp16")
     assert acc.scaler is not None
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer))
     assert _linear_output_dtypes(model, batch) == [torch.float16]  # autocast really is fp16
     weight = model.model.layers[0].self_attn.q_proj.weight
     handle = weight.register_hook(lambda g: torch.full_like(g, float("inf")))  # inject an overflow
@@ -76,14 +69,14 @@ def test_fp16_overflow_step_is_skipped_and_scale_drops(tiny_tokenizer):
 
 def test_bf16_autocast_changes_op_dtype(tiny_tokenizer):
     acc, model, _ = _prepared(tiny_tokenizer, "bf16")
-    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.bfloat16]
+    assert _linear_output_dtypes(model, random_batch(len(tiny_tokenizer))) == [torch.bfloat16]
     assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
 
 
 def test_fp32_runs_in_fp32(tiny_tokenizer):
     acc, model, _ = _prepared(tiny_tokenizer, "fp32")
     assert acc.scaler is None
-    assert _linear_output_dtypes(model, _batch(tiny_tokenizer)) == [torch.float32]
+    assert _linear_output_dtypes(model, random_batch(len(tiny_tokenizer))) == [torch.float32]
 
 
 def test_bf16_pure_stores_bf16_weights(tiny_model_dir, tiny_tokenizer):
@@ -189,16 +182,21 @@ def test_misaligned_shapes_warn_with_reason(caplog):
     assert caplog.text == ""
 
 
-def test_assemble_applies_start_up_checks(tiny_tokenizer, caplog, restore_tf32):
-    from types import SimpleNamespace
+def test_assemble_applies_start_up_checks(tiny_tokenizer, tmp_path, caplog, restore_tf32):
+    """Building the model of a run (assemble.build_model, what training calls) logs the start-up
+    advice: fp16 on a bf16-stored model, and shapes that leave tensor-core tiles half empty."""
+    from onegpu.training import assemble
 
-    from onegpu.training.assemble import check_model_settings
-
+    stored_bf16 = tmp_path / "bf16-model"
+    make_tiny_llama(tiny_tokenizer, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(str(stored_bf16))
+    tiny_tokenizer.save_pretrained(str(stored_bf16))
     cfg = Config()
-    cfg.training.micro_batch_size, cfg.data.seq_len = 12, 96
-    run = SimpleNamespace(cfg=cfg, device=A100, precision="fp16")
-    model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    model.config.dtype = torch.bfloat16
-    check_model_settings(run, model)
+    cfg.model.name, cfg.training.micro_batch_size, cfg.data.seq_len = str(stored_bf16), 12, 96
+    cfg.techniques.compile = "off"
+    run = assemble.Run(cfg, A100, tmp_path / "run", str(stored_bf16), "fp16")
+    run.tokenizer = tiny_tokenizer
+    with caplog.at_level(logging.WARNING):
+        assemble.build_model(run)
     assert "micro_batch_size=12" in caplog.text and "data.seq_len=96" in caplog.text
     assert "transformers#14189" in caplog.text
+    assert run.model is not None  # the checks advise; the model is still built

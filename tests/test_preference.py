@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from onegpu.config import DataConfig, PreferenceConfig
 from onegpu.data import pairs
 from onegpu.data.batches import Collator
@@ -25,7 +25,7 @@ PAIRS = [
 ]
 
 
-def _batch(tok, records=PAIRS, refs=None, packed=False):
+def _pair_batch(tok, records=PAIRS, refs=None, packed=False):
     cfg = DataConfig(seq_len=128)
     examples = []
     for i, r in enumerate(records):
@@ -96,7 +96,7 @@ def test_simpo_equals_the_papers_formula():
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "padding-free"])
 def test_fused_sequence_logps_equal_the_plain_ones_with_gradients(tiny_tokenizer, packed):
     model = make_tiny_llama(tiny_tokenizer)
-    batch = _batch(tiny_tokenizer, packed=packed)
+    batch = _pair_batch(tiny_tokenizer, packed=packed)
     grads = []
     for chunk in (0, 7):  # 7: several chunks, the last one short
         model.zero_grad()
@@ -112,8 +112,8 @@ def test_fused_sequence_logps_equal_the_plain_ones_with_gradients(tiny_tokenizer
 def test_padded_and_packed_batches_give_the_same_sequence_logps(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer)
     with torch.no_grad():
-        padded = preference.sequence_logps(model, _batch(tiny_tokenizer), 0)[1]
-        packed = preference.sequence_logps(model, _batch(tiny_tokenizer, packed=True), 0)[1]
+        padded = preference.sequence_logps(model, _pair_batch(tiny_tokenizer), 0)[1]
+        packed = preference.sequence_logps(model, _pair_batch(tiny_tokenizer, packed=True), 0)[1]
     assert torch.allclose(padded, packed, atol=1e-4)
 
 
@@ -161,7 +161,8 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
     loss_fn = _loss_fn("dpo", chunk=16, beta=beta)
     loss_fn.reference = CopyReference(reference, contextlib.nullcontext, 16)
     ours.train()
-    our_loss = loss_fn(ours, _batch(tiny_tokenizer)) / len(PAIRS)  # the step divides by the pairs
+    # the step divides by the pairs
+    our_loss = loss_fn(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)
     our_loss.backward()
     assert abs(float(our_loss) - math.log(2)) > 1e-3
     assert float(our_loss) == pytest.approx(float(trl_loss), abs=1e-5)
@@ -179,16 +180,16 @@ def test_adapters_off_reference_is_the_base_model(tiny_tokenizer):
 
     base = make_tiny_llama(tiny_tokenizer)
     with torch.no_grad():
-        expected = preference.sequence_logps(base, _batch(tiny_tokenizer))[1]
+        expected = preference.sequence_logps(base, _pair_batch(tiny_tokenizer))[1]
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules="all-linear"))
     loss_fn = _loss_fn("dpo", chunk=16)
     loss_fn.reference = AdapterReference(16)
-    loss = loss_fn(model, _batch(tiny_tokenizer)) / len(PAIRS)
+    loss = loss_fn(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)
     assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.add_(0.1)
-    ref = loss_fn.reference(model, _batch(tiny_tokenizer))
+    ref = loss_fn.reference(model, _pair_batch(tiny_tokenizer))
     assert torch.allclose(ref, expected, atol=1e-5)
-    assert float(loss_fn(model, _batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(math.log(2), abs=1e-4)
+    assert float(loss_fn(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(math.log(2), abs=1e-4)

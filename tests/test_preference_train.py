@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 
-from conftest import CORPUS
+from helpers import CORPUS
 from onegpu import train
 from onegpu.errors import DataError
 from onegpu.report import read_metrics
 from onegpu.training import assemble
 
-from test_resume import one_thread  # noqa: F401 - autouse: tiny models run fastest on one thread
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def _shuffled(text: str, rng: random.Random) -> str:
@@ -147,7 +147,7 @@ def test_accumulation_and_oom_retry_keep_the_pair_batch(tmp_path, tiny_model_dir
 
 
 def test_dpo_resume_is_bitwise_and_reads_the_saved_reference(tmp_path, tiny_model_dir):
-    from test_resume import assert_same_weights
+    from helpers import assert_same_weights
 
     cfg = cfg_for(tmp_path, tiny_model_dir, max_steps=6, eval_every=3, log_every=1, save_every=3)
     first = train(cfg)

@@ -84,7 +84,7 @@ class RecordingTensor(torch.Tensor):
 def test_train_step_copies_batches_non_blocking(tiny_tokenizer):
     from accelerate import Accelerator
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.training.step import train_step
 
     model = make_tiny_llama(tiny_tokenizer)

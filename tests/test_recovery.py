@@ -13,44 +13,9 @@ from onegpu.training import recovery
 from onegpu import train
 from onegpu.training.step import train_step
 
-from conftest import make_tiny_llama
-from test_resume import assert_same_weights, losses, make_cfg, one_thread  # noqa: F401
+from helpers import assert_same_weights, losses, make_cfg, make_tiny_llama, nan_at, oom_above
 
-
-def oom_above(limit: int, real_make):
-    """A make_loss_fn whose training loss raises OutOfMemoryError for micro-batches above `limit`."""
-
-    def make(*args):
-        fn = real_make(*args)
-
-        def loss(model, batch):
-            if model.training and batch["input_ids"].shape[0] > limit:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return fn(model, batch)
-
-        return loss
-
-    return make
-
-
-def nan_at(steps: set, real_make, grad_accum: int = 1):
-    """A make_loss_fn whose loss is NaN during the given optimizer steps (1-based)."""
-
-    def make(*args):
-        fn = real_make(*args)
-        calls = {"n": 0}
-
-        def loss(model, batch):
-            if not model.training:
-                return fn(model, batch)
-            calls["n"] += 1
-            step = (calls["n"] - 1) // grad_accum + 1
-            out = fn(model, batch)
-            return out * float("nan") if step in steps else out
-
-        return loss
-
-    return make
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 def test_smaller_micro_batch_keeps_the_effective_batch():
@@ -135,7 +100,7 @@ def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypat
     args = ["train", "--model.name", cfg["model"]["name"], "--data.path", cfg["data"]["path"],
             "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
             "--training.max_steps", "10", "--training.max_bad_steps", "3", "--training.eval_every", "0",
-            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.tensorboard", "false"]
+            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.report_to", "none"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "NaN/inf for 3 steps in a row (last at step 4)" in err and "training.lr" in err

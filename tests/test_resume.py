@@ -8,81 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 
 import pytest
-import torch
 
 from onegpu.training import assemble
-from onegpu.report import read_metrics
 from onegpu import train
 
-from conftest import CORPUS
+from helpers import assert_same_weights, losses, make_cfg, straight_then_resumed
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest single-threaded, and a shared CPU makes 2 threads crawl."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def write_data(tmp_path, n: int = 60):
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(n)))
-    return path
-
-
-def make_cfg(tmp_path, model_dir, name="run", **training):
-    t = dict(micro_batch_size=2, grad_accum=2, max_steps=6, eval_every=3, eval_batches=2, log_every=1,
-             warmup_steps=2, save_every=3, lr=1e-2, seed=7)
-    t.update(training)
-    data = tmp_path / "data.jsonl"
-    if not data.exists():
-        write_data(tmp_path)
-    return {"model": {"name": str(model_dir)},
-            "data": {"path": str(data), "seq_len": 32, "num_proc": 1, "val_fraction": 0.1},
-            "training": t, "techniques": {}, "output": {"dir": str(tmp_path / "runs"), "name": name,
-                                                       "tensorboard": False, "keep_last": 10}}
-
-
-def losses(run_dir) -> list[tuple]:
-    """(split, step, loss) of every record: timing fields differ between runs, the math must not."""
-    return [(r["split"], r["step"], r.get("loss"), r.get("skipped")) for r in read_metrics(run_dir / "metrics.jsonl")]
-
-
-def weights(path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def assert_same_weights(a, b):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-
-
-def straight_then_resumed(tmp_path, model_dir, techniques=None, resume_at=3, **training):
-    """Run 2N steps, then redo the second half from the N-step checkpoint in the same run dir."""
-    cfg = make_cfg(tmp_path, model_dir, **training)
-    cfg["techniques"].update(techniques or {})
-    first = train(cfg)
-    run = first.run_dir
-    expected = losses(run)
-    saved_final = tmp_path / "final-straight"
-    shutil.copytree(run / "final", saved_final)
-    cfg["output"]["resume"] = str(run / f"checkpoint-{resume_at:08d}")
-    second = train(cfg)
-    assert second.state.step == cfg["training"]["max_steps"]
-    return expected, losses(run), saved_final, run / "final"
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 
 OPTIMIZERS = {  # name -> (class it builds, package it needs beyond torch)
@@ -96,7 +31,7 @@ OPTIMIZERS = {  # name -> (class it builds, package it needs beyond torch)
 def test_resume_is_exact_for_each_optimizer(tmp_path, tiny_model_dir, tiny_tokenizer, optimizer):
     import importlib.util
 
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
     from onegpu.config import TechniquesConfig, TrainingConfig
     from onegpu.techniques.optimizers import build_optimizer
 
@@ -113,7 +48,7 @@ def test_resume_is_exact_for_each_optimizer(tmp_path, tiny_model_dir, tiny_token
 
 def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
     """An OOM at step 2 halves the micro-batch; the checkpoint records it and resume keeps it."""
-    from test_recovery import oom_above
+    from helpers import oom_above
 
     monkeypatch.setattr(assemble, "make_loss_fn", oom_above(2, assemble.make_loss_fn))
     expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1)

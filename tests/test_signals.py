@@ -17,7 +17,9 @@ from onegpu.checkpoint import local as checkpoint
 from onegpu.cli.main import main
 from onegpu.report import read_metrics
 
-from test_resume import one_thread, write_data  # noqa: F401
+from helpers import write_data
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
 LAUNCH = "import sys; from onegpu.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
@@ -27,7 +29,7 @@ def train_args(tmp_path, model_dir, name: str) -> list[str]:
             "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
             "--training.grad_accum", "2", "--training.max_steps", "100000", "--training.eval_every", "0",
             "--training.log_every", "1", "--training.warmup_steps", "2", "--output.dir", str(tmp_path / "runs"),
-            "--output.name", name, "--output.tensorboard", "false"]
+            "--output.name", name, "--output.report_to", "none"]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from onegpu.config import from_dict
 from onegpu.errors import ConfigError
 from onegpu.report import read_metrics
 
-from conftest import CORPUS
+from helpers import CORPUS
 
 HAS_TRACKIO = importlib.util.find_spec("trackio") is not None
 
@@ -231,8 +231,15 @@ def test_report_to_none_writes_no_tensorboard_folder(tmp_path, tiny_model_dir):
     ({"report_to": "all"}, "all"),
 ])
 def test_old_tensorboard_switch_is_folded_into_report_to(output, report_to):
-    out = from_dict({"output": output}).output
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = from_dict({"output": output}).output
     assert (out.report_to, out.tensorboard) == (report_to, None)
+    deprecated = [w for w in caught if "output.tensorboard is deprecated" in str(w.message)]
+    assert len(deprecated) == ("tensorboard" in output)  # the old switch, and only it, warns
+    assert all(w.category is FutureWarning for w in deprecated)
 
 
 @pytest.mark.parametrize("value, match", [

@@ -274,17 +274,3 @@ def global_loss(accelerator, total):
     if accelerator.num_processes == 1 or total is None:
         return total
     return accelerator.reduce(total, reduction="sum")
-
-
-def launch_command(nproc: int, args: list[str], launcher: str = "torchrun", port: int | None = None) -> list[str]:
-    """The command line that starts ``onegpu train args`` on ``nproc`` local processes."""
-    import sys
-
-    port = port or _free_port()
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "onegpu", "train", *args]
-    if launcher == "accelerate":
-        return [sys.executable, "-m", "accelerate.commands.launch", "--num-processes", str(nproc),
-                "--main_process_port", str(port), "-m", "onegpu", "train", *args]
-    raise ConfigError(f"unknown launcher '{launcher}'.", hint="use torchrun or accelerate")

@@ -49,15 +49,40 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     """Load a tokenizer and give it a pad token that is not EOS where we can (see ensure_pad_token)."""
     from transformers import AutoTokenizer
 
-    if _looks_local(name) and not Path(name).expanduser().is_dir():
+    local = _looks_local(name)
+    if local and not Path(name).expanduser().is_dir():
         raise ModelError(f"tokenizer directory '{name}' does not exist.",
                          hint="point model.tokenizer at a folder written by save_pretrained, or a Hub id")
+    if local:
+        _check_tokenizer_files(Path(name).expanduser(), name)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load tokenizer '{name}': {_first_line(exc)}",
-                         hint="give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)") from None
+        hint = ("check that the folder holds a tokenizer written by save_pretrained" if local
+                else "give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)")
+        raise ModelError(f"cannot load tokenizer '{name}': {_one_line(exc)}", hint=hint) from None
     return ensure_pad_token(tok)
+
+
+# What AutoTokenizer builds a tokenizer from: a fast tokenizer's file, its config, or a slow
+# tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+
+
+def _check_tokenizer_files(folder: Path, name: str) -> None:
+    """A local folder without any tokenizer file: say what is missing and what is there, rather
+    than the tokenizer backend's account of the ways it tried to build one."""
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return
+    present = sorted(p.name for p in folder.iterdir())
+    more = " ..." if len(present) > 8 else ""
+    holds = f"it holds {', '.join(present[:8])}{more}" if present else "it is empty"
+    config = "" if (folder / "config.json").is_file() else " and no config.json"
+    files = " or ".join(TOKENIZER_FILES[:2])
+    raise ModelError(f"'{name}' holds no tokenizer (no {files}){config}; {holds}.",
+                     hint="point --model.name (or --model.tokenizer) at a folder written by "
+                     "save_pretrained (e.g. <run>/final), or a Hub id")
 
 
 def ensure_pad_token(tok):
@@ -154,6 +179,12 @@ def _check_local(name: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _one_line(exc: BaseException) -> str:
+    """The whole message on one line: a first line alone can stop mid-sentence ("... one of:")."""
+    lines = (line.strip() for line in str(exc).splitlines())
+    return " ".join(line for line in lines if line) or type(exc).__name__
 
 
 def count_parameters(model) -> tuple[int, int]:

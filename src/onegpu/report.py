@@ -110,8 +110,13 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "loss.png", "referen
 def print_summary(r) -> None:
     first = f"{r.first_eval:.3f}" if r.first_eval is not None else "n/a"
     last = f"{r.last_eval:.3f}" if r.last_eval is not None else "n/a"
-    print(f"done: {r.state.step} steps, {r.state.tokens_seen:,} tokens in {r.wall_seconds:.0f}s "
-          f"({r.tokens_per_second:,.0f} tokens/s); val loss {first} -> {last}")
+    s = r.state
+    # What this process trained, over this process's time: after a resume, the steps before it
+    # were another process's work (and time)
+    resumed = f" (resumed at step {s.start_step}: {s.trained_steps} steps here)" if s.start_step else ""
+    print(f"done: {s.step} steps{resumed}, {s.trained_tokens:,} tokens trained in "
+          f"{r.wall_seconds:.0f}s ({r.tokens_per_second:,.0f} tokens/s); "
+          f"val loss {first} -> {last}")
     for stats in r.data_stats:
         print(f"data {stats.describe()}")
     files = [name + ("/" if (r.run_dir / name).is_dir() else "") for name in RUN_FILES if (r.run_dir / name).exists()]

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from onegpu.infer import InferConfig, SamplingConfig, generate, load
-from onegpu.techniques.quantization import is_quantized, weight_bytes
+from onegpu.techniques.quantization import weight_bytes
+
+from helpers import is_quantized_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +51,7 @@ def test_bitsandbytes_on_cuda(kind, cls, bf16, tiny_model_dir):
 def test_torchao_on_cuda(kind, bf16, tiny_model_dir):
     q = load(_cfg(tiny_model_dir, dtype="bf16", quantization=kind))
     layers = [m for m in _linears(q.model) if m.in_features % 128 == 0 or kind != "ao-int4"]
-    assert layers and all(is_quantized(m) for m in layers)
+    assert layers and all(is_quantized_layer(m) for m in layers)
     ids = q.tokenizer(PROMPTS[:1], return_tensors="pt")["input_ids"].cuda()
     ref, out = bf16.model(ids).logits.float(), q.model(ids).logits.float()
     assert (out - ref).abs().max() < 0.2 * ref.abs().max()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, ModelConfig, TechniquesConfig
 from onegpu.hardware import detect
 from onegpu.techniques.loss import loss_sum
@@ -23,12 +23,6 @@ def _fresh_state():
     yield
     AcceleratorState._reset_state()
     torch._dynamo.reset()
-
-
-def _batch(tok, n=4, length=128, device="cuda"):
-    ids = torch.randint(0, len(tok), (n, length), generator=torch.Generator().manual_seed(0)).to(device)
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
 
 def _out_dtype(model, batch):
     seen = []
@@ -52,7 +46,7 @@ def test_fp16_autocast_and_loss_scaling_on_cuda(tiny_tokenizer):
     from onegpu.training.step import train_step
 
     acc, model, opt = _prepared(tiny_tokenizer, "fp16")
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")
     assert _out_dtype(model, batch) == torch.float16 and acc.scaler is not None
     weight = model.model.layers[0].self_attn.q_proj.weight
     hook = weight.register_hook(lambda g: torch.full_like(g, float("inf")))
@@ -66,7 +60,7 @@ def test_bf16_autocast_on_cuda(tiny_tokenizer):
     if not detect().bf16:
         pytest.skip("GPU without bf16")
     _, model, _ = _prepared(tiny_tokenizer, "bf16")
-    assert _out_dtype(model, _batch(tiny_tokenizer)) == torch.bfloat16
+    assert _out_dtype(model, random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")) == torch.bfloat16
 
 
 def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
@@ -109,7 +103,7 @@ def test_sdpa_flash_kernel_runs_and_matches_eager(tiny_model_dir, tiny_tokenizer
 
     attn = resolve_attention(TechniquesConfig(attention="flash"), detect())
     assert attn in (SDPA_FLASH, "flash_attention_2")
-    ids = _batch(tiny_tokenizer)["input_ids"]
+    ids = random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")["input_ids"]
     models = {a: load_model(str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=torch.bfloat16,
                             attn_implementation=a).cuda().eval() for a in ("eager", attn)}
     with torch.no_grad():
@@ -124,7 +118,7 @@ def test_sdpa_flash_kernel_runs_and_matches_eager(tiny_model_dir, tiny_tokenizer
 def test_compile_on_cuda_matches_eager(tiny_tokenizer, regional):
     from onegpu.techniques.compile import apply_compile
 
-    batch = _batch(tiny_tokenizer)
+    batch = random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")
     eager = loss_sum(make_tiny_llama(tiny_tokenizer).cuda(), batch)
     model = apply_compile(make_tiny_llama(tiny_tokenizer).cuda(),
                           TechniquesConfig(compile="default", compile_regional=regional), "cuda")
@@ -146,7 +140,7 @@ def _memory_after_forward(model, batch) -> int:
 def test_checkpointing_modes_hold_less_gpu_memory(tiny_tokenizer):
     from onegpu.techniques.checkpointing import apply_checkpointing
 
-    batch = _batch(tiny_tokenizer, n=8, length=256)
+    batch = random_batch(len(tiny_tokenizer), n=8, length=256, device="cuda")
     held = {}
     for mode in ("off", "every-n", "full", "offload"):
         model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=4).cuda().train()
@@ -157,7 +151,7 @@ def test_checkpointing_modes_hold_less_gpu_memory(tiny_tokenizer):
 
 def test_fused_loss_lowers_gpu_peak(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer, vocab_size=32768, num_hidden_layers=1).cuda()
-    batch = _batch(tiny_tokenizer, n=4, length=512)
+    batch = random_batch(len(tiny_tokenizer), n=4, length=512, device="cuda")
     peaks = {}
     for chunk in (0, 1024):
         model.zero_grad(set_to_none=True)
@@ -175,7 +169,7 @@ def test_fused_loss_under_bf16_autocast_matches_plain(tiny_tokenizer):
     """As Accelerate runs it: the model's forward under bf16 autocast, the fused head chunks too."""
     model = make_tiny_llama(tiny_tokenizer, vocab_size=32768, num_hidden_layers=2).cuda()
     model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
-    batch = _batch(tiny_tokenizer, n=2, length=256)
+    batch = random_batch(len(tiny_tokenizer), length=256, device="cuda")
     grads = {}
     for chunk in (0, 256):
         model.zero_grad(set_to_none=True)
@@ -194,7 +188,7 @@ def test_fused_loss_needs_no_host_sync(tiny_tokenizer):
     from onegpu.techniques.loss import TARGETS, _Head, select_targets, with_target_positions
 
     model = make_tiny_llama(tiny_tokenizer).cuda()
-    cpu = with_target_positions(_batch(tiny_tokenizer, device="cpu"))
+    cpu = with_target_positions(random_batch(len(tiny_tokenizer), n=4, length=128))
     batch = {k: v.cuda() for k, v in cpu.items()}
     hidden = torch.randn(*batch["input_ids"].shape, model.config.hidden_size, device="cuda", requires_grad=True)
     amp = ("cuda", False, torch.bfloat16)

@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).parents[1] / "dist_scripts" / "capped_train.py"
 
 @pytest.fixture(scope="module")
 def big_model_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import make_tiny_llama
+    from helpers import make_tiny_llama
 
     path = tmp_path_factory.mktemp("llama-0.9b")
     model = make_tiny_llama(tiny_tokenizer, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
@@ -37,7 +37,7 @@ def _run(tmp_path: Path, model_dir: Path, text_file: Path, name: str, offload: s
            "training": {"micro_batch_size": 2, "grad_accum": 2, "max_steps": 3, "log_every": 1, "eval_every": 0,
                         "oom_retry": False},
            "techniques": {"precision": "bf16", "offload": offload},
-           "output": {"dir": str(tmp_path / "runs"), "name": name, "tensorboard": False}}
+           "output": {"dir": str(tmp_path / "runs"), "name": name, "report_to": "none"}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -89,7 +89,7 @@ def test_qlora_end_to_end_run_on_cuda(tmp_path, tiny_model_dir, text_file):
            "training": {"micro_batch_size": 4, "max_steps": 6, "eval_every": 0, "eval_batches": 2, "lr": 1e-2},
            "techniques": {"optimizer": "paged-adamw-8bit",
                           "lora": {"enabled": True, "quantize_base": "nf4", "merge_on_save": True}},
-           "output": {"dir": str(tmp_path), "name": "run", "tensorboard": False}}
+           "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
     result = train(cfg)
     assert (result.final_dir / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "final-merged" / "model.safetensors").is_file()

@@ -9,8 +9,8 @@ import torch
 from onegpu.training import assemble
 from onegpu.checkpoint import local as checkpoint
 
-from test_recovery import oom_above
-from test_resume import assert_same_weights, losses, make_cfg, straight_then_resumed
+from helpers import oom_above
+from helpers import assert_same_weights, losses, make_cfg, straight_then_resumed
 
 pytestmark = pytest.mark.gpu
 

@@ -55,7 +55,7 @@ def _bench_training() -> TrainingConfig:
 
 
 def _bench_output() -> OutputConfig:
-    return OutputConfig(tensorboard=False)
+    return OutputConfig(report_to="none")
 
 
 @dataclass

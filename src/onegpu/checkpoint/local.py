@@ -15,7 +15,6 @@ the manifest, so a checkpoint damaged afterwards (disk full, a partial copy) is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from onegpu.checkpoint.manifest import MANIFEST, fsync_dir, fsync_tree, verify, write_manifest
 from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-MANIFEST = "manifest.json"
 ENGINE_DIR = "engine"  # DeepSpeed's own per-process files (see checkpoint_sharded.py)
-# Fault injection for the crash tests: called with the name of each write just completed.
-crash_hook: Callable[[str], None] | None = None
+# Called with the name of each write of a checkpoint just completed, in order: SAVE_POINTS.
+# The crash tests stop the process at each of them; a caller may also report progress with it.
+WriteHook = Callable[[str], None]
+SAVE_POINTS = ("model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync",
+               "trash", "rename")
 
 
 # ------------------------------------------------------------------------------------------- RNG
@@ -71,13 +73,16 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------- saving
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train_state: dict, accelerator,
                     tokenizer=None, config: dict | None = None, rng: dict | None = None,
-                    gathered: dict | None = None) -> Path:
+                    gathered: dict | None = None, on_write: WriteHook | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically and return its path.
 
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
     abandoned accumulation cycle so that the resumed run replays that cycle exactly.
     ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across processes.
+    ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is saved
+    again).
     """
+    written: WriteHook = on_write or (lambda point: None)
     gathered = gathered or {}
     run_dir = Path(run_dir)
     final = run_dir / f"{PREFIX}{step:08d}"
@@ -86,51 +91,46 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
     tmp.mkdir(parents=True)
     accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True,
                                                     state_dict=gathered.get("model"))
-    _hook("model")
+    written("model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
-        _hook("tokenizer")
+        written("tokenizer")
     if gathered.get("engine_dir") is not None:
         os.replace(gathered["engine_dir"], tmp / ENGINE_DIR)
     optim_state = gathered["optimizer"] if "optimizer" in gathered else optimizer.state_dict()
     torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rng if rng is not None else rng_state()}, tmp / "trainer_state.pt")
-    _hook("trainer_state")
+    written("trainer_state")
     (tmp / "state.json").write_text(json.dumps(train_state, indent=2))
-    _hook("state")
+    written("state")
     if config is not None:
         import yaml
 
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        _hook("config")
-    _write_manifest(tmp, step)
-    _hook("manifest")
-    _fsync_tree(tmp)
-    _hook("fsync")
-    _publish(tmp, final)
-    _hook("rename")
+        written("config")
+    write_manifest(tmp, step)
+    written("manifest")
+    fsync_tree(tmp)
+    written("fsync")
+    _publish(tmp, final, written)
+    written("rename")
     return final
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _publish(tmp: Path, final: Path, written: WriteHook) -> None:
     """Rename into place. An older checkpoint of the same step (a run resumed from an earlier
     point) is moved aside first; at no moment is a half-written folder visible under a final name."""
     if final.exists():
         trash = final.with_name(f"{TRASH_PREFIX}{final.name}")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
-        _hook("trash")
+        written("trash")
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _hook(point: str) -> None:
-    if crash_hook is not None:
-        crash_hook(point)
+    fsync_dir(final.parent)
 
 
 def clean_stale(run_dir: Path) -> None:
@@ -154,46 +154,6 @@ def discard_all(run_dir: Path) -> int:
     return len(old)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def _write_manifest(root: Path, step: int) -> None:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
-    (root / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        elif p.is_dir():
-            _fsync_dir(p)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------------- finding
 def step_of(path: Path) -> int:
     try:
@@ -207,29 +167,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and step_of(p) >= 0
              and (p / MANIFEST).is_file()]
     return sorted(found, key=step_of)
-
-
-def verify(path: Path, checksums: bool = True) -> str | None:
-    """None if every file listed in the manifest is present with its size and checksum, else why
-    not. Without checksums it is cheap enough for every prune; resuming checks them."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "missing or unreadable manifest.json"
-    for name in ("state.json", "trainer_state.pt"):
-        if name not in files:
-            return f"manifest lists no {name}"
-    for name, meta in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"missing file {name}"
-        if f.stat().st_size != meta["size"]:
-            return f"size mismatch in {name}"
-        if checksums and _sha256(f) != meta["sha256"]:
-            return f"checksum mismatch in {name}"
-    return None
 
 
 def find_latest(run_dir: Path) -> Path | None:
@@ -274,8 +211,50 @@ def prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """--output.resume: "latest" (in the run directory), a checkpoint folder or a run directory."""
+def resolve_resume(resume: str | None, run_dir: Path, objective: str | None = None) -> Path | None:
+    """--output.resume: "latest" (in the run directory), a checkpoint folder or a run directory.
+    With ``objective`` (training.objective), a checkpoint trained with another one is refused here,
+    before anything is built for the new objective (a DPO reference, preference data)."""
+    found = _resolve_resume(resume, run_dir)
+    if found is not None and objective is not None:
+        check_objective(found, objective)
+    return found
+
+
+def check_objective(path: Path, objective: str) -> None:
+    """The checkpoint's training.objective (its config.yaml; sft where none is recorded) must be
+    this run's: an SFT checkpoint has no reference log-probs or preference state to resume DPO
+    from."""
+    config = _saved_config(path)
+    if config is None:
+        return  # written without a config (a checkpoint built by hand): nothing to compare
+    was = (config.get("training") or {}).get("objective") or "sft"
+    if was != objective:
+        weights = Path(path) / "model"
+        raise ConfigError(
+            f"checkpoint {path} was trained with training.objective={was}; this run asks for "
+            f"{objective}.",
+            hint=f"resume with --training.objective {was}, or start a new {objective} run from its "
+            f"weights: --model.name {weights} without --output.resume",
+        )
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The run configuration a checkpoint recorded (its own config.yaml, else its run's)."""
+    import yaml
+
+    for candidate in (Path(path) / "config.yaml", Path(path).parent / "config.yaml"):
+        if candidate.is_file():
+            try:
+                data = yaml.safe_load(candidate.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def _resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     if not resume:
         return None
     target = Path(run_dir) if resume == "latest" else Path(resume).expanduser()

@@ -163,8 +163,16 @@ def check_bitsandbytes() -> Check:
 
 
 def check_package(name: str, dist: str, purpose: str, hint: str) -> Check:
+    """Installed and importable: a package whose import fails is reported with why."""
     v = _installed(dist)
-    return Check(name, v is not None, f"{v} ({purpose})" if v else f"not installed ({purpose})", None if v else hint)
+    if v is None:
+        return Check(name, False, f"not installed ({purpose})", hint)
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the finding
+        return Check(name, False, f"{v} does not import: {str(exc).splitlines()[0][:100]}",
+                     f"pip install --force-reinstall {dist}")
+    return Check(name, True, f"{v} ({purpose})")
 
 
 def check_triton() -> Check:

@@ -101,7 +101,7 @@ def _fields(raw: dict, cls: type) -> dict:
 def collect_prompts(args: list[str], prompts_file: Optional[str]) -> list[str]:
     prompts: list[str] = []
     for arg in args:
-        prompts += _lines(sys.stdin.read(), "stdin") if arg == "-" else [arg]
+        prompts += _lines(sys.stdin.read()) if arg == "-" else [arg]
     if prompts_file:
         prompts += read_prompts_file(prompts_file)
     if not prompts:
@@ -114,13 +114,13 @@ def read_prompts_file(path: str) -> list[str]:
     if not p.is_file():
         raise DataError(f"prompts file not found: {path}", hint="check the path given to --prompts_file")
     text = p.read_text(encoding="utf-8")
-    prompts = _jsonl(text, path) if p.suffix == ".jsonl" else _lines(text, path)
+    prompts = _jsonl(text, path) if p.suffix == ".jsonl" else _lines(text)
     if not prompts:
         raise DataError(f"prompts file {path} contains no prompts.", hint="write one prompt per line")
     return prompts
 
 
-def _lines(text: str, where: str) -> list[str]:
+def _lines(text: str) -> list[str]:
     """One prompt per line; a literal \\n inside a line stands for a newline (multi-line prompts)."""
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 

@@ -7,7 +7,6 @@ from typing import Sequence
 
 from onegpu.cli.args import make_parser, model_shorthand, note_model_shorthand, parse
 from onegpu.config import Config
-from onegpu.logs import setup_logging
 
 __all__ = ["build_parser", "cli", "model_shorthand"]
 
@@ -20,8 +19,8 @@ def build_parser():
 
 
 def cli(argv: Sequence[str]) -> int:
+    # logging is set up once by `onegpu` (cli/main.py), with --debug's verbosity
     cfg, _ = parse(build_parser(), model_shorthand(argv), Config)
-    setup_logging()
     from onegpu import train
 
     train(cfg)

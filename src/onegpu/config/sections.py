@@ -3,6 +3,7 @@ Every field is a ``--section.field`` flag (cli/args.py); the docstring under a f
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -81,15 +82,19 @@ class TrainingConfig:
     max_minutes: float = 0.0
     """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves."""
     lr: Union[float, Literal["auto"]] = "auto"
-    """Peak learning rate. auto: by mode (hyper.py): 2e-3 from scratch, 2e-5 full fine-tune, 2e-4 LoRA/QLoRA."""
+    """Peak learning rate. auto: by mode and objective (hyper.py). sft: 2e-3 from scratch, 2e-5
+    full fine-tune, 2e-4 LoRA/QLoRA; dpo/orpo/simpo: 5e-4 from scratch, 1e-6 full fine-tune, 5e-6
+    LoRA/QLoRA."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine decay)."""
     warmup_steps: Union[int, Literal["auto"]] = "auto"
-    """Linear warm-up steps. auto: 20 from scratch, else 3% of max_steps (unless warmup_ratio is set)."""
+    """Linear warm-up steps. auto (unless warmup_ratio is set): sft: 20 from scratch, else 3% of
+    max_steps; dpo/orpo/simpo: 10% of max_steps."""
     warmup_ratio: Optional[float] = None
     """Warm-up as a share of max_steps, in [0, 1), instead of warmup_steps (set one of the two)."""
     weight_decay: Union[float, Literal["auto"]] = "auto"
-    """Decoupled weight decay, never on biases and norm weights. auto: 0.1 from scratch, else 0."""
+    """Decoupled weight decay, never on biases and norm weights. auto: 0.1 for sft from scratch,
+    else 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     eval_every: int = 50
@@ -218,6 +223,12 @@ class OutputConfig:
         if self.tensorboard is None:
             return
         # the old switch, folded in once: config.yaml then records only report_to
+        warnings.warn(
+            "output.tensorboard is deprecated: use output.report_to (e.g. --output.report_to none "
+            "for tensorboard=false); this config's value is folded into report_to.",
+            FutureWarning,
+            stacklevel=3,
+        )
         if self.report_to == "all" and not self.tensorboard:
             raise ConfigError("output.tensorboard=false cannot take TensorBoard out of output.report_to=all.",
                               hint="name the trackers, e.g. --output.report_to wandb,mlflow")

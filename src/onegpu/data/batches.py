@@ -93,10 +93,12 @@ def _rows() -> dict:
 
 def _prompt_completion(batch, indices, tok, cfg, split):
     out = _rows()
-    for idx, p, c in zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field]):
+    rows = zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field])
+    for i, (idx, p, c) in enumerate(rows):
         if not isinstance(p, str) or not isinstance(c, str):
-            raise DataError(f"prompt/completion must be strings, got {type(p).__name__}/{type(c).__name__} "
-                            f"({split} record {idx}).",
+            where = records.where(batch, i, idx, split)
+            raise DataError(f"{where}: prompt/completion must be strings, got "
+                            f"{type(p).__name__}/{type(c).__name__}.",
                             hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns")
         p_ids = tok(p, add_special_tokens=True)["input_ids"]
         c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -112,10 +114,10 @@ def _messages(batch, indices, tok, cfg, split):
                         hint="use a chat model's tokenizer (model.tokenizer) or prompt/completion data")
     out = _rows()
     encode = functools.partial(_encode_chat, tok=tok)
-    for idx, conv in zip(indices, batch[cfg.messages_field]):
+    for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field])):
         problem = records.chat_problem(conv)
         if problem:
-            raise DataError(f"{split} record {idx}: {problem[0]}", hint=problem[1])
+            raise DataError(f"{records.where(batch, i, idx, split)}: {problem[0]}", hint=problem[1])
         examples, fate, left_out = overlong.fit_chat(conv, encode, cfg.seq_len, cfg.overlong)
         _emit(out, examples, fate, left_out)
     return out
@@ -129,8 +131,10 @@ def _encode_chat(conv: list, tok) -> tuple[list[int], list[int]]:
     for i, m in enumerate(conv):
         if m["role"] == "assistant":
             start = len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-            end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False))
-            spans.append((start, end))
+            # What a template writes after the turn's end (ChatML's newline after <|im_end|>) is
+            # layout, not the reply: the turn trains on its content and its end token only.
+            end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False).rstrip())
+            spans.append((start, max(start, end)))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     turn = [next((k for k, (s, e) in enumerate(spans) if s <= a and b <= e and b > a), -1)
             for a, b in enc["offset_mapping"]]

@@ -30,8 +30,9 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     ids and its fate (fits, truncated, dropped; data/overlong.py)."""
     out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], overlong.FATE: [], overlong.TURNS: []}
     prompts = batch.get(cfg.prompt_field) or [None] * len(indices)
-    for idx, p, c, r in zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field]):
-        where = f"{split} record {idx}"
+    rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field])
+    for i, (idx, p, c, r) in enumerate(rows):
+        where = records.where(batch, i, idx, split)
         prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)
         fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(prompt_ids, chosen_ids, rejected_ids, cfg.seq_len,
                                                                 cfg.overlong, tok.bos_token_id)
@@ -59,6 +60,10 @@ def encode_pair(prompt, chosen, rejected, tok, cfg: DataConfig, where: str) -> t
         p_ids, pc, pr = render(prompt, True), render(prompt + chosen), render(prompt + rejected)
     else:
         for name, value in ((cfg.prompt_field, prompt), (cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+            if value is None:
+                raise DataError(f"{where}: the record has no '{name}'.",
+                                hint=f"give every preference record a '{name}' "
+                                "(text or a list of chat messages)")
             if not isinstance(value, str):
                 raise DataError(f"{where}: '{name}' must be text or a list of chat messages, got "
                                 f"{type(value).__name__}.", hint=f"check the '{name}' column")

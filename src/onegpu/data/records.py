@@ -20,6 +20,10 @@ from onegpu.errors import DataError
 
 log = logging.getLogger(__name__)
 
+# A column added to the records read from files: where each came from ("data.jsonl:5"), so that an
+# error found while tokenizing names the file and line, whatever split or shuffle came in between.
+ORIGIN = "__origin__"
+
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
               ".py": "text", ".md": "text"}
 
@@ -195,12 +199,18 @@ def load_records(cfg: DataConfig, seed: int):
     try:
         if src.hub_name:
             ds = datasets.load_dataset(src.hub_name)
-            train = ds["train"]
-            val = ds["validation"] if "validation" in ds else None
+            train, val = ds["train"], ds["validation"] if "validation" in ds else None
+            rows = range(len(train))
+            train = _with_origins(train, [f"{src.hub_name} train row {i}" for i in rows])
+            if val is not None:
+                val = _with_origins(val, [f"{src.hub_name} validation row {i}" for i in range(len(val))])
         else:
             files = {"train": src.train_files} | ({"validation": src.val_files} if src.val_files else {})
             ds = datasets.load_dataset(src.builder, data_files=files, **kw)
-            train, val = ds["train"], ds.get("validation")
+            train = _with_origins(ds["train"], file_origins(src.train_files, src.builder))
+            val = ds.get("validation")
+            if val is not None:
+                val = _with_origins(val, file_origins(src.val_files, src.builder))
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
         where = src.hub_name or cfg.path or "data"
         msg = str(exc.__cause__ or exc).splitlines()[0] if str(exc.__cause__ or exc) else type(exc).__name__
@@ -214,7 +224,59 @@ def load_records(cfg: DataConfig, seed: int):
     return train, val, src.fingerprint
 
 
+def _with_origins(ds, origins: list[str] | None):
+    """The records with their ORIGIN column; unchanged if the origins do not match them one to one
+    (errors then name the split and record number instead)."""
+    if origins is None or len(origins) != len(ds) or ORIGIN in ds.column_names:
+        return ds
+    return ds.add_column(ORIGIN, origins)
+
+
+def file_origins(files: list[str], builder: str) -> list[str] | None:
+    """Where each record of `files`, read by the datasets `builder` in order, comes from:
+    "file:line" for JSON lines and CSV, "file item N" for a JSON array, "file row N" for Parquet,
+    the file for a text document. None where a file cannot be read here (its records then go
+    without)."""
+    import csv
+
+    out: list[str] = []
+    for f in files:
+        try:
+            if builder == "text":
+                out.append(f)
+            elif Path(f).suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                out += [f"{f} row {i}" for i in range(pq.ParquetFile(f).metadata.num_rows)]
+            elif builder == "csv":
+                with open(f, newline="", encoding="utf-8") as fh:
+                    reader, start, rows = csv.reader(fh), None, []
+                    for n, row in enumerate(reader):
+                        if n and row:  # after the header; blank lines hold no record
+                            rows.append(f"{f}:{start}")
+                        # a quoted field may span lines: a record starts after the last one's end
+                        start = reader.line_num + 1
+                out += rows
+            else:
+                text = Path(f).read_text(encoding="utf-8")
+                if text.lstrip().startswith("["):
+                    out += [f"{f} item {i}" for i in range(len(json.loads(text)))]
+                else:  # JSON lines: datasets skips blank ones
+                    lines = enumerate(text.split("\n"), 1)
+                    out += [f"{f}:{n}" for n, line in lines if line.strip()]
+        except (OSError, ValueError, ImportError):
+            return None
+    return out
+
+
+def where(batch: dict, i: int, idx: int, split: str) -> str:
+    """Where record `i` of a `datasets.map` batch came from (its index in the split: `idx`)."""
+    origins = batch.get(ORIGIN)
+    return origins[i] if origins is not None else f"{split} record {idx}"
+
+
 def detect_format(cfg: DataConfig, columns: list[str]) -> str:
+    columns = [c for c in columns if c != ORIGIN]
     if cfg.format != "auto":
         needed = {"text": [cfg.text_field], "prompt_completion": [cfg.prompt_field, cfg.completion_field],
                   "messages": [cfg.messages_field], "preference": [cfg.chosen_field, cfg.rejected_field]}[cfg.format]

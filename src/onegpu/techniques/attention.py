@@ -157,8 +157,3 @@ def _sdpa_flash_attention(module, query, key, value, attention_mask, **kwargs):
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(backends, set_priority=True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def attention_of(model) -> str:
-    """The attention implementation a loaded model really uses."""
-    return model.config._attn_implementation

@@ -78,27 +78,3 @@ def decoder_layers(model) -> list:
 
 def checkpointed_layers(model) -> list:
     return [m for m in decoder_layers(model) if getattr(m, "gradient_checkpointing", False)]
-
-
-def saved_tensor_bytes(model, fn) -> int:
-    """Bytes of distinct tensors, other than ``model``'s weights, autograd keeps for backward while
-    ``fn()`` runs.
-
-    This is the activation memory a training step holds at the end of its forward. Checkpointed
-    regions save through their own inner hooks, so only what is really kept is counted; tensors
-    sent to host memory by an inner offload hook are not counted either.
-    """
-    import torch
-
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[tuple, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            key = (t.untyped_storage().data_ptr(), t.device)
-            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())

@@ -113,8 +113,3 @@ def _blocks(model) -> list:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def is_compiled(module) -> bool:
-    """Whether ``module`` itself runs through torch.compile (in-place compile)."""
-    return getattr(module, "_compiled_call_impl", None) is not None

@@ -60,7 +60,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
         return model
     peft = _peft()
     targets = resolve_targets(model, lcfg.targets)
-    if is_quantized(model):
+    if loaded_in_kbit(model):
         _warn_if_nothing_quantized(model, lcfg.quantize_base)
         # Freezes the base and upcasts any fp16/bf16 leftovers (norms, embeddings) to fp32 for
         # stable training; checkpointing is applied later by techniques.checkpointing.
@@ -80,7 +80,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
     trainable, total = model.get_nb_trainable_parameters()
     log.info("%s %s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
              dtype, "DoRA" if lcfg.dora else "LoRA", lcfg.r, targets,
-             "n " + lcfg.quantize_base if is_quantized(model) else " full-precision",
+             "n " + lcfg.quantize_base if loaded_in_kbit(model) else " full-precision",
              trainable, total, 100 * trainable / max(total, 1))
     return model
 
@@ -133,7 +133,9 @@ def linear_module_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
 
 
-def is_quantized(model) -> bool:
+def loaded_in_kbit(model) -> bool:
+    """True for a model transformers loaded with a bitsandbytes 4- or 8-bit quantization config
+    (QLoRA's base); the flags are the ones PEFT's prepare_model_for_kbit_training reads."""
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
@@ -157,7 +159,7 @@ def save_merged(model, out_dir: Path, base_name: str, mcfg: ModelConfig) -> Path
     if not hasattr(model, "merge_and_unload"):
         raise ConfigError("techniques.lora.merge_on_save needs a model with LoRA adapters.",
                           hint="enable techniques.lora, or turn merge_on_save off")
-    if is_quantized(model):
+    if loaded_in_kbit(model):
         merged = _merge_into_full_precision(model, base_name, mcfg)
     else:
         merged = model.merge_and_unload()

@@ -44,8 +44,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             options = {k: v for k, v in group.items() if k != "params"}
             self.inner += [build([{"params": [p], **options}]) for p in group["params"]]
         self.defaults = dict(self.inner[0].defaults) if self.inner else {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt))
-                       for opt in self.inner for p in opt.param_groups[0]["params"]]
+        for opt in self.inner:  # for the parameters' lifetime: the optimizer is built once per run
+            for p in opt.param_groups[0]["params"]:
+                p.register_post_accumulate_grad_hook(self._hook(opt))
         self._link()
 
     @staticmethod
@@ -78,10 +79,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for opt, sd in zip(self.inner, saved):
             opt.load_state_dict(sd)
         self._link()  # load_state_dict gives each inner optimizer new group and state objects
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
 
     def __repr__(self) -> str:
         kind = type(self.inner[0]).__name__ if self.inner else "none"

@@ -100,15 +100,6 @@ def _import_torchao():
     return ao
 
 
-def is_quantized(module) -> bool:
-    """True for a bitsandbytes quantized Linear or a Linear whose weight is a torchao tensor subclass."""
-    name = type(module).__name__
-    if name in ("Linear8bitLt", "Linear4bit", "LinearNF4", "LinearFP4"):
-        return True
-    weight = getattr(module, "weight", None)
-    return weight is not None and _is_torchao(weight)
-
-
 def _is_torchao(t) -> bool:
     return type(t).__module__.startswith("torchao")
 

@@ -252,7 +252,10 @@ def check_model_settings(run: Run, model) -> None:
     from onegpu.techniques.precision import warn_fp16_on_bf16_model
 
     cfg = run.cfg
-    warn_fp16_on_bf16_model(model.config, run.precision)
+    # the dtype the weights are stored in: a load (fp32 for fp16 autocast) rewrites model.config's
+    stored = model.config if models.is_preset(run.model_name) else models.model_config(
+        run.model_name, cfg.model.trust_remote_code)
+    warn_fp16_on_bf16_model(stored, run.precision)
     check_shapes(cfg.training.micro_batch_size, cfg.data.seq_len, getattr(model.config, "hidden_size", None),
                  run.precision, run.device)
 

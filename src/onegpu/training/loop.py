@@ -69,7 +69,6 @@ def fit(run, accelerator, metrics: MetricsLog, state: TrainState | None = None,
             evaluate_and_log(run, accelerator, metrics, state)
         if t.save_every and last_saved != state.step:
             save(run, accelerator, state)  # a time limit (max_minutes) ended the run between saves
-        state.history = [loss for _, loss in state.history]
     for cb in callbacks:
         cb.on_train_end(run, state)
     return state

@@ -43,7 +43,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         set_seed(cfg.training.seed)
         report_to = trackers.resolve(cfg.output.report_to)  # a tracker not installed: refused before any mkdir
         run_dir = assemble.check_run_dir(cfg)
-        resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir)
+        resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir, cfg.training.objective)
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
@@ -76,8 +76,7 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     wall = time.perf_counter() - t_start
     if accelerator.is_main_process:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    hist = state.history
-    result = RunResult(run_dir, final, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
+    result = RunResult(run_dir, final, state, state.first_eval, state.last_eval, wall,
                        state.tokens_per_second, data_stats=run.data_stats, sample_prompt=run.sample_prompt)
     if accelerator.is_main_process:
         print_summary(result)
@@ -140,10 +139,9 @@ def _start_fresh(run_dir: Path) -> None:
 
 def _stopped(run, state: TrainState, wall: float) -> RunResult:
     ckpt = run.dir / f"{checkpoint.PREFIX}{state.step:08d}"
-    hist = [h for h in state.history]
     print(f"stopped by {state.stopped} at step {state.step}; checkpoint saved: {ckpt}\n"
           f"resume with: onegpu train --config {run.dir / 'config.yaml'} --output.resume latest")
-    return RunResult(run.dir, ckpt, state, hist[0] if hist else None, hist[-1] if hist else None, wall,
+    return RunResult(run.dir, ckpt, state, state.first_eval, state.last_eval, wall,
                      state.tokens_per_second, stopped=state.stopped, data_stats=run.data_stats)
 
 

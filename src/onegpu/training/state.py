@@ -16,7 +16,7 @@ class TrainState:
     batches_seen: int = 0  # micro-batches (of micro_batch_size) of completed steps: the data position
     tokens_seen: int = 0  # real (non-padding) input tokens
     best_eval: float = math.inf
-    history: list = field(default_factory=list)  # eval losses
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
     micro_batch_size: int = 0  # current sizes: an out-of-memory retry changes them mid-run
     grad_accum: int = 0
     skipped_steps: int = 0  # updates skipped for a non-finite loss/gradient
@@ -27,10 +27,33 @@ class TrainState:
     # Not checkpointed: a resumed run reports its own speed.
     timed_tokens: int = 0
     timed_seconds: float = 0.0
+    # Where this process started (a resumed run: the checkpoint's step and tokens). Not
+    # checkpointed: the summary counts what this process trained, not what earlier ones did.
+    start_step: int = 0
+    start_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.timed_tokens / max(self.timed_seconds, 1e-9)
+
+    @property
+    def trained_steps(self) -> int:
+        """Optimizer steps this process ran."""
+        return self.step - self.start_step
+
+    @property
+    def trained_tokens(self) -> int:
+        """Real input tokens this process trained on."""
+        return self.tokens_seen - self.start_tokens
+
+    @property
+    def first_eval(self) -> float | None:
+        """The first validation loss of the run (step 0: the untrained baseline), if any."""
+        return self.history[0][1] if self.history else None
+
+    @property
+    def last_eval(self) -> float | None:
+        return self.history[-1][1] if self.history else None
 
     def to_dict(self) -> dict:
         last = self.history[-1] if self.history else None
@@ -40,11 +63,13 @@ class TrainState:
                 "eval_loss": last[1] if last and last[0] == self.step else None}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainState":
+    def from_dict(cls, d: dict) -> TrainState:
+        """The state a checkpoint recorded; this process starts counting from it."""
         return cls(step=d["step"], batches_seen=d["batches_seen"], tokens_seen=d["tokens_seen"],
-                   best_eval=d["best_eval"], history=[tuple(h) for h in d["history"]],
+                   best_eval=d["best_eval"], history=[(int(s), float(v)) for s, v in d["history"]],
                    micro_batch_size=d.get("micro_batch_size", 0), grad_accum=d.get("grad_accum", 0),
-                   skipped_steps=d.get("skipped_steps", 0), bad_streak=d.get("bad_streak", 0))
+                   skipped_steps=d.get("skipped_steps", 0), bad_streak=d.get("bad_streak", 0),
+                   start_step=d["step"], start_tokens=d["tokens_seen"])
 
 
 @dataclass
