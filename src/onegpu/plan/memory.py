@@ -159,8 +159,8 @@ def activation_bytes(
     acts: ActivationModel | None = None,
     attention: str = "sdpa",
 ) -> tuple[float, float]:
-    """(bytes kept for backward on the device, extra bytes during backward: one recomputed or
-    reloaded block + logits grad)."""
+    """(bytes kept for backward on the device, extra bytes at the peak above them: the loss's own
+    peak, or one recomputed or reloaded block, whichever is larger)."""
     kept, transient, _ = activations(shape, c, seq_len, acts, attention)
     return kept, transient
 
@@ -188,14 +188,10 @@ def activations(
     not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
     not_kept += quantized_cast_bytes(shape, c)
     kept = acts.retained(rows, seq_len, shape.layers, mode, every, compiled, not_kept)
-    chunk = t.loss_chunk_size
-    tokens = rows * seq_len if not chunk else min(chunk, rows * seq_len)
-    # Start of backward: the fp32 gradient of the loss's logits, and the full-shape gradient the
-    # shift-by-one slice scatters it into (in the logits' dtype).
-    logits_grad = (
-        tokens * shape.vocab * (4 + (2 if t.precision in ("fp16", "bf16", "bf16-pure") else 4))
-    )
-    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept) + logits_grad
+    # Not at the same time: the loss's peak is over (its gradients freed, or, fused, inside the
+    # forward) before backward reaches the blocks, where a recomputed or reloaded block peaks.
+    loss = loss_transient_bytes(shape, c, rows * seq_len)
+    transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept)
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     host = 0.0
@@ -216,7 +212,33 @@ def activations(
             else acts.block_at(rows, seq_len, compiled, not_kept)
         )
         transient += back + PREFETCH * storage
-    return kept, transient, host
+    return kept, max(transient, loss), host
+
+
+def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
+    """Bytes the loss holds above the kept activations at its own peak.
+
+    Plain loss: at the start of backward, cross-entropy's two fp32 (tokens x vocab) gradients are
+    alive together (nll_loss's, and log_softmax's computed from it); the cast back to the logits'
+    dtype comes after the first is freed. Fused loss: the peak is inside its forward, which takes
+    the head's gradient chunk by chunk (techniques/fused_loss.py): beside the kept activations it
+    holds the fp32 sum of the head's gradient (counted as kept when the weights are fp32: the sum
+    is the gradient), the previous chunk's gradient (still referenced while the next is computed)
+    and, under autocast over fp32 weights, the weight's 16-bit copy. Its peak is either in a
+    chunk's cross-entropy backward (three fp32 chunk x vocab tensors) or while the chunk's weight
+    gradient is made (that gradient, and its 16-bit form under autocast).
+    """
+    t = c.techniques
+    if not t.loss_chunk_size:
+        return 8.0 * tokens * shape.vocab
+    chunk = min(t.loss_chunk_size, tokens) * shape.vocab
+    cast = 2 if t.precision in ("fp16", "bf16") else 0  # autocast's 16-bit copy of fp32 weights
+    head = shape.vocab * shape.hidden
+    if c.lora_rank:  # a frozen head: no gradient sums, only the weight's copy the matmul saves
+        return cast * head + 12.0 * chunk
+    pb = param_bytes(t.precision)
+    held = (4 - pb) + pb + cast  # fp32 sums beyond the kept gradient, previous chunk's, weight copy
+    return max(held * head + 12.0 * chunk, (held + pb + cast) * head + 2.0 * chunk)
 
 
 def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:

@@ -1,0 +1,351 @@
+"""Training memory at full model size, with no GPU: one optimizer step of a real-size model whose
+weights, gradients, optimizer state and activations are fake tensors (shapes and dtypes, no data),
+tracked by PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker``, against the planner's
+prediction for the same setup (``plan.memory.estimate``, what ``onegpu plan`` shows).
+
+The step is training's own: the model is built as ``from_pretrained`` builds it (weights dtype,
+``attn_implementation="sdpa"``), prepared by ``techniques.prepare.prepare_model``, its optimizer by
+``techniques.optimizers.build_optimizer``, its loss by ``training.assemble.make_loss_fn`` and its
+Accelerator by ``training.assemble.make_accelerator``; ``training.step.train_step`` runs the step.
+Everything that builds those parts is in ``build`` (one place to follow changes to them).
+
+Substitutions, each because fake tensors hold no values or this machine has no CUDA:
+- the weights are fake CPU tensors (``to_empty`` inside a ``FakeTensorMode``), so autograd and
+  CPU autocast run as they do on a card; the batch stays real (train_step counts its tokens on the
+  host, as training does before copying a batch to the device);
+- attention: transformers' SDPA call is routed as a CUDA card's dispatcher routes it (see
+  ``CardAttention``: it replaces transformers' "sdpa" attention function while entered): half-precision inputs without a mask run
+  ``aten._scaled_dot_product_flash_attention``; CUDA autocast casts SDPA's inputs to half, which
+  CPU autocast does not, so the router casts them; anything else runs the composite op;
+- the fused loss verifies its head against the model's logits by value, once per model: marked
+  verified, as the planner's own measuring model is (plan/activations.build_probe_model);
+- MemTracker's module hooks refuse the fused loss's calls of the output head (once per chunk, outside
+  the model's forward, with ``torch.autograd.grad`` inside that forward): ``ModulesInModel`` leaves
+  module calls made outside the model's forward out of the per-module hooks. Their memory is still
+  counted (the tracker counts every allocation); only the module breakdown skips them;
+- MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: frozen
+  parameters are entered as hooked already (``Tracker``);
+- Accelerate keeps the fake weights where they are (``device_placement=False``): moving fake
+  parameters between devices would swap them for real storage.
+
+MemTracker counts what the caching allocator would hand out, not what it reserves: the CUDA context,
+the cuBLAS workspace and allocator rounding stay the planner's own additions (``reserved()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from onegpu.plan.candidate import Candidate
+
+GIB = 2**30
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    base = {"vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "hidden_act": "silu"}
+    return LlamaConfig(**{**base, **kw})
+
+
+def _qwen(**kw):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**kw)
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig
+
+    return MistralConfig(**kw)
+
+
+def _mixtral(**kw):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**kw)
+
+
+# The published shapes (each model's config.json on the Hub), built with transformers' config
+# classes: no download. Rope scaling and token ids do not change a byte of training memory.
+SHAPES = {
+    "Llama-3.2-1B": lambda: _llama(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, head_dim=64, tie_word_embeddings=True),
+    "Llama-3.2-3B": lambda: _llama(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                   num_attention_heads=24, head_dim=128, tie_word_embeddings=True),
+    "Llama-3.1-8B": lambda: _llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, head_dim=128, tie_word_embeddings=False),
+    "Qwen2.5-7B": lambda: _qwen(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6,
+                                tie_word_embeddings=False),
+    "Mistral-7B-v0.3": lambda: _mistral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                                        max_position_embeddings=32768, rope_theta=1e6,
+                                        sliding_window=None, tie_word_embeddings=False),
+    "Mixtral-8x7B": lambda: _mixtral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                     num_local_experts=8, num_experts_per_tok=2,
+                                     max_position_embeddings=32768, rope_theta=1e6,
+                                     tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One row of the table: a published model shape, a planner candidate and a sequence length."""
+
+    model: str  # a key of SHAPES
+    candidate: Candidate
+    seq: int
+    layers: int = 0  # decoder layers; 0: the published depth
+
+    @property
+    def label(self) -> str:
+        depth = f" {self.layers} layers" if self.layers else ""
+        return f"{self.model}{depth} {self.candidate.label()} seq{self.seq}"
+
+    def config(self):
+        config = SHAPES[self.model]()
+        if self.layers:
+            config.num_hidden_layers = self.layers
+        return config
+
+
+class _CardSdpa(TorchFunctionMode):
+    """SDPA as a CUDA card (sm80+) dispatches it: FlashAttention for half-precision inputs with no
+    mask (GQA native, ``enable_gqa``), after autocast's cast of the inputs to half; the composite
+    op (whatever this CPU picks) for anything else. Counts what it routed."""
+
+    def __init__(self):
+        super().__init__()
+        self.flash = self.other = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        if torch.is_autocast_enabled("cpu"):  # CUDA autocast lists SDPA as a half-precision op
+            half = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(half), k.to(half), v.to(half)
+        if kwargs.get("attn_mask") is None and len(args) < 4 and q.dtype in HALF and q.size(-1) <= 256:
+            self.flash += 1
+            with torch.autocast("cpu", enabled=False):
+                out = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                    scale=kwargs.get("scale"))
+            return out[0]
+        self.other += 1
+        return func(q, k, v, *args[3:], **kwargs)
+
+
+class CardAttention:
+    """While entered, transformers' "sdpa" attention runs its SDPA call as a card routes it
+    (``_CardSdpa``). Registered as the "sdpa" attention function, not as a mode around the step,
+    so that checkpointing's recompute in backward (where a mode entered around the step is not
+    active) routes the same way as the forward did."""
+
+    def __init__(self):
+        self.mode = _CardSdpa()
+
+    @property
+    def flash(self) -> int:
+        return self.mode.flash
+
+    @property
+    def other(self) -> int:
+        return self.mode.other
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+
+        self.plain = AttentionInterface._global_mapping["sdpa"]
+
+        def routed(*args, **kwargs):
+            with self.mode:
+                return self.plain(*args, **kwargs)
+
+        AttentionInterface.register("sdpa", routed)
+        return self
+
+    def __exit__(self, *exc):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("sdpa", self.plain)
+
+
+class ModulesInModel(ModTracker):
+    """ModTracker hooks only for the model and module calls inside its forward (see the module
+    docstring: the fused loss calls the output head outside it)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.root = model, type(model).__name__
+
+    def _outside(self, mod) -> bool:
+        return not self.is_bw and mod is not self.model and self.root not in self.parents
+
+    def _fw_pre_hook(self, mod, input):
+        if not self._outside(mod):
+            super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output):
+        if not self._outside(mod):
+            super()._fw_post_hook(mod, input, output)
+
+
+class Tracker(MemTracker):
+    """MemTracker with the two adjustments the module docstring names."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._mod_tracker = ModulesInModel(model)
+        none = OrderedDict()  # a handle over no hooks: removing it does nothing
+        for p in model.parameters():
+            if not p.requires_grad:  # never gets a gradient; a hook on it raises
+                self._param_to_grad_hook_handles[p] = (RemovableHandle(none), RemovableHandle(none))
+
+
+def build(config, c: Candidate):
+    """(model, optimizer, loss function, accelerator, run config) for a setup, built by training's
+    own functions, with fake weights. The only place the harness calls into the build path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from onegpu.config import Config
+    from onegpu.hardware import DeviceInfo
+    from onegpu.techniques.optimizers import build_optimizer
+    from onegpu.techniques.precision import weights_dtype
+    from onegpu.techniques.prepare import prepare_model
+    from onegpu.training.assemble import make_accelerator, make_loss_fn
+
+    cfg = c.apply(Config())
+    device = DeviceInfo(type="cpu", name="cpu", total_memory=0)  # where autocast runs
+    accelerator = make_accelerator(cfg, device, c.precision)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision),
+                                                 attn_implementation="sdpa")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty unties them
+    model = prepare_model(model.train(), cfg.techniques, "cuda")
+    model._onegpu_head_verified = True  # values are fake: see the module docstring
+    optimizer = build_optimizer(model, cfg.techniques, cfg.training)
+    model, optimizer = accelerator.prepare(model, optimizer, device_placement=[False, False])
+    loss_fn = make_loss_fn(cfg, config.vocab_size, on_gpu=True)
+    return model, optimizer, loss_fn, accelerator, cfg
+
+
+def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
+    """One optimizer step after a warm one (optimizer state exists, gradients were freed by
+    ``zero_grad(set_to_none=True)``), under MemTracker: its peak and the parts at that peak, bytes.
+    ``route_sdpa=False``: SDPA as this machine runs it (its CPU kernels)."""
+    from onegpu.training.step import train_step
+
+    config, c = setup.config(), setup.candidate
+    model, optimizer, loss_fn, accelerator, cfg = build(config, c)
+    ids = torch.randint(0, config.vocab_size, (c.micro_batch, setup.seq), generator=torch.Generator().manual_seed(0))
+    micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}] * c.grad_accum
+    route = CardAttention()
+    t0 = time.perf_counter()
+    with route if route_sdpa else contextlib.nullcontext():
+        train_step(model, optimizer, micro, accelerator, cfg.training.max_grad_norm, loss_fn)
+        tracker = Tracker(model)
+        tracker.track_external(model, optimizer)
+        with tracker:
+            train_step(model, optimizer, micro, accelerator, cfg.training.max_grad_norm, loss_fn)
+    seconds = time.perf_counter() - t0
+    (snap,) = tracker.get_tracker_snapshot("peak").values()
+    parts = {str(k).split(".")[-1].lower(): v for k, v in snap.items()}
+    out = {"peak": parts.pop("total"), "parts": parts, "seconds": seconds,
+           "flash_calls": route.flash, "other_sdpa_calls": route.other,
+           "optimizer_impl": _optimizer_impl(optimizer)}
+    del model, optimizer, tracker
+    gc.collect()
+    return out
+
+
+def _optimizer_impl(optimizer) -> str:
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    d = inner.defaults
+    kind = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "default"
+    return f"{type(inner).__name__} ({kind})"
+
+
+def predicted(setup: Setup) -> dict:
+    """The planner's peak for the setup, bytes: the estimate ``onegpu plan`` makes on a GPU, with the
+    attention kernel the planner measures for this model, and its parts."""
+    from onegpu.config import Config
+    from onegpu.plan import memory
+    from onegpu.plan.arch import _shape_of
+    from onegpu.techniques.attention import planning_attention
+
+    config = setup.config()
+    shape = _shape_of(setup.model, config)
+    attention = planning_attention(Config().techniques, config)
+    est = memory.estimate(shape, setup.candidate, setup.seq, on_gpu=True, attention=attention)
+    return {"peak": est.peak, "parts": dict(est.components), "reserved": est.reserved(),
+            "params": shape.params}
+
+
+def row(setup: Setup) -> dict:
+    """Tracked and predicted peak of one setup, with the parts, in GiB, and their ratio."""
+    t, p = tracked(setup), predicted(setup)
+    return {"setup": setup.label, "model": setup.model, **dataclasses.asdict(setup.candidate),
+            "seq": setup.seq, "params": p["params"],
+            "tracked_gib": t["peak"] / GIB, "predicted_gib": p["peak"] / GIB,
+            "ratio": p["peak"] / t["peak"], "reserved_gib": p["reserved"] / GIB,
+            "tracked_parts_gib": {k: v / GIB for k, v in t["parts"].items()},
+            "predicted_parts_gib": {k: v / GIB for k, v in p["parts"].items()},
+            "flash_calls": t["flash_calls"], "other_sdpa_calls": t["other_sdpa_calls"],
+            "optimizer_impl": t["optimizer_impl"], "step_seconds": t["seconds"]}
+
+
+TOLERANCE = 0.05  # the planner's peak within ±5% of the tracked one
+
+
+def _setups() -> list[Setup]:
+    from onegpu.techniques.fused_loss import auto_chunk
+
+    def fused(model: str) -> int:  # the chunk loss=auto picks on a GPU for this vocabulary
+        return auto_chunk(SHAPES[model]().vocab_size, on_gpu=True)
+
+    c = Candidate
+    rows = [
+        ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
+        ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
+        ("Llama-3.2-1B", c(4, 1, "bf16-pure", "every-n", loss_chunk=fused("Llama-3.2-1B")), 2048),
+        ("Llama-3.2-1B", c(4, 1, "bf16", "full", lora_rank=16), 2048),
+        ("Llama-3.2-1B", c(2, 1, "bf16-pure", "full", "sgd", loss_chunk=fused("Llama-3.2-1B")), 4096),
+        ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
+        ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk=fused("Llama-3.2-3B")), 2048),
+        ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
+        ("Llama-3.1-8B", c(2, 1, "bf16", "full", lora_rank=16, loss_chunk=fused("Llama-3.1-8B")), 4096),
+        ("Qwen2.5-7B", c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk=fused("Qwen2.5-7B")), 2048),
+        ("Qwen2.5-7B", c(1, 1, "bf16", "off", lora_rank=16), 2048),
+        ("Mistral-7B-v0.3", c(1, 1, "bf16-pure", "every-n"), 4096),
+        ("Mistral-7B-v0.3", c(2, 1, "bf16", "full", "adafactor"), 2048),
+        ("Mixtral-8x7B", c(1, 1, "bf16-pure", "off", lora_rank=16), 1024),
+    ]
+    return [Setup(m, cand, seq) for m, cand, seq in rows]
+
+
+SETUPS = _setups()
+# The cheapest rows (Llama-3.2-1B, all 16 layers; plain and fused loss, bf16 weights and mixed,
+# checkpointing off / every-n / full, LoRA): the test tier runs these.
+CHEAP = [SETUPS[0], SETUPS[2], SETUPS[3]]
