@@ -5,7 +5,7 @@ prediction for the same setup (``plan.memory.estimate``, what ``onegpu plan`` sh
 
 The step is training's own: the model is built as ``from_pretrained`` builds it (weights dtype,
 ``attn_implementation="sdpa"``), prepared by ``techniques.prepare.prepare_model``, its optimizer by
-``techniques.optimizers.build_optimizer``, its loss by ``training.assemble.make_loss_fn`` and its
+``techniques.optimizers.build_optimizer``, its loss by ``objectives`` (SFT on a TokenLoss) and its
 Accelerator by ``training.assemble.make_accelerator``; ``training.step.train_step`` runs the step.
 Everything that builds those parts is in ``build`` (one place to follow changes to them).
 
@@ -48,7 +48,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from onegpu.plan.candidate import Candidate
+from onegpu.plan.candidate import Candidate, setup
 
 GIB = 2**30
 HALF = (torch.float16, torch.bfloat16)
@@ -232,22 +232,26 @@ def build(config, c: Candidate):
     from onegpu.techniques.optimizers import build_optimizer
     from onegpu.techniques.precision import weights_dtype
     from onegpu.techniques.prepare import prepare_model
-    from onegpu.training.assemble import make_accelerator, make_loss_fn
+    from onegpu.objectives.sft import SFT
+    from onegpu.objectives.tokens import TokenLoss
+    from onegpu.training.assemble import make_accelerator
 
     cfg = c.apply(Config())
     device = DeviceInfo(type="cpu", name="cpu", total_memory=0)  # where autocast runs
-    accelerator = make_accelerator(cfg, device, c.precision)
+    precision = c.techniques.precision
+    accelerator = make_accelerator(cfg, device, precision)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(c.precision),
+        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(precision),
                                                  attn_implementation="sdpa")
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty unties them
     model = prepare_model(model.train(), cfg.techniques, "cuda")
-    model._onegpu_head_verified = True  # values are fake: see the module docstring
     optimizer = build_optimizer(model, cfg.techniques, cfg.training)
     model, optimizer = accelerator.prepare(model, optimizer, device_placement=[False, False])
-    loss_fn = make_loss_fn(cfg, config.vocab_size, on_gpu=True)
+    # values are fake, so the fused head's one check by value is skipped: see the module docstring
+    tokens = TokenLoss.for_run(cfg.techniques, config.vocab_size, True, False, verify=False)
+    loss_fn = SFT(tokens)
     return model, optimizer, loss_fn, accelerator, cfg
 
 
@@ -259,8 +263,8 @@ def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
 
     config, c = setup.config(), setup.candidate
     model, optimizer, loss_fn, accelerator, cfg = build(config, c)
-    ids = torch.randint(0, config.vocab_size, (c.micro_batch, setup.seq), generator=torch.Generator().manual_seed(0))
-    micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}] * c.grad_accum
+    ids = torch.randint(0, config.vocab_size, (c.training.micro_batch_size, setup.seq), generator=torch.Generator().manual_seed(0))
+    micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}] * c.training.grad_accum
     route = CardAttention()
     t0 = time.perf_counter()
     with route if route_sdpa else contextlib.nullcontext():
@@ -306,7 +310,7 @@ def predicted(setup: Setup) -> dict:
 def row(setup: Setup) -> dict:
     """Tracked and predicted peak of one setup, with the parts, in GiB, and their ratio."""
     t, p = tracked(setup), predicted(setup)
-    return {"setup": setup.label, "model": setup.model, **dataclasses.asdict(setup.candidate),
+    return {"setup": setup.label, "model": setup.model, "candidate": setup.candidate.label(),
             "seq": setup.seq, "params": p["params"],
             "tracked_gib": t["peak"] / GIB, "predicted_gib": p["peak"] / GIB,
             "ratio": p["peak"] / t["peak"], "reserved_gib": p["reserved"] / GIB,
@@ -325,18 +329,22 @@ def _setups() -> list[Setup]:
     def fused(model: str) -> int:  # the chunk loss=auto picks on a GPU for this vocabulary
         return auto_chunk(SHAPES[model]().vocab_size, on_gpu=True)
 
-    c = Candidate
+    def c(mb, accum, precision, checkpointing="off", optimizer="adamw", lora_rank=0, **more):
+        lora = {"lora": {"r": lora_rank}} if lora_rank else {}
+        return setup(mb, accum, precision=precision, checkpointing=checkpointing,
+                     optimizer=optimizer, **lora, **more)
+
     rows = [
         ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
         ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
-        ("Llama-3.2-1B", c(4, 1, "bf16-pure", "every-n", loss_chunk=fused("Llama-3.2-1B")), 2048),
+        ("Llama-3.2-1B", c(4, 1, "bf16-pure", "every-n", loss_chunk_size=fused("Llama-3.2-1B")), 2048),
         ("Llama-3.2-1B", c(4, 1, "bf16", "full", lora_rank=16), 2048),
-        ("Llama-3.2-1B", c(2, 1, "bf16-pure", "full", "sgd", loss_chunk=fused("Llama-3.2-1B")), 4096),
+        ("Llama-3.2-1B", c(2, 1, "bf16-pure", "full", "sgd", loss_chunk_size=fused("Llama-3.2-1B")), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
-        ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk=fused("Llama-3.2-3B")), 2048),
+        ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk_size=fused("Llama-3.2-3B")), 2048),
         ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
-        ("Llama-3.1-8B", c(2, 1, "bf16", "full", lora_rank=16, loss_chunk=fused("Llama-3.1-8B")), 4096),
-        ("Qwen2.5-7B", c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk=fused("Qwen2.5-7B")), 2048),
+        ("Llama-3.1-8B", c(2, 1, "bf16", "full", lora_rank=16, loss_chunk_size=fused("Llama-3.1-8B")), 4096),
+        ("Qwen2.5-7B", c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk_size=fused("Qwen2.5-7B")), 2048),
         ("Qwen2.5-7B", c(1, 1, "bf16", "off", lora_rank=16), 2048),
         ("Mistral-7B-v0.3", c(1, 1, "bf16-pure", "every-n"), 4096),
         ("Mistral-7B-v0.3", c(2, 1, "bf16", "full", "adafactor"), 2048),
