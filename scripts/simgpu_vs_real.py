@@ -36,7 +36,7 @@ def main() -> int:
     import transformers
 
     from onegpu.plan import accuracy
-    from onegpu.plan.candidate import Candidate
+    from onegpu.plan.candidate import setup as candidate
 
     if not torch.cuda.is_available():
         print("simgpu_vs_real: no CUDA GPU; nothing to compare")
@@ -52,9 +52,7 @@ def main() -> int:
     )
     print(f"{'setup':<28} {'simulated MiB':>14} {'real MiB':>10} {'sim/real':>9}")
     for ckpt in ("off", "full", "every-n"):
-        setup = Candidate(
-            micro_batch=4, grad_accum=1, precision="bf16", checkpointing=ckpt
-        )
+        setup = candidate(4, 1, precision="bf16", checkpointing=ckpt)
         sim = simulated_peak(config, setup, 1024)
         real = accuracy.step_peak(config, setup, 1024)["peak_bytes"]
         print(

@@ -69,7 +69,7 @@ def test_accuracy_peak_leaves_out_what_earlier_setups_hold(card):
     import transformers
 
     from onegpu.plan import accuracy
-    from onegpu.plan.candidate import Candidate
+    from onegpu.plan.candidate import setup as candidate
 
     config = transformers.LlamaConfig(
         vocab_size=128,
@@ -80,7 +80,7 @@ def test_accuracy_peak_leaves_out_what_earlier_setups_hold(card):
         num_key_value_heads=1,
         use_cache=False,
     )
-    setup = Candidate(precision="bf16", micro_batch=1, grad_accum=1)
+    setup = candidate(1, 1, precision="bf16")
 
     class Cycle:
         pass

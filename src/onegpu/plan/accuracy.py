@@ -62,10 +62,12 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
     _require_cuda()
     model, _, objective, accelerator = build(config, c)
     rows = c.training.micro_batch_size
-    data = {k: v.cuda() for k, v in _batch(config.vocab_size, rows, seq).items()}
+    # the target rows found on the host, as train_step finds them, then the batch on the device
+    batch = with_target_positions(_batch(config.vocab_size, rows, seq))
+    data = {k: v.cuda() for k, v in batch.items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    loss = objective.loss(model, with_target_positions(data))  # the prepared model autocasts itself
+    loss = objective.loss(model, data)  # the prepared model autocasts itself
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
     del loss, model
