@@ -20,26 +20,52 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Per device: which settings are worth measuring, and a workload that takes minutes, not hours.
 PROFILES = {
-    "cpu": dict(settings="fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile",
-                batch_size=4, prompt_len=64, new_tokens=32, repeats=3, vocab_size=32000),
-    "cuda": dict(settings="fp32,bf16,fp16,int8,nf4,fp4,ao-int8,ao-int8-dynamic,bf16+ao-int4,"
-                          "bf16+static-compile,bf16+eager",
-                 batch_size=8, prompt_len=512, new_tokens=128, repeats=5, vocab_size=128256),
+    "cpu": dict(
+        settings="fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile",
+        batch_size=4,
+        prompt_len=64,
+        new_tokens=32,
+        repeats=3,
+        vocab_size=32000,
+    ),
+    "cuda": dict(
+        settings="fp32,bf16,fp16,int8,nf4,fp4,ao-int8,ao-int8-dynamic,bf16+ao-int4,"
+        "bf16+static-compile,bf16+eager",
+        batch_size=8,
+        prompt_len=512,
+        new_tokens=128,
+        repeats=5,
+        vocab_size=128256,
+    ),
 }
 
 
 def main(argv: list[str]) -> int:
     own, _, passthrough = _split(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", help="tiny, small, 125m or 1b (default: small)")
+    parser.add_argument(
+        "--preset", default="small", help="tiny, small, 125m or 1b (default: small)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the options and list the settings; no model is built or measured")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options and list the settings; no model is built or measured",
+    )
     args = parser.parse_args(own)
     profile = PROFILES[args.device]
-    bench_argv = ["infer", "--model", args.preset, "--device", args.device, "--out", args.out,
-                  "--name", f"infer-{args.device}-{time.strftime('%Y%m%d')}"]
+    bench_argv = [
+        "infer",
+        "--model",
+        args.preset,
+        "--device",
+        args.device,
+        "--out",
+        args.out,
+        "--name",
+        f"infer-{args.device}-{time.strftime('%Y%m%d')}",
+    ]
     for key, value in profile.items():
         bench_argv += [f"--{key}", str(value)]
     from onegpu.cli.bench import cli
@@ -71,7 +97,7 @@ def record_command(stem: Path, argv: list[str]) -> None:
 def _split(argv: list[str]) -> tuple[list[str], str, list[str]]:
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], "--", argv[i + 1:]
+        return argv[:i], "--", argv[i + 1 :]
     return argv, "", []
 
 

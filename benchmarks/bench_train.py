@@ -65,20 +65,53 @@ class Preset:
     chat: bool = False  # on the chat data set (variable lengths) instead of packed text
 
     def argv(self) -> list[str]:
-        return list(self.args) + (["--bench.arms", ",".join(("baseline",) + self.arms)] if self.arms else [])
+        return list(self.args) + (
+            ["--bench.arms", ",".join(("baseline",) + self.arms)] if self.arms else []
+        )
 
 
 # The default job's tokens per step (tiny preset, 16 x 256), split 8 x 2 so that the batch-size
 # arm (16 x 1) and the accumulation arm (2 x 8) each change something. 24 steps keep the sweep near
 # 20 minutes; that is too short for techniques.compile=auto, so the baseline here runs uncompiled
 # and the compile arm shows what compiling adds.
-CPU = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "8", "--training.grad_accum",
-       "2", "--training.max_steps", "24", "--bench.warmup_steps", "4", "--bench.reps", "3", "--bench.max_seconds", "150")
+CPU = (
+    "--model.name",
+    "tiny",
+    "--data.seq_len",
+    "256",
+    "--training.micro_batch_size",
+    "8",
+    "--training.grad_accum",
+    "2",
+    "--training.max_steps",
+    "24",
+    "--bench.warmup_steps",
+    "4",
+    "--bench.reps",
+    "3",
+    "--bench.max_seconds",
+    "150",
+)
 # The default job's shape (tiny preset, 16 x 256 tokens a step), long enough (60 steps) that
 # techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed steps.
-HEADLINE = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_batch_size", "16",
-            "--training.grad_accum", "1", "--training.max_steps", "60", "--bench.warmup_steps", "10",
-            "--bench.reps", "4", "--bench.max_seconds", "240")
+HEADLINE = (
+    "--model.name",
+    "tiny",
+    "--data.seq_len",
+    "256",
+    "--training.micro_batch_size",
+    "16",
+    "--training.grad_accum",
+    "1",
+    "--training.max_steps",
+    "60",
+    "--bench.warmup_steps",
+    "10",
+    "--bench.reps",
+    "4",
+    "--bench.max_seconds",
+    "240",
+)
 # Sized for one 10-minute command each: 10 steps of 4 x 2 sequences of 2048 tokens (2 untimed: the
 # allocator and the compilers warm up there), 2 repetitions. Micro-batch 8 is the largest that fits
 # 80 GB at ~1B in bf16 (16 x 2048 needs ~100 GB of activations).
@@ -87,45 +120,117 @@ HEADLINE = ("--model.name", "tiny", "--data.seq_len", "256", "--training.micro_b
 # the standard library (6 lines of code, then the 4 real next lines over the same words shuffled),
 # 4 pairs x 2 a step, 14 steps (4 untimed), 5 interleaved rounds: about 10 minutes, mostly the 25
 # processes starting.
-CPU_DPO = ("--training.objective", "dpo", "--model.name", "tiny", "--data.seq_len", "256",
-           "--training.micro_batch_size", "4", "--training.grad_accum", "2", "--training.max_steps", "14",
-           "--bench.warmup_steps", "4", "--bench.reps", "5", "--bench.max_seconds", "120")
-GPU = ("--data.seq_len", "2048", "--training.micro_batch_size", "4", "--training.grad_accum", "2",
-       "--training.max_steps", "10", "--bench.warmup_steps", "2", "--bench.reps", "2", "--bench.max_seconds", "240",
-       "--bench.max_micro_batch", "8", "--techniques.precision", "bf16", "--data.max_bytes", "3000000")
+CPU_DPO = (
+    "--training.objective",
+    "dpo",
+    "--model.name",
+    "tiny",
+    "--data.seq_len",
+    "256",
+    "--training.micro_batch_size",
+    "4",
+    "--training.grad_accum",
+    "2",
+    "--training.max_steps",
+    "14",
+    "--bench.warmup_steps",
+    "4",
+    "--bench.reps",
+    "5",
+    "--bench.max_seconds",
+    "120",
+)
+GPU = (
+    "--data.seq_len",
+    "2048",
+    "--training.micro_batch_size",
+    "4",
+    "--training.grad_accum",
+    "2",
+    "--training.max_steps",
+    "10",
+    "--bench.warmup_steps",
+    "2",
+    "--bench.reps",
+    "2",
+    "--bench.max_seconds",
+    "240",
+    "--bench.max_micro_batch",
+    "8",
+    "--techniques.precision",
+    "bf16",
+    "--data.max_bytes",
+    "3000000",
+)
 
-PRESETS = {p.name: p for p in [
-    Preset("cpu", CPU),
-    Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
-    Preset("cpu-dpo", CPU_DPO),
-    Preset("gpu-quick", GPU, ("hf-trainer-tuned", "trl-sft"), gpu=True),
-    Preset("gpu-best", GPU, ("best", "hf-trainer"), gpu=True),
-    Preset("gpu-memory", GPU, ("batch-size", "grad-accum", "checkpointing"), gpu=True),
-    Preset("gpu-precision", GPU, ("fp32", "fp32-tf32", "fp16"), gpu=True),
-    Preset("gpu-kernels", GPU, ("flash", "compile"), gpu=True),
-    Preset("gpu-optim", GPU, ("adamw-fused", "adafactor", "adamw-8bit"), gpu=True),
-    Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
-    Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
-    Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
-    # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10 minutes
-    Preset("gpu-dpo", GPU + ("--training.objective", "dpo"), ("lora", "trl-dpo", "trl-dpo-lora"), gpu=True),
-]}
-GROUPS = {"gpu-methods": ["gpu-memory", "gpu-precision", "gpu-kernels", "gpu-optim", "gpu-offload"],
-          "gpu": [n for n, p in PRESETS.items() if p.gpu]}
+PRESETS = {
+    p.name: p
+    for p in [
+        Preset("cpu", CPU),
+        Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
+        Preset("cpu-dpo", CPU_DPO),
+        Preset("gpu-quick", GPU, ("hf-trainer-tuned", "trl-sft"), gpu=True),
+        Preset("gpu-best", GPU, ("best", "hf-trainer"), gpu=True),
+        Preset("gpu-memory", GPU, ("batch-size", "grad-accum", "checkpointing"), gpu=True),
+        Preset("gpu-precision", GPU, ("fp32", "fp32-tf32", "fp16"), gpu=True),
+        Preset("gpu-kernels", GPU, ("flash", "compile"), gpu=True),
+        Preset("gpu-optim", GPU, ("adamw-fused", "adafactor", "adamw-8bit"), gpu=True),
+        Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
+        Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
+        Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
+        # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10 minutes
+        Preset(
+            "gpu-dpo",
+            GPU + ("--training.objective", "dpo"),
+            ("lora", "trl-dpo", "trl-dpo-lora"),
+            gpu=True,
+        ),
+    ]
+}
+GROUPS = {
+    "gpu-methods": ["gpu-memory", "gpu-precision", "gpu-kernels", "gpu-optim", "gpu-offload"],
+    "gpu": [n for n, p in PRESETS.items() if p.gpu],
+}
 
 # Estimated seconds of one repetition of each arm at the GPU presets' shape on an H100 (not
 # measured): ~30 s to start a process and load the model, 20 micro-steps of 4 x 2048 tokens at
 # ~0.45 s in bf16, ~10 s for our loop to write its final 4 GB model, ~60 s to compile; fp32 ~3.3x
 # the step time, TF32 ~1.6x, checkpointing ~1.3x; offload builds DeepSpeed's CPU Adam once (~90 s)
 # and steps it on the CPU. The peers write no model.
-ARM_SECONDS = {"baseline": 50, "batch-size": 50, "grad-accum": 55, "checkpointing": 55, "fp32": 70, "fp32-tf32": 55,
-               "fp16": 50, "bf16": 50, "tf32": 50, "flash": 50, "compile": 110, "plain-loss": 50, "adamw-fused": 50,
-               "adafactor": 50, "adamw-8bit": 50, "preload": 50, "offload": 105, "lora": 45, "qlora": 55,
-               "padding-free": 45, "best": 110, "hf-trainer": 60, "hf-trainer-tuned": 100, "trl-sft": 45,
-               # DPO: pairs of ~100-300 tokens, so the steps are short; TRL loads its reference copy
-               # from disk (~10 s) and runs it every step
-               "ref-copy": 55, "trl-dpo": 60, "trl-dpo-lora": 50}
-SETUP_SECONDS = 30  # the parent: imports, tokenizing (cached after the first preset), the matmul peak
+ARM_SECONDS = {
+    "baseline": 50,
+    "batch-size": 50,
+    "grad-accum": 55,
+    "checkpointing": 55,
+    "fp32": 70,
+    "fp32-tf32": 55,
+    "fp16": 50,
+    "bf16": 50,
+    "tf32": 50,
+    "flash": 50,
+    "compile": 110,
+    "plain-loss": 50,
+    "adamw-fused": 50,
+    "adafactor": 50,
+    "adamw-8bit": 50,
+    "preload": 50,
+    "offload": 105,
+    "lora": 45,
+    "qlora": 55,
+    "padding-free": 45,
+    "best": 110,
+    "hf-trainer": 60,
+    "hf-trainer-tuned": 100,
+    "trl-sft": 45,
+    # DPO: pairs of ~100-300 tokens, so the steps are short; TRL loads its reference copy
+    # from disk (~10 s) and runs it every step
+    "ref-copy": 55,
+    "trl-dpo": 60,
+    "trl-dpo-lora": 50,
+}
+SETUP_SECONDS = (
+    30  # the parent: imports, tokenizing (cached after the first preset), the matmul peak
+)
 MODEL_SECONDS = 45  # building and writing the random-init model, once per --workdir
 CHAT_SECONDS = 15  # writing the chat set, once per --workdir
 
@@ -149,10 +254,20 @@ def chat_data(path: Path, limit: int = 20000) -> Path:
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
         for node in ast.walk(tree):
-            doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+            doc = (
+                ast.get_docstring(node)
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                else None
+            )
             if doc and len(doc) > 40:
-                rows.append({"messages": [{"role": "user", "content": f"What does {src.stem}.{node.name} do?"},
-                                          {"role": "assistant", "content": doc}]})
+                rows.append(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What does {src.stem}.{node.name} do?"},
+                            {"role": "assistant", "content": doc},
+                        ]
+                    }
+                )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows[:limit]), encoding="utf-8")
@@ -185,14 +300,22 @@ def saved_model(path: Path, preset: str = "1b", max_bytes: int = 3_000_000) -> P
 def snapshot_env(tmp: str) -> dict:
     """PYTHONPATH pointing at a copy of src/ taken now, and the commit it was taken from (with
     "+local" when the checkout had uncommitted edits) for the results."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    commit = git("rev-parse", "HEAD") + ("+local" if git("status", "--porcelain", "--untracked-files=no", "src") else "")
-    shutil.copytree(ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    git = lambda *a: subprocess.run(
+        ["git", *a], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "HEAD") + (
+        "+local" if git("status", "--porcelain", "--untracked-files=no", "src") else ""
+    )
+    shutil.copytree(
+        ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+    )
     return {**os.environ, "PYTHONPATH": str(Path(tmp) / "src"), "ONEGPU_BENCH_COMMIT": commit}
 
 
 def bench(args: list[str], env: dict | None, dry_run: bool) -> int:
-    if dry_run:  # in this process: every preset's check takes a fraction of a second after the first
+    if (
+        dry_run
+    ):  # in this process: every preset's check takes a fraction of a second after the first
         from onegpu.cli.main import main as onegpu_main
 
         return onegpu_main(["bench", "train", *args, "--bench.dry_run", "true"])
@@ -207,14 +330,26 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
     if preset.gpu:
         model = workdir / "llama-1b"
         max_bytes = int(argv[argv.index("--data.max_bytes") + 1])
-        argv += ["--model.name", str(model if dry_run else saved_model(model, max_bytes=max_bytes)),
-                 "--model.from_scratch", "false"]
+        argv += [
+            "--model.name",
+            str(model if dry_run else saved_model(model, max_bytes=max_bytes)),
+            "--model.from_scratch",
+            "false",
+        ]
     if preset.chat:
         chat = workdir / "chat.jsonl"
         argv += ["--data.path", str(chat if dry_run else chat_data(chat))]
-    name = {"cpu": f"train-cpu-{stamp}", "headline": f"train-cpu-{stamp}-vs-hf",
-            "cpu-dpo": f"train-cpu-dpo-{stamp}"}.get(preset.name)
-    return argv + ["--bench.out", str(RESULTS), "--bench.name", name or f"train-{preset.name}-{stamp}"]
+    name = {
+        "cpu": f"train-cpu-{stamp}",
+        "headline": f"train-cpu-{stamp}-vs-hf",
+        "cpu-dpo": f"train-cpu-dpo-{stamp}",
+    }.get(preset.name)
+    return argv + [
+        "--bench.out",
+        str(RESULTS),
+        "--bench.name",
+        name or f"train-{preset.name}-{stamp}",
+    ]
 
 
 def parse(argv: list[str]) -> tuple[list[Preset], dict, list[str]]:
@@ -223,8 +358,12 @@ def parse(argv: list[str]) -> tuple[list[Preset], dict, list[str]]:
     while argv and (argv[0] in PRESETS or argv[0] in GROUPS):
         names += GROUPS.get(argv[0], [argv[0]])
         argv = argv[1:]
-    opts = {"snapshot": False, "dry_run": False,
-            "workdir": os.environ.get("ONEGPU_BENCH_WORKDIR") or str(Path(tempfile.gettempdir()) / "onegpu-bench-work")}
+    opts = {
+        "snapshot": False,
+        "dry_run": False,
+        "workdir": os.environ.get("ONEGPU_BENCH_WORKDIR")
+        or str(Path(tempfile.gettempdir()) / "onegpu-bench-work"),
+    }
     extra: list[str] = []
     while argv:
         arg = argv.pop(0)
@@ -244,17 +383,33 @@ def main(argv: list[str]) -> int:
     if not presets:
         print(__doc__)
         if argv and not argv[0].startswith("-"):
-            print(f"unknown preset '{argv[0]}'; choose from: {', '.join([*PRESETS, *GROUPS])}", file=sys.stderr)
+            print(
+                f"unknown preset '{argv[0]}'; choose from: {', '.join([*PRESETS, *GROUPS])}",
+                file=sys.stderr,
+            )
         return 2
     stamp, rc = time.strftime("%Y%m%d"), 0
     workdir = Path(opts["workdir"])
     with tempfile.TemporaryDirectory(prefix="onegpu-snapshot-") as tmp:
         env = snapshot_env(tmp) if opts["snapshot"] else None
         for preset in presets:
-            est = f"; estimated {estimate_seconds(preset) / 60:.1f} min on an H100" if preset.gpu else ""
-            print(f"== preset {preset.name}: {', '.join(preset.arms) or 'every arm'}{est}", flush=True)
+            est = (
+                f"; estimated {estimate_seconds(preset) / 60:.1f} min on an H100"
+                if preset.gpu
+                else ""
+            )
+            print(
+                f"== preset {preset.name}: {', '.join(preset.arms) or 'every arm'}{est}", flush=True
+            )
             # One preset failing (an out-of-memory, a missing wheel) does not stop the ones after it.
-            rc = max(rc, bench(preset_argv(preset, workdir, stamp, opts["dry_run"]) + extra, env, opts["dry_run"]))
+            rc = max(
+                rc,
+                bench(
+                    preset_argv(preset, workdir, stamp, opts["dry_run"]) + extra,
+                    env,
+                    opts["dry_run"],
+                ),
+            )
     return rc
 
 

@@ -25,20 +25,40 @@ def models():
         "small": load_config("small", 32000),
         "125m": load_config("125m", 32000),
         "1b": load_config("1b", 32000),
-        "mixtral-tiny": MixtralConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
-                                      num_experts_per_tok=2, vocab_size=32000),
-        "llama-gqa": LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+        "mixtral-tiny": MixtralConfig(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+        ),
+        "llama-gqa": LlamaConfig(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            vocab_size=32000,
+        ),
     }
 
 
 def setups():
     from onegpu.plan.candidate import setup as C
 
-    return [C(8, 1, precision='bf16'), C(8, 1, precision='bf16', checkpointing='full'), C(8, 1, precision='bf16', checkpointing='every-n'), C(16, 1, precision='bf16', checkpointing='full'),
-            C(8, 1, precision='bf16-pure'), C(8, 2, precision='bf16', optimizer='adamw-8bit'), C(8, 1, precision='bf16', checkpointing='full', loss_chunk_size=4096),
-            C(8, 1, precision='bf16', checkpointing='full', lora={"r": 16})]
+    return [
+        C(8, 1, precision="bf16"),
+        C(8, 1, precision="bf16", checkpointing="full"),
+        C(8, 1, precision="bf16", checkpointing="every-n"),
+        C(16, 1, precision="bf16", checkpointing="full"),
+        C(8, 1, precision="bf16-pure"),
+        C(8, 2, precision="bf16", optimizer="adamw-8bit"),
+        C(8, 1, precision="bf16", checkpointing="full", loss_chunk_size=4096),
+        C(8, 1, precision="bf16", checkpointing="full", lora={"r": 16}),
+    ]
 
 
 def main(argv=None) -> int:
@@ -55,7 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated subset")
     from onegpu.cli.args import renamed
 
-    args = ap.parse_args(renamed(sys.argv[1:] if argv is None else argv, {"--seq-len": "--seq_len"}))
+    args = ap.parse_args(
+        renamed(sys.argv[1:] if argv is None else argv, {"--seq-len": "--seq_len"})
+    )
     spec = hardware.spec_from_device(hardware.detect())
     rows = []
     for name, config in models().items():
@@ -72,31 +94,56 @@ def main(argv=None) -> int:
             except torch.OutOfMemoryError:
                 got = {"peak_bytes": float("nan"), "tokens_per_s": float("nan")}
                 torch.cuda.empty_cache()
-            rows.append({"model": name, "setup": c.label(), "pred_gb": mem.peak / 2**30,
-                         "meas_gb": got["peak_bytes"] / 2**30, "pred_tok_s": pred.tokens_per_s,
-                         "meas_tok_s": got["tokens_per_s"], "calibrated": pred.calibrated,
-                         "efficiency": got["tokens_per_s"] * pred.flops_per_token / (spec.peak_tflops(c.techniques.precision) * 1e12)})
+            rows.append(
+                {
+                    "model": name,
+                    "setup": c.label(),
+                    "pred_gb": mem.peak / 2**30,
+                    "meas_gb": got["peak_bytes"] / 2**30,
+                    "pred_tok_s": pred.tokens_per_s,
+                    "meas_tok_s": got["tokens_per_s"],
+                    "calibrated": pred.calibrated,
+                    "efficiency": got["tokens_per_s"]
+                    * pred.flops_per_token
+                    / (spec.peak_tflops(c.techniques.precision) * 1e12),
+                }
+            )
             print(_row(rows[-1]), flush=True)
     if args.calibrate and rows:
         best = max(rows, key=lambda r: r["efficiency"] if r["efficiency"] == r["efficiency"] else 0)
         speed.save_calibration(spec.key, "bf16", best["efficiency"], 8 * args.seq_len)
     out = Path(__file__).parent / "results" / f"plan_accuracy-{spec.key}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "gpu": spec.key, "torch": torch.__version__,
-                               "transformers": transformers.__version__, "command": " ".join(sys.argv),
-                               "date": time.strftime("%Y-%m-%d %H:%M"), "seq_len": args.seq_len, "rows": rows},
-                              indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "gpu": spec.key,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "command": " ".join(sys.argv),
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+                "seq_len": args.seq_len,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {out}")
     return 0
 
 
 def _row(r: dict) -> str:
     err = (r["pred_gb"] / r["meas_gb"] - 1) * 100 if r["meas_gb"] == r["meas_gb"] else float("nan")
-    return (f"| {r['model']} | {r['setup']} | {r['pred_gb']:.2f} | {r['meas_gb']:.2f} | {err:+.1f}% | "
-            f"{r['pred_tok_s']:,.0f} | {r['meas_tok_s']:,.0f} |")
+    return (
+        f"| {r['model']} | {r['setup']} | {r['pred_gb']:.2f} | {r['meas_gb']:.2f} | {err:+.1f}% | "
+        f"{r['pred_tok_s']:,.0f} | {r['meas_tok_s']:,.0f} |"
+    )
 
 
 if __name__ == "__main__":
-    print("| model | setup | predicted GB | measured GB | error | predicted tok/s | measured tok/s |")
+    print(
+        "| model | setup | predicted GB | measured GB | error | predicted tok/s | measured tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     sys.exit(main())

@@ -46,12 +46,22 @@ def profile_loop(kind: str, cfg: ProfileConfig, tmp: str):
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     active = cfg.training.max_steps - cfg.bench.warmup_steps
-    spec = {"arm": "hf-trainer" if kind == "hf" else "baseline", "kind": kind, "rep": 0,
-            "config": apply_overrides(base_config(cfg, tmp), {"output.name": kind, "techniques.compile": cfg.compile}),
-            "warmup_steps": cfg.bench.warmup_steps, "budget_s": cfg.bench.max_seconds}
+    spec = {
+        "arm": "hf-trainer" if kind == "hf" else "baseline",
+        "kind": kind,
+        "rep": 0,
+        "config": apply_overrides(
+            base_config(cfg, tmp), {"output.name": kind, "techniques.compile": cfg.compile}
+        ),
+        "warmup_steps": cfg.bench.warmup_steps,
+        "budget_s": cfg.bench.max_seconds,
+    }
     captured = []  # the recorded window's statistics, handed over when it closes
-    with profile(activities=acts, schedule=schedule(wait=0, warmup=cfg.bench.warmup_steps, active=active),
-                 on_trace_ready=lambda p: captured.append(p.key_averages())) as prof:
+    with profile(
+        activities=acts,
+        schedule=schedule(wait=0, warmup=cfg.bench.warmup_steps, active=active),
+        on_trace_ready=lambda p: captured.append(p.key_averages()),
+    ) as prof:
         if kind == "hf":
             child.run_hf(spec, callbacks=(_hf_stepper(prof),))
         else:
@@ -84,32 +94,52 @@ def _hf_stepper(prof):
 def summarize(kind: str, events, steps: int, top: int) -> list[str]:
     per_step = lambda us: us / 1000 / max(steps, 1)  # noqa: E731  microseconds total -> ms per step
     step_total = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep"))
-    lines = [f"### {'onegpu train()' if kind == 'onegpu' else 'HF Trainer'}", "",
-             f"{per_step(step_total):.1f} ms per step (profiled wall time, {steps} steps)", ""]
+    lines = [
+        f"### {'onegpu train()' if kind == 'onegpu' else 'HF Trainer'}",
+        "",
+        f"{per_step(step_total):.1f} ms per step (profiled wall time, {steps} steps)",
+        "",
+    ]
     for label, prefix in REGIONS.items():
         inc = sum(e.cpu_time_total for e in events if e.key.startswith(prefix))
         lines.append(f"- {label}: {per_step(inc):.1f} ms/step ({inc / max(step_total, 1):.1%})")
     syncs = sum(e.count for e in events if e.key in SYNC_OPS)
-    lines += [f"- host syncs (`.item()`-style): {syncs / max(steps, 1):.1f} per step", "",
-              "| operator | self ms/step | share | calls/step |", "|---|---|---|---|"]
-    ops = sorted((e for e in events if not e.key.startswith(("ProfilerStep", "Optimizer.", "enumerate("))),
-                 key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    lines += [
+        f"- host syncs (`.item()`-style): {syncs / max(steps, 1):.1f} per step",
+        "",
+        "| operator | self ms/step | share | calls/step |",
+        "|---|---|---|---|",
+    ]
+    ops = sorted(
+        (e for e in events if not e.key.startswith(("ProfilerStep", "Optimizer.", "enumerate("))),
+        key=lambda e: e.self_cpu_time_total,
+        reverse=True,
+    )[:top]
     for e in ops:
-        lines.append(f"| `{e.key}` | {per_step(e.self_cpu_time_total):.1f} | "
-                     f"{e.self_cpu_time_total / max(step_total, 1):.1%} | {e.count / max(steps, 1):.0f} |")
+        lines.append(
+            f"| `{e.key}` | {per_step(e.self_cpu_time_total):.1f} | "
+            f"{e.self_cpu_time_total / max(step_total, 1):.1%} | {e.count / max(steps, 1):.0f} |"
+        )
     return lines + [""]
 
 
 def main(argv: list[str]) -> int:
     from onegpu.cli.args import make_parser, parse
 
-    cfg, _ = parse(make_parser("profile_train.py", __doc__.splitlines()[0], ProfileConfig), argv, ProfileConfig)
+    cfg, _ = parse(
+        make_parser("profile_train.py", __doc__.splitlines()[0], ProfileConfig), argv, ProfileConfig
+    )
     kinds = ["onegpu", "hf"] if cfg.trainer == "both" else [cfg.trainer]
     setup = prepare(cfg)  # tokenize once, so neither profile pays for it
-    lines = [f"# Training step profile ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"`python benchmarks/profile_train.py {' '.join(argv)}`".replace(" `", "`"), "",
-             f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq {cfg.data.seq_len}, "
-             f"{cfg.training.micro_batch_size} x {cfg.training.grad_accum} sequences per step, fp32 unless set.", ""]
+    lines = [
+        f"# Training step profile ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"`python benchmarks/profile_train.py {' '.join(argv)}`".replace(" `", "`"),
+        "",
+        f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq {cfg.data.seq_len}, "
+        f"{cfg.training.micro_batch_size} x {cfg.training.grad_accum} sequences per step, fp32 unless set.",
+        "",
+    ]
     with tempfile.TemporaryDirectory(prefix="onegpu-profile-") as tmp:
         for kind in kinds:
             events, steps = profile_loop(kind, cfg, tmp)

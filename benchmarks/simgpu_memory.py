@@ -25,15 +25,23 @@ import fullsize
 from fullsize import SETUPS
 
 OUT = ROOT / "benchmarks" / "results" / "simgpu-memory"
-PARTS = (("param", "weights"), ("grad", "gradients"), ("opt", "optimizer"), ("act", "activations"),
-         ("temp", "backward transient"))
+PARTS = (
+    ("param", "weights"),
+    ("grad", "gradients"),
+    ("opt", "optimizer"),
+    ("act", "activations"),
+    ("temp", "backward transient"),
+)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="",
-                   help="comma-separated texts: run only the rows whose label contains one of them, "
-                        "and update those rows in the results (the others are kept)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated texts: run only the rows whose label contains one of them, "
+        "and update those rows in the results (the others are kept)",
+    )
     args = p.parse_args(argv)
     wanted = [w for w in args.only.split(",") if w]
     t0 = time.perf_counter()
@@ -42,12 +50,19 @@ def main(argv=None) -> int:
         if wanted and not any(w in setup.label for w in wanted):
             continue
         r = fullsize.row(setup)
-        print(f"{r['setup']:<70} tracked {r['tracked_gib']:7.2f}  predicted {r['predicted_gib']:7.2f}  "
-              f"ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)", flush=True)
-        rows = write(r, keep=bool(wanted) or bool(rows))  # after each row: a long run keeps its rows
+        print(
+            f"{r['setup']:<70} tracked {r['tracked_gib']:7.2f}  predicted {r['predicted_gib']:7.2f}  "
+            f"ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)",
+            flush=True,
+        )
+        rows = write(
+            r, keep=bool(wanted) or bool(rows)
+        )  # after each row: a long run keeps its rows
     bad = [r["setup"] for r in rows if abs(r["ratio"] - 1) > fullsize.TOLERANCE]
-    print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s; outside ±{fullsize.TOLERANCE:.0%}: "
-          f"{bad or 'none'}")
+    print(
+        f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s; outside ±{fullsize.TOLERANCE:.0%}: "
+        f"{bad or 'none'}"
+    )
     return 1 if bad else 0
 
 
@@ -58,9 +73,14 @@ def write(r: dict, keep: bool) -> list[dict]:
     old = json.loads(path.read_text())["rows"] if keep and path.is_file() else []
     by_label = {x["setup"]: x for x in old} | {r["setup"]: r}
     order = [s.label for s in SETUPS]
-    rows = sorted(by_label.values(), key=lambda x: order.index(x["setup"]) if x["setup"] in order else 99)
-    meta = {"torch": _version("torch"), "transformers": _version("transformers"),
-            "machine": platform.machine()}
+    rows = sorted(
+        by_label.values(), key=lambda x: order.index(x["setup"]) if x["setup"] in order else 99
+    )
+    meta = {
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "machine": platform.machine(),
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     OUT.with_suffix(".md").write_text(markdown(rows, meta))
@@ -68,19 +88,25 @@ def write(r: dict, keep: bool) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    head = ("| setup | tracked GiB | predicted GiB | ratio | tracked: params / grads / optimizer / "
-            "activations / temp | predicted: weights / grads / optimizer / activations / transient |\n"
-            "|---|---:|---:|---:|---|---|\n")
+    head = (
+        "| setup | tracked GiB | predicted GiB | ratio | tracked: params / grads / optimizer / "
+        "activations / temp | predicted: weights / grads / optimizer / activations / transient |\n"
+        "|---|---:|---:|---:|---|---|\n"
+    )
     lines = []
     for r in rows:
         t, p = r["tracked_parts_gib"], r["predicted_parts_gib"]
         tracked = " / ".join(f"{t.get(k, 0.0):.2f}" for k, _ in PARTS)
         predicted = " / ".join(f"{p.get(k, 0.0):.2f}" for _, k in PARTS)
-        lines.append(f"| {r['setup']} | {r['tracked_gib']:.2f} | {r['predicted_gib']:.2f} | "
-                     f"{r['ratio']:.3f} | {tracked} | {predicted} |")
-    note = (f"\nOne optimizer step after a warm one, MemTracker's peak (torch {meta['torch']}, "
-            f"transformers {meta['transformers']}); predicted: `plan.memory.estimate` on a GPU, "
-            "before the allocator's fragmentation and the CUDA context that `reserved()` adds.\n")
+        lines.append(
+            f"| {r['setup']} | {r['tracked_gib']:.2f} | {r['predicted_gib']:.2f} | "
+            f"{r['ratio']:.3f} | {tracked} | {predicted} |"
+        )
+    note = (
+        f"\nOne optimizer step after a warm one, MemTracker's peak (torch {meta['torch']}, "
+        f"transformers {meta['transformers']}); predicted: `plan.memory.estimate` on a GPU, "
+        "before the allocator's fragmentation and the CUDA context that `reserved()` adds.\n"
+    )
     return head + "\n".join(lines) + "\n" + note
 
 

@@ -31,15 +31,14 @@ CUDA_TEST = re.compile(
     r'|(device_type|device|\.type|device\.type)\s*[!=]=\s*"cuda"'
     r"|\bis_gpu\b|\bon_gpu\b|\bon_cuda\b|\.is_cuda\b"
 )
-NOT_CUDA = re.compile(
-    r'\bnot\s+[\w.]*(is_available\(\)|is_gpu|on_gpu|on_cuda|is_cuda)|!=\s*"cuda"'
-)
-CUDA_CALL = re.compile(
-    r"torch\.cuda\.(?!is_available\b)\w+|\.cuda\(\)|torch\._C\._cuda_\w+"
-)
+NOT_CUDA = re.compile(r'\bnot\s+[\w.]*(is_available\(\)|is_gpu|on_gpu|on_cuda|is_cuda)|!=\s*"cuda"')
+CUDA_CALL = re.compile(r"torch\.cuda\.(?!is_available\b)\w+|\.cuda\(\)|torch\._C\._cuda_\w+")
 # Why a line cannot run on a simulated card: a real kernel with no fake implementation.
 NO_FAKE = [
-    (re.compile(r"torchao|\bao\.|tinygemm|Int4|quantization"), "torchao's int4 CUDA kernel (tinygemm; no fake)"),
+    (
+        re.compile(r"torchao|\bao\.|tinygemm|Int4|quantization"),
+        "torchao's int4 CUDA kernel (tinygemm; no fake)",
+    ),
     (
         re.compile(r"bitsandbytes|bnb|compiled_with_cuda|device_map", re.IGNORECASE),
         "bitsandbytes' CUDA kernels (no fake)",
@@ -90,14 +89,10 @@ def cuda_only_lines(path: Path) -> set[int]:
                 cond = ast.get_source_segment(text, node.test) or ""
                 if not CUDA_TEST.search(cond):
                     continue
-                if (
-                    " or " in cond
-                ):  # a CUDA test beside others: the branch is not CUDA-only
+                if " or " in cond:  # a CUDA test beside others: the branch is not CUDA-only
                     continue
                 if _negated(cond):
-                    if (
-                        " and " in cond
-                    ):  # "no GPU and something": neither branch is CUDA-only
+                    if " and " in cond:  # "no GPU and something": neither branch is CUDA-only
                         continue
                     found |= _lines(node.orelse)
                     if node.body and isinstance(node.body[-1], (ast.Return, ast.Raise)):
@@ -110,9 +105,7 @@ def cuda_only_lines(path: Path) -> set[int]:
             found.add(no)
     # blank lines, comments and docstrings are not code
     code_lines = {
-        no
-        for no, line in enumerate(src, 1)
-        if line.strip() and not line.strip().startswith("#")
+        no for no, line in enumerate(src, 1) if line.strip() and not line.strip().startswith("#")
     }
     return found & code_lines & _statement_lines(tree)
 
@@ -168,26 +161,20 @@ def executed(data: Path) -> dict[str, set[int]]:
 
     cov = coverage.CoverageData(basename=str(data / ".coverage"))
     cov.read()
-    return {
-        str(Path(f).resolve()): set(cov.lines(f) or ()) for f in cov.measured_files()
-    }
+    return {str(Path(f).resolve()): set(cov.lines(f) or ()) for f in cov.measured_files()}
 
 
 def report(ran: dict[str, set[int]]) -> str:
     rows_ok, rows_no = [], []
     for path in sorted(SRC.rglob("*.py")):
-        if (
-            "bench" in path.parts
-        ):  # benchmark drivers: their GPU arms are run by gpu_check.sh
+        if "bench" in path.parts:  # benchmark drivers: their GPU arms are run by gpu_check.sh
             continue
         src = path.read_text().splitlines()
         hit = ran.get(str(path.resolve()), set())
         rel = path.relative_to(ROOT)
         for no in sorted(cuda_only_lines(path)):
             line = src[no - 1].strip()
-            (rows_ok if no in hit else rows_no).append(
-                (f"{rel}:{no}", line, reason(line, path))
-            )
+            (rows_ok if no in hit else rows_no).append((f"{rel}:{no}", line, reason(line, path)))
     out = [
         "# CUDA-only lines of src/ under the simulated-GPU tier",
         "",
@@ -215,16 +202,10 @@ def report(ran: dict[str, set[int]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--out", default=str(ROOT / "benchmarks" / "results" / "simgpu-coverage.md")
-    )
-    ap.add_argument(
-        "--data", help="reuse coverage data in this folder instead of running the tier"
-    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "simgpu-coverage.md"))
+    ap.add_argument("--data", help="reuse coverage data in this folder instead of running the tier")
     args = ap.parse_args()
-    data = (
-        Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="simgpu-cov-"))
-    )
+    data = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="simgpu-cov-"))
     if not args.data:
         run_tier(data)
     text = report(executed(data))

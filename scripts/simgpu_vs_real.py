@@ -25,9 +25,7 @@ def simulated_peak(config, setup, seq: int) -> int:
         accuracy.step_peak(config, setup, seq, steps=1)
     peak = tracker.get_tracker_snapshot("peak")
     return max(
-        v["Total"]
-        for k, v in peak.items()
-        if isinstance(k, torch.device) and k.type == "cuda"
+        v["Total"] for k, v in peak.items() if isinstance(k, torch.device) and k.type == "cuda"
     )
 
 

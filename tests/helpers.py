@@ -22,20 +22,36 @@ IGNORE = -100  # the label of a position that is not trained (transformers' igno
 def make_tiny_llama(tokenizer, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id)
+    kw = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     kw.update(overrides)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**kw))
 
 
-def random_batch(vocab: int, n: int = 2, length: int = 16, seed: int = 0, masked_prefix: int = 0,
-                 device: str = "cpu") -> dict:
+def random_batch(
+    vocab: int,
+    n: int = 2,
+    length: int = 16,
+    seed: int = 0,
+    masked_prefix: int = 0,
+    device: str = "cpu",
+) -> dict:
     """n rows of `length` random token ids below `vocab` (a fixed generator: the same batch on every
     call), labels equal to the ids except the first `masked_prefix` positions of each row."""
-    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).to(device)
+    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).to(
+        device
+    )
     labels = ids.clone()
     labels[:, :masked_prefix] = IGNORE
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
@@ -44,29 +60,51 @@ def random_batch(vocab: int, n: int = 2, length: int = 16, seed: int = 0, masked
 # ------------------------------------------------------------------- small training runs
 def write_data(tmp_path, n: int = 60):
     path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(n))
+    )
     return path
 
 
 def make_cfg(tmp_path, model_dir, name="run", **training):
-    t = dict(micro_batch_size=2, grad_accum=2, max_steps=6, eval_every=3, eval_batches=2, log_every=1,
-             warmup_steps=2, save_every=3, lr=1e-2, seed=7)
+    t = dict(
+        micro_batch_size=2,
+        grad_accum=2,
+        max_steps=6,
+        eval_every=3,
+        eval_batches=2,
+        log_every=1,
+        warmup_steps=2,
+        save_every=3,
+        lr=1e-2,
+        seed=7,
+    )
     t.update(training)
     data = tmp_path / "data.jsonl"
     if not data.exists():
         write_data(tmp_path)
-    return {"model": {"name": str(model_dir)},
-            "data": {"path": str(data), "seq_len": 32, "num_proc": 1, "val_fraction": 0.1},
-            "training": t, "techniques": {}, "output": {"dir": str(tmp_path / "runs"), "name": name,
-                                                       "report_to": "none", "keep_last": 10}}
+    return {
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(data), "seq_len": 32, "num_proc": 1, "val_fraction": 0.1},
+        "training": t,
+        "techniques": {},
+        "output": {
+            "dir": str(tmp_path / "runs"),
+            "name": name,
+            "report_to": "none",
+            "keep_last": 10,
+        },
+    }
 
 
 def losses(run_dir) -> list[tuple]:
     """(split, step, loss) of every record: timing fields differ between runs, the math must not."""
     from onegpu.report import read_metrics
 
-    return [(r["split"], r["step"], r.get("loss"), r.get("skipped"))
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [
+        (r["split"], r["step"], r.get("loss"), r.get("skipped"))
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
 
 
 def weights(path) -> dict:
@@ -167,11 +205,26 @@ class Parts:
     def save(self, run_dir, step, eval_loss=None, on_write=None):
         from onegpu.checkpoint import local as checkpoint
 
-        state = {"step": step, "batches_seen": step, "tokens_seen": 0, "best_eval": 1.0, "history": [],
-                 "eval_loss": eval_loss}
-        return checkpoint.save_checkpoint(run_dir, step, self.model, self.optimizer, self.scheduler, state,
-                                          self.accelerator, self.tokenizer, {"training": {"lr": 1e-3}},
-                                          on_write=on_write)
+        state = {
+            "step": step,
+            "batches_seen": step,
+            "tokens_seen": 0,
+            "best_eval": 1.0,
+            "history": [],
+            "eval_loss": eval_loss,
+        }
+        return checkpoint.save_checkpoint(
+            run_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            self.accelerator,
+            self.tokenizer,
+            {"training": {"lr": 1e-3}},
+            on_write=on_write,
+        )
 
 
 # ----------------------------------------------------------------------- what a model really does

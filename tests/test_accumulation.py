@@ -21,7 +21,11 @@ class RecordingOptimizer:
         self.model, self.grads = model, None
 
     def step(self):
-        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.grads = {
+            n: p.grad.detach().clone()
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        }
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
@@ -32,7 +36,9 @@ def _examples(vocab: int, lengths, prompt_len=3, seed=0):
     out = []
     for n in lengths:
         ids = torch.randint(5, vocab, (n,), generator=g).tolist()
-        labels = [-100] * prompt_len + ids[prompt_len:]  # masked prompt, as in prompt/completion data
+        labels = [-100] * prompt_len + ids[
+            prompt_len:
+        ]  # masked prompt, as in prompt/completion data
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -50,8 +56,18 @@ def _gpt2(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -60,7 +76,11 @@ def test_uneven_micro_batches_equal_one_big_batch(tiny_tokenizer, arch):
     model.eval()  # no dropout: the two runs must see identical math
     examples = _examples(len(tiny_tokenizer), lengths=[7, 30, 12, 21, 5, 40])
     collate = Collator(tiny_tokenizer.pad_token_id, multiple=8)
-    micro = [collate(examples[0:1]), collate(examples[1:4]), collate(examples[4:6])]  # 1 + 3 + 2 rows
+    micro = [
+        collate(examples[0:1]),
+        collate(examples[1:4]),
+        collate(examples[4:6]),
+    ]  # 1 + 3 + 2 rows
     big = [collate(examples)]
     g_acc, g_big = _grads(model, micro), _grads(model, big)
     assert g_acc.keys() == g_big.keys() and len(g_acc) > 0

@@ -32,9 +32,19 @@ def _gemma2_config(tok):
     """Gemma-2: a real family whose class refuses SDPA (its logit soft-capping)."""
     from transformers import Gemma2Config
 
-    return Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,13 @@ def test_default_is_auto_and_support_comes_from_the_model_class(tiny_tokenizer):
 def test_support_of_a_registered_class_and_of_an_unknown_one():
     """A class added with AutoModelForCausalLM.register is read like a built-in one; a config no
     class is known for is assumed to support every kernel (its load then says what it refuses)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PretrainedConfig,
+    )
 
     class NoSdpaConfig(LlamaConfig):
         model_type = "onegpu-test-no-sdpa"
@@ -82,7 +98,11 @@ def test_support_of_a_registered_class_and_of_an_unknown_one():
     AutoConfig.register(NoSdpaConfig.model_type, NoSdpaConfig)
     AutoModelForCausalLM.register(NoSdpaConfig, NoSdpaForCausalLM)
     kernels = _kernels(NoSdpaConfig())
-    assert (kernels.model_type, kernels.class_name, kernels.sdpa) == ("onegpu-test-no-sdpa", "NoSdpaForCausalLM", False)
+    assert (kernels.model_type, kernels.class_name, kernels.sdpa) == (
+        "onegpu-test-no-sdpa",
+        "NoSdpaForCausalLM",
+        False,
+    )
     assert A.resolve_attention(TechniquesConfig(), CPU, "fp32", kernels) == "eager"
 
     class Unknown(PretrainedConfig):
@@ -99,7 +119,9 @@ def test_auto_is_the_fastest_kernel_model_and_device_support(tiny_tokenizer, mon
     monkeypatch.setattr(A, "flash_attn_installed", lambda: True)
     assert A.resolve_attention(auto, H100, "bf16", llama) == "flash_attention_2"
     assert A.resolve_attention(auto, H100, "bf16", gemma2) == "flash_attention_2"
-    assert A.resolve_attention(auto, H100, "fp32", llama) == "sdpa"  # flash_attn computes in fp16/bf16 only
+    assert (
+        A.resolve_attention(auto, H100, "fp32", llama) == "sdpa"
+    )  # flash_attn computes in fp16/bf16 only
     assert A.resolve_attention(auto, CPU, "fp32", llama) == "sdpa"
     monkeypatch.setattr(A, "flash_attn_installed", lambda: False)
     # SDPA dispatches to its own flash kernel: auto does not restrict it to ours.
@@ -108,13 +130,17 @@ def test_auto_is_the_fastest_kernel_model_and_device_support(tiny_tokenizer, mon
     with caplog.at_level(logging.INFO, logger="onegpu"):
         assert A.resolve_attention(auto, H100, "bf16", gemma2) == "eager"
     assert [r.getMessage() for r in caplog.records] == [
-        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"
+    ]
 
 
 def test_explicit_kernel_the_model_refuses_is_a_config_error(tiny_tokenizer, monkeypatch):
     gemma2 = _kernels(_gemma2_config(tiny_tokenizer))
-    with pytest.raises(ConfigError, match=r"attention=sdpa is not supported by gemma2 \(Gemma2ForCausalLM\); "
-                                          r"it supports flash_attention_2, eager") as err:
+    with pytest.raises(
+        ConfigError,
+        match=r"attention=sdpa is not supported by gemma2 \(Gemma2ForCausalLM\); "
+        r"it supports flash_attention_2, eager",
+    ) as err:
         A.resolve_attention(TechniquesConfig(attention="sdpa"), CPU, "fp32", gemma2)
     assert "attention=auto" in err.value.hint and "eager here" in err.value.hint
     assert A.resolve_attention(TechniquesConfig(attention="eager"), CPU, "fp32", gemma2) == "eager"
@@ -127,9 +153,13 @@ def test_explicit_kernel_the_model_refuses_is_a_config_error(tiny_tokenizer, mon
 
 
 def _run_cfg(model_dir, text_file, tmp_path, **techniques):
-    return {"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
-            "training": {"micro_batch_size": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
-            "techniques": techniques, "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
+    return {
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+        "training": {"micro_batch_size": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
+        "techniques": techniques,
+        "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
+    }
 
 
 class _Attention(Callback):
@@ -145,7 +175,8 @@ def test_model_without_sdpa_trains_with_the_default(gemma2_dir, text_file, tmp_p
         assert train(_run_cfg(gemma2_dir, text_file, tmp_path), callbacks=[seen]).state.step == 2
     assert seen.used == "eager"
     assert [r.getMessage() for r in caplog.records if "attention" in r.getMessage()] == [
-        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"
+    ]
     with pytest.raises(ConfigError, match="attention=sdpa is not supported by gemma2"):
         train(_run_cfg(gemma2_dir, text_file, tmp_path / "explicit", attention="sdpa"))
 
@@ -169,8 +200,9 @@ def test_presets_resolve_without_loading_weights():
     assert load_kwargs(Config(), CPU, "fp32", "tiny")["attn_implementation"] == "sdpa"
 
 
-def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny_model_dir, gemma2_dir,
-                                                           monkeypatch, tmp_path):
+def test_planner_measures_with_the_kernel_training_resolves(
+    tiny_tokenizer, tiny_model_dir, gemma2_dir, monkeypatch, tmp_path
+):
     """make_plan measures activations with the kernel a training run would use: Gemma-2 (which
     refuses SDPA) runs its eager attention and never SDPA; Llama runs SDPA."""
     from transformers import LlamaConfig
@@ -182,7 +214,10 @@ def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny
     # nothing measured before: the planner measures now
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
     calls = {"sdpa": 0, "eager": 0}
-    real_sdpa, real_eager = torch.nn.functional.scaled_dot_product_attention, modeling_gemma2.eager_attention_forward
+    real_sdpa, real_eager = (
+        torch.nn.functional.scaled_dot_product_attention,
+        modeling_gemma2.eager_attention_forward,
+    )
 
     def sdpa(*args, **kwargs):
         calls["sdpa"] += 1
@@ -203,7 +238,10 @@ def test_planner_measures_with_the_kernel_training_resolves(tiny_tokenizer, tiny
     gemma2 = _gemma2_config(tiny_tokenizer)
     for choice in ("auto", "flash"):
         tcfg = TechniquesConfig(attention=choice)
-        assert A.planning_attention(tcfg, LlamaConfig()) == "sdpa" and A.planning_attention(tcfg, gemma2) == "eager"
+        assert (
+            A.planning_attention(tcfg, LlamaConfig()) == "sdpa"
+            and A.planning_attention(tcfg, gemma2) == "eager"
+        )
     assert A.planning_attention(TechniquesConfig(attention="eager"), LlamaConfig()) == "eager"
     with pytest.raises(ConfigError, match="not supported by gemma2"):
         A.planning_attention(TechniquesConfig(attention="sdpa"), gemma2)
@@ -215,7 +253,9 @@ def test_make_plan_resolves_attention_for_the_model(monkeypatch, gemma2_dir):
     from onegpu.plan import make_plan
 
     seen = []
-    monkeypatch.setattr(search, "search", lambda *args: seen.append(args[-1]) or type("P", (), {"best": None})())
+    monkeypatch.setattr(
+        search, "search", lambda *args: seen.append(args[-1]) or type("P", (), {"best": None})()
+    )
     make_plan(Config(), model=str(gemma2_dir), gpu="A100")
     assert seen == ["eager"]
 
@@ -250,7 +290,10 @@ def test_implementations_switch_and_agree(tiny_model_dir, tiny_tokenizer, monkey
             logits[attn] = model(input_ids=ids).logits
         n_layers = model.config.num_hidden_layers
         # eager never calls SDPA; plain SDPA may use any kernel; ours forbids the math fallback.
-        assert calls == {"eager": [], "sdpa": [True] * n_layers, A.SDPA_FLASH: [False] * n_layers}[attn]
+        assert (
+            calls
+            == {"eager": [], "sdpa": [True] * n_layers, A.SDPA_FLASH: [False] * n_layers}[attn]
+        )
     assert torch.allclose(logits["eager"], logits["sdpa"], atol=1e-5)
     assert torch.allclose(logits["sdpa"], logits[A.SDPA_FLASH], atol=1e-5)
 
@@ -265,16 +308,23 @@ def test_padding_free_documents_do_not_see_each_other(tiny_model_dir, tiny_token
     model = _load(tiny_model_dir, tiny_tokenizer, attn)
     first = _doc(tiny_tokenizer, "def add(a, b):\n    return a + b\n")
     second = _doc(tiny_tokenizer, "for i in range(10):\n    print(i)\n")
-    packed = {"input_ids": first + second, "labels": first + second,
-              "position_ids": list(range(len(first))) + list(range(len(second)))}
+    packed = {
+        "input_ids": first + second,
+        "labels": first + second,
+        "position_ids": list(range(len(first))) + list(range(len(second))),
+    }
     collate = Collator(tiny_tokenizer.pad_token_id, multiple=8, position_ids=True)
     batch = collate([packed])
-    assert "attention_mask" not in model_inputs(batch)  # the document boundaries come from position_ids
+    assert "attention_mask" not in model_inputs(
+        batch
+    )  # the document boundaries come from position_ids
     with torch.no_grad():
-        together = model(**model_inputs(batch)).logits[0, len(first): len(first) + len(second)]
+        together = model(**model_inputs(batch)).logits[0, len(first) : len(first) + len(second)]
         alone = model(input_ids=torch.tensor([second])).logits[0]
         # Without position_ids the second document attends to the first: the logits change.
-        crossed = model(input_ids=batch["input_ids"]).logits[0, len(first): len(first) + len(second)]
+        crossed = model(input_ids=batch["input_ids"]).logits[
+            0, len(first) : len(first) + len(second)
+        ]
     assert torch.allclose(together, alone, atol=1e-5)
     assert not torch.allclose(crossed, alone, atol=1e-3)
 
@@ -287,12 +337,19 @@ def test_padding_free_batch_has_the_same_loss_without_padding(tiny_model_dir, ti
 
     model = _load(tiny_model_dir, tiny_tokenizer, "sdpa")
     examples = []
-    for prompt, completion in [("def add(a, b):", " return a + b"), ("x =", " 1"), ("for i in", " range(3): pass")]:
+    for prompt, completion in [
+        ("def add(a, b):", " return a + b"),
+        ("x =", " 1"),
+        ("for i in", " range(3): pass"),
+    ]:
         p, c = _doc(tiny_tokenizer, prompt)[:-1], _doc(tiny_tokenizer, completion)
         examples.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c})
     padded = Collator(tiny_tokenizer.pad_token_id, multiple=8)(examples)
     packed = Collator(tiny_tokenizer.pad_token_id, multiple=8, position_ids=True)(examples)
-    assert packed["input_ids"].shape[0] == 1 and packed["input_ids"].numel() < padded["input_ids"].numel()
+    assert (
+        packed["input_ids"].shape[0] == 1
+        and packed["input_ids"].numel() < padded["input_ids"].numel()
+    )
     assert count_targets(packed["labels"]) == count_targets(padded["labels"])
     assert int(packed["attention_mask"].sum()) == int(padded["attention_mask"].sum())
     with torch.no_grad():

@@ -52,7 +52,9 @@ def _folder(*files):
         folder = tmp / "folder"
         folder.mkdir()
         for name in files:
-            (folder / name).write_text('{"text": "x y z"}\n' if name.endswith(".jsonl") else "x y z\n")
+            (folder / name).write_text(
+                '{"text": "x y z"}\n' if name.endswith(".jsonl") else "x y z\n"
+            )
         return ["--data.path", str(folder)]
 
     return make
@@ -63,8 +65,16 @@ def _damaged_checkpoint(tmp, model_dir):
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "state.json").write_text("{}")
     (ckpt / "trainer_state.pt").write_bytes(b"xx")
-    (ckpt / "manifest.json").write_text(json.dumps({"files": {"state.json": {"size": 1, "sha256": "0"},
-                                                              "trainer_state.pt": {"size": 2, "sha256": "0"}}}))
+    (ckpt / "manifest.json").write_text(
+        json.dumps(
+            {
+                "files": {
+                    "state.json": {"size": 1, "sha256": "0"},
+                    "trainer_state.pt": {"size": 2, "sha256": "0"},
+                }
+            }
+        )
+    )
     return ["--output.resume", str(ckpt), "--output.name", "new"]
 
 
@@ -82,12 +92,16 @@ def _other_shape_checkpoint(tmp, model_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     state = {"step": 1, "batches_seen": 2, "tokens_seen": 0, "best_eval": 1.0, "history": []}
-    ckpt = local.save_checkpoint(tmp / "runs" / "old", 1, model, opt, sched, state, Accelerator(cpu=True), tok)
+    ckpt = local.save_checkpoint(
+        tmp / "runs" / "old", 1, model, opt, sched, state, Accelerator(cpu=True), tok
+    )
     return ["--output.resume", str(ckpt), "--output.name", "new"]
 
 
 def _fake_t4(monkeypatch, tmp):
-    monkeypatch.setattr(hardware, "detect", lambda: hardware.DeviceInfo("cuda", "Tesla T4", 16 * 2**30, (7, 5)))
+    monkeypatch.setattr(
+        hardware, "detect", lambda: hardware.DeviceInfo("cuda", "Tesla T4", 16 * 2**30, (7, 5))
+    )
 
 
 def _full_disk(monkeypatch, tmp):
@@ -130,10 +144,14 @@ def _bitsandbytes(body: str):
     """Make `import bitsandbytes` find a package whose own import fails (body raises), or none."""
 
     def patch(monkeypatch, tmp):
-        for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        for name in [
+            m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")
+        ]:
             monkeypatch.delitem(sys.modules, name)
         if body is None:
-            monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import raises ModuleNotFoundError for it
+            monkeypatch.setitem(
+                sys.modules, "bitsandbytes", None
+            )  # import raises ModuleNotFoundError for it
             return
         pkg = tmp / "site" / "bitsandbytes"
         pkg.mkdir(parents=True)
@@ -166,10 +184,14 @@ def _readme_only(tmp, model_dir):
 def _sft_checkpoint(tmp, model_dir):
     from onegpu import train
 
-    train({"model": {"name": str(model_dir)}, "data": {"path": str(write_data(tmp, n=40)), "seq_len": 32,
-                                                       "num_proc": 1},
-           "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0, "save_every": 1},
-           "output": {"dir": str(tmp / "runs"), "name": "sft", "report_to": "none"}})
+    train(
+        {
+            "model": {"name": str(model_dir)},
+            "data": {"path": str(write_data(tmp, n=40)), "seq_len": 32, "num_proc": 1},
+            "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0, "save_every": 1},
+            "output": {"dir": str(tmp / "runs"), "name": "sft", "report_to": "none"},
+        }
+    )
     return ["--output.name", "sft", "--output.resume", "latest", "--training.objective", "dpo"]
 
 
@@ -180,150 +202,420 @@ def _under_a_file(tmp, model_dir):
 
 CASES = [
     # data files
-    Case("data-missing", ["--data.path", "/nonexistent/data.jsonl"], "data.path '/nonexistent/data.jsonl' does not exist"),
+    Case(
+        "data-missing",
+        ["--data.path", "/nonexistent/data.jsonl"],
+        "data.path '/nonexistent/data.jsonl' does not exist",
+    ),
     Case("data-empty", _file("empty.jsonl", ""), "empty.jsonl: file is empty"),
     Case("data-blank-text", _file("blank.txt", "\n\n  \n"), "blank.txt: file is empty"),
-    Case("data-bad-json-line", _file("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c"\n'),
-         "bad.jsonl:3: malformed JSON"),
-    Case("data-bad-json-unterminated", _file("cut.jsonl", '{"text": "a"}\n{"text": "abc\n'),
-         "cut.jsonl:2: malformed JSON (Unterminated string starting at column 10)"),
-    Case("data-json-not-object", _file("list.jsonl", '{"text": "a"}\n[1, 2]\n'), "list.jsonl:2: expected a JSON object"),
-    Case("data-not-utf8", _file("latin.txt", b"def f():\n    return '\xe9t\xe9'\n", "wb"), "latin.txt:2: not valid UTF-8"),
-    Case("data-corrupt-parquet", _file("broken.parquet", b"PAR1 this is not parquet at all", "wb"), "cannot read"),
+    Case(
+        "data-bad-json-line",
+        _file("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c"\n'),
+        "bad.jsonl:3: malformed JSON",
+    ),
+    Case(
+        "data-bad-json-unterminated",
+        _file("cut.jsonl", '{"text": "a"}\n{"text": "abc\n'),
+        "cut.jsonl:2: malformed JSON (Unterminated string starting at column 10)",
+    ),
+    Case(
+        "data-json-not-object",
+        _file("list.jsonl", '{"text": "a"}\n[1, 2]\n'),
+        "list.jsonl:2: expected a JSON object",
+    ),
+    Case(
+        "data-not-utf8",
+        _file("latin.txt", b"def f():\n    return '\xe9t\xe9'\n", "wb"),
+        "latin.txt:2: not valid UTF-8",
+    ),
+    Case(
+        "data-corrupt-parquet",
+        _file("broken.parquet", b"PAR1 this is not parquet at all", "wb"),
+        "cannot read",
+    ),
     Case("data-unsupported-type", _file("data.xyz", "hello"), "unsupported file type"),
-    Case("data-empty-folder", lambda tmp, md: (tmp / "nothing").mkdir() or ["--data.path", str(tmp / "nothing")],
-         "no data files in"),
+    Case(
+        "data-empty-folder",
+        lambda tmp, md: (tmp / "nothing").mkdir() or ["--data.path", str(tmp / "nothing")],
+        "no data files in",
+    ),
     Case("data-mixed-folder", _folder("a.jsonl", "b.txt"), "mixes file types"),
-    Case("data-wrong-columns", _file("cols.jsonl", '{"body": "a"}\n' * 20), "cannot tell the data format from columns"),
-    Case("data-format-missing-column", lambda tmp, md: ["--data.format", "prompt_completion"],
-         "data.format=prompt_completion needs column(s)"),
-    Case("data-text-field-typo", lambda tmp, md: ["--data.format", "text", "--data.text_field", "txt"],
-         "set data.text_field to one of the columns: text"),
-    Case("data-prompt-not-string", _file("pc.jsonl", '{"prompt": 5, "completion": "six"}\n' * 20),
-         "prompt/completion must be strings"),
+    Case(
+        "data-wrong-columns",
+        _file("cols.jsonl", '{"body": "a"}\n' * 20),
+        "cannot tell the data format from columns",
+    ),
+    Case(
+        "data-format-missing-column",
+        lambda tmp, md: ["--data.format", "prompt_completion"],
+        "data.format=prompt_completion needs column(s)",
+    ),
+    Case(
+        "data-text-field-typo",
+        lambda tmp, md: ["--data.format", "text", "--data.text_field", "txt"],
+        "set data.text_field to one of the columns: text",
+    ),
+    Case(
+        "data-prompt-not-string",
+        _file("pc.jsonl", '{"prompt": 5, "completion": "six"}\n' * 20),
+        "prompt/completion must be strings",
+    ),
     # the file's own line (blank lines counted), not the record's place in a shuffled split
-    Case("data-prompt-not-string-names-line",
-         lambda tmp, md: _file("pc.jsonl", "\n\n" + '{"prompt": 5, "completion": "six"}\n' * 20)(tmp, md)
-         + ["--data.val_fraction", "0"], "pc.jsonl:3: prompt/completion must be strings, got int/str"),
-    Case("data-bad-chat-message", _file("chat.jsonl", json.dumps({"messages": [{"content": "hi"}]}) + "\n"),
-         "chat.jsonl:1: malformed chat message 1 {'content': 'hi'}: needs 'role' and 'content'"),
-    Case("data-unknown-chat-role", _file("roles.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                                              {"role": "assistant", "content": "yo"}]})
-                                         + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                                           {"role": "bot", "content": "yo"}]}) + "\n"),
-         ("roles.jsonl:2: chat message 2 has unknown role 'bot'", "rename e.g. 'bot' or 'gpt' to 'assistant'")),
-    Case("data-relative-path-missing", ["--data.path", "data/train.jsonl"],
-         ("data.path 'data/train.jsonl' does not exist (looked for ",
-          "/data/train.jsonl: relative paths are read from "),
-         _in_folder),
-    Case("data-all-records-overlong",
-         lambda tmp, md: _file("long.jsonl", (json.dumps({"messages": [{"role": "user", "content": "write a loop " * 9},
-                                                                       {"role": "assistant", "content": "ok"}]})
-                                              + "\n") * 20)(tmp, md) + ["--data.seq_len", "16", "--data.overlong", "drop"],
-         ("no training examples after tokenization: train: 19 of 19 records longer than data.seq_len=16 "
-          "(data.overlong=drop): 19 dropped", "choose another data.overlong")),
-    Case("data-too-few-examples", ["--training.micro_batch_size", "5000"], "training examples for a micro-batch of 5000"),
-    Case("seq-len-above-model", ["--data.seq_len", "512"], "data.seq_len=512 exceeds the model's max_position_embeddings=256"),
+    Case(
+        "data-prompt-not-string-names-line",
+        lambda tmp, md: (
+            _file("pc.jsonl", "\n\n" + '{"prompt": 5, "completion": "six"}\n' * 20)(tmp, md)
+            + ["--data.val_fraction", "0"]
+        ),
+        "pc.jsonl:3: prompt/completion must be strings, got int/str",
+    ),
+    Case(
+        "data-bad-chat-message",
+        _file("chat.jsonl", json.dumps({"messages": [{"content": "hi"}]}) + "\n"),
+        "chat.jsonl:1: malformed chat message 1 {'content': 'hi'}: needs 'role' and 'content'",
+    ),
+    Case(
+        "data-unknown-chat-role",
+        _file(
+            "roles.jsonl",
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "yo"},
+                    ]
+                }
+            )
+            + "\n"
+            + json.dumps(
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}
+            )
+            + "\n",
+        ),
+        (
+            "roles.jsonl:2: chat message 2 has unknown role 'bot'",
+            "rename e.g. 'bot' or 'gpt' to 'assistant'",
+        ),
+    ),
+    Case(
+        "data-relative-path-missing",
+        ["--data.path", "data/train.jsonl"],
+        (
+            "data.path 'data/train.jsonl' does not exist (looked for ",
+            "/data/train.jsonl: relative paths are read from ",
+        ),
+        _in_folder,
+    ),
+    Case(
+        "data-all-records-overlong",
+        lambda tmp, md: (
+            _file(
+                "long.jsonl",
+                (
+                    json.dumps(
+                        {
+                            "messages": [
+                                {"role": "user", "content": "write a loop " * 9},
+                                {"role": "assistant", "content": "ok"},
+                            ]
+                        }
+                    )
+                    + "\n"
+                )
+                * 20,
+            )(tmp, md)
+            + ["--data.seq_len", "16", "--data.overlong", "drop"]
+        ),
+        (
+            "no training examples after tokenization: train: 19 of 19 records longer than data.seq_len=16 "
+            "(data.overlong=drop): 19 dropped",
+            "choose another data.overlong",
+        ),
+    ),
+    Case(
+        "data-too-few-examples",
+        ["--training.micro_batch_size", "5000"],
+        "training examples for a micro-batch of 5000",
+    ),
+    Case(
+        "seq-len-above-model",
+        ["--data.seq_len", "512"],
+        "data.seq_len=512 exceeds the model's max_position_embeddings=256",
+    ),
     # with this little data, tokenizing first used to report "no training examples" instead
-    Case("seq-len-above-model-little-data", ["--data.seq_len", "8192"],
-         ("data.seq_len=8192 exceeds the model's max_position_embeddings=256", "set data.seq_len <= 256")),
+    Case(
+        "seq-len-above-model-little-data",
+        ["--data.seq_len", "8192"],
+        (
+            "data.seq_len=8192 exceeds the model's max_position_embeddings=256",
+            "set data.seq_len <= 256",
+        ),
+    ),
     # model
-    Case("model-unknown-offline", ["--model.name", "no-such-org/no-such-model"], "cannot load tokenizer 'no-such-org/no-such-model'"),
-    Case("model-dir-without-config", lambda tmp, md: (tmp / "m").mkdir() or ["--model.name", str(tmp / "m"),
-                                                                               "--model.tokenizer", str(md)],
-         "has no config.json"),
-    Case("model-dir-readme-only", _readme_only,
-         ("/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; "
-          "it holds README.md", "folder written by save_pretrained"),
-         absent=("one of:", "give a local directory")),
-    Case("tokenizer-missing", ["--model.tokenizer", "/nonexistent/tok"], "tokenizer directory '/nonexistent/tok' does not exist"),
-    Case("lora-target-matches-nothing", ["--techniques.lora.enabled", "true", "--techniques.lora.targets", "nope_proj"],
-         "techniques.lora.targets"),
+    Case(
+        "model-unknown-offline",
+        ["--model.name", "no-such-org/no-such-model"],
+        "cannot load tokenizer 'no-such-org/no-such-model'",
+    ),
+    Case(
+        "model-dir-without-config",
+        lambda tmp, md: (
+            (tmp / "m").mkdir() or ["--model.name", str(tmp / "m"), "--model.tokenizer", str(md)]
+        ),
+        "has no config.json",
+    ),
+    Case(
+        "model-dir-readme-only",
+        _readme_only,
+        (
+            "/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; "
+            "it holds README.md",
+            "folder written by save_pretrained",
+        ),
+        absent=("one of:", "give a local directory"),
+    ),
+    Case(
+        "tokenizer-missing",
+        ["--model.tokenizer", "/nonexistent/tok"],
+        "tokenizer directory '/nonexistent/tok' does not exist",
+    ),
+    Case(
+        "lora-target-matches-nothing",
+        ["--techniques.lora.enabled", "true", "--techniques.lora.targets", "nope_proj"],
+        "techniques.lora.targets",
+    ),
     # names and values
     Case("optimizer-unknown", ["--techniques.optimizer", "adamm"], "did you mean 'adamw'"),
-    Case("precision-unknown", ["--techniques.precision", "fp8"], "techniques.precision: invalid value 'fp8'"),
-    Case("bf16-on-t4", ["--techniques.precision", "bf16"], "Tesla T4 (compute capability 7.5) has no bf16 support", _fake_t4),
-    Case("micro-batch-zero", ["--training.micro_batch_size", "0"], "training.micro_batch_size must be a positive integer"),
+    Case(
+        "precision-unknown",
+        ["--techniques.precision", "fp8"],
+        "techniques.precision: invalid value 'fp8'",
+    ),
+    Case(
+        "bf16-on-t4",
+        ["--techniques.precision", "bf16"],
+        "Tesla T4 (compute capability 7.5) has no bf16 support",
+        _fake_t4,
+    ),
+    Case(
+        "micro-batch-zero",
+        ["--training.micro_batch_size", "0"],
+        "training.micro_batch_size must be a positive integer",
+    ),
     Case("lr-negative", ["--training.lr", "-0.1"], "training.lr must not be negative"),
     Case("seq-len-negative", ["--data.seq_len", "-8"], "data.seq_len must be a positive integer"),
-    Case("val-fraction-out-of-range", ["--data.val_fraction", "1.5"], "data.val_fraction must be in [0, 1)"),
-    Case("max-steps-not-a-number", ["--training.max_steps", "many"],
-         ("training.max_steps must be an integer, got 'many'", "--training.max_steps 200")),
+    Case(
+        "val-fraction-out-of-range",
+        ["--data.val_fraction", "1.5"],
+        "data.val_fraction must be in [0, 1)",
+    ),
+    Case(
+        "max-steps-not-a-number",
+        ["--training.max_steps", "many"],
+        ("training.max_steps must be an integer, got 'many'", "--training.max_steps 200"),
+    ),
     Case("lr-not-a-number", ["--training.lr", "fast"], "training.lr must be a number, got 'fast'"),
-    Case("max-bad-steps-negative", ["--training.max_bad_steps", "-1"], "training.max_bad_steps must not be negative"),
+    Case(
+        "max-bad-steps-negative",
+        ["--training.max_bad_steps", "-1"],
+        "training.max_bad_steps must not be negative",
+    ),
     # YAML and command line
-    Case("yaml-unknown-key", _yaml("training:\n  max_step: 5\n"), "did you mean 'training.max_steps'"),
+    Case(
+        "yaml-unknown-key", _yaml("training:\n  max_step: 5\n"), "did you mean 'training.max_steps'"
+    ),
     Case("yaml-bad-syntax", _yaml("training:\n  max_steps: 5\n   lr: [\n"), "line 3"),
-    Case("yaml-missing-file", ["--config", "/nonexistent/run.yaml"], "config file not found: /nonexistent/run.yaml"),
+    Case(
+        "yaml-missing-file",
+        ["--config", "/nonexistent/run.yaml"],
+        "config file not found: /nonexistent/run.yaml",
+    ),
     Case("yaml-not-a-mapping", _yaml("- a\n- b\n"), "the top level must be a mapping"),
-    Case("yaml-wrong-type", _yaml("training:\n  max_steps: many\n"), "training.max_steps must be an integer"),
+    Case(
+        "yaml-wrong-type",
+        _yaml("training:\n  max_steps: many\n"),
+        "training.max_steps must be an integer",
+    ),
     Case("cli-unknown-flag", ["--training.maxsteps", "5"], "did you mean '--training.max_steps'"),
-    Case("cli-flag-from-another-trainer", ["--training.learnig_rate", "0.1"],
-         ("unknown option '--training.learnig_rate'", "did you mean '--training.lr'")),
-    Case("cli-field-in-wrong-section", ["--training.seq_len", "64"], "did you mean '--data.seq_len'"),
+    Case(
+        "cli-flag-from-another-trainer",
+        ["--training.learnig_rate", "0.1"],
+        ("unknown option '--training.learnig_rate'", "did you mean '--training.lr'"),
+    ),
+    Case(
+        "cli-field-in-wrong-section", ["--training.seq_len", "64"], "did you mean '--data.seq_len'"
+    ),
     # conflicts
-    Case("offload-with-torchao-optimizer", ["--techniques.offload", "zero2-cpu", "--techniques.optimizer", "adamw-8bit-ao"],
-         "cannot be combined with techniques.optimizer=adamw-8bit-ao"),
+    Case(
+        "offload-with-torchao-optimizer",
+        ["--techniques.offload", "zero2-cpu", "--techniques.optimizer", "adamw-8bit-ao"],
+        "cannot be combined with techniques.optimizer=adamw-8bit-ao",
+    ),
     Case("quantized-base-without-lora", ["--techniques.lora.quantize_base", "nf4"], "needs LoRA"),
-    Case("resume-and-overwrite", ["--output.resume", "latest", "--output.overwrite", "true"], "contradict each other"),
+    Case(
+        "resume-and-overwrite",
+        ["--output.resume", "latest", "--output.overwrite", "true"],
+        "contradict each other",
+    ),
     # output directory
     Case("output-not-empty", _occupied, "is not empty"),
     Case("output-unwritable", _under_a_file, "is not a writable folder"),
     Case("output-disk-full", [], "not enough free disk for checkpoints", _full_disk),
-    Case("resume-latest-nothing-there", ["--output.resume", "latest", "--output.name", "fresh"], "does not exist"),
-    Case("resume-path-missing", ["--output.resume", "/nonexistent/checkpoint-00000001"], "does not exist"),
+    Case(
+        "resume-latest-nothing-there",
+        ["--output.resume", "latest", "--output.name", "fresh"],
+        "does not exist",
+    ),
+    Case(
+        "resume-path-missing",
+        ["--output.resume", "/nonexistent/checkpoint-00000001"],
+        "does not exist",
+    ),
     Case("resume-damaged-checkpoint", _damaged_checkpoint, "is damaged"),
-    Case("resume-with-another-objective", _sft_checkpoint,
-         ("was trained with training.objective=sft; this run asks for dpo",
-          "resume with --training.objective sft", "without --output.resume"),
-         absent=("reference",)),
-    Case("resume-other-model-shape", _other_shape_checkpoint,
-         ("checkpoint-00000001 was written by a model of another shape: ", ", 32) there but (", ", 64) in this model",
-          "start a new run without --output.resume")),
-    Case("output-read-only", _read_only_output,
-         ("/mnt is not a writable folder (read-only file system)", "choose a writable --output.dir"), _read_only_mount),
+    Case(
+        "resume-with-another-objective",
+        _sft_checkpoint,
+        (
+            "was trained with training.objective=sft; this run asks for dpo",
+            "resume with --training.objective sft",
+            "without --output.resume",
+        ),
+        absent=("reference",),
+    ),
+    Case(
+        "resume-other-model-shape",
+        _other_shape_checkpoint,
+        (
+            "checkpoint-00000001 was written by a model of another shape: ",
+            ", 32) there but (",
+            ", 64) in this model",
+            "start a new run without --output.resume",
+        ),
+    ),
+    Case(
+        "output-read-only",
+        _read_only_output,
+        ("/mnt is not a writable folder (read-only file system)", "choose a writable --output.dir"),
+        _read_only_mount,
+    ),
     # preference pairs (training.objective dpo / orpo / simpo)
-    Case("pairs-with-objective-sft", _file("pairs.jsonl", json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"),
-         ("pairs.jsonl: preference pairs (columns 'chosen' and 'rejected'), but training.objective=sft",
-          "set --training.objective dpo")),
-    Case("dpo-on-text-data", ["--training.objective", "dpo"],
-         ("training.objective=dpo needs preference pairs: columns 'prompt', 'chosen' and 'rejected'",
-          "rename the columns")),
-    Case("pairs-response-not-text", lambda tmp, md: _file("pairs.jsonl", json.dumps(
-        {"prompt": "a", "chosen": 3, "rejected": "c"}) + "\n")(tmp, md) + ["--training.objective", "dpo",
-                                                                          "--data.val_fraction", "0"],
-         ("pairs.jsonl:1: 'chosen' must be text or a list of chat messages, got int", "check the 'chosen' column")),
-    Case("pairs-bad-chat-role", lambda tmp, md: _file("pairs.jsonl", json.dumps(
-        {"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}) + "\n")(tmp, md)
-         + ["--training.objective", "dpo"],
-         ("pairs.jsonl:1, 'chosen': chat message 1 has unknown role 'bot'", "rename e.g. 'bot'")),
-    Case("pairs-missing-rejected-names-line", _pairs_line5_without_rejected,
-         ("pairs.jsonl:5: the record has no 'rejected'", "give every preference record a 'rejected'"),
-         absent=("record 15",)),
-    Case("reference-adapters-without-lora", ["--training.objective", "dpo", "--preference.reference", "adapters"],
-         ("preference.reference=adapters needs LoRA", "--techniques.lora.enabled true")),
-    Case("reference-for-simpo", ["--training.objective", "simpo", "--preference.reference", "copy"],
-         ("training.objective=simpo uses no reference model", "drop preference.reference")),
-    Case("preference-beta-negative", ["--training.objective", "dpo", "--preference.beta", "-0.1"],
-         ("preference.beta must be positive, got -0.1", "set preference.beta to e.g. 0.1")),
+    Case(
+        "pairs-with-objective-sft",
+        _file("pairs.jsonl", json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"),
+        (
+            "pairs.jsonl: preference pairs (columns 'chosen' and 'rejected'), but training.objective=sft",
+            "set --training.objective dpo",
+        ),
+    ),
+    Case(
+        "dpo-on-text-data",
+        ["--training.objective", "dpo"],
+        (
+            "training.objective=dpo needs preference pairs: columns 'prompt', 'chosen' and 'rejected'",
+            "rename the columns",
+        ),
+    ),
+    Case(
+        "pairs-response-not-text",
+        lambda tmp, md: (
+            _file("pairs.jsonl", json.dumps({"prompt": "a", "chosen": 3, "rejected": "c"}) + "\n")(
+                tmp, md
+            )
+            + ["--training.objective", "dpo", "--data.val_fraction", "0"]
+        ),
+        (
+            "pairs.jsonl:1: 'chosen' must be text or a list of chat messages, got int",
+            "check the 'chosen' column",
+        ),
+    ),
+    Case(
+        "pairs-bad-chat-role",
+        lambda tmp, md: (
+            _file(
+                "pairs.jsonl",
+                json.dumps(
+                    {"prompt": "a", "chosen": [{"role": "bot", "content": "x"}], "rejected": "c"}
+                )
+                + "\n",
+            )(tmp, md)
+            + ["--training.objective", "dpo"]
+        ),
+        ("pairs.jsonl:1, 'chosen': chat message 1 has unknown role 'bot'", "rename e.g. 'bot'"),
+    ),
+    Case(
+        "pairs-missing-rejected-names-line",
+        _pairs_line5_without_rejected,
+        (
+            "pairs.jsonl:5: the record has no 'rejected'",
+            "give every preference record a 'rejected'",
+        ),
+        absent=("record 15",),
+    ),
+    Case(
+        "reference-adapters-without-lora",
+        ["--training.objective", "dpo", "--preference.reference", "adapters"],
+        ("preference.reference=adapters needs LoRA", "--techniques.lora.enabled true"),
+    ),
+    Case(
+        "reference-for-simpo",
+        ["--training.objective", "simpo", "--preference.reference", "copy"],
+        ("training.objective=simpo uses no reference model", "drop preference.reference"),
+    ),
+    Case(
+        "preference-beta-negative",
+        ["--training.objective", "dpo", "--preference.beta", "-0.1"],
+        ("preference.beta must be positive, got -0.1", "set preference.beta to e.g. 0.1"),
+    ),
     # optional libraries
-    Case("bnb-not-installed", ["--techniques.optimizer", "adamw-8bit"],
-         ("bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not installed",
-          "pip install 'onegpu[bnb]'"), _bitsandbytes(None)),
-    Case("bnb-installed-but-broken", ["--techniques.optimizer", "adamw-8bit"],
-         ("bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is installed but fails to import: "
-          "ModuleNotFoundError: "
-          "No module named 'onegpu_missing_cuda_runtime'", "repair it"),
-         _bitsandbytes("import onegpu_missing_cuda_runtime\n")),
+    Case(
+        "bnb-not-installed",
+        ["--techniques.optimizer", "adamw-8bit"],
+        (
+            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not installed",
+            "pip install 'onegpu[bnb]'",
+        ),
+        _bitsandbytes(None),
+    ),
+    Case(
+        "bnb-installed-but-broken",
+        ["--techniques.optimizer", "adamw-8bit"],
+        (
+            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is installed but fails to import: "
+            "ModuleNotFoundError: "
+            "No module named 'onegpu_missing_cuda_runtime'",
+            "repair it",
+        ),
+        _bitsandbytes("import onegpu_missing_cuda_runtime\n"),
+    ),
 ]
 
 
 def base_args(tmp, model_dir) -> list[str]:
     data = write_data(tmp, n=40)
-    return ["train", "--model.name", str(model_dir), "--data.path", str(data), "--data.seq_len", "32",
-            "--data.num_proc", "1", "--training.micro_batch_size", "2", "--training.max_steps", "2",
-            "--training.eval_every", "0", "--output.dir", str(tmp / "runs"), "--output.name", "run",
-            "--output.report_to", "none"]
+    return [
+        "train",
+        "--model.name",
+        str(model_dir),
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--data.num_proc",
+        "1",
+        "--training.micro_batch_size",
+        "2",
+        "--training.max_steps",
+        "2",
+        "--training.eval_every",
+        "0",
+        "--output.dir",
+        str(tmp / "runs"),
+        "--output.name",
+        "run",
+        "--output.report_to",
+        "none",
+    ]
 
 
 def _snapshot(root):
@@ -342,7 +634,11 @@ def test_bad_input(case, tmp_path, tiny_model_dir, capsys, monkeypatch):
     assert code == 2, err
     for expect in (case.expect,) if isinstance(case.expect, str) else case.expect:
         assert expect in err, err
-    assert "Traceback" not in err and err.count("error: ") == 1 and ("\n" + err).count("\nerror: ") == 1
+    assert (
+        "Traceback" not in err
+        and err.count("error: ") == 1
+        and ("\n" + err).count("\nerror: ") == 1
+    )
     assert " at at " not in err and "<class " not in err
     assert not [a for a in case.absent if a in err], err
     assert _snapshot(tmp_path / "runs") == before  # no run directory, no partial files
@@ -358,7 +654,9 @@ def test_catalogue_is_big_enough_and_documented():
 
 
 def test_debug_shows_the_traceback(tmp_path, tiny_model_dir, capsys):
-    code = main(base_args(tmp_path, tiny_model_dir) + ["--training.micro_batch_size", "0", "--debug"])
+    code = main(
+        base_args(tmp_path, tiny_model_dir) + ["--training.micro_batch_size", "0", "--debug"]
+    )
     assert code == 2 and "Traceback" in capsys.readouterr().err
 
 
@@ -372,7 +670,10 @@ def test_debug_keeps_its_verbosity_through_train(tmp_path, tiny_model_dir):
     names = ["", *QUIET, "datasets"]
     saved = {n: logging.getLogger(n).level for n in names}
     try:
-        assert main(["--debug"] + base_args(tmp_path, tiny_model_dir) + ["--training.max_steps", "1"]) == 0
+        assert (
+            main(["--debug"] + base_args(tmp_path, tiny_model_dir) + ["--training.max_steps", "1"])
+            == 0
+        )
         assert logging.getLogger().level == logging.DEBUG
         # ERROR without --debug (datasets sets its own level when it is first imported)
         assert all(logging.getLogger(n).level == logging.INFO for n in QUIET if n != "datasets")
@@ -386,18 +687,33 @@ def test_secrets_never_reach_saved_configs_or_logs(tmp_path, tiny_model_dir, mon
     monkeypatch.setenv("HF_TOKEN", token)
     data = write_data(tmp_path, n=40)
     # the token's value inside a saved field (here: a path naming it) is blanked in every saved config
-    code = main(base_args(tmp_path, tiny_model_dir) + ["--data.path", str(data), "--training.save_every", "1",
-                                                       "--techniques.nvme_path", f"/tmp/{token}"])
+    code = main(
+        base_args(tmp_path, tiny_model_dir)
+        + [
+            "--data.path",
+            str(data),
+            "--training.save_every",
+            "1",
+            "--techniques.nvme_path",
+            f"/tmp/{token}",
+        ]
+    )
     assert code == 0
     run = tmp_path / "runs" / "run"
-    texts = [p.read_text(errors="ignore") for p in run.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl")]
+    texts = [
+        p.read_text(errors="ignore")
+        for p in run.rglob("*")
+        if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl")
+    ]
     captured = capsys.readouterr()
     assert len(texts) >= 3 and all(token not in t for t in texts + [captured.out, captured.err])
     assert "nvme_path: /tmp/<redacted>" in (run / "config.yaml").read_text()
     from onegpu.config import redact
 
-    assert redact({"model": {"name": f"x/{token}"}, "k": f"sk-{'a' * 24}"}) == {"model": {"name": "x/<redacted>"},
-                                                                             "k": "<redacted>"}
+    assert redact({"model": {"name": f"x/{token}"}, "k": f"sk-{'a' * 24}"}) == {
+        "model": {"name": "x/<redacted>"},
+        "k": "<redacted>",
+    }
     shutil.rmtree(run)
 
 
@@ -408,13 +724,17 @@ def test_summary_after_resume_counts_this_process(tmp_path, tiny_model_dir, caps
 
     cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=6, save_every=3, eval_every=0)
     first = train(cfg)
-    at_3 = json.loads((first.run_dir / "checkpoint-00000003" / "state.json").read_text())["tokens_seen"]
+    at_3 = json.loads((first.run_dir / "checkpoint-00000003" / "state.json").read_text())[
+        "tokens_seen"
+    ]
     cfg["output"]["resume"] = str(first.run_dir / "checkpoint-00000003")
     capsys.readouterr()
     second = train(cfg)
     out = capsys.readouterr().out
     here = second.state.tokens_seen - at_3
-    assert second.state.tokens_seen == first.state.tokens_seen and 0 < here < second.state.tokens_seen
+    assert (
+        second.state.tokens_seen == first.state.tokens_seen and 0 < here < second.state.tokens_seen
+    )
     assert second.state.timed_tokens == here  # the speed is this process's tokens over its own time
     expect = f"done: 6 steps (resumed at step 3: 3 steps here), {here:,} tokens trained in "
     assert expect in out, out
@@ -432,16 +752,30 @@ def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
     from onegpu.data import batches
 
     tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
-            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
-    ex = batches.tokenize(datasets.Dataset.from_dict({"messages": [conv]}), "messages", tok,
-                          DataConfig(seq_len=128, num_proc=1), "t")[0]
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    conv = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
+    ex = batches.tokenize(
+        datasets.Dataset.from_dict({"messages": [conv]}),
+        "messages",
+        tok,
+        DataConfig(seq_len=128, num_proc=1),
+        "t",
+    )[0]
     targets = [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100]
     assert tok.decode(targets) == "hi there<|eos|>see you<|eos|>"
     newline = tok("\n", add_special_tokens=False)["input_ids"]
     ids = ex["input_ids"]
-    eos_then_newline = [i for i in range(len(ids) - 1)
-                        if ids[i] == tok.eos_token_id and ids[i + 1: i + 1 + len(newline)] == newline]
+    eos_then_newline = [
+        i
+        for i in range(len(ids) - 1)
+        if ids[i] == tok.eos_token_id and ids[i + 1 : i + 1 + len(newline)] == newline
+    ]
     assert len(eos_then_newline) == 4  # the template wrote the newlines; none is a target

@@ -35,11 +35,31 @@ def test_dry_run_lists_the_dpo_arms(capsys, tmp_path):
     DPOTrainer as the peer; nothing is trained or written."""
     from onegpu.cli.main import main
 
-    assert main(["bench", "train", "--objective", "dpo", "--bench.dry_run", "true", "--bench.out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--objective",
+                "dpo",
+                "--bench.dry_run",
+                "true",
+                "--bench.out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    listed = {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines() if line.startswith("  ")}
+    listed = {
+        line.split()[0]: line.split(None, 1)[1]
+        for line in out.splitlines()
+        if line.startswith("  ")
+    }
     assert list(listed) == DPO_ARMS
-    assert listed["trl-dpo"] == "TRL DPOTrainer" and listed["lora"] == "techniques.lora.enabled=True"
+    assert (
+        listed["trl-dpo"] == "TRL DPOTrainer" and listed["lora"] == "techniques.lora.enabled=True"
+    )
     assert listed["ref-copy"] == "preference.reference=copy" and "objective dpo" in out
     assert not any(tmp_path.iterdir())
 
@@ -70,23 +90,37 @@ def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp
         assert r["tokens_seen"] == arms["baseline"]["reps"][0]["tokens_seen"] > 0, name
         assert r["timed_tokens"] == arms["baseline"]["reps"][0]["timed_tokens"] > 0, name
     ev = {name: arms[name]["reps"][0]["evidence"] for name in DPO_ARMS}
-    assert ev["baseline"]["reference"] == "precomputed" and ev["ref-copy"]["reference"] == "CopyReference"
+    assert (
+        ev["baseline"]["reference"] == "precomputed"
+        and ev["ref-copy"]["reference"] == "CopyReference"
+    )
     assert ev["lora"]["reference"] == "AdapterReference" and ev["lora"]["peft"] is True
     # TRL at its defaults: checkpointing, a frozen copy as reference (this model has no path to load it from)
     assert ev["trl-dpo"]["same_tokens"] is True and ev["trl-dpo"]["checkpointing"] is True
     assert ev["trl-dpo"]["reference"].startswith("frozen copy")
-    assert ev["trl-dpo"]["precision"] == "fp32" and ev["trl-dpo"]["precompute_ref_log_probs"] is False
-    assert ev["trl-dpo-lora"]["peft"] is True and ev["trl-dpo-lora"]["trainable_params"] == ev["lora"]["trainable_params"]
+    assert (
+        ev["trl-dpo"]["precision"] == "fp32" and ev["trl-dpo"]["precompute_ref_log_probs"] is False
+    )
+    assert (
+        ev["trl-dpo-lora"]["peft"] is True
+        and ev["trl-dpo-lora"]["trainable_params"] == ev["lora"]["trainable_params"]
+    )
 
     ref = arms["baseline"]["reps"][0]["reference_pass"]
-    assert ref["seconds"] > 0 and ref["warm_seconds"] > 0 and ref["pairs"] >= 2 and ref["tokens"] > 0
+    assert (
+        ref["seconds"] > 0 and ref["warm_seconds"] > 0 and ref["pairs"] >= 2 and ref["tokens"] > 0
+    )
     assert all("reference_pass" not in arms[n]["reps"][0] for n in DPO_ARMS[1:])
     assert arms["baseline"]["tokens_per_s_with_ref"] < arms["baseline"]["tokens_per_s"]
     assert arms["trl-dpo"]["tokens_per_s_with_ref"] == arms["trl-dpo"]["tokens_per_s"]
     for name in ("ref-copy", "trl-dpo"):  # the same start, data and schedule as the baseline
-        assert arms[name]["final_loss"] == pytest.approx(arms["baseline"]["final_loss"], rel=1e-3), name
+        assert arms[name]["final_loss"] == pytest.approx(
+            arms["baseline"]["final_loss"], rel=1e-3
+        ), name
     assert arms["trl-dpo-lora"]["final_loss"] == pytest.approx(arms["lora"]["final_loss"], rel=1e-3)
-    assert set(doc["vs_trl_dpo"]) == {"baseline", "ref-copy"} and set(doc["vs_trl_dpo_lora"]) == {"lora"}
+    assert set(doc["vs_trl_dpo"]) == {"baseline", "ref-copy"} and set(doc["vs_trl_dpo_lora"]) == {
+        "lora"
+    }
 
     md = paths["md"].read_text()
     assert "vs TRL DPOTrainer (defaults):" in md and "with its reference pass" in md
@@ -107,16 +141,24 @@ def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, 
     assert default_reference(saved, lora=False) is None
     built = make_tiny_llama(tiny_tokenizer)
     copy = default_reference(built, lora=False)
-    assert copy is not built and all((a == b).all() for a, b in zip(copy.parameters(), built.parameters()))
+    assert copy is not built and all(
+        (a == b).all() for a, b in zip(copy.parameters(), built.parameters())
+    )
     assert default_reference(built, lora=True) is None
 
 
 def test_reference_pass_is_charged_pro_rata_to_the_timed_steps():
     """The pass covers the pairs of all max_steps steps: 4 of 10 steps timed carry 4/10 of its warm time."""
-    rep = {"timed_tokens": 1000, "timed_seconds": 2.0, "timed_steps": 4,
-           "reference_pass": {"seconds": 9.0, "warm_seconds": 1.0}}
+    rep = {
+        "timed_tokens": 1000,
+        "timed_seconds": 2.0,
+        "timed_steps": 4,
+        "reference_pass": {"seconds": 9.0, "warm_seconds": 1.0},
+    }
     assert train_report.with_reference_pass(rep, 10) == pytest.approx(1000 / 2.4)
-    assert train_report.with_reference_pass({**rep, "reference_pass": None}, 10) == pytest.approx(500)
+    assert train_report.with_reference_pass({**rep, "reference_pass": None}, 10) == pytest.approx(
+        500
+    )
 
 
 def test_a_truncated_pair_is_refused_rather_than_compared(tiny_tokenizer):
@@ -128,11 +170,20 @@ def test_a_truncated_pair_is_refused_rather_than_compared(tiny_tokenizer):
     from onegpu.config import DataConfig
     from onegpu.data import batches
 
-    records = datasets.Dataset.from_list([
-        {"prompt": "def f(x):\n", "chosen": "    return x\n", "rejected": "x return\n"},
-        {"prompt": "import os\n" * 20, "chosen": "print(os.sep)\n" * 10, "rejected": "os print\n" * 10}])
+    records = datasets.Dataset.from_list(
+        [
+            {"prompt": "def f(x):\n", "chosen": "    return x\n", "rejected": "x return\n"},
+            {
+                "prompt": "import os\n" * 20,
+                "chosen": "print(os.sep)\n" * 10,
+                "rejected": "os print\n" * 10,
+            },
+        ]
+    )
     cfg = DataConfig(seq_len=48, overlong="truncate")
-    tokenized, _ = batches.tokenize_counted(records, "preference", tiny_tokenizer, cfg, "test", "train")
+    tokenized, _ = batches.tokenize_counted(
+        records, "preference", tiny_tokenizer, cfg, "test", "train"
+    )
     assert record_rows(records, tokenized.select([0]), tiny_tokenizer, cfg) == [0]
     with pytest.raises(ConfigError, match="truncated") as err:
         record_rows(records, tokenized, tiny_tokenizer, cfg)

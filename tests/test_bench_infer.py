@@ -30,15 +30,39 @@ def test_bench_measures_each_setting_interleaved(tmp_path, monkeypatch, capsys):
         return real(model, inputs, kwargs, device)
 
     monkeypatch.setattr(bench_infer, "time_generate", spy)
-    argv = ["infer", "--model", "tiny", "--vocab_size", "512", "--settings", "fp32,ao-int8", "--prompt_len", "8",
-            "--new_tokens", "4", "--batch_size", "2", "--repeats", "2", "--out", str(tmp_path), "--name", "r"]
+    argv = [
+        "infer",
+        "--model",
+        "tiny",
+        "--vocab_size",
+        "512",
+        "--settings",
+        "fp32,ao-int8",
+        "--prompt_len",
+        "8",
+        "--new_tokens",
+        "4",
+        "--batch_size",
+        "2",
+        "--repeats",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "r",
+    ]
     assert main(["bench", *argv]) == 0
 
     result = json.loads((tmp_path / "r.json").read_text())
     rows = {r["setting"]: r for r in result["results"]}
     assert list(rows) == ["hf-default", "fp32", "ao-int8"]
     for row in rows.values():
-        assert row["prefill_tps"] > 0 and row["decode_tps"] > 0 and row["ttft_ms"] > 0 and len(row["runs"]) == 2
+        assert (
+            row["prefill_tps"] > 0
+            and row["decode_tps"] > 0
+            and row["ttft_ms"] > 0
+            and len(row["runs"]) == 2
+        )
     assert rows["fp32"]["max_logit_diff"] == 0 and rows["fp32"]["token_agreement"] == 1.0
     assert rows["ao-int8"]["weight_mb"] < 0.75 * rows["fp32"]["weight_mb"]
     assert 0 < rows["ao-int8"]["max_logit_diff"] < 1.0

@@ -29,10 +29,21 @@ def bench_config(**kw) -> BenchTrainConfig:
 
 
 def tiny_bench(model_dir, data, tmp_path, **kw) -> BenchTrainConfig:
-    base = dict(model__name=str(model_dir), model__from_scratch=False, data__path=str(data), data__seq_len=32,
-                training__micro_batch_size=2, training__grad_accum=1, training__max_steps=2, bench__warmup_steps=1,
-                bench__reps=2, bench__arms="baseline,hf-trainer", bench__max_seconds=60,
-                bench__out=str(tmp_path / "results"), bench__name="bench")
+    base = dict(
+        model__name=str(model_dir),
+        model__from_scratch=False,
+        data__path=str(data),
+        data__seq_len=32,
+        training__micro_batch_size=2,
+        training__grad_accum=1,
+        training__max_steps=2,
+        bench__warmup_steps=1,
+        bench__reps=2,
+        bench__arms="baseline,hf-trainer",
+        bench__max_seconds=60,
+        bench__out=str(tmp_path / "results"),
+        bench__name="bench",
+    )
     base.update(kw)
     return bench_config(**base)
 
@@ -44,11 +55,19 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     doc = json.loads(paths["json"].read_text())
 
     assert [(s["rep"], s["arm"]) for s in doc["schedule"]] == [
-        (0, "baseline"), (0, "hf-trainer"), (1, "baseline"), (1, "hf-trainer")]
+        (0, "baseline"),
+        (0, "hf-trainer"),
+        (1, "baseline"),
+        (1, "hf-trainer"),
+    ]
     starts = [s["start"] for s in doc["schedule"]]
     assert starts == sorted(starts)
     assert {"device", "versions", "command", "date", "setup"} <= set(doc)
-    assert doc["versions"]["torch"] and doc["setup"]["peak_flops"] > 0 and doc["setup"]["flops_per_token"] > 0
+    assert (
+        doc["versions"]["torch"]
+        and doc["setup"]["peak_flops"] > 0
+        and doc["setup"]["flops_per_token"] > 0
+    )
 
     ours, hf = doc["arms"]["baseline"], doc["arms"]["hf-trainer"]
     for arm in (ours, hf):
@@ -61,17 +80,27 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     for a, h in zip(ours["reps"], hf["reps"]):
         assert a["tokens_seen"] == h["tokens_seen"] > 0
         assert a["timed_tokens"] == h["timed_tokens"] > 0
-    assert ours["final_loss"] == pytest.approx(hf["final_loss"], rel=0.05)  # same model, data and schedule
+    assert ours["final_loss"] == pytest.approx(
+        hf["final_loss"], rel=0.05
+    )  # same model, data and schedule
 
     # Ratios pair each round's arm with that round's baseline, then take the median.
-    paired = lambda key, a, b: statistics.median(x[key] / y[key] for x, y in zip(a["reps"], b["reps"]))  # noqa: E731
+    paired = lambda key, a, b: statistics.median(
+        x[key] / y[key] for x, y in zip(a["reps"], b["reps"])
+    )  # noqa: E731
     assert ours["speed_x"] == pytest.approx(1.0) and ours["memory_x"] == pytest.approx(1.0)
     assert hf["speed_x"] == pytest.approx(paired("tokens_per_s", hf, ours))
     assert hf["memory_x"] == pytest.approx(paired("train_mem_mb", hf, ours))
-    assert doc["vs_hf_trainer"]["baseline"]["speed_x"] == pytest.approx(paired("tokens_per_s", ours, hf))
-    assert all(r["peak_flops"] > 0 for r in ours["reps"] + hf["reps"])  # each child measures its own peak
+    assert doc["vs_hf_trainer"]["baseline"]["speed_x"] == pytest.approx(
+        paired("tokens_per_s", ours, hf)
+    )
+    assert all(
+        r["peak_flops"] > 0 for r in ours["reps"] + hf["reps"]
+    )  # each child measures its own peak
     assert ours["reps"][0]["evidence"]["optimizer"].endswith("AdamW")
-    assert hf["reps"][0]["evidence"]["fused"] is True  # Trainer's default optimizer here: fused AdamW
+    assert (
+        hf["reps"][0]["evidence"]["fused"] is True
+    )  # Trainer's default optimizer here: fused AdamW
 
     md = paths["md"].read_text()
     assert "| Method (guide row) | arm |" in md and "| HF Trainer, defaults | hf-trainer |" in md
@@ -81,9 +110,18 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
 
 def chat_file(path):
     """Chat records of different lengths: labels only on the assistant turns, padding in every batch."""
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} squared?" + " Explain." * (i % 4)},
-                          {"role": "assistant", "content": f"{i} squared is {i * i}." + " Because." * (i % 5)}]}
-            for i in range(60)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} squared?" + " Explain." * (i % 4)},
+                {
+                    "role": "assistant",
+                    "content": f"{i} squared is {i * i}." + " Because." * (i % 5),
+                },
+            ]
+        }
+        for i in range(60)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
@@ -93,7 +131,9 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
     """TRL's SFTTrainer at its defaults, in a real child: the same examples in the same order as our
     loop (so the same token counts), a loss close to ours, and evidence of what TRL itself chose."""
     path, seq = (text_file, 32) if data == "text" else (chat_file(tmp_path / "chat.jsonl"), 128)
-    b = tiny_bench(tiny_model_dir, path, tmp_path, bench__arms="trl-sft", bench__reps=1, data__seq_len=seq)
+    b = tiny_bench(
+        tiny_model_dir, path, tmp_path, bench__arms="trl-sft", bench__reps=1, data__seq_len=seq
+    )
     paths = bench_train.run(b)
     doc = json.loads(paths["json"].read_text())
     assert doc["setup"]["data_format"] == ("text" if data == "text" else "messages")
@@ -107,11 +147,17 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
     # Same model, data and schedule; TRL's default bf16 autocast (fp32 here) moves the loss a little only.
     assert trl["final_loss"] == pytest.approx(ours["final_loss"], rel=0.05)
     ev = t["evidence"]
-    assert ev["loss_type"] in ("nll", "chunked_nll") and ev["chunked_loss"] is True  # TRL >= 1.7's default
-    assert ev["loss_normalisation"] == "summed over the target tokens of the accumulated batch"  # as ours
+    assert (
+        ev["loss_type"] in ("nll", "chunked_nll") and ev["chunked_loss"] is True
+    )  # TRL >= 1.7's default
+    assert (
+        ev["loss_normalisation"] == "summed over the target tokens of the accumulated batch"
+    )  # as ours
     assert ev["precision"] == "bf16" and ev["checkpointing"] is True  # TRL's own defaults, recorded
     assert ev["optimizer"].endswith("AdamW") and ev["trl"]
-    assert doc["vs_trl_sft"]["baseline"]["speed_x"] == pytest.approx(a["tokens_per_s"] / t["tokens_per_s"])
+    assert doc["vs_trl_sft"]["baseline"]["speed_x"] == pytest.approx(
+        a["tokens_per_s"] / t["tokens_per_s"]
+    )
     md = paths["md"].read_text()
     assert "vs TRL SFTTrainer (defaults):" in md and "| TRL SFTTrainer, defaults | trl-sft |" in md
     assert "chunked loss" in md
@@ -119,20 +165,37 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
 
 def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_path):
     """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the baseline's."""
-    b = tiny_bench(tiny_model_dir, text_file, tmp_path, bench__arms="hf-trainer,grad-accum,flash", bench__reps=3)
+    b = tiny_bench(
+        tiny_model_dir,
+        text_file,
+        tmp_path,
+        bench__arms="hf-trainer,grad-accum,flash",
+        bench__reps=3,
+    )
     calls = []
 
     def runner(spec):  # stands in for the subprocess: throughput grows with the call index
         calls.append(spec)
         n = len(calls)
-        return {"status": "ok", "rep": spec["rep"], "timed_steps": 1, "timed_tokens": 100 * n, "timed_seconds": 1.0,
-                "train_mem_mb": 10.0 * n, "peak_mem_mb": 500.0, "final_loss": 1.0, "evidence": {}}
+        return {
+            "status": "ok",
+            "rep": spec["rep"],
+            "timed_steps": 1,
+            "timed_tokens": 100 * n,
+            "timed_seconds": 1.0,
+            "train_mem_mb": 10.0 * n,
+            "peak_mem_mb": 500.0,
+            "final_loss": 1.0,
+            "evidence": {},
+        }
 
     doc = bench_train.run_sweep(b, runner=runner)
     order = [s["arm"] for s in doc["schedule"]]
     assert order == ["baseline", "hf-trainer", "grad-accum"] * 3
     assert [c["rep"] for c in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert calls[2]["config"]["training"]["micro_batch_size"] == 1  # grad-accum: smaller micro-batches...
+    assert (
+        calls[2]["config"]["training"]["micro_batch_size"] == 1
+    )  # grad-accum: smaller micro-batches...
     assert calls[2]["config"]["training"]["grad_accum"] == 2  # ...same effective batch
     assert doc["arms"]["flash"]["status"] == "skipped" and "CUDA" in doc["arms"]["flash"]["reason"]
     assert doc["arms"]["baseline"]["tokens_per_s"] == 400  # calls 1, 4, 7
@@ -146,7 +209,13 @@ def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_p
 def test_cpu_skips_gpu_only_arms_with_reasons():
     b = BenchTrainConfig()
     arms = {a.name: a for a in bench_arms.select_arms(b, CPU, "text")}
-    for name in ("flash", "fp16", "tf32", "offload", "qlora"):  # qlora: a preset is not a trained model
+    for name in (
+        "flash",
+        "fp16",
+        "tf32",
+        "offload",
+        "qlora",
+    ):  # qlora: a preset is not a trained model
         assert bench_arms.skip_reason(arms[name], CPU, b, "text"), name
     assert "packed" in bench_arms.skip_reason(arms["padding-free"], CPU, b, "text")
     assert bench_arms.skip_reason(arms["padding-free"], CPU, b, "messages") is None
@@ -165,19 +234,31 @@ def test_precision_arms_that_would_repeat_the_baseline_are_skipped():
     assert gpu["fp32-tf32"].overrides == {"techniques.precision": "fp32", "techniques.tf32": True}
     assert "fp32 already" in bench_arms.skip_reason(cpu["fp32"], CPU, b, "text")
     assert bench_arms.skip_reason(cpu["bf16"], CPU, b, "text") is None
-    b.techniques.precision = "fp32"  # an explicit fp32 baseline on the GPU: now the bf16 arm measures something
+    b.techniques.precision = (
+        "fp32"  # an explicit fp32 baseline on the GPU: now the bf16 arm measures something
+    )
     assert bench_arms.skip_reason(gpu["bf16"], H100, b, "text") is None
     # the GPU's best set leaves out bf16 when the baseline is bf16 already, and keeps the rest
     best = {a.name: a for a in bench_arms.select_arms(BenchTrainConfig(), H100)}["best"].overrides
     assert best["techniques.attention"] == "flash" and best["techniques.compile"] == "default"
 
 
-@pytest.mark.parametrize("micro, accum, cap, expected", [(4, 4, 0, (16, 1)), (4, 4, 8, (8, 2)), (4, 2, 8, (8, 1)),
-                                                           (4, 3, 8, (6, 2)), (8, 2, 32, (16, 1))])
+@pytest.mark.parametrize(
+    "micro, accum, cap, expected",
+    [
+        (4, 4, 0, (16, 1)),
+        (4, 4, 8, (8, 2)),
+        (4, 2, 8, (8, 1)),
+        (4, 3, 8, (6, 2)),
+        (8, 2, 32, (16, 1)),
+    ],
+)
 def test_batch_size_arm_respects_the_micro_batch_cap(micro, accum, cap, expected):
     """16 x 2048 tokens at ~1B cannot fit 80 GB: under bench.max_micro_batch the arm takes the largest
     divisor of the effective batch that fits, and keeps the effective batch."""
-    b = bench_config(training__micro_batch_size=micro, training__grad_accum=accum, bench__max_micro_batch=cap)
+    b = bench_config(
+        training__micro_batch_size=micro, training__grad_accum=accum, bench__max_micro_batch=cap
+    )
     arm = {a.name: a for a in bench_arms.all_arms(b)}["batch-size"]
     got = (arm.overrides["training.micro_batch_size"], arm.overrides["training.grad_accum"])
     assert got == expected and got[0] * got[1] == micro * accum
@@ -186,18 +267,26 @@ def test_batch_size_arm_respects_the_micro_batch_cap(micro, accum, cap, expected
 def test_best_arm_merges_methods_and_leaves_out_unavailable_ones():
     b = bench_config(bench__best="batch-size,flash,adamw-fused")
     best = {a.name: a for a in bench_arms.select_arms(b, CPU)}["best"].overrides
-    assert best == {"training.micro_batch_size": 16, "training.grad_accum": 1, "techniques.optimizer": "adamw-fused"}
+    assert best == {
+        "training.micro_batch_size": 16,
+        "training.grad_accum": 1,
+        "techniques.optimizer": "adamw-fused",
+    }
     gpu_best = {a.name: a for a in bench_arms.select_arms(b, H100)}["best"].overrides
     assert gpu_best["techniques.attention"] == "flash"
 
 
-@pytest.mark.parametrize("kw, field", [(dict(bench__arms="baseline,flsh"), "bench.arms: unknown arm 'flsh'"),
-                                       (dict(bench__best="chekpointing"), "bench.best: unknown arm"),
-                                       (dict(training__max_steps=2, bench__warmup_steps=2),
-                                        "training.max_steps (2) must exceed"),
-                                       (dict(bench__reps=0), "bench.reps must be"),
-                                       (dict(bench__max_micro_batch=-1), "bench.max_micro_batch must be"),
-                                       (dict(data__seq_len=0), "data.seq_len must be")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(bench__arms="baseline,flsh"), "bench.arms: unknown arm 'flsh'"),
+        (dict(bench__best="chekpointing"), "bench.best: unknown arm"),
+        (dict(training__max_steps=2, bench__warmup_steps=2), "training.max_steps (2) must exceed"),
+        (dict(bench__reps=0), "bench.reps must be"),
+        (dict(bench__max_micro_batch=-1), "bench.max_micro_batch must be"),
+        (dict(data__seq_len=0), "data.seq_len must be"),
+    ],
+)
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")) as err:
         bench_train.validate(bench_config(**kw))
@@ -213,11 +302,23 @@ def test_cli_reports_unknown_arm_without_traceback(capsys):
 
 
 def test_timing_drops_the_warmup_window():
-    records = [{"step": 2, "tokens_seen": 200, "tokens_per_s": 1.0, "loss": 5.0},  # warm-up (+ step-0 eval)
-               {"step": 4, "tokens_seen": 400, "tokens_per_s": 100.0, "loss": 4.0},
-               {"step": 5, "tokens_seen": 500, "tokens_per_s": 50.0, "loss": 3.5}]
+    records = [
+        {
+            "step": 2,
+            "tokens_seen": 200,
+            "tokens_per_s": 1.0,
+            "loss": 5.0,
+        },  # warm-up (+ step-0 eval)
+        {"step": 4, "tokens_seen": 400, "tokens_per_s": 100.0, "loss": 4.0},
+        {"step": 5, "tokens_seen": 500, "tokens_per_s": 50.0, "loss": 3.5},
+    ]
     t = timing_from_windows(records, warmup=2)
-    assert t == {"timed_steps": 3, "timed_tokens": 300, "timed_seconds": pytest.approx(4.0), "final_loss": 3.5}
+    assert t == {
+        "timed_steps": 3,
+        "timed_tokens": 300,
+        "timed_seconds": pytest.approx(4.0),
+        "final_loss": 3.5,
+    }
 
 
 def test_config_sections_are_the_run_config_with_bench_defaults():
@@ -227,8 +328,22 @@ def test_config_sections_are_the_run_config_with_bench_defaults():
 
     assert isinstance(BenchTrainConfig(), Config)
     parser = make_parser("onegpu bench train", "", BenchTrainConfig)
-    b, _ = parse(parser, ["--model.name", "tiny", "--data.seq_len", "128", "--training.micro_batch_size", "4",
-                          "--bench.reps", "5", "--techniques.optimizer", "adafactor"], BenchTrainConfig)
+    b, _ = parse(
+        parser,
+        [
+            "--model.name",
+            "tiny",
+            "--data.seq_len",
+            "128",
+            "--training.micro_batch_size",
+            "4",
+            "--bench.reps",
+            "5",
+            "--techniques.optimizer",
+            "adafactor",
+        ],
+        BenchTrainConfig,
+    )
     assert (b.data.seq_len, b.training.micro_batch_size, b.bench.reps) == (128, 4, 5)
     cfg = bench_train.base_config(b, "/tmp/x")
     assert "bench" not in cfg and cfg["techniques"]["optimizer"] == "adafactor"

@@ -28,8 +28,15 @@ def test_layout_manifest_and_weights_only_load(tmp_path, parts):
     parts.step()
     path = parts.save(tmp_path, 1)
     assert path.name == "checkpoint-00000001"
-    for name in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "trainer_state.pt",
-                 "state.json", "config.yaml", "manifest.json"):
+    for name in (
+        "model/model.safetensors",
+        "model/config.json",
+        "model/tokenizer.json",
+        "trainer_state.pt",
+        "state.json",
+        "config.yaml",
+        "manifest.json",
+    ):
         assert (path / name).is_file(), name
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) >= {"model/model.safetensors", "trainer_state.pt", "state.json"}
@@ -48,7 +55,9 @@ def test_load_restores_model_and_optimizer_exactly(tmp_path, parts, tiny_tokeniz
     other.model = make_tiny_llama(tiny_tokenizer, initializer_range=0.5)
     other.optimizer = torch.optim.AdamW(other.model.parameters(), lr=1e-3)
     other.scheduler = torch.optim.lr_scheduler.LambdaLR(other.optimizer, lambda s: 1.0 / (s + 1))
-    state = checkpoint.load_checkpoint(path, other.model, other.optimizer, other.scheduler, other.accelerator)
+    state = checkpoint.load_checkpoint(
+        path, other.model, other.optimizer, other.scheduler, other.accelerator
+    )
     assert state["step"] == 1 and "rng" in state
     for (n, a), (_, b) in zip(parts.model.state_dict().items(), other.model.state_dict().items()):
         assert torch.equal(a, b), n
@@ -69,7 +78,9 @@ def test_rng_state_roundtrip_through_weights_only(tmp_path):
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
-@pytest.mark.parametrize("damage", ["truncate-weights", "flip-byte-state", "delete-optimizer", "no-manifest"])
+@pytest.mark.parametrize(
+    "damage", ["truncate-weights", "flip-byte-state", "delete-optimizer", "no-manifest"]
+)
 def test_damaged_checkpoint_is_never_picked(tmp_path, parts, damage):
     older = parts.save(tmp_path, 1)
     parts.step()
@@ -131,11 +142,15 @@ def test_resave_same_step_replaces_atomically(tmp_path, parts, point):
     assert second == first and checkpoint.verify(second) is None
     new = saved_weights(second)
     assert not all(torch.equal(old[k], v) for k, v in new.items())  # the step's new weights
-    assert all(torch.equal(p.detach(), new[n]) for n, p in parts.model.named_parameters() if n in new)
+    assert all(
+        torch.equal(p.detach(), new[n]) for n, p in parts.model.named_parameters() if n in new
+    )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("point", ["model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync"])
+@pytest.mark.parametrize(
+    "point", ["model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync"]
+)
 def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point):
     """An exception at each write stands in for a crash; test_killpoints does it with kill -9."""
     good = parts.save(tmp_path, 1)
@@ -171,18 +186,26 @@ def test_foreign_pickle_is_refused(tmp_path, parts):
         checkpoint.load_trainer_state(path)
 
 
-def test_other_model_shape_is_one_error_naming_parameter_and_shapes(tmp_path, parts, tiny_tokenizer):
+def test_other_model_shape_is_one_error_naming_parameter_and_shapes(
+    tmp_path, parts, tiny_tokenizer
+):
     path = parts.save(tmp_path, 1)
     wide = make_tiny_llama(tiny_tokenizer, hidden_size=96, intermediate_size=128)
     vocab = len(tiny_tokenizer)
-    expect = (rf"checkpoint {path} was written by a model of another shape: lm_head\.weight is "
-              rf"\({vocab}, 64\) there but \({vocab}, 96\) in this model")
+    expect = (
+        rf"checkpoint {path} was written by a model of another shape: lm_head\.weight is "
+        rf"\({vocab}, 64\) there but \({vocab}, 96\) in this model"
+    )
     with pytest.raises(ConfigError, match=expect) as err:
-        checkpoint.check_fits(path, wide)  # headers only: run_training calls it before the run folder exists
+        checkpoint.check_fits(
+            path, wide
+        )  # headers only: run_training calls it before the run folder exists
     assert "without --output.resume" in err.value.hint
     opt = torch.optim.AdamW(wide.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    with pytest.raises(ConfigError, match=expect):  # loading says the same, never a size-mismatch traceback
+    with pytest.raises(
+        ConfigError, match=expect
+    ):  # loading says the same, never a size-mismatch traceback
         checkpoint.load_checkpoint(path, wide, opt, sched, parts.accelerator)
     checkpoint.check_fits(path, parts.model)  # the same shape passes
 
@@ -192,11 +215,15 @@ def test_lora_rank_mismatch_is_named(tmp_path, tiny_tokenizer):
 
     def lora(r):
         torch.manual_seed(0)
-        return get_peft_model(make_tiny_llama(tiny_tokenizer), LoraConfig(r=r, target_modules=["q_proj"]))
+        return get_peft_model(
+            make_tiny_llama(tiny_tokenizer), LoraConfig(r=r, target_modules=["q_proj"])
+        )
 
     saved = lora(4)
     saved.save_pretrained(str(tmp_path / "ckpt" / "model"))
-    with pytest.raises(ConfigError, match=r"lora_A\.weight is \(4, 64\) there but \(8, 64\) in this model"):
+    with pytest.raises(
+        ConfigError, match=r"lora_A\.weight is \(4, 64\) there but \(8, 64\) in this model"
+    ):
         checkpoint.check_fits(tmp_path / "ckpt", lora(8))
     checkpoint.check_fits(tmp_path / "ckpt", lora(4))
 
@@ -218,5 +245,8 @@ def test_damaged_checkpoint_never_takes_a_good_ones_place(tmp_path, parts, damag
     parts.save(tmp_path, 4)
     checkpoint.prune(tmp_path, keep_last=2)
     # two complete checkpoints kept (2 and 4); the damaged one neither counted nor kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000002", "checkpoint-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-00000002",
+        "checkpoint-00000004",
+    ]
     assert all(checkpoint.verify(p) is None for p in checkpoint.list_checkpoints(tmp_path))

@@ -35,7 +35,9 @@ def _run(model, batch):
 
 def _model(tok, mode="off", every=2):
     model = make_tiny_llama(tok, num_hidden_layers=LAYERS)
-    return apply_checkpointing(model, TechniquesConfig(checkpointing=mode, checkpointing_every=every), "cpu")
+    return apply_checkpointing(
+        model, TechniquesConfig(checkpointing=mode, checkpointing_every=every), "cpu"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,9 @@ def test_modes_select_layers(tiny_tokenizer):
     assert checkpointed_layers(_model(tiny_tokenizer, "off")) == []
     assert len(checkpointed_layers(_model(tiny_tokenizer, "full"))) == LAYERS
     assert len(checkpointed_layers(_model(tiny_tokenizer, "every-n", every=2))) == LAYERS // 2
-    assert len(checkpointed_layers(_model(tiny_tokenizer, "every-n", every=3))) == 2  # layers 0 and 3
+    assert (
+        len(checkpointed_layers(_model(tiny_tokenizer, "every-n", every=3))) == 2
+    )  # layers 0 and 3
 
 
 def test_full_and_every_n_same_gradients_less_memory(tiny_tokenizer, batch, baseline):
@@ -75,7 +79,9 @@ def test_offload_moves_saved_layer_inputs_off_the_device(tiny_tokenizer, batch, 
     _enable_by_layer(model, every=1, offload=True, device_type="cpu")
     offloaded = _run(model, batch)
     _assert_same_math(offloaded, baseline)
-    layer_inputs = LAYERS * batch["input_ids"].numel() * 64 * 4  # (batch x seq x hidden) fp32 per layer
+    layer_inputs = (
+        LAYERS * batch["input_ids"].numel() * 64 * 4
+    )  # (batch x seq x hidden) fp32 per layer
     assert offloaded[0] <= full[0] - layer_inputs + 1
 
 

@@ -44,7 +44,9 @@ def _loss_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
     loss = loss_sum(model, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("regional", [True, False])
@@ -52,7 +54,9 @@ def test_compiled_loss_and_gradients_equal_eager(tiny_tokenizer, regional):
     batch = _padded_batch(tiny_tokenizer, [20, 30], multiple=32)
     eager = _loss_and_grads(make_tiny_llama(tiny_tokenizer), batch)
     model = make_tiny_llama(tiny_tokenizer)
-    tcfg = TechniquesConfig(compile="default", compile_backend="aot_eager", compile_regional=regional)
+    tcfg = TechniquesConfig(
+        compile="default", compile_backend="aot_eager", compile_regional=regional
+    )
     apply_compile(model, tcfg, "cpu")
     assert is_compiled(model.model.layers[0]) == regional and is_compiled(model) == (not regional)
     compiled = _loss_and_grads(model, batch)
@@ -63,7 +67,9 @@ def test_compiled_loss_and_gradients_equal_eager(tiny_tokenizer, regional):
 
 def _compiles_for(tok, lengths, multiple):
     model = make_tiny_llama(tok)
-    apply_compile(model, TechniquesConfig(compile="default", compile_backend="counting_eager"), "cpu")
+    apply_compile(
+        model, TechniquesConfig(compile="default", compile_backend="counting_eager"), "cpu"
+    )
     for n in lengths:
         loss_sum(model, _padded_batch(tok, [n, n - 3], multiple)).backward()
     return len(COMPILED_FRAMES)
@@ -104,10 +110,14 @@ def test_bad_compile_settings_are_refused():
     with pytest.raises(ConfigError, match="unknown backend 'nope'"):
         apply_compile(model, TechniquesConfig(compile="default", compile_backend="nope"), "cpu")
     with pytest.raises(ConfigError, match="inductor mode"):
-        apply_compile(model, TechniquesConfig(compile="max-autotune", compile_backend="eager"), "cpu")
+        apply_compile(
+            model, TechniquesConfig(compile="max-autotune", compile_backend="eager"), "cpu"
+        )
     with pytest.raises(UnavailableError, match="CUDA graphs"):
         apply_compile(model, TechniquesConfig(compile="reduce-overhead"), "cpu")
-    assert apply_compile(model, TechniquesConfig(compile="off"), "cpu") is model and not is_compiled(model)
+    assert apply_compile(
+        model, TechniquesConfig(compile="off"), "cpu"
+    ) is model and not is_compiled(model)
 
 
 def _cfg(**techniques):
@@ -125,11 +135,15 @@ def test_auto_compile_resolution(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     assert _cfg().techniques.compile == "auto"
     assert resolve_compile(_cfg(), "cpu") == "default"
-    assert resolve_compile(_cfg(max_steps=AUTO_MIN_STEPS - 1), "cpu") == "off"  # too short to repay it
+    assert (
+        resolve_compile(_cfg(max_steps=AUTO_MIN_STEPS - 1), "cpu") == "off"
+    )  # too short to repay it
     assert resolve_compile(_cfg(offload="zero2-cpu"), "cpu") == "off"
     assert resolve_compile(_cfg(lora={"enabled": True, "quantize_base": "nf4"}), "cuda") == "off"
     assert resolve_compile(_cfg(compile="off"), "cpu") == "off"
-    assert resolve_compile(_cfg(compile="max-autotune", max_steps=3), "cpu") == "max-autotune"  # asked for
+    assert (
+        resolve_compile(_cfg(compile="max-autotune", max_steps=3), "cpu") == "max-autotune"
+    )  # asked for
     assert resolve_compile(_cfg(), "mps") == "off"
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert resolve_compile(_cfg(), "cpu") == "off"  # no C++ compiler
@@ -138,7 +152,9 @@ def test_auto_compile_resolution(monkeypatch):
     assert apply_compile(model, TechniquesConfig(), "cpu") is model and not is_compiled(model)
 
 
-def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, tiny_model_dir, text_file, monkeypatch):
+def test_default_run_compiles_blocks_and_evaluates_without_compiling(
+    tmp_path, tiny_model_dir, text_file, monkeypatch
+):
     """A default run long enough to repay compiling gets its decoder blocks compiled; evaluation
     runs them eagerly instead of compiling a no-grad variant."""
     import dataclasses
@@ -156,8 +172,14 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
     from onegpu.training.evaluate import evaluate
 
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
-    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
-                     "training": {"micro_batch_size": 2, "eval_batches": 2}, "output": {"dir": str(tmp_path)}})
+    cfg = from_dict(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"path": str(text_file), "seq_len": 32},
+            "training": {"micro_batch_size": 2, "eval_batches": 2},
+            "output": {"dir": str(tmp_path)},
+        }
+    )
     tcfg = resolved_techniques(cfg, "cpu")
     assert tcfg.compile == "default" and cfg.techniques.compile == "auto"  # settled on a copy
     # The same path with the graph-counting backend, so the test needs no C++ build.
@@ -171,7 +193,17 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(tmp_path, t
     trained = len(COMPILED_FRAMES)
     assert trained >= 1
     data = dataclasses.replace(data, val_ds=data.train_ds)
-    run = assemble.Run(cfg, device, tmp_path / "run", name, "fp32", data, parts.model, parts.optimizer,
-                       parts.scheduler, parts.objective)
+    run = assemble.Run(
+        cfg,
+        device,
+        tmp_path / "run",
+        name,
+        "fp32",
+        data,
+        parts.model,
+        parts.optimizer,
+        parts.scheduler,
+        parts.objective,
+    )
     assert evaluate(run, Accelerator(cpu=True)) is not None
     assert len(COMPILED_FRAMES) == trained  # no compile for evaluation

@@ -29,7 +29,11 @@ def _leaves(cls, prefix=""):
             yield f"{prefix}{f.name}", hints[f.name], default
 
 
-STRINGS = {"output.report_to": "wandb", "techniques.compile_backend": "eager", "techniques.lora.targets": "q_proj"}
+STRINGS = {
+    "output.report_to": "wandb",
+    "techniques.compile_backend": "eager",
+    "techniques.lora.targets": "q_proj",
+}
 
 
 def _other_value(name, t, default):
@@ -91,10 +95,18 @@ def test_every_field_is_a_flag():
 
 def test_yaml_is_overridden_by_flags(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump({"training": {"lr": 0.5, "max_steps": 7}, "techniques": {"optimizer": "sgd"}}))
+    p.write_text(
+        yaml.safe_dump(
+            {"training": {"lr": 0.5, "max_steps": 7}, "techniques": {"optimizer": "sgd"}}
+        )
+    )
     cfg = _parse(["--config", str(p), "--training.lr", "0.25", "--techniques.lora.r", "4"])
     assert isinstance(cfg, Config)
-    assert cfg.training.lr == 0.25 and cfg.training.max_steps == 7 and cfg.techniques.optimizer == "sgd"
+    assert (
+        cfg.training.lr == 0.25
+        and cfg.training.max_steps == 7
+        and cfg.techniques.optimizer == "sgd"
+    )
     assert cfg.techniques.lora.r == 4
 
 
@@ -113,14 +125,20 @@ def test_bad_yaml_names_the_line(tmp_path):
         _parse(["--config", str(p)])
 
 
-@pytest.mark.parametrize("argv,expect", [
-    (["--traning.lr", "1"], "did you mean '--training.lr'"),
-    (["--techniques.optimizer", "adamw8"], "did you mean 'adamw'"),
-    (["--techniques.precision", "fp8"], "techniques.precision: invalid value 'fp8'"),
-    (["--training.micro_batch_size", "0"], "training.micro_batch_size must be a positive integer"),
-    (["--training.lr", "-1"], "training.lr must not be negative"),
-    (["--data.val_fraction", "1.5"], "data.val_fraction must be in"),
-])
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--traning.lr", "1"], "did you mean '--training.lr'"),
+        (["--techniques.optimizer", "adamw8"], "did you mean 'adamw'"),
+        (["--techniques.precision", "fp8"], "techniques.precision: invalid value 'fp8'"),
+        (
+            ["--training.micro_batch_size", "0"],
+            "training.micro_batch_size must be a positive integer",
+        ),
+        (["--training.lr", "-1"], "training.lr must not be negative"),
+        (["--data.val_fraction", "1.5"], "data.val_fraction must be in"),
+    ],
+)
 def test_bad_flags_give_one_clear_error(argv, expect, capsys):
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
@@ -140,25 +158,33 @@ def test_wrong_types_in_dict_config():
     assert validate(from_dict({})).training.max_steps == Config().training.max_steps
 
 
-@pytest.mark.parametrize("flag,expect", [
-    ("--training.learnig_rate", "--training.lr"),  # a typo of another trainer's name: the alias, same section
-    ("--training.learning_rate", "--training.lr"),
-    ("--training.batch_size", "--training.micro_batch_size"),
-    ("--training.seq_len", "--data.seq_len"),  # the right field in another section
-    ("--data.max_seq_length", "--data.seq_len"),
-    ("--traning.lr", "--training.lr"),
-    ("--output.dri", "--output.dir"),
-    ("--techniques.lora.rr", "--techniques.lora.r"),
-])
+@pytest.mark.parametrize(
+    "flag,expect",
+    [
+        (
+            "--training.learnig_rate",
+            "--training.lr",
+        ),  # a typo of another trainer's name: the alias, same section
+        ("--training.learning_rate", "--training.lr"),
+        ("--training.batch_size", "--training.micro_batch_size"),
+        ("--training.seq_len", "--data.seq_len"),  # the right field in another section
+        ("--data.max_seq_length", "--data.seq_len"),
+        ("--traning.lr", "--training.lr"),
+        ("--output.dri", "--output.dir"),
+        ("--techniques.lora.rr", "--techniques.lora.r"),
+    ],
+)
 def test_did_you_mean_prefers_the_same_section_and_known_aliases(flag, expect):
     with pytest.raises(ConfigError, match=f"did you mean '{expect}'"):
         _parse([flag, "1"])
 
 
 def test_type_errors_say_the_type_in_words():
-    for argv, expect in [(["--training.max_steps", "many"], "training.max_steps must be an integer, got 'many'"),
-                         (["--training.lr", "x"], "training.lr must be a number, got 'x'"),
-                         (["--techniques.tf32", "maybe"], "techniques.tf32 must be true or false, got 'maybe'")]:
+    for argv, expect in [
+        (["--training.max_steps", "many"], "training.max_steps must be an integer, got 'many'"),
+        (["--training.lr", "x"], "training.lr must be a number, got 'x'"),
+        (["--techniques.tf32", "maybe"], "techniques.tf32 must be true or false, got 'maybe'"),
+    ]:
         with pytest.raises(ConfigError, match=expect) as err:
             _parse(argv)
         assert "<class" not in str(err.value)
@@ -186,5 +212,6 @@ def test_lr_help_names_the_auto_values_of_every_objective():
     lr_help = re.search(r"--training\.lr \S+ (.*?) --training\.", text).group(1)
     for label, table in (("sft:", auto_table()), ("dpo/orpo/simpo:", preference_table())):
         part = lr_help.split(label, 1)[1].split(";")[0]
-        assert [_num(table[mode]["lr"]) for mode in ("scratch", "full", "lora")] == \
-            re.findall(r"\d+e-\d+", part), (label, part)
+        assert [_num(table[mode]["lr"]) for mode in ("scratch", "full", "lora")] == re.findall(
+            r"\d+e-\d+", part
+        ), (label, part)

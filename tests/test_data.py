@@ -54,11 +54,17 @@ def test_messages_train_only_on_assistant_tokens(tiny_tokenizer):
     import datasets
 
     cfg = DataConfig(seq_len=128, num_proc=1)
-    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
-            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+    conv = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
     ds = datasets.Dataset.from_dict({"messages": [conv]})
     ex = batches.tokenize(ds, "messages", tiny_tokenizer, cfg, "t")[0]
-    trained = tiny_tokenizer.decode([t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
+    trained = tiny_tokenizer.decode(
+        [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100]
+    )
     assert "hi there" in trained and "see you" in trained
     assert "hello" not in trained and "bye" not in trained
     assert tiny_tokenizer.eos_token in trained  # the model learns to stop
@@ -67,7 +73,12 @@ def test_messages_train_only_on_assistant_tokens(tiny_tokenizer):
 def test_collator_masks_padding_by_position(tiny_tokenizer):
     collate = batches.Collator(tiny_tokenizer.pad_token_id, multiple=8)
     eos = tiny_tokenizer.eos_token_id
-    b = collate([{"input_ids": [5, 6, eos], "labels": [5, 6, eos]}, {"input_ids": [7] * 9, "labels": [7] * 9}])
+    b = collate(
+        [
+            {"input_ids": [5, 6, eos], "labels": [5, 6, eos]},
+            {"input_ids": [7] * 9, "labels": [7] * 9},
+        ]
+    )
     assert b["input_ids"].shape == (2, 16)  # padded to a multiple of 8
     assert b["labels"][0, :3].tolist() == [5, 6, eos] and (b["labels"][0, 3:] == -100).all()
     assert b["attention_mask"][0].sum() == 3
@@ -110,11 +121,22 @@ def test_load_records_from_jsonl_folder(tmp_path):
 def test_hub_names_and_missing_paths(tmp_path, monkeypatch):
     for name in ("HuggingFaceH4/ultrachat_200k", "org/data.v2"):
         assert data.looks_like_hub_name(name), name
-    for name in ("data/train.jsonl", "runs/data/x", "./org/name", "~/org", "/org/name", "org/train.parquet", "data.csv"):
+    for name in (
+        "data/train.jsonl",
+        "runs/data/x",
+        "./org/name",
+        "~/org",
+        "/org/name",
+        "org/train.parquet",
+        "data.csv",
+    ):
         assert not data.looks_like_hub_name(name), name
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DataError, match=rf"data.path 'data/train.jsonl' does not exist \(looked for "
-                                        rf"{tmp_path}/data/train.jsonl: relative paths are read from {tmp_path}\)"):
+    with pytest.raises(
+        DataError,
+        match=rf"data.path 'data/train.jsonl' does not exist \(looked for "
+        rf"{tmp_path}/data/train.jsonl: relative paths are read from {tmp_path}\)",
+    ):
         data.file_source("data/train.jsonl", 0.0)
     assert data.file_source("org/name", 0.0).hub_name == "org/name"
 
@@ -123,8 +145,12 @@ def test_chat_errors_name_the_record_outside_jsonl(tiny_tokenizer):
     import datasets
 
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    ds = datasets.Dataset.from_dict({"messages": [good, [good[0], {"role": "gpt", "content": "yo"}]]})
-    with pytest.raises(DataError, match=r"train record 1: chat message 2 has unknown role 'gpt'") as err:
+    ds = datasets.Dataset.from_dict(
+        {"messages": [good, [good[0], {"role": "gpt", "content": "yo"}]]}
+    )
+    with pytest.raises(
+        DataError, match=r"train record 1: chat message 2 has unknown role 'gpt'"
+    ) as err:
         batches.tokenize(ds, "messages", tiny_tokenizer, DataConfig(num_proc=1), "t")
     assert "'assistant'" in err.value.hint
 
@@ -132,5 +158,7 @@ def test_chat_errors_name_the_record_outside_jsonl(tiny_tokenizer):
 def test_malformed_json_message_reads_as_english(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "ok"}\n{"text": "unterminated\n', encoding="utf-8")
-    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Unterminated string starting at column 10\)"):
+    with pytest.raises(
+        DataError, match=r"d\.jsonl:2: malformed JSON \(Unterminated string starting at column 10\)"
+    ):
         data.file_source(str(p), 0.0)

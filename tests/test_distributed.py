@@ -31,8 +31,12 @@ REL_TOL = 1e-4
 
 # ------------------------------------------------------------------------------------- pure logic
 def test_deepspeed_config_is_generated_from_our_settings(tmp_path):
-    cfg = from_dict({"training": {"micro_batch_size": 4, "grad_accum": 8, "max_grad_norm": 0.5},
-                     "techniques": {"offload": "zero3-nvme", "nvme_path": str(tmp_path)}})
+    cfg = from_dict(
+        {
+            "training": {"micro_batch_size": 4, "grad_accum": 8, "max_grad_norm": 0.5},
+            "techniques": {"offload": "zero3-nvme", "nvme_path": str(tmp_path)},
+        }
+    )
     ds = zero.ds_config(cfg, "bf16", world_size=2, local_accum=4, on_gpu=True)
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 4
@@ -41,20 +45,34 @@ def test_deepspeed_config_is_generated_from_our_settings(tmp_path):
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3
-    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+    assert zero["offload_optimizer"] == {
+        "device": "nvme",
+        "nvme_path": str(tmp_path),
+        "pin_memory": True,
+    }
     assert zero["offload_param"]["device"] == "nvme"
-    assert '"auto"' not in json.dumps(ds)  # nothing left for DeepSpeed to guess (transformers#27830)
-    z2 = zero.ds_config(from_dict({"techniques": {"offload": "zero2-cpu"}}), "fp32", 1, 1, on_gpu=False)
+    assert '"auto"' not in json.dumps(
+        ds
+    )  # nothing left for DeepSpeed to guess (transformers#27830)
+    z2 = zero.ds_config(
+        from_dict({"techniques": {"offload": "zero2-cpu"}}), "fp32", 1, 1, on_gpu=False
+    )
     assert z2["zero_optimization"]["stage"] == 2
     assert z2["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "offload_param" not in z2["zero_optimization"]
 
 
-@pytest.mark.parametrize("techniques,match", [
-    ({"offload": "zero2-cpu", "optimizer": "adamw-8bit"}, "techniques.optimizer"),
-    ({"offload": "zero3-cpu", "optimizer": "adamw-4bit-ao"}, "techniques.optimizer"),
-    ({"offload": "zero3-cpu", "lora": {"enabled": True, "quantize_base": "nf4"}}, "quantize_base"),
-])
+@pytest.mark.parametrize(
+    "techniques,match",
+    [
+        ({"offload": "zero2-cpu", "optimizer": "adamw-8bit"}, "techniques.optimizer"),
+        ({"offload": "zero3-cpu", "optimizer": "adamw-4bit-ao"}, "techniques.optimizer"),
+        (
+            {"offload": "zero3-cpu", "lora": {"enabled": True, "quantize_base": "nf4"}},
+            "quantize_base",
+        ),
+    ],
+)
 def test_offload_conflicts_are_clear_errors(techniques, match):
     cfg = Config()
     cfg.techniques = from_dict({"techniques": techniques}).techniques
@@ -76,8 +94,13 @@ def test_offload_needs_deepspeed_strategy_and_a_writable_nvme_path(tmp_path):
 def test_strategy_choice():
     assert distributed.strategy(Config(), world=1) == "single"
     assert distributed.strategy(Config(), world=2) == "ddp"
-    assert distributed.strategy(from_dict({"distributed": {"strategy": "fsdp2"}}), world=1) == "single"
-    assert distributed.strategy(from_dict({"techniques": {"offload": "zero2-cpu"}}), world=1) == "deepspeed"
+    assert (
+        distributed.strategy(from_dict({"distributed": {"strategy": "fsdp2"}}), world=1) == "single"
+    )
+    assert (
+        distributed.strategy(from_dict({"techniques": {"offload": "zero2-cpu"}}), world=1)
+        == "deepspeed"
+    )
     assert zero.zero_stage(from_dict({"distributed": {"zero_stage": 1}})) == 1
     assert zero.zero_stage(from_dict({"techniques": {"offload": "zero3-cpu"}})) == 3
 
@@ -87,7 +110,9 @@ def test_global_batch_rule():
     assert distributed.local_accum(distributed.global_accum(cfg, 4), 4) == 2
     with pytest.raises(ConfigError, match="training.grad_accum=3"):
         distributed.local_accum(3, 2)
-    per_process = from_dict({"training": {"grad_accum": 3}, "distributed": {"keep_global_batch": False}})
+    per_process = from_dict(
+        {"training": {"grad_accum": 3}, "distributed": {"keep_global_batch": False}}
+    )
     assert distributed.global_accum(per_process, 2) == 6
     assert distributed.local_accum(6, 2) == 3
     with pytest.raises(ConfigError, match="distributed.zero_stage"):
@@ -103,7 +128,10 @@ def test_batch_order_shards_round_robin_and_keeps_single_process_order():
 
     single = take(BatchOrder(50, 4, seed=7), 30)  # crosses an epoch boundary (12 per epoch)
     assert single == take(BatchOrder(50, 4, seed=7, rank=0, world=1), 30)
-    r0, r1 = take(BatchOrder(50, 4, seed=7, world=2, rank=0), 15), take(BatchOrder(50, 4, seed=7, world=2, rank=1), 15)
+    r0, r1 = (
+        take(BatchOrder(50, 4, seed=7, world=2, rank=0), 15),
+        take(BatchOrder(50, 4, seed=7, world=2, rank=1), 15),
+    )
     assert [b for pair in zip(r0, r1) for b in pair] == single
     # a resumed position is global: 6 micro-batches done -> rank 1 continues at global batch 7
     assert take(BatchOrder(50, 4, seed=7, start=6, world=2, rank=1), 2) == [single[7], single[9]]
@@ -131,11 +159,20 @@ def base(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("dist")
     corpus = root / "corpus.txt"
     corpus.write_text("".join(CORPUS) * 3, encoding="utf-8")
-    return {"model": {"name": str(tiny_model_dir)},
-            "data": {"path": str(corpus), "seq_len": 32, "num_proc": 1},
-            "training": {"micro_batch_size": 2, "grad_accum": 4, "max_steps": 4, "log_every": 1, "eval_every": 0,
-                         "save_every": 2, "warmup_steps": 2},
-            "output": {"dir": str(root / "runs"), "report_to": "none"}}
+    return {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(corpus), "seq_len": 32, "num_proc": 1},
+        "training": {
+            "micro_batch_size": 2,
+            "grad_accum": 4,
+            "max_steps": 4,
+            "log_every": 1,
+            "eval_every": 0,
+            "save_every": 2,
+            "warmup_steps": 2,
+        },
+        "output": {"dir": str(root / "runs"), "report_to": "none"},
+    }
 
 
 def _cfg(base: dict, name: str, resume: Path | None = None, **sections) -> dict:
@@ -160,18 +197,42 @@ def _launch(tmp_path: Path, configs: list[dict], nproc: int = 2) -> None:
         p = tmp_path / f"run{i}.yaml"
         p.write_text(yaml.safe_dump(cfg))
         paths.append(str(p))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     port = distributed._free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), str(SCRIPT), *paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(SCRIPT),
+        *paths,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def _one_process_env() -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    ):
         env.pop(key, None)
     return env
 
@@ -218,8 +279,21 @@ def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_
     script = Path(__file__).parent / "dist_scripts" / "fsdp2_check.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(distributed._free_port()), str(script), str(tiny_model_dir), "hybrid", "bf16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(distributed._free_port()),
+        str(script),
+        str(tiny_model_dir),
+        "hybrid",
+        "bf16",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     info = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
@@ -237,10 +311,19 @@ def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     assert len(list((ckpt / "engine" / "zero").glob("*optim_states.pt"))) == 2  # one per process
     # DeepSpeed cannot re-partition its optimizer state for another process count: one clear error
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(_cfg(base, "zero2-to-1", resume=ckpt, techniques={"offload": "zero2-cpu"})))
-    proc = subprocess.run([sys.executable, "-m", "onegpu", "train", "--config", str(bad)], env=_one_process_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "number of processes that wrote it" in proc.stderr, proc.stderr[-3000:]
+    bad.write_text(
+        yaml.safe_dump(_cfg(base, "zero2-to-1", resume=ckpt, techniques={"offload": "zero2-cpu"}))
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "onegpu", "train", "--config", str(bad)],
+        env=_one_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "number of processes that wrote it" in proc.stderr, proc.stderr[
+        -3000:
+    ]
 
 
 @pytest.mark.slow
@@ -258,9 +341,22 @@ def test_one_process_zero2_cpu_offload_from_the_cli(base, reference, tmp_path):
     """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one process."""
     cfg = tmp_path / "one.yaml"
     cfg.write_text(yaml.safe_dump(_cfg(base, "zero2-cpu-1")))
-    proc = subprocess.run([sys.executable, "-m", "onegpu", "train", "--config", str(cfg),
-                           "--techniques.offload", "zero2-cpu"], env=_one_process_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onegpu",
+            "train",
+            "--config",
+            str(cfg),
+            "--techniques.offload",
+            "zero2-cpu",
+        ],
+        env=_one_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     _assert_same(_losses(base, "zero2-cpu-1"), reference, [1, 2, 3, 4])
     ckpt = Path(base["output"]["dir"]) / "zero2-cpu-1" / "checkpoint-00000002"

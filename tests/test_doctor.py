@@ -10,8 +10,20 @@ import pytest
 from onegpu.cli import doctor
 from onegpu.cli.main import main
 
-EXPECTED = {"bf16", "tf32", "sdpa-flash", "sdpa-mem-efficient", "sdpa-math", "adamw-fused", "flash_attn",
-            "bitsandbytes", "torchao", "deepspeed", "triton", "peft"}
+EXPECTED = {
+    "bf16",
+    "tf32",
+    "sdpa-flash",
+    "sdpa-mem-efficient",
+    "sdpa-math",
+    "adamw-fused",
+    "flash_attn",
+    "bitsandbytes",
+    "torchao",
+    "deepspeed",
+    "triton",
+    "peft",
+}
 
 
 def test_json_report_has_versions_gpu_and_every_check(capsys):
@@ -34,10 +46,10 @@ def test_json_report_has_versions_gpu_and_every_check(capsys):
 # bitsandbytes/cextension.py of three installs: working, broken import, native library not loaded
 FAKE_BNB = {
     "works": "BNB_BACKEND = 'CPU'\nclass NativeLibrary:\n    compiled_with_cuda = False\n"
-             "lib = NativeLibrary()\n",
+    "lib = NativeLibrary()\n",
     "no-import": "raise ImportError('libbitsandbytes_cpu.so: cannot open shared object file')\n",
     "no-library": "BNB_BACKEND = 'CUDA'\nclass ErrorHandlerMockBNBNativeLibrary:\n    pass\n"
-                  "lib = ErrorHandlerMockBNBNativeLibrary()\n",
+    "lib = ErrorHandlerMockBNBNativeLibrary()\n",
 }
 
 
@@ -64,27 +76,46 @@ def fake_site(tmp_path, monkeypatch):
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("bnb, ok, detail", [
-    ("works", True, "9.9.9, CPU library loaded"),
-    ("no-import", False,
-     "9.9.9 does not import: libbitsandbytes_cpu.so: cannot open shared object file"),
-    ("no-library", False, "9.9.9: native CUDA library failed to load"),
-])
+@pytest.mark.parametrize(
+    "bnb, ok, detail",
+    [
+        ("works", True, "9.9.9, CPU library loaded"),
+        (
+            "no-import",
+            False,
+            "9.9.9 does not import: libbitsandbytes_cpu.so: cannot open shared object file",
+        ),
+        ("no-library", False, "9.9.9: native CUDA library failed to load"),
+    ],
+)
 def test_installed_packages_are_detected_by_trying_them(fake_site, bnb, ok, detail):
     """Installed (a version in the metadata) is not enough: each package is imported, and
     bitsandbytes' native library loaded, and a package that fails is reported with why."""
-    _install_fake(fake_site, "bitsandbytes", "9.9.9", {"bitsandbytes/__init__.py": "",
-                                                        "bitsandbytes/cextension.py": FAKE_BNB[bnb]})
-    _install_fake(fake_site, "peft", "9.9.9", {"peft/__init__.py": "raise ImportError('needs torch>=99')\n"})
+    _install_fake(
+        fake_site,
+        "bitsandbytes",
+        "9.9.9",
+        {"bitsandbytes/__init__.py": "", "bitsandbytes/cextension.py": FAKE_BNB[bnb]},
+    )
+    _install_fake(
+        fake_site, "peft", "9.9.9", {"peft/__init__.py": "raise ImportError('needs torch>=99')\n"}
+    )
     checks = doctor.collect()["checks"]
     assert (checks["bitsandbytes"]["ok"], checks["bitsandbytes"]["detail"]) == (ok, detail)
-    assert (checks["peft"]["ok"], checks["peft"]["detail"]) == (False, "9.9.9 does not import: needs torch>=99")
+    assert (checks["peft"]["ok"], checks["peft"]["detail"]) == (
+        False,
+        "9.9.9 does not import: needs torch>=99",
+    )
     assert checks["peft"]["hint"] == "pip install --force-reinstall peft"
 
 
 def test_missing_packages_carry_an_install_hint(monkeypatch):
     real = doctor._installed
-    monkeypatch.setattr(doctor, "_installed", lambda d: None if d in ("peft", "bitsandbytes", "deepspeed") else real(d))
+    monkeypatch.setattr(
+        doctor,
+        "_installed",
+        lambda d: None if d in ("peft", "bitsandbytes", "deepspeed") else real(d),
+    )
     checks = doctor.collect()["checks"]
     for name, extra in (("peft", "peft"), ("bitsandbytes", "bnb"), ("deepspeed", "deepspeed")):
         assert checks[name]["ok"] is False and f"onegpu[{extra}]" in checks[name]["hint"]

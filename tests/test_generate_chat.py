@@ -41,49 +41,82 @@ def _run_dir(tmp_path, tiny_model_dir, fmt: str):
 
 def test_chat_feeds_exactly_the_chat_template_with_generation_prompt(tiny, monkeypatch):
     seen = _fed(tiny.model, monkeypatch)
-    out = generate(tiny.model, tiny.tokenizer, ["def add(a, b):"], SamplingConfig(max_new_tokens=3, greedy=True,
-                                                                                   chat=True))
-    expected = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}],
-                                                  add_generation_prompt=True, tokenize=True)["input_ids"]
+    out = generate(
+        tiny.model,
+        tiny.tokenizer,
+        ["def add(a, b):"],
+        SamplingConfig(max_new_tokens=3, greedy=True, chat=True),
+    )
+    expected = tiny.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     assert seen == [[expected]]  # one call, one row
-    assert out[0].prompt == "def add(a, b):" and out[0].new_tokens == 3  # the record keeps the user's prompt
+    assert (
+        out[0].prompt == "def add(a, b):" and out[0].new_tokens == 3
+    )  # the record keeps the user's prompt
 
 
 def test_chat_batch_is_left_padded_chat_templates(tiny, monkeypatch):
     seen = _fed(tiny.model, monkeypatch)
     prompts = ["hi", "a longer question about Python classes"]
-    generate(tiny.model, tiny.tokenizer, prompts, SamplingConfig(max_new_tokens=2, greedy=True, chat=True))
+    generate(
+        tiny.model,
+        tiny.tokenizer,
+        prompts,
+        SamplingConfig(max_new_tokens=2, greedy=True, chat=True),
+    )
     pad = tiny.tokenizer.pad_token_id
     for row, prompt in zip(seen[0], prompts):
-        ids = tiny.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                 tokenize=True)["input_ids"]
-        assert row[len(row) - len(ids):] == ids and set(row[:len(row) - len(ids)]) <= {pad}
+        ids = tiny.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        assert row[len(row) - len(ids) :] == ids and set(row[: len(row) - len(ids)]) <= {pad}
 
 
 def test_chat_off_feeds_the_plain_prompt(tiny, monkeypatch):
     seen = _fed(tiny.model, monkeypatch)
-    generate(tiny.model, tiny.tokenizer, ["def f("], SamplingConfig(max_new_tokens=2, greedy=True, chat=False))
+    generate(
+        tiny.model,
+        tiny.tokenizer,
+        ["def f("],
+        SamplingConfig(max_new_tokens=2, greedy=True, chat=False),
+    )
     assert seen == [tiny.tokenizer(["def f("])["input_ids"]]
 
 
 def test_chat_auto_is_on_only_for_a_run_trained_on_chat_data(tmp_path, tiny_model_dir, monkeypatch):
     chat_run = load(InferConfig(model=str(_run_dir(tmp_path / "a", tiny_model_dir, "messages"))))
     text_run = load(InferConfig(model=str(_run_dir(tmp_path / "b", tiny_model_dir, "text"))))
-    plain = load(InferConfig(model=str(tiny_model_dir)))  # has a template, but no run says what it learnt
-    assert (chat_run.data_format, text_run.data_format, plain.data_format) == ("messages", "text", None)
-    templated = chat_run.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                       add_generation_prompt=True, tokenize=True)["input_ids"]
+    plain = load(
+        InferConfig(model=str(tiny_model_dir))
+    )  # has a template, but no run says what it learnt
+    assert (chat_run.data_format, text_run.data_format, plain.data_format) == (
+        "messages",
+        "text",
+        None,
+    )
+    templated = chat_run.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     text = plain.tokenizer("hi")["input_ids"]
     for loaded, expected in ((chat_run, templated), (text_run, text), (plain, text)):
         seen = _fed(loaded.model, monkeypatch)
-        generate(loaded.model, loaded.tokenizer, ["hi"], SamplingConfig(max_new_tokens=1, greedy=True),
-                 data_format=loaded.data_format)
+        generate(
+            loaded.model,
+            loaded.tokenizer,
+            ["hi"],
+            SamplingConfig(max_new_tokens=1, greedy=True),
+            data_format=loaded.data_format,
+        )
         assert seen == [[expected]], loaded.data_format
 
 
 def test_cli_chat_flag_reaches_generation(tmp_path, tiny_model_dir, monkeypatch):
     seen = {}
-    monkeypatch.setattr("onegpu.cli.generate.run", lambda icfg, scfg, *rest: seen.setdefault("chat", scfg.chat) and 0)
+    monkeypatch.setattr(
+        "onegpu.cli.generate.run",
+        lambda icfg, scfg, *rest: seen.setdefault("chat", scfg.chat) and 0,
+    )
     cli(["--model", str(tiny_model_dir), "--chat", "true", "hello"])
     cli(["--model.name", str(tiny_model_dir), "hello"])  # train's name for the model works too
     assert seen["chat"] is True
@@ -91,13 +124,19 @@ def test_cli_chat_flag_reaches_generation(tmp_path, tiny_model_dir, monkeypatch)
 
 def test_chat_without_a_template_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setattr(tiny.tokenizer, "chat_template", None)
-    with pytest.raises(ConfigError, match="--chat true needs a tokenizer with a chat template") as err:
+    with pytest.raises(
+        ConfigError, match="--chat true needs a tokenizer with a chat template"
+    ) as err:
         generate(tiny.model, tiny.tokenizer, ["hi"], SamplingConfig(max_new_tokens=1, chat=True))
     assert "--tokenizer" in err.value.hint
 
 
-@pytest.mark.parametrize("line, column", [('{"prompt": "unterminated', 12), ("{oops", 2), ('{"prompt": 1,}', 14)])
-def test_prompts_file_json_error_names_line_and_column_without_a_dangling_at(tmp_path, line, column):
+@pytest.mark.parametrize(
+    "line, column", [('{"prompt": "unterminated', 12), ("{oops", 2), ('{"prompt": 1,}', 14)]
+)
+def test_prompts_file_json_error_names_line_and_column_without_a_dangling_at(
+    tmp_path, line, column
+):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n' + line + "\n")
     with pytest.raises(DataError) as err:

@@ -42,18 +42,24 @@ def test_static_cache_and_compile_match_eager_greedy(tiny):
     eager = generate(tiny.model, tiny.tokenizer, PROMPTS[:2], greedy(batch_size=2))
     counters.clear()
     # aot_eager traces and compiles the same graph as inductor, without inductor's C++ build time
-    compiled = generate(tiny.model, tiny.tokenizer, PROMPTS[:2],
-                        greedy(batch_size=2, compile="default", compile_backend="aot_eager"))
+    compiled = generate(
+        tiny.model,
+        tiny.tokenizer,
+        PROMPTS[:2],
+        greedy(batch_size=2, compile="default", compile_backend="aot_eager"),
+    )
     assert _texts(compiled) == _texts(eager)
-    assert counters["stats"]["unique_graphs"] >= 1  # the decode step really went through torch.compile
+    assert (
+        counters["stats"]["unique_graphs"] >= 1
+    )  # the decode step really went through torch.compile
     assert hasattr(tiny.model, "_compiled_call")
 
 
 def test_stop_strings_cut_generation(tiny):
     full = generate(tiny.model, tiny.tokenizer, PROMPTS[:1], greedy(24))[0]
     assert full.finish_reason == "length" and len(full.text) > 6
-    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
-    expected = full.text[:full.text.find(stop)]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    expected = full.text[: full.text.find(stop)]
     cut = generate(tiny.model, tiny.tokenizer, PROMPTS[:1], greedy(24, stop=[stop]))[0]
     assert cut.text == expected and cut.finish_reason == "stop"
     assert cut.new_tokens < full.new_tokens  # generation itself stopped early, not just the text
@@ -61,8 +67,15 @@ def test_stop_strings_cut_generation(tiny):
 
 def test_seeded_sampling_is_reproducible(tiny):
     def sample(seed):
-        return _texts(generate(tiny.model, tiny.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=10, seed=seed,
-                                                                                   temperature=1.5, top_k=0)))
+        return _texts(
+            generate(
+                tiny.model,
+                tiny.tokenizer,
+                PROMPTS,
+                SamplingConfig(max_new_tokens=10, seed=seed, temperature=1.5, top_k=0),
+            )
+        )
+
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
 
@@ -82,7 +95,16 @@ def test_cli_generates_from_args_file_and_stdin(tmp_path, tiny_model_dir, monkey
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     out = tmp_path / "out.jsonl"
     monkeypatch.setattr("sys.stdin", io.StringIO("x = 1\n\n"))
-    args = ["--model", str(tiny_model_dir), "--greedy", "true", "--max_new_tokens", "6", "--output", str(out)]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--greedy",
+        "true",
+        "--max_new_tokens",
+        "6",
+        "--output",
+        str(out),
+    ]
     assert cli(args + ["--prompts_file", str(prompts), "def f(", "-"]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["def f(", "x = 1", *PROMPTS[:2]]
@@ -91,8 +113,22 @@ def test_cli_generates_from_args_file_and_stdin(tmp_path, tiny_model_dir, monkey
 
 
 def test_cli_streams_a_single_prompt(tiny_model_dir, capsys):
-    assert cli(["--model", str(tiny_model_dir), "--greedy", "true", "--max_new_tokens", "6",
-                "--stream", "true", "def f("]) == 0
+    assert (
+        cli(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--greedy",
+                "true",
+                "--max_new_tokens",
+                "6",
+                "--stream",
+                "true",
+                "def f(",
+            ]
+        )
+        == 0
+    )
     streamed = capsys.readouterr().out
     tiny = load(InferConfig(model=str(tiny_model_dir)))
     text = generate(tiny.model, tiny.tokenizer, ["def f("], greedy(6))[0].text
@@ -118,6 +154,20 @@ def test_cli_errors_are_clear(tmp_path, tiny_model_dir, capsys):
 
 def test_cli_stop_flag_repeats_and_understands_backslash_n(tiny_model_dir, monkeypatch):
     seen = {}
-    monkeypatch.setattr("onegpu.cli.generate.run", lambda icfg, scfg, *rest: seen.setdefault("stop", scfg.stop) and 0)
-    cli(["--model", str(tiny_model_dir), "--stop", r"\n\n", "--stop=return", "--stop", "a,b", "def f("])
+    monkeypatch.setattr(
+        "onegpu.cli.generate.run",
+        lambda icfg, scfg, *rest: seen.setdefault("stop", scfg.stop) and 0,
+    )
+    cli(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--stop",
+            r"\n\n",
+            "--stop=return",
+            "--stop",
+            "a,b",
+            "def f(",
+        ]
+    )
     assert seen["stop"] == ["\n\n", "return", "a,b"]

@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 # What the GPU presets must measure between them (benchmarks/bench_train.py).
 GPU_ARMS = {
@@ -32,17 +37,42 @@ GPU_ARMS = {
 }
 # The guide's table, each method alone (bf16 is the GPU baseline, measured against the fp32 arm),
 # the best set, PEFT, padding vs packing, and the three peers at their defaults / the guide's flags.
-MUST_COVER = {"batch-size", "grad-accum", "checkpointing", "fp32", "fp16", "fp32-tf32", "flash", "adamw-fused",
-              "adafactor", "adamw-8bit", "preload", "compile", "offload", "lora", "qlora", "best", "padding-free",
-              "hf-trainer", "hf-trainer-tuned", "trl-sft", "trl-dpo", "trl-dpo-lora"}
+MUST_COVER = {
+    "batch-size",
+    "grad-accum",
+    "checkpointing",
+    "fp32",
+    "fp16",
+    "fp32-tf32",
+    "flash",
+    "adamw-fused",
+    "adafactor",
+    "adamw-8bit",
+    "preload",
+    "compile",
+    "offload",
+    "lora",
+    "qlora",
+    "best",
+    "padding-free",
+    "hf-trainer",
+    "hf-trainer-tuned",
+    "trl-sft",
+    "trl-dpo",
+    "trl-dpo-lora",
+}
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        list(args), cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _bench_train_script():
-    spec = importlib.util.spec_from_file_location("bench_train_script", ROOT / "benchmarks" / "bench_train.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_train_script", ROOT / "benchmarks" / "bench_train.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
@@ -51,22 +81,36 @@ def _bench_train_script():
 
 def test_gpu_tier_collects_without_errors():
     """An import error or a bad fixture in tests/gpu would otherwise surface only on the GPU machine."""
-    proc = _run(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu",
-                "-m", "gpu")
+    proc = _run(
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/gpu",
+        "-m",
+        "gpu",
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "error" not in out.lower(), out[-3000:]
     collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/gpu/")]
     files = {line.split("::")[0] for line in collected}
-    assert len(files) == len(list((ROOT / "tests" / "gpu").glob("test_*.py")))  # every file, offload included
+    assert len(files) == len(
+        list((ROOT / "tests" / "gpu").glob("test_*.py"))
+    )  # every file, offload included
     assert len(collected) >= 20 and re.search(rf"\b{len(collected)} tests? collected", proc.stdout)
 
 
 def test_ds_accelerator_is_left_to_deepspeed_where_cuda_exists():
     """conftest names DeepSpeed's CPU accelerator only without CUDA; with CUDA the offload tests and
     their subprocesses keep DeepSpeed's own (CUDA) choice."""
-    code = ("import os, sys, torch; sys.path.insert(0, 'tests'); torch.cuda.is_available = lambda: {cuda}; "
-            "import conftest; print(os.environ.get('DS_ACCELERATOR'))")
+    code = (
+        "import os, sys, torch; sys.path.insert(0, 'tests'); torch.cuda.is_available = lambda: {cuda}; "
+        "import conftest; print(os.environ.get('DS_ACCELERATOR'))"
+    )
     env = {k: v for k, v in ENV.items() if k != "DS_ACCELERATOR"}
     for cuda, expected in ((True, "None"), (False, "cpu")):
         proc = _run(sys.executable, "-c", code.format(cuda=cuda), env=env)
@@ -88,7 +132,16 @@ def _sections(out: str) -> dict[str, list[str]]:
 def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
     """Each preset's flags parse and validate, and it lists exactly its arms; nothing is written."""
     env = {**ENV, "ONEGPU_BENCH_WORKDIR": str(tmp_path / "work")}
-    proc = _run(sys.executable, "benchmarks/bench_train.py", "cpu", "headline", "cpu-dpo", "gpu", "--dry-run", env=env)
+    proc = _run(
+        sys.executable,
+        "benchmarks/bench_train.py",
+        "cpu",
+        "headline",
+        "cpu-dpo",
+        "gpu",
+        "--dry-run",
+        env=env,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     sections = _sections(proc.stdout)
     from onegpu.bench.arms import all_arms, dpo_arms
@@ -97,7 +150,12 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
     names = lambda lines: [line.split()[0] for line in lines]  # noqa: E731
     assert names(sections["cpu"]) == [a.name for a in all_arms(BenchTrainConfig())]
     assert names(sections["cpu-dpo"]) == [a.name for a in dpo_arms()]
-    assert names(sections["headline"]) == ["baseline", "plain-loss", "hf-trainer", "hf-trainer-tuned"]
+    assert names(sections["headline"]) == [
+        "baseline",
+        "plain-loss",
+        "hf-trainer",
+        "hf-trainer-tuned",
+    ]
     for preset, arms in GPU_ARMS.items():
         assert names(sections[preset]) == arms, preset
     assert set().union(*GPU_ARMS.values()) >= MUST_COVER
@@ -105,13 +163,22 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
     for preset in GPU_ARMS:  # every GPU arm trains the saved ~1B model at seq 2048, and so on
         assert f"llama-1b, 4 x 2 x 2048 tokens, 10 steps, 2 reps [train-{preset}-" in proc.stdout
     memory = dict(line.split(None, 1) for line in sections["gpu-memory"])
-    assert "training.micro_batch_size=8, training.grad_accum=1" in memory["batch-size"]  # capped: fits 80 GB
+    assert (
+        "training.micro_batch_size=8, training.grad_accum=1" in memory["batch-size"]
+    )  # capped: fits 80 GB
     # on this CPU the GPU-only arms say why they would not run, and TRL is installed
     precision = dict(line.split(None, 1) for line in sections["gpu-precision"])
-    assert precision["fp16"].startswith("skip: ") and precision["fp32"] == "techniques.precision=fp32"
-    assert dict(line.split(None, 1) for line in sections["gpu-quick"])["trl-sft"] == "TRL SFTTrainer"
+    assert (
+        precision["fp16"].startswith("skip: ") and precision["fp32"] == "techniques.precision=fp32"
+    )
+    assert (
+        dict(line.split(None, 1) for line in sections["gpu-quick"])["trl-sft"] == "TRL SFTTrainer"
+    )
     dpo = dict(line.split(None, 1) for line in sections["gpu-dpo"])
-    assert dpo["trl-dpo"] == "TRL DPOTrainer" and dpo["trl-dpo-lora"] == "TRL DPOTrainer (techniques.lora.enabled=True)"
+    assert (
+        dpo["trl-dpo"] == "TRL DPOTrainer"
+        and dpo["trl-dpo-lora"] == "TRL DPOTrainer (techniques.lora.enabled=True)"
+    )
     assert re.search(r"2 reps \[train-gpu-dpo-\d+\]; objective dpo", proc.stdout)
 
 
@@ -136,8 +203,12 @@ def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
     renamed when complete) and every later preset reuses them."""
     script = _bench_train_script()
     work = tmp_path / "work"
-    model = script.saved_model(work / "llama-1b", preset="tiny", max_bytes=200_000)  # stands in for the 1b
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model.iterdir()}
+    model = script.saved_model(
+        work / "llama-1b", preset="tiny", max_bytes=200_000
+    )  # stands in for the 1b
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in model.iterdir()
+    }
     written = (model / "model.safetensors").stat().st_mtime_ns
     for name in ("gpu-chat", "gpu-peft"):
         argv = script.preset_argv(script.PRESETS[name], work, "20990101", dry_run=False)
@@ -147,7 +218,10 @@ def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
     assert (model / "model.safetensors").stat().st_mtime_ns == written  # reused, not written again
     chat = work / "chat.jsonl"
     assert chat.is_file() and len(chat.read_text().splitlines()) > 1000
-    assert sorted(p.name for p in work.iterdir()) == ["chat.jsonl", "llama-1b"]  # no half-written leftovers
+    assert sorted(p.name for p in work.iterdir()) == [
+        "chat.jsonl",
+        "llama-1b",
+    ]  # no half-written leftovers
 
 
 def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
@@ -175,36 +249,63 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
         for name in arm_names:
             o = arms[name].overrides
             lora = o.get("techniques.lora.enabled", False)
-            reference = {"trl-dpo": "copy"}.get(name, o.get("preference.reference", b.preference.reference))
-            c = setup(o.get("training.micro_batch_size", b.training.micro_batch_size),
-                      o.get("training.grad_accum", b.training.grad_accum),
-                      precision=peers.get(name) or o.get("techniques.precision", b.techniques.precision),
-                      checkpointing="full" if name in trl else o.get("techniques.checkpointing", "off"),
-                      lora={"r": b.techniques.lora.r, "enabled": lora},
-                      training={"objective": b.training.objective},
-                      preference={"reference": reference})
-            assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (preset, name, c.label())
+            reference = {"trl-dpo": "copy"}.get(
+                name, o.get("preference.reference", b.preference.reference)
+            )
+            c = setup(
+                o.get("training.micro_batch_size", b.training.micro_batch_size),
+                o.get("training.grad_accum", b.training.grad_accum),
+                precision=peers.get(name) or o.get("techniques.precision", b.techniques.precision),
+                checkpointing="full" if name in trl else o.get("techniques.checkpointing", "off"),
+                lora={"r": b.techniques.lora.r, "enabled": lora},
+                training={"objective": b.training.objective},
+                preference={"reference": reference},
+            )
+            assert memory.estimate(shape, c, b.data.seq_len).fits(capacity), (
+                preset,
+                name,
+                c.label(),
+            )
             checked.add(name)
     assert checked == set().union(*GPU_ARMS.values())
     assert not memory.estimate(shape, setup(16, 1, precision="bf16"), b.data.seq_len).fits(capacity)
 
 
 def test_bench_infer_gpu_preset_dry_runs():
-    proc = _run(sys.executable, "benchmarks/bench_infer.py", "--preset", "1b", "--device", "cuda", "--dry-run")
+    proc = _run(
+        sys.executable,
+        "benchmarks/bench_infer.py",
+        "--preset",
+        "1b",
+        "--device",
+        "cuda",
+        "--dry-run",
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     listed = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  ")]
-    assert listed[0] == "hf-default" and {"bf16", "nf4", "ao-int8", "bf16+static-compile"} <= set(listed)
+    assert listed[0] == "hf-default" and {"bf16", "nf4", "ao-int8", "bf16+static-compile"} <= set(
+        listed
+    )
     assert "dry run: 1b on cuda" in proc.stdout
 
 
-@pytest.mark.skipif(not Path("/usr/bin/timeout").exists() and not Path("/bin/timeout").exists(),
-                    reason="needs coreutils timeout")
+@pytest.mark.skipif(
+    not Path("/usr/bin/timeout").exists() and not Path("/bin/timeout").exists(),
+    reason="needs coreutils timeout",
+)
 def test_gpu_check_script_runs_steps_times_out_and_summarises(tmp_path):
     """scripts/gpu_check.sh with plain python and PYTHONPATH=src: a step that passes, a benchmark step
     skipped without CUDA, a step killed by its timeout, an unknown step; all in summary.txt."""
-    env = {**ENV, "GPU_CHECK_DIR": str(tmp_path / "out"), "PYTHON": sys.executable, "TIMEOUT_DRY": "1"}
+    env = {
+        **ENV,
+        "GPU_CHECK_DIR": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "TIMEOUT_DRY": "1",
+    }
     env.pop("OUT", None)
-    proc = _run("bash", "scripts/gpu_check.sh", "versions", "quick", "dry", "nope", env=env, timeout=180)
+    proc = _run(
+        "bash", "scripts/gpu_check.sh", "versions", "quick", "dry", "nope", env=env, timeout=180
+    )
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert re.search(r"^PASS\s+versions\s", summary, re.M), summary

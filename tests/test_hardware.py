@@ -9,11 +9,23 @@ from onegpu.errors import ConfigError, UnavailableError
 from onegpu.hardware import CATALOG, DeviceInfo, find_gpu, match_device
 
 
-@pytest.mark.parametrize("name,key", [
-    ("h100", "H100"), ("H100 PCIe", "H100-PCIe"), ("a100-40gb", "A100-40GB"), ("A100", "A100-80GB"),
-    ("rtx 4090", "RTX4090"), ("RTX3090", "RTX3090"), ("t4", "T4"), ("L4", "L4"), ("b200", "B200"),
-    ("NVIDIA H200", "H200"), ("a10g", "A10G"), ("V100", "V100"),
-])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("h100", "H100"),
+        ("H100 PCIe", "H100-PCIe"),
+        ("a100-40gb", "A100-40GB"),
+        ("A100", "A100-80GB"),
+        ("rtx 4090", "RTX4090"),
+        ("RTX3090", "RTX3090"),
+        ("t4", "T4"),
+        ("L4", "L4"),
+        ("b200", "B200"),
+        ("NVIDIA H200", "H200"),
+        ("a10g", "A10G"),
+        ("V100", "V100"),
+    ],
+)
 def test_find_gpu_by_name_and_alias(name, key):
     assert find_gpu(name).key == key
 
@@ -27,12 +39,20 @@ def test_unknown_gpu_suggests_the_closest():
     assert "known GPUs" in str(err.value)
 
 
-@pytest.mark.parametrize("reported,gib,key", [
-    ("NVIDIA H100 80GB HBM3", 79.1, "H100"), ("NVIDIA H100 PCIe", 79.1, "H100-PCIe"),
-    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"), ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
-    ("Tesla T4", 14.6, "T4"), ("NVIDIA H200", 139.8, "H200"), ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090"),
-    ("NVIDIA H100 NVL", 93.1, "H100-NVL"), ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
-])
+@pytest.mark.parametrize(
+    "reported,gib,key",
+    [
+        ("NVIDIA H100 80GB HBM3", 79.1, "H100"),
+        ("NVIDIA H100 PCIe", 79.1, "H100-PCIe"),
+        ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
+        ("Tesla T4", 14.6, "T4"),
+        ("NVIDIA H200", 139.8, "H200"),
+        ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090"),
+        ("NVIDIA H100 NVL", 93.1, "H100-NVL"),
+        ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
+    ],
+)
 def test_detected_device_matches_catalog(reported, gib, key):
     dev = DeviceInfo("cuda", reported, int(gib * 2**30), (9, 0))
     assert match_device(dev).key == key
@@ -68,4 +88,6 @@ def test_cpu_throughput_is_measured_once_and_cached(monkeypatch):
 def test_detect_keeps_its_fields():
     dev = hardware.detect()
     assert dev.type in ("cpu", "cuda", "mps") and dev.total_memory > 0
-    assert isinstance(dev.is_gpu, bool) and isinstance(dev.bf16, bool) and isinstance(dev.tf32, bool)
+    assert (
+        isinstance(dev.is_gpu, bool) and isinstance(dev.bf16, bool) and isinstance(dev.tf32, bool)
+    )

@@ -25,7 +25,10 @@ MODES = {
     "scratch": {},
     "full": {"model": {"name": PRETRAINED}},
     "lora": {"model": {"name": PRETRAINED}, "techniques": {"lora": {"enabled": True}}},
-    "qlora": {"model": {"name": PRETRAINED}, "techniques": {"lora": {"enabled": True, "quantize_base": "nf4"}}},
+    "qlora": {
+        "model": {"name": PRETRAINED},
+        "techniques": {"lora": {"enabled": True, "quantize_base": "nf4"}},
+    },
 }
 
 
@@ -39,7 +42,11 @@ def test_each_mode_takes_its_table_values(mode):
     assert training_mode(cfg) == mode
     t, row = settled(MODES[mode]), auto_table()[mode]
     assert (t.lr, t.weight_decay, t.warmup_ratio) == (row["lr"], row["weight_decay"], None)
-    steps = row["warmup_steps"] if row["warmup_ratio"] is None else math.ceil(row["warmup_ratio"] * t.max_steps)
+    steps = (
+        row["warmup_steps"]
+        if row["warmup_ratio"] is None
+        else math.ceil(row["warmup_ratio"] * t.max_steps)
+    )
     assert t.warmup_steps == steps
 
 
@@ -54,8 +61,13 @@ def test_the_table():
 
 
 def test_mode_by_model_name_and_from_scratch():
-    assert training_mode(Config(), "tiny") == "scratch" and training_mode(Config(), "125m") == "scratch"
-    assert training_mode(from_dict({"model": {"name": PRETRAINED, "from_scratch": True}})) == "scratch"
+    assert (
+        training_mode(Config(), "tiny") == "scratch"
+        and training_mode(Config(), "125m") == "scratch"
+    )
+    assert (
+        training_mode(from_dict({"model": {"name": PRETRAINED, "from_scratch": True}})) == "scratch"
+    )
     assert training_mode(Config(), PRETRAINED) == "full"  # the run's resolved model name decides
 
 
@@ -67,14 +79,18 @@ def test_a_value_the_user_sets_is_kept_in_every_mode(mode):
     assert (t.lr, t.weight_decay, t.warmup_steps) == (1e-4, 0.05, 7)
     data["training"] = {"lr": 0.0, "warmup_ratio": 0.25}  # zero is a value, not "unset"
     t = settled(data)
-    assert (t.lr, t.warmup_steps) == (0.0, 50) and t.weight_decay == auto_table()[mode]["weight_decay"]
+    assert (t.lr, t.warmup_steps) == (0.0, 50) and t.weight_decay == auto_table()[mode][
+        "weight_decay"
+    ]
 
 
 def test_warmup_ratio_keeps_a_short_run_proportionate():
     assert settled({"model": {"name": PRETRAINED}, "training": {"max_steps": 10}}).warmup_steps == 1
     assert settled({"training": {"max_steps": 40, "warmup_ratio": 0.1}}).warmup_steps == 4
     assert settled({"training": {"max_steps": 7, "warmup_ratio": 0.0}}).warmup_steps == 0
-    assert settled({"model": {"name": PRETRAINED}, "training": {"max_steps": 1000}}).warmup_steps == 30
+    assert (
+        settled({"model": {"name": PRETRAINED}, "training": {"max_steps": 1000}}).warmup_steps == 30
+    )
 
 
 def test_settling_twice_changes_nothing():
@@ -85,7 +101,9 @@ def test_settling_twice_changes_nothing():
 
 def test_both_warmups_set_is_a_clear_error(tmp_path):
     data = {"training": {"warmup_steps": 10, "warmup_ratio": 0.1}}
-    with pytest.raises(ConfigError, match="warmup_steps=10 and training.warmup_ratio=0.1 both set") as err:
+    with pytest.raises(
+        ConfigError, match="warmup_steps=10 and training.warmup_ratio=0.1 both set"
+    ) as err:
         settled(data)
     assert "keep one of them" in err.value.hint
     with pytest.raises(ConfigError, match="both set"):  # before any run directory exists
@@ -109,13 +127,17 @@ def test_cli_and_yaml_accept_auto_and_numbers(tmp_path):
     t = cli()
     assert (t.lr, t.warmup_steps, t.warmup_ratio, t.weight_decay) == ("auto", "auto", None, "auto")
     t = cli("--training.lr", "1e-4", "--training.weight_decay", "0", "--training.warmup_steps", "5")
-    assert (t.lr, t.weight_decay, t.warmup_steps) == (1e-4, 0.0, 5) and isinstance(t.weight_decay, float)
+    assert (t.lr, t.weight_decay, t.warmup_steps) == (1e-4, 0.0, 5) and isinstance(
+        t.weight_decay, float
+    )
     assert cli("--training.lr", "auto", "--training.warmup_ratio", "0.1").warmup_ratio == 0.1
     with pytest.raises(ConfigError, match="training.lr must be a number, got 'fast'") as err:
         cli("--training.lr", "fast")
     assert "or auto" in err.value.hint
     p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump({"training": {"lr": "auto", "warmup_ratio": 0.05, "weight_decay": 0}}))
+    p.write_text(
+        yaml.safe_dump({"training": {"lr": "auto", "warmup_ratio": 0.05, "weight_decay": 0}})
+    )
     t = cli("--config", str(p))
     assert (t.lr, t.warmup_ratio, t.weight_decay, t.warmup_steps) == ("auto", 0.05, 0.0, "auto")
     assert from_dict({"training": {"lr": 3e-4, "warmup_steps": 4}}).training.lr == 3e-4
@@ -129,8 +151,18 @@ def test_the_planners_recommendation_carries_settled_numbers(tiny_model_dir):
     from onegpu.plan import make_plan
 
     _, rec = make_plan(Config(), "tiny", "T4", 256, 32)
-    assert (rec.training.lr, rec.training.warmup_steps, rec.training.weight_decay) == (2e-3, 20, 0.1)
-    _, rec = make_plan(from_dict({"techniques": {"lora": {"enabled": True, "r": 8}}}), str(tiny_model_dir), "T4", 64, 8)
+    assert (rec.training.lr, rec.training.warmup_steps, rec.training.weight_decay) == (
+        2e-3,
+        20,
+        0.1,
+    )
+    _, rec = make_plan(
+        from_dict({"techniques": {"lora": {"enabled": True, "r": 8}}}),
+        str(tiny_model_dir),
+        "T4",
+        64,
+        8,
+    )
     assert (rec.training.lr, rec.training.warmup_steps, rec.training.weight_decay) == (2e-4, 6, 0.0)
     assert rec.training.warmup_ratio is None
 
@@ -147,13 +179,22 @@ def losses(run_dir) -> list[tuple]:
     return [(r["split"], r["step"], r.get("loss")) for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-SHORT = {"data": {"max_bytes": 200_000, "seq_len": 64, "num_proc": 1},
-         "training": {"micro_batch_size": 4, "max_steps": 24, "eval_every": 12, "eval_batches": 2, "log_every": 4},
-         "output": {"report_to": "none"}}
+SHORT = {
+    "data": {"max_bytes": 200_000, "seq_len": 64, "num_proc": 1},
+    "training": {
+        "micro_batch_size": 4,
+        "max_steps": 24,
+        "eval_every": 12,
+        "eval_batches": 2,
+        "log_every": 4,
+    },
+    "output": {"report_to": "none"},
+}
 
 
 def test_the_default_job_trains_exactly_as_before(tmp_path, caplog):
     """A preset from scratch: auto must be today's numbers, bit for bit (warm-up 20 of 24 steps)."""
+
     def run(name, **training):
         cfg = json.loads(json.dumps(SHORT))
         cfg["training"].update(training)
@@ -162,34 +203,69 @@ def test_the_default_job_trains_exactly_as_before(tmp_path, caplog):
 
     with caplog.at_level(logging.INFO, logger="onegpu.training.run"):
         auto = run("auto")
-    assert "hyper-parameters (training from scratch): lr 2e-3 (auto), warm-up 20 steps (auto), " \
-           "weight decay 0.1 (auto)" in caplog.text
+    assert (
+        "hyper-parameters (training from scratch): lr 2e-3 (auto), warm-up 20 steps (auto), "
+        "weight decay 0.1 (auto)" in caplog.text
+    )
     explicit = run("explicit", lr=2e-3, warmup_steps=20, weight_decay=0.1)
     assert losses(auto) == losses(explicit) and len(losses(auto)) >= 6
     saved = load_yaml(auto / "config.yaml")["training"]
-    assert (saved["lr"], saved["warmup_steps"], saved["warmup_ratio"], saved["weight_decay"]) == (2e-3, 20, None, 0.1)
+    assert (saved["lr"], saved["warmup_steps"], saved["warmup_ratio"], saved["weight_decay"]) == (
+        2e-3,
+        20,
+        None,
+        0.1,
+    )
 
 
-def test_a_fine_tune_saves_settled_numbers_and_resumes_from_its_config(tmp_path, tiny_model_dir, caplog):
+def test_a_fine_tune_saves_settled_numbers_and_resumes_from_its_config(
+    tmp_path, tiny_model_dir, caplog
+):
     """The run's config.yaml records the settled numbers (not auto); `--config <run>/config.yaml
     --output.resume latest` continues with exactly them."""
     from onegpu.checkpoint import local as checkpoint
     from onegpu.cli.main import main
 
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(60)))
-    cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(data), "seq_len": 32, "num_proc": 1},
-           "training": {"micro_batch_size": 2, "max_steps": 40, "eval_every": 0, "log_every": 1, "save_every": 20},
-           "output": {"dir": str(tmp_path / "runs"), "name": "run", "report_to": "none", "keep_last": 10}}
+    data.write_text(
+        "".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(60))
+    )
+    cfg = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(data), "seq_len": 32, "num_proc": 1},
+        "training": {
+            "micro_batch_size": 2,
+            "max_steps": 40,
+            "eval_every": 0,
+            "log_every": 1,
+            "save_every": 20,
+        },
+        "output": {
+            "dir": str(tmp_path / "runs"),
+            "name": "run",
+            "report_to": "none",
+            "keep_last": 10,
+        },
+    }
     with caplog.at_level(logging.INFO, logger="onegpu.training.run"):
         run_dir = train(cfg).run_dir
-    assert "(full fine-tune of a pretrained model): lr 2e-5 (auto), warm-up 3% = 2 steps (auto)" in caplog.text
+    assert (
+        "(full fine-tune of a pretrained model): lr 2e-5 (auto), warm-up 3% = 2 steps (auto)"
+        in caplog.text
+    )
     saved = load_yaml(run_dir / "config.yaml")["training"]
-    assert (saved["lr"], saved["warmup_steps"], saved["warmup_ratio"], saved["weight_decay"]) == (2e-5, 2, None, 0.0)
+    assert (saved["lr"], saved["warmup_steps"], saved["warmup_ratio"], saved["weight_decay"]) == (
+        2e-5,
+        2,
+        None,
+        0.0,
+    )
     expected = losses(run_dir)
     for p in checkpoint.list_checkpoints(run_dir):  # back to step 20, as if stopped there
         if checkpoint.step_of(p) > 20:
             shutil.rmtree(p)
-    assert main(["train", "--config", str(run_dir / "config.yaml"), "--output.resume", "latest"]) == 0
+    assert (
+        main(["train", "--config", str(run_dir / "config.yaml"), "--output.resume", "latest"]) == 0
+    )
     assert losses(run_dir) == expected
     assert load_yaml(run_dir / "config.yaml")["training"] == saved

@@ -26,7 +26,11 @@ def ids(fp32):
 
 
 def _linears(model):
-    return [m for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"))]
+    return [
+        m
+        for n, m in model.named_modules()
+        if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"))
+    ]
 
 
 def test_run_dir_resolves_to_its_final_model(tmp_path, tiny_model_dir):
@@ -62,14 +66,19 @@ def test_attention_choice_reaches_the_model(fp32, tiny_model_dir):
         load(InferConfig(model=str(tiny_model_dir), attention="flash"))
 
 
-@pytest.mark.parametrize("kind, cls", [("int8", "Linear8bitLt"), ("nf4", "Linear4bit"), ("fp4", "Linear4bit")])
+@pytest.mark.parametrize(
+    "kind, cls", [("int8", "Linear8bitLt"), ("nf4", "Linear4bit"), ("fp4", "Linear4bit")]
+)
 def test_bitsandbytes_quantizes_the_linears(kind, cls, fp32, ids, tiny_model_dir):
     q = load(InferConfig(model=str(tiny_model_dir), quantization=kind, int8_threshold=4.0))
     layers = _linears(q.model)
     assert layers and all(type(m).__name__ == cls and is_quantized_layer(m) for m in layers)
     weight = layers[0].weight
     if kind == "int8":
-        assert weight.dtype == torch.int8 and q.model.config.quantization_config.llm_int8_threshold == 4.0
+        assert (
+            weight.dtype == torch.int8
+            and q.model.config.quantization_config.llm_int8_threshold == 4.0
+        )
     else:
         assert weight.dtype == torch.uint8 and weight.quant_state.quant_type == kind
         assert weight.quant_state.nested  # double quantization of the scales
@@ -85,7 +94,9 @@ def test_torchao_int8_swaps_weights_for_quantized_tensors(kind, fp32, ids, tiny_
 
     q = load(InferConfig(model=str(tiny_model_dir), quantization=kind))
     layers = _linears(q.model)
-    assert layers and all(isinstance(m.weight, TorchAOBaseTensor) and is_quantized_layer(m) for m in layers)
+    assert layers and all(
+        isinstance(m.weight, TorchAOBaseTensor) and is_quantized_layer(m) for m in layers
+    )
     assert not is_quantized_layer(q.model.lm_head)  # logits stay full precision
     assert weight_bytes(q.model) < 0.75 * weight_bytes(fp32.model)
     ref, out = fp32.model(ids).logits, q.model(ids).logits
@@ -99,7 +110,11 @@ def test_torchao_int4_on_cpu_is_a_clear_error(tiny_model_dir):
 
 
 def test_max_memory_parsing():
-    assert parse_max_memory("0=6GiB, cuda:1=8GiB,cpu=24GiB") == {0: "6GiB", 1: "8GiB", "cpu": "24GiB"}
+    assert parse_max_memory("0=6GiB, cuda:1=8GiB,cpu=24GiB") == {
+        0: "6GiB",
+        1: "8GiB",
+        "cpu": "24GiB",
+    }
     assert parse_max_memory(None) is None
     with pytest.raises(ConfigError, match="max_memory"):
         parse_max_memory("cpu:24GiB")
@@ -107,8 +122,14 @@ def test_max_memory_parsing():
 
 def test_device_map_auto_spills_layers_past_the_memory_budget(tmp_path, fp32, ids, tiny_model_dir):
     budget = weight_bytes(fp32.model) // 2  # room for the embeddings, not the layers
-    spilled = load(InferConfig(model=str(tiny_model_dir), device_map="auto", max_memory=f"cpu={budget}",
-                               offload_folder=str(tmp_path / "offload")))
+    spilled = load(
+        InferConfig(
+            model=str(tiny_model_dir),
+            device_map="auto",
+            max_memory=f"cpu={budget}",
+            offload_folder=str(tmp_path / "offload"),
+        )
+    )
     placement = set(spilled.model.hf_device_map.values())
     assert placement == {"cpu", "disk"}
     assert torch.allclose(spilled.model(ids).logits, fp32.model(ids).logits, atol=1e-5)
@@ -122,7 +143,9 @@ def adapter_dir(tmp_path_factory, tiny_model_dir):
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     torch.manual_seed(1)
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     path = tmp_path_factory.mktemp("adapter")
     peft_model.save_pretrained(str(path))
     cfg = json.loads((path / "adapter_config.json").read_text())
@@ -132,8 +155,13 @@ def adapter_dir(tmp_path_factory, tiny_model_dir):
 
 def test_lora_adapter_applied_then_merged(adapter_dir, fp32, ids, tiny_model_dir):
     applied = load(InferConfig(model=str(adapter_dir)))  # the adapter dir names its base model
-    assert any(type(m).__name__ == "Linear" and type(m).__module__.startswith("peft") for m in applied.model.modules())
-    merged = load(InferConfig(model=str(tiny_model_dir), adapter=str(adapter_dir), merge_adapter=True))
+    assert any(
+        type(m).__name__ == "Linear" and type(m).__module__.startswith("peft")
+        for m in applied.model.modules()
+    )
+    merged = load(
+        InferConfig(model=str(tiny_model_dir), adapter=str(adapter_dir), merge_adapter=True)
+    )
     assert not any(type(m).__module__.startswith("peft") for m in merged.model.modules())
     a, m, base = applied.model(ids).logits, merged.model(ids).logits, fp32.model(ids).logits
     assert torch.allclose(a, m, atol=1e-4) and not torch.allclose(a, base, atol=1e-3)
@@ -147,11 +175,22 @@ def test_flash_resolves_as_training_does():
     import torch
 
     from onegpu.infer.loading import _attention
-    from onegpu.techniques.attention import SDPA_FLASH, attention_implementation, flash_attn_installed
+    from onegpu.techniques.attention import (
+        SDPA_FLASH,
+        attention_implementation,
+        flash_attn_installed,
+    )
 
     want = "flash_attention_2" if flash_attn_installed() else SDPA_FLASH
-    assert _attention("flash", "cuda", torch.bfloat16) == attention_implementation("flash", "cuda") == want
-    assert _attention("auto", "cpu", torch.float32) == "sdpa" and _attention("eager", "cpu", torch.float32) == "eager"
+    assert (
+        _attention("flash", "cuda", torch.bfloat16)
+        == attention_implementation("flash", "cuda")
+        == want
+    )
+    assert (
+        _attention("auto", "cpu", torch.float32) == "sdpa"
+        and _attention("eager", "cpu", torch.float32) == "eager"
+    )
 
 
 def test_attention_auto_resolves_per_model_as_training_does(tmp_path, tiny_tokenizer, caplog):
@@ -162,15 +201,27 @@ def test_attention_auto_resolves_per_model_as_training_does(tmp_path, tiny_token
     from transformers import AutoModelForCausalLM, Gemma2Config
 
     tok = tiny_tokenizer
-    config = Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=tok.pad_token_id,
-                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
     tok.save_pretrained(str(tmp_path))
     with caplog.at_level(logging.INFO, logger="onegpu.techniques.attention"):
         loaded = load(InferConfig(model=str(tmp_path)))
     assert loaded.model.config._attn_implementation == "eager"
     assert [r.getMessage() for r in caplog.records if r.name == "onegpu.techniques.attention"] == [
-        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"]
-    with pytest.raises(ConfigError, match=r"attention=sdpa is not supported by gemma2 .*it supports"):
+        "attention=auto: gemma2 (Gemma2ForCausalLM) does not support sdpa; using eager"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"attention=sdpa is not supported by gemma2 .*it supports"
+    ):
         load(InferConfig(model=str(tmp_path), attention="sdpa"))

@@ -34,9 +34,20 @@ def ctx():
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver: one thread per tiny child
     c = multiprocessing.get_context("forkserver")
     # Everything a child imports lazily, imported once here so that each restart is cheap.
-    c.set_forkserver_preload(["onegpu.training.run", "onegpu.data.records", "onegpu.techniques", "helpers", "accelerate",
-                              "datasets", "transformers.models.llama.modeling_llama", "safetensors.torch",
-                              "transformers.tokenization_utils_tokenizers", "deepspeed"])
+    c.set_forkserver_preload(
+        [
+            "onegpu.training.run",
+            "onegpu.data.records",
+            "onegpu.techniques",
+            "helpers",
+            "accelerate",
+            "datasets",
+            "transformers.models.llama.modeling_llama",
+            "safetensors.torch",
+            "transformers.tokenization_utils_tokenizers",
+            "deepspeed",
+        ]
+    )
     yield c
     if old is None:
         os.environ.pop("OMP_NUM_THREADS", None)
@@ -81,7 +92,9 @@ def test_kill_inside_checkpoint_writes(ctx, tmp_path, tiny_tokenizer, tiny_model
     for n, point in enumerate(SAVE_POINTS):
         # "trash" only happens when a step is saved again (a run resumed from an earlier point)
         step = 1 if point == "trash" else n + 2
-        p = ctx.Process(target=_save_and_die, args=(str(tmp_path), step, point, str(tiny_model_dir)))
+        p = ctx.Process(
+            target=_save_and_die, args=(str(tmp_path), step, point, str(tiny_model_dir))
+        )
         p.start()
         p.join(60)
         assert p.exitcode == -signal.SIGKILL, (point, p.exitcode)
@@ -93,8 +106,16 @@ def test_kill_inside_checkpoint_writes(ctx, tmp_path, tiny_tokenizer, tiny_model
 
 
 def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_dir, tiny_tokenizer):
-    cfg = make_cfg(tmp_path, tiny_model_dir, name="killed", max_steps=150, save_every=1, eval_every=0,
-                   grad_accum=1, log_every=1)
+    cfg = make_cfg(
+        tmp_path,
+        tiny_model_dir,
+        name="killed",
+        max_steps=150,
+        save_every=1,
+        eval_every=0,
+        grad_accum=1,
+        log_every=1,
+    )
     cfg["output"]["keep_last"] = 2
     run_dir = tmp_path / "runs" / "killed"
     rng = random.Random(20261122)
@@ -108,7 +129,9 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
         time.sleep(rng.uniform(0.0, 0.2))
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
-        assert p.exitcode == -signal.SIGKILL, f"run failed instead of being killed (exit {p.exitcode})"
+        assert p.exitcode == -signal.SIGKILL, (
+            f"run failed instead of being killed (exit {p.exitcode})"
+        )
         kills += 1
         mid_write += any(run_dir.glob(".tmp-*"))  # the kill landed inside a checkpoint write
         latest = checkpoint.resolve_resume("latest", run_dir)
@@ -120,8 +143,16 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
     assert mid_write >= 3, f"only {mid_write} of {kills} kills hit a checkpoint write"
     cfg["output"].update(resume="latest", overwrite=False)
     finished = train(cfg)
-    ref_cfg = make_cfg(tmp_path, tiny_model_dir, name="straight", max_steps=150, save_every=0, eval_every=0,
-                       grad_accum=1, log_every=1)
+    ref_cfg = make_cfg(
+        tmp_path,
+        tiny_model_dir,
+        name="straight",
+        max_steps=150,
+        save_every=0,
+        eval_every=0,
+        grad_accum=1,
+        log_every=1,
+    )
     straight = train(ref_cfg)
     train_only = lambda d: [r for r in losses(d) if r[0] == "train"]  # noqa: E731
     assert train_only(finished.run_dir) == train_only(straight.run_dir)
@@ -134,7 +165,11 @@ def _wait_for_progress(run_dir, last_step: int, proc, timeout: float = 90.0) -> 
     while time.monotonic() < deadline:
         if not proc.is_alive():
             pytest.fail(f"training child exited with {proc.exitcode} before it was killed")
-        steps = [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run_dir)] if run_dir.exists() else []
+        steps = (
+            [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(run_dir)]
+            if run_dir.exists()
+            else []
+        )
         if steps and max(steps) > last_step:
             return
         time.sleep(0.02)

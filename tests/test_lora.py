@@ -19,12 +19,17 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _load(model_dir, tok, quant=None):
-    return models.load_model(str(model_dir), ModelConfig(name=str(model_dir)), tok,
-                             extra={"quantization_config": quant} if quant else None)
+    return models.load_model(
+        str(model_dir),
+        ModelConfig(name=str(model_dir)),
+        tok,
+        extra={"quantization_config": quant} if quant else None,
+    )
 
 
 def _tcfg(**lora):
     return TechniquesConfig(lora=LoraConfig(enabled=True, r=4, **lora))
+
 
 def _train(model, batch, steps=8, lr=1e-2):
     opt = build_optimizer(model, TechniquesConfig(), TrainingConfig(lr=lr, weight_decay=0.0))
@@ -44,35 +49,53 @@ def _logits(model, batch):
         return model(**batch).logits
 
 
-def test_lora_trains_only_adapters_and_leaves_base_untouched(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_lora_trains_only_adapters_and_leaves_base_untouched(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
     model = _load(tiny_model_dir, tiny_tokenizer)
     base_before = {k: v.clone() for k, v in model.state_dict().items()}
     model = apply_lora(model, _tcfg())
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
     cfg = model.config
-    dims = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
-            "gate_proj": (64, cfg.intermediate_size), "up_proj": (64, cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, 64)}
+    dims = {
+        "q_proj": (64, 64),
+        "k_proj": (64, 32),
+        "v_proj": (64, 32),
+        "o_proj": (64, 64),
+        "gate_proj": (64, cfg.intermediate_size),
+        "up_proj": (64, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, 64),
+    }
     expected = cfg.num_hidden_layers * sum(4 * (i + o) for i, o in dims.values())  # r * (in + out)
     assert sum(p.numel() for p in trainable.values()) == expected
     losses = _train(model, random_batch(len(tiny_tokenizer), n=4, length=24))
     assert losses[-1] < losses[0] - 0.1
     after = model.get_base_model().state_dict()
     for name, before in base_before.items():
-        key = name.replace(".weight", ".base_layer.weight") if any(t in name for t in LINEARS) else name
+        key = (
+            name.replace(".weight", ".base_layer.weight")
+            if any(t in name for t in LINEARS)
+            else name
+        )
         torch.testing.assert_close(after[key], before, rtol=0, atol=0)
     from peft import PeftModel
 
     model.save_pretrained(str(tmp_path / "adapter"))
-    reloaded = PeftModel.from_pretrained(_load(tiny_model_dir, tiny_tokenizer), str(tmp_path / "adapter"))
+    reloaded = PeftModel.from_pretrained(
+        _load(tiny_model_dir, tiny_tokenizer), str(tmp_path / "adapter")
+    )
     batch = random_batch(len(tiny_tokenizer), n=4, length=24)
     torch.testing.assert_close(_logits(reloaded, batch), _logits(model, batch), rtol=0, atol=0)
 
 
 def test_named_targets_and_unknown_target_error(tiny_model_dir, tiny_tokenizer):
     model = apply_lora(_load(tiny_model_dir, tiny_tokenizer), _tcfg(targets="q_proj, v_proj"))
-    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if "lora_A" in n}
+    adapted = {
+        n.split(".lora_A")[0].rsplit(".", 1)[-1]
+        for n, _ in model.named_parameters()
+        if "lora_A" in n
+    }
     assert adapted == {"q_proj", "v_proj"}
     with pytest.raises(ConfigError, match="qproj matches no linear layer") as err:
         apply_lora(_load(tiny_model_dir, tiny_tokenizer), _tcfg(targets="q_proj,qproj"))
@@ -92,7 +115,9 @@ def test_dora_adds_trainable_magnitude_vectors(tiny_model_dir, tiny_tokenizer):
 def test_qlora_base_is_4bit_on_cpu_and_adapters_train(tiny_model_dir, tiny_tokenizer, tmp_path):
     import bitsandbytes as bnb
 
-    quant = quantization_config(_tcfg(quantize_base="nf4"), "fp32", str(tiny_model_dir), ModelConfig())
+    quant = quantization_config(
+        _tcfg(quantize_base="nf4"), "fp32", str(tiny_model_dir), ModelConfig()
+    )
     model = apply_lora(_load(tiny_model_dir, tiny_tokenizer, quant), _tcfg(quantize_base="nf4"))
     q = model.get_base_model().model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, bnb.nn.Linear4bit) and q.base_layer.weight.dtype == torch.uint8
@@ -112,28 +137,44 @@ def test_qlora_base_is_4bit_on_cpu_and_adapters_train(tiny_model_dir, tiny_token
 
 def test_quantize_base_needs_lora_and_pretrained_weights(tiny_model_dir):
     with pytest.raises(ConfigError, match="lora.enabled"):
-        quantization_config(TechniquesConfig(lora=LoraConfig(quantize_base="nf4")), "fp32", str(tiny_model_dir),
-                            ModelConfig())
+        quantization_config(
+            TechniquesConfig(lora=LoraConfig(quantize_base="nf4")),
+            "fp32",
+            str(tiny_model_dir),
+            ModelConfig(),
+        )
     with pytest.raises(ConfigError, match="pretrained weights"):
         quantization_config(_tcfg(quantize_base="int8"), "fp32", "tiny", ModelConfig())
     assert quantization_config(_tcfg(), "fp32", str(tiny_model_dir), ModelConfig()) is None
 
 
-def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, tiny_model_dir, tiny_tokenizer,
-                                                                      text_file):
+def test_train_saves_peft_adapter_that_reloads_and_merges_identically(
+    tmp_path, tiny_model_dir, tiny_tokenizer, text_file
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from onegpu import train
 
-    cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
-           "training": {"micro_batch_size": 4, "max_steps": 4, "eval_every": 0, "eval_batches": 2,
-                        "warmup_steps": 0, "lr": 1e-2},
-           "techniques": {"lora": {"enabled": True, "r": 4, "merge_on_save": True}},
-           "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
+    cfg = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+        "training": {
+            "micro_batch_size": 4,
+            "max_steps": 4,
+            "eval_every": 0,
+            "eval_batches": 2,
+            "warmup_steps": 0,
+            "lr": 1e-2,
+        },
+        "techniques": {"lora": {"enabled": True, "r": 4, "merge_on_save": True}},
+        "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
+    }
     train(cfg)
     final, merged_dir = tmp_path / "run" / "final", tmp_path / "run" / "final-merged"
-    assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
+    assert (final / "adapter_model.safetensors").is_file() and not (
+        final / "model.safetensors"
+    ).exists()
     assert json.loads((final / "adapter_config.json").read_text())["r"] == 4
     batch = random_batch(len(tiny_tokenizer), n=4, length=24)
     base_logits = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), batch)
@@ -141,7 +182,9 @@ def test_train_saves_peft_adapter_that_reloads_and_merges_identically(tmp_path, 
     adapter_logits = _logits(adapter, batch)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    assert not torch.allclose(adapter_logits, base_logits, atol=1e-4)  # the adapter learned something
+    assert not torch.allclose(
+        adapter_logits, base_logits, atol=1e-4
+    )  # the adapter learned something
     torch.testing.assert_close(_logits(merged, batch), adapter_logits, rtol=1e-4, atol=1e-4)
 
 
@@ -153,10 +196,21 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
     from onegpu.training import assemble
     from onegpu.config import from_dict
 
-    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"seq_len": 32},
-                     "techniques": {"lora": {"enabled": True, "r": 4, "quantize_base": "nf4"}}})
-    model = assemble.assemble(cfg, hardware.detect(), "fp32", str(tiny_model_dir), tokenizer=tiny_tokenizer,
-                              optimizer=False).model
+    cfg = from_dict(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"seq_len": 32},
+            "techniques": {"lora": {"enabled": True, "r": 4, "quantize_base": "nf4"}},
+        }
+    )
+    model = assemble.assemble(
+        cfg,
+        hardware.detect(),
+        "fp32",
+        str(tiny_model_dir),
+        tokenizer=tiny_tokenizer,
+        optimizer=False,
+    ).model
     linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(linears) == 2 * len(LINEARS) and all(m.weight.dtype == torch.uint8 for m in linears)
     assert model.peft_config["default"].r == 4

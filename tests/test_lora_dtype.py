@@ -43,7 +43,9 @@ def test_bf16_adapters_their_grads_and_adam_state_are_bf16_and_the_model_trains(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    states = [
+        t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1
+    ]
     assert states and {t.dtype for t in states} == {torch.bfloat16}
     assert losses[-1] < losses[0] - 0.05
 
@@ -54,8 +56,10 @@ def test_fp32_adapters_on_a_bf16_base(tiny_tokenizer):
     assert {p.dtype for p in _trainable(model).values()} == {torch.float32}
 
 
-@pytest.mark.parametrize("precision, expected", [("bf16-pure", "bf16"), ("bf16", "fp32"), ("fp16", "fp32"),
-                                                 ("fp32", "fp32")])
+@pytest.mark.parametrize(
+    "precision, expected",
+    [("bf16-pure", "bf16"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32")],
+)
 def test_auto_is_bf16_only_when_the_whole_model_is_bf16(precision, expected):
     assert adapter_dtype("auto", precision) == expected
 

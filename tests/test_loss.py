@@ -12,14 +12,24 @@ from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.techniques.fused_loss import auto_chunk
 from onegpu.objectives.sft import SFT, loss_sum
-from onegpu.objectives.tokens import (IGNORE, TARGETS, TokenLoss, count_targets, model_inputs, select_targets,
-                                      with_target_positions)
+from onegpu.objectives.tokens import (
+    IGNORE,
+    TARGETS,
+    TokenLoss,
+    count_targets,
+    model_inputs,
+    select_targets,
+    with_target_positions,
+)
+
 
 def _loss_and_grads(model, batch, chunk):
     model.zero_grad(set_to_none=True)
     loss = loss_sum(model, batch, chunk_size=chunk)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("chunk", [7, 32, 1000])
@@ -40,7 +50,9 @@ def test_chunked_loss_keeps_the_forward_autocast(tiny_tokenizer):
     batch = random_batch(len(tiny_tokenizer), seed=2, masked_prefix=5)
     head_dtypes = []
     model.lm_head.register_forward_hook(lambda m, i, o: head_dtypes.append(o.dtype))
-    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # only the forward, like Accelerate
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(
+        model.forward
+    )  # only the forward, like Accelerate
     plain = loss_sum(model, batch)
     chunked = loss_sum(model, batch, chunk_size=8)
     chunked.backward()  # the recomputed chunks run under the same autocast
@@ -53,10 +65,19 @@ def test_softcapped_model_handled(tiny_tokenizer):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
-        pad_token_id=tiny_tokenizer.pad_token_id))
+    model = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=len(tiny_tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            final_logit_softcapping=0.5,
+            pad_token_id=tiny_tokenizer.pad_token_id,
+        )
+    )
     batch = random_batch(len(tiny_tokenizer), seed=2, masked_prefix=5)
     plain, _ = _loss_and_grads(model, batch, 0)
     chunked, _ = _loss_and_grads(model, batch, 5)
@@ -64,9 +85,15 @@ def test_softcapped_model_handled(tiny_tokenizer):
 
 
 def test_unknown_logit_transform_is_refused(tiny_tokenizer):
-    model = _scaled_logits(make_tiny_llama(tiny_tokenizer, num_hidden_layers=1))  # post-processes its logits
+    model = _scaled_logits(
+        make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
+    )  # post-processes its logits
     with pytest.raises(UnavailableError, match="techniques.loss=fused"):
-        loss_sum(model, random_batch(len(tiny_tokenizer), length=8, seed=2, masked_prefix=5), chunk_size=4)
+        loss_sum(
+            model,
+            random_batch(len(tiny_tokenizer), length=8, seed=2, masked_prefix=5),
+            chunk_size=4,
+        )
 
 
 def _peak_cpu_bytes(fn) -> int:
@@ -102,10 +129,19 @@ def test_model_inputs_and_count_targets():
     ids = torch.tensor([[1, 2, 3, 4]])
     labels = torch.tensor([[IGNORE, IGNORE, 3, 4]])
     assert count_targets(labels) == 2
-    plain = model_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
-    assert set(plain) == {"input_ids", "attention_mask", "use_cache"} and plain["use_cache"] is False
-    packed = model_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                           "position_ids": torch.tensor([[0, 1, 0, 1]])})
+    plain = model_inputs(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    )
+    assert (
+        set(plain) == {"input_ids", "attention_mask", "use_cache"} and plain["use_cache"] is False
+    )
+    packed = model_inputs(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.tensor([[0, 1, 0, 1]]),
+        }
+    )
     assert "attention_mask" not in packed and "position_ids" in packed
 
 
@@ -113,7 +149,9 @@ def test_fused_loss_never_builds_the_full_logits_and_recomputes_nothing(tiny_tok
     model = make_tiny_llama(tiny_tokenizer)
     batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     rows, phase = [], {"now": "forward"}
-    model.lm_head.register_forward_hook(lambda m, i, o: rows.append((phase["now"], o.shape[:-1].numel())))
+    model.lm_head.register_forward_hook(
+        lambda m, i, o: rows.append((phase["now"], o.shape[:-1].numel()))
+    )
     loss = loss_sum(model, batch, chunk_size=16)
     phase["now"] = "backward"
     loss.backward()
@@ -153,7 +191,9 @@ def test_fused_loss_without_grad_equals_plain(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer).eval()
     batch = random_batch(len(tiny_tokenizer), length=48, seed=2, masked_prefix=5)
     with torch.no_grad():
-        assert torch.allclose(loss_sum(model, batch), loss_sum(model, batch, chunk_size=9), rtol=1e-5)
+        assert torch.allclose(
+            loss_sum(model, batch), loss_sum(model, batch, chunk_size=9), rtol=1e-5
+        )
 
 
 def _scaled_logits(model):
@@ -184,7 +224,11 @@ def test_auto_falls_back_to_the_plain_loss_where_fused_cannot_serve(tiny_tokeniz
 
 def test_loss_setting_resolution():
     tc = TechniquesConfig
-    assert TokenLoss.for_run(tc(), vocab=4096, on_gpu=False, sharded=False).chunk_size == auto_chunk(4096, False) == 512
+    assert (
+        TokenLoss.for_run(tc(), vocab=4096, on_gpu=False, sharded=False).chunk_size
+        == auto_chunk(4096, False)
+        == 512
+    )
     assert TokenLoss.for_run(tc(loss_chunk_size=100), 4096, False, False).chunk_size == 100
     assert not TokenLoss.for_run(tc(loss="plain"), 4096, False, False).fused
     assert not TokenLoss.for_run(tc(), 4096, True, sharded=True).fused  # FSDP2 / ZeRO-3: plain
@@ -202,11 +246,22 @@ def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_fil
     from onegpu.training.data import build_data
     from onegpu.config import from_dict
 
-    cfg = from_dict({"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 32},
-                     "output": {"dir": str(tmp_path)}})
+    cfg = from_dict(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"path": str(text_file), "seq_len": 32},
+            "output": {"dir": str(tmp_path)},
+        }
+    )
     data = build_data(cfg, str(tiny_model_dir))
-    parts = assemble.assemble(cfg, hardware.detect(), "fp32", str(tiny_model_dir), tokenizer=data.tokenizer,
-                              optimizer=False)
+    parts = assemble.assemble(
+        cfg,
+        hardware.detect(),
+        "fp32",
+        str(tiny_model_dir),
+        tokenizer=data.tokenizer,
+        optimizer=False,
+    )
     tokens = parts.objective.tokens
     assert tokens.fused and tokens.chunk_size == auto_chunk(len(data.tokenizer), False)
 

@@ -14,23 +14,49 @@ from onegpu.techniques.moe import apply_moe_aux_loss
 def _mixtral(tok):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
 
 
 def _qwen_moe(tok):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
 
 
 BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen_moe}
+
 
 def _router_weights(model):
     return {n: p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
@@ -60,7 +86,9 @@ def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
     assert torch.allclose(losses[0.5] - losses[0.0], 0.5 * aux * n_targets, rtol=1e-4)
     assert len(router_grads[0.5]) == model.config.num_hidden_layers
     for name, g in router_grads[0.5].items():
-        assert not torch.allclose(g, router_grads[0.0][name]), name  # the aux loss trains the router
+        assert not torch.allclose(g, router_grads[0.0][name]), (
+            name
+        )  # the aux loss trains the router
 
 
 def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
@@ -97,10 +125,21 @@ def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
     start.save_pretrained(str(model_dir))
     tiny_tokenizer.save_pretrained(str(model_dir))
     AcceleratorState._reset_state()
-    r = train({"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
-               "training": {"micro_batch_size": 4, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
-                            "warmup_steps": 1, "log_every": 1},
-               "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}})
+    r = train(
+        {
+            "model": {"name": str(model_dir)},
+            "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+            "training": {
+                "micro_batch_size": 4,
+                "max_steps": 2,
+                "eval_every": 0,
+                "eval_batches": 1,
+                "warmup_steps": 1,
+                "log_every": 1,
+            },
+            "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
+        }
+    )
     from onegpu.report import read_metrics
 
     assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0

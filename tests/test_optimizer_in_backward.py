@@ -32,8 +32,11 @@ def _batches(tokenizer, n: int, seed: int = 0) -> list[dict]:
 
 def _train(tokenizer, in_backward: bool, optimizer: str, steps: int = 3):
     model = make_tiny_llama(tokenizer)
-    opt = build_optimizer(model, TechniquesConfig(optimizer=optimizer, optimizer_in_backward=in_backward),
-                          TrainingConfig(lr=1e-2, max_grad_norm=0.0))
+    opt = build_optimizer(
+        model,
+        TechniquesConfig(optimizer=optimizer, optimizer_in_backward=in_backward),
+        TrainingConfig(lr=1e-2, max_grad_norm=0.0),
+    )
     accelerator = Accelerator(cpu=True)
     for batch in _batches(tokenizer, steps):
         train_step(model, opt, [batch], accelerator, max_grad_norm=0.0)
@@ -47,8 +50,10 @@ def test_same_weights_as_a_normal_step(tiny_tokenizer, optimizer):
     assert isinstance(opt, OptimizerInBackward) and steps_in_backward(opt)
     for (name, a), (_, b) in zip(plain.named_parameters(), inside.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-    assert any(not torch.equal(a, b) for a, b in zip(make_tiny_llama(tiny_tokenizer).parameters(),
-                                                     inside.parameters()))  # it did train
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(make_tiny_llama(tiny_tokenizer).parameters(), inside.parameters())
+    )  # it did train
 
 
 def test_full_gradients_never_coexist(tiny_tokenizer):
@@ -60,10 +65,17 @@ def test_full_gradients_never_coexist(tiny_tokenizer):
         seen = []
         # Registered before the optimizer's hooks, so it runs first and sees its own gradient.
         for p in params:
-            p.register_post_accumulate_grad_hook(lambda _: seen.append(sum(q.grad is not None for q in params)))
-        opt = build_optimizer(model, TechniquesConfig(optimizer="adamw", optimizer_in_backward=in_backward),
-                              TrainingConfig(max_grad_norm=0.0))
-        train_step(model, opt, _batches(tiny_tokenizer, 1), Accelerator(cpu=True), max_grad_norm=0.0)
+            p.register_post_accumulate_grad_hook(
+                lambda _: seen.append(sum(q.grad is not None for q in params))
+            )
+        opt = build_optimizer(
+            model,
+            TechniquesConfig(optimizer="adamw", optimizer_in_backward=in_backward),
+            TrainingConfig(max_grad_norm=0.0),
+        )
+        train_step(
+            model, opt, _batches(tiny_tokenizer, 1), Accelerator(cpu=True), max_grad_norm=0.0
+        )
         return max(seen), len(params)
 
     alive, n = max_alive(True)
@@ -76,7 +88,9 @@ def test_state_round_trips_and_is_counted(tiny_tokenizer):
     _, opt = _train(tiny_tokenizer, True, "adamw", steps=2)
     assert state_bytes(opt) > 0 and len(opt.state) == len(opt.inner)
     model2 = make_tiny_llama(tiny_tokenizer)
-    opt2 = build_optimizer(model2, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0))
+    opt2 = build_optimizer(
+        model2, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0)
+    )
     opt2.load_state_dict(opt.state_dict())
     for a, b in zip(opt.inner, opt2.inner):
         sa, sb = next(iter(a.state.values())), next(iter(b.state.values()))
@@ -87,8 +101,10 @@ def test_state_round_trips_and_is_counted(tiny_tokenizer):
 
 def test_scheduler_reaches_every_inner_optimizer(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer)
-    opt = build_optimizer(model, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(lr=1e-2))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    opt = build_optimizer(
+        model, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(lr=1e-2)
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     sched.step()
     assert {g["lr"] for inner in opt.inner for g in inner.param_groups} == {5e-3}
 
@@ -97,7 +113,9 @@ def test_a_non_finite_loss_never_reaches_the_weights(tiny_tokenizer):
     from onegpu.training.recovery import NanGuard
 
     model = make_tiny_llama(tiny_tokenizer)
-    opt = build_optimizer(model, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0))
+    opt = build_optimizer(
+        model, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0)
+    )
     before = [p.detach().clone() for p in model.parameters()]
     guard = NanGuard(5)
     from onegpu.objectives.sft import SFT
@@ -106,17 +124,28 @@ def test_a_non_finite_loss_never_reaches_the_weights(tiny_tokenizer):
         def loss(self, m, b):
             return torch.tensor(float("nan"), requires_grad=True)
 
-    train_step(model, opt, _batches(tiny_tokenizer, 1), Accelerator(cpu=True), 0.0, objective=NaN(), guard=guard,
-               step=1)
+    train_step(
+        model,
+        opt,
+        _batches(tiny_tokenizer, 1),
+        Accelerator(cpu=True),
+        0.0,
+        objective=NaN(),
+        guard=guard,
+        step=1,
+    )
     assert guard.last_bad and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("training, techniques, match", [
-    ({"grad_accum": 2, "max_grad_norm": 0.0}, {}, "grad_accum=2"),
-    ({}, {}, "max_grad_norm=1.0"),
-    ({"max_grad_norm": 0.0}, {"precision": "fp16"}, "precision=fp16"),
-    ({"max_grad_norm": 0.0}, {"offload": "zero2-cpu"}, "offload=zero2-cpu"),
-])
+@pytest.mark.parametrize(
+    "training, techniques, match",
+    [
+        ({"grad_accum": 2, "max_grad_norm": 0.0}, {}, "grad_accum=2"),
+        ({}, {}, "max_grad_norm=1.0"),
+        ({"max_grad_norm": 0.0}, {"precision": "fp16"}, "precision=fp16"),
+        ({"max_grad_norm": 0.0}, {"offload": "zero2-cpu"}, "offload=zero2-cpu"),
+    ],
+)
 def test_what_it_cannot_do_is_refused_clearly(training, techniques, match):
     raw = {"training": training, "techniques": {"optimizer_in_backward": True, **techniques}}
     with pytest.raises(ConfigError, match=match) as err:
@@ -128,8 +157,9 @@ def test_what_it_cannot_do_is_refused_clearly(training, techniques, match):
 def test_trains_and_resumes_exactly(tmp_path, tiny_model_dir):
     from helpers import straight_then_resumed
 
-    expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"optimizer_in_backward": True},
-                                                grad_accum=1, max_grad_norm=0.0)
+    expected, got, a, b = straight_then_resumed(
+        tmp_path, tiny_model_dir, {"optimizer_in_backward": True}, grad_accum=1, max_grad_norm=0.0
+    )
     assert got == expected
     assert_same_weights(a, b)
     train_losses = [r[2] for r in got if r[0] == "train"]

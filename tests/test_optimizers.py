@@ -25,7 +25,9 @@ def _problem(seed: int = 0):
 
 
 def _build(model, name, lr=1e-2, wd=0.0):
-    return build_optimizer(model, TechniquesConfig(optimizer=name), TrainingConfig(lr=lr, weight_decay=wd))
+    return build_optimizer(
+        model, TechniquesConfig(optimizer=name), TrainingConfig(lr=lr, weight_decay=wd)
+    )
 
 
 def _step(model, opt, x, target) -> float:
@@ -133,7 +135,9 @@ def test_state_dict_round_trip_continues_identically(name):
     torch.testing.assert_close(clone.weight, model.weight, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name,module", [("adamw-8bit", "bitsandbytes"), ("adamw-4bit-ao", "torchao.optim")])
+@pytest.mark.parametrize(
+    "name,module", [("adamw-8bit", "bitsandbytes"), ("adamw-4bit-ao", "torchao.optim")]
+)
 def test_missing_backend_raises_unavailable_with_install_hint(monkeypatch, name, module):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     model, _, _ = _problem()

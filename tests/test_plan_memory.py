@@ -19,8 +19,15 @@ from onegpu.plan.candidate import setup
 def _llama():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    )
 
 
 def _gpt2():
@@ -32,9 +39,17 @@ def _gpt2():
 def _mixtral():
     from transformers import MixtralConfig
 
-    return MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
-                         max_position_embeddings=512)
+    return MixtralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    )
 
 
 ARCHS = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral}
@@ -67,17 +82,25 @@ def test_activation_bytes_within_5_percent(fitted, arch, mode):
 
 def test_checkpointing_modes_order_and_offload_keeps_nothing_per_layer(fitted):
     am, b, s, layers = fitted["llama"], 4, 512, 4
-    off, every, full, offload = (am.retained(b, s, layers, m) for m in ("off", "every-n", "full", "offload"))
+    off, every, full, offload = (
+        am.retained(b, s, layers, m) for m in ("off", "every-n", "full", "offload")
+    )
     assert off > every > full > offload
-    assert offload == pytest.approx(am.base.at(b, s))  # only embedding/head/loss; block inputs go to the host
-    assert acts.checkpointed_layers(5, "every-n", 2) == 3  # layers 0, 2, 4: transformers' every_n_layers rule
+    assert offload == pytest.approx(
+        am.base.at(b, s)
+    )  # only embedding/head/loss; block inputs go to the host
+    assert (
+        acts.checkpointed_layers(5, "every-n", 2) == 3
+    )  # layers 0, 2, 4: transformers' every_n_layers rule
     assert am.recompute_peak(b, s, "full") == pytest.approx(am.block.at(b, s))
 
 
 def test_fit_is_linear_in_batch_and_length(fitted):
     block = fitted["llama"].block
     assert block.at(8, 1024) == pytest.approx(8 * block.at(1, 1024), rel=1e-6)
-    assert block.at(1, 2048) == pytest.approx(2 * block.at(1, 1024), rel=1e-3)  # sdpa keeps no s^2 scores
+    assert block.at(1, 2048) == pytest.approx(
+        2 * block.at(1, 1024), rel=1e-3
+    )  # sdpa keeps no s^2 scores
 
 
 def test_components_follow_dtypes_and_methods():
@@ -88,7 +111,9 @@ def test_components_follow_dtypes_and_methods():
     assert memory.grad_bytes(shape, full) == n * 4
     assert memory.optimizer_bytes(shape, full) == n * 8  # AdamW: two fp32 states
     pure = setup(8, 1, precision="bf16-pure")
-    assert memory.weight_bytes(shape, pure) == n * 2 and memory.optimizer_bytes(shape, pure) == n * 4
+    assert (
+        memory.weight_bytes(shape, pure) == n * 2 and memory.optimizer_bytes(shape, pure) == n * 4
+    )
     eight = setup(8, 1, precision="bf16", optimizer="adamw-8bit")
     assert memory.optimizer_bytes(shape, eight) == pytest.approx(n * 2, rel=0.01)
     four = setup(8, 1, precision="bf16", optimizer="adamw-4bit-ao")
@@ -101,7 +126,8 @@ def test_components_follow_dtypes_and_methods():
     lora_n = 8 * shape.lora_params_per_rank
     assert memory.trainable_params(shape, qlora) == lora_n
     assert memory.weight_bytes(shape, qlora) == pytest.approx(
-        shape.linear_params * memory.NF4_BYTES + (n - shape.linear_params) * 2 + lora_n * 4)
+        shape.linear_params * memory.NF4_BYTES + (n - shape.linear_params) * 2 + lora_n * 4
+    )
     assert memory.optimizer_bytes(shape, qlora) == lora_n * 8
     assert memory.optimizer_bytes(shape, setup(8, 1, precision="bf16", offload="zero2-cpu")) == 0
 
@@ -143,7 +169,9 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
 
     from helpers import make_tiny_llama
 
-    model = make_tiny_llama(tiny_tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=3)
+    model = make_tiny_llama(
+        tiny_tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=3
+    )
     model.train()
     opt = build_optimizer(model, TechniquesConfig(optimizer="adamw"), TrainingConfig())
     ids = torch.randint(0, len(tiny_tokenizer), (4, 128))
@@ -157,23 +185,34 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
 
     step()  # optimizer state now exists, as in every later step
     resident = sum(p.numel() * 4 for p in model.parameters())
-    resident += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                    if torch.is_tensor(t) and t.dim() > 0)
+    resident += sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     pt = _PeakTracker()
     with pt.mode:
         step()
     measured = resident + pt.peak
     shape = _shape_of("tiny", model.config)
-    predicted = memory.estimate(shape, setup(4, 1, precision="fp32", optimizer="adamw"), 128, on_gpu=False)
+    predicted = memory.estimate(
+        shape, setup(4, 1, precision="fp32", optimizer="adamw"), 128, on_gpu=False
+    )
     assert predicted.peak == pytest.approx(measured, rel=0.15)  # about -8% here
-    assert predicted.components["optimizer"] == pytest.approx(resident - sum(p.numel() * 4 for p in model.parameters()), rel=0.01)
+    assert predicted.components["optimizer"] == pytest.approx(
+        resident - sum(p.numel() * 4 for p in model.parameters()), rel=0.01
+    )
 
 
 def test_paged_optimizer_state_is_host_backed_on_a_gpu():
     """bitsandbytes' paged state lives in unified memory, outside torch's allocator (so outside
     max_memory_allocated): shown as its own component, not in the device peak."""
     shape = _shape_of("llama", _llama())
-    eight, paged = setup(8, 1, precision="bf16", optimizer="adamw-8bit"), setup(8, 1, precision="bf16", optimizer="paged-adamw-8bit")
+    eight, paged = (
+        setup(8, 1, precision="bf16", optimizer="adamw-8bit"),
+        setup(8, 1, precision="bf16", optimizer="paged-adamw-8bit"),
+    )
     on_device = memory.estimate(shape, eight, 64)
     host = memory.estimate(shape, paged, 64)
     state = memory.optimizer_bytes(shape, eight)
@@ -195,7 +234,9 @@ def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targe
 
     model = make_tiny_llama(tiny_tokenizer)
     shape = _shape_of("tiny", model.config)
-    adapted = apply_lora(model, TechniquesConfig(lora=LoraConfig(enabled=True, r=8, targets=targets)))
+    adapted = apply_lora(
+        model, TechniquesConfig(lora=LoraConfig(enabled=True, r=8, targets=targets))
+    )
     _, trainable = count_parameters(adapted)
     c = setup(4, 1, precision="fp32", lora={"r": 8, "targets": targets})
     assert memory.lora_params(shape, c) == trainable

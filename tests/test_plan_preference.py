@@ -21,14 +21,33 @@ def shape():
 
 def test_a_pair_batch_holds_the_activations_of_twice_the_sequences(shape):
     sft = memory.estimate(shape, setup(8, 1, precision="bf16", loss_chunk_size=256), 256)
-    pairs = memory.estimate(shape, setup(4, 1, precision="bf16", loss_chunk_size=256, training={"objective": "dpo"}, preference={"reference": "precomputed"}), 256)
+    pairs = memory.estimate(
+        shape,
+        setup(
+            4,
+            1,
+            precision="bf16",
+            loss_chunk_size=256,
+            training={"objective": "dpo"},
+            preference={"reference": "precomputed"},
+        ),
+        256,
+    )
     assert pairs.components["activations"] == pytest.approx(sft.components["activations"])
     assert pairs.components["weights"] == sft.components["weights"]
 
 
 def test_a_reference_copy_costs_the_weights_once_more(shape):
-    base = setup(4, 1, precision="bf16", training={"objective": "dpo"}, preference={"reference": "precomputed"})
-    copy = dataclasses.replace(base, preference=dataclasses.replace(base.preference, reference="copy"))
+    base = setup(
+        4,
+        1,
+        precision="bf16",
+        training={"objective": "dpo"},
+        preference={"reference": "precomputed"},
+    )
+    copy = dataclasses.replace(
+        base, preference=dataclasses.replace(base.preference, reference="copy")
+    )
     a, b = memory.estimate(shape, base, 256), memory.estimate(shape, copy, 256)
     assert b.components["reference copy"] == shape.params * 4  # fp32 weights under bf16 autocast
     assert b.peak - a.peak == pytest.approx(shape.params * 4)
@@ -36,9 +55,13 @@ def test_a_reference_copy_costs_the_weights_once_more(shape):
 
 def test_the_reference_forward_is_counted_per_step_unless_precomputed(shape):
     sft = speed.flops_per_token(shape, setup(8, 1, precision="bf16", lora={"r": 16}), 256)
-    lora = setup(4, 1, precision="bf16", lora={"r": 16}, training={"objective": "dpo"})  # auto with LoRA: adapters off
+    lora = setup(
+        4, 1, precision="bf16", lora={"r": 16}, training={"objective": "dpo"}
+    )  # auto with LoRA: adapters off
     assert lora.reference_kind == "adapters"
-    assert speed.flops_per_token(shape, lora, 256) == pytest.approx(sft + forward_flops_per_token(shape, 256))
+    assert speed.flops_per_token(shape, lora, 256) == pytest.approx(
+        sft + forward_flops_per_token(shape, 256)
+    )
     full = setup(4, 1, precision="bf16", training={"objective": "dpo"})
     assert full.reference_kind == "precomputed"
     assert speed.flops_per_token(shape, full, 256) == pytest.approx(flops_per_token(shape, 256))
@@ -50,13 +73,19 @@ def test_the_reference_forward_is_counted_per_step_unless_precomputed(shape):
 def test_tokens_per_second_count_both_sequences_of_a_pair(shape):
     gpu = find_gpu("A100")
     sft = speed.estimate(shape, setup(8, 2, precision="bf16"), 256, gpu)
-    pairs = speed.estimate(shape, setup(4, 2, precision="bf16", training={"objective": "simpo"}), 256, gpu)
+    pairs = speed.estimate(
+        shape, setup(4, 2, precision="bf16", training={"objective": "simpo"}), 256, gpu
+    )
     assert pairs.tokens_per_s == pytest.approx(sft.tokens_per_s, rel=1e-6)  # same rows, same work
 
 
 def test_plan_for_dpo_keeps_the_pair_batch_and_the_objective():
-    cfg = from_dict({"training": {"objective": "dpo", "micro_batch_size": 4, "grad_accum": 2},
-                     "techniques": {"lora": {"enabled": True}}})
+    cfg = from_dict(
+        {
+            "training": {"objective": "dpo", "micro_batch_size": 4, "grad_accum": 2},
+            "techniques": {"lora": {"enabled": True}},
+        }
+    )
     plan, rec = make_plan(cfg, "tiny", "A100", 256)
     assert rec is not None and rec.training.objective == "dpo"
     assert rec.training.micro_batch_size * rec.training.grad_accum == 8  # pairs, kept exactly

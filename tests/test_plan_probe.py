@@ -18,13 +18,25 @@ from onegpu.plan.candidate import Candidate
 
 
 def _cfg(tiny_model_dir, text_file, tmp_path, **training):
-    t = {"micro_batch_size": 4, "grad_accum": 2, "max_steps": 2, "eval_every": 0, "eval_batches": 1,
-         "log_every": 1, "warmup_steps": 0}
+    t = {
+        "micro_batch_size": 4,
+        "grad_accum": 2,
+        "max_steps": 2,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "log_every": 1,
+        "warmup_steps": 0,
+    }
     t.update(training)
-    return from_dict({"model": {"name": str(tiny_model_dir)},
-                      "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
-                      "training": t, "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
-                      "plan": "auto"})
+    return from_dict(
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
+            "training": t,
+            "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
+            "plan": "auto",
+        }
+    )
 
 
 def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path, caplog):
@@ -41,7 +53,11 @@ def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path,
     calib = json.loads(speed.calibration_path().read_text())
     # The stored efficiency is the chosen probe's measured speed turned back into compute-only
     # efficiency: recompute it from the logged measurement and the chosen setup.
-    measured = float(re.search(r"training with .+ \(([\d,]+) tokens/s measured\)", text).group(1).replace(",", ""))
+    measured = float(
+        re.search(r"training with .+ \(([\d,]+) tokens/s measured\)", text)
+        .group(1)
+        .replace(",", "")
+    )
     trained = from_dict(saved)
     chosen = Candidate(trained.training, trained.techniques, trained.preference)
     shape = model_shape(str(tiny_model_dir))
@@ -74,7 +90,9 @@ def test_auto_plan_skips_setups_that_fail(tiny_model_dir, text_file, tmp_path, m
     monkeypatch.setattr(probe, "_run_steps", fake_run)
     cfg = _cfg(tiny_model_dir, text_file, tmp_path, micro_batch_size=8, grad_accum=2)
     out = probe.auto_plan(cfg)
-    assert len(calls) == probe.TOP + 1 and calls[0] == calls[1]  # a warm-up pass, then the top predictions
+    assert (
+        len(calls) == probe.TOP + 1 and calls[0] == calls[1]
+    )  # a warm-up pass, then the top predictions
     chosen = (out.training.micro_batch_size, out.training.grad_accum)
     assert chosen == calls[-1] and chosen != calls[1]  # fastest measured among those that ran
     assert out.training.micro_batch_size * out.training.grad_accum == 16 and out.plan == "off"

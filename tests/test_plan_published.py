@@ -33,7 +33,9 @@ def test_each_default_efficiency_is_what_our_model_derives_from_its_published_ru
 
 
 def test_default_efficiency_follows_the_gpu_class_until_a_probe(monkeypatch, tmp_path):
-    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no calibration another test's probe may have stored
+    monkeypatch.setenv(
+        "ONEGPU_CACHE", str(tmp_path)
+    )  # no calibration another test's probe may have stored
     shape, c = model_shape("tiny"), setup(16, 1, precision="bf16")
     for gpu, expected in (("A100-80GB", 0.599), ("H100", 0.36), ("A10G", speed.DEFAULT_EFFICIENCY)):
         eff, calibrated = speed.base_efficiency(find_gpu(gpu), "bf16")
@@ -61,7 +63,10 @@ def test_bf16_adapters_halve_adapter_weights_grads_and_adam_state():
     assert memory.optimizer_bytes(shape, bf16) == 2 * 2 * n
     assert memory.weight_bytes(shape, fp32) - memory.weight_bytes(shape, bf16) == 2 * n
     auto_pure = setup(4, 1, precision="bf16-pure", lora={"r": 8})  # lora.dtype auto
-    assert auto_pure.adapter_dtype == "bf16" and setup(4, 1, precision="bf16", lora={"r": 8}).adapter_dtype == "fp32"
+    assert (
+        auto_pure.adapter_dtype == "bf16"
+        and setup(4, 1, precision="bf16", lora={"r": 8}).adapter_dtype == "fp32"
+    )
     assert "bf16" in bf16.label() and bf16.apply(Config()).techniques.lora.dtype == "bf16"
 
 
@@ -72,8 +77,15 @@ def test_compiled_blocks_keep_less_than_eager_ones():
 
     from onegpu.plan.activations import activation_model
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     acts = activation_model(cfg, setup(2, precision="bf16-pure").techniques)
     eager, compiled = acts.block.at(2, 256), acts.block_compiled.at(2, 256)
     tokens, h, i = 2 * 256, 128, 384

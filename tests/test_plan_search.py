@@ -44,7 +44,9 @@ def test_search_escalates_when_nothing_fits():
     best = plan.best
     assert best is not None and best.tier > 0 and best.memory.reserved() <= 0.62 * 2**30
     assert best.candidate.effective_batch == 32
-    assert any(not r.fits and r.tier < best.tier for r in plan.rows)  # what did not fit is shown too
+    assert any(
+        not r.fits and r.tier < best.tier for r in plan.rows
+    )  # what did not fit is shown too
 
 
 def test_speed_model_counts_recompute_and_lora():
@@ -53,7 +55,9 @@ def test_speed_model_counts_recompute_and_lora():
     lora = setup(8, 1, precision="bf16", lora={"r": 8})
     f = speed.flops_per_token
     assert f(shape, ckpt, 256) > f(shape, plain, 256) > f(shape, lora, 256)
-    assert f(shape, plain, 256) == pytest.approx(6 * shape.active_params + 12 * shape.layers * shape.hidden * 256)
+    assert f(shape, plain, 256) == pytest.approx(
+        6 * shape.active_params + 12 * shape.layers * shape.hidden * 256
+    )
 
 
 def test_calibration_is_used_once_measured():
@@ -69,29 +73,56 @@ def test_calibration_is_used_once_measured():
     assert not any("no probe" in a for a in after.assumptions)
 
 
-@pytest.mark.parametrize("cand", [
-    setup(16, 2, precision="bf16"), setup(8, 4, precision="bf16", checkpointing="full", compile="default"),
-    setup(16, 1, precision="bf16", lora={"r": 16, "quantize_base": "nf4"})])
+@pytest.mark.parametrize(
+    "cand",
+    [
+        setup(16, 2, precision="bf16"),
+        setup(8, 4, precision="bf16", checkpointing="full", compile="default"),
+        setup(16, 1, precision="bf16", lora={"r": 16, "quantize_base": "nf4"}),
+    ],
+)
 def test_a_probed_setup_replans_to_what_was_measured(cand, tmp_path, monkeypatch):
     """Calibration stores compute-only efficiency: re-planning a probed setup predicts the measured
     speed (the optimizer step, compile and a quantized base are not counted twice)."""
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # a calibration of its own
     spec, shape = find_gpu("A10G"), model_shape("tiny")
-    measured = 0.7 * speed.estimate(shape, cand, 256, spec).tokens_per_s  # a probe that found it slower
+    measured = (
+        0.7 * speed.estimate(shape, cand, 256, spec).tokens_per_s
+    )  # a probe that found it slower
     eff = speed.compute_efficiency(shape, cand, 256, spec, measured)
-    speed.save_calibration("A10G", cand.techniques.precision, eff, cand.training.micro_batch_size * 256)
+    speed.save_calibration(
+        "A10G", cand.techniques.precision, eff, cand.training.micro_batch_size * 256
+    )
     replanned = speed.estimate(shape, cand, 256, spec)
     assert replanned.calibrated and replanned.tokens_per_s == pytest.approx(measured, rel=0.01)
     again = speed.compute_efficiency(shape, cand, 256, spec, replanned.tokens_per_s)
-    assert again == pytest.approx(eff, rel=0.01)  # probing the prediction changes nothing: a fixed point
+    assert again == pytest.approx(
+        eff, rel=0.01
+    )  # probing the prediction changes nothing: a fixed point
     if cand.techniques.compile != "off":
         assert any("compile" in a for a in replanned.assumptions)
 
 
 def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
     out = tmp_path / "rec.yaml"
-    assert main(["plan", "tiny", "--gpu", "T4", "--data.seq_len", "256", "--batch", "32", "--json",
-                 "--save", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "tiny",
+                "--gpu",
+                "T4",
+                "--data.seq_len",
+                "256",
+                "--batch",
+                "32",
+                "--json",
+                "--save",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["gpu"] == "T4" and data["rows"][0]["fits"]
     rec = data["recommended"]
@@ -109,7 +140,9 @@ def test_plan_cli_json_and_loadable_yaml(tmp_path, capsys):
     assert data["rows"][0]["peak_gb"] == pytest.approx(best.memory.peak / 2**30)
     assert data["rows"][0]["tokens_per_s"] == pytest.approx(best.speed.tokens_per_s)
     assert (rec["training"]["micro_batch_size"], rec["training"]["grad_accum"]) == (
-        best.candidate.training.micro_batch_size, best.candidate.training.grad_accum)
+        best.candidate.training.micro_batch_size,
+        best.candidate.training.grad_accum,
+    )
     assert len(data["rows"]) == len(plan.rows)
 
 
@@ -120,7 +153,12 @@ def test_plan_cli_table(capsys):
 
     from onegpu.config import to_dict
 
-    assert main(["plan", "tiny", "--gpu", "t4", "--data.seq_len", "256", "--batch", "32", "--top", "3"]) == 0
+    assert (
+        main(
+            ["plan", "tiny", "--gpu", "t4", "--data.seq_len", "256", "--batch", "32", "--top", "3"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     cfg = Config()
     cfg.data.seq_len = 256
@@ -134,11 +172,16 @@ def test_plan_cli_table(capsys):
     assert lines[1] == f"gpu   NVIDIA Tesla T4: {gib:.1f} GB, seq_len 256, effective batch 32"
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["#", "plan", "peak"])
     assert "tokens/s (uncalibrated)" in lines[header]  # no probe has measured this GPU
-    rows = [line for line in lines[header + 1:] if line.strip()][:3]
+    rows = [line for line in lines[header + 1 :] if line.strip()][:3]
     assert len(plan.rows) > 3 and lines[header + 4] == ""  # --top 3: three rows, then a blank line
     for n, (line, row) in enumerate(zip(rows, plan.rows), 1):
         rank, rest = line[:2].strip(), line[4:]
-        label, peak, tokens, why = rest[:52].strip(), rest[53:61].strip(), rest[62:86].strip(), rest[88:]
+        label, peak, tokens, why = (
+            rest[:52].strip(),
+            rest[53:61].strip(),
+            rest[62:86].strip(),
+            rest[88:],
+        )
         assert rank == str(n) and row.fits
         assert label == row.candidate.label() and why == row.why
         assert float(peak) == round(row.memory.peak / 2**30, 2)
@@ -159,7 +202,10 @@ def test_plan_cli_errors_name_the_fix(capsys):
 def test_recommended_config_applies_the_setup():
     plan, rec = make_plan(Config(), "tiny", "H100", 256, 64)
     c = plan.best.candidate
-    assert (rec.training.micro_batch_size, rec.training.grad_accum) == (c.training.micro_batch_size, c.training.grad_accum)
+    assert (rec.training.micro_batch_size, rec.training.grad_accum) == (
+        c.training.micro_batch_size,
+        c.training.grad_accum,
+    )
     assert rec.techniques == c.techniques
 
 
@@ -168,7 +214,11 @@ def test_configured_lora_is_kept():
     plan = search(cfg, find_gpu("T4"), model_shape("tiny"), 256, 16)
     assert plan.best.candidate.lora_rank == 8 and plan.best.tier == 0
     rec = plan.best.candidate.apply(cfg)
-    assert rec.techniques.lora.enabled and rec.techniques.lora.r == 8 and rec.techniques.lora.alpha == 32
+    assert (
+        rec.techniques.lora.enabled
+        and rec.techniques.lora.r == 8
+        and rec.techniques.lora.alpha == 32
+    )
 
 
 def test_plan_without_gpu_uses_this_cpu(capsys):
@@ -182,7 +232,10 @@ def test_optimizer_step_in_backward_is_planned_as_one_gradient_tensor():
     from onegpu.plan import memory
 
     shape = model_shape("tiny")
-    plain, inside = setup(1, 1, precision="bf16"), setup(1, 1, precision="bf16", optimizer_in_backward=True)
+    plain, inside = (
+        setup(1, 1, precision="bf16"),
+        setup(1, 1, precision="bf16", optimizer_in_backward=True),
+    )
     assert memory.grad_bytes(shape, plain) == shape.params * 4
     assert memory.grad_bytes(shape, inside) == shape.largest_param * 4
     # Where the optimizer step sets the peak (small activations), the whole gradient copy is saved.
@@ -198,23 +251,38 @@ def test_search_offers_the_step_in_backward_only_without_accumulation():
     plan = search(cfg, find_gpu("A100-80GB"), model_shape("tiny"), 256, 32)
     rows = tier_candidates(1, cfg, find_gpu("A100-80GB"), model_shape("tiny"), 32)
     inside = [c for c in rows if c.techniques.optimizer_in_backward]
-    assert inside and all(c.training.grad_accum == 1 and c.techniques.offload == "none" for c in inside)
+    assert inside and all(
+        c.training.grad_accum == 1 and c.techniques.offload == "none" for c in inside
+    )
     assert not any(r.candidate.techniques.optimizer_in_backward for r in plan.rows if r.tier == 0)
     cfg.techniques.optimizer_in_backward, cfg.training.max_grad_norm = True, 0.0
     asked = tier_candidates(0, cfg, find_gpu("A100-80GB"), model_shape("tiny"), 32)
-    assert asked and all(c.techniques.optimizer_in_backward and c.training.grad_accum == 1 for c in asked)
+    assert asked and all(
+        c.techniques.optimizer_in_backward and c.training.grad_accum == 1 for c in asked
+    )
 
 
 def test_activation_offload_is_searched_on_a_gpu_and_costs_pcie_time():
     shape, spec = model_shape("tiny"), find_gpu("A100-80GB")
     rows = tier_candidates(0, Config(), spec, shape, 32)
     assert any(c.techniques.checkpointing == "offload" for c in rows)
-    full, off = setup(8, 4, precision="bf16", checkpointing="full"), setup(8, 4, precision="bf16", checkpointing="offload")
-    assert speed.estimate(shape, off, 256, spec).tokens_per_s < speed.estimate(shape, full, 256, spec).tokens_per_s
-    assert any("offloaded activations" in a for a in speed.estimate(shape, off, 256, spec).assumptions)
+    full, off = (
+        setup(8, 4, precision="bf16", checkpointing="full"),
+        setup(8, 4, precision="bf16", checkpointing="offload"),
+    )
+    assert (
+        speed.estimate(shape, off, 256, spec).tokens_per_s
+        < speed.estimate(shape, full, 256, spec).tokens_per_s
+    )
+    assert any(
+        "offloaded activations" in a for a in speed.estimate(shape, off, 256, spec).assumptions
+    )
     from onegpu.plan import memory
 
-    kept = {c.techniques.checkpointing: memory.estimate(shape, c, 256).components["activations"] for c in (full, off)}
+    kept = {
+        c.techniques.checkpointing: memory.estimate(shape, c, 256).components["activations"]
+        for c in (full, off)
+    }
     assert kept["offload"] < kept["full"]  # layer inputs are in host memory, not on the device
 
 

@@ -28,6 +28,7 @@ def _fresh_accelerator_state():
     yield
     AcceleratorState._reset_state()
 
+
 def _prepared(tok, precision):
     from onegpu.training.assemble import make_accelerator
 
@@ -40,7 +41,9 @@ def _prepared(tok, precision):
 
 def _linear_output_dtypes(model, batch):
     seen = []
-    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda m, i, o: seen.append(o.dtype)
+    )
     with torch.no_grad():
         model(input_ids=batch["input_ids"])
     handle.remove()
@@ -83,7 +86,9 @@ def test_bf16_pure_stores_bf16_weights(tiny_model_dir, tiny_tokenizer):
     from onegpu.config import ModelConfig
     from onegpu.models import load_model
 
-    model = load_model(str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=P.weights_dtype("bf16-pure"))
+    model = load_model(
+        str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=P.weights_dtype("bf16-pure")
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert P.accelerate_mixed_precision("bf16-pure") == "no"
 
@@ -139,7 +144,9 @@ def test_run_switches_are_put_back_after_the_run(restore_tf32):
     if not auto_compiles(cfg, "cpu"):
         pytest.skip("no C++ compiler: compile=auto does not compile here")
     with global_switches(cfg, CPU):
-        assert torch._dynamo.config.suppress_errors is True  # auto compiles: a compiler failure falls back
+        assert (
+            torch._dynamo.config.suppress_errors is True
+        )  # auto compiles: a compiler failure falls back
     assert torch._dynamo.config.suppress_errors is False
 
 
@@ -183,7 +190,9 @@ def test_assemble_applies_start_up_checks(tiny_tokenizer, tmp_path, caplog, rest
     from onegpu.training import assemble
 
     stored_bf16 = tmp_path / "bf16-model"
-    make_tiny_llama(tiny_tokenizer, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(str(stored_bf16))
+    make_tiny_llama(tiny_tokenizer, num_hidden_layers=1).to(torch.bfloat16).save_pretrained(
+        str(stored_bf16)
+    )
     tiny_tokenizer.save_pretrained(str(stored_bf16))
     cfg = Config()
     cfg.model.name, cfg.training.micro_batch_size, cfg.data.seq_len = str(stored_bf16), 12, 96

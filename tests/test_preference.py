@@ -17,11 +17,26 @@ from onegpu.objectives import preference
 from onegpu.objectives.tokens import TokenLoss, with_target_positions
 
 PAIRS = [
-    {"prompt": "def add(a, b):\n", "chosen": "    return a + b\n", "rejected": "    print(a)\n    return None\n"},
-    {"prompt": "class Point:\n", "chosen": "    def __init__(self, x, y):\n        self.x = x\n",
-     "rejected": "    x y self\n"},
-    {"prompt": "for i in range(10):\n", "chosen": "    print(i * i)\n", "rejected": "print range the fox\n"},
-    {"prompt": "import os\n", "chosen": "print(os.path.join('a', 'b'))\n", "rejected": "The lazy dog.\n"},
+    {
+        "prompt": "def add(a, b):\n",
+        "chosen": "    return a + b\n",
+        "rejected": "    print(a)\n    return None\n",
+    },
+    {
+        "prompt": "class Point:\n",
+        "chosen": "    def __init__(self, x, y):\n        self.x = x\n",
+        "rejected": "    x y self\n",
+    },
+    {
+        "prompt": "for i in range(10):\n",
+        "chosen": "    print(i * i)\n",
+        "rejected": "print range the fox\n",
+    },
+    {
+        "prompt": "import os\n",
+        "chosen": "print(os.path.join('a', 'b'))\n",
+        "rejected": "The lazy dog.\n",
+    },
 ]
 
 
@@ -29,12 +44,16 @@ def _pair_batch(tok, records=PAIRS, refs=None, packed=False):
     cfg = DataConfig(seq_len=128)
     examples = []
     for i, r in enumerate(records):
-        p, c, j = pairs.encode_pair(r["prompt"], r["chosen"], r["rejected"], tok, cfg, f"record {i}")
+        p, c, j = pairs.encode_pair(
+            r["prompt"], r["chosen"], r["rejected"], tok, cfg, f"record {i}"
+        )
         ex = {"prompt_ids": p, "chosen_ids": c, "rejected_ids": j}
         if refs is not None:
             ex[pairs.REF_CHOSEN], ex[pairs.REF_REJECTED] = refs[0][i], refs[1][i]
         examples.append(ex)
-    return with_target_positions(pairs.PairCollator(Collator(tok.pad_token_id, 8, 128, position_ids=packed))(examples))
+    return with_target_positions(
+        pairs.PairCollator(Collator(tok.pad_token_id, 8, 128, position_ids=packed))(examples)
+    )
 
 
 def _loss_fn(objective, chunk=0, reference=None, **pref):
@@ -59,8 +78,11 @@ def test_reward_margin_is_positive_when_the_policy_moves_toward_chosen():
     loss, rc, rr = preference.dpo_loss(ref_c + 1.0, ref_r - 0.5, ref_c, ref_r, loss_fn.beta)
     assert (rc > 0).all() and (rr < 0).all() and (rc - rr > 0).all()
     assert (loss < math.log(2)).all()
-    loss_fn.pending.append(torch.stack([torch.tensor(2.0), (rc > rr).sum().float(), (rc - rr).sum(), rc.sum(),
-                                        rr.sum()]))
+    loss_fn.pending.append(
+        torch.stack(
+            [torch.tensor(2.0), (rc > rr).sum().float(), (rc - rr).sum(), rc.sum(), rr.sum()]
+        )
+    )
     loss_fn.end_cycle()
     stats = loss_fn.window_metrics()
     assert stats["reward_accuracy"] == 1.0 and stats["reward_margin"] == pytest.approx(0.15)
@@ -101,8 +123,12 @@ def test_fused_sequence_logps_equal_the_plain_ones_with_gradients(tiny_tokenizer
     for chunk in (0, 7):  # 7: several chunks, the last one short
         model.zero_grad()
         _, sums, lengths = preference.sequence_logps(model, batch, chunk)
-        (sums * torch.arange(1.0, sums.numel() + 1)).sum().backward()  # a different weight per sequence
-        grads.append((sums.detach(), lengths, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (
+            sums * torch.arange(1.0, sums.numel() + 1)
+        ).sum().backward()  # a different weight per sequence
+        grads.append(
+            (sums.detach(), lengths, {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
     (a, la, ga), (b, lb, gb) = grads
     assert torch.allclose(a, b, atol=1e-5) and torch.equal(la, lb)
     for name in ga:
@@ -120,9 +146,13 @@ def test_padded_and_packed_batches_give_the_same_sequence_logps(tiny_tokenizer):
 def test_pair_tokens_match_trl_tokenization(tiny_tokenizer, tmp_path):
     """The same prompt / chosen / rejected ids as TRL's DPOTrainer tokenizes (text records get an EOS)."""
     trl = pytest.importorskip("trl")
-    ds = _trl_trainer(tiny_tokenizer, make_tiny_llama(tiny_tokenizer), trl, tmp=str(tmp_path)).train_dataset
+    ds = _trl_trainer(
+        tiny_tokenizer, make_tiny_llama(tiny_tokenizer), trl, tmp=str(tmp_path)
+    ).train_dataset
     for i, r in enumerate(PAIRS):
-        ours = pairs.encode_pair(r["prompt"], r["chosen"], r["rejected"], tiny_tokenizer, DataConfig(), "x")
+        ours = pairs.encode_pair(
+            r["prompt"], r["chosen"], r["rejected"], tiny_tokenizer, DataConfig(), "x"
+        )
         assert ours == (ds[i]["prompt_ids"], ds[i]["chosen_ids"], ds[i]["rejected_ids"])
         assert ours[1][-1] == tiny_tokenizer.eos_token_id
 
@@ -130,11 +160,26 @@ def test_pair_tokens_match_trl_tokenization(tiny_tokenizer, tmp_path):
 def _trl_trainer(tok, model, trl, beta=0.1, tmp="/tmp/onegpu-trl-test", ref_model=None):
     import datasets
 
-    args = trl.DPOConfig(output_dir=tmp, beta=beta, report_to="none", use_cpu=True, bf16=False, fp16=False,
-                         per_device_train_batch_size=len(PAIRS), max_length=128, dataset_num_proc=None,
-                         disable_dropout=True, precompute_ref_log_probs=False)
-    return trl.DPOTrainer(model=model, ref_model=ref_model if ref_model is not None else copy.deepcopy(model),
-                          args=args, train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=tok)
+    args = trl.DPOConfig(
+        output_dir=tmp,
+        beta=beta,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=len(PAIRS),
+        max_length=128,
+        dataset_num_proc=None,
+        disable_dropout=True,
+        precompute_ref_log_probs=False,
+    )
+    return trl.DPOTrainer(
+        model=model,
+        ref_model=ref_model if ref_model is not None else copy.deepcopy(model),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(PAIRS),
+        processing_class=tok,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5])
@@ -150,7 +195,9 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
             p.add_(torch.randn_like(p) * 0.02)
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
 
-    trainer = _trl_trainer(tiny_tokenizer, theirs, trl, beta, str(tmp_path), ref_model=copy.deepcopy(reference))
+    trainer = _trl_trainer(
+        tiny_tokenizer, theirs, trl, beta, str(tmp_path), ref_model=copy.deepcopy(reference)
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(PAIRS))])
     trl_loss = trainer.compute_loss(trainer.model, batch)
     trl_loss.backward()
@@ -158,9 +205,13 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
     from onegpu.objectives.reference import CopyReference
     import contextlib
 
-    loss_fn = _loss_fn("dpo", 16, CopyReference(reference, contextlib.nullcontext, TokenLoss(16)), beta=beta)
+    loss_fn = _loss_fn(
+        "dpo", 16, CopyReference(reference, contextlib.nullcontext, TokenLoss(16)), beta=beta
+    )
     ours.train()
-    our_loss = loss_fn.loss(ours, _pair_batch(tiny_tokenizer)) / len(PAIRS)  # the step divides by the pairs
+    our_loss = loss_fn.loss(ours, _pair_batch(tiny_tokenizer)) / len(
+        PAIRS
+    )  # the step divides by the pairs
     our_loss.backward()
     assert abs(float(our_loss) - math.log(2)) > 1e-3
     assert float(our_loss) == pytest.approx(float(trl_loss), abs=1e-5)
@@ -189,4 +240,6 @@ def test_adapters_off_reference_is_the_base_model(tiny_tokenizer):
                 p.add_(0.1)
     ref = loss_fn.reference(model, _pair_batch(tiny_tokenizer))
     assert torch.allclose(ref, expected, atol=1e-5)
-    assert float(loss_fn.loss(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(math.log(2), abs=1e-4)
+    assert float(loss_fn.loss(model, _pair_batch(tiny_tokenizer)) / len(PAIRS)) != pytest.approx(
+        math.log(2), abs=1e-4
+    )

@@ -27,8 +27,10 @@ def _dataset(n=48):
     from datasets import Dataset
 
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(1, 100, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    rows = [
+        torch.randint(1, 100, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
@@ -42,7 +44,9 @@ def _batches(num_workers: int, count: int = 8):
 
 def test_workers_build_batches_in_other_processes_with_identical_content():
     serial, parallel = _batches(0), _batches(2)
-    assert {int(b["worker"]) for b in serial} == {-1} and {int(b["pid"]) for b in serial} == {os.getpid()}
+    assert {int(b["worker"]) for b in serial} == {-1} and {int(b["pid"]) for b in serial} == {
+        os.getpid()
+    }
     assert {int(b["worker"]) for b in parallel} == {0, 1}  # round-robin over both workers
     assert os.getpid() not in {int(b["pid"]) for b in parallel}
     for a, b in zip(serial, parallel):
@@ -63,7 +67,13 @@ def test_pin_memory_only_on_gpu(caplog):
     assert cpu.pin_memory is False and "pin_memory" in caplog.text
     gpu = make_loader(_dataset(), BatchOrder(48, 4, seed=7), Collator(0), cfg, on_gpu=True)
     assert gpu.pin_memory is True
-    off = make_loader(_dataset(), BatchOrder(48, 4, seed=7), Collator(0), DataConfig(pin_memory=False), on_gpu=True)
+    off = make_loader(
+        _dataset(),
+        BatchOrder(48, 4, seed=7),
+        Collator(0),
+        DataConfig(pin_memory=False),
+        on_gpu=True,
+    )
     assert off.pin_memory is False
 
 
@@ -89,10 +99,12 @@ def test_train_step_copies_batches_non_blocking(tiny_tokenizer):
 
     model = make_tiny_llama(tiny_tokenizer)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch = Collator(tiny_tokenizer.pad_token_id, 8)([{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 2)
+    batch = Collator(tiny_tokenizer.pad_token_id, 8)(
+        [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 2
+    )
     micro = [{k: v.as_subclass(RecordingTensor) for k, v in batch.items()}]
     RecordingTensor.calls.clear()
     train_step(model, opt, micro, Accelerator(cpu=True), 1.0)
     # The first copies are the batch moving to the device; later .to() calls (inside the loss, on
     # tensors already there) are no-ops whatever their flag.
-    assert len(RecordingTensor.calls) >= len(batch) and all(RecordingTensor.calls[:len(batch)])
+    assert len(RecordingTensor.calls) >= len(batch) and all(RecordingTensor.calls[: len(batch)])

@@ -39,11 +39,21 @@ def test_convert_position_points_at_the_same_examples():
     assert len(seen) == 7
 
 
-def test_oom_retry_equals_smaller_micro_batch_from_the_start(tmp_path, tiny_model_dir, monkeypatch, caplog):
-    ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
+def test_oom_retry_equals_smaller_micro_batch_from_the_start(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    ref = train(
+        make_cfg(
+            tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0
+        )
+    )
     monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
     with caplog.at_level(logging.WARNING, logger="onegpu"):
-        got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
+        got = train(
+            make_cfg(
+                tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0
+            )
+        )
     assert "out of memory with micro_batch_size 4; retrying with 2 x grad_accum 2" in caplog.text
     assert (got.state.micro_batch_size, got.state.grad_accum) == (2, 2)
     train_losses = lambda r: [x for x in losses(r.run_dir) if x[0] == "train"]  # noqa: E731
@@ -72,7 +82,16 @@ def _one_step(tiny_tokenizer, loss_value: float, guard):
         def loss(self, m, b):
             return m(input_ids=b["input_ids"]).logits.float().sum() * loss_value
 
-    train_step(model, opt, micro, Accelerator(cpu=True), max_grad_norm=0.0, objective=Scaled(), guard=guard, step=1)
+    train_step(
+        model,
+        opt,
+        micro,
+        Accelerator(cpu=True),
+        max_grad_norm=0.0,
+        objective=Scaled(),
+        guard=guard,
+        step=1,
+    )
     changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     return changed
 
@@ -87,23 +106,54 @@ def test_non_finite_step_changes_no_weight(tiny_tokenizer, bad):
 
 
 def test_isolated_nan_steps_are_skipped_and_logged(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(assemble, "make_objective", nan_at({2, 4}, assemble.make_objective, grad_accum=2))
+    monkeypatch.setattr(
+        assemble, "make_objective", nan_at({2, 4}, assemble.make_objective, grad_accum=2)
+    )
     r = train(make_cfg(tmp_path, tiny_model_dir, eval_every=0))
     recs = losses(r.run_dir)
     assert [x[1] for x in recs if x[3]] == [2, 4]
-    assert all(x[2] == x[2] for x in recs if x[0] == "train" and x[2] is not None)  # no NaN in the log
+    assert all(
+        x[2] == x[2] for x in recs if x[0] == "train" and x[2] is not None
+    )  # no NaN in the log
     assert r.state.step == 6 and r.state.skipped_steps == 2
 
 
 def test_nan_streak_stops_with_a_clear_error(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from onegpu.cli.main import main
 
-    monkeypatch.setattr(assemble, "make_objective", nan_at(set(range(2, 100)), assemble.make_objective, grad_accum=1))
-    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=10, grad_accum=1, max_bad_steps=3, save_every=0)
-    args = ["train", "--model.name", cfg["model"]["name"], "--data.path", cfg["data"]["path"],
-            "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
-            "--training.max_steps", "10", "--training.max_bad_steps", "3", "--training.eval_every", "0",
-            "--output.dir", str(tmp_path / "runs"), "--output.name", "nan", "--output.report_to", "none"]
+    monkeypatch.setattr(
+        assemble,
+        "make_objective",
+        nan_at(set(range(2, 100)), assemble.make_objective, grad_accum=1),
+    )
+    cfg = make_cfg(
+        tmp_path, tiny_model_dir, max_steps=10, grad_accum=1, max_bad_steps=3, save_every=0
+    )
+    args = [
+        "train",
+        "--model.name",
+        cfg["model"]["name"],
+        "--data.path",
+        cfg["data"]["path"],
+        "--data.seq_len",
+        "32",
+        "--data.num_proc",
+        "1",
+        "--training.micro_batch_size",
+        "2",
+        "--training.max_steps",
+        "10",
+        "--training.max_bad_steps",
+        "3",
+        "--training.eval_every",
+        "0",
+        "--output.dir",
+        str(tmp_path / "runs"),
+        "--output.name",
+        "nan",
+        "--output.report_to",
+        "none",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "NaN/inf for 3 steps in a row (last at step 4)" in err and "training.lr" in err
@@ -131,6 +181,7 @@ def test_guard_costs_one_host_sync_per_step(tiny_tokenizer, monkeypatch):
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+
     def scalar_reads(**kw) -> int:
         before = reads["n"]
         train_step(model, opt, micro, acc, 1.0, SFT(), **kw)

@@ -21,8 +21,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest si
 
 
 OPTIMIZERS = {  # name -> (class it builds, package it needs beyond torch)
-    "adamw": ("AdamW", None), "sgd": ("SGD", None), "adafactor": ("Adafactor", None),
-    "adamw-8bit": ("AdamW8bit", "bitsandbytes"), "paged-adamw-8bit": ("PagedAdamW8bit", "bitsandbytes"),
+    "adamw": ("AdamW", None),
+    "sgd": ("SGD", None),
+    "adafactor": ("Adafactor", None),
+    "adamw-8bit": ("AdamW8bit", "bitsandbytes"),
+    "paged-adamw-8bit": ("PagedAdamW8bit", "bitsandbytes"),
     "adamw-8bit-ao": ("AdamW8bit", "torchao"),
 }
 
@@ -36,9 +39,13 @@ def test_resume_is_exact_for_each_optimizer(tmp_path, tiny_model_dir, tiny_token
     from onegpu.techniques.optimizers import build_optimizer
 
     cls, package = OPTIMIZERS[optimizer]
-    if package and importlib.util.find_spec(package) is None:  # only a missing optional package skips
+    if (
+        package and importlib.util.find_spec(package) is None
+    ):  # only a missing optional package skips
         pytest.skip(f"{package} is not installed")
-    opt = build_optimizer(make_tiny_llama(tiny_tokenizer), TechniquesConfig(optimizer=optimizer), TrainingConfig())
+    opt = build_optimizer(
+        make_tiny_llama(tiny_tokenizer), TechniquesConfig(optimizer=optimizer), TrainingConfig()
+    )
     assert type(opt).__name__ == cls
     expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"optimizer": optimizer})
     assert got == expected
@@ -46,15 +53,21 @@ def test_resume_is_exact_for_each_optimizer(tmp_path, tiny_model_dir, tiny_token
     assert_same_weights(a, b)
 
 
-def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
+def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """An OOM at step 2 halves the micro-batch; the checkpoint records it and resume keeps it."""
     from helpers import oom_above
 
     monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
-    expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1)
+    expected, got, a, b = straight_then_resumed(
+        tmp_path, tiny_model_dir, micro_batch_size=4, grad_accum=1
+    )
     assert got == expected
     assert_same_weights(a, b)
-    state = json.loads((a.parent / "runs" / "run" / "checkpoint-00000003" / "state.json").read_text())
+    state = json.loads(
+        (a.parent / "runs" / "run" / "checkpoint-00000003" / "state.json").read_text()
+    )
     assert (state["micro_batch_size"], state["grad_accum"]) == (2, 2)
 
 
@@ -94,7 +107,9 @@ def test_stop_mid_accumulation_cycle_restarts_the_cycle(tmp_path, tiny_model_dir
 
 def test_resume_with_lora(tmp_path, tiny_model_dir):
     pytest.importorskip("peft")
-    expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"lora": {"enabled": True, "r": 4}})
+    expected, got, a, b = straight_then_resumed(
+        tmp_path, tiny_model_dir, {"lora": {"enabled": True, "r": 4}}
+    )
     assert got == expected
     assert (a / "adapter_model.safetensors").is_file()
     assert_same_weights(a, b)

@@ -25,11 +25,35 @@ LAUNCH = "import sys; from onegpu.cli.main import main; sys.exit(main(sys.argv[1
 
 
 def train_args(tmp_path, model_dir, name: str) -> list[str]:
-    return ["train", "--model.name", str(model_dir), "--data.path", str(tmp_path / "data.jsonl"),
-            "--data.seq_len", "32", "--data.num_proc", "1", "--training.micro_batch_size", "2",
-            "--training.grad_accum", "2", "--training.max_steps", "100000", "--training.eval_every", "0",
-            "--training.log_every", "1", "--training.warmup_steps", "2", "--output.dir", str(tmp_path / "runs"),
-            "--output.name", name, "--output.report_to", "none"]
+    return [
+        "train",
+        "--model.name",
+        str(model_dir),
+        "--data.path",
+        str(tmp_path / "data.jsonl"),
+        "--data.seq_len",
+        "32",
+        "--data.num_proc",
+        "1",
+        "--training.micro_batch_size",
+        "2",
+        "--training.grad_accum",
+        "2",
+        "--training.max_steps",
+        "100000",
+        "--training.eval_every",
+        "0",
+        "--training.log_every",
+        "1",
+        "--training.warmup_steps",
+        "2",
+        "--output.dir",
+        str(tmp_path / "runs"),
+        "--output.name",
+        name,
+        "--output.report_to",
+        "none",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +65,13 @@ def procs(tmp_path_factory, tiny_model_dir):
     for name in ("term", "twice"):
         # output to files: the test reads stderr while the process still runs
         files += [open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")]
-        started[name] = subprocess.Popen([sys.executable, "-c", LAUNCH, *train_args(tmp, tiny_model_dir, name)],
-                                         env=env, stdout=files[-2], stderr=files[-1], text=True)
+        started[name] = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, *train_args(tmp, tiny_model_dir, name)],
+            env=env,
+            stdout=files[-2],
+            stderr=files[-1],
+            text=True,
+        )
     yield tmp, started
     for f in files:
         f.close()
@@ -67,9 +96,13 @@ def wait_for(path, text: str, timeout=60.0) -> None:
 def wait_training(run_dir, proc, timeout=180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, (run_dir.parent.parent / f"{run_dir.name}.err").read_text()[-2000:]
+        assert proc.poll() is None, (run_dir.parent.parent / f"{run_dir.name}.err").read_text()[
+            -2000:
+        ]
         path = run_dir / "metrics.jsonl"
-        if path.is_file() and any(r["split"] == "train" for r in read_metrics(path) if r.get("step")):
+        if path.is_file() and any(
+            r["split"] == "train" for r in read_metrics(path) if r.get("step")
+        ):
             return
         time.sleep(0.05)
     pytest.fail("training did not start")
@@ -83,7 +116,9 @@ def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_di
     out, err = finish(tmp, "term", proc)
     assert proc.returncode == 0, err[-2000:]
     assert "SIGTERM: finishing the current micro-batch" in err
-    m = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved: (\S+)\nresume with: (.+)", out)
+    m = re.search(
+        r"stopped by SIGTERM at step (\d+); checkpoint saved: (\S+)\nresume with: (.+)", out
+    )
     assert m, out
     step, ckpt, command = int(m.group(1)), m.group(2), m.group(3)
     assert command == f"onegpu train --config {run_dir / 'config.yaml'} --output.resume latest"

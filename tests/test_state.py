@@ -21,7 +21,9 @@ def test_history_is_step_loss_pairs_through_a_checkpoint():
 
 
 def test_a_resumed_state_counts_from_the_checkpoint():
-    restored = TrainState.from_dict(TrainState(step=3, tokens_seen=300, history=[(0, 5.0)]).to_dict())
+    restored = TrainState.from_dict(
+        TrainState(step=3, tokens_seen=300, history=[(0, 5.0)]).to_dict()
+    )
     assert (restored.trained_steps, restored.trained_tokens) == (0, 0)
     restored.step, restored.tokens_seen = 6, 640
     assert (restored.trained_steps, restored.trained_tokens) == (3, 340)

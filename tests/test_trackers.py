@@ -24,13 +24,27 @@ HAS_TRACKIO = importlib.util.find_spec("trackio") is not None
 def _cfg(tmp_path, model_dir, report_to, **training):
     data = tmp_path / "data.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(60)))
-    t = dict(micro_batch_size=2, max_steps=6, eval_every=3, eval_batches=2, log_every=2, warmup_steps=2,
-             save_every=3, lr=1e-2, seed=7)
+        data.write_text(
+            "".join(json.dumps({"text": CORPUS[i % len(CORPUS)] * 2}) + "\n" for i in range(60))
+        )
+    t = dict(
+        micro_batch_size=2,
+        max_steps=6,
+        eval_every=3,
+        eval_batches=2,
+        log_every=2,
+        warmup_steps=2,
+        save_every=3,
+        lr=1e-2,
+        seed=7,
+    )
     t.update(training)
-    return {"model": {"name": str(model_dir)},
-            "data": {"path": str(data), "seq_len": 32, "num_proc": 1, "val_fraction": 0.1},
-            "training": t, "output": {"dir": str(tmp_path / "runs"), "name": "run", "report_to": report_to}}
+    return {
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(data), "seq_len": 32, "num_proc": 1, "val_fraction": 0.1},
+        "training": t,
+        "output": {"dir": str(tmp_path / "runs"), "name": "run", "report_to": report_to},
+    }
 
 
 @pytest.fixture
@@ -41,10 +55,16 @@ def tracker_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not the user's ~/.cache, ~/.config
+    for var in (
+        "WANDB_CACHE_DIR",
+        "WANDB_CONFIG_DIR",
+        "WANDB_DATA_DIR",
+    ):  # not the user's ~/.cache, ~/.config
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    monkeypatch.setenv(
+        "MLFLOW_ALLOW_FILE_STORE", "true"
+    )  # MLflow 3 keeps the file store behind this switch
     monkeypatch.setenv("ONEGPU_PROJECT", "onegpu-tests")
     for var in ("WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -78,11 +98,11 @@ def wandb_records(wandb_dir):
         pos, chunks = 7, b""
         while pos + 7 <= len(data):
             left = 32768 - pos % 32768
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
             if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
                 pos += left
                 continue
-            chunks += data[pos + 7:pos + 7 + length]
+            chunks += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # FULL or LAST: a whole record
                 rec = pb.Record()
@@ -95,7 +115,9 @@ def wandb_points(records) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     for rec in records:
         if rec.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item
+            }
             for k, v in items.items():
                 if not k.startswith("_"):  # W&B's own _step, _runtime, _timestamp
                     out.setdefault(k, {})[items["_step"]] = v
@@ -109,7 +131,9 @@ def mlflow_run(run_dir):
     return MlflowClient(), MlflowClient().get_run(run_id)
 
 
-def test_every_tracker_gets_the_metrics_of_metrics_jsonl_and_the_config_once(tracker_env, tiny_model_dir):
+def test_every_tracker_gets_the_metrics_of_metrics_jsonl_and_the_config_once(
+    tracker_env, tiny_model_dir
+):
     from onegpu.config import load_yaml
     from onegpu.trackers import flat_config
 
@@ -125,12 +149,20 @@ def test_every_tracker_gets_the_metrics_of_metrics_jsonl_and_the_config_once(tra
     assert wandb_points(records) == expected
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert [(r.display_name, r.project) for r in runs] == [("run", "onegpu-tests")]
-    updates = [{i.key: json.loads(i.value_json) for i in r.config.update} for r in records
-               if r.WhichOneof("record_type") == "config"]
-    assert [u for u in updates if "training.lr" in u] == [{k: v for k, v in params.items()}]  # once, all of it
+    updates = [
+        {i.key: json.loads(i.value_json) for i in r.config.update}
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+    ]
+    assert [u for u in updates if "training.lr" in u] == [
+        {k: v for k, v in params.items()}
+    ]  # once, all of it
 
     client, run = mlflow_run(run_dir)
-    got = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in run.data.metrics}
+    got = {
+        k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+        for k in run.data.metrics
+    }
     assert got == expected
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "onegpu-tests"
@@ -186,7 +218,9 @@ def test_resume_continues_the_same_tracker_runs(tracker_env, tiny_model_dir):
     assert run.data.params["training.max_steps"] == "6"  # as first logged
 
     records = list(wandb_records(tracker_env / "wandb"))
-    assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {first["wandb"]}
+    assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {
+        first["wandb"]
+    }
     assert wandb_points(records)["train/loss"][8] == expected["train/loss"][8]
 
 
@@ -204,13 +238,23 @@ def test_an_error_mid_run_closes_the_trackers_marked_failed(tracker_env, tiny_mo
     run_dir = tracker_env / "runs" / "run"
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FAILED" and mlflow.active_run() is None
-    exits = [r.exit for r in wandb_records(tracker_env / "wandb") if r.WhichOneof("record_type") == "exit"]
+    exits = [
+        r.exit
+        for r in wandb_records(tracker_env / "wandb")
+        if r.WhichOneof("record_type") == "exit"
+    ]
     assert [e.exit_code for e in exits] == [1]
 
 
-def test_a_tracker_not_installed_is_refused_before_the_run_dir(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail as if it were absent
-    with pytest.raises(ConfigError, match=r"wandb package is not installed(.|\n)*pip install wandb"):
+def test_a_tracker_not_installed_is_refused_before_the_run_dir(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    monkeypatch.setitem(
+        sys.modules, "wandb", None
+    )  # makes `import wandb` fail as if it were absent
+    with pytest.raises(
+        ConfigError, match=r"wandb package is not installed(.|\n)*pip install wandb"
+    ):
         train(_cfg(tmp_path, tiny_model_dir, "tensorboard,wandb"))
     assert not (tmp_path / "runs" / "run").exists()
 
@@ -221,15 +265,18 @@ def test_report_to_none_writes_no_tensorboard_folder(tmp_path, tiny_model_dir):
     assert not (r.run_dir / "tensorboard").exists() and not (r.run_dir / "trackers.json").exists()
 
 
-@pytest.mark.parametrize("output, report_to", [
-    ({}, "tensorboard"),
-    ({"tensorboard": True}, "tensorboard"),  # what every config.yaml before report_to holds
-    ({"tensorboard": False}, "none"),
-    ({"tensorboard": False, "report_to": "tensorboard,wandb"}, "wandb"),
-    ({"tensorboard": True, "report_to": "mlflow"}, "tensorboard,mlflow"),
-    ({"report_to": " WandB, mlflow,wandb "}, "wandb,mlflow"),
-    ({"report_to": "all"}, "all"),
-])
+@pytest.mark.parametrize(
+    "output, report_to",
+    [
+        ({}, "tensorboard"),
+        ({"tensorboard": True}, "tensorboard"),  # what every config.yaml before report_to holds
+        ({"tensorboard": False}, "none"),
+        ({"tensorboard": False, "report_to": "tensorboard,wandb"}, "wandb"),
+        ({"tensorboard": True, "report_to": "mlflow"}, "tensorboard,mlflow"),
+        ({"report_to": " WandB, mlflow,wandb "}, "wandb,mlflow"),
+        ({"report_to": "all"}, "all"),
+    ],
+)
 def test_old_tensorboard_switch_is_folded_into_report_to(output, report_to):
     import warnings
 
@@ -242,10 +289,13 @@ def test_old_tensorboard_switch_is_folded_into_report_to(output, report_to):
     assert all(w.category is FutureWarning for w in deprecated)
 
 
-@pytest.mark.parametrize("value, match", [
-    ("wandbb", "unknown tracker 'wandbb'"),
-    ("all,wandb", "stand alone"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("wandbb", "unknown tracker 'wandbb'"),
+        ("all,wandb", "stand alone"),
+    ],
+)
 def test_bad_report_to_names_the_field(value, match):
     with pytest.raises(ConfigError, match=match) as err:
         from_dict({"output": {"report_to": value}})
@@ -269,7 +319,9 @@ def test_benchmarks_report_to_no_tracker():
 def test_all_means_the_installed_trackers(monkeypatch):
     from onegpu import trackers
 
-    monkeypatch.setattr(trackers, "_installed", lambda module: module in ("tensorboard", "wandb", "mlflow"))
+    monkeypatch.setattr(
+        trackers, "_installed", lambda module: module in ("tensorboard", "wandb", "mlflow")
+    )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://localhost:5000")
     assert trackers.resolve("all") == ["tensorboard", "wandb", "mlflow"]
     assert trackers.resolve("none") == []

@@ -7,9 +7,18 @@ import pytest
 from onegpu import train
 from onegpu.report import read_metrics
 
-SMALL = {"data": {"max_bytes": 300_000, "seq_len": 64, "num_proc": 1},
-         "training": {"micro_batch_size": 8, "max_steps": 20, "eval_every": 10, "eval_batches": 4,
-                      "warmup_steps": 5, "log_every": 5, "lr": 3e-3}}
+SMALL = {
+    "data": {"max_bytes": 300_000, "seq_len": 64, "num_proc": 1},
+    "training": {
+        "micro_batch_size": 8,
+        "max_steps": 20,
+        "eval_every": 10,
+        "eval_batches": 4,
+        "warmup_steps": 5,
+        "log_every": 5,
+        "lr": 3e-3,
+    },
+}
 
 
 def _cfg(tmp_path, **extra):
@@ -25,7 +34,13 @@ def test_default_job_writes_run_dir_and_learns(tmp_path):
 
     r = train(_cfg(tmp_path))
     run = tmp_path / "run"
-    for name in ("config.yaml", "metrics.jsonl", "loss.png", "final/model.safetensors", "final/tokenizer.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "loss.png",
+        "final/model.safetensors",
+        "final/tokenizer.json",
+    ):
         assert (run / name).is_file(), name
     assert any((run / "tensorboard").iterdir())
     recs = read_metrics(run / "metrics.jsonl")
@@ -41,10 +56,19 @@ def test_default_job_writes_run_dir_and_learns(tmp_path):
 
 def test_fine_tune_local_model_on_prompt_completion(tmp_path, tiny_model_dir):
     data = tmp_path / "pc.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"}) + "\n"
-                            for i in range(64)), encoding="utf-8")
-    cfg = _cfg(tmp_path, model={"name": str(tiny_model_dir)}, data={"path": str(data), "val_fraction": 0.1},
-               training={"max_steps": 6, "eval_every": 0, "micro_batch_size": 4})
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"}) + "\n"
+            for i in range(64)
+        ),
+        encoding="utf-8",
+    )
+    cfg = _cfg(
+        tmp_path,
+        model={"name": str(tiny_model_dir)},
+        data={"path": str(data), "val_fraction": 0.1},
+        training={"max_steps": 6, "eval_every": 0, "micro_batch_size": 4},
+    )
     r = train(cfg)
     assert r.state.step == 6 and (tmp_path / "run" / "final" / "config.json").is_file()
 
@@ -86,8 +110,10 @@ def test_two_jobs_in_one_process_with_different_precisions(tmp_path):
         def on_train_end(self, run, state):
             self.hook.remove()
 
-    base = {"data": {"max_bytes": 60_000, "seq_len": 32, "num_proc": 1, "val_fraction": 0.0},
-            "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0}}
+    base = {
+        "data": {"max_bytes": 60_000, "seq_len": 32, "num_proc": 1, "val_fraction": 0.0},
+        "training": {"micro_batch_size": 2, "max_steps": 1, "eval_every": 0},
+    }
     seen = {}
     for i, precision in enumerate(["fp16", "fp32", "fp16"]):
         cfg = json.loads(json.dumps(base))
@@ -105,4 +131,7 @@ def test_library_entry_point_is_onegpu_train():
     import onegpu
     import onegpu.training.run  # noqa: F401  (importing the training package does not shadow it)
 
-    assert inspect.isfunction(onegpu.train) and "callbacks" in inspect.signature(onegpu.train).parameters
+    assert (
+        inspect.isfunction(onegpu.train)
+        and "callbacks" in inspect.signature(onegpu.train).parameters
+    )

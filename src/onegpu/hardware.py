@@ -79,35 +79,159 @@ class GpuSpec:
 
 CATALOG: tuple[GpuSpec, ...] = (
     # Turing / Volta: no bf16, no tf32 (V100: NVIDIA V100 datasheet, SXM2; T4: T4 datasheet)
-    GpuSpec("T4", "NVIDIA Tesla T4", 14.6, 8.1, 0, 65, 0, 320, (7, 5), False, aliases=("tesla t4",)),
-    GpuSpec("V100", "NVIDIA Tesla V100 SXM2 32GB", 31.7, 15.7, 0, 125, 0, 900, (7, 0), False,
-            aliases=("v100-sxm2", "v100 32gb", "tesla v100")),
-    GpuSpec("V100-16GB", "NVIDIA Tesla V100 16GB", 15.8, 15.7, 0, 125, 0, 900, (7, 0), False,
-            aliases=("v100 16gb", "v100-sxm2-16gb")),
+    GpuSpec(
+        "T4", "NVIDIA Tesla T4", 14.6, 8.1, 0, 65, 0, 320, (7, 5), False, aliases=("tesla t4",)
+    ),
+    GpuSpec(
+        "V100",
+        "NVIDIA Tesla V100 SXM2 32GB",
+        31.7,
+        15.7,
+        0,
+        125,
+        0,
+        900,
+        (7, 0),
+        False,
+        aliases=("v100-sxm2", "v100 32gb", "tesla v100"),
+    ),
+    GpuSpec(
+        "V100-16GB",
+        "NVIDIA Tesla V100 16GB",
+        15.8,
+        15.7,
+        0,
+        125,
+        0,
+        900,
+        (7, 0),
+        False,
+        aliases=("v100 16gb", "v100-sxm2-16gb"),
+    ),
     # Ampere (A100 datasheet; A10G: AWS G5 figures; RTX 3090: GA102 whitepaper, fp32-accumulate)
     GpuSpec("A10G", "NVIDIA A10G", 22.0, 31.2, 35, 70, 0, 600, (8, 6), True, aliases=("a10g",)),
     GpuSpec("A10", "NVIDIA A10", 22.0, 31.2, 62.5, 125, 0, 600, (8, 6), True),
-    GpuSpec("RTX3090", "NVIDIA GeForce RTX 3090", 23.6, 35.6, 35.6, 71, 0, 936, (8, 6), True,
-            aliases=("rtx 3090", "geforce rtx 3090", "3090")),
-    GpuSpec("A100-40GB", "NVIDIA A100 40GB SXM", 39.4, 19.5, 156, 312, 0, 1555, (8, 0), True,
-            aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb")),
-    GpuSpec("A100-80GB", "NVIDIA A100 80GB SXM", 79.2, 19.5, 156, 312, 0, 2039, (8, 0), True,
-            aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie")),
-    GpuSpec("A6000", "NVIDIA RTX A6000", 47.5, 38.7, 77.4, 154.8, 0, 768, (8, 6), True, aliases=("rtx a6000",)),
+    GpuSpec(
+        "RTX3090",
+        "NVIDIA GeForce RTX 3090",
+        23.6,
+        35.6,
+        35.6,
+        71,
+        0,
+        936,
+        (8, 6),
+        True,
+        aliases=("rtx 3090", "geforce rtx 3090", "3090"),
+    ),
+    GpuSpec(
+        "A100-40GB",
+        "NVIDIA A100 40GB SXM",
+        39.4,
+        19.5,
+        156,
+        312,
+        0,
+        1555,
+        (8, 0),
+        True,
+        aliases=("a100-sxm4-40gb", "a100 40gb", "a100-pcie-40gb"),
+    ),
+    GpuSpec(
+        "A100-80GB",
+        "NVIDIA A100 80GB SXM",
+        79.2,
+        19.5,
+        156,
+        312,
+        0,
+        2039,
+        (8, 0),
+        True,
+        aliases=("a100", "a100-sxm4-80gb", "a100 80gb", "a100 80gb pcie"),
+    ),
+    GpuSpec(
+        "A6000",
+        "NVIDIA RTX A6000",
+        47.5,
+        38.7,
+        77.4,
+        154.8,
+        0,
+        768,
+        (8, 6),
+        True,
+        aliases=("rtx a6000",),
+    ),
     # Ada (L4, L40S datasheets; RTX 4090: Ada whitepaper, fp32-accumulate)
     GpuSpec("L4", "NVIDIA L4", 22.0, 30.3, 60, 121, 242.5, 300, (8, 9), True),
     GpuSpec("L40S", "NVIDIA L40S", 44.5, 91.6, 183, 362, 733, 864, (8, 9), True),
-    GpuSpec("RTX4090", "NVIDIA GeForce RTX 4090", 23.5, 82.6, 82.6, 165.2, 330.3, 1008, (8, 9), True,
-            aliases=("rtx 4090", "geforce rtx 4090", "4090")),
+    GpuSpec(
+        "RTX4090",
+        "NVIDIA GeForce RTX 4090",
+        23.5,
+        82.6,
+        82.6,
+        165.2,
+        330.3,
+        1008,
+        (8, 9),
+        True,
+        aliases=("rtx 4090", "geforce rtx 4090", "4090"),
+    ),
     # Hopper (H100 / H200 datasheets)
-    GpuSpec("H100", "NVIDIA H100 SXM 80GB", 79.1, 67, 494.7, 989.4, 1978.9, 3350, (9, 0), True,
-            aliases=("h100 sxm", "h100-sxm", "h100 80gb hbm3", "h100 sxm5")),
-    GpuSpec("H100-PCIe", "NVIDIA H100 PCIe 80GB", 79.1, 51, 378, 756, 1513, 2000, (9, 0), True,
-            aliases=("h100 pcie", "h100-pcie")),
-    GpuSpec("H100-NVL", "NVIDIA H100 NVL 94GB", 93.1, 60, 417.5, 835.5, 1670.5, 3900, (9, 0), True,
-            aliases=("h100 nvl",)),
-    GpuSpec("H200", "NVIDIA H200 SXM 141GB", 139.8, 67, 494.7, 989.4, 1978.9, 4800, (9, 0), True,
-            aliases=("h200 sxm", "h200-sxm")),
+    GpuSpec(
+        "H100",
+        "NVIDIA H100 SXM 80GB",
+        79.1,
+        67,
+        494.7,
+        989.4,
+        1978.9,
+        3350,
+        (9, 0),
+        True,
+        aliases=("h100 sxm", "h100-sxm", "h100 80gb hbm3", "h100 sxm5"),
+    ),
+    GpuSpec(
+        "H100-PCIe",
+        "NVIDIA H100 PCIe 80GB",
+        79.1,
+        51,
+        378,
+        756,
+        1513,
+        2000,
+        (9, 0),
+        True,
+        aliases=("h100 pcie", "h100-pcie"),
+    ),
+    GpuSpec(
+        "H100-NVL",
+        "NVIDIA H100 NVL 94GB",
+        93.1,
+        60,
+        417.5,
+        835.5,
+        1670.5,
+        3900,
+        (9, 0),
+        True,
+        aliases=("h100 nvl",),
+    ),
+    GpuSpec(
+        "H200",
+        "NVIDIA H200 SXM 141GB",
+        139.8,
+        67,
+        494.7,
+        989.4,
+        1978.9,
+        4800,
+        (9, 0),
+        True,
+        aliases=("h200 sxm", "h200-sxm"),
+    ),
     # Blackwell (HGX B200 datasheet, per GPU)
     GpuSpec("B200", "NVIDIA B200 180GB", 178.4, 75, 1100, 2250, 4500, 8000, (10, 0), True),
 )
@@ -131,12 +255,17 @@ def find_gpu(name: str) -> GpuSpec:
         table.setdefault(_norm(g.name), g)
     if want in table:
         return table[want]
-    partial = {g.key: g for k, g in table.items() if want and want in k.split() + [k.replace(" ", "")]}
+    partial = {
+        g.key: g for k, g in table.items() if want and want in k.split() + [k.replace(" ", "")]
+    }
     if len(partial) == 1:
         return next(iter(partial.values()))
     close = difflib.get_close_matches(want, list(table), n=1, cutoff=0.5)
-    hint = (f"did you mean '{table[close[0]].key}'?" if close
-            else f"known GPUs: {', '.join(g.key for g in CATALOG)}")
+    hint = (
+        f"did you mean '{table[close[0]].key}'?"
+        if close
+        else f"known GPUs: {', '.join(g.key for g in CATALOG)}"
+    )
     raise ConfigError(f"unknown GPU '{name}'.", hint=hint)
 
 
@@ -156,8 +285,13 @@ def match_device(device: DeviceInfo) -> GpuSpec | None:
         return None
     # The most specific name wins ("h100 pcie" over "h100"); memory size separates 40/80 GB cards.
     mem_gib = device.total_memory / 2**30
-    return min(scored, key=lambda sg: (-sg[0] if abs(sg[1].memory_gib - mem_gib) < 4 else 0,
-                                       abs(sg[1].memory_gib - mem_gib)))[1]
+    return min(
+        scored,
+        key=lambda sg: (
+            -sg[0] if abs(sg[1].memory_gib - mem_gib) < 4 else 0,
+            abs(sg[1].memory_gib - mem_gib),
+        ),
+    )[1]
 
 
 def spec_from_device(device: DeviceInfo) -> GpuSpec:
@@ -168,8 +302,10 @@ def spec_from_device(device: DeviceInfo) -> GpuSpec:
             return spec
         from onegpu.errors import UnavailableError
 
-        raise UnavailableError(f"'{device.name}' is not in the GPU catalog, so its peak speed is unknown.",
-                               hint="plan for the closest catalog card with --gpu NAME (onegpu plan --gpu list)")
+        raise UnavailableError(
+            f"'{device.name}' is not in the GPU catalog, so its peak speed is unknown.",
+            hint="plan for the closest catalog card with --gpu NAME (onegpu plan --gpu list)",
+        )
     return cpu_spec(device)
 
 
@@ -177,8 +313,19 @@ def cpu_spec(device: DeviceInfo | None = None) -> GpuSpec:
     """The CPU as a 'GPU': measured fp32 matmul TFLOP/s and copy bandwidth, cached per CPU model."""
     device = device or DeviceInfo("cpu", "CPU", _host_memory())
     m = measure_cpu()
-    return GpuSpec("CPU", f"CPU ({m['model']}, {m['threads']} threads)", device.total_memory / 2**30,
-                   m["tflops"], 0, m["tflops"], 0, m["bandwidth_gbs"], (0, 0), False, tc_multiple=1)
+    return GpuSpec(
+        "CPU",
+        f"CPU ({m['model']}, {m['threads']} threads)",
+        device.total_memory / 2**30,
+        m["tflops"],
+        0,
+        m["tflops"],
+        0,
+        m["bandwidth_gbs"],
+        (0, 0),
+        False,
+        tc_multiple=1,
+    )
 
 
 def measure_cpu(force: bool = False) -> dict:
@@ -195,7 +342,12 @@ def measure_cpu(force: bool = False) -> dict:
     path = cache_dir() / "hardware" / f"cpu-{_slug(model)}-{threads}t.json"
     if path.is_file() and not force:
         return json.loads(path.read_text())
-    result = {"model": model, "threads": threads, "tflops": measure_matmul_flops("cpu") / 1e12, "bandwidth_gbs": _copy_gbs()}
+    result = {
+        "model": model,
+        "threads": threads,
+        "tflops": measure_matmul_flops("cpu") / 1e12,
+        "bandwidth_gbs": _copy_gbs(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result

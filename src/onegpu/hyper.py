@@ -72,7 +72,9 @@ def training_mode(cfg: Config, model_name: str | None = None) -> str:
     from onegpu import models
 
     name = model_name or cfg.model.name
-    return "scratch" if name == "auto" or models.is_preset(name) or cfg.model.from_scratch else "full"
+    return (
+        "scratch" if name == "auto" or models.is_preset(name) or cfg.model.from_scratch else "full"
+    )
 
 
 def warmup_steps_of(t: TrainingConfig, ratio: float) -> int:
@@ -85,11 +87,16 @@ def _settle(cfg: Config, model_name: str | None) -> tuple[str, dict, dict]:
     """(mode, concrete values, where each came from: "auto" or "set")."""
     t = cfg.training
     if t.warmup_steps != "auto" and t.warmup_ratio is not None:
-        raise ConfigError(f"training.warmup_steps={t.warmup_steps} and training.warmup_ratio={t.warmup_ratio} "
-                          "both set the warm-up.", hint="keep one of them (the other stays auto)")
+        raise ConfigError(
+            f"training.warmup_steps={t.warmup_steps} and training.warmup_ratio={t.warmup_ratio} "
+            "both set the warm-up.",
+            hint="keep one of them (the other stays auto)",
+        )
     if t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio < 1.0:
-        raise ConfigError(f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}.",
-                          hint="set training.warmup_ratio to e.g. 0.03, or use training.warmup_steps")
+        raise ConfigError(
+            f"training.warmup_ratio must be in [0, 1), got {t.warmup_ratio}.",
+            hint="set training.warmup_ratio to e.g. 0.03, or use training.warmup_steps",
+        )
     mode = training_mode(cfg, model_name)
     auto = (auto_table() if cfg.training.objective == "sft" else preference_table())[mode]
     values, source = {}, {}
@@ -97,11 +104,23 @@ def _settle(cfg: Config, model_name: str | None) -> tuple[str, dict, dict]:
         value = getattr(t, key)
         values[key], source[key] = (auto[key], "auto") if value == "auto" else (value, "set")
     if t.warmup_steps != "auto":
-        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = t.warmup_steps, None, "set"
+        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = (
+            t.warmup_steps,
+            None,
+            "set",
+        )
     elif t.warmup_ratio is not None:
-        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = None, t.warmup_ratio, "set"
+        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = (
+            None,
+            t.warmup_ratio,
+            "set",
+        )
     else:
-        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = auto["warmup_steps"], auto["warmup_ratio"], "auto"
+        values["warmup_steps"], values["warmup_ratio"], source["warmup"] = (
+            auto["warmup_steps"],
+            auto["warmup_ratio"],
+            "auto",
+        )
     return mode, values, source
 
 
@@ -127,9 +146,13 @@ def describe(cfg: Config, model_name: str | None = None) -> str:
         warmup = f"{ratio * 100:g}% = {warmup_steps_of(cfg.training, ratio)} steps"
     else:
         warmup = f"{values['warmup_steps']} steps"
-    label = LABELS[mode] + ("" if cfg.training.objective == "sft" else f", {cfg.training.objective.upper()}")
-    return (f"hyper-parameters ({label}): lr {_num(values['lr'])} ({source['lr']}), warm-up {warmup} "
-            f"({source['warmup']}), weight decay {_num(values['weight_decay'])} ({source['weight_decay']})")
+    label = LABELS[mode] + (
+        "" if cfg.training.objective == "sft" else f", {cfg.training.objective.upper()}"
+    )
+    return (
+        f"hyper-parameters ({label}): lr {_num(values['lr'])} ({source['lr']}), warm-up {warmup} "
+        f"({source['warmup']}), weight decay {_num(values['weight_decay'])} ({source['weight_decay']})"
+    )
 
 
 def _num(x: float) -> str:
@@ -144,6 +167,11 @@ def bare(t: TrainingConfig) -> TrainingConfig:
     """A training section on its own (an optimizer built outside a run: the planner's accuracy check
     on randomly initialised models, tests) has no model or method to choose by; its `auto` values
     take the from-scratch entry, which is what such a randomly initialised model is."""
-    if t.lr != "auto" and t.weight_decay != "auto" and t.warmup_steps != "auto" and t.warmup_ratio is None:
+    if (
+        t.lr != "auto"
+        and t.weight_decay != "auto"
+        and t.warmup_steps != "auto"
+        and t.warmup_ratio is None
+    ):
         return t
     return resolve_hyperparameters(Config(training=t), "auto").training

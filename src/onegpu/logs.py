@@ -6,8 +6,19 @@ import logging
 import os
 import sys
 
-QUIET = ("httpx", "urllib3", "filelock", "datasets", "torchao", "torch.utils._pytree", "torch._dynamo",
-         "torch._inductor", "DeepSpeed", "accelerate", "huggingface_hub")
+QUIET = (
+    "httpx",
+    "urllib3",
+    "filelock",
+    "datasets",
+    "torchao",
+    "torch.utils._pytree",
+    "torch._dynamo",
+    "torch._inductor",
+    "DeepSpeed",
+    "accelerate",
+    "huggingface_hub",
+)
 
 
 class _StderrHandler(logging.StreamHandler):

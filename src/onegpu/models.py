@@ -13,14 +13,39 @@ log = logging.getLogger(__name__)
 
 # Llama-architecture presets. Sizes are without embeddings unless noted; vocab comes from the tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, max_position_embeddings=1024),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=8, max_position_embeddings=2048),
-    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12, max_position_embeddings=2048),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+    ),
+    "125m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=2048,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -38,9 +63,14 @@ def is_preset(name: str) -> bool:
 def preset_config(name: str, tokenizer, **overrides):
     from transformers import LlamaConfig
 
-    kw = dict(PRESETS[name], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-              tie_word_embeddings=name in ("tiny", "small"))
+    kw = dict(
+        PRESETS[name],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=name in ("tiny", "small"),
+    )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
@@ -51,23 +81,34 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
     local = _looks_local(name)
     if local and not Path(name).expanduser().is_dir():
-        raise ModelError(f"tokenizer directory '{name}' does not exist.",
-                         hint="point model.tokenizer at a folder written by save_pretrained, or a Hub id")
+        raise ModelError(
+            f"tokenizer directory '{name}' does not exist.",
+            hint="point model.tokenizer at a folder written by save_pretrained, or a Hub id",
+        )
     if local:
         _check_tokenizer_files(Path(name).expanduser(), name)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        hint = ("check that the folder holds a tokenizer written by save_pretrained" if local
-                else "give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)")
+        hint = (
+            "check that the folder holds a tokenizer written by save_pretrained"
+            if local
+            else "give a local directory, or a Hub id while online (HF_HUB_OFFLINE unset)"
+        )
         raise ModelError(f"cannot load tokenizer '{name}': {_one_line(exc)}", hint=hint) from None
     return ensure_pad_token(tok)
 
 
 # What AutoTokenizer builds a tokenizer from: a fast tokenizer's file, its config, or a slow
 # tokenizer's vocabulary
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 
 def _check_tokenizer_files(folder: Path, name: str) -> None:
@@ -80,9 +121,11 @@ def _check_tokenizer_files(folder: Path, name: str) -> None:
     holds = f"it holds {', '.join(present[:8])}{more}" if present else "it is empty"
     config = "" if (folder / "config.json").is_file() else " and no config.json"
     files = " or ".join(TOKENIZER_FILES[:2])
-    raise ModelError(f"'{name}' holds no tokenizer (no {files}){config}; {holds}.",
-                     hint="point --model.name (or --model.tokenizer) at a folder written by "
-                     "save_pretrained (e.g. <run>/final), or a Hub id")
+    raise ModelError(
+        f"'{name}' holds no tokenizer (no {files}){config}; {holds}.",
+        hint="point --model.name (or --model.tokenizer) at a folder written by "
+        "save_pretrained (e.g. <run>/final), or a Hub id",
+    )
 
 
 def ensure_pad_token(tok):
@@ -100,12 +143,20 @@ def ensure_pad_token(tok):
         tok.pad_token = tok.unk_token
     else:
         tok.pad_token = tok.eos_token
-        log.info("tokenizer has no pad token; using EOS as pad (padding is masked by position, EOS still trains)")
+        log.info(
+            "tokenizer has no pad token; using EOS as pad (padding is masked by position, EOS still trains)"
+        )
     return tok
 
 
-def load_model(name: str, cfg: ModelConfig, tokenizer, dtype=None, attn_implementation: str = "sdpa",
-               extra: dict | None = None):
+def load_model(
+    name: str,
+    cfg: ModelConfig,
+    tokenizer,
+    dtype=None,
+    attn_implementation: str = "sdpa",
+    extra: dict | None = None,
+):
     """Build a preset from scratch, or load a Hub/local model through from_pretrained."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -115,15 +166,26 @@ def load_model(name: str, cfg: ModelConfig, tokenizer, dtype=None, attn_implemen
     if is_preset(name):
         config = preset_config(name, tokenizer)
         config._attn_implementation = attn_implementation
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
     _check_local(name)
     try:
         if cfg.from_scratch:
             config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
-                                                    trust_remote_code=cfg.trust_remote_code)
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
-                                                    trust_remote_code=cfg.trust_remote_code, **extra)
+            return AutoModelForCausalLM.from_config(
+                config,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        return AutoModelForCausalLM.from_pretrained(
+            name,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **extra,
+        )
     except (OSError, ValueError) as exc:
         raise _load_error(name, exc) from None
 
@@ -151,18 +213,24 @@ def causal_lm_class(config, trust_remote_code: bool = False):
     if ref and trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        repo, _, ref = ref.rpartition("--")  # "repo--module.Class" names code kept in another repository
+        repo, _, ref = ref.rpartition(
+            "--"
+        )  # "repo--module.Class" names code kept in another repository
         try:
             return get_class_from_dynamic_module(ref, repo or config.name_or_path)
         except (OSError, ValueError, ImportError):
             return None  # the load itself reports why
-    mapping = AutoModelForCausalLM._model_mapping  # includes classes added with AutoModelForCausalLM.register
+    mapping = (
+        AutoModelForCausalLM._model_mapping
+    )  # includes classes added with AutoModelForCausalLM.register
     return _get_model_class(config, mapping) if type(config) in mapping else None
 
 
 def _load_error(name: str, exc: BaseException) -> ModelError:
-    return ModelError(f"cannot load model '{name}': {_first_line(exc)}",
-                      hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online")
+    return ModelError(
+        f"cannot load model '{name}': {_first_line(exc)}",
+        hint=f"use a preset ({', '.join(PRESETS)}), a local directory, or a Hub id while online",
+    )
 
 
 def _looks_local(name: str) -> bool:
@@ -172,8 +240,10 @@ def _looks_local(name: str) -> bool:
 def _check_local(name: str) -> None:
     p = Path(name)
     if _looks_local(name) and not (p.expanduser() / "config.json").is_file():
-        raise ModelError(f"model directory '{name}' has no config.json.",
-                         hint="point --model.name at a folder written by save_pretrained (e.g. <run>/final)")
+        raise ModelError(
+            f"model directory '{name}' has no config.json.",
+            hint="point --model.name at a folder written by save_pretrained (e.g. <run>/final)",
+        )
 
 
 def _first_line(exc: BaseException) -> str:

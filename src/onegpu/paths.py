@@ -8,5 +8,7 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ONEGPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "onegpu")
+    root = os.environ.get("ONEGPU_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "onegpu"
+    )
     return Path(root)

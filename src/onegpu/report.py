@@ -14,8 +14,14 @@ class MetricsLog:
     ``config`` (default: the run directory's config.yaml) once. Only the main process writes. As a context
     manager it closes the trackers at the end, marked failed on an error."""
 
-    def __init__(self, run_dir: Path, trackers: Sequence[str] = ("tensorboard",), enabled: bool = True,
-                 purge_step: int | None = None, config: Any = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: Sequence[str] = ("tensorboard",),
+        enabled: bool = True,
+        purge_step: int | None = None,
+        config: Any = None,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._fh = open(self.path, "a", encoding="utf-8") if enabled else None
@@ -82,6 +88,7 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path) -> Path:
     plt.close(fig)
     return Path(out_png)
 
+
 def device_memory_gb(device) -> float:
     """Peak allocated GPU memory, or the process's resident memory on CPU."""
     import torch
@@ -101,10 +108,18 @@ def progress_bar(total: int, enabled: bool, initial: int = 0):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    return tqdm(
+        total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0
+    )
 
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "loss.png", "reference_logps.safetensors")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "tensorboard",
+    "loss.png",
+    "reference_logps.safetensors",
+)
 
 
 def print_summary(r) -> None:
@@ -113,13 +128,21 @@ def print_summary(r) -> None:
     s = r.state
     # What this process trained, over this process's time: after a resume, the steps before it
     # were another process's work (and time)
-    resumed = f" (resumed at step {s.start_step}: {s.trained_steps} steps here)" if s.start_step else ""
-    print(f"done: {s.step} steps{resumed}, {s.trained_tokens:,} tokens trained in "
-          f"{r.wall_seconds:.0f}s ({r.tokens_per_second:,.0f} tokens/s); "
-          f"val loss {first} -> {last}")
+    resumed = (
+        f" (resumed at step {s.start_step}: {s.trained_steps} steps here)" if s.start_step else ""
+    )
+    print(
+        f"done: {s.step} steps{resumed}, {s.trained_tokens:,} tokens trained in "
+        f"{r.wall_seconds:.0f}s ({r.tokens_per_second:,.0f} tokens/s); "
+        f"val loss {first} -> {last}"
+    )
     for stats in r.data_stats:
         print(f"data {stats.describe()}")
-    files = [name + ("/" if (r.run_dir / name).is_dir() else "") for name in RUN_FILES if (r.run_dir / name).exists()]
+    files = [
+        name + ("/" if (r.run_dir / name).is_dir() else "")
+        for name in RUN_FILES
+        if (r.run_dir / name).exists()
+    ]
     print(f"run directory: {r.run_dir}\n  {', '.join(files)}")
     fmt = r.data_stats[0].fmt if r.data_stats else "text"
     print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
@@ -141,17 +164,26 @@ def generate_hint(model_dir, fmt: str, sample: str | None) -> str:
 def sample_prompt(records, fmt: str, data_cfg, limit: int = 60) -> str | None:
     """A prompt from the data for the end-of-run hint: a chat's first user turn, a record's prompt,
     or a text's first line; its first line only, cut at a word to about ``limit`` characters."""
-    if records is None or len(records) == 0 or data_cfg.path is None:  # the default corpus: DEFAULT_PROMPT
+    if (
+        records is None or len(records) == 0 or data_cfg.path is None
+    ):  # the default corpus: DEFAULT_PROMPT
         return None
     rec = records[0]
     if fmt == "messages":
         turns = rec.get(data_cfg.messages_field) or []
-        text = next((t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"), None)
+        text = next(
+            (t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"),
+            None,
+        )
     elif fmt in ("prompt_completion", "preference"):
         text = rec.get(data_cfg.prompt_field)
     else:
         text = rec.get(data_cfg.text_field)
-    lines = [line.strip() for line in text.splitlines() if line.strip()] if isinstance(text, str) else []
+    lines = (
+        [line.strip() for line in text.splitlines() if line.strip()]
+        if isinstance(text, str)
+        else []
+    )
     if not lines:
         return None
     line = lines[0]
@@ -165,4 +197,3 @@ def _quoted(prompt: str) -> str:
     import shlex
 
     return f'"{prompt}"' if not any(c in prompt for c in '"$`\\!') else shlex.quote(prompt)
-

@@ -25,8 +25,12 @@ from onegpu.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # tracker -> (module it imports, what to pip install)
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"),
+}
 # W&B and MLflow have their own variable for the project; either wins over ONEGPU_PROJECT.
 PROJECT_VARS = {"wandb": "WANDB_PROJECT", "mlflow": "MLFLOW_EXPERIMENT_NAME"}
 IDS_FILE = "trackers.json"  # the W&B/MLflow run ids, so a resume continues the same tracker runs
@@ -37,12 +41,18 @@ def resolve(report_to: str) -> list[str]:
     installed raises one ConfigError with the install command (checked before the run directory is made)."""
     if report_to == "none":
         return []
-    names = [n for n in TRACKERS if _installed(PACKAGES[n][0])] if report_to == "all" else report_to.split(",")
+    names = (
+        [n for n in TRACKERS if _installed(PACKAGES[n][0])]
+        if report_to == "all"
+        else report_to.split(",")
+    )
     for name in names:
         module, package = PACKAGES[name]
         if not _installed(module):
-            raise ConfigError(f"output.report_to names {name}, but the {package} package is not installed.",
-                              hint=f"pip install {package}, or leave {name} out of output.report_to")
+            raise ConfigError(
+                f"output.report_to names {name}, but the {package} package is not installed.",
+                hint=f"pip install {package}, or leave {name} out of output.report_to",
+            )
     if "mlflow" in names:
         _check_mlflow_store()
     return names
@@ -62,8 +72,10 @@ def _check_mlflow_store() -> None:
     database = uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
     if (database or not uri) and not _installed("sqlalchemy"):
         where = uri or "MLflow's default store (./mlflow.db)"
-        raise ConfigError(f"output.report_to=mlflow: {where} is a database, which needs the full mlflow package.",
-                          hint="set MLFLOW_TRACKING_URI to your server (http://host:5000), or pip install mlflow")
+        raise ConfigError(
+            f"output.report_to=mlflow: {where} is a database, which needs the full mlflow package.",
+            hint="set MLFLOW_TRACKING_URI to your server (http://host:5000), or pip install mlflow",
+        )
 
 
 class Trackers:
@@ -71,12 +83,16 @@ class Trackers:
     once, when that run is new (a continued one already has it, and MLflow refuses to change a logged
     parameter)."""
 
-    def __init__(self, names: list[str], run_dir: Path, config: Any = None, purge_step: int | None = None):
+    def __init__(
+        self, names: list[str], run_dir: Path, config: Any = None, purge_step: int | None = None
+    ):
         self.trackers: list = []
         run_dir = Path(run_dir)
         resuming = purge_step is not None
         saved = _load_ids(run_dir) if resuming else {}
-        if not resuming:  # a new run in a used directory (overwrite) must not continue the old tracker runs
+        if (
+            not resuming
+        ):  # a new run in a used directory (overwrite) must not continue the old tracker runs
             (run_dir / IDS_FILE).unlink(missing_ok=True)
         # by default the config exactly as config.yaml records it (settled values, detected data format)
         params = flat_config(config if config is not None else _saved_config(run_dir))
@@ -97,8 +113,11 @@ class Trackers:
         if "step" not in record:
             return
         prefix = record.get("split", "train")
-        values = {f"{prefix}/{k}": v for k, v in record.items()
-                  if isinstance(v, (int, float)) and k not in ("step", "split") and math.isfinite(v)}
+        values = {
+            f"{prefix}/{k}": v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and k not in ("step", "split") and math.isfinite(v)
+        }
         if values:
             for tracker in self.trackers:
                 tracker.log(values, step=record["step"])
@@ -125,20 +144,28 @@ class Trackers:
 def _make(name: str, run_dir: Path, run_id: str | None, purge_step: int | None):
     from accelerate import tracking
 
-    project = os.environ.get(PROJECT_VARS.get(name, ""), "") or os.environ.get("ONEGPU_PROJECT", "") or "onegpu"
+    project = (
+        os.environ.get(PROJECT_VARS.get(name, ""), "")
+        or os.environ.get("ONEGPU_PROJECT", "")
+        or "onegpu"
+    )
     if name == "tensorboard":  # events in run_dir/tensorboard, as before trackers could be chosen
         # purge_step: after a resume, TensorBoard hides the events of the steps being redone
         return tracking.TensorBoardTracker("tensorboard", run_dir, purge_step=purge_step)
     if name == "wandb":  # files beside the run's own unless WANDB_DIR says otherwise
         resume = {"id": run_id, "resume": "allow"} if run_id else {}
-        return tracking.WandBTracker(project, name=run_dir.name, dir=os.environ.get("WANDB_DIR", str(run_dir)),
-                                     **resume)
+        return tracking.WandBTracker(
+            project, name=run_dir.name, dir=os.environ.get("WANDB_DIR", str(run_dir)), **resume
+        )
     if name == "mlflow":
         return tracking.MLflowTracker(experiment_name=project, run_name=run_dir.name, run_id=run_id)
     if name == "trackio":  # Trackio continues a run by its name
-        return tracking.TrackioTracker(project, name=run_dir.name,
-                                       resume="allow" if purge_step is not None else "never")
-    raise AssertionError(f"unknown tracker {name}")  # output.report_to is checked when the config is read
+        return tracking.TrackioTracker(
+            project, name=run_dir.name, resume="allow" if purge_step is not None else "never"
+        )
+    raise AssertionError(
+        f"unknown tracker {name}"
+    )  # output.report_to is checked when the config is read
 
 
 def _continues(name: str, saved: dict[str, str]) -> bool:
@@ -160,7 +187,10 @@ def _run_ids(trackers: list) -> dict[str, str]:
 def _load_ids(run_dir: Path) -> dict[str, str]:
     try:
         return json.loads((run_dir / IDS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none saved (a run from before trackers), or cut short: new tracker runs
+    except (
+        OSError,
+        ValueError,
+    ):  # none saved (a run from before trackers), or cut short: new tracker runs
         return {}
 
 
@@ -184,7 +214,9 @@ def flat_config(config: Any) -> dict[str, Any]:
             for k, v in value.items():
                 walk(f"{prefix}{k}.", v)
         else:
-            out[prefix[:-1]] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+            out[prefix[:-1]] = (
+                value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+            )
 
     walk("", redact(config if isinstance(config, dict) else to_dict(config)))
     return out

@@ -1,6 +1,6 @@
 """Train with this process's GPU memory capped, to show what fits only with offload.
 
-    python tests/dist_scripts/capped_train.py <GiB> config.yaml
+python tests/dist_scripts/capped_train.py <GiB> config.yaml
 """
 
 import logging
@@ -21,10 +21,14 @@ class StateDevices(Callback):
 
     def on_train_end(self, run, state):
         opt = run.optimizer
-        while hasattr(opt, "optimizer") and opt.optimizer is not opt:  # Accelerate / DeepSpeed wrappers
+        while (
+            hasattr(opt, "optimizer") and opt.optimizer is not opt
+        ):  # Accelerate / DeepSpeed wrappers
             opt = opt.optimizer
         self.optimizer = type(opt).__name__
-        self.devices = {v.device.type for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+        self.devices = {
+            v.device.type for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        }
 
 
 def main(cap_gib: float, path: str) -> None:

@@ -27,9 +27,18 @@ def main(model_dir: str, sharding: str, precision: str) -> None:
     weight = model.model.layers[0].self_attn.q_proj.weight
     logits = model(input_ids=torch.arange(16).view(1, 16)).logits
     if dist.get_rank() == 0:
-        print(json.dumps({"mesh_shape": list(weight.device_mesh.shape), "mesh_names": list(weight.device_mesh.mesh_dim_names),
-                          "local_rows": weight.to_local().shape[0], "full_rows": full_rows,
-                          "master_dtype": str(weight.dtype), "logits_dtype": str(logits.dtype)}))
+        print(
+            json.dumps(
+                {
+                    "mesh_shape": list(weight.device_mesh.shape),
+                    "mesh_names": list(weight.device_mesh.mesh_dim_names),
+                    "local_rows": weight.to_local().shape[0],
+                    "full_rows": full_rows,
+                    "master_dtype": str(weight.dtype),
+                    "logits_dtype": str(logits.dtype),
+                }
+            )
+        )
     dist.destroy_process_group()
 
 

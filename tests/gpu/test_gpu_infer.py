@@ -21,7 +21,11 @@ def _cfg(model_dir, **kw) -> InferConfig:
 
 
 def _linears(model):
-    return [m for n, m in model.named_modules() if n.endswith(("q_proj", "o_proj", "up_proj", "down_proj"))]
+    return [
+        m
+        for n, m in model.named_modules()
+        if n.endswith(("q_proj", "o_proj", "up_proj", "down_proj"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,9 @@ def test_auto_dtype_is_bf16_on_ampere_and_runs_on_cuda(tiny_model_dir):
     loaded = load(_cfg(tiny_model_dir))
     expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     assert loaded.model.dtype == expected and loaded.model.device.type == "cuda"
-    out = generate(loaded.model, loaded.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=8, greedy=True))
+    out = generate(
+        loaded.model, loaded.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=8, greedy=True)
+    )
     assert all(c.new_tokens > 0 for c in out)
 
 
@@ -61,9 +67,15 @@ def test_static_cache_and_inductor_compile_match_eager(tiny_model_dir):
     """Greedy text must match exactly, so the model runs in fp32: a random bf16 model of hidden size
     64 has near-ties between its top logits that bf16 rounding (kernel order) can flip."""
     fp32 = load(_cfg(tiny_model_dir, dtype="fp32"))
-    eager = generate(fp32.model, fp32.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=16, greedy=True))
-    compiled = generate(fp32.model, fp32.tokenizer, PROMPTS,
-                        SamplingConfig(max_new_tokens=16, greedy=True, compile="reduce-overhead"))
+    eager = generate(
+        fp32.model, fp32.tokenizer, PROMPTS, SamplingConfig(max_new_tokens=16, greedy=True)
+    )
+    compiled = generate(
+        fp32.model,
+        fp32.tokenizer,
+        PROMPTS,
+        SamplingConfig(max_new_tokens=16, greedy=True, compile="reduce-overhead"),
+    )
     assert [c.text for c in compiled] == [c.text for c in eager]
     assert hasattr(fp32.model, "_compiled_call")
 
@@ -76,14 +88,24 @@ def test_flash_attention_loads_in_bf16(tiny_model_dir):
     # plain SDPA, which may pick another kernel).
     want = "flash_attention_2" if flash_attn_installed() else SDPA_FLASH
     assert loaded.model.config._attn_implementation == want
-    out = generate(loaded.model, loaded.tokenizer, PROMPTS[:1], SamplingConfig(max_new_tokens=8, greedy=True))
+    out = generate(
+        loaded.model, loaded.tokenizer, PROMPTS[:1], SamplingConfig(max_new_tokens=8, greedy=True)
+    )
     assert out[0].new_tokens > 0
 
 
 def test_device_map_auto_with_gpu_budget_spills_to_cpu(tiny_model_dir, bf16):
     budget = weight_bytes(bf16.model) // 2
-    spilled = load(InferConfig(model=str(tiny_model_dir), dtype="bf16", device_map="auto",
-                               max_memory=f"0={budget},cpu=4GiB"))
+    spilled = load(
+        InferConfig(
+            model=str(tiny_model_dir),
+            dtype="bf16",
+            device_map="auto",
+            max_memory=f"0={budget},cpu=4GiB",
+        )
+    )
     assert set(spilled.model.hf_device_map.values()) == {0, "cpu"}
-    out = generate(spilled.model, spilled.tokenizer, PROMPTS[:1], SamplingConfig(max_new_tokens=4, greedy=True))
+    out = generate(
+        spilled.model, spilled.tokenizer, PROMPTS[:1], SamplingConfig(max_new_tokens=4, greedy=True)
+    )
     assert out[0].new_tokens == 4

@@ -24,9 +24,12 @@ def _fresh_state():
     AcceleratorState._reset_state()
     torch._dynamo.reset()
 
+
 def _out_dtype(model, batch):
     seen = []
-    h = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    h = model.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda m, i, o: seen.append(o.dtype)
+    )
     with torch.no_grad():
         model(input_ids=batch["input_ids"])
     h.remove()
@@ -60,7 +63,10 @@ def test_bf16_autocast_on_cuda(tiny_tokenizer):
     if not detect().bf16:
         pytest.skip("GPU without bf16")
     _, model, _ = _prepared(tiny_tokenizer, "bf16")
-    assert _out_dtype(model, random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")) == torch.bfloat16
+    assert (
+        _out_dtype(model, random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda"))
+        == torch.bfloat16
+    )
 
 
 def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
@@ -73,7 +79,7 @@ def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
         pytest.skip("GPU without TF32")
     torch.manual_seed(0)
     a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
-    exact = (a.double() @ b.double())
+    exact = a.double() @ b.double()
 
     def rel_error(tf32):
         cfg = Config(techniques=TechniquesConfig(tf32=tf32, compile="off"))
@@ -85,7 +91,9 @@ def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
     before = torch.backends.cuda.matmul.fp32_precision
     on, off = rel_error(None), rel_error(False)
     assert on > 1e-4 and off < 1e-5, (on, off)
-    assert torch.backends.cuda.matmul.fp32_precision == before  # the run's switch is put back afterwards
+    assert (
+        torch.backends.cuda.matmul.fp32_precision == before
+    )  # the run's switch is put back afterwards
 
 
 def _kernel_names(fn) -> str:
@@ -104,8 +112,18 @@ def test_sdpa_flash_kernel_runs_and_matches_eager(tiny_model_dir, tiny_tokenizer
     attn = resolve_attention(TechniquesConfig(attention="flash"), detect())
     assert attn in (SDPA_FLASH, "flash_attention_2")
     ids = random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")["input_ids"]
-    models = {a: load_model(str(tiny_model_dir), ModelConfig(), tiny_tokenizer, dtype=torch.bfloat16,
-                            attn_implementation=a).cuda().eval() for a in ("eager", attn)}
+    models = {
+        a: load_model(
+            str(tiny_model_dir),
+            ModelConfig(),
+            tiny_tokenizer,
+            dtype=torch.bfloat16,
+            attn_implementation=a,
+        )
+        .cuda()
+        .eval()
+        for a in ("eager", attn)
+    }
     with torch.no_grad():
         ref = models["eager"](input_ids=ids).logits.float()
         out = models[attn](input_ids=ids).logits.float()
@@ -120,8 +138,11 @@ def test_compile_on_cuda_matches_eager(tiny_tokenizer, regional):
 
     batch = random_batch(len(tiny_tokenizer), n=4, length=128, device="cuda")
     eager = loss_sum(make_tiny_llama(tiny_tokenizer).cuda(), batch)
-    model = apply_compile(make_tiny_llama(tiny_tokenizer).cuda(),
-                          TechniquesConfig(compile="default", compile_regional=regional), "cuda")
+    model = apply_compile(
+        make_tiny_llama(tiny_tokenizer).cuda(),
+        TechniquesConfig(compile="default", compile_regional=regional),
+        "cuda",
+    )
     compiled = loss_sum(model, batch)
     compiled.backward()
     assert torch.allclose(compiled, eager, rtol=1e-3)
@@ -175,7 +196,10 @@ def test_fused_loss_under_bf16_autocast_matches_plain(tiny_tokenizer):
         model.zero_grad(set_to_none=True)
         loss = loss_sum(model, batch, chunk_size=chunk)
         loss.backward()
-        grads[chunk] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
+        grads[chunk] = (
+            loss.detach().float(),
+            {n: p.grad.float().clone() for n, p in model.named_parameters()},
+        )
     assert torch.allclose(grads[0][0], grads[256][0], rtol=2e-2)
     for name, g in grads[0][1].items():
         assert (grads[256][1][name] - g).norm() <= 0.05 * g.norm() + 1e-6, name
@@ -191,7 +215,9 @@ def test_fused_loss_needs_no_host_sync(tiny_tokenizer):
     model = make_tiny_llama(tiny_tokenizer).cuda()
     cpu = with_target_positions(random_batch(len(tiny_tokenizer), n=4, length=128))
     batch = {k: v.cuda() for k, v in cpu.items()}
-    hidden = torch.randn(*batch["input_ids"].shape, model.config.hidden_size, device="cuda", requires_grad=True)
+    hidden = torch.randn(
+        *batch["input_ids"].shape, model.config.hidden_size, device="cuda", requires_grad=True
+    )
     amp = ("cuda", False, torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -24,30 +24,61 @@ def big_model_dir(tmp_path_factory, tiny_tokenizer):
     from helpers import make_tiny_llama
 
     path = tmp_path_factory.mktemp("llama-0.9b")
-    model = make_tiny_llama(tiny_tokenizer, hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
-                            num_attention_heads=16, num_key_value_heads=16, vocab_size=32000)
-    assert sum(p.numel() for p in model.parameters()) * 16 > 2 * CAP_GIB * 2**30  # cannot fit un-offloaded
+    model = make_tiny_llama(
+        tiny_tokenizer,
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
+    assert (
+        sum(p.numel() for p in model.parameters()) * 16 > 2 * CAP_GIB * 2**30
+    )  # cannot fit un-offloaded
     model.save_pretrained(str(path))
     tiny_tokenizer.save_pretrained(str(path))
     return path
 
 
-def _run(tmp_path: Path, model_dir: Path, text_file: Path, name: str, offload: str) -> subprocess.CompletedProcess:
-    cfg = {"model": {"name": str(model_dir)}, "data": {"path": str(text_file), "seq_len": 128, "num_proc": 1},
-           "training": {"micro_batch_size": 2, "grad_accum": 2, "max_steps": 3, "log_every": 1, "eval_every": 0,
-                        "oom_retry": False},
-           "techniques": {"precision": "bf16", "offload": offload},
-           "output": {"dir": str(tmp_path / "runs"), "name": name, "report_to": "none"}}
+def _run(
+    tmp_path: Path, model_dir: Path, text_file: Path, name: str, offload: str
+) -> subprocess.CompletedProcess:
+    cfg = {
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(text_file), "seq_len": 128, "num_proc": 1},
+        "training": {
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "max_steps": 3,
+            "log_every": 1,
+            "eval_every": 0,
+            "oom_retry": False,
+        },
+        "techniques": {"precision": "bf16", "offload": offload},
+        "output": {"dir": str(tmp_path / "runs"), "name": name, "report_to": "none"},
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, str(SCRIPT), str(CAP_GIB), str(path)], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(CAP_GIB), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def test_zero3_cpu_offload_trains_a_model_that_does_not_fit(tmp_path, big_model_dir, text_file):
     plain = _run(tmp_path, big_model_dir, text_file, "plain", "none")
-    assert plain.returncode != 0 and "out of memory" in (plain.stderr + plain.stdout).lower(), plain.stderr[-3000:]
+    assert plain.returncode != 0 and "out of memory" in (plain.stderr + plain.stdout).lower(), (
+        plain.stderr[-3000:]
+    )
     off = _run(tmp_path, big_model_dir, text_file, "zero3", "zero3-cpu")
     assert off.returncode == 0, off.stderr[-6000:]
     out = off.stdout + off.stderr

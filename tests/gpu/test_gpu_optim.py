@@ -31,7 +31,9 @@ def _train(model, opt, x, target, steps=20):
 
 
 def _build(model, name):
-    return build_optimizer(model, TechniquesConfig(optimizer=name), TrainingConfig(lr=1e-2, weight_decay=0.0))
+    return build_optimizer(
+        model, TechniquesConfig(optimizer=name), TrainingConfig(lr=1e-2, weight_decay=0.0)
+    )
 
 
 def test_adamw_is_fused_on_cuda_and_trains():
@@ -42,7 +44,9 @@ def test_adamw_is_fused_on_cuda_and_trains():
     assert losses[-1] < 0.8 * losses[0]
 
 
-@pytest.mark.parametrize("name", ["adamw-8bit", "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao"])
+@pytest.mark.parametrize(
+    "name", ["adamw-8bit", "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao"]
+)
 def test_low_bit_optimizers_on_cuda(name):
     model, x, target = _problem()
     ref_model = _problem()[0]
@@ -52,7 +56,12 @@ def test_low_bit_optimizers_on_cuda(name):
     losses = _train(model, opt, x, target)
     assert losses[-1] < 0.8 * losses[0]
     # The moments live on the GPU (torchao keeps its scalar step counter on the host).
-    assert all(v.is_cuda for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step")
+    assert all(
+        v.is_cuda
+        for s in opt.state.values()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    )
     assert state_bytes(opt) < 0.3 * state_bytes(ref)  # 8-bit ~1/4, 4-bit ~1/8 of fp32 Adam state
 
 
@@ -62,15 +71,23 @@ def test_qlora_on_cuda_trains_adapters_over_a_4bit_base(tiny_model_dir, tiny_tok
     from onegpu import models
     from onegpu.techniques.lora import apply_lora, quantization_config
 
-    tcfg = TechniquesConfig(lora=LoraConfig(enabled=True, r=8, quantize_base="nf4"), checkpointing="full")
+    tcfg = TechniquesConfig(
+        lora=LoraConfig(enabled=True, r=8, quantize_base="nf4"), checkpointing="full"
+    )
     quant = quantization_config(tcfg, "bf16", str(tiny_model_dir), ModelConfig())
-    model = models.load_model(str(tiny_model_dir), ModelConfig(name=str(tiny_model_dir)), tiny_tokenizer,
-                              extra={"quantization_config": quant})
+    model = models.load_model(
+        str(tiny_model_dir),
+        ModelConfig(name=str(tiny_model_dir)),
+        tiny_tokenizer,
+        extra={"quantization_config": quant},
+    )
     model = apply_lora(model, tcfg)
     q = model.get_base_model().model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, bnb.nn.Linear4bit) and q.base_layer.weight.device.type == "cuda"
     ids = torch.randint(0, len(tiny_tokenizer), (4, 32), device="cuda")
-    opt = build_optimizer(model, TechniquesConfig(optimizer="adamw-8bit"), TrainingConfig(lr=1e-2, weight_decay=0.0))
+    opt = build_optimizer(
+        model, TechniquesConfig(optimizer="adamw-8bit"), TrainingConfig(lr=1e-2, weight_decay=0.0)
+    )
     losses = []
     for _ in range(10):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -85,11 +102,22 @@ def test_qlora_on_cuda_trains_adapters_over_a_4bit_base(tiny_model_dir, tiny_tok
 def test_qlora_end_to_end_run_on_cuda(tmp_path, tiny_model_dir, text_file):
     from onegpu import train
 
-    cfg = {"model": {"name": str(tiny_model_dir)}, "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
-           "training": {"micro_batch_size": 4, "max_steps": 6, "eval_every": 0, "eval_batches": 2, "lr": 1e-2},
-           "techniques": {"optimizer": "paged-adamw-8bit",
-                          "lora": {"enabled": True, "quantize_base": "nf4", "merge_on_save": True}},
-           "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"}}
+    cfg = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(text_file), "seq_len": 64, "num_proc": 1},
+        "training": {
+            "micro_batch_size": 4,
+            "max_steps": 6,
+            "eval_every": 0,
+            "eval_batches": 2,
+            "lr": 1e-2,
+        },
+        "techniques": {
+            "optimizer": "paged-adamw-8bit",
+            "lora": {"enabled": True, "quantize_base": "nf4", "merge_on_save": True},
+        },
+        "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
+    }
     result = train(cfg)
     assert (result.final_dir / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "final-merged" / "model.safetensors").is_file()

@@ -36,8 +36,9 @@ def test_resume_is_exact_on_cuda(tmp_path, tiny_model_dir, precision):
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir,
-                                                    {"precision": precision, "attention": "eager"})
+        expected, got, a, b = straight_then_resumed(
+            tmp_path, tiny_model_dir, {"precision": precision, "attention": "eager"}
+        )
     finally:
         torch.use_deterministic_algorithms(False)
     assert got == expected
@@ -47,8 +48,16 @@ def test_resume_is_exact_on_cuda(tmp_path, tiny_model_dir, precision):
 def test_oom_retry_on_cuda_matches_smaller_micro_batch(tmp_path, tiny_model_dir, monkeypatch):
     from onegpu import train
 
-    ref = train(make_cfg(tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0))
+    ref = train(
+        make_cfg(
+            tmp_path, tiny_model_dir, name="small", micro_batch_size=2, grad_accum=2, eval_every=0
+        )
+    )
     monkeypatch.setattr(assemble, "make_objective", oom_above(2, assemble.make_objective))
-    got = train(make_cfg(tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0))
+    got = train(
+        make_cfg(
+            tmp_path, tiny_model_dir, name="oom", micro_batch_size=4, grad_accum=1, eval_every=0
+        )
+    )
     train_only = lambda r: [x for x in losses(r.run_dir) if x[0] == "train"]  # noqa: E731
     assert train_only(got) == train_only(ref)

@@ -65,9 +65,7 @@ def test_shape_advice_multiple(card, caplog):
     assert preferred_multiple(precision, detect()) == want
     with caplog.at_level(logging.WARNING):
         found = check_shapes(8, 1004, 4096, precision, detect())
-    assert (
-        len(found) == 1 and f"data.seq_len=1004 is not a multiple of {want}" in found[0]
-    )
+    assert len(found) == 1 and f"data.seq_len=1004 is not a multiple of {want}" in found[0]
 
 
 def test_catalogue_match(card):
@@ -121,9 +119,7 @@ def test_pinned_memory_and_non_blocking_copies(card):
             return self
 
     rows = Rows([torch.arange(4)] * 4)
-    loader = make_loader(
-        rows, [[0, 1], [2, 3]], torch.stack, DataConfig(), on_gpu=detect().is_gpu
-    )
+    loader = make_loader(rows, [[0, 1], [2, 3]], torch.stack, DataConfig(), on_gpu=detect().is_gpu)
     assert loader.pin_memory
     with cards.fake_cuda():
         moved = torch.stack(list(rows[:2])).to("cuda", non_blocking=True)
@@ -136,14 +132,10 @@ def test_fused_adamw_on_card_parameters(card):
     from onegpu.config.sections import TrainingConfig
     from onegpu.techniques.optimizers import build_optimizer
 
-    model = torch.nn.Linear(
-        16, 16, device="meta"
-    )  # built outside the fake mode, moved inside it
+    model = torch.nn.Linear(16, 16, device="meta")  # built outside the fake mode, moved inside it
     with cards.fake_cuda():
         cards.on_card(model)
-        opt = build_optimizer(
-            model, TechniquesConfig(optimizer="adamw"), TrainingConfig()
-        )
+        opt = build_optimizer(model, TechniquesConfig(optimizer="adamw"), TrainingConfig())
         assert opt.defaults["fused"] is True
         model(torch.ones(2, 16, device="cuda")).sum().backward()
         opt.step()  # the fused CUDA kernel's fake: the step counter stays on the card

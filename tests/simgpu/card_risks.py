@@ -18,14 +18,10 @@ def test_tf32_switches_survive_the_new_api(card):
     from onegpu.techniques.prepare import global_switches
 
     saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = (
-        "tf32"  # what TrainingArguments(tf32=True) does
-    )
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # what TrainingArguments(tf32=True) does
     try:
         with global_switches(Config(), detect()):
-            assert torch.backends.cuda.matmul.fp32_precision == (
-                "tf32" if card.bf16 else "ieee"
-            )
+            assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if card.bf16 else "ieee")
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
@@ -36,9 +32,7 @@ def test_inference_bf16_follows_training_rule(card):
     from onegpu.errors import UnavailableError
     from onegpu.infer.loading import _resolve_dtype
 
-    assert _resolve_dtype("auto", "cuda") == (
-        torch.bfloat16 if card.bf16 else torch.float16
-    )
+    assert _resolve_dtype("auto", "cuda") == (torch.bfloat16 if card.bf16 else torch.float16)
     if card.bf16:
         assert _resolve_dtype("bf16", "cuda") == torch.bfloat16
     else:
@@ -115,19 +109,11 @@ def test_flash_only_sdpa_says_which_kernel_ran(card, case, caplog):
         num_key_value_groups = 1
 
     attention._REPORTED.clear()
-    dtype = (
-        torch.float32
-        if case == "fp32"
-        else torch.bfloat16
-        if card.bf16
-        else torch.float16
-    )
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16 if card.bf16 else torch.float16
     with cards.fake_cuda(), caplog.at_level(logging.INFO):
         q = torch.empty(2, 2, 16, 32, device="cuda", dtype=dtype)
         mask = (
-            torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool)
-            if case == "padded"
-            else None
+            torch.ones(2, 1, 16, 16, device="cuda", dtype=torch.bool) if case == "padded" else None
         )
         out, _ = attention._sdpa_flash_attention(Layer(), q, q, q, mask, dropout=0.0)
     assert out.shape == (2, 16, 2, 32)

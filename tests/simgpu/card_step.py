@@ -41,9 +41,7 @@ def _model(moe: bool = False):
         else transformers.LlamaConfig(tie_word_embeddings=True, **kw)
     )
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation="sdpa"
-        )
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def _batch(pad: int = 0) -> dict:
@@ -80,9 +78,7 @@ def step(
         cards.on_card(model).train()
         optimizer = build_optimizer(model, cfg.techniques, cfg.training)
         accelerator = make_accelerator(cfg, device, precision)
-        accelerator.device_placement = (
-            False  # on the card already: see cards.py, "placement"
-        )
+        accelerator.device_placement = False  # on the card already: see cards.py, "placement"
         model, optimizer = accelerator.prepare(model, optimizer)
         loss_fn = make_objective(cfg, VOCAB, device.is_gpu)
         loss, tokens = train_step(
@@ -105,9 +101,7 @@ def _stepped(optimizer) -> bool:
 def test_autocast_step_on_the_card(card):
     """precision=auto: bf16 autocast (fp16 with a GradScaler on the T4); weights stay fp32."""
     model, opt, acc, _ = step(TechniquesConfig())
-    assert acc.device.type == "cuda" and acc.mixed_precision == (
-        "bf16" if card.bf16 else "fp16"
-    )
+    assert acc.device.type == "cuda" and acc.mixed_precision == ("bf16" if card.bf16 else "fp16")
     assert (acc.scaler is not None) == (not card.bf16)  # loss scaling only for fp16
     w = next(model.parameters())
     assert w.device.type == "cuda" and w.dtype == torch.float32
@@ -138,12 +132,8 @@ def test_checkpointing_modes(card, mode):
     _every_step(card)
     from onegpu.techniques.checkpointing import checkpointed_layers
 
-    model, opt, _, _ = step(
-        TechniquesConfig(checkpointing=mode, precision="fp32"), micro=2
-    )
-    assert len(checkpointed_layers(model)) == (
-        1 if mode == "every-n" else 2
-    ) and _stepped(opt)
+    model, opt, _, _ = step(TechniquesConfig(checkpointing=mode, precision="fp32"), micro=2)
+    assert len(checkpointed_layers(model)) == (1 if mode == "every-n" else 2) and _stepped(opt)
 
 
 def test_lora_step(card):
@@ -166,6 +156,4 @@ def test_optimizer_in_backward_step(card):
     _, opt, _, _ = step(TechniquesConfig(optimizer_in_backward=True, precision="fp32"))
     inner = opt.optimizer
     assert type(inner).__name__ == "OptimizerInBackward"
-    assert all(
-        o.state for o in inner.inner
-    )  # every parameter's optimizer stepped inside backward
+    assert all(o.state for o in inner.inner)  # every parameter's optimizer stepped inside backward

@@ -77,15 +77,9 @@ class Card:
 
 # Total memory is what the driver leaves visible (nvidia-smi's MiB x 2**20).
 CARDS = {
-    "H100": Card(
-        "H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * 2**20, 132, 50 * 2**20
-    ),
-    "RTX4090": Card(
-        "RTX4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * 2**20, 128, 72 * 2**20
-    ),
-    "A100": Card(
-        "A100", "NVIDIA A100-SXM4-80GB", (8, 0), 81154 * 2**20, 108, 40 * 2**20
-    ),
+    "H100": Card("H100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * 2**20, 132, 50 * 2**20),
+    "RTX4090": Card("RTX4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * 2**20, 128, 72 * 2**20),
+    "A100": Card("A100", "NVIDIA A100-SXM4-80GB", (8, 0), 81154 * 2**20, 108, 40 * 2**20),
     "T4": Card("T4", "Tesla T4", (7, 5), 15102 * 2**20, 40, 4 * 2**20),
 }
 
@@ -153,9 +147,7 @@ def run_card(card: str, shim: Path, paths: list[str], timeout: int = 600):
     """Run pytest on ``paths`` in a fresh process that sees ``card``; returns the CompletedProcess."""
     env = dict(os.environ, LD_PRELOAD=str(shim), **{ENV_CARD: card})
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["DS_ACCELERATOR"] = (
-        "cpu"  # DeepSpeed's CUDA accelerator would load the real CUDA runtime
-    )
+    env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CUDA accelerator would load the real CUDA runtime
     cmd = [
         sys.executable,
         "-m",
@@ -197,7 +189,9 @@ class Props:
         self.uuid = "GPU-00000000-0000-0000-0000-000000000000"
 
     def __repr__(self) -> str:
-        return f"_CudaDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB)"
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB)"
+        )
 
 
 def current() -> Card:
@@ -218,9 +212,7 @@ def install(card: Card) -> None:
         "get_device_properties": lambda device=None: Props(card),
         "get_device_capability": lambda device=None: card.capability,
         "get_device_name": lambda device=None: card.name,
-        "is_bf16_supported": lambda including_emulation=True: (
-            card.bf16 or including_emulation
-        ),
+        "is_bf16_supported": lambda including_emulation=True: card.bf16 or including_emulation,
         "synchronize": lambda device=None: None,
         "mem_get_info": lambda device=None: (
             card.total_memory - mem.allocated(),
@@ -292,9 +284,7 @@ def _card_mode(fake_mode):
 
     def on_card(args, kwargs) -> bool:
         for x in pytree.tree_leaves((args, kwargs)):
-            if isinstance(x, FakeTensor) or (
-                isinstance(x, torch.device) and x.type == "cuda"
-            ):
+            if isinstance(x, FakeTensor) or (isinstance(x, torch.device) and x.type == "cuda"):
                 return True
         return False
 
@@ -305,9 +295,7 @@ def _card_mode(fake_mode):
             if not on_card(args, kwargs) and not kwargs.get("pin_memory"):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            if (
-                func is torch.ops.aten._local_scalar_dense.default
-            ):  # .item(), bool(), float()
+            if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(), float()
                 return _scalar(args[0].dtype)
             if func is torch.ops.aten.allclose.default:
                 return True

@@ -17,9 +17,7 @@ if os.environ.get(cards.ENV_CARD):
 
 
 def _cache() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "onegpu-simgpu"
 
 

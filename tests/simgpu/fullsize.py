@@ -57,8 +57,14 @@ HALF = (torch.float16, torch.bfloat16)
 def _llama(**kw):
     from transformers import LlamaConfig
 
-    base = {"vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "hidden_act": "silu"}
+    base = {
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+    }
     return LlamaConfig(**{**base, **kw})
 
 
@@ -83,25 +89,67 @@ def _mixtral(**kw):
 # The published shapes (each model's config.json on the Hub), built with transformers' config
 # classes: no download. Rope scaling and token ids do not change a byte of training memory.
 SHAPES = {
-    "Llama-3.2-1B": lambda: _llama(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, head_dim=64, tie_word_embeddings=True),
-    "Llama-3.2-3B": lambda: _llama(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                                   num_attention_heads=24, head_dim=128, tie_word_embeddings=True),
-    "Llama-3.1-8B": lambda: _llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, head_dim=128, tie_word_embeddings=False),
-    "Qwen2.5-7B": lambda: _qwen(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6,
-                                tie_word_embeddings=False),
-    "Mistral-7B-v0.3": lambda: _mistral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
-                                        max_position_embeddings=32768, rope_theta=1e6,
-                                        sliding_window=None, tie_word_embeddings=False),
-    "Mixtral-8x7B": lambda: _mixtral(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                                     num_local_experts=8, num_experts_per_tok=2,
-                                     max_position_embeddings=32768, rope_theta=1e6,
-                                     tie_word_embeddings=False),
+    "Llama-3.2-1B": lambda: _llama(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "Llama-3.2-3B": lambda: _llama(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "Llama-3.1-8B": lambda: _llama(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "Qwen2.5-7B": lambda: _qwen(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "Mistral-7B-v0.3": lambda: _mistral(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "Mixtral-8x7B": lambda: _mixtral(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -143,12 +191,22 @@ class _CardSdpa(TorchFunctionMode):
         if torch.is_autocast_enabled("cpu"):  # CUDA autocast lists SDPA as a half-precision op
             half = torch.get_autocast_dtype("cpu")
             q, k, v = q.to(half), k.to(half), v.to(half)
-        if kwargs.get("attn_mask") is None and len(args) < 4 and q.dtype in HALF and q.size(-1) <= 256:
+        if (
+            kwargs.get("attn_mask") is None
+            and len(args) < 4
+            and q.dtype in HALF
+            and q.size(-1) <= 256
+        ):
             self.flash += 1
             with torch.autocast("cpu", enabled=False):
                 out = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                    scale=kwargs.get("scale"))
+                    q,
+                    k,
+                    v,
+                    kwargs.get("dropout_p", 0.0),
+                    kwargs.get("is_causal", False),
+                    scale=kwargs.get("scale"),
+                )
             return out[0]
         self.other += 1
         return func(q, k, v, *args[3:], **kwargs)
@@ -241,8 +299,9 @@ def build(config, c: Candidate):
     precision = c.techniques.precision
     accelerator = make_accelerator(cfg, device, precision)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(precision),
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=weights_dtype(precision), attn_implementation="sdpa"
+        )
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty unties them
@@ -263,8 +322,15 @@ def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
 
     config, c = setup.config(), setup.candidate
     model, optimizer, loss_fn, accelerator, cfg = build(config, c)
-    ids = torch.randint(0, config.vocab_size, (c.training.micro_batch_size, setup.seq), generator=torch.Generator().manual_seed(0))
-    micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}] * c.training.grad_accum
+    ids = torch.randint(
+        0,
+        config.vocab_size,
+        (c.training.micro_batch_size, setup.seq),
+        generator=torch.Generator().manual_seed(0),
+    )
+    micro = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ] * c.training.grad_accum
     route = CardAttention()
     t0 = time.perf_counter()
     with route if route_sdpa else contextlib.nullcontext():
@@ -276,9 +342,14 @@ def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
     seconds = time.perf_counter() - t0
     (snap,) = tracker.get_tracker_snapshot("peak").values()
     parts = {str(k).split(".")[-1].lower(): v for k, v in snap.items()}
-    out = {"peak": parts.pop("total"), "parts": parts, "seconds": seconds,
-           "flash_calls": route.flash, "other_sdpa_calls": route.other,
-           "optimizer_impl": _optimizer_impl(optimizer)}
+    out = {
+        "peak": parts.pop("total"),
+        "parts": parts,
+        "seconds": seconds,
+        "flash_calls": route.flash,
+        "other_sdpa_calls": route.other,
+        "optimizer_impl": _optimizer_impl(optimizer),
+    }
     del model, optimizer, tracker
     gc.collect()
     return out
@@ -303,21 +374,34 @@ def predicted(setup: Setup) -> dict:
     shape = _shape_of(setup.model, config)
     attention = planning_attention(Config().techniques, config)
     est = memory.estimate(shape, setup.candidate, setup.seq, on_gpu=True, attention=attention)
-    return {"peak": est.peak, "parts": dict(est.components), "reserved": est.reserved(),
-            "params": shape.params}
+    return {
+        "peak": est.peak,
+        "parts": dict(est.components),
+        "reserved": est.reserved(),
+        "params": shape.params,
+    }
 
 
 def row(setup: Setup) -> dict:
     """Tracked and predicted peak of one setup, with the parts, in GiB, and their ratio."""
     t, p = tracked(setup), predicted(setup)
-    return {"setup": setup.label, "model": setup.model, "candidate": setup.candidate.label(),
-            "seq": setup.seq, "params": p["params"],
-            "tracked_gib": t["peak"] / GIB, "predicted_gib": p["peak"] / GIB,
-            "ratio": p["peak"] / t["peak"], "reserved_gib": p["reserved"] / GIB,
-            "tracked_parts_gib": {k: v / GIB for k, v in t["parts"].items()},
-            "predicted_parts_gib": {k: v / GIB for k, v in p["parts"].items()},
-            "flash_calls": t["flash_calls"], "other_sdpa_calls": t["other_sdpa_calls"],
-            "optimizer_impl": t["optimizer_impl"], "step_seconds": t["seconds"]}
+    return {
+        "setup": setup.label,
+        "model": setup.model,
+        "candidate": setup.candidate.label(),
+        "seq": setup.seq,
+        "params": p["params"],
+        "tracked_gib": t["peak"] / GIB,
+        "predicted_gib": p["peak"] / GIB,
+        "ratio": p["peak"] / t["peak"],
+        "reserved_gib": p["reserved"] / GIB,
+        "tracked_parts_gib": {k: v / GIB for k, v in t["parts"].items()},
+        "predicted_parts_gib": {k: v / GIB for k, v in p["parts"].items()},
+        "flash_calls": t["flash_calls"],
+        "other_sdpa_calls": t["other_sdpa_calls"],
+        "optimizer_impl": t["optimizer_impl"],
+        "step_seconds": t["seconds"],
+    }
 
 
 TOLERANCE = 0.05  # the planner's peak within ±5% of the tracked one
@@ -331,20 +415,43 @@ def _setups() -> list[Setup]:
 
     def c(mb, accum, precision, checkpointing="off", optimizer="adamw", lora_rank=0, **more):
         lora = {"lora": {"r": lora_rank}} if lora_rank else {}
-        return setup(mb, accum, precision=precision, checkpointing=checkpointing,
-                     optimizer=optimizer, **lora, **more)
+        return setup(
+            mb,
+            accum,
+            precision=precision,
+            checkpointing=checkpointing,
+            optimizer=optimizer,
+            **lora,
+            **more,
+        )
 
     rows = [
         ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
         ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
-        ("Llama-3.2-1B", c(4, 1, "bf16-pure", "every-n", loss_chunk_size=fused("Llama-3.2-1B")), 2048),
+        (
+            "Llama-3.2-1B",
+            c(4, 1, "bf16-pure", "every-n", loss_chunk_size=fused("Llama-3.2-1B")),
+            2048,
+        ),
         ("Llama-3.2-1B", c(4, 1, "bf16", "full", lora_rank=16), 2048),
-        ("Llama-3.2-1B", c(2, 1, "bf16-pure", "full", "sgd", loss_chunk_size=fused("Llama-3.2-1B")), 4096),
+        (
+            "Llama-3.2-1B",
+            c(2, 1, "bf16-pure", "full", "sgd", loss_chunk_size=fused("Llama-3.2-1B")),
+            4096,
+        ),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk_size=fused("Llama-3.2-3B")), 2048),
         ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
-        ("Llama-3.1-8B", c(2, 1, "bf16", "full", lora_rank=16, loss_chunk_size=fused("Llama-3.1-8B")), 4096),
-        ("Qwen2.5-7B", c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk_size=fused("Qwen2.5-7B")), 2048),
+        (
+            "Llama-3.1-8B",
+            c(2, 1, "bf16", "full", lora_rank=16, loss_chunk_size=fused("Llama-3.1-8B")),
+            4096,
+        ),
+        (
+            "Qwen2.5-7B",
+            c(2, 1, "bf16-pure", "full", "adafactor", loss_chunk_size=fused("Qwen2.5-7B")),
+            2048,
+        ),
         ("Qwen2.5-7B", c(1, 1, "bf16", "off", lora_rank=16), 2048),
         ("Mistral-7B-v0.3", c(1, 1, "bf16-pure", "every-n"), 4096),
         ("Mistral-7B-v0.3", c(2, 1, "bf16", "full", "adafactor"), 2048),

@@ -18,6 +18,4 @@ CHECKS = [
 def test_card(card, shim):
     """Every card-dependent decision, the training step and (H100) the loop, on a simulated card."""
     done = cards.run_card(card, shim, CHECKS)
-    assert done.returncode == 0, (
-        f"{card}:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"
-    )
+    assert done.returncode == 0, f"{card}:\n{done.stdout[-8000:]}\n{done.stderr[-3000:]}"

@@ -18,7 +18,12 @@ from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("onegpu", "hf", "trl", "trl-dpo")  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer
+KINDS = (
+    "onegpu",
+    "hf",
+    "trl",
+    "trl-dpo",
+)  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer
 
 
 @dataclass
@@ -27,11 +32,15 @@ class Arm:
     row: str  # the guide's table row this arm measures
     overrides: dict = field(default_factory=dict)  # dotted Config keys -> values
     kind: str = "onegpu"  # one of KINDS
-    needs: Optional[Callable] = None  # (device, bench cfg, data format) -> reason it cannot run, or None
+    needs: Optional[Callable] = (
+        None  # (device, bench cfg, data format) -> reason it cannot run, or None
+    )
 
 
 # ---------------------------------------------------------------------------------------- checks
-FP16_CPU = "fp16 math is emulated on a CPU (many times slower than fp32); measured on CUDA GPUs only"
+FP16_CPU = (
+    "fp16 math is emulated on a CPU (many times slower than fp32); measured on CUDA GPUs only"
+)
 
 
 def _cuda(what: str):
@@ -51,6 +60,7 @@ def _module(mod: str):
         import importlib.util
 
         return None if importlib.util.find_spec(mod) else f"{mod} is not installed"
+
     return check
 
 
@@ -61,11 +71,13 @@ def _all(*checks):
 def _unlike_baseline(precision: str):
     """Skip a precision arm that would repeat the baseline: by default bf16 on a GPU that has it,
     fp16 on an older one, fp32 on a CPU (the same rule as techniques/precision.resolve_precision)."""
+
     def check(dev, b, fmt):
         base = b.techniques.precision
         if base == "auto":
             base = ("bf16" if dev.bf16 else "fp16") if dev.type == "cuda" else "fp32"
         return f"the baseline runs {precision} already" if base == precision else None
+
     return check
 
 
@@ -81,13 +93,19 @@ def _trained(dev, b, fmt):
     from onegpu.models import is_preset
 
     if is_preset(b.model.name) or b.model.from_scratch:
-        return ("QLoRA quantizes a trained model: give --model.name a saved model directory "
-                "(and --model.from_scratch false)")
+        return (
+            "QLoRA quantizes a trained model: give --model.name a saved model directory "
+            "(and --model.from_scratch false)"
+        )
     return None
 
 
 def _padded(dev, b, fmt):
-    return None if fmt != "text" else "text data is packed into full blocks already: no padding to remove"
+    return (
+        None
+        if fmt != "text"
+        else "text data is packed into full blocks already: no padding to remove"
+    )
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -110,33 +128,86 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
     small = max(1, b.training.micro_batch_size // 4)
     return [
         Arm("baseline", "onegpu baseline", {}),
-        Arm("batch-size", "Batch size choice", {"training.micro_batch_size": big, "training.grad_accum": eff // big}),
-        Arm("grad-accum", "Gradient accumulation",
-            {"training.micro_batch_size": small, "training.grad_accum": eff // small}),
+        Arm(
+            "batch-size",
+            "Batch size choice",
+            {"training.micro_batch_size": big, "training.grad_accum": eff // big},
+        ),
+        Arm(
+            "grad-accum",
+            "Gradient accumulation",
+            {"training.micro_batch_size": small, "training.grad_accum": eff // small},
+        ),
         Arm("checkpointing", "Gradient checkpointing", {"techniques.checkpointing": "full"}),
-        Arm("bf16", "Mixed precision (bf16)", {"techniques.precision": "bf16"}, needs=_unlike_baseline("bf16")),
-        Arm("fp16", "Mixed precision (fp16)", {"techniques.precision": "fp16"},
-            needs=_all(_cuda_only(FP16_CPU), _unlike_baseline("fp16"))),
+        Arm(
+            "bf16",
+            "Mixed precision (bf16)",
+            {"techniques.precision": "bf16"},
+            needs=_unlike_baseline("bf16"),
+        ),
+        Arm(
+            "fp16",
+            "Mixed precision (fp16)",
+            {"techniques.precision": "fp16"},
+            needs=_all(_cuda_only(FP16_CPU), _unlike_baseline("fp16")),
+        ),
         Arm("tf32", "Mixed precision (tf32)", {"techniques.tf32": True}, needs=_ampere("tf32")),
         # On a GPU the baseline is bf16 already: these two measure what it gains over fp32 and
         # over fp32 with TF32 matmuls (the guide's tf32 row), rather than bf16 against itself.
-        Arm("fp32", "Mixed precision (fp32 reference)", {"techniques.precision": "fp32"}, needs=_unlike_baseline("fp32")),
-        Arm("fp32-tf32", "Mixed precision (tf32, fp32 weights)", {"techniques.precision": "fp32", "techniques.tf32": True},
-            needs=_ampere("tf32")),
-        Arm("flash", "Flash Attention", {"techniques.attention": "flash"}, needs=_cuda("FlashAttention")),
-        Arm("adamw-fused", "Optimizer choice (fused AdamW)", {"techniques.optimizer": "adamw-fused"}),
+        Arm(
+            "fp32",
+            "Mixed precision (fp32 reference)",
+            {"techniques.precision": "fp32"},
+            needs=_unlike_baseline("fp32"),
+        ),
+        Arm(
+            "fp32-tf32",
+            "Mixed precision (tf32, fp32 weights)",
+            {"techniques.precision": "fp32", "techniques.tf32": True},
+            needs=_ampere("tf32"),
+        ),
+        Arm(
+            "flash",
+            "Flash Attention",
+            {"techniques.attention": "flash"},
+            needs=_cuda("FlashAttention"),
+        ),
+        Arm(
+            "adamw-fused", "Optimizer choice (fused AdamW)", {"techniques.optimizer": "adamw-fused"}
+        ),
         Arm("adafactor", "Optimizer choice (Adafactor)", {"techniques.optimizer": "adafactor"}),
-        Arm("adamw-8bit", "Optimizer choice (8-bit AdamW)", {"techniques.optimizer": "adamw-8bit"},
-            needs=_module("bitsandbytes")),
+        Arm(
+            "adamw-8bit",
+            "Optimizer choice (8-bit AdamW)",
+            {"techniques.optimizer": "adamw-8bit"},
+            needs=_module("bitsandbytes"),
+        ),
         Arm("preload", "Data preloading", {"data.num_workers": 2, "data.pin_memory": True}),
         Arm("compile", "torch.compile", {"techniques.compile": "default"}, needs=_compiler),
-        Arm("plain-loss", "Plain cross-entropy (full logits, not fused)", {"techniques.loss": "plain"}),
-        Arm("padding-free", "Packing instead of padding", {"techniques.padding_free": True}, needs=_padded),
+        Arm(
+            "plain-loss",
+            "Plain cross-entropy (full logits, not fused)",
+            {"techniques.loss": "plain"},
+        ),
+        Arm(
+            "padding-free",
+            "Packing instead of padding",
+            {"techniques.padding_free": True},
+            needs=_padded,
+        ),
         Arm("lora", "PEFT (LoRA)", {"techniques.lora.enabled": True}, needs=_module("peft")),
-        Arm("qlora", "PEFT (QLoRA, nf4 base)", {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
-            needs=_all(_module("peft"), _module("bitsandbytes"), _trained)),
-        Arm("offload", "DeepSpeed ZeRO (CPU offload)", {"techniques.offload": "zero2-cpu"},
-            needs=_cuda("DeepSpeed ZeRO offload in this benchmark")),
+        Arm(
+            "qlora",
+            "PEFT (QLoRA, nf4 base)",
+            {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
+            needs=_all(_module("peft"), _module("bitsandbytes"), _trained),
+        ),
+        Arm(
+            "offload",
+            "DeepSpeed ZeRO (CPU offload)",
+            {"techniques.offload": "zero2-cpu"},
+            needs=_cuda("DeepSpeed ZeRO offload in this benchmark"),
+        ),
         Arm("best", "Best combination", {}),
         Arm("hf-trainer", "HF Trainer, defaults", {}, kind="hf"),
         Arm("hf-trainer-tuned", "HF Trainer, guide's flags", {}, kind="hf"),
@@ -151,18 +222,38 @@ def dpo_arms() -> list[Arm]:
     the same LoRA adapters (the LoRA arms read r, alpha, dropout and targets from techniques.lora)."""
     return [
         Arm("baseline", "onegpu DPO, full (reference precomputed)", {}),
-        Arm("lora", "onegpu DPO, LoRA (reference: adapters off)", {"techniques.lora.enabled": True},
-            needs=_module("peft")),
-        Arm("ref-copy", "onegpu DPO, full (reference: frozen copy, every step)", {"preference.reference": "copy"}),
-        Arm("trl-dpo", "TRL DPOTrainer, defaults, full (reference: frozen copy, every step)", {}, kind="trl-dpo",
-            needs=_module("trl")),
-        Arm("trl-dpo-lora", "TRL DPOTrainer, defaults, LoRA (reference: adapters off)",
-            {"techniques.lora.enabled": True}, kind="trl-dpo", needs=_all(_module("trl"), _module("peft"))),
+        Arm(
+            "lora",
+            "onegpu DPO, LoRA (reference: adapters off)",
+            {"techniques.lora.enabled": True},
+            needs=_module("peft"),
+        ),
+        Arm(
+            "ref-copy",
+            "onegpu DPO, full (reference: frozen copy, every step)",
+            {"preference.reference": "copy"},
+        ),
+        Arm(
+            "trl-dpo",
+            "TRL DPOTrainer, defaults, full (reference: frozen copy, every step)",
+            {},
+            kind="trl-dpo",
+            needs=_module("trl"),
+        ),
+        Arm(
+            "trl-dpo-lora",
+            "TRL DPOTrainer, defaults, LoRA (reference: adapters off)",
+            {"techniques.lora.enabled": True},
+            kind="trl-dpo",
+            needs=_all(_module("trl"), _module("peft")),
+        ),
     ]
 
 
-BEST = {"cpu": ["batch-size", "adamw-fused", "compile"],
-        "cuda": ["batch-size", "bf16", "tf32", "flash", "adamw-fused", "compile"]}
+BEST = {
+    "cpu": ["batch-size", "adamw-fused", "compile"],
+    "cuda": ["batch-size", "bf16", "tf32", "flash", "adamw-fused", "compile"],
+}
 
 
 def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:
@@ -177,27 +268,43 @@ def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:
 def arm_names(b: BenchTrainConfig) -> list[str]:
     """The arms asked for, baseline first; an unknown name is an error with a did-you-mean."""
     known = [a.name for a in all_arms(b)]
-    names = known if b.bench.arms.strip() == "all" else [n.strip() for n in b.bench.arms.split(",") if n.strip()]
-    best = [] if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",") if n.strip()]
+    names = (
+        known
+        if b.bench.arms.strip() == "all"
+        else [n.strip() for n in b.bench.arms.split(",") if n.strip()]
+    )
+    best = (
+        [] if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",") if n.strip()]
+    )
     for field_name, values in (("arms", names), ("best", best)):
         for n in values:
             if n not in known:
                 import difflib
 
                 close = difflib.get_close_matches(n, known, n=1)
-                raise ConfigError(f"bench.{field_name}: unknown arm '{n}'.",
-                                  hint=f"did you mean '{close[0]}'?" if close else f"choose from: {', '.join(known)}")
+                raise ConfigError(
+                    f"bench.{field_name}: unknown arm '{n}'.",
+                    hint=f"did you mean '{close[0]}'?"
+                    if close
+                    else f"choose from: {', '.join(known)}",
+                )
     return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
 
 
 def best_overrides(b: BenchTrainConfig, device, arms: dict, fmt: str) -> dict:
     """The recommended methods merged; those this device cannot run are left out (and logged)."""
-    names = BEST.get(device.type, BEST["cpu"]) if b.bench.best == "auto" else [n.strip() for n in b.bench.best.split(",")]
+    names = (
+        BEST.get(device.type, BEST["cpu"])
+        if b.bench.best == "auto"
+        else [n.strip() for n in b.bench.best.split(",")]
+    )
     merged = {}
     for n in names:
         if n not in arms or arms[n].kind != "onegpu" or n in ("best", "baseline"):
-            raise ConfigError(f"bench.best: '{n}' is not a onegpu method arm.",
-                              hint="list method arms, e.g. batch-size,adamw-fused")
+            raise ConfigError(
+                f"bench.best: '{n}' is not a onegpu method arm.",
+                hint="list method arms, e.g. batch-size,adamw-fused",
+            )
         reason = skip_reason(arms[n], device, b, fmt)
         if reason:
             log.info("best: leaving out %s (%s)", n, reason)

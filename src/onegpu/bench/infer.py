@@ -27,10 +27,19 @@ log = logging.getLogger(__name__)
 
 BASELINE = "hf-default"
 # A setting is "+"-joined tokens, e.g. "bf16+static-compile": dtypes, quantizations, decoding paths.
-TOKENS = {"fp32": ("dtype", "fp32"), "fp16": ("dtype", "fp16"), "bf16": ("dtype", "bf16"),
-          "eager": ("attention", "eager"), "sdpa": ("attention", "sdpa"),
-          **{q: ("quantization", q) for q in ("int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4")},
-          "static": ("static_cache", True), "static-compile": ("compile", "default")}
+TOKENS = {
+    "fp32": ("dtype", "fp32"),
+    "fp16": ("dtype", "fp16"),
+    "bf16": ("dtype", "bf16"),
+    "eager": ("attention", "eager"),
+    "sdpa": ("attention", "sdpa"),
+    **{
+        q: ("quantization", q)
+        for q in ("int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4")
+    },
+    "static": ("static_cache", True),
+    "static-compile": ("compile", "default"),
+}
 
 
 @dataclass
@@ -80,8 +89,10 @@ def parse_settings(text: str, model_dir: str, device: str, backend: str) -> list
         infer, sampling = InferConfig(model=model_dir, device=device), SamplingConfig(greedy=True)
         for token in name.split("+"):
             if token not in TOKENS:
-                raise ConfigError(f"--settings: unknown token '{token}' in '{name}'.",
-                                  hint=f"use tokens from: {' '.join(TOKENS)}")
+                raise ConfigError(
+                    f"--settings: unknown token '{token}' in '{name}'.",
+                    hint=f"use tokens from: {' '.join(TOKENS)}",
+                )
             key, value = TOKENS[token]
             target = infer if hasattr(infer, key) else sampling
             setattr(target, key, value)
@@ -144,9 +155,12 @@ def time_generate(model, inputs: dict, kwargs: dict, device: str) -> tuple[dict,
     with torch.inference_mode():
         out = model.generate(**inputs, **kwargs, min_new_tokens=new, streamer=clock)
     first, last = clock.stamps[1], clock.stamps[-1]
-    run = {"ttft_ms": 1000 * (first - start), "prefill_tps": batch * prompt_len / (first - start),
-           "decode_tps": batch * (new - 1) / (last - first) if new > 1 else None,
-           "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
+    run = {
+        "ttft_ms": 1000 * (first - start),
+        "prefill_tps": batch * prompt_len / (first - start),
+        "decode_tps": batch * (new - 1) / (last - first) if new > 1 else None,
+        "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+    }
     return run, out[:, prompt_len:]
 
 
@@ -177,23 +191,35 @@ def run_bench(cfg: BenchInferConfig, workdir: Path) -> dict:
 
     model_dir = prepare_model_dir(cfg, workdir)
     settings = parse_settings(cfg.settings, model_dir, cfg.device, cfg.compile_backend)
-    ref = load(InferConfig(model=model_dir, device=cfg.device, dtype="fp32"))  # the full-precision yardstick
+    ref = load(
+        InferConfig(model=model_dir, device=cfg.device, dtype="fp32")
+    )  # the full-precision yardstick
     loaded = {s.name: _load(s, ref) for s in settings}
     gen = torch.Generator().manual_seed(cfg.seed)
     low = len(ref.tokenizer.all_special_ids) + 1  # random ordinary tokens
-    ids = torch.randint(low, ref.model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen)
-    greedy = generation_kwargs(ref.model, ref.tokenizer, SamplingConfig(greedy=True), cfg.new_tokens)
+    ids = torch.randint(
+        low, ref.model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen
+    )
+    greedy = generation_kwargs(
+        ref.model, ref.tokenizer, SamplingConfig(greedy=True), cfg.new_tokens
+    )
     _, ref_tokens = time_generate(ref.model, _inputs(ids, ref.device), greedy, ref.device)
     for s in settings:  # warm-up (compiles graphs, fills allocator caches) and the quality pass
         lm = loaded[s.name]
-        _, tokens = time_generate(lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device)
+        _, tokens = time_generate(
+            lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device
+        )
         s.quality = quality(lm.model, ref.model, ids, ref_tokens, tokens)
         s.weight_mb = weight_bytes(lm.model) / 2**20
         log.info("warm-up %s done (%.0f MB of weights)", s.name, s.weight_mb)
     for rep in range(cfg.repeats):
         for s in settings:
             lm = loaded[s.name]
-            s.runs.append(time_generate(lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device)[0])
+            s.runs.append(
+                time_generate(
+                    lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device
+                )[0]
+            )
         log.info("repetition %d/%d done", rep + 1, cfg.repeats)
     return summarize(cfg, settings, ref.device)
 
@@ -212,11 +238,15 @@ def quality(model, ref_model, ids, ref_tokens, tokens) -> dict:
     seq = torch.cat([ids, ref_tokens.cpu()], dim=1)
     dev = model.get_input_embeddings().weight.device
     with torch.inference_mode():
-        ref_logits = ref_model(seq.to(ref_model.device)).logits[:, ids.shape[1] - 1:-1].float().cpu()
-        logits = model(seq.to(dev)).logits[:, ids.shape[1] - 1:-1].float().cpu()
-    return {"token_agreement": (tokens.cpu() == ref_tokens.cpu()).float().mean().item(),
-            "argmax_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
-            "max_logit_diff": (logits - ref_logits).abs().max().item()}
+        ref_logits = (
+            ref_model(seq.to(ref_model.device)).logits[:, ids.shape[1] - 1 : -1].float().cpu()
+        )
+        logits = model(seq.to(dev)).logits[:, ids.shape[1] - 1 : -1].float().cpu()
+    return {
+        "token_agreement": (tokens.cpu() == ref_tokens.cpu()).float().mean().item(),
+        "argmax_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
+        "max_logit_diff": (logits - ref_logits).abs().max().item(),
+    }
 
 
 def summarize(cfg: BenchInferConfig, settings: list[Setting], device: str) -> dict:
@@ -224,15 +254,37 @@ def summarize(cfg: BenchInferConfig, settings: list[Setting], device: str) -> di
 
     rows = []
     for s in settings:
-        med = {k: _median([r[k] for r in s.runs]) for k in ("ttft_ms", "prefill_tps", "decode_tps", "peak_mb")}
-        rows.append({"setting": s.name, **med, "weight_mb": s.weight_mb, **s.quality,
-                     "runs": s.runs, "infer": dataclasses.asdict(s.infer), "sampling": dataclasses.asdict(s.sampling)})
+        med = {
+            k: _median([r[k] for r in s.runs])
+            for k in ("ttft_ms", "prefill_tps", "decode_tps", "peak_mb")
+        }
+        rows.append(
+            {
+                "setting": s.name,
+                **med,
+                "weight_mb": s.weight_mb,
+                **s.quality,
+                "runs": s.runs,
+                "infer": dataclasses.asdict(s.infer),
+                "sampling": dataclasses.asdict(s.sampling),
+            }
+        )
     base = rows[0]
     for row in rows:
-        row["decode_speedup"] = row["decode_tps"] / base["decode_tps"] if base["decode_tps"] else None
-    return {"benchmark": "infer", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": None, "device": _device_name(device), "device_type": device, "versions": _versions(), "config": dataclasses.asdict(cfg),
-            "threads": torch.get_num_threads(), "results": rows}
+        row["decode_speedup"] = (
+            row["decode_tps"] / base["decode_tps"] if base["decode_tps"] else None
+        )
+    return {
+        "benchmark": "infer",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": None,
+        "device": _device_name(device),
+        "device_type": device,
+        "versions": _versions(),
+        "config": dataclasses.asdict(cfg),
+        "threads": torch.get_num_threads(),
+        "results": rows,
+    }
 
 
 def _median(values: list) -> Optional[float]:
@@ -281,8 +333,10 @@ def cli(argv: Sequence[str]) -> int:
     _check(cfg)
     if cfg.dry_run:
         settings = parse_settings(cfg.settings, cfg.model, cfg.device, cfg.compile_backend)
-        print(f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt {cfg.prompt_len}, "
-              f"{cfg.new_tokens} new tokens, {cfg.repeats} repeats")
+        print(
+            f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt {cfg.prompt_len}, "
+            f"{cfg.new_tokens} new tokens, {cfg.repeats} repeats"
+        )
         for setting in settings:
             print(f"  {setting.name}")
         return 0
@@ -299,22 +353,36 @@ def cli(argv: Sequence[str]) -> int:
 def _check(cfg: BenchInferConfig) -> None:
     for name in ("batch_size", "prompt_len", "new_tokens", "repeats", "vocab_size"):
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}.", hint=f"set --{name} 1 or more")
+            raise ConfigError(
+                f"--{name} must be >= 1, got {getattr(cfg, name)}.", hint=f"set --{name} 1 or more"
+            )
 
 
-COLUMNS = [("setting", "setting", "{}"), ("prefill_tps", "prefill tok/s", "{:,.0f}"), ("decode_tps", "decode tok/s", "{:,.1f}"),
-           ("decode_speedup", "decode vs HF", "{:.2f}x"), ("ttft_ms", "TTFT ms", "{:,.1f}"),
-           ("peak_mb", "peak GPU MB", "{:,.0f}"), ("weight_mb", "weights MB", "{:,.1f}"),
-           ("token_agreement", "greedy tokens = fp32", "{:.1%}"), ("argmax_agreement", "argmax = fp32", "{:.1%}"),
-           ("max_logit_diff", "max abs logit diff", "{:.3g}")]
+COLUMNS = [
+    ("setting", "setting", "{}"),
+    ("prefill_tps", "prefill tok/s", "{:,.0f}"),
+    ("decode_tps", "decode tok/s", "{:,.1f}"),
+    ("decode_speedup", "decode vs HF", "{:.2f}x"),
+    ("ttft_ms", "TTFT ms", "{:,.1f}"),
+    ("peak_mb", "peak GPU MB", "{:,.0f}"),
+    ("weight_mb", "weights MB", "{:,.1f}"),
+    ("token_agreement", "greedy tokens = fp32", "{:.1%}"),
+    ("argmax_agreement", "argmax = fp32", "{:.1%}"),
+    ("max_logit_diff", "max abs logit diff", "{:.3g}"),
+]
 
 
 def to_markdown(result: dict) -> str:
     c = result["config"]
-    lines = [f"# onegpu bench infer — {result['device']}", "",
-             f"{result['date']}; model `{Path(c['model']).name}`, batch {c['batch_size']}, prompt {c['prompt_len']} "
-             f"tokens, {c['new_tokens']} new tokens, median of {c['repeats']} interleaved repetitions.", "",
-             "| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        f"# onegpu bench infer — {result['device']}",
+        "",
+        f"{result['date']}; model `{Path(c['model']).name}`, batch {c['batch_size']}, prompt {c['prompt_len']} "
+        f"tokens, {c['new_tokens']} new tokens, median of {c['repeats']} interleaved repetitions.",
+        "",
+        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for row in result["results"]:
         cells = ["n/a" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -331,7 +399,11 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["results"]
     names = [r["setting"] for r in rows]
-    panels = [("prefill_tps", "prefill tokens/s"), ("decode_tps", "decode tokens/s"), ("weight_mb", "weights (MB)")]
+    panels = [
+        ("prefill_tps", "prefill tokens/s"),
+        ("decode_tps", "decode tokens/s"),
+        ("weight_mb", "weights (MB)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 0.45 * len(names) + 1.5))
     for ax, (key, title) in zip(axes, panels):
         values = [r[key] or 0 for r in rows]

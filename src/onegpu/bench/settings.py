@@ -50,8 +50,9 @@ def _bench_data() -> DataConfig:
 def _bench_training() -> TrainingConfig:
     # No learning-rate warm-up: HF's schedule starts warm-up at lr 0 and ours at lr/warmup; without
     # it both are the same cosine, so the final losses are comparable. No evaluation: not timed.
-    return TrainingConfig(micro_batch_size=8, grad_accum=2, max_steps=10, warmup_steps=0, eval_every=0,
-                          eval_batches=1)
+    return TrainingConfig(
+        micro_batch_size=8, grad_accum=2, max_steps=10, warmup_steps=0, eval_every=0, eval_batches=1
+    )
 
 
 def _bench_output() -> OutputConfig:

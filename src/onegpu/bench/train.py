@@ -55,7 +55,9 @@ def apply_overrides(cfg: dict, overrides: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- sweep
-def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Callable | None = None) -> dict:
+def run_sweep(
+    b: BenchTrainConfig, runner: Callable | None = None, progress: Callable | None = None
+) -> dict:
     """Run every arm `reps` times, interleaved; return the results document (see bench_train_report).
     `progress(doc)` is called after every repetition (a long sweep keeps what it measured)."""
     from onegpu import hardware
@@ -71,13 +73,26 @@ def run_sweep(b: BenchTrainConfig, runner: Callable | None = None, progress: Cal
         base = base_config(b, tmp)
         for arm in arms:
             reason = skip_reason(arm, device, b, prep["data_format"])
-            doc["arms"][arm.name] = {"name": arm.name, "row": arm.row, "kind": arm.kind, "overrides": arm.overrides,
-                                     "status": "skipped" if reason else "ok", "reason": reason, "reps": []}
+            doc["arms"][arm.name] = {
+                "name": arm.name,
+                "row": arm.row,
+                "kind": arm.kind,
+                "overrides": arm.overrides,
+                "status": "skipped" if reason else "ok",
+                "reason": reason,
+                "reps": [],
+            }
         runnable = [a for a in arms if doc["arms"][a.name]["status"] == "ok"]
         for rep in range(b.bench.reps):
             for arm in runnable:  # interleaved: every arm once per round
-                spec = {"arm": arm.name, "kind": arm.kind, "config": apply_overrides(base, arm.overrides),
-                        "warmup_steps": b.bench.warmup_steps, "budget_s": b.bench.max_seconds, "rep": rep}
+                spec = {
+                    "arm": arm.name,
+                    "kind": arm.kind,
+                    "config": apply_overrides(base, arm.overrides),
+                    "warmup_steps": b.bench.warmup_steps,
+                    "budget_s": b.bench.max_seconds,
+                    "rep": rep,
+                }
                 doc["schedule"].append({"rep": rep, "arm": arm.name, "start": time.time()})
                 log.info("rep %d/%d: %s", rep + 1, b.bench.reps, arm.name)
                 doc["arms"][arm.name]["reps"].append(runner(spec))
@@ -93,22 +108,32 @@ def validate(b: BenchTrainConfig) -> None:
 
     validate_run(b)
     if b.training.objective not in ("sft", "dpo"):
-        raise ConfigError(f"bench train measures training.objective sft or dpo, not {b.training.objective}.",
-                          hint="use --objective dpo (or sft); orpo and simpo have no peer trainer here")
+        raise ConfigError(
+            f"bench train measures training.objective sft or dpo, not {b.training.objective}.",
+            hint="use --objective dpo (or sft); orpo and simpo have no peer trainer here",
+        )
     for key in ("warmup_steps", "reps"):
         if getattr(b.bench, key) < 1:
-            raise ConfigError(f"bench.{key} must be a positive integer, got {getattr(b.bench, key)}.",
-                              hint=f"set --bench.{key} >= 1")
+            raise ConfigError(
+                f"bench.{key} must be a positive integer, got {getattr(b.bench, key)}.",
+                hint=f"set --bench.{key} >= 1",
+            )
     if b.training.max_steps <= b.bench.warmup_steps:
-        raise ConfigError(f"training.max_steps ({b.training.max_steps}) must exceed bench.warmup_steps "
-                          f"({b.bench.warmup_steps}): nothing would be timed.",
-                          hint=f"set --training.max_steps > {b.bench.warmup_steps}")
+        raise ConfigError(
+            f"training.max_steps ({b.training.max_steps}) must exceed bench.warmup_steps "
+            f"({b.bench.warmup_steps}): nothing would be timed.",
+            hint=f"set --training.max_steps > {b.bench.warmup_steps}",
+        )
     if b.bench.max_micro_batch < 0:
-        raise ConfigError(f"bench.max_micro_batch must be 0 (no limit) or positive, got {b.bench.max_micro_batch}.",
-                          hint="set --bench.max_micro_batch 8")
+        raise ConfigError(
+            f"bench.max_micro_batch must be 0 (no limit) or positive, got {b.bench.max_micro_batch}.",
+            hint="set --bench.max_micro_batch 8",
+        )
     if b.bench.max_seconds <= 0:
-        raise ConfigError(f"bench.max_seconds must be positive, got {b.bench.max_seconds}.",
-                          hint="set --bench.max_seconds 120")
+        raise ConfigError(
+            f"bench.max_seconds must be positive, got {b.bench.max_seconds}.",
+            hint="set --bench.max_seconds 120",
+        )
     arm_names(b)
 
 
@@ -125,11 +150,16 @@ def prepare(b: BenchTrainConfig) -> dict:
         name = models.resolve_name(cfg.model, device.is_gpu)
         data = build_data(cfg, name)
     shape = model_shape(name, len(data.tokenizer), cfg.model.trust_remote_code)
-    return {"data_format": data.format, "train_examples": len(data.train_ds), "model_name": name,
-            "params": shape.params, "active_params": shape.active_params,
-            "flops_per_token": flops_per_token(shape, b.data.seq_len),
-            "peak_flops": hardware.measure_matmul_flops(device.type, seconds=1.0),
-            "peak_dtype": "fp32" if device.type == "cpu" else "bf16"}
+    return {
+        "data_format": data.format,
+        "train_examples": len(data.train_ds),
+        "model_name": name,
+        "params": shape.params,
+        "active_params": shape.active_params,
+        "flops_per_token": flops_per_token(shape, b.data.seq_len),
+        "peak_flops": hardware.measure_matmul_flops(device.type, seconds=1.0),
+        "peak_dtype": "fp32" if device.type == "cpu" else "bf16",
+    }
 
 
 # --------------------------------------------------------------------------------------- children
@@ -139,8 +169,12 @@ def run_child(spec: dict) -> dict:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec = apply_overrides(spec, {"config.output.dir": tmp})
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "onegpu.bench.train_child", str(spec_path), str(out_path)],
-                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "onegpu.bench.train_child", str(spec_path), str(out_path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         if proc.returncode != 0 or not out_path.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             log.warning("%s failed: %s", spec["arm"], tail[0])
@@ -168,8 +202,12 @@ def cli(argv) -> int:
     generated from BenchTrainConfig (the run sections as in `onegpu train`, plus bench.*)."""
     from onegpu.cli.args import make_parser, parse
 
-    parser = make_parser("onegpu bench train", "Measure the training guide's methods on this device, one arm "
-                         "per method, interleaved repetitions, next to HF Trainer.", BenchTrainConfig)
+    parser = make_parser(
+        "onegpu bench train",
+        "Measure the training guide's methods on this device, one arm "
+        "per method, interleaved repetitions, next to HF Trainer.",
+        BenchTrainConfig,
+    )
     b, _ = parse(parser, objective_shorthand(argv), BenchTrainConfig)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "datasets", "urllib3", "filelock", "torch", "torchao"):
@@ -200,11 +238,15 @@ def dry_run(b: BenchTrainConfig) -> int:
 
     validate(b)
     device = detect()
-    fmt = "unknown" if b.data.path else ("text" if b.training.objective == "sft" else "preference")  # known once read
-    print(f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
-          f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps"
-          + (f" [{b.bench.name}]" if b.bench.name else "")
-          + (f"; objective {b.training.objective}" if b.training.objective != "sft" else ""))
+    fmt = (
+        "unknown" if b.data.path else ("text" if b.training.objective == "sft" else "preference")
+    )  # known once read
+    print(
+        f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
+        f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps"
+        + (f" [{b.bench.name}]" if b.bench.name else "")
+        + (f"; objective {b.training.objective}" if b.training.objective != "sft" else "")
+    )
     peers = {"hf": "HF Trainer", "trl": "TRL SFTTrainer", "trl-dpo": "TRL DPOTrainer"}
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)

@@ -41,8 +41,11 @@ class MemoryProbe:
         import torch
 
         peak = torch.cuda.max_memory_allocated() if self.cuda else _status_kb("VmHWM") * 1024
-        return {"peak_mem_mb": peak / 2**20, "train_mem_mb": (peak - self.base) / 2**20,
-                "memory_kind": "cuda max_memory_allocated" if self.cuda else "peak RSS (VmHWM)"}
+        return {
+            "peak_mem_mb": peak / 2**20,
+            "train_mem_mb": (peak - self.base) / 2**20,
+            "memory_kind": "cuda max_memory_allocated" if self.cuda else "peak RSS (VmHWM)",
+        }
 
 
 def _status_kb(key: str) -> int:
@@ -100,13 +103,20 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
 
     watch = Watch(probe)
     result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
-    records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"]
+    records = [
+        r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"
+    ]
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
-    if watch.reference_pass:  # DPO with a precomputed reference: its pass ran before the timed steps
+    if (
+        watch.reference_pass
+    ):  # DPO with a precomputed reference: its pass ran before the timed steps
         out["reference_pass"] = watch.reference_pass
     if records and "reward_accuracy" in records[-1]:  # preference objectives log them
-        out.update(reward_accuracy=records[-1]["reward_accuracy"], reward_margin=records[-1].get("reward_margin"))
+        out.update(
+            reward_accuracy=records[-1]["reward_accuracy"],
+            reward_margin=records[-1].get("reward_margin"),
+        )
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
     out.update(watch.memory)
@@ -147,7 +157,12 @@ def timing_from_windows(records: list[dict], warmup: int) -> dict:
             seconds += window_tokens / max(r["tokens_per_s"], 1e-9)
         prev_step, prev_tokens = r["step"], r["tokens_seen"]
     final = records[-1]["loss"] if records else None
-    return {"timed_steps": steps, "timed_tokens": tokens, "timed_seconds": seconds, "final_loss": final}
+    return {
+        "timed_steps": steps,
+        "timed_tokens": tokens,
+        "timed_seconds": seconds,
+        "final_loss": final,
+    }
 
 
 def evidence(run) -> dict:
@@ -161,16 +176,25 @@ def evidence(run) -> dict:
     model = getattr(run.model, "module", run.model)
     total, trainable = count_parameters(model)
     opt = getattr(run.optimizer, "optimizer", run.optimizer)
-    state_dtypes = sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)})
-    return {"optimizer": f"{type(opt).__module__}.{type(opt).__name__}", "trainable_params": trainable,
-            "total_params": total, "param_dtype": str(next(model.parameters()).dtype),
-            "optimizer_state_dtypes": state_dtypes, "precision": run.precision,
-            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-            "compiled": any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
-                            for m in model.modules()),
-            "peft": type(model).__module__.startswith("peft"),
-            "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
-            "reference": _reference_kind(run)}
+    state_dtypes = sorted(
+        {str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)}
+    )
+    return {
+        "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+        "trainable_params": trainable,
+        "total_params": total,
+        "param_dtype": str(next(model.parameters()).dtype),
+        "optimizer_state_dtypes": state_dtypes,
+        "precision": run.precision,
+        "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "compiled": any(
+            getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")
+            for m in model.modules()
+        ),
+        "peft": type(model).__module__.startswith("peft"),
+        "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
+        "reference": _reference_kind(run),
+    }
 
 
 def _reference_kind(run) -> str | None:
@@ -187,7 +211,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     preimport(spec["kind"])
     from onegpu import hardware
-    peak = hardware.measure_matmul_flops(hardware.detect().type, seconds=0.5)  # under the load this arm trains in
+
+    peak = hardware.measure_matmul_flops(
+        hardware.detect().type, seconds=0.5
+    )  # under the load this arm trains in
     probe = MemoryProbe()
     t0 = time.perf_counter()
     if spec["kind"] == "onegpu":
@@ -195,11 +222,21 @@ def main(argv: list[str]) -> int:
     else:
         from onegpu.bench import train_dpo, train_peers
 
-        runners = {"hf": train_peers.run_hf, "trl": train_peers.run_trl, "trl-dpo": train_dpo.run_trl_dpo}
+        runners = {
+            "hf": train_peers.run_hf,
+            "trl": train_peers.run_trl,
+            "trl-dpo": train_dpo.run_trl_dpo,
+        }
         result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:
         result.update(probe.read())
-    result.update(peak_flops=peak, status="ok", wall_s=time.perf_counter() - t0, arm=spec["arm"], rep=spec["rep"])
+    result.update(
+        peak_flops=peak,
+        status="ok",
+        wall_s=time.perf_counter() - t0,
+        arm=spec["arm"],
+        rep=spec["rep"],
+    )
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 

@@ -39,11 +39,20 @@ def reference_pass(run, seconds: float | None) -> dict:
     splits = [ds for ds in (run.train_ds, run.val_ds) if ds is not None]
     t0 = time.perf_counter()
     for ds in splits:
-        reference.compute(run.model, ds, run.objective.tokens, run.collator, run.cfg.training.micro_batch_size,
-                          torch.device(run.device.type))
-    return {"seconds": seconds, "pairs": sum(len(ds) for ds in splits),
-            "tokens": sum(sum(train_peers.example_tokens(ds)) for ds in splits),
-            "warm_seconds": time.perf_counter() - t0}
+        reference.compute(
+            run.model,
+            ds,
+            run.objective.tokens,
+            run.collator,
+            run.cfg.training.micro_batch_size,
+            torch.device(run.device.type),
+        )
+    return {
+        "seconds": seconds,
+        "pairs": sum(len(ds) for ds in splits),
+        "tokens": sum(sum(train_peers.example_tokens(ds)) for ds in splits),
+        "warm_seconds": time.perf_counter() - t0,
+    }
 
 
 # ------------------------------------------------------------------------------------------ TRL
@@ -56,23 +65,35 @@ def record_rows(records, tokenized, tok, data_cfg) -> list[int]:
 
     index: dict = {}
     for i, r in enumerate(records):
-        ids = encode_pair(r.get(data_cfg.prompt_field), r[data_cfg.chosen_field], r[data_cfg.rejected_field],
-                          tok, data_cfg, f"record {i}")
+        ids = encode_pair(
+            r.get(data_cfg.prompt_field),
+            r[data_cfg.chosen_field],
+            r[data_cfg.rejected_field],
+            tok,
+            data_cfg,
+            f"record {i}",
+        )
         index.setdefault(tuple(map(tuple, ids)), i)
     rows = []
     for j, ex in enumerate(tokenized):
         i = index.get((tuple(ex["prompt_ids"]), tuple(ex["chosen_ids"]), tuple(ex["rejected_ids"])))
         if i is None:
-            raise ConfigError(f"training pair {j} was truncated to data.seq_len={data_cfg.seq_len}: TRL would "
-                              "truncate it differently, so the two would not train on the same tokens.",
-                              hint="raise --data.seq_len, or set --data.overlong drop")
+            raise ConfigError(
+                f"training pair {j} was truncated to data.seq_len={data_cfg.seq_len}: TRL would "
+                "truncate it differently, so the two would not train on the same tokens.",
+                hint="raise --data.seq_len, or set --data.overlong drop",
+            )
         rows.append(i)
     return rows
 
 
 def trl_records(records, rows: list[int], data_cfg):
     """The records in the given order, with TRL's column names (prompt / chosen / rejected)."""
-    cols = {data_cfg.prompt_field: "prompt", data_cfg.chosen_field: "chosen", data_cfg.rejected_field: "rejected"}
+    cols = {
+        data_cfg.prompt_field: "prompt",
+        data_cfg.chosen_field: "chosen",
+        data_cfg.rejected_field: "rejected",
+    }
     ds = records.select(rows).select_columns([c for c in cols if c in records.column_names])
     return ds.rename_columns({k: v for k, v in cols.items() if k != v and k in ds.column_names})
 
@@ -86,11 +107,14 @@ def aligned_arguments(cfg, device) -> dict:
     precision = resolve_precision(cfg.techniques, device)
     kw = dict(
         # the same arithmetic: TRL's default is bf16 autocast, ours fp32 on a CPU and the preset's bf16 on a GPU
-        bf16=precision.startswith("bf16"), fp16=precision == "fp16",
+        bf16=precision.startswith("bf16"),
+        fp16=precision == "fp16",
         # TRL cuts at 1024 tokens by default; ours at data.seq_len (no pair here reaches either: see record_rows)
         max_length=cfg.data.seq_len,
         # the same objective: beta and label smoothing are the loss itself (TRL's 0.1 and 0.0 are our defaults too)
-        beta=resolve_beta("dpo", cfg.preference.beta), label_smoothing=cfg.preference.label_smoothing)
+        beta=resolve_beta("dpo", cfg.preference.beta),
+        label_smoothing=cfg.preference.label_smoothing,
+    )
     if device.type == "cpu":
         kw["use_cpu"] = True
     return kw
@@ -101,10 +125,17 @@ def lora_config(cfg):
     import peft
 
     lcfg = cfg.techniques.lora
-    return peft.LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                           target_modules=lcfg.targets if lcfg.targets == "all-linear" else
-                           [t.strip() for t in lcfg.targets.split(",") if t.strip()],
-                           use_dora=lcfg.dora, bias="none", task_type="CAUSAL_LM")
+    return peft.LoraConfig(
+        r=lcfg.r,
+        lora_alpha=lcfg.alpha,
+        lora_dropout=lcfg.dropout,
+        target_modules=lcfg.targets
+        if lcfg.targets == "all-linear"
+        else [t.strip() for t in lcfg.targets.split(",") if t.strip()],
+        use_dora=lcfg.dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def default_reference(model, lora: bool):
@@ -126,27 +157,53 @@ def run_trl_dpo(spec: dict, callbacks: tuple = ()) -> dict:
     cfg = p.cfg
     rows = record_rows(p.records.train, p.data.train_ds, p.data.tokenizer, cfg.data)
     records = trl_records(p.records.train, [rows[i] for i in p.indices], cfg.data)
-    timer = train_peers.make_timer(spec["warmup_steps"], spec["budget_s"], cfg.training.log_every,
-                                   p.device.type == "cuda")
-    args = DPOConfig(**{**train_peers.hf_arguments(cfg, spec["arm"], p.device), **aligned_arguments(cfg, p.device)})
+    timer = train_peers.make_timer(
+        spec["warmup_steps"], spec["budget_s"], cfg.training.log_every, p.device.type == "cuda"
+    )
+    args = DPOConfig(
+        **{
+            **train_peers.hf_arguments(cfg, spec["arm"], p.device),
+            **aligned_arguments(cfg, p.device),
+        }
+    )
     lora = cfg.techniques.lora.enabled
     ref_model = default_reference(p.model, lora)
-    trainer = DPOTrainer(model=p.model, ref_model=ref_model, args=args, train_dataset=records,
-                         processing_class=p.data.tokenizer, peft_config=lora_config(cfg) if lora else None,
-                         callbacks=[timer, *callbacks])
+    trainer = DPOTrainer(
+        model=p.model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=records,
+        processing_class=p.data.tokenizer,
+        peft_config=lora_config(cfg) if lora else None,
+        callbacks=[timer, *callbacks],
+    )
     same = same_tokens(trainer.train_dataset, p.dataset)
     trainer.train()
     out = train_peers._result(trainer, args, timer, p.per_step)
     last = next((h for h in reversed(trainer.state.log_history) if "rewards/accuracies" in h), {})
     total = sum(x.numel() for x in trainer.model.parameters())
     out["evidence"].update(
-        trl=trl.__version__, loss_type=list(args.loss_type), beta=args.beta, max_length=args.max_length,
-        reference=("adapters off (PEFT model, ref_model None)" if lora else
-                   "frozen copy, " + ("loaded by TRL from the policy's path" if ref_model is None else
-                                      "handed over as ref_model (no path to load from)")),
-        precompute_ref_log_probs=bool(args.precompute_ref_log_probs), peft=hasattr(trainer.model, "disable_adapter"),
-        trainable_params=sum(x.numel() for x in trainer.model.parameters() if x.requires_grad), total_params=total,
-        same_tokens=same, pad_to_multiple_of=args.pad_to_multiple_of)
+        trl=trl.__version__,
+        loss_type=list(args.loss_type),
+        beta=args.beta,
+        max_length=args.max_length,
+        reference=(
+            "adapters off (PEFT model, ref_model None)"
+            if lora
+            else "frozen copy, "
+            + (
+                "loaded by TRL from the policy's path"
+                if ref_model is None
+                else "handed over as ref_model (no path to load from)"
+            )
+        ),
+        precompute_ref_log_probs=bool(args.precompute_ref_log_probs),
+        peft=hasattr(trainer.model, "disable_adapter"),
+        trainable_params=sum(x.numel() for x in trainer.model.parameters() if x.requires_grad),
+        total_params=total,
+        same_tokens=same,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+    )
     out["reward_accuracy"] = last.get("rewards/accuracies")
     out["reward_margin"] = last.get("rewards/margins")
     return out
@@ -161,5 +218,7 @@ def same_tokens(trl_dataset, ours) -> bool:
     for j in range(len(ours)):
         a, b = trl_dataset[j], ours[j]
         if any(list(a[k]) != list(b[k]) for k in keys):
-            raise RuntimeError(f"TRL tokenized pair {j} differently from onegpu: the arms would not be comparable")
+            raise RuntimeError(
+                f"TRL tokenized pair {j} differently from onegpu: the arms would not be comparable"
+            )
     return True

@@ -48,13 +48,17 @@ def setup(spec: dict) -> PeerSetup:
     data = build_data(cfg, name, recs)
     set_seed(t.seed)
     # the peers' model as HF builds it (their own techniques, not our pipeline), at our seed and kernel
-    model = models.load_model(name, cfg.model, data.tokenizer, attn_implementation=_attention(cfg, device, name))
+    model = models.load_model(
+        name, cfg.model, data.tokenizer, attn_implementation=_attention(cfg, device, name)
+    )
     order = iter(batches.BatchOrder(len(data.train_ds), t.micro_batch_size, t.seed))
-    step_batches = [[i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)]
+    step_batches = [
+        [i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)
+    ]
     indices = [i for step in step_batches for i in step]
     dataset = data.train_ds.select(indices)
     lengths = example_tokens(dataset)
-    per_step = [sum(lengths[s * len(b): (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
+    per_step = [sum(lengths[s * len(b) : (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
     return PeerSetup(cfg, device, name, recs, data, model, dataset, per_step, indices)
 
 
@@ -63,8 +67,10 @@ def example_tokens(dataset) -> list[int]:
     prompt + chosen and prompt + rejected (the two sequences of its forward)."""
     if "input_ids" in dataset.column_names:
         return [len(x) for x in dataset["input_ids"]]
-    return [2 * len(p) + len(c) + len(r) for p, c, r in
-            zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+    return [
+        2 * len(p) + len(c) + len(r)
+        for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])
+    ]
 
 
 def _attention(cfg, device, model_name: str) -> str:
@@ -75,7 +81,9 @@ def _attention(cfg, device, model_name: str) -> str:
 
     trust = cfg.model.trust_remote_code
     kernels = model_kernels(models.model_config(model_name, trust), trust)
-    return resolve_attention(cfg.techniques, device, resolve_precision(cfg.techniques, device), kernels)
+    return resolve_attention(
+        cfg.techniques, device, resolve_precision(cfg.techniques, device), kernels
+    )
 
 
 def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
@@ -83,10 +91,17 @@ def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
     from transformers import Trainer, TrainingArguments
 
     p = setup(spec)
-    timer = make_timer(spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda")
+    timer = make_timer(
+        spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda"
+    )
     args = TrainingArguments(**hf_arguments(p.cfg, spec["arm"], p.device))
-    trainer = Trainer(model=p.model, args=args, train_dataset=p.dataset, data_collator=p.data.collator,
-                      callbacks=[timer, *callbacks])
+    trainer = Trainer(
+        model=p.model,
+        args=args,
+        train_dataset=p.dataset,
+        data_collator=p.data.collator,
+        callbacks=[timer, *callbacks],
+    )
     trainer.train()
     return _result(trainer, args, timer, p.per_step)
 
@@ -103,25 +118,40 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     p = setup(spec)
-    timer = make_timer(spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda")
+    timer = make_timer(
+        spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda"
+    )
     kw = hf_arguments(p.cfg, "trl-sft", p.device)
     if p.device.type == "cpu":
         kw["use_cpu"] = True  # TRL's default bf16 refuses to start on a CPU without it
     args = SFTConfig(**kw, dataset_kwargs={"skip_prepare_dataset": True})
-    trainer = SFTTrainer(model=p.model, args=args, train_dataset=p.dataset, processing_class=p.data.tokenizer,
-                         callbacks=[timer, *callbacks])
+    trainer = SFTTrainer(
+        model=p.model,
+        args=args,
+        train_dataset=p.dataset,
+        processing_class=p.data.tokenizer,
+        callbacks=[timer, *callbacks],
+    )
     trainer.train()
     out = _result(trainer, args, timer, p.per_step)
-    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    base = (
+        trainer.model.get_base_model()
+        if hasattr(trainer.model, "get_base_model")
+        else trainer.model
+    )
     out["evidence"].update(
-        trl=trl.__version__, loss_type=args.loss_type,
+        trl=trl.__version__,
+        loss_type=args.loss_type,
         # SFTTrainer patches the model's forward with its fused, chunked LM head + loss (no full logits)
         chunked_loss=args.loss_type == "chunked_nll" or "forward" in vars(base),
         # what the logged loss is divided by: Trainer's count of target tokens over the whole
         # accumulated batch when the model accepts it, as our loop does; else a per-micro-batch mean
         loss_normalisation="summed over the target tokens of the accumulated batch"
-        if getattr(trainer, "model_accepts_loss_kwargs", False) else "mean per micro-batch",
-        checkpointing=bool(args.gradient_checkpointing), collator=type(trainer.data_collator).__name__)
+        if getattr(trainer, "model_accepts_loss_kwargs", False)
+        else "mean per micro-batch",
+        checkpointing=bool(args.gradient_checkpointing),
+        collator=type(trainer.data_collator).__name__,
+    )
     return out
 
 
@@ -129,13 +159,19 @@ def _result(trainer, args, timer, per_step: list[int]) -> dict:
     out = timer.result(per_step)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    out.update(final_loss=losses[-1] if losses else None, steps_done=trainer.state.global_step,
-               tokens_seen=sum(per_step[: trainer.state.global_step]),
-               evidence={"optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
-                         "fused": bool(opt.defaults.get("fused")), "precision": "bf16" if args.bf16 else
-                         ("fp16" if args.fp16 else "fp32"), "workers": args.dataloader_num_workers,
-                         "compiled": bool(args.torch_compile),
-                         "checkpointing": bool(args.gradient_checkpointing)})
+    out.update(
+        final_loss=losses[-1] if losses else None,
+        steps_done=trainer.state.global_step,
+        tokens_seen=sum(per_step[: trainer.state.global_step]),
+        evidence={
+            "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+            "fused": bool(opt.defaults.get("fused")),
+            "precision": "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"),
+            "workers": args.dataloader_num_workers,
+            "compiled": bool(args.torch_compile),
+            "checkpointing": bool(args.gradient_checkpointing),
+        },
+    )
     return out
 
 
@@ -144,18 +180,33 @@ def hf_arguments(cfg, arm: str, device) -> dict:
     numbers); the tuned arm adds the guide's speed flags that this device supports. TRL's arm
     takes the same keys, on top of SFTConfig's own defaults."""
     t = cfg.training  # settled by base_config: plain numbers
-    args = dict(output_dir=str(Path(cfg.output.dir) / "hf"), per_device_train_batch_size=t.micro_batch_size,
-                gradient_accumulation_steps=t.grad_accum, max_steps=t.max_steps, learning_rate=t.lr,
-                weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
-                lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio},
-                adam_beta2=0.95, max_grad_norm=t.max_grad_norm, seed=t.seed, logging_steps=t.log_every,
-                save_strategy="no", report_to="none", disable_tqdm=True, train_sampling_strategy="sequential")
+    args = dict(
+        output_dir=str(Path(cfg.output.dir) / "hf"),
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        max_steps=t.max_steps,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio},
+        adam_beta2=0.95,
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        logging_steps=t.log_every,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+    )
     if arm == "hf-trainer-tuned":
         from onegpu.techniques.compile import has_cpu_compiler
 
         args.update(optim="adamw_torch_fused", dataloader_num_workers=2, dataloader_pin_memory=True)
         if device.type == "cuda":
-            args.update(bf16=device.bf16, fp16=not device.bf16, tf32=device.tf32 or None, torch_compile=True)
+            args.update(
+                bf16=device.bf16, fp16=not device.bf16, tf32=device.tf32 or None, torch_compile=True
+            )
         elif has_cpu_compiler():
             args.update(torch_compile=True)
     return args
@@ -192,7 +243,10 @@ def make_timer(warmup: int, budget_s: float, every: int, cuda: bool):
             if start is None or self.marks[-1][0] <= start[0]:
                 return {"timed_steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
             end = self.marks[-1]
-            return {"timed_steps": end[0] - start[0], "timed_tokens": sum(per_step[start[0]: end[0]]),
-                    "timed_seconds": end[1] - start[1]}
+            return {
+                "timed_steps": end[0] - start[0],
+                "timed_tokens": sum(per_step[start[0] : end[0]]),
+                "timed_seconds": end[1] - start[1],
+            }
 
     return StepTimer()

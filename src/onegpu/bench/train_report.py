@@ -16,21 +16,31 @@ from pathlib import Path
 from typing import Optional
 
 # What the guide's own table claims for each row: (improves speed, saves memory).
-GUIDE = {"Batch size choice": ("Yes", "Yes"), "Gradient accumulation": ("No", "Yes"),
-         "Gradient checkpointing": ("No", "Yes"), "Mixed precision": ("Yes", "(No)"),
-         "Optimizer choice": ("Yes", "Yes"), "Data preloading": ("Yes", "No"), "torch.compile": ("Yes", "No"),
-         "PEFT": ("No", "Yes"), "DeepSpeed ZeRO": ("No", "Yes"), "Flash Attention": ("Yes", "Yes")}
+GUIDE = {
+    "Batch size choice": ("Yes", "Yes"),
+    "Gradient accumulation": ("No", "Yes"),
+    "Gradient checkpointing": ("No", "Yes"),
+    "Mixed precision": ("Yes", "(No)"),
+    "Optimizer choice": ("Yes", "Yes"),
+    "Data preloading": ("Yes", "No"),
+    "torch.compile": ("Yes", "No"),
+    "PEFT": ("No", "Yes"),
+    "DeepSpeed ZeRO": ("No", "Yes"),
+    "Flash Attention": ("Yes", "Yes"),
+}
 
 # Arms compared with the peer trainers in the headline. Trainer's default optimizer is fused
 # AdamW (torch >= 2.8), so "adamw-fused" is our loop with the same settings.
 VS_HF = ("baseline", "adamw-fused", "best")
 # The peers: document key -> (peer arm, how the headline names it, our arms compared with it).
-PEERS = {"vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
-         "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)", VS_HF),
-         "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)", VS_HF),
-         # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against LoRA
-         "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
-         "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",))}
+PEERS = {
+    "vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
+    "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)", VS_HF),
+    "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)", VS_HF),
+    # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against LoRA
+    "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
+    "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
+}
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
 ACTIVE = {
@@ -39,12 +49,20 @@ ACTIVE = {
     "fp32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "fp32-tf32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "adafactor": ("optimizer", lambda v: "adafactor" in str(v).lower(), "an Adafactor optimizer"),
-    "adamw-8bit": ("optimizer_state_dtypes", lambda v: "torch.uint8" in (v or []), "8-bit optimizer state"),
+    "adamw-8bit": (
+        "optimizer_state_dtypes",
+        lambda v: "torch.uint8" in (v or []),
+        "8-bit optimizer state",
+    ),
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
     "lora": ("peft", lambda v: v is True, "a PEFT model"),
     "qlora": ("peft", lambda v: v is True, "a PEFT model"),
     "ref-copy": ("reference", lambda v: v == "CopyReference", "a frozen-copy reference"),
-    "trl-dpo": ("reference", lambda v: str(v).startswith("frozen copy"), "TRL's frozen-copy reference"),
+    "trl-dpo": (
+        "reference",
+        lambda v: str(v).startswith("frozen copy"),
+        "TRL's frozen-copy reference",
+    ),
     "trl-dpo-lora": ("peft", lambda v: v is True, "a PEFT model"),
 }
 
@@ -53,7 +71,16 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("onegpu", "torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets", "trl"):
+    for pkg in (
+        "onegpu",
+        "torch",
+        "transformers",
+        "accelerate",
+        "peft",
+        "bitsandbytes",
+        "datasets",
+        "trl",
+    ):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -71,9 +98,15 @@ def code_version() -> dict:
         commit = os.environ["ONEGPU_BENCH_COMMIT"]
         return {"commit": commit.removesuffix("+local"), "local_changes": commit.endswith("+local")}
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "local_changes": None}
     return {"commit": head or None, "local_changes": bool(dirty) if head else None}
@@ -93,10 +126,24 @@ def new_document(b, device, prep: dict, argv: list[str]) -> dict:
     import os
 
     name = device.name if device.type != "cpu" else f"{cpu_name()} ({os.cpu_count()} threads)"
-    return {"benchmark": "onegpu bench train", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": "onegpu bench train " + " ".join(argv[1:]) if argv and argv[0].endswith("onegpu") else " ".join(argv),
-            "device": {"type": device.type, "name": name, "memory_gb": round(device.total_memory / 2**30, 1)},
-            "versions": versions(), "code": code_version(), "config": dataclasses.asdict(b), "setup": prep, "schedule": [], "arms": {}}
+    return {
+        "benchmark": "onegpu bench train",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "onegpu bench train " + " ".join(argv[1:])
+        if argv and argv[0].endswith("onegpu")
+        else " ".join(argv),
+        "device": {
+            "type": device.type,
+            "name": name,
+            "memory_gb": round(device.total_memory / 2**30, 1),
+        },
+        "versions": versions(),
+        "code": code_version(),
+        "config": dataclasses.asdict(b),
+        "setup": prep,
+        "schedule": [],
+        "arms": {},
+    }
 
 
 def summarize(doc: dict) -> dict:
@@ -109,20 +156,32 @@ def summarize(doc: dict) -> dict:
         if arm["status"] == "ok" and not ok:
             arm["status"] = "failed"
             errors = [r.get("error") for r in arm["reps"] if r.get("error")]
-            arm["reason"] = errors[0] if errors else "no timed steps (raise max_seconds or lower warmup_steps)"
+            arm["reason"] = (
+                errors[0] if errors else "no timed steps (raise max_seconds or lower warmup_steps)"
+            )
         for r in ok:
             r["tokens_per_s"] = r["timed_tokens"] / r["timed_seconds"]
             r["samples_per_s"] = r["timed_steps"] * eff / r["timed_seconds"]
             # the child's own peak, measured just before it trained: same machine load as its steps
             r["mfu"] = r["tokens_per_s"] * fpt / (r.get("peak_flops") or peak) if peak else None
             r["tokens_per_s_with_ref"] = with_reference_pass(r, t["max_steps"])
-        for key in ("tokens_per_s", "samples_per_s", "mfu", "train_mem_mb", "peak_mem_mb", "final_loss",
-                    "tokens_per_s_with_ref", "reward_accuracy"):
+        for key in (
+            "tokens_per_s",
+            "samples_per_s",
+            "mfu",
+            "train_mem_mb",
+            "peak_mem_mb",
+            "final_loss",
+            "tokens_per_s_with_ref",
+            "reward_accuracy",
+        ):
             arm[key] = _median([r.get(key) for r in ok])
         passes = [r["reference_pass"] for r in ok if r.get("reference_pass")]
         arm["reference_pass_s"] = _median([x.get("seconds") for x in passes])
         arm["reference_pass_warm_s"] = _median([x.get("warm_seconds") for x in passes])
-        arm["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
+        arm["tokens_per_s_range"] = (
+            [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
+        )
         arm["inactive"] = _inactive(arm, ok)
     base = doc["arms"].get("baseline", {})
     for arm in doc["arms"].values():
@@ -131,9 +190,14 @@ def summarize(doc: dict) -> dict:
     for key, (ref, _, ours) in PEERS.items():
         hf = doc["arms"].get(ref, {})
         doc[key] = {  # SFT: our defaults, our loop with Trainer's default optimizer, our best set
-            name: {"speed_x": paired_ratio(a, hf, "tokens_per_s"), "memory_x": paired_ratio(a, hf, "train_mem_mb"),
-                   "speed_x_with_ref": paired_ratio(a, hf, "tokens_per_s_with_ref")}
-            for name, a in doc["arms"].items() if name in ours and a.get("tokens_per_s") and hf.get("tokens_per_s")}
+            name: {
+                "speed_x": paired_ratio(a, hf, "tokens_per_s"),
+                "memory_x": paired_ratio(a, hf, "train_mem_mb"),
+                "speed_x_with_ref": paired_ratio(a, hf, "tokens_per_s_with_ref"),
+            }
+            for name, a in doc["arms"].items()
+            if name in ours and a.get("tokens_per_s") and hf.get("tokens_per_s")
+        }
     return doc
 
 
@@ -143,7 +207,9 @@ def with_reference_pass(rep: dict, max_steps: int) -> float:
     Its warm time is charged (the first pass also pays the process's start-up, which the other arms
     pay in their untimed steps); arms that compute the reference inside each step have nothing to add."""
     ref = rep.get("reference_pass") or {}
-    seconds = ref.get("warm_seconds", ref.get("seconds", 0.0)) * rep["timed_steps"] / max(max_steps, 1)
+    seconds = (
+        ref.get("warm_seconds", ref.get("seconds", 0.0)) * rep["timed_steps"] / max(max_steps, 1)
+    )
     return rep["timed_tokens"] / (rep["timed_seconds"] + seconds)
 
 
@@ -151,8 +217,11 @@ def paired_ratio(arm: dict, ref: dict, key: str) -> Optional[float]:
     """Median over rounds of arm/ref within the same round: the two ran minutes apart, so a load
     change on a shared machine between rounds cancels out (a ratio of medians would keep it)."""
     ref_by_rep = {r.get("rep"): r.get(key) for r in ref.get("reps", []) if r.get(key)}
-    ratios = [r[key] / ref_by_rep[r.get("rep")] for r in arm.get("reps", [])
-              if r.get(key) is not None and ref_by_rep.get(r.get("rep"))]
+    ratios = [
+        r[key] / ref_by_rep[r.get("rep")]
+        for r in arm.get("reps", [])
+        if r.get(key) is not None and ref_by_rep.get(r.get("rep"))
+    ]
     return _median(ratios)
 
 
@@ -192,21 +261,31 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         return dpo_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
-    lines = [f"# Training methods on {d['name']}", "",
-             f"{doc['date']} · `{doc['command']}`", "",
-             f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['data']['seq_len']}, "
-             f"effective batch {t['micro_batch_size'] * t['grad_accum']} "
-             f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm "
-             f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
-             f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
-             f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.", ""]
+    lines = [
+        f"# Training methods on {d['name']}",
+        "",
+        f"{doc['date']} · `{doc['command']}`",
+        "",
+        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['data']['seq_len']}, "
+        f"effective batch {t['micro_batch_size'] * t['grad_accum']} "
+        f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm "
+        f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
+        f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
+        f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.",
+        "",
+    ]
     for key, (_, label, _ours) in PEERS.items():
         for name, vs in doc.get(key, {}).items():
-            lines += [f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
-                      f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"]
+            lines += [
+                f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
+                f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
+            ]
     lines += [""] if any(doc.get(key) for key in PEERS) else []
-    lines += ["| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | samples/s | MFU "
-              "| train mem MB | final loss | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | samples/s | MFU "
+        "| train mem MB | final loss | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, a in doc["arms"].items():
         guide = next((f"{v[0]} / {v[1]}" for k, v in GUIDE.items() if a["row"].startswith(k)), "")
         note = a.get("reason") or a.get("inactive") or peer_note(a)
@@ -214,13 +293,18 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
             lo, hi = a["tokens_per_s_range"]
             note = (note + "; " if note else "") + f"range {lo:,.0f}–{hi:,.0f} tok/s"
         status = "" if a["status"] == "ok" else f"**{a['status']}** "
-        lines.append(f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
-                     f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-                     f"{_fmt(a.get('samples_per_s'), '.2f')} | {_fmt(a.get('mfu'), '.1%')} | "
-                     f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | {status}{note} |")
+        lines.append(
+            f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
+            f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
+            f"{_fmt(a.get('samples_per_s'), '.2f')} | {_fmt(a.get('mfu'), '.1%')} | "
+            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | {status}{note} |"
+        )
     v = doc["versions"]
-    lines += ["", f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
-              f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}."]
+    lines += [
+        "",
+        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
+        f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}.",
+    ]
     if png_name:
         lines += ["", f"![speed and memory against the baseline]({png_name})"]
     return "\n".join(lines) + "\n"
@@ -233,8 +317,10 @@ def peer_note(arm: dict) -> str:
     ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
     bits = [ev.get("precision")] + [k for k in ("checkpointing", "compiled") if ev.get(k)]
     if arm.get("kind") == "trl" and ev:
-        bits.append(f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss ({ev.get('loss_type')}), "
-                    f"{ev.get('loss_normalisation')}; TRL {ev.get('trl')}")
+        bits.append(
+            f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss ({ev.get('loss_type')}), "
+            f"{ev.get('loss_normalisation')}; TRL {ev.get('trl')}"
+        )
     return ", ".join(b for b in bits if b)
 
 
@@ -246,8 +332,13 @@ def chart(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     names = [n for n, a in doc["arms"].items() if a.get("speed_x") is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.35 * max(len(names), 3) + 1.2), dpi=100, sharey=True)
-    for ax, key, title in ((axes[0], "speed_x", "speed x (tokens/s)"), (axes[1], "memory_x", "memory x")):
+    fig, axes = plt.subplots(
+        1, 2, figsize=(10, 0.35 * max(len(names), 3) + 1.2), dpi=100, sharey=True
+    )
+    for ax, key, title in (
+        (axes[0], "speed_x", "speed x (tokens/s)"),
+        (axes[1], "memory_x", "memory x"),
+    ):
         vals = [doc["arms"][n].get(key) or 0.0 for n in names]
         ax.barh(names, vals, color=["#4c72b0" if n != "baseline" else "#999999" for n in names])
         ax.axvline(1.0, color="black", lw=0.8)

@@ -37,8 +37,17 @@ ENGINE_DIR = "engine"  # DeepSpeed's own per-process files (see checkpoint_shard
 # Called with the name of each write of a checkpoint just completed, in order: SAVE_POINTS.
 # The crash tests stop the process at each of them; a caller may also report progress with it.
 WriteHook = Callable[[str], None]
-SAVE_POINTS = ("model", "tokenizer", "trainer_state", "state", "config", "manifest", "fsync",
-               "trash", "rename")
+SAVE_POINTS = (
+    "model",
+    "tokenizer",
+    "trainer_state",
+    "state",
+    "config",
+    "manifest",
+    "fsync",
+    "trash",
+    "rename",
+)
 
 
 # ------------------------------------------------------------------------------------------- RNG
@@ -48,10 +57,21 @@ def rng_state() -> dict:
 
     version, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached": float(cached)},
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": {
+            "version": version,
+            "state": torch.tensor(mt, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -63,17 +83,35 @@ def set_rng_state(state: dict) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached"]))
+    np.random.set_state(
+        (
+            npy["name"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------- saving
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train_state: dict, accelerator,
-                    tokenizer=None, config: dict | None = None, rng: dict | None = None,
-                    gathered: dict | None = None, on_write: WriteHook | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    train_state: dict,
+    accelerator,
+    tokenizer=None,
+    config: dict | None = None,
+    rng: dict | None = None,
+    gathered: dict | None = None,
+    on_write: WriteHook | None = None,
+) -> Path:
     """Write ``checkpoint-<step>`` atomically and return its path.
 
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
@@ -89,8 +127,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
     tmp = run_dir / f"{TMP_PREFIX}{final.name}"
     clean_stale(run_dir)
     tmp.mkdir(parents=True)
-    accelerator.unwrap_model(model).save_pretrained(str(tmp / "model"), safe_serialization=True,
-                                                    state_dict=gathered.get("model"))
+    accelerator.unwrap_model(model).save_pretrained(
+        str(tmp / "model"), safe_serialization=True, state_dict=gathered.get("model")
+    )
     written("model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
@@ -98,9 +137,15 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, train
     if gathered.get("engine_dir") is not None:
         os.replace(gathered["engine_dir"], tmp / ENGINE_DIR)
     optim_state = gathered["optimizer"] if "optimizer" in gathered else optimizer.state_dict()
-    torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-                "rng": rng if rng is not None else rng_state()}, tmp / "trainer_state.pt")
+    torch.save(
+        {
+            "optimizer": optim_state,
+            "scheduler": scheduler.state_dict(),
+            "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+            "rng": rng if rng is not None else rng_state(),
+        },
+        tmp / "trainer_state.pt",
+    )
     written("trainer_state")
     (tmp / "state.json").write_text(json.dumps(train_state, indent=2))
     written("state")
@@ -137,7 +182,7 @@ def clean_stale(run_dir: Path) -> None:
     """Tidy up after a crash in the middle of a save: a checkpoint moved aside for a replacement
     that never arrived goes back in place; unfinished temporary folders are removed."""
     for p in Path(run_dir).glob(f"{TRASH_PREFIX}{PREFIX}*"):
-        final = p.with_name(p.name[len(TRASH_PREFIX):])
+        final = p.with_name(p.name[len(TRASH_PREFIX) :])
         if not final.exists() and verify(p) is None:
             os.replace(p, final)
     for p in Path(run_dir).glob(".*"):
@@ -157,15 +202,18 @@ def discard_all(run_dir: Path) -> int:
 # --------------------------------------------------------------------------------------- finding
 def step_of(path: Path) -> int:
     try:
-        return int(Path(path).name[len(PREFIX):])
+        return int(Path(path).name[len(PREFIX) :])
     except ValueError:
         return -1
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint folders that carry a manifest, oldest first (temporary folders are hidden)."""
-    found = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir() and step_of(p) >= 0
-             and (p / MANIFEST).is_file()]
+    found = [
+        p
+        for p in Path(run_dir).glob(f"{PREFIX}*")
+        if p.is_dir() and step_of(p) >= 0 and (p / MANIFEST).is_file()
+    ]
     return sorted(found, key=step_of)
 
 
@@ -259,20 +307,26 @@ def _resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
         return None
     target = Path(run_dir) if resume == "latest" else Path(resume).expanduser()
     if not target.is_dir():
-        raise ConfigError(f"output.resume: '{target}' does not exist.",
-                          hint="pass 'latest' with the run's --output.name, or a checkpoint folder")
+        raise ConfigError(
+            f"output.resume: '{target}' does not exist.",
+            hint="pass 'latest' with the run's --output.name, or a checkpoint folder",
+        )
     if resume == "latest" or not (target / MANIFEST).exists():
         clean_stale(target)
     if step_of(target) >= 0 and (target / MANIFEST).exists():
         problem = verify(target)
         if problem:
-            raise ConfigError(f"output.resume: checkpoint {target} is damaged ({problem}).",
-                              hint="resume from an older checkpoint, or use 'latest' to pick the newest good one")
+            raise ConfigError(
+                f"output.resume: checkpoint {target} is damaged ({problem}).",
+                hint="resume from an older checkpoint, or use 'latest' to pick the newest good one",
+            )
         return target
     found = find_latest(target)
     if found is None:
-        raise ConfigError(f"output.resume: no complete checkpoint in {target}.",
-                          hint="check --output.dir/--output.name, or start without --output.resume")
+        raise ConfigError(
+            f"output.resume: no complete checkpoint in {target}.",
+            hint="check --output.dir/--output.name, or start without --output.resume",
+        )
     return found
 
 
@@ -281,9 +335,13 @@ def load_trainer_state(path: Path) -> dict:
     """Optimizer/scheduler/scaler/RNG states, read without executing pickled code."""
     try:
         return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError/RuntimeError for foreign or damaged files
-        raise ConfigError(f"cannot read {path}/trainer_state.pt: {str(exc).splitlines()[0]}",
-                          hint="resume from a checkpoint written by onegpu") from None
+    except (
+        Exception
+    ) as exc:  # torch raises UnpicklingError/RuntimeError for foreign or damaged files
+        raise ConfigError(
+            f"cannot read {path}/trainer_state.pt: {str(exc).splitlines()[0]}",
+            hint="resume from a checkpoint written by onegpu",
+        ) from None
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> dict:
@@ -301,8 +359,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> dic
         if accelerator.scaler is not None and blob.get("scaler"):
             accelerator.scaler.load_state_dict(blob["scaler"])
     except (ValueError, KeyError, RuntimeError) as exc:
-        raise ConfigError(f"checkpoint {path} does not match this run's optimizer: {str(exc).splitlines()[0]}",
-                          hint="resume with the same techniques.optimizer and lora settings it was written with") from None
+        raise ConfigError(
+            f"checkpoint {path} does not match this run's optimizer: {str(exc).splitlines()[0]}",
+            hint="resume with the same techniques.optimizer and lora settings it was written with",
+        ) from None
     state = json.loads((path / "state.json").read_text())
     state["rng"] = blob["rng"]
     return state
@@ -333,15 +393,19 @@ def _check_shapes(path: Path, saved: dict[str, tuple], model) -> None:
         return name
 
     # keep_vars: DeepSpeed ZeRO-3 leaves an empty placeholder with the real shape in ds_shape
-    ours = {plain(n): tuple(getattr(t, "ds_shape", None) or t.shape)
-            for n, t in model.state_dict(keep_vars=True).items()}
+    ours = {
+        plain(n): tuple(getattr(t, "ds_shape", None) or t.shape)
+        for n, t in model.state_dict(keep_vars=True).items()
+    }
     for name, shape in saved.items():
         here = ours.get(name)
         if here and all(here) and here != tuple(shape):  # (0,): a placeholder not to compare
-            raise ConfigError(f"checkpoint {path} was written by a model of another shape: {name} is "
-                              f"{_shape(shape)} there but {_shape(here)} in this model.",
-                              hint="resume with the model.name, size, tokenizer and lora settings it was "
-                                   "written with, or start a new run without --output.resume")
+            raise ConfigError(
+                f"checkpoint {path} was written by a model of another shape: {name} is "
+                f"{_shape(shape)} there but {_shape(here)} in this model.",
+                hint="resume with the model.name, size, tokenizer and lora settings it was "
+                "written with, or start a new run without --output.resume",
+            )
 
 
 def _shape(shape) -> str:
@@ -356,15 +420,20 @@ def load_model_weights(model_dir: Path, model) -> None:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     if not tensors:
-        raise ConfigError(f"no safetensors weights in {model_dir}.", hint="resume from a complete checkpoint")
+        raise ConfigError(
+            f"no safetensors weights in {model_dir}.", hint="resume from a complete checkpoint"
+        )
     _check_shapes(Path(model_dir).parent, {k: tuple(t.shape) for k, t in tensors.items()}, model)
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(model, tensors)
         if result.unexpected_keys:
-            raise ConfigError(f"adapter weights in {model_dir} do not fit this model "
-                              f"(e.g. {result.unexpected_keys[0]}).", hint="resume with the same lora settings")
+            raise ConfigError(
+                f"adapter weights in {model_dir} do not fit this model "
+                f"(e.g. {result.unexpected_keys[0]}).",
+                hint="resume with the same lora settings",
+            )
         return
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in tensors}
@@ -373,5 +442,8 @@ def load_model_weights(model_dir: Path, model) -> None:
     missing = [k for k in missing if k in params and id(params[k]) not in loaded]
     if missing or unexpected:
         key = (missing or unexpected)[0]
-        raise ConfigError(f"weights in {model_dir} do not fit this model ({'missing' if missing else 'unexpected'} "
-                          f"{key}).", hint="resume with the same model.name it was written with")
+        raise ConfigError(
+            f"weights in {model_dir} do not fit this model ({'missing' if missing else 'unexpected'} "
+            f"{key}).",
+            hint="resume with the same model.name it was written with",
+        )

@@ -25,8 +25,10 @@ def _files(root: Path) -> list[Path]:
 
 
 def write_manifest(root: Path, step: int) -> None:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _files(root)}
+    files = {
+        str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(root)
+    }
     (root / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
 
 

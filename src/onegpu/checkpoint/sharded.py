@@ -40,8 +40,9 @@ def gather_sharded(run_dir: Path, step: int, model, optimizer, accelerator) -> d
 def _full_optimizer_state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    full = get_optimizer_state_dict(model, _inner(optimizer),
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_optimizer_state_dict(
+        model, _inner(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not full:  # only the main process receives the gathered tensors
         return {}
     index = {name: i for i, name in enumerate(n for g in full["param_groups"] for n in g["params"])}
@@ -63,8 +64,10 @@ def load_sharded(path: Path, model, optimizer, scheduler, accelerator) -> dict:
         _load_engine(path, model)
     else:
         if blob["optimizer"].get("engine") == "deepspeed":
-            raise ConfigError(f"checkpoint {path} holds DeepSpeed optimizer partitions; this run uses FSDP2.",
-                              hint="resume with the same techniques.offload / distributed.strategy it was written with")
+            raise ConfigError(
+                f"checkpoint {path} holds DeepSpeed optimizer partitions; this run uses FSDP2.",
+                hint="resume with the same techniques.offload / distributed.strategy it was written with",
+            )
         _load_fsdp2(path, model, optimizer, blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     state = json.loads((path / "state.json").read_text())
@@ -74,25 +77,37 @@ def load_sharded(path: Path, model, optimizer, scheduler, accelerator) -> dict:
 
 def _load_engine(path: Path, model) -> None:
     if not (path / ENGINE_DIR).is_dir():
-        raise ConfigError(f"checkpoint {path} was not written by DeepSpeed, so it has no optimizer partitions.",
-                          hint="resume it without techniques.offload / distributed.strategy=deepspeed")
+        raise ConfigError(
+            f"checkpoint {path} was not written by DeepSpeed, so it has no optimizer partitions.",
+            hint="resume it without techniques.offload / distributed.strategy=deepspeed",
+        )
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
     try:
-        loaded, _ = model.load_checkpoint(str(path / ENGINE_DIR), tag=ENGINE_TAG, load_lr_scheduler_states=False)
+        loaded, _ = model.load_checkpoint(
+            str(path / ENGINE_DIR), tag=ENGINE_TAG, load_lr_scheduler_states=False
+        )
     except (AssertionError, RuntimeError, ValueError, ZeRORuntimeException) as exc:
-        raise ConfigError(f"DeepSpeed cannot load {path}: {str(exc).splitlines()[0]}",
-                          hint="resume with the number of processes that wrote it (DeepSpeed cannot re-partition "
-                               f"optimizer state), or start a new run from its weights: --model.name {path}/model") from None
+        raise ConfigError(
+            f"DeepSpeed cannot load {path}: {str(exc).splitlines()[0]}",
+            hint="resume with the number of processes that wrote it (DeepSpeed cannot re-partition "
+            f"optimizer state), or start a new run from its weights: --model.name {path}/model",
+        ) from None
     if loaded is None:
-        raise ConfigError(f"DeepSpeed found no checkpoint in {path / ENGINE_DIR}.", hint="resume from another checkpoint")
+        raise ConfigError(
+            f"DeepSpeed found no checkpoint in {path / ENGINE_DIR}.",
+            hint="resume from another checkpoint",
+        )
 
 
 def _load_fsdp2(path: Path, model, optimizer, optim_state: dict) -> None:
     """Full tensors from disk -> this process's shards (DCP re-shards for any process count)."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     weights: dict[str, Any] = {}
     for f in sorted((path / "model").glob("*.safetensors")):
@@ -103,5 +118,8 @@ def _load_fsdp2(path: Path, model, optimizer, optim_state: dict) -> None:
     inner = _inner(optimizer)
     fqns = [names[id(p)] for g in inner.param_groups for p in g["params"]]
     groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in optim_state["param_groups"]]
-    full = {"state": {fqns[int(i)]: s for i, s in optim_state["state"].items()}, "param_groups": groups}
+    full = {
+        "state": {fqns[int(i)]: s for i, s in optim_state["state"].items()},
+        "param_groups": groups,
+    }
     set_optimizer_state_dict(model, inner, full, options=opts)

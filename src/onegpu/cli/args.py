@@ -22,30 +22,49 @@ from onegpu.errors import ConfigError
 _SIGNATURE = re.compile(r"^\w+\(.*\)$", re.S)
 
 
-def make_parser(prog: str, description: str, config_cls: type | None = None, usage: str | None = None,
-                skip: Iterable[str] = ()):
+def make_parser(
+    prog: str,
+    description: str,
+    config_cls: type | None = None,
+    usage: str | None = None,
+    skip: Iterable[str] = (),
+):
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     try:  # field docstrings become --help text
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
     except (TypeError, ValueError):  # older jsonargparse: help without field docs
         pass
-    if usage is None and config_cls is not None:  # the full list is below, grouped; 70 lines of it up here hide it
+    if (
+        usage is None and config_cls is not None
+    ):  # the full list is below, grouped; 70 lines of it up here hide it
         usage = f"{prog} [--config FILE] [--section.field VALUE ...]"
-    parser = ArgumentParser(prog=prog, description=description, usage=usage, exit_on_error=False,
-                            env_prefix="ONEGPU", formatter_class=_help_formatter(),
-                            allow_abbrev=False)  # a shortened flag is a typo, not a guess to act on
+    parser = ArgumentParser(
+        prog=prog,
+        description=description,
+        usage=usage,
+        exit_on_error=False,
+        env_prefix="ONEGPU",
+        formatter_class=_help_formatter(),
+        allow_abbrev=False,
+    )  # a shortened flag is a typo, not a guess to act on
     if config_cls is not None:
-        parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+        parser.add_argument(
+            "--config", action=ActionConfigFile, help="YAML file with any of the options below"
+        )
         add_options(parser, config_cls, "run", skip=skip)
     return parser
 
 
-def add_options(parser, config_cls: type, title: str, description: str | None = None, skip: Iterable[str] = ()):
+def add_options(
+    parser, config_cls: type, title: str, description: str | None = None, skip: Iterable[str] = ()
+):
     """Every field of a config dataclass as a flag, grouped in --help by section: the heading is
     the section's flag prefix, the text under it the section's docstring (never the signature)."""
     parser.add_class_arguments(config_cls, fail_untyped=False, skip=set(skip) or None)
-    titled = parser.__dict__.setdefault("_onegpu_titled", set())  # groups of earlier calls keep their titles
+    titled = parser.__dict__.setdefault(
+        "_onegpu_titled", set()
+    )  # groups of earlier calls keep their titles
     for key, group in parser.groups.items():
         if key in titled:
             continue
@@ -74,7 +93,9 @@ def _help_formatter():
         def _get_help_string(self, action):
             text = super()._get_help_string(action)
             if action.default is None:  # "(default: null)": no default is no news
-                text = text.replace(" (default: %(default)s)", "").replace(", default: %(default)s", "")
+                text = text.replace(" (default: %(default)s)", "").replace(
+                    ", default: %(default)s", ""
+                )
             return text
 
     return HelpFormatter
@@ -87,7 +108,10 @@ def renamed(argv: Sequence[str], names: dict[str, str]) -> list[str]:
     for arg in argv:
         flag, eq, value = arg.partition("=")
         if flag in names:
-            print(f"note: {flag} is now {names[flag]} (the old spelling still works, for now)", file=sys.stderr)
+            print(
+                f"note: {flag} is now {names[flag]} (the old spelling still works, for now)",
+                file=sys.stderr,
+            )
             arg = names[flag] + eq + value
         out.append(arg)
     return out
@@ -97,7 +121,10 @@ def note_model_shorthand(parser) -> None:
     """--help for the commands that read `--model X` through model_shorthand."""
     for action in parser._actions:
         if action.option_strings == ["--model"]:
-            action.help, action.metavar = "short for --model.name X; a .yaml file: this section's options", "X"
+            action.help, action.metavar = (
+                "short for --model.name X; a .yaml file: this section's options",
+                "X",
+            )
 
 
 def model_shorthand(argv: Sequence[str]) -> list[str]:
@@ -143,7 +170,9 @@ def _plain(v: Any) -> Any:
     import dataclasses
 
     v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-    if isinstance(v, dict):  # a section loaded from its own file (--model m.yaml) records its __path__
+    if isinstance(
+        v, dict
+    ):  # a section loaded from its own file (--model m.yaml) records its __path__
         return {k: _plain(x) for k, x in v.items() if k != "__path__"}
     return v
 
@@ -162,16 +191,31 @@ def _check_yaml_files(argv: list[str], config_cls: type) -> None:
 
 # Names users bring from other trainers (HF TrainingArguments, TRL, Axolotl) -> our flag.
 ALIASES = {
-    "learning_rate": "training.lr", "lr_rate": "training.lr", "batch_size": "training.micro_batch_size",
-    "per_device_train_batch_size": "training.micro_batch_size", "micro_batch": "training.micro_batch_size",
-    "gradient_accumulation_steps": "training.grad_accum", "grad_accumulation": "training.grad_accum",
-    "steps": "training.max_steps", "num_steps": "training.max_steps", "warmup": "training.warmup_steps",
-    "seed": "training.seed", "max_seq_length": "data.seq_len", "max_length": "data.seq_len",
-    "seq_length": "data.seq_len", "sequence_len": "data.seq_len", "dataset": "data.path",
-    "data_path": "data.path", "output_dir": "output.dir", "resume_from_checkpoint": "output.resume",
-    "model_name_or_path": "model.name", "model_name": "model.name",
+    "learning_rate": "training.lr",
+    "lr_rate": "training.lr",
+    "batch_size": "training.micro_batch_size",
+    "per_device_train_batch_size": "training.micro_batch_size",
+    "micro_batch": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.grad_accum",
+    "grad_accumulation": "training.grad_accum",
+    "steps": "training.max_steps",
+    "num_steps": "training.max_steps",
+    "warmup": "training.warmup_steps",
+    "seed": "training.seed",
+    "max_seq_length": "data.seq_len",
+    "max_length": "data.seq_len",
+    "seq_length": "data.seq_len",
+    "sequence_len": "data.seq_len",
+    "dataset": "data.path",
+    "data_path": "data.path",
+    "output_dir": "output.dir",
+    "resume_from_checkpoint": "output.resume",
+    "model_name_or_path": "model.name",
+    "model_name": "model.name",
     "gradient_checkpointing": "techniques.checkpointing",
-    "optim": "techniques.optimizer", "lora_r": "techniques.lora.r", "lora_alpha": "techniques.lora.alpha",
+    "optim": "techniques.optimizer",
+    "lora_r": "techniques.lora.r",
+    "lora_alpha": "techniques.lora.alpha",
 }
 # jsonargparse names the expected type as a Python class; say it in words
 TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
@@ -187,16 +231,26 @@ def suggest_flag(flag: str, options: list[str]) -> str | None:
     if section and section.split(".")[0] not in sections:  # '--traning.lr': fix the section first
         close = difflib.get_close_matches(section.split(".")[0], sections, n=1, cutoff=0.6)
         section = ".".join(close[:1] + section.split(".")[1:]) if close else section
-    aliases = {alias: f"--{target}" for alias, target in ALIASES.items() if f"--{target}" in options}
+    aliases = {
+        alias: f"--{target}" for alias, target in ALIASES.items() if f"--{target}" in options
+    }
 
     def match(names: dict[str, str]) -> str | None:
-        close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.75 if len(name) <= 4 else 0.6)
+        close = difflib.get_close_matches(
+            name, list(names), n=1, cutoff=0.75 if len(name) <= 4 else 0.6
+        )
         return names[close[0]] if close else None
 
-    in_section = {f[len(section) + 1:]: o for f, o in flags.items() if section and f.startswith(section + ".")}
+    in_section = {
+        f[len(section) + 1 :]: o
+        for f, o in flags.items()
+        if section and f.startswith(section + ".")
+    }
     same_section_aliases = {a: o for a, o in aliases.items() if o.startswith(f"--{section}.")}
-    for names in (in_section | same_section_aliases,  # the same section, its own fields and aliases
-                  {f.rpartition(".")[2]: o for f, o in flags.items()} | aliases):  # any section
+    for names in (
+        in_section | same_section_aliases,  # the same section, its own fields and aliases
+        {f.rpartition(".")[2]: o for f, o in flags.items()} | aliases,
+    ):  # any section
         found = match(names)
         if found:
             return found
@@ -213,18 +267,29 @@ def _friendly(parser, message: str) -> ConfigError:
         hint = f"did you mean '{close}'?" if close else f"see '{parser.prog} --help'"
         return ConfigError(f"unknown option '{flag}'.", hint=hint)
     m = re.search(r'key "([^"]+)":\s*(.*?)Got value: (.*)', message, re.S) or re.search(
-        r'key "([^"]+)":\s*(.*?)Given value: (.*)', message, re.S)
+        r'key "([^"]+)":\s*(.*?)Given value: (.*)', message, re.S
+    )
     if m:
         key, expected, got = m.group(1), " ".join(m.group(2).split()), m.group(3).strip()
         choices = re.findall(r"Literal\[([^\]]+)\]", expected) if "Literal" in expected else []
         choices = [c for group in choices for c in re.findall(r"'([^']+)'", group)]
-        types = [TYPE_WORDS[t] for t in re.findall(r"Expected a <class '(\w+)'>", expected) if t in TYPE_WORDS]
+        types = [
+            TYPE_WORDS[t]
+            for t in re.findall(r"Expected a <class '(\w+)'>", expected)
+            if t in TYPE_WORDS
+        ]
         if types:  # a number, or a number or "auto": the number is what went wrong
             words = f" (or {', '.join(dict.fromkeys(choices))})" if choices else ""
-            return ConfigError(f"{key} must be {types[0]}, got {got!r}.",
-                               hint=f"write it as e.g. --{key} {_example(parser, key, types[0])}{words}")
+            return ConfigError(
+                f"{key} must be {types[0]}, got {got!r}.",
+                hint=f"write it as e.g. --{key} {_example(parser, key, types[0])}{words}",
+            )
         close = difflib.get_close_matches(got, choices, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else (f"choose one of: {', '.join(choices)}" if choices else expected)
+        hint = (
+            f"did you mean '{close[0]}'?"
+            if close
+            else (f"choose one of: {', '.join(choices)}" if choices else expected)
+        )
         return ConfigError(f"{key}: invalid value '{got}'.", hint=hint)
     return ConfigError(" ".join(message.split()), hint=f"see '{parser.prog} --help'")
 

@@ -19,13 +19,19 @@ from typing import Optional, Sequence
 from onegpu.cli.args import add_options, make_parser, parse
 from onegpu.errors import ConfigError, DataError
 
-DESCRIPTION = ("Generate text from a onegpu run (onegpu generate --model runs/<name> \"def fib(\"), a "
-               "save_pretrained folder or a Hub model. Prompts: arguments, --prompts_file (one per line, "
-               "or .jsonl with a \"prompt\" field), or '-' for stdin. --chat true feeds them as chat turns "
-               "(on by itself for a model onegpu trained on chat data).")
+DESCRIPTION = (
+    'Generate text from a onegpu run (onegpu generate --model runs/<name> "def fib("), a '
+    "save_pretrained folder or a Hub model. Prompts: arguments, --prompts_file (one per line, "
+    "or .jsonl with a \"prompt\" field), or '-' for stdin. --chat true feeds them as chat turns "
+    "(on by itself for a model onegpu trained on chat data)."
+)
 # train's name for a setting generate shares with it -> generate's flag
-TRAIN_NAMES = {"--model.name": "--model", "--model.tokenizer": "--tokenizer",
-               "--model.trust_remote_code": "--trust_remote_code", "--techniques.attention": "--attention"}
+TRAIN_NAMES = {
+    "--model.name": "--model",
+    "--model.tokenizer": "--tokenizer",
+    "--model.trust_remote_code": "--trust_remote_code",
+    "--techniques.attention": "--attention",
+}
 
 
 def build_parser():
@@ -33,22 +39,46 @@ def build_parser():
 
     from onegpu.infer import InferConfig, SamplingConfig
 
-    parser = make_parser("onegpu generate", DESCRIPTION, usage="onegpu generate --model MODEL [options] [PROMPT ...]")
-    parser.add_argument("--config", action=ActionConfigFile, metavar="FILE",
-                        help="YAML file with any of the options below")
-    parser.add_argument("prompts", nargs="*", help="prompts ('-' reads them from stdin, one per line)")
-    add_options(parser, InferConfig, "model", "Which model to load, and how (dtype, attention, quantization, "
-                "placement, adapter).")
+    parser = make_parser(
+        "onegpu generate", DESCRIPTION, usage="onegpu generate --model MODEL [options] [PROMPT ...]"
+    )
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        metavar="FILE",
+        help="YAML file with any of the options below",
+    )
+    parser.add_argument(
+        "prompts", nargs="*", help="prompts ('-' reads them from stdin, one per line)"
+    )
+    add_options(
+        parser,
+        InferConfig,
+        "model",
+        "Which model to load, and how (dtype, attention, quantization, placement, adapter).",
+    )
     add_options(parser, SamplingConfig, "generation", SamplingConfig.__doc__)
-    parser.add_argument("--prompts_file", type=Optional[str], default=None,
-                        help="file with one prompt per line, or .jsonl records with a 'prompt' field")
+    parser.add_argument(
+        "--prompts_file",
+        type=Optional[str],
+        default=None,
+        help="file with one prompt per line, or .jsonl records with a 'prompt' field",
+    )
     for action in parser._actions:
         if action.option_strings == ["--chat"]:
             action.metavar = "{auto,true,false}"
-    parser.add_argument("--output", type=Optional[str], default=None,
-                        help="write one JSON record per completion to this .jsonl file")
-    parser.add_argument("--stream", type=Optional[bool], default=None,
-                        help="print tokens as they come (default: on for a single prompt on a terminal)")
+    parser.add_argument(
+        "--output",
+        type=Optional[str],
+        default=None,
+        help="write one JSON record per completion to this .jsonl file",
+    )
+    parser.add_argument(
+        "--stream",
+        type=Optional[bool],
+        default=None,
+        help="print tokens as they come (default: on for a single prompt on a terminal)",
+    )
     return parser
 
 
@@ -81,7 +111,13 @@ def _repeatable_stop(argv: Sequence[str]) -> list[str]:
     args = list(argv)
     while args:
         arg = args.pop(0)
-        value = arg.split("=", 1)[1] if arg.startswith("--stop=") else args.pop(0) if arg == "--stop" and args else None
+        value = (
+            arg.split("=", 1)[1]
+            if arg.startswith("--stop=")
+            else args.pop(0)
+            if arg == "--stop" and args
+            else None
+        )
         if value is None:
             out.append(arg)
         else:
@@ -105,18 +141,25 @@ def collect_prompts(args: list[str], prompts_file: Optional[str]) -> list[str]:
     if prompts_file:
         prompts += read_prompts_file(prompts_file)
     if not prompts:
-        raise ConfigError("no prompts given.", hint='pass them as arguments ("def fib("), with --prompts_file, or "-" for stdin')
+        raise ConfigError(
+            "no prompts given.",
+            hint='pass them as arguments ("def fib("), with --prompts_file, or "-" for stdin',
+        )
     return prompts
 
 
 def read_prompts_file(path: str) -> list[str]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DataError(f"prompts file not found: {path}", hint="check the path given to --prompts_file")
+        raise DataError(
+            f"prompts file not found: {path}", hint="check the path given to --prompts_file"
+        )
     text = p.read_text(encoding="utf-8")
     prompts = _jsonl(text, path) if p.suffix == ".jsonl" else _lines(text)
     if not prompts:
-        raise DataError(f"prompts file {path} contains no prompts.", hint="write one prompt per line")
+        raise DataError(
+            f"prompts file {path} contains no prompts.", hint="write one prompt per line"
+        )
     return prompts
 
 
@@ -133,11 +176,22 @@ def _jsonl(text: str, path: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {n}: not valid JSON ({json_problem(exc)}).",
-                            hint='one JSON object per line, e.g. {"prompt": "def fib("}') from None
-        prompt = record if isinstance(record, str) else record.get("prompt") if isinstance(record, dict) else None
+            raise DataError(
+                f"{path} line {n}: not valid JSON ({json_problem(exc)}).",
+                hint='one JSON object per line, e.g. {"prompt": "def fib("}',
+            ) from None
+        prompt = (
+            record
+            if isinstance(record, str)
+            else record.get("prompt")
+            if isinstance(record, dict)
+            else None
+        )
         if not isinstance(prompt, str):
-            raise DataError(f"{path} line {n}: no 'prompt' string field.", hint='write {"prompt": "..."} per line')
+            raise DataError(
+                f"{path} line {n}: no 'prompt' string field.",
+                hint='write {"prompt": "..."} per line',
+            )
         prompts.append(prompt)
     return prompts
 
@@ -156,15 +210,23 @@ def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[
     if stream is None:
         stream = len(prompts) == 1 and sys.stdout.isatty()
     if stream and len(prompts) > 1:
-        raise ConfigError("--stream works with a single prompt.", hint="drop --stream, or give one prompt")
+        raise ConfigError(
+            "--stream works with a single prompt.", hint="drop --stream, or give one prompt"
+        )
     streamer = None
     if stream:
         from transformers import TextStreamer
 
         streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
         print(prompts[0], end="", flush=True)
-    completions = generate(loaded.model, loaded.tokenizer, prompts, scfg, streamer=streamer,
-                           data_format=loaded.data_format)
+    completions = generate(
+        loaded.model,
+        loaded.tokenizer,
+        prompts,
+        scfg,
+        streamer=streamer,
+        data_format=loaded.data_format,
+    )
     if stream:
         print()
     else:
@@ -172,5 +234,7 @@ def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[
             print(c.prompt + c.text + ("\n" + "-" * 40 if len(completions) > 1 else ""))
     if output:
         Path(output).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(output).expanduser().write_text("".join(c.to_json() + "\n" for c in completions), encoding="utf-8")
+        Path(output).expanduser().write_text(
+            "".join(c.to_json() + "\n" for c in completions), encoding="utf-8"
+        )
     return 0

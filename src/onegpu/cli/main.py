@@ -16,11 +16,26 @@ from onegpu.errors import ConfigError, OnegpuError
 
 # name -> (module, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("onegpu.cli.train", "train or fine-tune a causal LM (default: a small model on the stdlib source)"),
-    "generate": ("onegpu.cli.generate", "sample text from a trained run or any Hugging Face causal LM"),
-    "plan": ("onegpu.cli.plan", "predict memory and speed of training setups on a GPU; print the fastest that fits"),
-    "doctor": ("onegpu.cli.doctor", "show versions, the GPU and which fast paths work here (what to install if not)"),
-    "bench": ("onegpu.cli.bench", "measure methods on this device: onegpu bench infer (speed, memory, quality)"),
+    "train": (
+        "onegpu.cli.train",
+        "train or fine-tune a causal LM (default: a small model on the stdlib source)",
+    ),
+    "generate": (
+        "onegpu.cli.generate",
+        "sample text from a trained run or any Hugging Face causal LM",
+    ),
+    "plan": (
+        "onegpu.cli.plan",
+        "predict memory and speed of training setups on a GPU; print the fastest that fits",
+    ),
+    "doctor": (
+        "onegpu.cli.doctor",
+        "show versions, the GPU and which fast paths work here (what to install if not)",
+    ),
+    "bench": (
+        "onegpu.cli.bench",
+        "measure methods on this device: onegpu bench infer (speed, memory, quality)",
+    ),
 }
 
 

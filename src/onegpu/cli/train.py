@@ -12,8 +12,12 @@ __all__ = ["build_parser", "cli", "model_shorthand"]
 
 
 def build_parser():
-    parser = make_parser("onegpu train", "Train or fine-tune a causal LM. With no options: a small Llama "
-                         "trained from scratch on the Python standard library's source.", Config)
+    parser = make_parser(
+        "onegpu train",
+        "Train or fine-tune a causal LM. With no options: a small Llama "
+        "trained from scratch on the Python standard library's source.",
+        Config,
+    )
     note_model_shorthand(parser)
     return parser
 

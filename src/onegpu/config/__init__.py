@@ -15,7 +15,23 @@ from onegpu.config.sections import (
 )
 
 __all__ = [
-    "Config", "DataConfig", "DistributedConfig", "LoraConfig", "ModelConfig", "OutputConfig", "PreferenceConfig", "TechniquesConfig",
-    "TrainingConfig", "validate", "POSITIVE_INTS", "NON_NEGATIVE", "OFFLOAD_OPTIMIZERS", "from_dict", "to_dict",
-    "load_yaml", "save_yaml", "redact", "SECRET_PATTERN",
+    "Config",
+    "DataConfig",
+    "DistributedConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PreferenceConfig",
+    "TechniquesConfig",
+    "TrainingConfig",
+    "validate",
+    "POSITIVE_INTS",
+    "NON_NEGATIVE",
+    "OFFLOAD_OPTIMIZERS",
+    "from_dict",
+    "to_dict",
+    "load_yaml",
+    "save_yaml",
+    "redact",
+    "SECRET_PATTERN",
 ]

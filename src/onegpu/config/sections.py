@@ -9,6 +9,7 @@ from typing import Literal, Optional, Union
 
 from onegpu.errors import ConfigError
 
+
 @dataclass
 class ModelConfig:
     name: str = "auto"
@@ -153,8 +154,17 @@ class TechniquesConfig:
     GPU, fp16/bf16), else sdpa (PyTorch SDPA), else eager; flash = SDPA's flash kernel or flash_attn's."""
     padding_free: bool = False
     """Pack variable-length examples into one row with position_ids instead of padding."""
-    optimizer: Literal["adamw", "adamw-foreach", "adamw-fused", "adafactor", "adamw-8bit",
-                       "paged-adamw-8bit", "adamw-8bit-ao", "adamw-4bit-ao", "sgd"] = "adamw"
+    optimizer: Literal[
+        "adamw",
+        "adamw-foreach",
+        "adamw-fused",
+        "adafactor",
+        "adamw-8bit",
+        "paged-adamw-8bit",
+        "adamw-8bit-ao",
+        "adamw-4bit-ao",
+        "sgd",
+    ] = "adamw"
     """Optimizer. adamw picks the fastest available torch implementation."""
     optimizer_in_backward: bool = False
     """Update each parameter inside backward, as soon as its gradient is complete, and free that
@@ -247,11 +257,15 @@ class OutputConfig:
             stacklevel=3,
         )
         if self.report_to == "all" and not self.tensorboard:
-            raise ConfigError("output.tensorboard=false cannot take TensorBoard out of output.report_to=all.",
-                              hint="name the trackers, e.g. --output.report_to wandb,mlflow")
+            raise ConfigError(
+                "output.tensorboard=false cannot take TensorBoard out of output.report_to=all.",
+                hint="name the trackers, e.g. --output.report_to wandb,mlflow",
+            )
         if self.report_to != "all":
             names = [n for n in self.report_to.split(",") if n not in ("none", "tensorboard")]
-            self.report_to = ",".join((["tensorboard"] if self.tensorboard else []) + names) or "none"
+            self.report_to = (
+                ",".join((["tensorboard"] if self.tensorboard else []) + names) or "none"
+            )
         self.tensorboard = None
 
 
@@ -261,15 +275,24 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 def _tracker_list(value: str) -> str:
     """output.report_to in one spelling (lower case, no spaces or repeats), or a ConfigError naming the bad part."""
     if not isinstance(value, str):
-        raise ConfigError(f"output.report_to must be a string, got {value!r}.", hint="e.g. --output.report_to wandb")
-    names = list(dict.fromkeys(n.strip().lower() for n in value.split(",") if n.strip())) or ["none"]
+        raise ConfigError(
+            f"output.report_to must be a string, got {value!r}.",
+            hint="e.g. --output.report_to wandb",
+        )
+    names = list(dict.fromkeys(n.strip().lower() for n in value.split(",") if n.strip())) or [
+        "none"
+    ]
     for name in names:
         if name not in (*TRACKERS, "all", "none"):
-            raise ConfigError(f"output.report_to: unknown tracker '{name}'.",
-                              hint=f"choose from {', '.join(TRACKERS)}, a comma-separated list of them, all or none")
+            raise ConfigError(
+                f"output.report_to: unknown tracker '{name}'.",
+                hint=f"choose from {', '.join(TRACKERS)}, a comma-separated list of them, all or none",
+            )
     if len(names) > 1 and ({"all", "none"} & set(names)):
-        raise ConfigError(f"output.report_to={value!r}: 'all' and 'none' stand alone.",
-                          hint="write all, none, or a list of trackers such as tensorboard,wandb")
+        raise ConfigError(
+            f"output.report_to={value!r}: 'all' and 'none' stand alone.",
+            hint="write all, none, or a list of trackers such as tensorboard,wandb",
+        )
     return ",".join(names)
 
 

@@ -20,16 +20,26 @@ def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = 
     return tokenize_counted(ds, fmt, tok, cfg, fingerprint, split)[0]
 
 
-def tokenize_counted(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str,
-                     split: str = "train") -> tuple[Any, overlong.DataStats]:
+def tokenize_counted(
+    ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = "train"
+) -> tuple[Any, overlong.DataStats]:
     """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the records.
     Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
     from onegpu.data import pairs
 
-    fn = {"text": _text, "prompt_completion": _prompt_completion, "messages": _messages,
-          "preference": pairs.tokenize_batch}[fmt]
-    kw = dict(batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"tokenizing ({fmt})",
-              fn_kwargs={"tok": tok, "cfg": cfg, "split": split})
+    fn = {
+        "text": _text,
+        "prompt_completion": _prompt_completion,
+        "messages": _messages,
+        "preference": pairs.tokenize_batch,
+    }[fmt]
+    kw = dict(
+        batched=True,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        desc=f"tokenizing ({fmt})",
+        fn_kwargs={"tok": tok, "cfg": cfg, "split": split},
+    )
     if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
         kw["num_proc"] = cfg.num_proc
     try:
@@ -44,14 +54,23 @@ def tokenize_counted(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str,
             raise cause from None
         raise
     if fmt == "text":
-        out = out.map(_pack, batched=True, fn_kwargs={"seq_len": cfg.seq_len}, desc="packing",
-                      remove_columns=out.column_names)
+        out = out.map(
+            _pack,
+            batched=True,
+            fn_kwargs={"seq_len": cfg.seq_len},
+            desc="packing",
+            remove_columns=out.column_names,
+        )
         return out, overlong.text_stats(len(ds), split, cfg.seq_len, len(out))
     # a preference pair has no turn boundary to cut on: split drops it, and is reported as drop
     policy = "drop" if fmt == "preference" and cfg.overlong == "split" else cfg.overlong
     stats = overlong.count(out, split, fmt, policy, cfg.seq_len)
-    out = out.filter(lambda fates: [f in overlong.KEPT for f in fates], batched=True, input_columns=overlong.FATE,
-                     desc="dropping over-long and empty")
+    out = out.filter(
+        lambda fates: [f in overlong.KEPT for f in fates],
+        batched=True,
+        input_columns=overlong.FATE,
+        desc="dropping over-long and empty",
+    )
     return out.remove_columns([overlong.FATE, overlong.TURNS]), stats
 
 
@@ -69,17 +88,28 @@ def _pack(batch, seq_len):
         ids.extend(doc)
         pos.extend(range(len(doc)))
     n = len(ids) // seq_len * seq_len
-    blocks = [ids[i: i + seq_len] for i in range(0, n, seq_len)]
-    return {"input_ids": blocks, "labels": [list(b) for b in blocks],
-            "position_ids": [pos[i: i + seq_len] for i in range(0, n, seq_len)]}
+    blocks = [ids[i : i + seq_len] for i in range(0, n, seq_len)]
+    return {
+        "input_ids": blocks,
+        "labels": [list(b) for b in blocks],
+        "position_ids": [pos[i : i + seq_len] for i in range(0, n, seq_len)],
+    }
 
 
 def _emit(out: dict, examples: list, fate: int, turns_left_out: int) -> None:
     """Append one record's rows: its examples (the first carries the record's fate, the others are
     PIECEs), or one empty placeholder row when it gave none, so that `overlong.count` sees it."""
     if not examples:
-        examples, fate = [([], [])], (overlong.EMPTY if fate == overlong.FIT else overlong.DROPPED if
-                                       fate in (overlong.TRUNCATED, overlong.SPLIT) else fate)
+        examples, fate = (
+            [([], [])],
+            (
+                overlong.EMPTY
+                if fate == overlong.FIT
+                else overlong.DROPPED
+                if fate in (overlong.TRUNCATED, overlong.SPLIT)
+                else fate
+            ),
+        )
     for i, (ids, labels) in enumerate(examples):
         out["input_ids"].append(ids)
         out["labels"].append(labels)
@@ -97,12 +127,16 @@ def _prompt_completion(batch, indices, tok, cfg, split):
     for i, (idx, p, c) in enumerate(rows):
         if not isinstance(p, str) or not isinstance(c, str):
             where = records.where(batch, i, idx, split)
-            raise DataError(f"{where}: prompt/completion must be strings, got "
-                            f"{type(p).__name__}/{type(c).__name__}.",
-                            hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns")
+            raise DataError(
+                f"{where}: prompt/completion must be strings, got "
+                f"{type(p).__name__}/{type(c).__name__}.",
+                hint=f"check the '{cfg.prompt_field}' and '{cfg.completion_field}' columns",
+            )
         p_ids = tok(p, add_special_tokens=True)["input_ids"]
         c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ex, fate = overlong.fit_prompt_completion(p_ids, c_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id)
+        ex, fate = overlong.fit_prompt_completion(
+            p_ids, c_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id
+        )
         _emit(out, [ex] if ex and overlong.trainable(ex[1]) else [], fate, 0)
     return out
 
@@ -110,8 +144,10 @@ def _prompt_completion(batch, indices, tok, cfg, split):
 def _messages(batch, indices, tok, cfg, split):
     """Render with the chat template; labels only on the characters of assistant turns."""
     if not getattr(tok, "chat_template", None):
-        raise DataError("data.format=messages needs a tokenizer with a chat template.",
-                        hint="use a chat model's tokenizer (model.tokenizer) or prompt/completion data")
+        raise DataError(
+            "data.format=messages needs a tokenizer with a chat template.",
+            hint="use a chat model's tokenizer (model.tokenizer) or prompt/completion data",
+        )
     out = _rows()
     encode = functools.partial(_encode_chat, tok=tok)
     for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field])):
@@ -130,14 +166,20 @@ def _encode_chat(conv: list, tok) -> tuple[list[int], list[int]]:
     spans = []
     for i, m in enumerate(conv):
         if m["role"] == "assistant":
-            start = len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+            start = (
+                len(tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True))
+                if i
+                else 0
+            )
             # What a template writes after the turn's end (ChatML's newline after <|im_end|>) is
             # layout, not the reply: the turn trains on its content and its end token only.
             end = len(tok.apply_chat_template(conv[: i + 1], tokenize=False).rstrip())
             spans.append((start, max(start, end)))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    turn = [next((k for k, (s, e) in enumerate(spans) if s <= a and b <= e and b > a), -1)
-            for a, b in enc["offset_mapping"]]
+    turn = [
+        next((k for k, (s, e) in enumerate(spans) if s <= a and b <= e and b > a), -1)
+        for a, b in enc["offset_mapping"]
+    ]
     return enc["input_ids"], turn
 
 
@@ -148,8 +190,19 @@ class Collator:
     Padding is masked by position: labels -100 and attention_mask 0 wherever there is no token.
     """
 
-    def __init__(self, pad_id: int, multiple: int = 64, max_len: int | None = None, position_ids: bool = False):
-        self.pad_id, self.multiple, self.max_len, self.position_ids = pad_id, multiple, max_len, position_ids
+    def __init__(
+        self,
+        pad_id: int,
+        multiple: int = 64,
+        max_len: int | None = None,
+        position_ids: bool = False,
+    ):
+        self.pad_id, self.multiple, self.max_len, self.position_ids = (
+            pad_id,
+            multiple,
+            max_len,
+            position_ids,
+        )
 
     def __call__(self, examples: list[dict]) -> dict:
         import torch
@@ -177,7 +230,6 @@ class Collator:
             batch["position_ids"] = pos
         return batch
 
-
     def pack(self, examples: list[dict]) -> dict:
         """Padding-free: all examples end to end in one row, position_ids restarting at each, so
         attention keeps them apart and no compute goes to padding (only the row's tail is padded)."""
@@ -198,10 +250,12 @@ class Collator:
         # makes transformers build a (tokens x tokens) mask for sdpa/eager (4 GiB of bool and the
         # kernel's float copy at 64K tokens); without one, sdpa runs causal with no mask at all.
         last = pos[-1] + 1 if pos else 0
-        batch = {"input_ids": torch.tensor([ids + [self.pad_id] * tail]),
-                 "labels": torch.tensor([labels + [IGNORE] * tail]),
-                 "attention_mask": torch.tensor([[1] * n + [0] * tail]),
-                 "position_ids": torch.tensor([pos + list(range(last, last + tail))])}
+        batch = {
+            "input_ids": torch.tensor([ids + [self.pad_id] * tail]),
+            "labels": torch.tensor([labels + [IGNORE] * tail]),
+            "attention_mask": torch.tensor([[1] * n + [0] * tail]),
+            "position_ids": torch.tensor([pos + list(range(last, last + tail))]),
+        }
         return batch
 
 
@@ -212,13 +266,25 @@ class BatchOrder:
     back as `start`, so the data position is exact whatever the prefetching.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, shuffle: bool = True,
-                 rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        start: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world: int = 1,
+    ):
         if n < batch_size:
-            raise DataError(f"only {n} training examples for a micro-batch of {batch_size}.",
-                            hint="lower training.micro_batch_size or data.seq_len, or add data")
+            raise DataError(
+                f"only {n} training examples for a micro-batch of {batch_size}.",
+                hint="lower training.micro_batch_size or data.seq_len, or add data",
+            )
         self.n, self.bs, self.seed, self.start, self.shuffle = n, batch_size, seed, start, shuffle
-        self.per_epoch = n // batch_size  # drop the ragged tail: every micro-batch has the same size
+        self.per_epoch = (
+            n // batch_size
+        )  # drop the ragged tail: every micro-batch has the same size
         # Several processes share one global order round-robin (process r takes micro-batches
         # r, r+world, ...): together they see exactly the one-process batches. `start` is global.
         self.rank, self.world = rank, world
@@ -235,7 +301,7 @@ class BatchOrder:
                 order = list(range(self.n))
             for b in range(offset, self.per_epoch):
                 if (epoch * self.per_epoch + b) % self.world == self.rank:
-                    yield order[b * self.bs: (b + 1) * self.bs]
+                    yield order[b * self.bs : (b + 1) * self.bs]
             epoch, offset = epoch + 1, 0
 
     def __len__(self) -> int:  # DataLoader asks; the order is endless
@@ -247,8 +313,12 @@ def make_loader(ds, order, collator, cfg: DataConfig, on_gpu: bool):
 
     if cfg.pin_memory and not on_gpu:  # page-locking only speeds up host-to-GPU copies
         log.info("data.pin_memory: no GPU, so batches stay in ordinary (pageable) memory")
-    kw = dict(batch_sampler=order, collate_fn=collator, num_workers=cfg.num_workers,
-              pin_memory=cfg.pin_memory and on_gpu)
+    kw = dict(
+        batch_sampler=order,
+        collate_fn=collator,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and on_gpu,
+    )
     if cfg.num_workers > 0:
         kw.update(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers)
     return DataLoader(ds.with_format(None), **kw)
@@ -261,5 +331,5 @@ def eval_batches(ds, batch_size: int, collator, limit: int = 0):
     if limit:
         count = min(count, limit)
     for b in range(count):
-        rows = ds[b * batch_size: min(n, (b + 1) * batch_size)]
+        rows = ds[b * batch_size : min(n, (b + 1) * batch_size)]
         yield collator([dict(zip(rows, vals)) for vals in zip(*rows.values())])

@@ -40,19 +40,27 @@ class DataStats:
     def describe(self) -> str:
         """One line: how many of how many, and the policy."""
         if self.fmt == "text":
-            return (f"{self.split}: 0 of {self.records:,} records cut (raw text is packed into "
-                    f"{self.seq_len}-token blocks: nothing is lost)")
-        line = (f"{self.split}: {self.overlong:,} of {self.records:,} records longer than data.seq_len="
-                f"{self.seq_len} (data.overlong={self.policy})")
+            return (
+                f"{self.split}: 0 of {self.records:,} records cut (raw text is packed into "
+                f"{self.seq_len}-token blocks: nothing is lost)"
+            )
+        line = (
+            f"{self.split}: {self.overlong:,} of {self.records:,} records longer than data.seq_len="
+            f"{self.seq_len} (data.overlong={self.policy})"
+        )
         parts = []
         if self.split_records:
-            parts.append(f"{self.split_records:,} split on turn boundaries into {self.split_examples:,} examples")
+            parts.append(
+                f"{self.split_records:,} split on turn boundaries into {self.split_examples:,} examples"
+            )
         if self.truncated:
             parts.append(f"{self.truncated:,} truncated (a cut assistant turn is not trained on)")
         if self.dropped:
             parts.append(f"{self.dropped:,} dropped")
         if self.turns_left_out:
-            parts.append(f"{self.turns_left_out:,} assistant turn(s) longer than seq_len on their own left out")
+            parts.append(
+                f"{self.turns_left_out:,} assistant turn(s) longer than seq_len on their own left out"
+            )
         if self.empty:
             parts.append(f"{self.empty:,} other record(s) with nothing to train on skipped")
         return line + (": " + ", ".join(parts) if parts else "")
@@ -65,11 +73,21 @@ def count(ds, split: str, fmt: str, policy: str, seq_len: int) -> DataStats:
     fates = np.asarray(ds.data.column(FATE).to_numpy(), dtype=np.int64)
     by = np.bincount(fates, minlength=6)
     turns = int(np.asarray(ds.data.column(TURNS).to_numpy()).sum()) if len(fates) else 0
-    return DataStats(split, fmt, policy, seq_len, records=int(len(fates) - by[PIECE]),
-                     examples=int(sum(by[k] for k in KEPT)), overlong=int(by[TRUNCATED] + by[SPLIT] + by[DROPPED]),
-                     truncated=int(by[TRUNCATED]), split_records=int(by[SPLIT]),
-                     split_examples=int(by[SPLIT] + by[PIECE]), dropped=int(by[DROPPED]),
-                     turns_left_out=turns, empty=int(by[EMPTY]))
+    return DataStats(
+        split,
+        fmt,
+        policy,
+        seq_len,
+        records=int(len(fates) - by[PIECE]),
+        examples=int(sum(by[k] for k in KEPT)),
+        overlong=int(by[TRUNCATED] + by[SPLIT] + by[DROPPED]),
+        truncated=int(by[TRUNCATED]),
+        split_records=int(by[SPLIT]),
+        split_examples=int(by[SPLIT] + by[PIECE]),
+        dropped=int(by[DROPPED]),
+        turns_left_out=turns,
+        empty=int(by[EMPTY]),
+    )
 
 
 def text_stats(records: int, split: str, seq_len: int, examples: int) -> DataStats:
@@ -82,8 +100,9 @@ def trainable(labels: list[int]) -> bool:
 
 
 # -------------------------------------------------------------------------------- prompt/completion
-def fit_prompt_completion(p_ids: list[int], c_ids: list[int], seq_len: int, policy: str,
-                          bos: int | None) -> tuple[Example | None, int]:
+def fit_prompt_completion(
+    p_ids: list[int], c_ids: list[int], seq_len: int, policy: str, bos: int | None
+) -> tuple[Example | None, int]:
     """One example (or None) and the record's fate. The completion (ending in EOS) is never cut:
     truncate cuts the prompt from its start, keeping a leading BOS and the text next to the completion."""
     if len(p_ids) + len(c_ids) <= seq_len:
@@ -94,7 +113,7 @@ def fit_prompt_completion(p_ids: list[int], c_ids: list[int], seq_len: int, poli
     room = seq_len - len(c_ids) - lead
     if room < 1:
         return None, DROPPED
-    kept = p_ids[:lead] + p_ids[len(p_ids) - room:]
+    kept = p_ids[:lead] + p_ids[len(p_ids) - room :]
     return (kept + c_ids, [IGNORE] * len(kept) + c_ids), TRUNCATED
 
 
@@ -109,7 +128,9 @@ def labelled(ids: list[int], turn: list[int], cut: frozenset = frozenset()) -> l
     return [t if k >= 0 and k not in cut else IGNORE for t, k in zip(ids, turn)]
 
 
-def fit_chat(conv: list, encode: Encode, seq_len: int, policy: str) -> tuple[list[Example], int, int]:
+def fit_chat(
+    conv: list, encode: Encode, seq_len: int, policy: str
+) -> tuple[list[Example], int, int]:
     """(examples, fate, assistant turns left out) for one conversation."""
     ids, turn = encode(conv)
     if len(ids) <= seq_len:
@@ -141,8 +162,11 @@ def split_chat(conv: list, encode: Encode, seq_len: int) -> tuple[list[Example],
         n_ctx += 1
     ctx = conv[:n_ctx]
     # cut after an assistant message that a user message (or the end) follows
-    cuts = [i + 1 for i in range(n_ctx, len(conv)) if conv[i]["role"] == "assistant"
-            and (i + 1 == len(conv) or conv[i + 1]["role"] == "user")]
+    cuts = [
+        i + 1
+        for i in range(n_ctx, len(conv))
+        if conv[i]["role"] == "assistant" and (i + 1 == len(conv) or conv[i + 1]["role"] == "user")
+    ]
     examples: list[Example] = []
     left_out, start = 0, n_ctx
     for first in range(len(cuts)):

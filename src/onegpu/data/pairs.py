@@ -28,14 +28,21 @@ REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     """The `datasets.map` function batches.tokenize_counted applies to preference records: each record's
     ids and its fate (fits, truncated, dropped; data/overlong.py)."""
-    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], overlong.FATE: [], overlong.TURNS: []}
+    out = {
+        "prompt_ids": [],
+        "chosen_ids": [],
+        "rejected_ids": [],
+        overlong.FATE: [],
+        overlong.TURNS: [],
+    }
     prompts = batch.get(cfg.prompt_field) or [None] * len(indices)
     rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field])
     for i, (idx, p, c, r) in enumerate(rows):
         where = records.where(batch, i, idx, split)
         prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)
-        fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(prompt_ids, chosen_ids, rejected_ids, cfg.seq_len,
-                                                                cfg.overlong, tok.bos_token_id)
+        fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(
+            prompt_ids, chosen_ids, rejected_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id
+        )
         out["prompt_ids"].append(prompt_ids)
         out["chosen_ids"].append(chosen_ids)
         out["rejected_ids"].append(rejected_ids)
@@ -44,29 +51,44 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     return out
 
 
-def encode_pair(prompt, chosen, rejected, tok, cfg: DataConfig, where: str) -> tuple[list, list, list]:
+def encode_pair(
+    prompt, chosen, rejected, tok, cfg: DataConfig, where: str
+) -> tuple[list, list, list]:
     """Token ids of (prompt, chosen response, rejected response) of one record."""
     chat = any(isinstance(x, list) for x in (prompt, chosen, rejected))
     if chat:
         prompt, chosen, rejected = _as_messages(prompt, chosen, rejected, cfg, where)
         if not getattr(tok, "chat_template", None):
-            raise DataError(f"{where}: chat-shaped preference data needs a tokenizer with a chat template.",
-                            hint="use a chat model's tokenizer (model.tokenizer), or plain-text prompt/chosen/rejected")
+            raise DataError(
+                f"{where}: chat-shaped preference data needs a tokenizer with a chat template.",
+                hint="use a chat model's tokenizer (model.tokenizer), or plain-text prompt/chosen/rejected",
+            )
 
         def render(messages, generation_prompt=False):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
             return tok(text, add_special_tokens=False)["input_ids"]
 
         p_ids, pc, pr = render(prompt, True), render(prompt + chosen), render(prompt + rejected)
     else:
-        for name, value in ((cfg.prompt_field, prompt), (cfg.chosen_field, chosen), (cfg.rejected_field, rejected)):
+        for name, value in (
+            (cfg.prompt_field, prompt),
+            (cfg.chosen_field, chosen),
+            (cfg.rejected_field, rejected),
+        ):
             if value is None:
-                raise DataError(f"{where}: the record has no '{name}'.",
-                                hint=f"give every preference record a '{name}' "
-                                "(text or a list of chat messages)")
+                raise DataError(
+                    f"{where}: the record has no '{name}'.",
+                    hint=f"give every preference record a '{name}' "
+                    "(text or a list of chat messages)",
+                )
             if not isinstance(value, str):
-                raise DataError(f"{where}: '{name}' must be text or a list of chat messages, got "
-                                f"{type(value).__name__}.", hint=f"check the '{name}' column")
+                raise DataError(
+                    f"{where}: '{name}' must be text or a list of chat messages, got "
+                    f"{type(value).__name__}.",
+                    hint=f"check the '{name}' column",
+                )
         eos = tok.eos_token or ""
         p_ids = tok(prompt)["input_ids"]
         pc = tok(prompt + chosen + ("" if chosen.endswith(eos) else eos))["input_ids"]
@@ -113,7 +135,7 @@ def fit_pair(p_ids: list, c_ids: list, r_ids: list, seq_len: int, policy: str, b
     lead = 1 if p_ids and bos is not None and p_ids[0] == bos else 0
     keep = max(min(len(p_ids), seq_len // 2), seq_len - max(len(c_ids), len(r_ids)))
     if keep < len(p_ids):
-        p_ids = p_ids[:lead] + p_ids[len(p_ids) - (keep - lead):] if keep > lead else p_ids[:keep]
+        p_ids = p_ids[:lead] + p_ids[len(p_ids) - (keep - lead) :] if keep > lead else p_ids[:keep]
     room = seq_len - len(p_ids)
     return overlong.TRUNCATED, (p_ids, c_ids[:room], r_ids[:room])
 
@@ -146,17 +168,23 @@ class PairCollator:
             for i, k in enumerate(lengths):
                 ids[i, :k] = i
         else:  # packed end to end in one row
-            ids[0, :sum(lengths)] = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths))
+            ids[0, : sum(lengths)] = torch.repeat_interleave(
+                torch.arange(len(seqs)), torch.tensor(lengths)
+            )
         batch[SEQUENCE_IDS] = ids
         batch[PAIR_INDEX] = torch.arange(len(examples))
         if REF_CHOSEN in examples[0]:
-            batch[REF_LOGPS] = torch.tensor([ex[REF_CHOSEN] for ex in examples] +
-                                            [ex[REF_REJECTED] for ex in examples], dtype=torch.float32)
+            batch[REF_LOGPS] = torch.tensor(
+                [ex[REF_CHOSEN] for ex in examples] + [ex[REF_REJECTED] for ex in examples],
+                dtype=torch.float32,
+            )
         return batch
 
 
 # ----------------------------------------------------------------------------- the default pairs
-def corpus_pairs(ds, text_field: str, seed: int, limit: int = 0, prompt_lines: int = 6, response_lines: int = 4):
+def corpus_pairs(
+    ds, text_field: str, seed: int, limit: int = 0, prompt_lines: int = 6, response_lines: int = 4
+):
     """Preference pairs from source files, for the default job: a run of lines is the prompt, the
     lines that really follow are chosen, the same lines with their words shuffled (indentation and
     line breaks kept) rejected. The model must learn what code looks like to prefer the real one.
@@ -169,14 +197,16 @@ def corpus_pairs(ds, text_field: str, seed: int, limit: int = 0, prompt_lines: i
     for text in ds[text_field]:
         lines = [ln for ln in (text or "").splitlines() if ln.strip()]
         for start in range(0, len(lines) - span + 1, span):
-            chosen = "\n".join(lines[start + prompt_lines: start + span]) + "\n"
+            chosen = "\n".join(lines[start + prompt_lines : start + span]) + "\n"
             rejected = _shuffle_words(chosen, rng)
             if rejected == chosen:
                 continue
-            rows.append(("\n".join(lines[start: start + prompt_lines]) + "\n", chosen, rejected))
+            rows.append(("\n".join(lines[start : start + prompt_lines]) + "\n", chosen, rejected))
     rng.shuffle(rows)  # a sample of every file, not the first files' pairs alone
     rows = rows[:limit] if limit else rows
-    return datasets.Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+    return datasets.Dataset.from_dict(
+        {k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))}
+    )
 
 
 def _shuffle_words(text: str, rng: random.Random) -> str:

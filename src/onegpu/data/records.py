@@ -24,8 +24,15 @@ log = logging.getLogger(__name__)
 # error found while tokenizing names the file and line, whatever split or shuffle came in between.
 ORIGIN = "__origin__"
 
-EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
-              ".py": "text", ".md": "text"}
+EXTENSIONS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".py": "text",
+    ".md": "text",
+}
 
 
 @dataclass
@@ -61,7 +68,10 @@ def stdlib_source(max_bytes: int, val_fraction: float) -> Source:
         files.append(str(path))
         total += size
     if len(files) < 2:
-        raise DataError(f"found too few standard-library sources under {root}.", hint="set data.path to your own text")
+        raise DataError(
+            f"found too few standard-library sources under {root}.",
+            hint="set data.path to your own text",
+        )
     train, val = split_files(files, val_fraction, key=lambda f: str(Path(f).relative_to(root)))
     finger = _fingerprint(files)
     log.info("stdlib corpus: %d files (%.1f MB), %d held out", len(files), total / 1e6, len(val))
@@ -88,8 +98,13 @@ def looks_like_hub_name(path: str) -> bool:
     """'org/name' and nothing more: no other separator, no leading ./ / ~, no data-file extension
     (a missing 'data/train.jsonl' is a typo in a path, not a dataset to download)."""
     parts = path.split("/")
-    return (len(parts) == 2 and all(parts) and "\\" not in path and not path.startswith((".", "~"))
-            and Path(path).suffix.lower() not in EXTENSIONS)
+    return (
+        len(parts) == 2
+        and all(parts)
+        and "\\" not in path
+        and not path.startswith((".", "~"))
+        and Path(path).suffix.lower() not in EXTENSIONS
+    )
 
 
 def file_source(path: str, val_fraction: float, messages_field: str = "messages") -> Source:
@@ -97,17 +112,34 @@ def file_source(path: str, val_fraction: float, messages_field: str = "messages"
     if not p.exists():
         if looks_like_hub_name(path):
             return Source("hub", [], [], f"hub:{path}", hub_name=path)
-        where = "" if p.is_absolute() else f" (looked for {Path.cwd() / p}: relative paths are read from {Path.cwd()})"
-        raise DataError(f"data.path '{path}' does not exist{where}.",
-                        hint="give an existing file or folder, or a Hub dataset as org/name")
-    files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS) if p.is_dir() else [str(p)]
+        where = (
+            ""
+            if p.is_absolute()
+            else f" (looked for {Path.cwd() / p}: relative paths are read from {Path.cwd()})"
+        )
+        raise DataError(
+            f"data.path '{path}' does not exist{where}.",
+            hint="give an existing file or folder, or a Hub dataset as org/name",
+        )
+    files = (
+        sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS)
+        if p.is_dir()
+        else [str(p)]
+    )
     if not files:
-        raise DataError(f"no data files in '{path}'.", hint=f"use files ending in {', '.join(EXTENSIONS)}")
+        raise DataError(
+            f"no data files in '{path}'.", hint=f"use files ending in {', '.join(EXTENSIONS)}"
+        )
     builders = {EXTENSIONS.get(Path(f).suffix) for f in files}
     if None in builders:
-        raise DataError(f"'{files[0]}': unsupported file type.", hint=f"use one of {', '.join(EXTENSIONS)}")
+        raise DataError(
+            f"'{files[0]}': unsupported file type.", hint=f"use one of {', '.join(EXTENSIONS)}"
+        )
     if len(builders) > 1:
-        raise DataError(f"'{path}' mixes file types ({', '.join(sorted(builders))}).", hint="keep one type per folder")
+        raise DataError(
+            f"'{path}' mixes file types ({', '.join(sorted(builders))}).",
+            hint="keep one type per folder",
+        )
     for f in files:
         check_file(f, messages_field)
     train, val = split_files(files, val_fraction) if len(files) > 1 else (files, [])
@@ -134,8 +166,10 @@ def check_file(path: str, messages_field: str = "messages") -> None:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {exc.start}).",
-                        hint="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        raise DataError(
+            f"{path}:{line}: not valid UTF-8 (byte {exc.start}).",
+            hint="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
     if suffix == ".jsonl" or (suffix == ".json" and not text.lstrip().startswith("[")):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -145,19 +179,28 @@ def check_file(path: str, messages_field: str = "messages") -> None:
             except json.JSONDecodeError as exc:
                 # json's messages may end in "at" ("Unterminated string starting at"): one "at" only
                 msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
-                raise DataError(f"{path}:{n}: malformed JSON ({msg} at column {exc.colno}).",
-                                hint="fix or remove that line; each line must be one JSON object") from None
+                raise DataError(
+                    f"{path}:{n}: malformed JSON ({msg} at column {exc.colno}).",
+                    hint="fix or remove that line; each line must be one JSON object",
+                ) from None
             if not isinstance(rec, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.",
-                                hint='make each line one object, e.g. {"text": "..."}')
+                raise DataError(
+                    f"{path}:{n}: expected a JSON object, got {type(rec).__name__}.",
+                    hint='make each line one object, e.g. {"text": "..."}',
+                )
             problem = chat_problem(rec[messages_field]) if messages_field in rec else None
             if problem:
                 raise DataError(f"{path}:{n}: {problem[0]}", hint=problem[1])
-            for key in PAIR_FIELDS if "chosen" in rec and "rejected" in rec else ():  # preference pairs
+            for key in (
+                PAIR_FIELDS if "chosen" in rec and "rejected" in rec else ()
+            ):  # preference pairs
                 value = rec.get(key)
                 if value is not None and not isinstance(value, (str, list)):
-                    raise DataError(f"{path}:{n}: '{key}' must be text or a list of chat messages, got "
-                                    f"{type(value).__name__}.", hint=f"check the '{key}' column")
+                    raise DataError(
+                        f"{path}:{n}: '{key}' must be text or a list of chat messages, got "
+                        f"{type(value).__name__}.",
+                        hint=f"check the '{key}' column",
+                    )
                 problem = chat_problem(value) if isinstance(value, list) else None
                 if problem:
                     raise DataError(f"{path}:{n}, '{key}': {problem[0]}", hint=problem[1])
@@ -171,15 +214,21 @@ def chat_problem(conv) -> tuple[str, str] | None:
     """(what is wrong, how to fix it) for a malformed chat record, or None. Checked when a .jsonl
     file is read (so the error names its line) and again when tokenizing other formats."""
     if not isinstance(conv, list) or not conv:
-        return ("each 'messages' value must be a non-empty list of {role, content} objects.",
-                'e.g. [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]')
+        return (
+            "each 'messages' value must be a non-empty list of {role, content} objects.",
+            'e.g. [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]',
+        )
     for i, m in enumerate(conv, 1):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            return (f"malformed chat message {i} {_short(m)}: needs 'role' and 'content'.",
-                    'write each message as {"role": "user", "content": "..."}')
+            return (
+                f"malformed chat message {i} {_short(m)}: needs 'role' and 'content'.",
+                'write each message as {"role": "user", "content": "..."}',
+            )
         if m["role"] not in ROLES:
-            return (f"chat message {i} has unknown role {m['role']!r}.",
-                    f"use one of {', '.join(ROLES)} (rename e.g. 'bot' or 'gpt' to 'assistant', 'human' to 'user')")
+            return (
+                f"chat message {i} has unknown role {m['role']!r}.",
+                f"use one of {', '.join(ROLES)} (rename e.g. 'bot' or 'gpt' to 'assistant', 'human' to 'user')",
+            )
     return None
 
 
@@ -193,8 +242,11 @@ def load_records(cfg: DataConfig, seed: int):
     """Return (train, validation) `datasets.Dataset`s of raw records."""
     import datasets
 
-    src = (stdlib_source(cfg.max_bytes, cfg.val_fraction) if cfg.path is None
-           else file_source(cfg.path, cfg.val_fraction, cfg.messages_field))
+    src = (
+        stdlib_source(cfg.max_bytes, cfg.val_fraction)
+        if cfg.path is None
+        else file_source(cfg.path, cfg.val_fraction, cfg.messages_field)
+    )
     kw = {"sample_by": "document"} if src.builder == "text" else {}
     try:
         if src.hub_name:
@@ -203,9 +255,13 @@ def load_records(cfg: DataConfig, seed: int):
             rows = range(len(train))
             train = _with_origins(train, [f"{src.hub_name} train row {i}" for i in rows])
             if val is not None:
-                val = _with_origins(val, [f"{src.hub_name} validation row {i}" for i in range(len(val))])
+                val = _with_origins(
+                    val, [f"{src.hub_name} validation row {i}" for i in range(len(val))]
+                )
         else:
-            files = {"train": src.train_files} | ({"validation": src.val_files} if src.val_files else {})
+            files = {"train": src.train_files} | (
+                {"validation": src.val_files} if src.val_files else {}
+            )
             ds = datasets.load_dataset(src.builder, data_files=files, **kw)
             train = _with_origins(ds["train"], file_origins(src.train_files, src.builder))
             val = ds.get("validation")
@@ -213,13 +269,21 @@ def load_records(cfg: DataConfig, seed: int):
                 val = _with_origins(val, file_origins(src.val_files, src.builder))
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
         where = src.hub_name or cfg.path or "data"
-        msg = str(exc.__cause__ or exc).splitlines()[0] if str(exc.__cause__ or exc) else type(exc).__name__
-        raise DataError(f"cannot read {where}: {msg}",
-                        hint="check the file format (and the network for Hub datasets)") from None
+        msg = (
+            str(exc.__cause__ or exc).splitlines()[0]
+            if str(exc.__cause__ or exc)
+            else type(exc).__name__
+        )
+        raise DataError(
+            f"cannot read {where}: {msg}",
+            hint="check the file format (and the network for Hub datasets)",
+        ) from None
     if len(train) == 0:
         raise DataError(f"{cfg.path or 'data'}: no records.")
     if val is None and cfg.val_fraction > 0 and len(train) >= 2:
-        split = train.train_test_split(test_size=max(1, round(len(train) * cfg.val_fraction)), seed=seed)
+        split = train.train_test_split(
+            test_size=max(1, round(len(train) * cfg.val_fraction)), seed=seed
+        )
         train, val = split["train"], split["test"]
     return train, val, src.fingerprint
 
@@ -278,12 +342,18 @@ def where(batch: dict, i: int, idx: int, split: str) -> str:
 def detect_format(cfg: DataConfig, columns: list[str]) -> str:
     columns = [c for c in columns if c != ORIGIN]
     if cfg.format != "auto":
-        needed = {"text": [cfg.text_field], "prompt_completion": [cfg.prompt_field, cfg.completion_field],
-                  "messages": [cfg.messages_field], "preference": [cfg.chosen_field, cfg.rejected_field]}[cfg.format]
+        needed = {
+            "text": [cfg.text_field],
+            "prompt_completion": [cfg.prompt_field, cfg.completion_field],
+            "messages": [cfg.messages_field],
+            "preference": [cfg.chosen_field, cfg.rejected_field],
+        }[cfg.format]
         missing = [c for c in needed if c not in columns]
         if missing:
-            raise DataError(f"data.format={cfg.format} needs column(s) {missing}, found {columns}.",
-                            hint=_field_hint(cfg.format, columns))
+            raise DataError(
+                f"data.format={cfg.format} needs column(s) {missing}, found {columns}.",
+                hint=_field_hint(cfg.format, columns),
+            )
         return cfg.format
     if cfg.chosen_field in columns and cfg.rejected_field in columns:
         return "preference"
@@ -293,14 +363,19 @@ def detect_format(cfg: DataConfig, columns: list[str]) -> str:
         return "prompt_completion"
     if cfg.text_field in columns:
         return "text"
-    raise DataError(f"cannot tell the data format from columns {columns}.",
-                    hint="name the columns text / prompt+completion / messages / prompt+chosen+rejected, or set "
-                    "data.text_field etc.")
+    raise DataError(
+        f"cannot tell the data format from columns {columns}.",
+        hint="name the columns text / prompt+completion / messages / prompt+chosen+rejected, or set "
+        "data.text_field etc.",
+    )
 
 
 def _field_hint(fmt: str, columns: list[str]) -> str:
-    key = {"text": "data.text_field", "prompt_completion": "data.prompt_field / data.completion_field",
-           "messages": "data.messages_field"}[fmt]
+    key = {
+        "text": "data.text_field",
+        "prompt_completion": "data.prompt_field / data.completion_field",
+        "messages": "data.messages_field",
+    }[fmt]
     return f"set {key} to one of the columns: {', '.join(columns)}"
 
 
@@ -312,7 +387,9 @@ def corpus_texts(ds, fmt: str, cfg: DataConfig):
         elif fmt == "prompt_completion":
             yield f"{rec[cfg.prompt_field]}{rec[cfg.completion_field]}"
         elif fmt == "preference":
-            yield "\n".join(_plain(rec.get(k)) for k in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field))
+            yield "\n".join(
+                _plain(rec.get(k)) for k in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
+            )
         else:
             yield "\n".join(str(m.get("content", "")) for m in rec[cfg.messages_field] or [])
 
@@ -320,5 +397,7 @@ def corpus_texts(ds, fmt: str, cfg: DataConfig):
 def _plain(value) -> str:
     """Text of a field that is text or a list of chat messages."""
     if isinstance(value, list):
-        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
+        return "\n".join(
+            str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value
+        )
     return value or ""

@@ -12,7 +12,12 @@ from onegpu.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "unk_token": "<|unk|>"}
+SPECIAL = {
+    "bos_token": "<|bos|>",
+    "eos_token": "<|eos|>",
+    "pad_token": "<|pad|>",
+    "unk_token": "<|unk|>",
+}
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # Assistant turns end with EOS so a chat model learns to stop.
 CHAT_TEMPLATE = (
@@ -48,7 +53,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, fingerprint: str):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL, additional_special_tokens=ROLE_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, **SPECIAL, additional_special_tokens=ROLE_TOKENS
+    )
     fast.chat_template = CHAT_TEMPLATE
     # Write to a temporary folder and rename, so a crash never leaves a half-written cache entry.
     tmp = path.with_name(f"{key}.tmp{os.getpid()}")

@@ -50,15 +50,19 @@ def strategy(cfg: Config, world: int | None = None) -> str:
     chosen = cfg.distributed.strategy
     if cfg.techniques.offload != "none":
         if chosen not in ("auto", "deepspeed"):
-            raise ConfigError(f"techniques.offload={cfg.techniques.offload} runs on DeepSpeed, but "
-                              f"distributed.strategy={chosen}.",
-                              hint="set distributed.strategy=deepspeed (or auto), or techniques.offload=none")
+            raise ConfigError(
+                f"techniques.offload={cfg.techniques.offload} runs on DeepSpeed, but "
+                f"distributed.strategy={chosen}.",
+                hint="set distributed.strategy=deepspeed (or auto), or techniques.offload=none",
+            )
         return "deepspeed"
     if chosen == "deepspeed":
         return "deepspeed"
     if world == 1:
         if chosen == "fsdp2":
-            log.info("distributed.strategy=fsdp2 with one process: nothing to shard, training without it")
+            log.info(
+                "distributed.strategy=fsdp2 with one process: nothing to shard, training without it"
+            )
         return "single"
     return "ddp" if chosen == "auto" else chosen
 
@@ -83,10 +87,12 @@ def local_accum(total_accum: int, world: int | None = None) -> int:
     """Micro-batches one process accumulates per step; the global batch must split evenly."""
     world = world_size() if world is None else world
     if total_accum % world:
-        raise ConfigError(f"training.grad_accum={total_accum} cannot be split over {world} processes: the "
-                          f"effective batch is kept by giving each process grad_accum / {world} micro-batches.",
-                          hint=f"set training.grad_accum to a multiple of {world}, or "
-                               "--distributed.keep_global_batch false (grad_accum per process; the batch grows)")
+        raise ConfigError(
+            f"training.grad_accum={total_accum} cannot be split over {world} processes: the "
+            f"effective batch is kept by giving each process grad_accum / {world} micro-batches.",
+            hint=f"set training.grad_accum to a multiple of {world}, or "
+            "--distributed.keep_global_batch false (grad_accum per process; the batch grows)",
+        )
     return total_accum // world
 
 
@@ -95,8 +101,14 @@ def ensure_process_env() -> None:
     Without a launcher, describe a one-process group on this machine (a free local port)."""
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         return
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }
     for key, value in env.items():
         os.environ.setdefault(key, value)
 
@@ -111,14 +123,18 @@ def accelerator_kwargs(cfg: Config, precision: str, on_gpu: bool) -> dict:
     """Extra Accelerator(...) arguments: DeepSpeed's plugin and precision when the run uses it.
     (FSDP2 needs none: apply_fsdp2 shards the model with torch directly.)"""
     engine = strategy(cfg)
-    local_accum(global_accum(cfg))  # a batch that cannot split fails now, not after loading the model
+    local_accum(
+        global_accum(cfg)
+    )  # a batch that cannot split fails now, not after loading the model
     if engine == "deepspeed":
         from onegpu.distributed import zero
 
         zero.check(cfg)
         ensure_process_env()
         world = world_size()
-        plugin = zero.accelerate_plugin(cfg, precision, world, local_accum(global_accum(cfg, world), world), on_gpu)
+        plugin = zero.accelerate_plugin(
+            cfg, precision, world, local_accum(global_accum(cfg, world), world), on_gpu
+        )
         # DeepSpeed keeps fp32 master weights itself: pure bf16 is its plain bf16 mode.
         mixed = {"fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16"}.get(precision, "no")
         return {"deepspeed_plugin": plugin, "mixed_precision": mixed}
@@ -141,10 +157,18 @@ def apply_fsdp2(model, cfg: Config, precision: str, accelerator):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype
+        else MixedPrecisionPolicy()
+    )
     world, device = world_size(), accelerator.device
     if cfg.distributed.fsdp_sharding == "hybrid":
-        mesh = init_device_mesh(device.type, hybrid_mesh(world, local_world_size()), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device.type,
+            hybrid_mesh(world, local_world_size()),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     model.to(device)
@@ -152,7 +176,12 @@ def apply_fsdp2(model, cfg: Config, precision: str, accelerator):
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    log.info("FSDP2 (%s sharding) over %d processes, %d decoder layers", cfg.distributed.fsdp_sharding, world, len(layers))
+    log.info(
+        "FSDP2 (%s sharding) over %d processes, %d decoder layers",
+        cfg.distributed.fsdp_sharding,
+        world,
+        len(layers),
+    )
     return model
 
 
@@ -161,8 +190,10 @@ def _decoder_layers(model) -> list:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} to shard.",
-                          hint="use distributed.strategy=ddp or deepspeed for this model")
+        raise ConfigError(
+            f"cannot find the decoder layers of {type(model).__name__} to shard.",
+            hint="use distributed.strategy=ddp or deepspeed for this model",
+        )
     return layers
 
 
@@ -182,11 +213,15 @@ def prepare(accelerator, model, optimizer):
 def hybrid_mesh(world: int, local_world: int) -> tuple[int, int]:
     """(replicas, shard size) for hybrid sharding: shard inside a node, replicate across nodes."""
     if local_world < 2 or world % local_world:
-        raise ConfigError(f"distributed.fsdp_sharding=hybrid needs at least 2 processes per node and the same "
-                          f"number on every node (got {world} processes, {local_world} per node).",
-                          hint="use distributed.fsdp_sharding=full")
+        raise ConfigError(
+            f"distributed.fsdp_sharding=hybrid needs at least 2 processes per node and the same "
+            f"number on every node (got {world} processes, {local_world} per node).",
+            hint="use distributed.fsdp_sharding=full",
+        )
     if world == local_world:
-        log.info("hybrid sharding on a single node shards over all %d processes (same as full)", world)
+        log.info(
+            "hybrid sharding on a single node shards over all %d processes (same as full)", world
+        )
     return world // local_world, local_world
 
 
@@ -196,12 +231,18 @@ def fix_cpu_deepspeed_state(accelerator) -> None:
     spans them all. Align Accelerate's bookkeeping with that group; nothing else changes."""
     import torch.distributed as dist
 
-    if not (is_deepspeed(accelerator) and dist.is_initialized()) or accelerator.num_processes == dist.get_world_size():
+    if (
+        not (is_deepspeed(accelerator) and dist.is_initialized())
+        or accelerator.num_processes == dist.get_world_size()
+    ):
         return
     from accelerate.state import AcceleratorState, PartialState
 
-    fix = {"num_processes": dist.get_world_size(), "process_index": dist.get_rank(),
-           "local_process_index": int(os.environ.get("LOCAL_RANK", "0"))}
+    fix = {
+        "num_processes": dist.get_world_size(),
+        "process_index": dist.get_rank(),
+        "local_process_index": int(os.environ.get("LOCAL_RANK", "0")),
+    }
     PartialState._shared_state.update(fix)
     AcceleratorState._shared_state.update(fix)
 
@@ -224,7 +265,9 @@ def full_state_dict(accelerator, model) -> dict:
     if is_fsdp2(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     return accelerator.get_state_dict(model)
 
 

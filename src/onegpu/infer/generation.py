@@ -47,6 +47,7 @@ class SamplingConfig:
     compile_backend: str = "inductor"
     """torch.compile backend."""
 
+
 @dataclass
 class Completion:
     prompt: str
@@ -58,8 +59,14 @@ class Completion:
         return json.dumps(self.__dict__, ensure_ascii=False)
 
 
-def generate(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer=None,
-             data_format: Optional[str] = None) -> list[Completion]:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    scfg: SamplingConfig,
+    streamer=None,
+    data_format: Optional[str] = None,
+) -> list[Completion]:
     """Generate a completion per prompt, ``scfg.batch_size`` prompts at a time (left padded).
 
     ``data_format``: what the model was trained on, when known (``Loaded.data_format``); with
@@ -70,11 +77,16 @@ def generate(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streame
     chat = use_chat(scfg.chat, tokenizer, data_format)
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f"prompt {i + 1} is empty.", hint="remove empty prompts (or blank lines in the prompt file)")
+            raise DataError(
+                f"prompt {i + 1} is empty.",
+                hint="remove empty prompts (or blank lines in the prompt file)",
+            )
     set_seed(scfg.seed)
     done: list[Completion] = []
     for start in range(0, len(prompts), scfg.batch_size):
-        done += _generate_batch(model, tokenizer, prompts[start:start + scfg.batch_size], scfg, streamer, start, chat)
+        done += _generate_batch(
+            model, tokenizer, prompts[start : start + scfg.batch_size], scfg, streamer, start, chat
+        )
     return done
 
 
@@ -82,12 +94,16 @@ def use_chat(chat: Union[bool, str], tokenizer, data_format: Optional[str] = Non
     """Whether the prompts go through the chat template (SamplingConfig.chat)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat is True and not has_template:
-        raise ConfigError("--chat true needs a tokenizer with a chat template; this one has none.",
-                          hint="drop --chat (prompts are then plain text), or pass --tokenizer with a chat template")
+        raise ConfigError(
+            "--chat true needs a tokenizer with a chat template; this one has none.",
+            hint="drop --chat (prompts are then plain text), or pass --tokenizer with a chat template",
+        )
     if chat != "auto":
         return bool(chat)
     if has_template and data_format is None:  # a Hub model: an instruct model wants its template
-        log.info("the tokenizer has a chat template; prompts are fed as plain text (--chat true for chat turns)")
+        log.info(
+            "the tokenizer has a chat template; prompts are fed as plain text (--chat true for chat turns)"
+        )
     return has_template and data_format == "messages"
 
 
@@ -98,25 +114,40 @@ def prompt_ids(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
         return tokenizer(prompts)["input_ids"]
     out = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # a BatchEncoding in transformers 5
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        out.append(
+            list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        )  # a BatchEncoding in transformers 5
     return out
 
 
 def _check_sampling(scfg: SamplingConfig) -> None:
-    checks = {"max_new_tokens": scfg.max_new_tokens >= 1, "batch_size": scfg.batch_size >= 1,
-              "temperature": scfg.temperature >= 0, "top_p": 0 < scfg.top_p <= 1, "top_k": scfg.top_k >= 0,
-              "repetition_penalty": scfg.repetition_penalty > 0}
+    checks = {
+        "max_new_tokens": scfg.max_new_tokens >= 1,
+        "batch_size": scfg.batch_size >= 1,
+        "temperature": scfg.temperature >= 0,
+        "top_p": 0 < scfg.top_p <= 1,
+        "top_k": scfg.top_k >= 0,
+        "repetition_penalty": scfg.repetition_penalty > 0,
+    }
     for name, ok in checks.items():
         if not ok:
-            raise ConfigError(f"--{name} has an invalid value: {getattr(scfg, name)}.",
-                              hint="max_new_tokens, batch_size >= 1; temperature, top_k >= 0; 0 < top_p <= 1")
+            raise ConfigError(
+                f"--{name} has an invalid value: {getattr(scfg, name)}.",
+                hint="max_new_tokens, batch_size >= 1; temperature, top_k >= 0; 0 < top_p <= 1",
+            )
     if any(not s for s in scfg.stop):
-        raise ConfigError("--stop contains an empty string.", hint="remove it; an empty stop string would stop at once")
+        raise ConfigError(
+            "--stop contains an empty string.",
+            hint="remove it; an empty stop string would stop at once",
+        )
 
 
-def _generate_batch(model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int, chat: bool):
+def _generate_batch(
+    model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int, chat: bool
+):
     import torch
 
     context = _context_length(model)
@@ -124,21 +155,32 @@ def _generate_batch(model, tokenizer, prompts: list[str], scfg: SamplingConfig, 
     lengths = [len(row) for row in ids]
     for i, n in enumerate(lengths):
         if context and n >= context:
-            raise DataError(f"prompt {offset + i + 1} is {n} tokens; the model's context is {context} tokens.",
-                            hint=f"shorten the prompt to under {context} tokens")
+            raise DataError(
+                f"prompt {offset + i + 1} is {n} tokens; the model's context is {context} tokens.",
+                hint=f"shorten the prompt to under {context} tokens",
+            )
     tokenizer.padding_side = "left"  # new tokens must follow each prompt directly
     multiple = _pad_multiple(scfg, max(lengths), context)
-    enc = tokenizer.pad({"input_ids": ids}, padding=True, pad_to_multiple_of=multiple,
-                        return_tensors="pt").to(_input_device(model))
+    enc = tokenizer.pad(
+        {"input_ids": ids}, padding=True, pad_to_multiple_of=multiple, return_tensors="pt"
+    ).to(_input_device(model))
     width = enc["input_ids"].shape[1]
     max_new = scfg.max_new_tokens
     if context and width + max_new > context:
         max_new = context - width
-        log.warning("max_new_tokens lowered from %d to %d to stay within the %d-token context",
-                    scfg.max_new_tokens, max_new, context)
+        log.warning(
+            "max_new_tokens lowered from %d to %d to stay within the %d-token context",
+            scfg.max_new_tokens,
+            max_new,
+            context,
+        )
     with torch.inference_mode():
-        out = model.generate(**enc, **generation_kwargs(model, tokenizer, scfg, max_new), streamer=streamer)
-    return [_completion(p, row[width:], tokenizer, scfg.stop) for p, row in zip(prompts, out.tolist())]
+        out = model.generate(
+            **enc, **generation_kwargs(model, tokenizer, scfg, max_new), streamer=streamer
+        )
+    return [
+        _completion(p, row[width:], tokenizer, scfg.stop) for p, row in zip(prompts, out.tolist())
+    ]
 
 
 def _pad_multiple(scfg: SamplingConfig, longest: int, context: Optional[int]) -> Optional[int]:
@@ -177,7 +219,9 @@ def generation_kwargs(model, tokenizer, scfg: SamplingConfig, max_new_tokens: in
     if scfg.compile != "off":
         kw["compile_config"] = _compile_config(model, scfg)
     else:
-        kw["disable_compile"] = True  # transformers would otherwise auto-compile static-cache decoding on GPUs
+        kw["disable_compile"] = (
+            True  # transformers would otherwise auto-compile static-cache decoding on GPUs
+        )
     return kw
 
 
@@ -198,11 +242,11 @@ def _completion(prompt: str, new_ids: list[int], tokenizer, stops: list[str]) ->
     eos = tokenizer.eos_token_id
     finish = "length"
     if eos is not None and eos in new_ids:
-        new_ids = new_ids[:new_ids.index(eos) + 1]
+        new_ids = new_ids[: new_ids.index(eos) + 1]
         finish = "stop"
     elif tokenizer.pad_token_id is not None and tokenizer.pad_token_id in new_ids:
         # a sequence that hit a stop string is padded while the rest of its batch finishes
-        new_ids = new_ids[:new_ids.index(tokenizer.pad_token_id)]
+        new_ids = new_ids[: new_ids.index(tokenizer.pad_token_id)]
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     if cut >= 0:

@@ -34,7 +34,9 @@ class InferConfig:
     """Attention kernel. auto = the fastest the model and device support (training's rule:
     flash_attention_2 with flash_attn on a GPU in fp16/bf16, else sdpa, PyTorch's fused
     scaled_dot_product_attention, else eager); flash needs a CUDA GPU and fp16/bf16."""
-    quantization: Literal["none", "int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4"] = "none"
+    quantization: Literal["none", "int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4"] = (
+        "none"
+    )
     """Weight quantization. int8 = bitsandbytes LLM.int8(); nf4/fp4 = bitsandbytes 4-bit;
     ao-int8 = torchao int8 weight-only; ao-int8-dynamic = torchao int8 weights and activations;
     ao-int4 = torchao int4 weight-only (CUDA only)."""
@@ -59,6 +61,7 @@ class InferConfig:
     trust_remote_code: bool = False
     """Allow model code from the model repository to run."""
 
+
 @dataclass
 class Loaded:
     model: Any
@@ -66,7 +69,9 @@ class Loaded:
     device: str
     dtype: Any
     source: str  # the model directory or id actually loaded
-    data_format: Optional[str] = None  # what onegpu trained it on (text | prompt_completion | messages), if known
+    data_format: Optional[str] = (
+        None  # what onegpu trained it on (text | prompt_completion | messages), if known
+    )
 
 
 def resolve_model(name: str) -> tuple[str, Optional[str]]:
@@ -81,30 +86,43 @@ def resolve_model(name: str) -> tuple[str, Optional[str]]:
             return str(path), None
         if (path / "adapter_config.json").is_file():
             return _adapter_base(path), str(path)
-        raise ModelError(f"'{name}' has neither config.json nor adapter_config.json.",
-                         hint="point --model at <run>/final or a folder written by save_pretrained")
+        raise ModelError(
+            f"'{name}' has neither config.json nor adapter_config.json.",
+            hint="point --model at <run>/final or a folder written by save_pretrained",
+        )
     if name.startswith((".", "/", "~")) or path.exists():
-        raise ModelError(f"model directory '{name}' does not exist.", hint="check the path (a run dir or <run>/final)")
+        raise ModelError(
+            f"model directory '{name}' does not exist.",
+            hint="check the path (a run dir or <run>/final)",
+        )
     return name, None  # a Hub id
 
 
 def _adapter_base(adapter_dir: Path) -> str:
-    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path"
+    )
     if not base:
-        raise ModelError(f"adapter {adapter_dir} does not name its base model.",
-                         hint=f"pass --model <base model dir> --adapter {adapter_dir}")
+        raise ModelError(
+            f"adapter {adapter_dir} does not name its base model.",
+            hint=f"pass --model <base model dir> --adapter {adapter_dir}",
+        )
     return base
 
 
 def load(cfg: InferConfig) -> Loaded:
     source, adapter = resolve_model(cfg.model)
     if adapter and cfg.adapter:
-        raise ConfigError(f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second one.",
-                          hint="give the base model to --model, or drop --adapter")
+        raise ConfigError(
+            f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second one.",
+            hint="give the base model to --model, or drop --adapter",
+        )
     adapter = adapter or cfg.adapter
     device = _resolve_device(cfg.device)
     dtype = _resolve_dtype(cfg.dtype, device)
-    tokenizer = _load_tokenizer(cfg.tokenizer or _tokenizer_source(source, adapter), cfg.trust_remote_code)
+    tokenizer = _load_tokenizer(
+        cfg.tokenizer or _tokenizer_source(source, adapter), cfg.trust_remote_code
+    )
     model = _from_pretrained(source, cfg, device, dtype)
     if adapter:
         model = _apply_adapter(model, adapter, cfg.merge_adapter)
@@ -113,8 +131,14 @@ def load(cfg: InferConfig) -> Loaded:
 
         apply_torchao(model, cfg.quantization, device, dtype)
     model.eval()  # generation runs under inference_mode; grad mode is left to the caller
-    log.info("loaded %s (%s, %s, attention=%s, quantization=%s)", source, device, dtype,
-             model.config._attn_implementation, cfg.quantization)
+    log.info(
+        "loaded %s (%s, %s, attention=%s, quantization=%s)",
+        source,
+        device,
+        dtype,
+        model.config._attn_implementation,
+        cfg.quantization,
+    )
     return Loaded(model, tokenizer, device, dtype, source, trained_format(adapter or source))
 
 
@@ -130,8 +154,13 @@ def trained_format(model_dir: str) -> Optional[str]:
     for candidate in (path / "config.yaml", path.parent / "config.yaml"):
         if candidate.is_file():
             try:
-                data = (yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}).get("data") or {}
-            except (yaml.YAMLError, AttributeError):  # not a onegpu config: nothing to learn from it
+                data = (yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}).get(
+                    "data"
+                ) or {}
+            except (
+                yaml.YAMLError,
+                AttributeError,
+            ):  # not a onegpu config: nothing to learn from it
                 return None
             fmt = data.get("format") if isinstance(data, dict) else None
             return fmt if fmt in ("text", "prompt_completion", "messages", "preference") else None
@@ -144,7 +173,9 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise UnavailableError("--device cuda was asked for, but no CUDA GPU is visible.", hint="use --device cpu")
+        raise UnavailableError(
+            "--device cuda was asked for, but no CUDA GPU is visible.", hint="use --device cpu"
+        )
     return device
 
 
@@ -162,14 +193,19 @@ def _resolve_dtype(name: str, device: str, field: str = "dtype"):
         return torch.bfloat16 if gpu.bf16 else torch.float16
     if name == "bf16" and gpu is not None and not gpu.bf16:
         cap = ".".join(map(str, gpu.capability or ()))
-        raise UnavailableError(f"--{field} bf16: {gpu.name} (compute capability {cap}) has no native bf16; "
-                               "it needs an Ampere or newer GPU (capability 8.0+).", hint=f"use --{field} fp16")
+        raise UnavailableError(
+            f"--{field} bf16: {gpu.name} (compute capability {cap}) has no native bf16; "
+            "it needs an Ampere or newer GPU (capability 8.0+).",
+            hint=f"use --{field} fp16",
+        )
     return getattr(torch, DTYPES[name])
 
 
 def _tokenizer_source(source: str, adapter: Optional[str]) -> str:
     """An adapter folder written by a fine-tuning run carries the tokenizer it was trained with."""
-    if adapter and any((Path(adapter) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if adapter and any(
+        (Path(adapter) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return adapter
     return source
 
@@ -183,20 +219,31 @@ def _load_tokenizer(name: str, trust_remote_code: bool):
 def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=_attention(cfg.attention, device, dtype, source,
-                                                                              cfg.trust_remote_code),
-                                  trust_remote_code=cfg.trust_remote_code)
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        attn_implementation=_attention(cfg.attention, device, dtype, source, cfg.trust_remote_code),
+        trust_remote_code=cfg.trust_remote_code,
+    )
     if cfg.quantization in BNB_KINDS:
         from onegpu.techniques.quantization import bnb_config, quiet_int8_cast_warning
 
-        compute = dtype if cfg.compute_dtype == "auto" else _resolve_dtype(cfg.compute_dtype, device, "compute_dtype")
-        kwargs["quantization_config"] = bnb_config(cfg.quantization, compute, cfg.double_quant, cfg.int8_threshold)
+        compute = (
+            dtype
+            if cfg.compute_dtype == "auto"
+            else _resolve_dtype(cfg.compute_dtype, device, "compute_dtype")
+        )
+        kwargs["quantization_config"] = bnb_config(
+            cfg.quantization, compute, cfg.double_quant, cfg.int8_threshold
+        )
         quiet_int8_cast_warning()
         if device == "cuda" and not cfg.device_map:
             kwargs["device_map"] = {"": 0}  # bitsandbytes quantizes while placing the weights
     if cfg.device_map:
-        kwargs.update(device_map=cfg.device_map, max_memory=parse_max_memory(cfg.max_memory),
-                      offload_folder=cfg.offload_folder)
+        kwargs.update(
+            device_map=cfg.device_map,
+            max_memory=parse_max_memory(cfg.max_memory),
+            offload_folder=cfg.offload_folder,
+        )
     elif cfg.max_memory or cfg.offload_folder:
         log.warning("max_memory/offload_folder only apply with --device_map (e.g. auto); ignored")
     try:
@@ -204,14 +251,18 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     except (OSError, ValueError) as exc:
         from onegpu.models import _first_line
 
-        raise ModelError(f"cannot load model '{source}': {_first_line(exc)}",
-                         hint="give a run directory, a save_pretrained folder, or a Hub id while online") from None
+        raise ModelError(
+            f"cannot load model '{source}': {_first_line(exc)}",
+            hint="give a run directory, a save_pretrained folder, or a Hub id while online",
+        ) from None
     if "device_map" not in kwargs:
         model.to(device)
     return model
 
 
-def _attention(choice: str, device: str, dtype, source: Optional[str] = None, trust_remote_code: bool = False) -> str:
+def _attention(
+    choice: str, device: str, dtype, source: Optional[str] = None, trust_remote_code: bool = False
+) -> str:
     """Training's attention resolution (techniques/attention.py) for the model at ``source``, after
     the checks that make an explicit "flash" an error here rather than a fallback: inference has no
     run to keep going."""
@@ -222,16 +273,23 @@ def _attention(choice: str, device: str, dtype, source: Optional[str] = None, tr
 
     if choice == "flash":
         if device != "cuda":
-            raise UnavailableError("flash attention needs a CUDA GPU.", hint="use --attention auto on CPU (the default)")
+            raise UnavailableError(
+                "flash attention needs a CUDA GPU.",
+                hint="use --attention auto on CPU (the default)",
+            )
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"flash attention runs in fp16/bf16 only, not {dtype}.", hint="add --dtype bf16")
+            raise ConfigError(
+                f"flash attention runs in fp16/bf16 only, not {dtype}.", hint="add --dtype bf16"
+            )
     kernels = None
     if source:
         try:
             kernels = model_kernels(model_config(source, trust_remote_code), trust_remote_code)
         except ModelError:
             pass  # from_pretrained reports it, with inference's own advice
-    return attention_implementation(choice, device, model=kernels, half=dtype in (torch.float16, torch.bfloat16))
+    return attention_implementation(
+        choice, device, model=kernels, half=dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 def parse_max_memory(text: Optional[str]) -> Optional[dict]:
@@ -243,9 +301,13 @@ def parse_max_memory(text: Optional[str]) -> Optional[dict]:
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or not value.strip():
-            raise ConfigError(f"max_memory: cannot read '{part}'.", hint='write it as "0=6GiB,cpu=24GiB"')
+            raise ConfigError(
+                f"max_memory: cannot read '{part}'.", hint='write it as "0=6GiB,cpu=24GiB"'
+            )
         key, value = key.strip().removeprefix("cuda:"), value.strip()
-        budget[int(key) if key.isdigit() else key] = int(value) if value.isdigit() else value  # bare = bytes
+        budget[int(key) if key.isdigit() else key] = (
+            int(value) if value.isdigit() else value
+        )  # bare = bytes
     return budget
 
 
@@ -253,10 +315,14 @@ def _apply_adapter(model, adapter: str, merge: bool):
     try:
         from peft import PeftModel
     except ImportError:
-        raise UnavailableError("peft is not installed; it is needed to apply an adapter.",
-                               hint="pip install 'onegpu[peft]'") from None
+        raise UnavailableError(
+            "peft is not installed; it is needed to apply an adapter.",
+            hint="pip install 'onegpu[peft]'",
+        ) from None
     if not (Path(adapter) / "adapter_config.json").is_file():
-        raise ModelError(f"adapter directory '{adapter}' has no adapter_config.json.",
-                         hint="point --adapter at a folder written by PeftModel.save_pretrained")
+        raise ModelError(
+            f"adapter directory '{adapter}' has no adapter_config.json.",
+            hint="point --adapter at a folder written by PeftModel.save_pretrained",
+        )
     model = PeftModel.from_pretrained(model, adapter)
     return model.merge_and_unload() if merge else model

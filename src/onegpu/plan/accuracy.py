@@ -15,8 +15,10 @@ def _require_cuda():
     import torch
 
     if not torch.cuda.is_available():
-        raise UnavailableError("measuring the planner's accuracy needs a CUDA GPU.",
-                               hint="run this on a GPU machine; on CPU use tests/test_plan_memory.py")
+        raise UnavailableError(
+            "measuring the planner's accuracy needs a CUDA GPU.",
+            hint="run this on a GPU machine; on CPU use tests/test_plan_memory.py",
+        )
 
 
 def run_config(c: Candidate):
@@ -96,8 +98,10 @@ def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
         train_step(model, opt, micro, accelerator, max_grad_norm, objective)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    out = {"peak_bytes": torch.cuda.max_memory_allocated() - base,
-           "tokens_per_s": steps * c.effective_batch * seq / elapsed}
+    out = {
+        "peak_bytes": torch.cuda.max_memory_allocated() - base,
+        "tokens_per_s": steps * c.effective_batch * seq / elapsed,
+    }
     del model, opt
     _baseline()
     return out

@@ -28,7 +28,14 @@ from onegpu.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-POINTS = ((1, 16), (1, 48), (1, 96), (2, 32), (2, 64), (4, 24))  # (batch, length) probes for the fit
+POINTS = (
+    (1, 16),
+    (1, 48),
+    (1, 96),
+    (2, 32),
+    (2, 64),
+    (4, 24),
+)  # (batch, length) probes for the fit
 MATMULS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default")
 # Ops compiled code recomputes in backward rather than saving their outputs, beside every op tagged
 # pointwise: casts, copies and concatenations (inductor fuses them into their consumers).
@@ -63,26 +70,47 @@ class ActivationModel:
     base: Fit  # embedding, final norm, head, logits and loss
     block_compiled: Fit | None = None  # one compiled block (see compiled_alive); None: as eager
 
-    def retained(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
-                 compiled: bool = False, not_kept: float = 0.0) -> float:
+    def retained(
+        self,
+        batch: int,
+        seq: int,
+        layers: int,
+        mode: str = "off",
+        every: int = 2,
+        compiled: bool = False,
+        not_kept: float = 0.0,
+    ) -> float:
         """Bytes alive after forward for the whole model under a checkpointing mode. Compile is
         regional (the decoder blocks), so embedding, head and loss stay as eager code keeps them.
         ``not_kept``: bytes per block a method keeps no longer (a tiled MLP's intermediates)."""
-        return self.base.at(batch, seq) + self.blocks(batch, seq, layers, mode, every, compiled, not_kept)
+        return self.base.at(batch, seq) + self.blocks(
+            batch, seq, layers, mode, every, compiled, not_kept
+        )
 
-    def blocks(self, batch: int, seq: int, layers: int, mode: str = "off", every: int = 2,
-               compiled: bool = False, not_kept: float = 0.0) -> float:
+    def blocks(
+        self,
+        batch: int,
+        seq: int,
+        layers: int,
+        mode: str = "off",
+        every: int = 2,
+        compiled: bool = False,
+        not_kept: float = 0.0,
+    ) -> float:
         """The decoder blocks' part of ``retained``: what activation offload moves to the host."""
         n_ckpt = checkpointed_layers(layers, mode, every)
         per_ckpt = 0.0 if mode == "offload" else self.block_ckpt.at(batch, seq)
         return (layers - n_ckpt) * self.block_at(batch, seq, compiled, not_kept) + n_ckpt * per_ckpt
 
-    def block_at(self, batch: int, seq: int, compiled: bool = False, not_kept: float = 0.0) -> float:
+    def block_at(
+        self, batch: int, seq: int, compiled: bool = False, not_kept: float = 0.0
+    ) -> float:
         """One block without checkpointing, less what a method keeps no longer."""
         return max(0.0, self._block(compiled).at(batch, seq) - not_kept)
 
-    def recompute_peak(self, batch: int, seq: int, mode: str, compiled: bool = False,
-                       not_kept: float = 0.0) -> float:
+    def recompute_peak(
+        self, batch: int, seq: int, mode: str, compiled: bool = False, not_kept: float = 0.0
+    ) -> float:
         """Extra bytes while backward recomputes one checkpointed block."""
         return 0.0 if mode == "off" else self.block_at(batch, seq, compiled, not_kept)
 
@@ -128,18 +156,28 @@ class _Tracker:
         import torch
         from torch.utils import _pytree as pytree
 
-        if func.__name__ == "_to_copy.default" and args[0].is_floating_point() and not kwargs.get("device"):
+        if (
+            func.__name__ == "_to_copy.default"
+            and args[0].is_floating_point()
+            and not kwargs.get("device")
+        ):
             # dtype casts (autocast's weight copies): allocate, don't convert; values never matter
             dtype = kwargs.get("dtype") or args[0].dtype
             if dtype.is_floating_point:
-                return torch.empty_strided(args[0].shape, args[0].stride(), dtype=dtype, device=args[0].device)
+                return torch.empty_strided(
+                    args[0].shape, args[0].stride(), dtype=dtype, device=args[0].device
+                )
         if func.__name__ not in MATMULS:
             return func(*args, **kwargs)
         # Same output shape, dtype and strides as the real kernel, without the FLOPs: the values
         # never matter for how many bytes are kept.
-        meta = func(*pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
-                    **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
-        return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device)
+        meta = func(
+            *pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
+            **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs),
+        )
+        return torch.empty_strided(
+            meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device
+        )
 
     def _record(self, out, func=None, inputs=()) -> None:
         import torch
@@ -147,8 +185,11 @@ class _Tracker:
         from torch.utils import _pytree as pytree
 
         def storages(tree):
-            return [t.untyped_storage() for t in pytree.tree_leaves(tree)
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+            return [
+                t.untyped_storage()
+                for t in pytree.tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            ]
 
         ins = {self.serial[st._cdata] for st in storages(inputs) if st._cdata in self.serial}
         recomputed = func is not None and _recomputed(func)
@@ -164,13 +205,19 @@ class _Tracker:
             self.refs[key] = (StorageWeakRef(st), st.nbytes())
 
     def alive(self, exclude: set) -> int:
-        return sum(n for key, (ref, n) in self.refs.items() if key not in exclude and not ref.expired())
+        return sum(
+            n for key, (ref, n) in self.refs.items() if key not in exclude and not ref.expired()
+        )
 
     def compiled_alive(self, exclude: set) -> int:
         """Bytes compiled code would keep instead: each alive tensor an elementwise op made is
         replaced by the heavy outputs it can be recomputed from (through chains of such ops);
         weights and inputs are there anyway and cost nothing."""
-        todo = [self.serial[k] for k, (ref, _) in self.refs.items() if k not in exclude and not ref.expired()]
+        todo = [
+            self.serial[k]
+            for k, (ref, _) in self.refs.items()
+            if k not in exclude and not ref.expired()
+        ]
         seen, kept = set(), 0
         while todo:
             s = todo.pop()
@@ -196,21 +243,29 @@ def _recomputed(func) -> bool:
     return torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in RECOMPUTED
 
 
-def retained_after_forward(model, batch: dict, loss_fn, autocast_dtype=None, skip_matmul: bool = False) -> int:
+def retained_after_forward(
+    model, batch: dict, loss_fn, autocast_dtype=None, skip_matmul: bool = False
+) -> int:
     """Bytes of tensors created by ``loss_fn(model, batch)`` that are alive after it returns
     (weights, buffers and the inputs excluded). Gradients are not computed."""
     return retained_eager_and_compiled(model, batch, loss_fn, autocast_dtype, skip_matmul)[0]
 
 
-def retained_eager_and_compiled(model, batch: dict, loss_fn, autocast_dtype=None,
-                                skip_matmul: bool = False) -> tuple[int, int]:
+def retained_eager_and_compiled(
+    model, batch: dict, loss_fn, autocast_dtype=None, skip_matmul: bool = False
+) -> tuple[int, int]:
     """(retained_after_forward, what compiled code would keep of the same forward: compiled_alive)."""
     import torch
 
-    exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    exclude = {
+        t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]
+    }
     tracker = _Tracker(skip_matmul, frozenset(exclude))
-    amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
+    amp = (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     with amp, tracker.mode:
         loss = loss_fn(model, batch)
     alive = tracker.alive(exclude), tracker.compiled_alive(exclude)
@@ -218,8 +273,14 @@ def retained_eager_and_compiled(model, batch: dict, loss_fn, autocast_dtype=None
     return alive
 
 
-def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: int = 0,
-                          lora_targets: str = "all-linear", lora_dtype: str = "auto"):
+def prepare_like_training(
+    model,
+    mode: str = "off",
+    every: int = 2,
+    lora_rank: int = 0,
+    lora_targets: str = "all-linear",
+    lora_dtype: str = "auto",
+):
     """Training's own assembly (training/assemble.assemble, and so techniques/prepare.py) of a built
     model, with the settings that change what forward keeps: MoE router loss, LoRA adapters,
     checkpointing. Compile stays off: on CPU with matmuls skipped it would measure nothing real. No
@@ -230,9 +291,16 @@ def prepare_like_training(model, mode: str = "off", every: int = 2, lora_rank: i
     from onegpu.hardware import DeviceInfo
     from onegpu.training.assemble import assemble
 
-    cfg = Config(techniques=TechniquesConfig(checkpointing=mode, checkpointing_every=every, compile="off",
-                                             lora=LoraConfig(enabled=bool(lora_rank), r=lora_rank or 16,
-                                                             targets=lora_targets, dtype=lora_dtype)))
+    cfg = Config(
+        techniques=TechniquesConfig(
+            checkpointing=mode,
+            checkpointing_every=every,
+            compile="off",
+            lora=LoraConfig(
+                enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets, dtype=lora_dtype
+            ),
+        )
+    )
     cpu = DeviceInfo("cpu", "cpu", 0)
     quiet = logging.getLogger("onegpu")  # its start-of-run lines mean nothing for a measuring model
     level = quiet.level
@@ -257,8 +325,12 @@ def activation_model(config, techniques=None, attention: str = "sdpa") -> Activa
         return ActivationModel(**{k: Fit(**v) for k, v in raw.items()})
     fits = {mode: [_fit(config, n, mode, t, attention) for n in (1, 2)] for mode in ("off", "full")}
     ((off1, comp1), (off2, comp2)), ((ck1, _), (ck2, _)) = fits["off"], fits["full"]
-    model = ActivationModel(block=_sub(off2, off1), block_ckpt=_sub(ck2, ck1),
-                            base=_sub(_scale(off1, 2), off2), block_compiled=_sub(comp2, comp1))
+    model = ActivationModel(
+        block=_sub(off2, off1),
+        block_ckpt=_sub(ck2, ck1),
+        base=_sub(_scale(off1, 2), off2),
+        block_compiled=_sub(comp2, comp1),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({k: asdict(v) for k, v in vars(model).items()}))
     return model
@@ -273,8 +345,13 @@ def measured_settings(t) -> tuple[str, int, int, str, str]:
     precision = "bf16" if t.precision == "fp16" else t.precision
     if not t.lora.enabled:
         return precision, 0, t.loss_chunk_size, "all-linear", "fp32"
-    return (precision, t.lora.r, t.loss_chunk_size, t.lora.targets,
-            adapter_dtype(t.lora.dtype, t.precision))
+    return (
+        precision,
+        t.lora.r,
+        t.loss_chunk_size,
+        t.lora.targets,
+        adapter_dtype(t.lora.dtype, t.precision),
+    )
 
 
 def _fit(config, layers: int, mode: str, techniques, attention: str) -> tuple[Fit, Fit]:
@@ -292,8 +369,15 @@ def _fit(config, layers: int, mode: str, techniques, attention: str) -> tuple[Fi
     return Fit(*map(float, coef[:, 0])), Fit(*map(float, coef[:, 1]))
 
 
-def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, skip_matmul: bool = False,
-            both: bool = False):
+def measure(
+    model,
+    batch: int,
+    seq: int,
+    precision: str,
+    chunk_size: int = 0,
+    skip_matmul: bool = False,
+    both: bool = False,
+):
     """Retained bytes of one training forward (the project's loss function) at (batch, seq);
     with ``both``, (eager, compiled) bytes (see retained_eager_and_compiled)."""
     import functools
@@ -309,13 +393,26 @@ def measure(model, batch: int, seq: int, precision: str, chunk_size: int = 0, sk
     amp = torch.bfloat16 if precision in ("fp16", "bf16") else None
     # The fused head's one check by value against the model's logits is skipped: the measuring
     # models' weights are uninitialised and their matmuls skipped, so only shapes mean anything.
-    out = retained_eager_and_compiled(model, data, functools.partial(loss_sum, chunk_size=chunk_size, verify=False),
-                                      amp, skip_matmul)
+    out = retained_eager_and_compiled(
+        model,
+        data,
+        functools.partial(loss_sum, chunk_size=chunk_size, verify=False),
+        amp,
+        skip_matmul,
+    )
     return out if both else out[0]
 
 
-def build_probe_model(config, layers: int, precision: str = "fp32", lora_rank: int = 0, attention: str = "sdpa",
-                      mode: str = "off", lora_targets: str = "all-linear", lora_dtype: str = "fp32"):
+def build_probe_model(
+    config,
+    layers: int,
+    precision: str = "fp32",
+    lora_rank: int = 0,
+    attention: str = "sdpa",
+    mode: str = "off",
+    lora_targets: str = "all-linear",
+    lora_dtype: str = "fp32",
+):
     """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised,
     prepared as training prepares it."""
     import torch
@@ -341,11 +438,26 @@ def _scale(a: Fit, k: float) -> Fit:
     return Fit(*(x * k for x in astuple(a)))
 
 
-def _cache_key(config, attention, precision, lora_rank, chunk_size, lora_targets, lora_dtype) -> str:
-    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+def _cache_key(
+    config, attention, precision, lora_rank, chunk_size, lora_targets, lora_dtype
+) -> str:
+    text = (
+        config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    )
     import torch
     import transformers
 
-    parts = [text, precision, str(lora_rank), str(chunk_size), attention, lora_targets, lora_dtype,
-             "compiled-v2", repr(POINTS), torch.__version__, transformers.__version__]
+    parts = [
+        text,
+        precision,
+        str(lora_rank),
+        str(chunk_size),
+        attention,
+        lora_targets,
+        lora_dtype,
+        "compiled-v2",
+        repr(POINTS),
+        torch.__version__,
+        transformers.__version__,
+    ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]

@@ -16,7 +16,9 @@ class ModelShape:
     config: Any  # transformers PretrainedConfig
     params: int  # all parameters
     embed_params: int  # input embedding + untied output head (never quantized or adapted)
-    linear_params: int  # nn.Linear weights inside the decoder layers (what bnb quantizes, LoRA adapts)
+    linear_params: (
+        int  # nn.Linear weights inside the decoder layers (what bnb quantizes, LoRA adapts)
+    )
     lora_params_per_rank: int  # sum of (in + out) over those Linear layers: LoRA params = r x this
     expert_params: int  # parameters of MoE experts (only top_k / experts of them run per token)
     layers: int
@@ -27,8 +29,12 @@ class ModelShape:
     top_k: int = 0
     factored_elems: int = 0  # Adafactor state: rows + cols per matrix, all elements of vectors
     largest_param: int = 0  # elements of the biggest tensor (optimizer temporaries, ZeRO-3 buffers)
-    lookup_params: int = 0  # nn.Embedding weights (token and position tables): looked up, not multiplied
-    lora_per_rank_by_name: dict = field(default_factory=dict)  # "q_proj" -> sum of (in + out) over such layers
+    lookup_params: int = (
+        0  # nn.Embedding weights (token and position tables): looked up, not multiplied
+    )
+    lora_per_rank_by_name: dict = field(
+        default_factory=dict
+    )  # "q_proj" -> sum of (in + out) over such layers
     intermediate: int = 0  # the dense MLP's width (what a tiled MLP never holds whole); 0 = unknown
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
@@ -65,8 +71,13 @@ def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return float(2 * shape.active_params + 4 * shape.layers * shape.hidden * seq_len)
 
 
-def flops_per_token(shape: ModelShape, seq_len: int, lora_rank: int = 0, checkpointed_fraction: float = 0.0,
-                    lora_targets: str = "all-linear") -> float:
+def flops_per_token(
+    shape: ModelShape,
+    seq_len: int,
+    lora_rank: int = 0,
+    checkpointed_fraction: float = 0.0,
+    lora_targets: str = "all-linear",
+) -> float:
     """Training FLOPs per token, the one count behind the planner's speed and the benchmarks' MFU.
 
     Model FLOPs: 6N for the weight matmuls (forward 2N, backward 4N; N = active_params) plus the
@@ -94,14 +105,19 @@ def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = Fal
     from onegpu import models
 
     if models.is_preset(name):
-        return LlamaConfig(**models.PRESETS[name], vocab_size=vocab_size,
-                           tie_word_embeddings=name in ("tiny", "small"))
+        return LlamaConfig(
+            **models.PRESETS[name],
+            vocab_size=vocab_size,
+            tie_word_embeddings=name in ("tiny", "small"),
+        )
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read the config of model '{name}': {str(exc).strip().splitlines()[0]}",
-                         hint=f"use a preset ({', '.join(models.PRESETS)}), a local model directory, "
-                              "or a Hub id while online") from None
+        raise ModelError(
+            f"cannot read the config of model '{name}': {str(exc).strip().splitlines()[0]}",
+            hint=f"use a preset ({', '.join(models.PRESETS)}), a local model directory, "
+            "or a Hub id while online",
+        ) from None
 
 
 def meta_model(config):
@@ -136,15 +152,35 @@ def _shape_of(name: str, config) -> ModelShape:
             short = module_name.rsplit(".", 1)[-1]
             by_name[short] = by_name.get(short, 0) + sum(mod.weight.shape)
     experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
+    expert_params = (
+        sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
+    )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    factored = sum(p.shape[-2] + p.shape[-1] if p.ndim >= 2 else p.numel() for p in model.parameters())
+    factored = sum(
+        p.shape[-2] + p.shape[-1] if p.ndim >= 2 else p.numel() for p in model.parameters()
+    )
     largest = max(p.numel() for p in model.parameters())
     lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    return ModelShape(name, config, params, embed, linear, per_rank, expert_params,
-                      text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.vocab_size,
-                      experts, int(getattr(config, "num_experts_per_tok", 0) or 0), factored, largest, lookups,
-                      by_name, int(getattr(text, "intermediate_size", 0) or 0))
+    return ModelShape(
+        name,
+        config,
+        params,
+        embed,
+        linear,
+        per_rank,
+        expert_params,
+        text.num_hidden_layers,
+        text.hidden_size,
+        text.num_attention_heads,
+        text.vocab_size,
+        experts,
+        int(getattr(config, "num_experts_per_tok", 0) or 0),
+        factored,
+        largest,
+        lookups,
+        by_name,
+        int(getattr(text, "intermediate_size", 0) or 0),
+    )
 
 
 @functools.lru_cache(maxsize=16)

@@ -18,7 +18,9 @@ from onegpu.config import Config
 log = logging.getLogger(__name__)
 
 TOP = 3  # setups probed
-WARMUP_STEPS = 2  # allocator growth, optimizer state, compile (and a recompile for the second shape)
+WARMUP_STEPS = (
+    2  # allocator growth, optimizer state, compile (and a recompile for the second shape)
+)
 MEASURE_STEPS = 6  # enough steps that one slow step does not set the calibration
 
 
@@ -51,9 +53,11 @@ def auto_plan(cfg: Config) -> Config:
     plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30, attention)
     rows = [r for r in plan.rows if r.fits][:TOP]
     if not rows:
-        raise OnegpuError(f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "
-                          f"at seq_len={cfg.data.seq_len}, batch={batch}.",
-                          hint="run 'onegpu plan' to see what each setup needs; shorten data.seq_len")
+        raise OnegpuError(
+            f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "
+            f"at seq_len={cfg.data.seq_len}, batch={batch}.",
+            hint="run 'onegpu plan' to see what each setup needs; shorten data.seq_len",
+        )
     # The first setup probed in a process pays one-off start-up costs that its own warm-up steps do
     # not absorb (measured: ~4x slower on a CPU); one untimed pass keeps them out of every probe.
     probe_one(rows[0], cfg, shared, device)
@@ -61,7 +65,10 @@ def auto_plan(cfg: Config) -> Config:
     _log_table(results)
     ok = [(m, r) for m, r in zip(results, rows) if not m.error]
     if not ok:
-        log.warning("plan: every probe failed; training with the first prediction, %s", rows[0].candidate.label())
+        log.warning(
+            "plan: every probe failed; training with the first prediction, %s",
+            rows[0].candidate.label(),
+        )
         return rows[0].candidate.apply(cfg)
     best_m, best_r = max(ok, key=lambda mr: mr[0].tokens_per_s)
     _calibrate(spec, best_r, best_m, cfg.data.seq_len, shape, cfg.techniques.tf32 is not False)
@@ -80,11 +87,19 @@ def _device_spec(device):
     try:
         return hardware.spec_from_device(device)
     except UnavailableError:
-        same_gen = [g for g in hardware.CATALOG if g.capability <= (device.capability or (0, 0))] or list(hardware.CATALOG)
+        same_gen = [
+            g for g in hardware.CATALOG if g.capability <= (device.capability or (0, 0))
+        ] or list(hardware.CATALOG)
         near = max(same_gen, key=lambda g: g.capability)
-        log.warning("plan: %s is not in the GPU catalog; ranking with %s's peak figures until the probe "
-                    "measures it", device.name, near.key)
-        return dataclasses.replace(near, key=device.name, name=device.name, memory_gib=device.total_memory / 2**30)
+        log.warning(
+            "plan: %s is not in the GPU catalog; ranking with %s's peak figures until the probe "
+            "measures it",
+            device.name,
+            near.key,
+        )
+        return dataclasses.replace(
+            near, key=device.name, name=device.name, memory_gib=device.total_memory / 2**30
+        )
 
 
 def _shared_data(cfg: Config, device, name: str):
@@ -135,12 +150,21 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
     rss_before = _rss()
     # as training assembles it; a precomputed DPO reference is timed with fixed log-probs (probe)
     name = resolve_name(cfg.model, device.is_gpu)
-    parts = assemble.assemble(cfg, device, precision, name, tokenizer=shared.tokenizer, accelerator=accelerator,
-                              probe=True)
+    parts = assemble.assemble(
+        cfg,
+        device,
+        precision,
+        name,
+        tokenizer=shared.tokenizer,
+        accelerator=accelerator,
+        probe=True,
+    )
     model, optimizer = parts.model, parts.optimizer
     t = cfg.training
     order = batches.BatchOrder(len(shared.train_ds), t.micro_batch_size, t.seed)
-    loader = iter(batches.make_loader(shared.train_ds, order, shared.collator, cfg.data, device.is_gpu))
+    loader = iter(
+        batches.make_loader(shared.train_ds, order, shared.collator, cfg.data, device.is_gpu)
+    )
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -150,7 +174,9 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
             _sync(device)
             tokens, t0 = 0, time.perf_counter()
         micro = [next(loader) for _ in range(t.grad_accum)]
-        loss, real = train_step(model, optimizer, micro, accelerator, t.max_grad_norm, parts.objective)
+        loss, real = train_step(
+            model, optimizer, micro, accelerator, t.max_grad_norm, parts.objective
+        )
         tokens += real
     float(loss)  # wait for the device
     elapsed = time.perf_counter() - t0
@@ -209,4 +235,7 @@ def _log_table(results: list[Measured]) -> None:
     log.info(f"  {'setup':<44} {'pred tok/s':>12} {'meas tok/s':>12} {'pred GB':>8} {'meas GB':>8}")
     for m in results:
         meas = f"{m.tokens_per_s:>12,.0f} {m.predicted_peak_gb:>8.2f} {m.peak_gb:>8.2f}"
-        log.info(f"  {m.label:<44} {m.predicted_tokens_per_s:>12,.0f} " + (meas if not m.error else f"failed: {m.error}"))
+        log.info(
+            f"  {m.label:<44} {m.predicted_tokens_per_s:>12,.0f} "
+            + (meas if not m.error else f"failed: {m.error}")
+        )

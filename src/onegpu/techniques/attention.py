@@ -67,14 +67,24 @@ def model_kernels(config, trust_remote_code: bool = False) -> ModelKernels:
     if cls is None:
         return dataclasses.replace(ANY_MODEL, model_type=model_type)
     # _supports_flash_attn_2: the name older remote-code models still use.
-    flash = bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
-    return ModelKernels(model_type, cls.__name__, flash=flash, sdpa=bool(getattr(cls, "_supports_sdpa", False)))
+    flash = bool(
+        getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False)
+    )
+    return ModelKernels(
+        model_type, cls.__name__, flash=flash, sdpa=bool(getattr(cls, "_supports_sdpa", False))
+    )
 
 
-def resolve_attention(tcfg: TechniquesConfig, device: DeviceInfo, precision: str = "fp32",
-                      model: ModelKernels | None = None) -> str:
+def resolve_attention(
+    tcfg: TechniquesConfig,
+    device: DeviceInfo,
+    precision: str = "fp32",
+    model: ModelKernels | None = None,
+) -> str:
     """The attn_implementation to load a model for training with (``precision``: the resolved one)."""
-    return attention_implementation(tcfg.attention, device.type, device.name, model, precision in HALF_PRECISIONS)
+    return attention_implementation(
+        tcfg.attention, device.type, device.name, model, precision in HALF_PRECISIONS
+    )
 
 
 def planning_attention(tcfg: TechniquesConfig, config, trust_remote_code: bool = False) -> str:
@@ -85,8 +95,13 @@ def planning_attention(tcfg: TechniquesConfig, config, trust_remote_code: bool =
     return attention_implementation(want, "cpu", model=model_kernels(config, trust_remote_code))
 
 
-def attention_implementation(want: str, device_type: str, device_name: str = "", model: ModelKernels | None = None,
-                             half: bool = False) -> str:
+def attention_implementation(
+    want: str,
+    device_type: str,
+    device_name: str = "",
+    model: ModelKernels | None = None,
+    half: bool = False,
+) -> str:
     """The attn_implementation for a choice (auto / eager / sdpa / flash) on a device for a model
     (None: one that supports every kernel); ``half``: the model computes in fp16/bf16. The one
     resolution, used by training, inference and the planner alike."""
@@ -109,30 +124,46 @@ def _auto(model: ModelKernels, device_type: str, half: bool) -> str:
 
 def _fastest(model: ModelKernels, device_type: str, half: bool) -> tuple[str, str]:
     """(the fastest kernel the model and device support, the fastest the device supports)."""
-    fastest = ([FLASH2] if device_type == "cuda" and half and flash_attn_installed() else []) + ["sdpa", "eager"]
+    fastest = ([FLASH2] if device_type == "cuda" and half and flash_attn_installed() else []) + [
+        "sdpa",
+        "eager",
+    ]
     return next(k for k in fastest if k in model.supported()), fastest[0]
 
 
 def _flash(model: ModelKernels, device_type: str, device_name: str) -> str:
     if device_type != "cuda":
         fallback = "sdpa" if model.sdpa else "eager"
-        log.warning("attention=flash needs a CUDA GPU; using %s on %s instead", fallback, device_name or device_type)
+        log.warning(
+            "attention=flash needs a CUDA GPU; using %s on %s instead",
+            fallback,
+            device_name or device_type,
+        )
         return fallback
     if model.flash and flash_attn_installed():
         return FLASH2
     if not model.sdpa:
         raise _refused("flash", model, device_type, True)
     register_sdpa_flash()
-    why = "flash_attn package not installed" if model.flash else f"{model} has no flash_attention_2 support"
-    log.info("attention: SDPA with the FlashAttention kernel where it applies, else memory-efficient (%s)", why)
+    why = (
+        "flash_attn package not installed"
+        if model.flash
+        else f"{model} has no flash_attention_2 support"
+    )
+    log.info(
+        "attention: SDPA with the FlashAttention kernel where it applies, else memory-efficient (%s)",
+        why,
+    )
     return SDPA_FLASH
 
 
 def _refused(want: str, model: ModelKernels, device_type: str, half: bool) -> ConfigError:
     auto = _fastest(model, device_type, half)[0]
     fix = "install flash-attn, or use" if want == "flash" and model.flash else "use"
-    return ConfigError(f"attention={want} is not supported by {model}; it supports {', '.join(model.supported())}.",
-                       hint=f"{fix} attention=auto, which picks the fastest kernel the model supports ({auto} here)")
+    return ConfigError(
+        f"attention={want} is not supported by {model}; it supports {', '.join(model.supported())}.",
+        hint=f"{fix} attention=auto, which picks the fastest kernel the model supports ({auto} here)",
+    )
 
 
 def flash_attn_installed() -> bool:
@@ -174,7 +205,10 @@ def _sdpa_flash_attention(module, query, key, value, attention_mask, **kwargs):
     why = flash_blocker(query, attention_mask)
     if why is not None and why not in _REPORTED:
         _REPORTED.add(why)
-        log.info("attention=flash: SDPA runs its memory-efficient kernel, not FlashAttention, for %s", why)
+        log.info(
+            "attention=flash: SDPA runs its memory-efficient kernel, not FlashAttention, for %s",
+            why,
+        )
 
     # Priority order: flash wherever it can run (no explicit mask, fp16/bf16), else mem-efficient.
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]

@@ -24,22 +24,37 @@ def apply_checkpointing(model, tcfg: TechniquesConfig, device_type: str = "cuda"
     if mode == "off":
         return model
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UnavailableError(f"techniques.checkpointing={mode}: {type(model).__name__} does not support "
-                               "gradient checkpointing.", hint="set techniques.checkpointing=off for this model")
+        raise UnavailableError(
+            f"techniques.checkpointing={mode}: {type(model).__name__} does not support "
+            "gradient checkpointing.",
+            hint="set techniques.checkpointing=off for this model",
+        )
     every = tcfg.checkpointing_every if mode == "every-n" else 1
     offload = mode == "offload"
     if offload and device_type == "cpu":
-        log.warning("checkpointing=offload on CPU: activations already live in host memory; "
-                    "this is plain full checkpointing here")
+        log.warning(
+            "checkpointing=offload on CPU: activations already live in host memory; "
+            "this is plain full checkpointing here"
+        )
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None and {"every_n_layers", "offload"} <= set(inspect.signature(enable).parameters):
-        enable({"use_reentrant": False}, every_n_layers=every, offload=offload and device_type != "cpu")
+    if enable is not None and {"every_n_layers", "offload"} <= set(
+        inspect.signature(enable).parameters
+    ):
+        enable(
+            {"use_reentrant": False}, every_n_layers=every, offload=offload and device_type != "cpu"
+        )
     else:  # transformers releases without per-layer selection or offload
         _enable_by_layer(model, every, offload and device_type != "cpu", device_type)
-    model.config.use_cache = False  # a KV cache is useless in training and clashes with the recompute
+    model.config.use_cache = (
+        False  # a KV cache is useless in training and clashes with the recompute
+    )
     n_on = len(checkpointed_layers(model))
-    log.info("gradient checkpointing %s: %d of %d decoder layers recompute in backward", mode, n_on,
-             len(decoder_layers(model)))
+    log.info(
+        "gradient checkpointing %s: %d of %d decoder layers recompute in backward",
+        mode,
+        n_on,
+        len(decoder_layers(model)),
+    )
     return model
 
 

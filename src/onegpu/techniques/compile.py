@@ -22,7 +22,11 @@ log = logging.getLogger(__name__)
 AUTO_MIN_STEPS = 50
 
 # Modes only inductor understands; other backends take options through their own mechanisms.
-_INDUCTOR_MODES = {"default": None, "max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead"}
+_INDUCTOR_MODES = {
+    "default": None,
+    "max-autotune": "max-autotune",
+    "reduce-overhead": "reduce-overhead",
+}
 
 
 def compile_kwargs(tcfg: TechniquesConfig, device_type: str = "cuda") -> dict:
@@ -32,16 +36,23 @@ def compile_kwargs(tcfg: TechniquesConfig, device_type: str = "cuda") -> dict:
     backend = tcfg.compile_backend
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         choices = ", ".join(torch._dynamo.list_backends())
-        raise ConfigError(f"techniques.compile_backend: unknown backend '{backend}'.", hint=f"choose one of: {choices}")
+        raise ConfigError(
+            f"techniques.compile_backend: unknown backend '{backend}'.",
+            hint=f"choose one of: {choices}",
+        )
     kwargs = {"backend": backend}
     if backend == "inductor":
         kwargs["mode"] = _INDUCTOR_MODES[tcfg.compile]
     elif tcfg.compile != "default":
-        raise ConfigError(f"techniques.compile={tcfg.compile} is an inductor mode, but compile_backend='{backend}'.",
-                          hint="use techniques.compile=default with this backend, or compile_backend=inductor")
+        raise ConfigError(
+            f"techniques.compile={tcfg.compile} is an inductor mode, but compile_backend='{backend}'.",
+            hint="use techniques.compile=default with this backend, or compile_backend=inductor",
+        )
     if tcfg.compile == "reduce-overhead" and device_type != "cuda":
-        raise UnavailableError("techniques.compile=reduce-overhead uses CUDA graphs and needs a CUDA GPU.",
-                               hint="use techniques.compile=default on this device")
+        raise UnavailableError(
+            "techniques.compile=reduce-overhead uses CUDA graphs and needs a CUDA GPU.",
+            hint="use techniques.compile=default on this device",
+        )
     return kwargs
 
 
@@ -78,7 +89,9 @@ def _auto_off_reason(cfg: Config, device_type: str) -> str | None:
     if t.lora.enabled and t.lora.quantize_base != "none":
         return "bitsandbytes-quantized layers break the graph into pieces"
     if t.compile_backend != "inductor":
-        return f"backend {t.compile_backend} is only used when asked for (techniques.compile=default)"
+        return (
+            f"backend {t.compile_backend} is only used when asked for (techniques.compile=default)"
+        )
     if device_type == "cpu" and not has_cpu_compiler():
         return "no C++ compiler (g++) for inductor's CPU kernels"
     if device_type == "cuda":
@@ -104,8 +117,12 @@ def apply_compile(model, tcfg: TechniquesConfig, device_type: str = "cuda"):
         block.compile(**kwargs)
     if not blocks:
         model.compile(**kwargs)
-    log.info("torch.compile %s (backend %s): %s", tcfg.compile, kwargs["backend"],
-             f"{len(blocks)} decoder blocks" if blocks else "whole model")
+    log.info(
+        "torch.compile %s (backend %s): %s",
+        tcfg.compile,
+        kwargs["backend"],
+        f"{len(blocks)} decoder blocks" if blocks else "whole model",
+    )
     return model
 
 

@@ -23,8 +23,10 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise UnavailableError("techniques.lora needs the peft library, which is not installed.",
-                               hint="pip install 'onegpu[peft]'") from None
+        raise UnavailableError(
+            "techniques.lora needs the peft library, which is not installed.",
+            hint="pip install 'onegpu[peft]'",
+        ) from None
     return peft
 
 
@@ -38,14 +40,18 @@ def quantization_config(tcfg: TechniquesConfig, precision: str, model_name: str,
     if lcfg.quantize_base == "none":
         return None
     if not lcfg.enabled:
-        raise ConfigError(f"techniques.lora.quantize_base={lcfg.quantize_base} needs techniques.lora.enabled=true.",
-                          hint="a quantized base is frozen, so only adapters can train: enable LoRA")
+        raise ConfigError(
+            f"techniques.lora.quantize_base={lcfg.quantize_base} needs techniques.lora.enabled=true.",
+            hint="a quantized base is frozen, so only adapters can train: enable LoRA",
+        )
     from onegpu.models import is_preset
 
     if is_preset(model_name) or mcfg.from_scratch:
-        raise ConfigError(f"techniques.lora.quantize_base={lcfg.quantize_base} needs pretrained weights, "
-                          f"but model '{model_name}' is built from scratch.",
-                          hint="set --model.name to a local model directory or Hub id (QLoRA fine-tunes a trained model)")
+        raise ConfigError(
+            f"techniques.lora.quantize_base={lcfg.quantize_base} needs pretrained weights, "
+            f"but model '{model_name}' is built from scratch.",
+            hint="set --model.name to a local model directory or Hub id (QLoRA fine-tunes a trained model)",
+        )
     import torch
 
     from onegpu.techniques.quantization import bnb_config
@@ -65,8 +71,15 @@ def apply_lora(model, tcfg: TechniquesConfig):
         # Freezes the base and upcasts any fp16/bf16 leftovers (norms, embeddings) to fp32 for
         # stable training; checkpointing is applied later by techniques.checkpointing.
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = peft.LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, target_modules=targets,
-                             use_dora=lcfg.dora, bias="none", task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=lcfg.r,
+        lora_alpha=lcfg.alpha,
+        lora_dropout=lcfg.dropout,
+        target_modules=targets,
+        use_dora=lcfg.dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     dtype = adapter_dtype(lcfg.dtype, tcfg.precision)
     # PEFT creates adapters in the base layer's dtype and then upcasts 16-bit ones to fp32
     # (autocast_adapter_dtype); for bf16 adapters we skip that and cast them ourselves, since an
@@ -78,10 +91,17 @@ def apply_lora(model, tcfg: TechniquesConfig):
         # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing grads.
         model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()
-    log.info("%s %s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
-             dtype, "DoRA" if lcfg.dora else "LoRA", lcfg.r, targets,
-             "n " + lcfg.quantize_base if loaded_in_kbit(model) else " full-precision",
-             trainable, total, 100 * trainable / max(total, 1))
+    log.info(
+        "%s %s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",
+        dtype,
+        "DoRA" if lcfg.dora else "LoRA",
+        lcfg.r,
+        targets,
+        "n " + lcfg.quantize_base if loaded_in_kbit(model) else " full-precision",
+        trainable,
+        total,
+        100 * trainable / max(total, 1),
+    )
     return model
 
 
@@ -93,8 +113,11 @@ def adapter_dtype(dtype: str, precision: str) -> str:
     the trained master weights, kept in fp32 as PEFT does, since bf16 updates below its 8-bit
     mantissa's resolution would be lost."""
     if dtype == "bf16" and precision == "fp16":
-        raise ConfigError("techniques.lora.dtype=bf16 with precision=fp16: adapters would be bf16 while the "
-                          "model computes in fp16.", hint="use techniques.lora.dtype=fp32 (or auto) with fp16")
+        raise ConfigError(
+            "techniques.lora.dtype=bf16 with precision=fp16: adapters would be bf16 while the "
+            "model computes in fp16.",
+            hint="use techniques.lora.dtype=fp32 (or auto) with fp16",
+        )
     if dtype == "auto":
         return "bf16" if precision == "bf16-pure" else "fp32"
     return dtype
@@ -112,7 +135,7 @@ def _cast_trainable(model, dtype: str) -> None:
 
 
 def resolve_targets(model, spec: str):
-    """"all-linear" (every linear layer but the output head, as PEFT defines it) or a checked list
+    """ "all-linear" (every linear layer but the output head, as PEFT defines it) or a checked list
     of names; a name that matches nothing is an error, not a run that silently trains nothing."""
     if spec.strip() == "all-linear":
         return "all-linear"
@@ -121,8 +144,11 @@ def resolve_targets(model, spec: str):
     missing = [w for w in wanted if not any(n == w or n.endswith("." + w) for n in names)]
     if not wanted or missing:
         short = sorted({n.rsplit(".", 1)[-1] for n in names})
-        raise ConfigError(f"techniques.lora.targets: {', '.join(missing) or repr(spec)} matches no linear layer "
-                          "of this model.", hint=f"use all-linear, or names from: {', '.join(short)}")
+        raise ConfigError(
+            f"techniques.lora.targets: {', '.join(missing) or repr(spec)} matches no linear layer "
+            "of this model.",
+            hint=f"use all-linear, or names from: {', '.join(short)}",
+        )
     return wanted
 
 
@@ -136,7 +162,9 @@ def linear_module_names(model) -> list[str]:
 def loaded_in_kbit(model) -> bool:
     """True for a model transformers loaded with a bitsandbytes 4- or 8-bit quantization config
     (QLoRA's base); the flags are the ones PEFT's prepare_model_for_kbit_training reads."""
-    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+    return bool(
+        getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    )
 
 
 def _warn_if_nothing_quantized(model, kind: str) -> None:
@@ -144,9 +172,12 @@ def _warn_if_nothing_quantized(model, kind: str) -> None:
     bitsandbytes ones; a model with its own Linear subclass (Falcon's FalconLinear) loads with the
     flag set and every weight still full precision: say so rather than let the memory saving be assumed."""
     if not any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
-        log.warning("techniques.lora.quantize_base=%s: no layer of %s was quantized (its linear layers are not "
-                    "plain nn.Linear, which is all transformers quantizes); the base stays full precision",
-                    kind, type(model).__name__)
+        log.warning(
+            "techniques.lora.quantize_base=%s: no layer of %s was quantized (its linear layers are not "
+            "plain nn.Linear, which is all transformers quantizes); the base stays full precision",
+            kind,
+            type(model).__name__,
+        )
 
 
 def save_merged(model, out_dir: Path, base_name: str, mcfg: ModelConfig) -> Path:
@@ -157,8 +188,10 @@ def save_merged(model, out_dir: Path, base_name: str, mcfg: ModelConfig) -> Path
     adapters merged there, since folding them into 4/8-bit weights would round them away.
     """
     if not hasattr(model, "merge_and_unload"):
-        raise ConfigError("techniques.lora.merge_on_save needs a model with LoRA adapters.",
-                          hint="enable techniques.lora, or turn merge_on_save off")
+        raise ConfigError(
+            "techniques.lora.merge_on_save needs a model with LoRA adapters.",
+            hint="enable techniques.lora, or turn merge_on_save off",
+        )
     if loaded_in_kbit(model):
         merged = _merge_into_full_precision(model, base_name, mcfg)
     else:
@@ -172,11 +205,15 @@ def _merge_into_full_precision(model, base_name: str, mcfg: ModelConfig):
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_name, dtype="auto", trust_remote_code=mcfg.trust_remote_code)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_name, dtype="auto", trust_remote_code=mcfg.trust_remote_code
+    )
     vocab = model.get_input_embeddings().num_embeddings
     if base.get_input_embeddings().num_embeddings != vocab:
         base.resize_token_embeddings(vocab)
     peft = _peft()
     full = peft.get_peft_model(base, copy.deepcopy(model.peft_config["default"]))
-    set_peft_model_state_dict(full, {k: v.to("cpu") for k, v in get_peft_model_state_dict(model).items()})
+    set_peft_model_state_dict(
+        full, {k: v.to("cpu") for k, v in get_peft_model_state_dict(model).items()}
+    )
     return full.merge_and_unload()

@@ -17,7 +17,9 @@ def apply_moe_aux_loss(model) -> bool:
     """Make MoE models return their load-balancing loss (off by default in their configs), with
     experts that can run in the weights' dtype (see ``experts_kernel``)."""
     config = model.config
-    if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(config, "output_router_logits"):
+    if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(
+        config, "output_router_logits"
+    ):
         return False
     config.output_router_logits = True
     kernel = experts_kernel(model)
@@ -34,8 +36,11 @@ def experts_kernel(model) -> str:
     current = model.config._experts_implementation
     weights = next(model.parameters()).dtype
     if current == "grouped_mm" and weights != torch.bfloat16 and torch.cuda.is_available():
-        log.info("MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights only, "
-                 "these are %s)", str(weights).removeprefix("torch."))
+        log.info(
+            "MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights only, "
+            "these are %s)",
+            str(weights).removeprefix("torch."),
+        )
         return "eager"
     return current
 

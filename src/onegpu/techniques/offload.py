@@ -34,8 +34,11 @@ def use_cpu_adam(cfg: Config, on_gpu: bool) -> bool:
     # is_compatible() does not look at what the JIT build needs: ninja and a C++ compiler.
     missing = _missing_build_tools()
     if ok and missing:
-        log.warning("DeepSpeed CPU Adam cannot be built here (no %s); torch AdamW runs the offloaded "
-                    "optimizer step", " or ".join(missing))
+        log.warning(
+            "DeepSpeed CPU Adam cannot be built here (no %s); torch AdamW runs the offloaded "
+            "optimizer step",
+            " or ".join(missing),
+        )
         return False
     if not ok:
         log.warning(
@@ -64,7 +67,10 @@ def cpu_adam(groups, lr: float, betas: tuple[float, float]):
         opt = DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
     except Exception as exc:  # noqa: BLE001 - a JIT build fails with anything from OSError to RuntimeError
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        log.warning("DeepSpeed CPU Adam failed to build (%s); torch AdamW runs the offloaded optimizer step", first)
+        log.warning(
+            "DeepSpeed CPU Adam failed to build (%s); torch AdamW runs the offloaded optimizer step",
+            first,
+        )
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
     log.info("optimizer: DeepSpeedCPUAdam (AdamW mode) on the offloaded state")
     return opt

@@ -74,8 +74,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("optimizer_in_backward")
         if saved is None or len(saved) != len(self.inner):
-            raise ValueError("the saved optimizer state was not written with techniques.optimizer_in_backward "
-                             "over the same parameters")
+            raise ValueError(
+                "the saved optimizer state was not written with techniques.optimizer_in_backward "
+                "over the same parameters"
+            )
         for opt, sd in zip(self.inner, saved):
             opt.load_state_dict(sd)
         self._link()  # load_state_dict gives each inner optimizer new group and state objects

@@ -42,15 +42,21 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 def build_optimizer(model, tcfg: TechniquesConfig, train: TrainingConfig) -> torch.optim.Optimizer:
     from onegpu.hyper import bare
 
-    train = bare(train)  # a run's section is settled already; a bare one (planner, tests) takes the scratch values
+    train = bare(
+        train
+    )  # a run's section is settled already; a bare one (planner, tests) takes the scratch values
     groups = param_groups(model, train.weight_decay)
     if not groups:
-        raise ConfigError("the model has no trainable parameters, so there is nothing to optimize.",
-                          hint="check techniques.lora.targets, or turn techniques.lora.quantize_base off")
+        raise ConfigError(
+            "the model has no trainable parameters, so there is nothing to optimize.",
+            hint="check techniques.lora.targets, or turn techniques.lora.quantize_base off",
+        )
     name = tcfg.optimizer
     if name not in BUILDERS:
-        raise ConfigError(f"techniques.optimizer: unknown optimizer '{name}'.",
-                          hint=f"choose one of: {', '.join(BUILDERS)}")
+        raise ConfigError(
+            f"techniques.optimizer: unknown optimizer '{name}'.",
+            hint=f"choose one of: {', '.join(BUILDERS)}",
+        )
     # Training builds the optimizer before Accelerate moves the model to its device, and that device
     # is the CUDA GPU whenever one is available (hardware.detect): the parameters alone would say CPU.
     on_cuda = torch.cuda.is_available() or any(p.is_cuda for g in groups for p in g["params"])
@@ -83,16 +89,20 @@ def _adamw_fused(groups, lr, on_cuda):
     try:
         return torch.optim.AdamW(groups, lr=lr, betas=BETAS, fused=True)
     except RuntimeError as exc:  # old torch or an unsupported device/dtype
-        raise UnavailableError(f"techniques.optimizer=adamw-fused is not supported here: {exc}",
-                               hint="use techniques.optimizer=adamw-foreach, or upgrade torch") from None
+        raise UnavailableError(
+            f"techniques.optimizer=adamw-fused is not supported here: {exc}",
+            hint="use techniques.optimizer=adamw-foreach, or upgrade torch",
+        ) from None
 
 
 def _adafactor(groups, lr, on_cuda):
     """Factored second moment: a row and a column vector per matrix instead of a full matrix,
     and no first moment, so state is ~O(rows + cols) rather than 2x the parameters."""
     if not hasattr(torch.optim, "Adafactor"):
-        raise UnavailableError("techniques.optimizer=adafactor needs torch.optim.Adafactor (torch >= 2.5).",
-                               hint="pip install -U torch")
+        raise UnavailableError(
+            "techniques.optimizer=adafactor needs torch.optim.Adafactor (torch >= 2.5).",
+            hint="pip install -U torch",
+        )
     return torch.optim.Adafactor(groups, lr=lr)
 
 
@@ -104,8 +114,9 @@ def _sgd(groups, lr, on_cuda):
 def _bnb():
     from onegpu.techniques.quantization import import_bitsandbytes
 
-    return import_bitsandbytes("techniques.optimizer=adamw-8bit / paged-adamw-8bit",
-                               "or choose techniques.optimizer=adamw")
+    return import_bitsandbytes(
+        "techniques.optimizer=adamw-8bit / paged-adamw-8bit", "or choose techniques.optimizer=adamw"
+    )
 
 
 def _adamw_8bit(groups, lr, on_cuda):
@@ -118,7 +129,9 @@ def _paged_adamw_8bit(groups, lr, on_cuda):
     """As adamw-8bit, with state in CUDA unified memory that pages to the host under pressure
     instead of failing with OOM on a memory spike."""
     if not on_cuda:
-        log.info("paged-adamw-8bit: paging needs CUDA unified memory; on this device it runs as adamw-8bit")
+        log.info(
+            "paged-adamw-8bit: paging needs CUDA unified memory; on this device it runs as adamw-8bit"
+        )
     return _bnb().optim.PagedAdamW8bit(groups, lr=lr, betas=BETAS)
 
 
@@ -127,8 +140,10 @@ def _torchao_optim():
     try:
         import torchao.optim as ao_optim
     except ImportError:
-        raise UnavailableError("torchao low-bit optimizers need torchao, which is not installed.",
-                               hint="pip install 'onegpu[torchao]', or choose techniques.optimizer=adamw-8bit") from None
+        raise UnavailableError(
+            "torchao low-bit optimizers need torchao, which is not installed.",
+            hint="pip install 'onegpu[torchao]', or choose techniques.optimizer=adamw-8bit",
+        ) from None
     return ao_optim
 
 
@@ -143,9 +158,15 @@ def _adamw_4bit_ao(groups, lr, on_cuda):
 
 
 BUILDERS: dict[str, Callable] = {
-    "adamw": _adamw, "adamw-foreach": _adamw_foreach, "adamw-fused": _adamw_fused, "adafactor": _adafactor,
-    "adamw-8bit": _adamw_8bit, "paged-adamw-8bit": _paged_adamw_8bit, "adamw-8bit-ao": _adamw_8bit_ao,
-    "adamw-4bit-ao": _adamw_4bit_ao, "sgd": _sgd,
+    "adamw": _adamw,
+    "adamw-foreach": _adamw_foreach,
+    "adamw-fused": _adamw_fused,
+    "adafactor": _adafactor,
+    "adamw-8bit": _adamw_8bit,
+    "paged-adamw-8bit": _paged_adamw_8bit,
+    "adamw-8bit-ao": _adamw_8bit_ao,
+    "adamw-4bit-ao": _adamw_4bit_ao,
+    "sgd": _sgd,
 }
 
 
@@ -162,7 +183,11 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    if (
+        flatten is not None
+        and type(t) is not torch.Tensor
+        and not isinstance(t, torch.nn.Parameter)
+    ):
         names, _ = flatten()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()

@@ -21,11 +21,16 @@ def resolve_precision(tcfg: TechniquesConfig, device: DeviceInfo) -> str:
         return "fp32"
     if p in ("bf16", "bf16-pure") and device.type == "cuda" and not device.bf16:
         cap = ".".join(map(str, device.capability)) if device.capability else "unknown"
-        raise UnavailableError(f"techniques.precision={p}: {device.name} (compute capability {cap}) has no bf16 "
-                               "support; bf16 needs an Ampere or newer GPU (capability 8.0+).",
-                               hint="use techniques.precision=fp16 (with loss scaling) on this GPU")
+        raise UnavailableError(
+            f"techniques.precision={p}: {device.name} (compute capability {cap}) has no bf16 "
+            "support; bf16 needs an Ampere or newer GPU (capability 8.0+).",
+            hint="use techniques.precision=fp16 (with loss scaling) on this GPU",
+        )
     if p in ("fp16", "bf16", "bf16-pure") and device.type == "cpu":
-        log.warning("techniques.precision=%s on CPU: 16-bit math is emulated here and much slower than fp32", p)
+        log.warning(
+            "techniques.precision=%s on CPU: 16-bit math is emulated here and much slower than fp32",
+            p,
+        )
     return p
 
 
@@ -66,7 +71,10 @@ def apply_tf32(tcfg: TechniquesConfig, device: DeviceInfo) -> bool:
     """
     want = device.tf32 if tcfg.tf32 is None else tcfg.tf32
     if want and not device.tf32:
-        log.warning("techniques.tf32=true ignored: %s has no TF32 tensor cores (needs an Ampere+ GPU)", device.name)
+        log.warning(
+            "techniques.tf32=true ignored: %s has no TF32 tensor cores (needs an Ampere+ GPU)",
+            device.name,
+        )
         want = False
     set_tf32(want)
     if device.type == "cuda":
@@ -104,7 +112,9 @@ def warn_fp16_on_bf16_model(model_config, precision: str) -> bool:
     dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     is_bf16 = dtype in (torch.bfloat16, "bfloat16")
     if precision == "fp16" and is_bf16:
-        log.warning("techniques.precision=fp16 on a model stored in bfloat16: its activations can exceed the fp16 "
-                    "range and turn the loss into NaN (transformers#14189); prefer precision=bf16 (or fp32)")
+        log.warning(
+            "techniques.precision=fp16 on a model stored in bfloat16: its activations can exceed the fp16 "
+            "range and turn the loss into NaN (transformers#14189); prefer precision=bf16 (or fp32)"
+        )
         return True
     return False

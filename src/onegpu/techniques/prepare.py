@@ -43,9 +43,11 @@ def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str
     quant = quantization_config(cfg.techniques, precision, model_name, cfg.model)  # QLoRA base
     trust = cfg.model.trust_remote_code
     kernels = model_kernels(model_config(model_name, trust), trust)
-    return {"dtype": weights_dtype(precision),
-            "attn_implementation": resolve_attention(cfg.techniques, device, precision, kernels),
-            "extra": {"quantization_config": quant} if quant else None}
+    return {
+        "dtype": weights_dtype(precision),
+        "attn_implementation": resolve_attention(cfg.techniques, device, precision, kernels),
+        "extra": {"quantization_config": quant} if quant else None,
+    }
 
 
 def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):

@@ -13,17 +13,23 @@ def import_bitsandbytes(needed_for: str, instead: str):
         import bitsandbytes
     except Exception as exc:  # noqa: BLE001 - a broken install raises ImportError, OSError, RuntimeError...
         if isinstance(exc, ModuleNotFoundError) and exc.name == "bitsandbytes":
-            raise UnavailableError(f"bitsandbytes (for {needed_for}) is not installed.",
-                                   hint=f"pip install 'onegpu[bnb]', {instead}") from None
+            raise UnavailableError(
+                f"bitsandbytes (for {needed_for}) is not installed.",
+                hint=f"pip install 'onegpu[bnb]', {instead}",
+            ) from None
         lines = str(exc).strip().splitlines()
         detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-        raise UnavailableError(f"bitsandbytes (for {needed_for}) is installed but fails to import: {detail}",
-                               hint=f"repair it (pip install --force-reinstall bitsandbytes, built for this torch "
-                                    f"and CUDA; onegpu doctor shows both), {instead}") from None
+        raise UnavailableError(
+            f"bitsandbytes (for {needed_for}) is installed but fails to import: {detail}",
+            hint=f"repair it (pip install --force-reinstall bitsandbytes, built for this torch "
+            f"and CUDA; onegpu doctor shows both), {instead}",
+        ) from None
     return bitsandbytes
 
 
-def bnb_config(kind: str, compute_dtype=None, double_quant: bool = True, int8_threshold: float = 6.0):
+def bnb_config(
+    kind: str, compute_dtype=None, double_quant: bool = True, int8_threshold: float = 6.0
+):
     """A transformers BitsAndBytesConfig for kind in {"int8", "nf4", "fp4"}.
 
     int8 is LLM.int8(): outlier features above ``int8_threshold`` stay in 16-bit, the rest int8.
@@ -32,16 +38,23 @@ def bnb_config(kind: str, compute_dtype=None, double_quant: bool = True, int8_th
     """
     import torch
 
-    import_bitsandbytes(f"techniques.lora.quantize_base={kind}", "or set techniques.lora.quantize_base=none")
+    import_bitsandbytes(
+        f"techniques.lora.quantize_base={kind}", "or set techniques.lora.quantize_base=none"
+    )
     from transformers import BitsAndBytesConfig
 
     if kind == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=int8_threshold)
     if kind in ("nf4", "fp4"):
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
-                                  bnb_4bit_use_double_quant=double_quant,
-                                  bnb_4bit_compute_dtype=compute_dtype or torch.float32)
-    raise UnavailableError(f"unknown bitsandbytes quantization '{kind}'.", hint="use int8, nf4 or fp4")
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=kind,
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=compute_dtype or torch.float32,
+        )
+    raise UnavailableError(
+        f"unknown bitsandbytes quantization '{kind}'.", hint="use int8, nf4 or fp4"
+    )
 
 
 # torchao methods, applied with quantize_ after the model is loaded and placed on its device.
@@ -66,13 +79,19 @@ def torchao_config(kind: str, device_type: str, dtype=None):
         import torch
 
         if device_type != "cuda":
-            raise UnavailableError(f"torchao int4 weight-only quantization has no kernel for device '{device_type}'.",
-                                   hint="use --quantization ao-int8 or nf4 on CPU, or run on a CUDA GPU")
+            raise UnavailableError(
+                f"torchao int4 weight-only quantization has no kernel for device '{device_type}'.",
+                hint="use --quantization ao-int8 or nf4 on CPU, or run on a CUDA GPU",
+            )
         if dtype is not None and dtype != torch.bfloat16:
-            raise UnavailableError(f"torchao int4 (tinygemm) needs bf16 activations, got {dtype}.",
-                                   hint="add --dtype bf16")
+            raise UnavailableError(
+                f"torchao int4 (tinygemm) needs bf16 activations, got {dtype}.",
+                hint="add --dtype bf16",
+            )
         return ao.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    raise UnavailableError(f"unknown torchao quantization '{kind}'.", hint=f"use one of: {', '.join(TORCHAO_KINDS)}")
+    raise UnavailableError(
+        f"unknown torchao quantization '{kind}'.", hint=f"use one of: {', '.join(TORCHAO_KINDS)}"
+    )
 
 
 def apply_torchao(model, kind: str, device_type: str, dtype=None):
@@ -96,7 +115,9 @@ def _import_torchao():
     try:
         import torchao.quantization as ao
     except ImportError:
-        raise UnavailableError("torchao is not installed.", hint="pip install 'onegpu[torchao]'") from None
+        raise UnavailableError(
+            "torchao is not installed.", hint="pip install 'onegpu[torchao]'"
+        ) from None
     return ao
 
 

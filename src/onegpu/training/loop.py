@@ -18,12 +18,22 @@ from onegpu.training.state import Callback, TrainState
 from onegpu.training.step import train_step
 
 
-def fit(run, accelerator, metrics: MetricsLog, state: TrainState | None = None,
-        callbacks: tuple[Callback, ...] = ()) -> TrainState:
+def fit(
+    run,
+    accelerator,
+    metrics: MetricsLog,
+    state: TrainState | None = None,
+    callbacks: tuple[Callback, ...] = (),
+) -> TrainState:
     cfg, t = run.cfg, run.cfg.training
     resumed = state is not None
-    state = state or TrainState(micro_batch_size=t.micro_batch_size, grad_accum=distributed.global_accum(cfg))
-    feed, guard = recovery.DataFeed(run, state), recovery.NanGuard(t.max_bad_steps, state.bad_streak)
+    state = state or TrainState(
+        micro_batch_size=t.micro_batch_size, grad_accum=distributed.global_accum(cfg)
+    )
+    feed, guard = (
+        recovery.DataFeed(run, state),
+        recovery.NanGuard(t.max_bad_steps, state.bad_streak),
+    )
     model, scheduler = run.model, run.scheduler
     bar = progress_bar(t.max_steps, accelerator.is_main_process, state.step)
     deadline = time.perf_counter() + t.max_minutes * 60 if t.max_minutes else math.inf
@@ -39,9 +49,13 @@ def fit(run, accelerator, metrics: MetricsLog, state: TrainState | None = None,
     out, rng, last_saved = (), None, state.step if resumed else -1
     with recovery.StopSignal() as stop:
         while state.step < t.max_steps and time.perf_counter() < deadline and not stop.requested:
-            rng = checkpoint.rng_state()  # the cycle's start: replayed after an OOM or an interrupted cycle
+            rng = (
+                checkpoint.rng_state()
+            )  # the cycle's start: replayed after an OOM or an interrupted cycle
             out = _step_with_retry(run, accelerator, state, feed, guard, stop, rng)
-            if out is None:  # stop requested mid-cycle: save the state as it was at the cycle's start
+            if (
+                out is None
+            ):  # stop requested mid-cycle: save the state as it was at the cycle's start
                 break
             scheduler.step()
             state.step += 1
@@ -75,7 +89,9 @@ def fit(run, accelerator, metrics: MetricsLog, state: TrainState | None = None,
     return state
 
 
-def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFeed, guard, stop, rng):
+def _step_with_retry(
+    run, accelerator, state: TrainState, feed: recovery.DataFeed, guard, stop, rng
+):
     """train_step on the next cycle; on out-of-memory, shrink the micro-batch and redo the same
     examples with the same random streams. None when a stop interrupted the cycle."""
     t = run.cfg.training
@@ -84,8 +100,17 @@ def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFee
     while True:
         micro = feed.next_cycle()
         try:
-            return train_step(run.model, run.optimizer, micro, accelerator, t.max_grad_norm, run.objective,
-                              guard=guard, step=state.step + 1, should_stop=lambda: stop.requested)
+            return train_step(
+                run.model,
+                run.optimizer,
+                micro,
+                accelerator,
+                t.max_grad_norm,
+                run.objective,
+                guard=guard,
+                step=state.step + 1,
+                should_stop=lambda: stop.requested,
+            )
         except recovery.StepInterrupted:
             return None
         except Exception as exc:  # noqa: BLE001 - only OOM is retried, everything else re-raised
@@ -99,14 +124,24 @@ def _step_with_retry(run, accelerator, state: TrainState, feed: recovery.DataFee
         checkpoint.set_rng_state(rng)
 
 
-def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tuple, skipped: bool, bar,
-              callbacks: tuple[Callback, ...] = ()) -> None:
+def _log_step(
+    run,
+    metrics: MetricsLog,
+    state: TrainState,
+    window: dict,
+    out: tuple,
+    skipped: bool,
+    bar,
+    callbacks: tuple[Callback, ...] = (),
+) -> None:
     """Accumulate the logging window without a host sync; write it every log_every steps."""
     t = run.cfg.training
     step_loss, tokens = out
     window["tokens"] += tokens
     if skipped:
-        metrics.write({"split": "train", "step": state.step, "skipped": "non-finite loss or gradients"})
+        metrics.write(
+            {"split": "train", "step": state.step, "skipped": "non-finite loss or gradients"}
+        )
     else:
         window["loss"] = step_loss if window["loss"] is None else window["loss"] + step_loss
         window["steps"] += 1
@@ -119,9 +154,15 @@ def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tu
     loss = float(window["loss"]) / window["steps"]
     _synchronize(run.device)
     elapsed = time.perf_counter() - window["t0"]
-    rec = {"split": "train", "step": state.step, "loss": loss,
-           "lr": float(run.scheduler.get_last_lr()[0]), "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
-           "tokens_seen": state.tokens_seen, "memory_gb": device_memory_gb(run.device)}
+    rec = {
+        "split": "train",
+        "step": state.step,
+        "loss": loss,
+        "lr": float(run.scheduler.get_last_lr()[0]),
+        "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+        "tokens_seen": state.tokens_seen,
+        "memory_gb": device_memory_gb(run.device),
+    }
     rec.update(run.objective.window_metrics())  # preference objectives: reward accuracy and margin
     metrics.write(rec)
     state.timed_tokens += window["tokens"]
@@ -129,10 +170,18 @@ def _log_step(run, metrics: MetricsLog, state: TrainState, window: dict, out: tu
     for cb in callbacks:
         cb.on_log(run, state, rec)
     if bar is not None:
-        extra = {"margin": f"{rec['reward_margin']:.3f}", "acc": f"{rec['reward_accuracy']:.2f}"} \
-            if "reward_margin" in rec else {}
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", **extra, tok_s=f"{rec['tokens_per_s']:.0f}",
-                        mem=f"{rec['memory_gb']:.2f}GB", refresh=False)
+        extra = (
+            {"margin": f"{rec['reward_margin']:.3f}", "acc": f"{rec['reward_accuracy']:.2f}"}
+            if "reward_margin" in rec
+            else {}
+        )
+        bar.set_postfix(
+            loss=f"{rec['loss']:.3f}",
+            **extra,
+            tok_s=f"{rec['tokens_per_s']:.0f}",
+            mem=f"{rec['memory_gb']:.2f}GB",
+            refresh=False,
+        )
         bar.update(1)
     window.update(tokens=0, t0=time.perf_counter(), loss=None, steps=0)
 
@@ -148,12 +197,26 @@ def save(run, accelerator, state: TrainState, rng: dict | None = None) -> Path:
     accelerator.wait_for_everyone()
     path = run.dir / f"{checkpoint.PREFIX}{state.step:08d}"
     gathered = None
-    if distributed.is_sharded(accelerator, run.model):  # FSDP2 / DeepSpeed: every process contributes its shards
-        gathered = checkpoint_sharded.gather_sharded(run.dir, state.step, run.model, run.optimizer, accelerator)
+    if distributed.is_sharded(
+        accelerator, run.model
+    ):  # FSDP2 / DeepSpeed: every process contributes its shards
+        gathered = checkpoint_sharded.gather_sharded(
+            run.dir, state.step, run.model, run.optimizer, accelerator
+        )
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        checkpoint.save_checkpoint(run.dir, state.step, run.model, run.optimizer, run.scheduler,
-                                   state.to_dict(), accelerator, run.tokenizer, redact(to_dict(run.cfg)), rng,
-                                   gathered=gathered)
+        checkpoint.save_checkpoint(
+            run.dir,
+            state.step,
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            state.to_dict(),
+            accelerator,
+            run.tokenizer,
+            redact(to_dict(run.cfg)),
+            rng,
+            gathered=gathered,
+        )
         checkpoint.prune(run.dir, run.cfg.output.keep_last)
     return path

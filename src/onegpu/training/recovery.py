@@ -67,8 +67,10 @@ class StopSignal:
             sys.stderr.flush()
             os._exit(128 + signum)
         self.received = name
-        sys.stderr.write(f"\n{name}: finishing the current micro-batch, then saving a checkpoint "
-                         f"(send it again to exit at once)\n")
+        sys.stderr.write(
+            f"\n{name}: finishing the current micro-batch, then saving a checkpoint "
+            f"(send it again to exit at once)\n"
+        )
         sys.stderr.flush()
 
 
@@ -98,13 +100,18 @@ class NanGuard:
             return
         self.bad_streak += 1
         self.skipped += 1
-        log.warning("step %d: non-finite loss or gradients; update skipped (%d in a row, limit %d)",
-                    step, self.bad_streak, self.max_bad_steps)
+        log.warning(
+            "step %d: non-finite loss or gradients; update skipped (%d in a row, limit %d)",
+            step,
+            self.bad_streak,
+            self.max_bad_steps,
+        )
         if self.max_bad_steps and self.bad_streak >= self.max_bad_steps:
             raise TrainingDiverged(
                 f"loss or gradients were NaN/inf for {self.bad_streak} steps in a row (last at step {step}).",
                 hint="lower training.lr, keep training.max_grad_norm on, prefer bf16 to fp16, check the data, "
-                     "or resume from an earlier checkpoint with --output.resume")
+                "or resume from an earlier checkpoint with --output.resume",
+            )
 
 
 def total_grad_norm(parameters):
@@ -130,9 +137,11 @@ def smaller_micro_batch(micro_batch_size: int, grad_accum: int) -> tuple[int, in
     An odd size goes straight to 1 (x its size in accumulation) so the product stays exact.
     """
     if micro_batch_size <= 1:
-        raise OnegpuError("out of memory even with training.micro_batch_size 1.",
-                          hint="turn on techniques.checkpointing, lower data.seq_len, use a smaller model, "
-                               "or techniques.lora / techniques.offload")
+        raise OnegpuError(
+            "out of memory even with training.micro_batch_size 1.",
+            hint="turn on techniques.checkpointing, lower data.seq_len, use a smaller model, "
+            "or techniques.lora / techniques.offload",
+        )
     new = micro_batch_size // 2 if micro_batch_size % 2 == 0 else 1
     return new, grad_accum * (micro_batch_size // new)
 
@@ -164,9 +173,17 @@ class DataFeed:
         from onegpu.data import batches
 
         run, s = self.run, self.state
-        order = batches.BatchOrder(len(run.train_ds), s.micro_batch_size, run.cfg.training.seed, start=s.batches_seen,
-                                   rank=distributed.rank(), world=distributed.world_size())
-        self._it = iter(batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu))
+        order = batches.BatchOrder(
+            len(run.train_ds),
+            s.micro_batch_size,
+            run.cfg.training.seed,
+            start=s.batches_seen,
+            rank=distributed.rank(),
+            world=distributed.world_size(),
+        )
+        self._it = iter(
+            batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu)
+        )
 
     def next_cycle(self) -> list[dict]:
         from onegpu import distributed
@@ -177,9 +194,17 @@ class DataFeed:
     def shrink(self) -> None:
         s = self.state
         bs, accum = smaller_micro_batch(s.micro_batch_size, s.grad_accum)
-        s.batches_seen = convert_position(s.batches_seen, len(self.run.train_ds), s.micro_batch_size, bs)
-        log.warning("step %d: out of memory with micro_batch_size %d; retrying with %d x grad_accum %d "
-                    "(same effective batch, same examples)", s.step + 1, s.micro_batch_size, bs, accum)
+        s.batches_seen = convert_position(
+            s.batches_seen, len(self.run.train_ds), s.micro_batch_size, bs
+        )
+        log.warning(
+            "step %d: out of memory with micro_batch_size %d; retrying with %d x grad_accum %d "
+            "(same effective batch, same examples)",
+            s.step + 1,
+            s.micro_batch_size,
+            bs,
+            accum,
+        )
         s.micro_batch_size, s.grad_accum = bs, accum
         self._open()
 

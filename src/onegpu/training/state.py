@@ -13,7 +13,9 @@ from onegpu.data.overlong import DataStats
 @dataclass
 class TrainState:
     step: int = 0
-    batches_seen: int = 0  # micro-batches (of micro_batch_size) of completed steps: the data position
+    batches_seen: int = (
+        0  # micro-batches (of micro_batch_size) of completed steps: the data position
+    )
     tokens_seen: int = 0  # real (non-padding) input tokens
     best_eval: float = math.inf
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
@@ -22,7 +24,9 @@ class TrainState:
     skipped_steps: int = 0  # updates skipped for a non-finite loss/gradient
     bad_streak: int = 0
     stopped: str | None = None  # the signal that stopped the run early, if any
-    rng: Any = field(default=None, repr=False)  # RNG states restored from a checkpoint, applied by fit()
+    rng: Any = field(
+        default=None, repr=False
+    )  # RNG states restored from a checkpoint, applied by fit()
     # This process's training speed: the logged windows together (evaluation and saving left out).
     # Not checkpointed: a resumed run reports its own speed.
     timed_tokens: int = 0
@@ -57,19 +61,35 @@ class TrainState:
 
     def to_dict(self) -> dict:
         last = self.history[-1] if self.history else None
-        return {"step": self.step, "batches_seen": self.batches_seen, "tokens_seen": self.tokens_seen,
-                "best_eval": self.best_eval, "history": self.history, "micro_batch_size": self.micro_batch_size,
-                "grad_accum": self.grad_accum, "skipped_steps": self.skipped_steps, "bad_streak": self.bad_streak,
-                "eval_loss": last[1] if last and last[0] == self.step else None}
+        return {
+            "step": self.step,
+            "batches_seen": self.batches_seen,
+            "tokens_seen": self.tokens_seen,
+            "best_eval": self.best_eval,
+            "history": self.history,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum": self.grad_accum,
+            "skipped_steps": self.skipped_steps,
+            "bad_streak": self.bad_streak,
+            "eval_loss": last[1] if last and last[0] == self.step else None,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         """The state a checkpoint recorded; this process starts counting from it."""
-        return cls(step=d["step"], batches_seen=d["batches_seen"], tokens_seen=d["tokens_seen"],
-                   best_eval=d["best_eval"], history=[(int(s), float(v)) for s, v in d["history"]],
-                   micro_batch_size=d.get("micro_batch_size", 0), grad_accum=d.get("grad_accum", 0),
-                   skipped_steps=d.get("skipped_steps", 0), bad_streak=d.get("bad_streak", 0),
-                   start_step=d["step"], start_tokens=d["tokens_seen"])
+        return cls(
+            step=d["step"],
+            batches_seen=d["batches_seen"],
+            tokens_seen=d["tokens_seen"],
+            best_eval=d["best_eval"],
+            history=[(int(s), float(v)) for s, v in d["history"]],
+            micro_batch_size=d.get("micro_batch_size", 0),
+            grad_accum=d.get("grad_accum", 0),
+            skipped_steps=d.get("skipped_steps", 0),
+            bad_streak=d.get("bad_streak", 0),
+            start_step=d["step"],
+            start_tokens=d["tokens_seen"],
+        )
 
 
 @dataclass
@@ -81,8 +101,12 @@ class RunResult:
     last_eval: float | None
     wall_seconds: float
     tokens_per_second: float
-    stopped: str | None = None  # set when a signal ended the run early; final_dir is then its checkpoint
-    data_stats: list[DataStats] = field(default_factory=list)  # per split: over-long records and their fate
+    stopped: str | None = (
+        None  # set when a signal ended the run early; final_dir is then its checkpoint
+    )
+    data_stats: list[DataStats] = field(
+        default_factory=list
+    )  # per split: over-long records and their fate
     sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
 
 
