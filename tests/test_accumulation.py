@@ -7,11 +7,10 @@ The loss is normalised by the number of target tokens in the whole accumulated b
 import pytest
 import torch
 
+from helpers import make_tiny_llama
 from onegpu.data.batches import Collator
 from onegpu.objectives.sft import SFT, loss_sum
 from onegpu.training.step import train_step
-
-from helpers import make_tiny_llama
 
 
 class RecordingOptimizer:

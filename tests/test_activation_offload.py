@@ -10,9 +10,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from helpers import make_tiny_llama, saved_tensor_bytes
 from onegpu.config import LoraConfig, TechniquesConfig
+from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.activation_offload import ActivationOffload
 from onegpu.techniques.checkpointing import apply_checkpointing
-from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
 
 LAYERS, HIDDEN = 3, 64

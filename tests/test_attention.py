@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from helpers import attention_of
-from onegpu.data.batches import Collator
 from onegpu.config import ModelConfig, TechniquesConfig
+from onegpu.data.batches import Collator
 from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 from onegpu.models import load_model
-from onegpu.techniques import attention as A
 from onegpu.objectives.tokens import model_inputs
+from onegpu.techniques import attention as A
 from onegpu.training.state import Callback
 
 CPU = DeviceInfo("cpu", "CPU", 8 * 2**30)
@@ -192,9 +192,9 @@ def test_llama_under_auto_loads_with_sdpa(tiny_model_dir, text_file, tmp_path, c
 
 
 def test_presets_resolve_without_loading_weights():
+    from onegpu.config import Config
     from onegpu.models import model_config
     from onegpu.techniques.prepare import load_kwargs
-    from onegpu.config import Config
 
     assert _kernels(model_config("tiny")).class_name == "LlamaForCausalLM"
     assert load_kwargs(Config(), CPU, "fp32", "tiny")["attn_implementation"] == "sdpa"

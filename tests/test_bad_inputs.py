@@ -16,10 +16,9 @@ from collections import namedtuple
 
 import pytest
 
+from helpers import write_data
 from onegpu import hardware
 from onegpu.cli.main import main
-
-from helpers import write_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import Parts, make_tiny_llama
 from onegpu.checkpoint import local as checkpoint
 from onegpu.errors import ConfigError
-
-from helpers import Parts, make_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

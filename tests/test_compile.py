@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import is_compiled, make_tiny_llama
-from onegpu.data.batches import Collator
 from onegpu.config import TechniquesConfig
+from onegpu.data.batches import Collator
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.compile import apply_compile
@@ -163,11 +163,11 @@ def test_default_run_compiles_blocks_and_evaluates_without_compiling(
     from accelerate import Accelerator
 
     from onegpu import hardware
-    from onegpu.training import assemble
-    from onegpu.data import batches
     from onegpu.config import from_dict
-    from onegpu.techniques.prepare import resolved_techniques
+    from onegpu.data import batches
     from onegpu.objectives.tokens import with_target_positions
+    from onegpu.techniques.prepare import resolved_techniques
+    from onegpu.training import assemble
     from onegpu.training.data import build_data
     from onegpu.training.evaluate import evaluate
 

@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from onegpu.cli.main import main
 from onegpu.cli.args import make_parser, parse
+from onegpu.cli.main import main
 from onegpu.config import Config, from_dict, validate
 from onegpu.errors import ConfigError
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from onegpu.config import DataConfig
 from onegpu.data import batches
 from onegpu.data import records as data
-from onegpu.config import DataConfig
 from onegpu.errors import DataError
 
 

@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from onegpu import distributed
-from onegpu.data.batches import BatchOrder
 from onegpu.config import Config, from_dict
-from onegpu.errors import ConfigError
+from onegpu.data.batches import BatchOrder
 from onegpu.distributed import zero
+from onegpu.errors import ConfigError
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "train_many.py"
 REL_TOL = 1e-4

@@ -142,5 +142,5 @@ def test_prompts_file_json_error_names_line_and_column_without_a_dangling_at(
     with pytest.raises(DataError) as err:
         read_prompts_file(str(bad))
     message = str(err.value).splitlines()[0]
-    assert f"bad.jsonl line 2: not valid JSON (" in message and f"at column {column})" in message
+    assert "bad.jsonl line 2: not valid JSON (" in message and f"at column {column})" in message
     assert " at at " not in message and " at)" not in message

@@ -6,11 +6,10 @@ import io
 import json
 
 import pytest
-import torch
 
+from onegpu.cli.generate import cli, read_prompts_file
 from onegpu.cli.main import main
 from onegpu.errors import ConfigError, DataError
-from onegpu.cli.generate import cli, read_prompts_file
 from onegpu.infer import InferConfig, SamplingConfig, generate, load
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):\n    print(i"]

@@ -10,13 +10,12 @@ import shutil
 import pytest
 import yaml
 
+from helpers import CORPUS
 from onegpu import train
 from onegpu.config import Config, from_dict, load_yaml, validate
 from onegpu.errors import ConfigError
 from onegpu.hyper import auto_table, describe, resolve_hyperparameters, training_mode
 from onegpu.report import read_metrics
-
-from helpers import CORPUS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

@@ -8,11 +8,10 @@ import shutil
 import pytest
 import torch
 
+from helpers import is_quantized_layer
 from onegpu.errors import ConfigError, ModelError, UnavailableError
 from onegpu.infer import InferConfig, load, parse_max_memory, resolve_model
 from onegpu.techniques.quantization import weight_bytes
-
-from helpers import is_quantized_layer
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ import time
 import pytest
 import torch
 
-from onegpu.checkpoint import local as checkpoint
-from onegpu import train
-
 from helpers import assert_same_weights, losses, make_cfg
+from onegpu import train
+from onegpu.checkpoint import local as checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

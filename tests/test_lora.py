@@ -193,8 +193,8 @@ def test_build_model_loads_a_4bit_base_under_the_adapters(tmp_path, tiny_model_d
     import bitsandbytes as bnb
 
     from onegpu import hardware
-    from onegpu.training import assemble
     from onegpu.config import from_dict
+    from onegpu.training import assemble
 
     cfg = from_dict(
         {

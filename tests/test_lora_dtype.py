@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_tiny_llama
 from onegpu.config import LoraConfig, TechniquesConfig, TrainingConfig
 from onegpu.errors import ConfigError
 from onegpu.techniques.lora import adapter_dtype, apply_lora
 from onegpu.techniques.optimizers import build_optimizer
-
-from helpers import make_tiny_llama
 
 pytest.importorskip("peft")
 

@@ -10,7 +10,6 @@ import torch
 from helpers import make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
-from onegpu.techniques.fused_loss import auto_chunk
 from onegpu.objectives.sft import SFT, loss_sum
 from onegpu.objectives.tokens import (
     IGNORE,
@@ -21,6 +20,7 @@ from onegpu.objectives.tokens import (
     select_targets,
     with_target_positions,
 )
+from onegpu.techniques.fused_loss import auto_chunk
 
 
 def _loss_and_grads(model, batch, chunk):
@@ -242,9 +242,9 @@ def test_loss_setting_resolution():
 
 def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_file):
     from onegpu import hardware
+    from onegpu.config import from_dict
     from onegpu.training import assemble
     from onegpu.training.data import build_data
-    from onegpu.config import from_dict
 
     cfg = from_dict(
         {

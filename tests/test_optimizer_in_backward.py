@@ -7,15 +7,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from helpers import assert_same_weights, make_tiny_llama
 from onegpu.config import Config, TechniquesConfig, TrainingConfig, from_dict, validate
 from onegpu.data.batches import Collator
 from onegpu.errors import ConfigError
 from onegpu.techniques.optimizer_in_backward import OptimizerInBackward, steps_in_backward
 from onegpu.techniques.optimizers import build_optimizer, state_bytes
 from onegpu.training.step import train_step
-
-from helpers import make_tiny_llama
-from helpers import assert_same_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

@@ -163,11 +163,10 @@ def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
     """Whole step (forward, backward, AdamW step) on CPU: the prediction is loose but must be close."""
     import functools
 
+    from helpers import make_tiny_llama
     from onegpu.config import TechniquesConfig, TrainingConfig
     from onegpu.objectives.sft import loss_sum
     from onegpu.techniques.optimizers import build_optimizer
-
-    from helpers import make_tiny_llama
 
     model = make_tiny_llama(
         tiny_tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=3

@@ -202,8 +202,9 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
     trl_loss = trainer.compute_loss(trainer.model, batch)
     trl_loss.backward()
 
-    from onegpu.objectives.reference import CopyReference
     import contextlib
+
+    from onegpu.objectives.reference import CopyReference
 
     loss_fn = _loss_fn(
         "dpo", 16, CopyReference(reference, contextlib.nullcontext, TokenLoss(16)), beta=beta

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from onegpu.data.batches import BatchOrder, Collator, make_loader
 from onegpu.config import DataConfig
+from onegpu.data.batches import BatchOrder, Collator, make_loader
 
 
 class TaggingCollator(Collator):

@@ -8,12 +8,10 @@ import logging
 import pytest
 import torch
 
-from onegpu.training import assemble
-from onegpu.training import recovery
-from onegpu import train
-from onegpu.training.step import train_step
-
 from helpers import assert_same_weights, losses, make_cfg, make_tiny_llama, nan_at, oom_above
+from onegpu import train
+from onegpu.training import assemble, recovery
+from onegpu.training.step import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

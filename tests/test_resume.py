@@ -12,10 +12,9 @@ import signal
 
 import pytest
 
-from onegpu.training import assemble
-from onegpu import train
-
 from helpers import assert_same_weights, losses, make_cfg, straight_then_resumed
+from onegpu import train
+from onegpu.training import assemble
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

@@ -13,11 +13,10 @@ import time
 
 import pytest
 
+from helpers import write_data
 from onegpu.checkpoint import local as checkpoint
 from onegpu.cli.main import main
 from onegpu.report import read_metrics
-
-from helpers import write_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 

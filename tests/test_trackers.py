@@ -11,12 +11,11 @@ import sys
 
 import pytest
 
+from helpers import CORPUS
 from onegpu import train
 from onegpu.config import from_dict
 from onegpu.errors import ConfigError
 from onegpu.report import read_metrics
-
-from helpers import CORPUS
 
 HAS_TRACKIO = importlib.util.find_spec("trackio") is not None
 

@@ -84,8 +84,8 @@ def test_refuses_non_empty_run_dir(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from onegpu.training.assemble import lr_schedule
     from onegpu.config import TrainingConfig
+    from onegpu.training.assemble import lr_schedule
 
     f = lr_schedule(TrainingConfig(max_steps=100, warmup_steps=10, min_lr_ratio=0.1))
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)

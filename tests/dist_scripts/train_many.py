@@ -9,8 +9,8 @@ tests chain a run and its resume in one launch.
 import logging
 import sys
 
-from onegpu.config import from_dict, load_yaml
 from onegpu import train
+from onegpu.config import from_dict, load_yaml
 
 
 def main(paths: list[str]) -> None:

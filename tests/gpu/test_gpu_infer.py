@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import is_quantized_layer
 from onegpu.infer import InferConfig, SamplingConfig, generate, load
 from onegpu.techniques.quantization import weight_bytes
-
-from helpers import is_quantized_layer
 
 pytestmark = pytest.mark.gpu
 

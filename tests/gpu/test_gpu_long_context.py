@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from onegpu.config import TechniquesConfig
-from onegpu.techniques.activation_offload import MAX_IN_FLIGHT, ActivationOffload
 from onegpu.objectives.sft import loss_sum
+from onegpu.techniques.activation_offload import MAX_IN_FLIGHT, ActivationOffload
 from onegpu.techniques.prepare import prepare_model
 
 pytestmark = pytest.mark.gpu

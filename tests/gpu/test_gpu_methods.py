@@ -208,9 +208,9 @@ def test_fused_loss_under_bf16_autocast_matches_plain(tiny_tokenizer):
 def test_fused_loss_needs_no_host_sync(tiny_tokenizer):
     """With the target rows computed on the host (as the training loop does), selecting them and
     the fused head + loss run without a device-to-host sync."""
-    from onegpu.techniques.fused_loss import fused_head_loss
     from onegpu.objectives.tokens import TARGETS, select_targets, with_target_positions
     from onegpu.techniques.fused_loss import Head as _Head
+    from onegpu.techniques.fused_loss import fused_head_loss
 
     model = make_tiny_llama(tiny_tokenizer).cuda()
     cpu = with_target_positions(random_batch(len(tiny_tokenizer), n=4, length=128))

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onegpu.training import assemble
+from helpers import assert_same_weights, losses, make_cfg, oom_above, straight_then_resumed
 from onegpu.checkpoint import local as checkpoint
-
-from helpers import oom_above
-from helpers import assert_same_weights, losses, make_cfg, straight_then_resumed
+from onegpu.training import assemble
 
 pytestmark = pytest.mark.gpu
 

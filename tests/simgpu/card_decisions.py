@@ -57,8 +57,8 @@ def test_tf32_default_sets_the_cuda_backends(card):
 
 
 def test_shape_advice_multiple(card, caplog):
-    from onegpu.training.startup import check_shapes, preferred_multiple
     from onegpu.techniques.precision import resolve_precision
+    from onegpu.training.startup import check_shapes, preferred_multiple
 
     precision = resolve_precision(TechniquesConfig(), detect())
     want = EXPECTED[card.key][2]

@@ -61,10 +61,10 @@ def step(
 ):
     """Prepare a tiny model as training does, then run one train_step on the card; returns
     (model, optimizer, accelerator, loss)."""
+    from onegpu.objectives import make_objective
     from onegpu.techniques.optimizers import build_optimizer
     from onegpu.techniques.precision import resolve_precision, weights_dtype
     from onegpu.techniques.prepare import prepare_model
-    from onegpu.objectives import make_objective
     from onegpu.training.assemble import make_accelerator
     from onegpu.training.step import train_step
 

@@ -35,7 +35,6 @@ the cuBLAS workspace and allocator rounding stay the planner's own additions (``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import time
 from collections import OrderedDict
@@ -287,11 +286,11 @@ def build(config, c: Candidate):
 
     from onegpu.config import Config
     from onegpu.hardware import DeviceInfo
+    from onegpu.objectives.sft import SFT
+    from onegpu.objectives.tokens import TokenLoss
     from onegpu.techniques.optimizers import build_optimizer
     from onegpu.techniques.precision import weights_dtype
     from onegpu.techniques.prepare import prepare_model
-    from onegpu.objectives.sft import SFT
-    from onegpu.objectives.tokens import TokenLoss
     from onegpu.training.assemble import make_accelerator
 
     cfg = c.apply(Config())

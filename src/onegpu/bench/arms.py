@@ -10,8 +10,9 @@ TRL's ``DPOTrainer`` at its defaults.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from onegpu.bench.settings import BenchTrainConfig
 from onegpu.errors import ConfigError

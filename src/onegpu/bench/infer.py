@@ -16,9 +16,10 @@ import logging
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 from onegpu.errors import ConfigError
 from onegpu.infer import InferConfig, SamplingConfig

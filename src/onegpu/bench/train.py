@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from onegpu.bench.arms import arm_names, select_arms, skip_reason
 from onegpu.bench.settings import BenchSettings, BenchTrainConfig

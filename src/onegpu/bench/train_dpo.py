@@ -101,8 +101,8 @@ def trl_records(records, rows: list[int], data_cfg):
 def aligned_arguments(cfg, device) -> dict:
     """DPOConfig settings set to our run's, each because the comparison needs it (hf_arguments already
     aligns batch, accumulation, steps, learning rate and schedule, optimizer betas, clipping, seed)."""
-    from onegpu.techniques.precision import resolve_precision
     from onegpu.objectives.preference import resolve_beta
+    from onegpu.techniques.precision import resolve_precision
 
     precision = resolve_precision(cfg.techniques, device)
     kw = dict(

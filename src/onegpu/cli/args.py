@@ -14,7 +14,8 @@ import argparse
 import difflib
 import re
 import sys
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from onegpu.errors import ConfigError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from onegpu.errors import ConfigError
 

@@ -13,8 +13,9 @@ import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from onegpu.cli.args import add_options, make_parser, parse
 from onegpu.errors import ConfigError, DataError

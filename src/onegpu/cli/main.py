@@ -10,7 +10,7 @@ import difflib
 import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from onegpu.errors import ConfigError, OnegpuError
 

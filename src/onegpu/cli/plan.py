@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from onegpu.cli.args import (
     make_parser,

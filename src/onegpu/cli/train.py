@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from onegpu.cli.args import make_parser, model_shorthand, note_model_shorthand, parse
 from onegpu.config import Config

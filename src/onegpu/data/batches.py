@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from onegpu.config import DataConfig
 from onegpu.data import overlong, records

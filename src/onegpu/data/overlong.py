@@ -8,8 +8,8 @@ several processes and its cache; `count` reads them back and `tokenize` then dro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 IGNORE = -100
 FATE, TURNS = "_fate", "_turns_left_out"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+
 from onegpu.config import DataConfig
 from onegpu.data import overlong, records
 from onegpu.errors import DataError

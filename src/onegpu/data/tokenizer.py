@@ -6,7 +6,7 @@ import hashlib
 import logging
 import os
 import shutil
-from typing import Iterable
+from collections.abc import Iterable
 
 from onegpu.paths import cache_dir
 

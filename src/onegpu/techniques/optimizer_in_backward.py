@@ -18,8 +18,7 @@ the OOM retry is off with this switch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 

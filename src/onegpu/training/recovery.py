@@ -47,7 +47,7 @@ class StopSignal:
     def requested(self) -> bool:
         return self.received is not None
 
-    def __enter__(self) -> "StopSignal":
+    def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
