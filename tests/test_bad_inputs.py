@@ -768,7 +768,7 @@ def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
         DataConfig(seq_len=128, num_proc=1),
         "t",
     )[0]
-    targets = [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100]
+    targets = [t for t, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != -100]
     assert tok.decode(targets) == "hi there<|eos|>see you<|eos|>"
     newline = tok("\n", add_special_tokens=False)["input_ids"]
     ids = ex["input_ids"]

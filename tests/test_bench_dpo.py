@@ -142,7 +142,7 @@ def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, 
     built = make_tiny_llama(tiny_tokenizer)
     copy = default_reference(built, lora=False)
     assert copy is not built and all(
-        (a == b).all() for a, b in zip(copy.parameters(), built.parameters())
+        (a == b).all() for a, b in zip(copy.parameters(), built.parameters(), strict=True)
     )
     assert default_reference(built, lora=True) is None
 

@@ -77,7 +77,7 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
             assert r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and 0 < r["mfu"] < 1
             assert r["train_mem_mb"] > 0 and r["final_loss"] > 0
     # The same examples in the same order: both loops count exactly the same real tokens.
-    for a, h in zip(ours["reps"], hf["reps"]):
+    for a, h in zip(ours["reps"], hf["reps"], strict=True):
         assert a["tokens_seen"] == h["tokens_seen"] > 0
         assert a["timed_tokens"] == h["timed_tokens"] > 0
     assert ours["final_loss"] == pytest.approx(
@@ -86,7 +86,7 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
 
     # Ratios pair each round's arm with that round's baseline, then take the median.
     paired = lambda key, a, b: statistics.median(
-        x[key] / y[key] for x, y in zip(a["reps"], b["reps"])
+        x[key] / y[key] for x, y in zip(a["reps"], b["reps"], strict=True)
     )  # noqa: E731
     assert ours["speed_x"] == pytest.approx(1.0) and ours["memory_x"] == pytest.approx(1.0)
     assert hf["speed_x"] == pytest.approx(paired("tokens_per_s", hf, ours))

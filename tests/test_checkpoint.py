@@ -58,7 +58,9 @@ def test_load_restores_model_and_optimizer_exactly(tmp_path, parts, tiny_tokeniz
         path, other.model, other.optimizer, other.scheduler, other.accelerator
     )
     assert state["step"] == 1 and "rng" in state
-    for (n, a), (_, b) in zip(parts.model.state_dict().items(), other.model.state_dict().items()):
+    for (n, a), (_, b) in zip(
+        parts.model.state_dict().items(), other.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), n
     sa, sb = parts.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)

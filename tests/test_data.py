@@ -63,7 +63,7 @@ def test_messages_train_only_on_assistant_tokens(tiny_tokenizer):
     ds = datasets.Dataset.from_dict({"messages": [conv]})
     ex = batches.tokenize(ds, "messages", tiny_tokenizer, cfg, "t")[0]
     trained = tiny_tokenizer.decode(
-        [t for t, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100]
+        [t for t, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != -100]
     )
     assert "hi there" in trained and "see you" in trained
     assert "hello" not in trained and "bye" not in trained

@@ -132,7 +132,7 @@ def test_batch_order_shards_round_robin_and_keeps_single_process_order():
         take(BatchOrder(50, 4, seed=7, world=2, rank=0), 15),
         take(BatchOrder(50, 4, seed=7, world=2, rank=1), 15),
     )
-    assert [b for pair in zip(r0, r1) for b in pair] == single
+    assert [b for pair in zip(r0, r1, strict=False) for b in pair] == single
     # a resumed position is global: 6 micro-batches done -> rank 1 continues at global batch 7
     assert take(BatchOrder(50, 4, seed=7, start=6, world=2, rank=1), 2) == [single[7], single[9]]
 

@@ -66,7 +66,7 @@ def test_chat_batch_is_left_padded_chat_templates(tiny, monkeypatch):
         SamplingConfig(max_new_tokens=2, greedy=True, chat=True),
     )
     pad = tiny.tokenizer.pad_token_id
-    for row, prompt in zip(seen[0], prompts):
+    for row, prompt in zip(seen[0], prompts, strict=True):
         ids = tiny.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )["input_ids"]

@@ -46,11 +46,13 @@ def test_same_weights_as_a_normal_step(tiny_tokenizer, optimizer):
     plain, _ = _train(tiny_tokenizer, False, optimizer)
     inside, opt = _train(tiny_tokenizer, True, optimizer)
     assert isinstance(opt, OptimizerInBackward) and steps_in_backward(opt)
-    for (name, a), (_, b) in zip(plain.named_parameters(), inside.named_parameters()):
+    for (name, a), (_, b) in zip(plain.named_parameters(), inside.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     assert any(
         not torch.equal(a, b)
-        for a, b in zip(make_tiny_llama(tiny_tokenizer).parameters(), inside.parameters())
+        for a, b in zip(
+            make_tiny_llama(tiny_tokenizer).parameters(), inside.parameters(), strict=True
+        )
     )  # it did train
 
 
@@ -90,7 +92,7 @@ def test_state_round_trips_and_is_counted(tiny_tokenizer):
         model2, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0)
     )
     opt2.load_state_dict(opt.state_dict())
-    for a, b in zip(opt.inner, opt2.inner):
+    for a, b in zip(opt.inner, opt2.inner, strict=True):
         sa, sb = next(iter(a.state.values())), next(iter(b.state.values()))
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     with pytest.raises(ValueError, match="optimizer_in_backward"):
@@ -132,7 +134,9 @@ def test_a_non_finite_loss_never_reaches_the_weights(tiny_tokenizer):
         guard=guard,
         step=1,
     )
-    assert guard.last_bad and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert guard.last_bad and all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ def tokenize(tok, fmt, rows, seq_len, policy, **kw):
 def trained_spans(tok, ex) -> list[str]:
     """The decoded runs of consecutive target tokens of one example."""
     spans, cur = [], []
-    for t, lab in zip(ex["input_ids"], ex["labels"]):
+    for t, lab in zip(ex["input_ids"], ex["labels"], strict=True):
         if lab != IGNORE:
             cur.append(t)
         elif cur:

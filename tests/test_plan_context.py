@@ -148,7 +148,7 @@ def test_max_context_bisects_to_the_last_length_that_fits(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    for (label, _), n in zip(rows, lengths):
+    for (label, _), n in zip(rows, lengths, strict=True):
         assert re.search(re.escape(label) + rf"\s+{n:,}\s", out), label
 
 

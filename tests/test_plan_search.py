@@ -174,7 +174,7 @@ def test_plan_cli_table(capsys):
     assert "tokens/s (uncalibrated)" in lines[header]  # no probe has measured this GPU
     rows = [line for line in lines[header + 1 :] if line.strip()][:3]
     assert len(plan.rows) > 3 and lines[header + 4] == ""  # --top 3: three rows, then a blank line
-    for n, (line, row) in enumerate(zip(rows, plan.rows), 1):
+    for n, (line, row) in enumerate(zip(rows, plan.rows, strict=False), 1):
         rank, rest = line[:2].strip(), line[4:]
         label, peak, tokens, why = (
             rest[:52].strip(),

@@ -49,7 +49,7 @@ def test_workers_build_batches_in_other_processes_with_identical_content():
     }
     assert {int(b["worker"]) for b in parallel} == {0, 1}  # round-robin over both workers
     assert os.getpid() not in {int(b["pid"]) for b in parallel}
-    for a, b in zip(serial, parallel):
+    for a, b in zip(serial, parallel, strict=True):
         for key in ("input_ids", "labels", "attention_mask"):
             assert torch.equal(a[key], b[key]), key
 

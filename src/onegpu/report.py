@@ -77,9 +77,9 @@ def plot_loss(metrics_path: str | Path, out_png: str | Path) -> Path:
     val = [(r["step"], r["loss"]) for r in recs if r.get("split") == "val" and "loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
-        ax.plot(*zip(*train), label="train", lw=1.2)
+        ax.plot(*zip(*train, strict=True), label="train", lw=1.2)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation", lw=1.5)
+        ax.plot(*zip(*val, strict=True), "o-", label="validation", lw=1.5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

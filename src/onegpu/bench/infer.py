@@ -406,7 +406,7 @@ def plot(result: dict, path: Path) -> None:
         ("weight_mb", "weights (MB)"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 0.45 * len(names) + 1.5))
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (key, title) in zip(axes, panels, strict=True):
         values = [r[key] or 0 for r in rows]
         ax.barh(names, values, color=["#888888"] + ["#3b7dd8"] * (len(rows) - 1))
         ax.set_title(title)

@@ -69,7 +69,9 @@ def example_tokens(dataset) -> list[int]:
         return [len(x) for x in dataset["input_ids"]]
     return [
         2 * len(p) + len(c) + len(r)
-        for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])
+        for p, c, r in zip(
+            dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True
+        )
     ]
 
 

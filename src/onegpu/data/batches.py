@@ -124,7 +124,7 @@ def _rows() -> dict:
 
 def _prompt_completion(batch, indices, tok, cfg, split):
     out = _rows()
-    rows = zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field])
+    rows = zip(indices, batch[cfg.prompt_field], batch[cfg.completion_field], strict=True)
     for i, (idx, p, c) in enumerate(rows):
         if not isinstance(p, str) or not isinstance(c, str):
             where = records.where(batch, i, idx, split)
@@ -151,7 +151,7 @@ def _messages(batch, indices, tok, cfg, split):
         )
     out = _rows()
     encode = functools.partial(_encode_chat, tok=tok)
-    for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field])):
+    for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field], strict=True)):
         problem = records.chat_problem(conv)
         if problem:
             raise DataError(f"{records.where(batch, i, idx, split)}: {problem[0]}", hint=problem[1])
@@ -333,4 +333,6 @@ def eval_batches(ds, batch_size: int, collator, limit: int = 0):
         count = min(count, limit)
     for b in range(count):
         rows = ds[b * batch_size : min(n, (b + 1) * batch_size)]
-        yield collator([dict(zip(rows, vals)) for vals in zip(*rows.values())])
+        yield collator(
+            [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
+        )

@@ -125,7 +125,7 @@ Encode = Callable[[list], tuple[list[int], list[int]]]
 
 def labelled(ids: list[int], turn: list[int], cut: frozenset = frozenset()) -> list[int]:
     """Labels on assistant tokens, except those of the turns in `cut`."""
-    return [t if k >= 0 and k not in cut else IGNORE for t, k in zip(ids, turn)]
+    return [t if k >= 0 and k not in cut else IGNORE for t, k in zip(ids, turn, strict=True)]
 
 
 def fit_chat(

@@ -37,7 +37,7 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
         overlong.TURNS: [],
     }
     prompts = batch.get(cfg.prompt_field) or [None] * len(indices)
-    rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field])
+    rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field], strict=True)
     for i, (idx, p, c, r) in enumerate(rows):
         where = records.where(batch, i, idx, split)
         prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)

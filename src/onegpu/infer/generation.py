@@ -179,7 +179,8 @@ def _generate_batch(
             **enc, **generation_kwargs(model, tokenizer, scfg, max_new), streamer=streamer
         )
     return [
-        _completion(p, row[width:], tokenizer, scfg.stop) for p, row in zip(prompts, out.tolist())
+        _completion(p, row[width:], tokenizer, scfg.stop)
+        for p, row in zip(prompts, out.tolist(), strict=True)
     ]
 
 

@@ -177,7 +177,7 @@ class Preference(Objective):
 def _means(sums: torch.Tensor | None) -> dict:
     if sums is None:
         return {}
-    s = dict(zip(STATS, sums.tolist()))
+    s = dict(zip(STATS, sums.tolist(), strict=True))
     n = max(s["pairs"], 1.0)
     return {
         "reward_accuracy": s["correct"] / n,

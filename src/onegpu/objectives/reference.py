@@ -136,6 +136,7 @@ def precompute(
             for col, v in zip(
                 (REF_CHOSEN, REF_REJECTED),
                 compute(model, ds, tokens, collator, micro_batch, device),
+                strict=True,
             )
         }
         seconds = time.perf_counter() - t0

@@ -431,7 +431,7 @@ def build_probe_model(
 
 
 def _sub(a: Fit, b: Fit) -> Fit:
-    return Fit(*(x - y for x, y in zip(astuple(a), astuple(b))))
+    return Fit(*(x - y for x, y in zip(astuple(a), astuple(b), strict=True)))
 
 
 def _scale(a: Fit, k: float) -> Fit:

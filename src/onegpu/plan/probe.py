@@ -63,7 +63,7 @@ def auto_plan(cfg: Config) -> Config:
     probe_one(rows[0], cfg, shared, device)
     results = [probe_one(r, cfg, shared, device) for r in rows]
     _log_table(results)
-    ok = [(m, r) for m, r in zip(results, rows) if not m.error]
+    ok = [(m, r) for m, r in zip(results, rows, strict=True) if not m.error]
     if not ok:
         log.warning(
             "plan: every probe failed; training with the first prediction, %s",

@@ -78,11 +78,12 @@ class _FusedHeadLoss(torch.autograd.Function):
                 grads = torch.autograd.grad(loss, ([hc] if want_h else []) + list(params))
                 if want_h:
                     grad_h[sl] = grads[0]
-                for acc, g in zip(sums, grads[int(want_h) :]):
+                for acc, g in zip(sums, grads[int(want_h) :], strict=True):
                     acc.add_(g)
                 total += loss.detach()
         ctx.grad_h = grad_h
-        ctx.grad_params = [s.to(p.dtype) for s, p in zip(sums, params)]  # no copy when already fp32
+        # no copy when already fp32
+        ctx.grad_params = [s.to(p.dtype) for s, p in zip(sums, params, strict=True)]
         return total
 
     @staticmethod
@@ -159,11 +160,18 @@ class _FusedTokenLogps(torch.autograd.Function):
                 )
                 if want_h:
                     grad_h[sl] = grads[0]
-                for acc, g in zip(sums, grads[int(want_h) :]):
+                for acc, g in zip(sums, grads[int(want_h) :], strict=True):
                     if g is not None:
                         acc.add_(g)
         ctx.head = None
-        return (None, None, None, grad_h, None, *[s.to(p.dtype) for s, p in zip(sums, params)])
+        return (
+            None,
+            None,
+            None,
+            grad_h,
+            None,
+            *[s.to(p.dtype) for s, p in zip(sums, params, strict=True)],
+        )
 
 
 def fused_chunk(tcfg, vocab: int, on_gpu: bool, sharded: bool) -> int:

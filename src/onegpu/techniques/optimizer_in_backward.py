@@ -77,7 +77,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "the saved optimizer state was not written with techniques.optimizer_in_backward "
                 "over the same parameters"
             )
-        for opt, sd in zip(self.inner, saved):
+        for opt, sd in zip(self.inner, saved, strict=True):
             opt.load_state_dict(sd)
         self._link()  # load_state_dict gives each inner optimizer new group and state objects
 

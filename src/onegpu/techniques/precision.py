@@ -101,7 +101,7 @@ def set_tf32(on: bool | tuple[str, ...]) -> None:
     """TF32 on or off for CUDA matmuls and cuDNN, or a saved ``tf32_state()`` put back."""
     backends = _tf32_backends()
     values = on if isinstance(on, tuple) else ("tf32" if on else "ieee",) * len(backends)
-    for backend, value in zip(backends, values):
+    for backend, value in zip(backends, values, strict=True):
         backend.fp32_precision = value
 
 
