@@ -24,6 +24,7 @@ from onegpu.config import Config, from_dict
 from onegpu.data.batches import BatchOrder
 from onegpu.distributed import zero
 from onegpu.errors import ConfigError
+from onegpu.techniques import offload
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "train_many.py"
 REL_TOL = 1e-4
@@ -43,17 +44,16 @@ def test_deepspeed_config_is_generated_from_our_settings(tmp_path):
     assert ds["train_batch_size"] == 4 * 4 * 2  # = micro x grad_accum of the one-process run
     assert ds["gradient_clipping"] == 0.5
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    zero = ds["zero_optimization"]
-    assert zero["stage"] == 3
-    assert zero["offload_optimizer"] == {
+    zopt = ds["zero_optimization"]
+    assert zopt["stage"] == 3
+    assert zopt["offload_optimizer"] == {
         "device": "nvme",
         "nvme_path": str(tmp_path),
         "pin_memory": True,
     }
-    assert zero["offload_param"]["device"] == "nvme"
-    assert '"auto"' not in json.dumps(
-        ds
-    )  # nothing left for DeepSpeed to guess (transformers#27830)
+    assert zopt["offload_param"]["device"] == "nvme"
+    # nothing left for DeepSpeed to guess (transformers#27830)
+    assert '"auto"' not in json.dumps(ds)
     z2 = zero.ds_config(
         from_dict({"techniques": {"offload": "zero2-cpu"}}), "fp32", 1, 1, on_gpu=False
     )
