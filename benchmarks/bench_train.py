@@ -300,9 +300,9 @@ def saved_model(path: Path, preset: str = "1b", max_bytes: int = 3_000_000) -> P
 def snapshot_env(tmp: str) -> dict:
     """PYTHONPATH pointing at a copy of src/ taken now, and the commit it was taken from (with
     "+local" when the checkout had uncommitted edits) for the results."""
-    git = lambda *a: subprocess.run(
+    git = lambda *a: subprocess.run(  # noqa: E731
         ["git", *a], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()  # noqa: E731
+    ).stdout.strip()
     commit = git("rev-parse", "HEAD") + (
         "+local" if git("status", "--porcelain", "--untracked-files=no", "src") else ""
     )

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "simgpu"))
 
-import fullsize
-from fullsize import SETUPS
+import fullsize  # noqa: E402 (importable only once sys.path names tests/simgpu)
+from fullsize import SETUPS  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "simgpu-memory"
 PARTS = (

@@ -85,9 +85,9 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     )  # same model, data and schedule
 
     # Ratios pair each round's arm with that round's baseline, then take the median.
-    paired = lambda key, a, b: statistics.median(
+    paired = lambda key, a, b: statistics.median(  # noqa: E731
         x[key] / y[key] for x, y in zip(a["reps"], b["reps"], strict=True)
-    )  # noqa: E731
+    )
     assert ours["speed_x"] == pytest.approx(1.0) and ours["memory_x"] == pytest.approx(1.0)
     assert hf["speed_x"] == pytest.approx(paired("tokens_per_s", hf, ours))
     assert hf["memory_x"] == pytest.approx(paired("train_mem_mb", hf, ours))

@@ -7,7 +7,7 @@ import pytest
 
 from onegpu.plan.arch import _shape_of, flops_per_token
 
-H, I, L, V, HEADS, KV, SEQ = 64, 160, 3, 500, 4, 2, 256
+H, I, L, V, HEADS, KV, SEQ = 64, 160, 3, 500, 4, 2, 256  # noqa: E741 (I: the FFN width, as in the formulae)
 ATTN = 12 * L * H * SEQ  # QK^T and AV: forward 4*L*h*s, training 3x that
 
 

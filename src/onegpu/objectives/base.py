@@ -49,14 +49,14 @@ class Objective(ABC):
         """Start an accumulation cycle; returns the micro-batches it trains on."""
         return micro
 
-    def end_cycle(self) -> None:
+    def end_cycle(self) -> None:  # noqa: B027 (optional hook: most objectives keep no statistics)
         """The cycle completed (its update was made or skipped): commit its statistics."""
 
     def window_metrics(self) -> dict[str, float]:
         """Figures since the last call, for the training log (one host sync at most)."""
         return {}
 
-    def begin_eval(self) -> None:
+    def begin_eval(self) -> None:  # noqa: B027 (optional hook, as end_cycle)
         """An evaluation pass begins: statistics from here on are the evaluation's."""
 
     def eval_metrics(self) -> dict[str, float]:
