@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
 
 
 def record_command(stem: Path, argv: list[str]) -> None:
-    """Name this script as the way to reproduce the result, next to the equivalent onegpu command."""
+    """Name this script as the way to reproduce the result, next to the equivalent onegpu
+    command."""
     import json
 
     from onegpu.bench.infer import to_markdown

@@ -8,9 +8,9 @@
     python benchmarks/bench_train.py gpu                   # every GPU preset (~77 minutes)
     python benchmarks/bench_train.py gpu --dry-run         # list each preset's arms; nothing saved or trained
 
-Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the arms,
-without writing the model or training), --workdir DIR (where the GPU presets keep the saved model
-and the chat data; default $ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
+Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the
+arms, without writing the model or training), --workdir DIR (where the GPU presets keep the saved
+model and the chat data; default $ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
 
 GPU presets: Llama ~1B (`1b` preset: 16 layers, d=2048, GQA 32/8, vocabulary 4096), random init,
 bf16, seq 2048, micro-batch 4 x accumulation 2, 10 steps (2 untimed), 2 interleaved repetitions;
@@ -93,7 +93,8 @@ CPU = (
     "150",
 )
 # The default job's shape (tiny preset, 16 x 256 tokens a step), long enough (60 steps) that
-# techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed steps.
+# techniques.compile=auto compiles, as it does in the default run; compiling falls in the 10 untimed
+# steps.
 HEADLINE = (
     "--model.name",
     "tiny",
@@ -178,7 +179,8 @@ PRESETS = {
         Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
         Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
         Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
-        # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10 minutes
+        # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10
+        # minutes
         Preset(
             "gpu-dpo",
             GPU + ("--training.objective", "dpo"),
@@ -236,7 +238,8 @@ CHAT_SECONDS = 15  # writing the chat set, once per --workdir
 
 
 def estimate_seconds(preset: Preset) -> float:
-    """One GPU preset's minutes on an H100, from ARM_SECONDS (the one-off model and chat data excluded)."""
+    """One GPU preset's minutes on an H100, from ARM_SECONDS (the one-off model and chat data
+    excluded)."""
     reps = int(preset.args[preset.args.index("--bench.reps") + 1])
     return SETUP_SECONDS + reps * sum(ARM_SECONDS[a] for a in ("baseline",) + preset.arms)
 
@@ -325,7 +328,8 @@ def bench(args: list[str], env: dict | None, dry_run: bool) -> int:
 
 
 def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> list[str]:
-    """The preset's flags, with the saved model and chat data it trains on (their paths only, in a dry run)."""
+    """The preset's flags, with the saved model and chat data it trains on (their paths only, in a
+    dry run)."""
     argv = preset.argv()
     if preset.gpu:
         model = workdir / "llama-1b"
@@ -353,7 +357,8 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
 
 
 def parse(argv: list[str]) -> tuple[list[Preset], dict, list[str]]:
-    """Leading preset names (or groups), then this script's options; the rest goes to `onegpu bench train`."""
+    """Leading preset names (or groups), then this script's options; the rest goes to `onegpu bench
+    train`."""
     names: list[str] = []
     while argv and (argv[0] in PRESETS or argv[0] in GROUPS):
         names += GROUPS.get(argv[0], [argv[0]])
@@ -401,7 +406,8 @@ def main(argv: list[str]) -> int:
             print(
                 f"== preset {preset.name}: {', '.join(preset.arms) or 'every arm'}{est}", flush=True
             )
-            # One preset failing (an out-of-memory, a missing wheel) does not stop the ones after it.
+            # One preset failing (an out-of-memory, a missing wheel) does not stop the ones after
+            # it.
             rc = max(
                 rc,
                 bench(

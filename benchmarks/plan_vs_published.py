@@ -45,7 +45,8 @@ class Row:
 
 def rows(chunk: int) -> list[Row]:
     """torchtune's rows as onegpu setups. Full fine-tune rows: bf16 weights (bf16-pure), torch AdamW
-    (onegpu's adamw: fused on a GPU, no whole-model temporaries, which their 24.9 GiB row implies)."""
+    (onegpu's adamw: fused on a GPU, no whole-model temporaries, which their 24.9 GiB row implies).
+    """
     base = {"precision": "bf16-pure", "optimizer": "adamw"}
     packed = dict(base)
     comp = dict(packed, compile="default")
@@ -64,8 +65,9 @@ def rows(chunk: int) -> list[Row]:
             "Baseline (unpacked)",
             25.5,
             None,
-            "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on the "
-            "dataset's length distribution, which the planner does not model (it plans full rows)",
+            "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on "
+            "the dataset's length distribution, which the planner does not model (it plans full "
+            "rows)",
         ),
         Row("packed", "+ Packed Dataset", 60.0, packed),
         Row(
@@ -140,8 +142,9 @@ def predict(selected: list[str] | None = None) -> dict:
     }
 
 
-# torchtune README, single-device table: Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048:
-# bf16 weights, paged 8-bit AdamW with the step in backward, activation checkpointing, chunked CE.
+# torchtune README, single-device table: Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x
+# 2048: bf16 weights, paged 8-bit AdamW with the step in backward, activation checkpointing, chunked
+# CE.
 LLAMA_8B_4090 = {
     "published_gib": 18.9,
     "published_tokens_per_s": 1650.0,
@@ -166,7 +169,8 @@ def torchtune_setup(techniques) -> bool:
 
 def predict_8b_4090() -> dict:
     """Search Llama-3.1-8B full fine-tuning on an RTX 4090 as `onegpu plan` does; report whether
-    torchtune's setup is among the rows that fit, its predicted peak and speed, and the plan's pick."""
+    torchtune's setup is among the rows that fit, its predicted peak and speed, and the plan's pick.
+    """
     from transformers import LlamaConfig
 
     from onegpu.config import Config
@@ -195,11 +199,13 @@ def predict_8b_4090() -> dict:
 def markdown(result: dict) -> str:
     lines = [
         (
-            f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. Published: "
-            "torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, peak allocated GiB."
+            f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. "
+            "Published: torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, "
+            "peak allocated GiB."
         ),
         "",
-        "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu setup / what is missing |",
+        "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu "
+        "setup / what is missing |",
         "|:--|--:|--:|--:|:--|",
     ]
     for r in result["rows"]:
@@ -211,7 +217,8 @@ def markdown(result: dict) -> str:
             )
         else:
             lines.append(
-                f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: {r['note']} |"
+                f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: "
+                f"{r['note']} |"
             )
     big = result.get("llama_8b_4090")
     if big:
@@ -227,8 +234,8 @@ def markdown(result: dict) -> str:
         if big["found"]:
             lines += [
                 (
-                    "| found by the search | predicted GiB | predicted/published | predicted tokens/s "
-                    "(uncalibrated) | onegpu setup | the plan's pick |"
+                    "| found by the search | predicted GiB | predicted/published | predicted "
+                    "tokens/s (uncalibrated) | onegpu setup | the plan's pick |"
                 ),
                 "|:--|--:|--:|--:|:--|:--|",
                 (

@@ -136,8 +136,9 @@ def main(argv: list[str]) -> int:
         "",
         f"`python benchmarks/profile_train.py {' '.join(argv)}`".replace(" `", "`"),
         "",
-        f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq {cfg.data.seq_len}, "
-        f"{cfg.training.micro_batch_size} x {cfg.training.grad_accum} sequences per step, fp32 unless set.",
+        f"Model {setup['model_name']} ({setup['params'] / 1e6:.2f} M params), seq "
+        f"{cfg.data.seq_len}, {cfg.training.micro_batch_size} x {cfg.training.grad_accum} "
+        "sequences per step, fp32 unless set.",
         "",
     ]
     with tempfile.TemporaryDirectory(prefix="onegpu-profile-") as tmp:

@@ -51,8 +51,8 @@ def main(argv=None) -> int:
             continue
         r = fullsize.row(setup)
         print(
-            f"{r['setup']:<70} tracked {r['tracked_gib']:7.2f}  predicted {r['predicted_gib']:7.2f}  "
-            f"ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)",
+            f"{r['setup']:<70} tracked {r['tracked_gib']:7.2f}  predicted "
+            f"{r['predicted_gib']:7.2f}  ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)",
             flush=True,
         )
         rows = write(

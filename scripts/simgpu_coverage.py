@@ -179,14 +179,15 @@ def report(ran: dict[str, set[int]]) -> str:
         "# CUDA-only lines of src/ under the simulated-GPU tier",
         "",
         (
-            "Regenerate: `.venv/bin/python scripts/simgpu_coverage.py` (runs `pytest tests/simgpu` under "
-            "coverage, card processes included). CUDA-only: inside a branch taken only on CUDA, or a call "
-            "into `torch.cuda` (see the script's docstring); `bench/` is left to `scripts/gpu_check.sh`."
+            "Regenerate: `.venv/bin/python scripts/simgpu_coverage.py` (runs `pytest tests/simgpu` "
+            "under coverage, card processes included). CUDA-only: inside a branch taken only on "
+            "CUDA, or a call into `torch.cuda` (see the script's docstring); `bench/` is left to "
+            "`scripts/gpu_check.sh`."
         ),
         "",
         (
-            f"**{len(rows_ok) + len(rows_no)} CUDA-only lines: {len(rows_ok)} executed on a simulated card, "
-            f"{len(rows_no)} not** (each named with why below)."
+            f"**{len(rows_ok) + len(rows_no)} CUDA-only lines: {len(rows_ok)} executed on a "
+            f"simulated card, {len(rows_no)} not** (each named with why below)."
         ),
         "",
         f"## Not executed ({len(rows_no)})",

@@ -54,7 +54,8 @@ def main() -> int:
         sim = simulated_peak(config, setup, 1024)
         real = accuracy.step_peak(config, setup, 1024)["peak_bytes"]
         print(
-            f"{'bf16, checkpointing ' + ckpt:<28} {sim / 2**20:>14.1f} {real / 2**20:>10.1f} {sim / real:>9.3f}"
+            f"{'bf16, checkpointing ' + ckpt:<28} {sim / 2**20:>14.1f} {real / 2**20:>10.1f} "
+            f"{sim / real:>9.3f}"
         )
     return 0
 

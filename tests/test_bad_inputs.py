@@ -327,8 +327,8 @@ CASES = [
             + ["--data.seq_len", "16", "--data.overlong", "drop"]
         ),
         (
-            "no training examples after tokenization: train: 19 of 19 records longer than data.seq_len=16 "
-            "(data.overlong=drop): 19 dropped",
+            "no training examples after tokenization: train: 19 of 19 records longer than "
+            "data.seq_len=16 (data.overlong=drop): 19 dropped",
             "choose another data.overlong",
         ),
     ),
@@ -368,8 +368,8 @@ CASES = [
         "model-dir-readme-only",
         _readme_only,
         (
-            "/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no config.json; "
-            "it holds README.md",
+            "/m' holds no tokenizer (no tokenizer.json or tokenizer_config.json) and no "
+            "config.json; it holds README.md",
             "folder written by save_pretrained",
         ),
         absent=("one of:", "give a local directory"),
@@ -503,7 +503,8 @@ CASES = [
         "pairs-with-objective-sft",
         _file("pairs.jsonl", json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"),
         (
-            "pairs.jsonl: preference pairs (columns 'chosen' and 'rejected'), but training.objective=sft",
+            "pairs.jsonl: preference pairs (columns 'chosen' and 'rejected'), but "
+            "training.objective=sft",
             "set --training.objective dpo",
         ),
     ),
@@ -511,7 +512,8 @@ CASES = [
         "dpo-on-text-data",
         ["--training.objective", "dpo"],
         (
-            "training.objective=dpo needs preference pairs: columns 'prompt', 'chosen' and 'rejected'",
+            "training.objective=dpo needs preference pairs: columns 'prompt', 'chosen' and "
+            "'rejected'",
             "rename the columns",
         ),
     ),
@@ -571,7 +573,8 @@ CASES = [
         "bnb-not-installed",
         ["--techniques.optimizer", "adamw-8bit"],
         (
-            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not installed",
+            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is not "
+            "installed",
             "pip install 'onegpu[bnb]'",
         ),
         _bitsandbytes(None),
@@ -580,9 +583,9 @@ CASES = [
         "bnb-installed-but-broken",
         ["--techniques.optimizer", "adamw-8bit"],
         (
-            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is installed but fails to import: "
-            "ModuleNotFoundError: "
-            "No module named 'onegpu_missing_cuda_runtime'",
+            "bitsandbytes (for techniques.optimizer=adamw-8bit / paged-adamw-8bit) is installed "
+            "but fails to import: ModuleNotFoundError: No module named "
+            "'onegpu_missing_cuda_runtime'",
             "repair it",
         ),
         _bitsandbytes("import onegpu_missing_cuda_runtime\n"),
@@ -685,7 +688,8 @@ def test_secrets_never_reach_saved_configs_or_logs(tmp_path, tiny_model_dir, mon
     token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123"
     monkeypatch.setenv("HF_TOKEN", token)
     data = write_data(tmp_path, n=40)
-    # the token's value inside a saved field (here: a path naming it) is blanked in every saved config
+    # the token's value inside a saved field (here: a path naming it) is blanked in every saved
+    # config
     code = main(
         base_args(tmp_path, tiny_model_dir)
         + [

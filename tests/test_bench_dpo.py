@@ -1,5 +1,6 @@
-"""`onegpu bench train --objective dpo`: onegpu's DPO arms next to TRL's DPOTrainer on the same pairs,
-each arm trained for real, the reference pass timed on its own and charged in a column of its own."""
+"""`onegpu bench train --objective dpo`: onegpu's DPO arms next to TRL's DPOTrainer on the same
+pairs, each arm trained for real, the reference pass timed on its own and charged in a column of its
+own."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ DPO_ARMS = ["baseline", "lora", "ref-copy", "trl-dpo", "trl-dpo-lora"]
 
 
 def dpo_bench(tmp_path, **kw) -> BenchTrainConfig:
-    """The bench's own model (the tiny preset, from scratch, with its tokenizer trained on the corpus) on
-    the default pairs, which fit its 256 positions; 2 pairs a micro-batch, 2 steps, 1 round."""
+    """The bench's own model (the tiny preset, from scratch, with its tokenizer trained on the
+    corpus) on the default pairs, which fit its 256 positions; 2 pairs a micro-batch, 2 steps, 1
+    round."""
     b = BenchTrainConfig()
     b.training.objective = "dpo"
     b.data.seq_len, b.data.max_bytes = 256, 200_000
@@ -73,9 +75,10 @@ def test_objectives_without_a_peer_are_refused():
 
 
 def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp_path):
-    """Real children, 2 steps each: every arm counts the same real tokens (TRL tokenized the same records
-    into the same ids), writes tokens/s and memory; the precomputed reference is reported apart and
-    charged only in its own column; the full arms start from the same weights, so their losses agree."""
+    """Real children, 2 steps each: every arm counts the same real tokens (TRL tokenized the same
+    records into the same ids), writes tokens/s and memory; the precomputed reference is reported
+    apart and charged only in its own column; the full arms start from the same weights, so their
+    losses agree."""
     paths = bench_train.run(dpo_bench(tmp_path))
     doc = json.loads(paths["json"].read_text())
     assert [s["arm"] for s in doc["schedule"]] == DPO_ARMS
@@ -95,7 +98,8 @@ def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp
         and ev["ref-copy"]["reference"] == "CopyReference"
     )
     assert ev["lora"]["reference"] == "AdapterReference" and ev["lora"]["peft"] is True
-    # TRL at its defaults: checkpointing, a frozen copy as reference (this model has no path to load it from)
+    # TRL at its defaults: checkpointing, a frozen copy as reference (this model has no path to load
+    # it from)
     assert ev["trl-dpo"]["same_tokens"] is True and ev["trl-dpo"]["checkpointing"] is True
     assert ev["trl-dpo"]["reference"].startswith("frozen copy")
     assert (
@@ -129,9 +133,9 @@ def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp
 
 
 def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, tiny_tokenizer):
-    """TRL's default for a full fine-tune loads a second copy from the policy's path: the bench leaves it
-    to TRL for a saved model (the GPU presets), hands over a copy for one built in memory, and gives none
-    with LoRA (TRL switches the adapters off)."""
+    """TRL's default for a full fine-tune loads a second copy from the policy's path: the bench
+    leaves it to TRL for a saved model (the GPU presets), hands over a copy for one built in memory,
+    and gives none with LoRA (TRL switches the adapters off)."""
     from transformers import AutoModelForCausalLM
 
     from helpers import make_tiny_llama
@@ -148,7 +152,8 @@ def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, 
 
 
 def test_reference_pass_is_charged_pro_rata_to_the_timed_steps():
-    """The pass covers the pairs of all max_steps steps: 4 of 10 steps timed carry 4/10 of its warm time."""
+    """The pass covers the pairs of all max_steps steps: 4 of 10 steps timed carry 4/10 of its warm
+    time."""
     rep = {
         "timed_tokens": 1000,
         "timed_seconds": 2.0,

@@ -1,4 +1,5 @@
-"""`onegpu bench infer`: measurements per setting, interleaved repetitions, json/markdown/PNG outputs."""
+"""`onegpu bench infer`: measurements per setting, interleaved repetitions, json/markdown/PNG
+outputs."""
 
 from __future__ import annotations
 

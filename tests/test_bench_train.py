@@ -1,4 +1,5 @@
-"""`onegpu bench train`: interleaved arms in fresh processes, HF Trainer on the same tokens, reports."""
+"""`onegpu bench train`: interleaved arms in fresh processes, HF Trainer on the same tokens,
+reports."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ H100 = DeviceInfo("cuda", "NVIDIA H100", 80 * 2**30, (9, 0))
 
 
 def bench_config(**kw) -> BenchTrainConfig:
-    """BenchTrainConfig with dotted overrides ('data.seq_len', 'bench.reps'), as the CLI takes them."""
+    """BenchTrainConfig with dotted overrides ('data.seq_len', 'bench.reps'), as the CLI takes
+    them."""
     b = BenchTrainConfig()
     for dotted, value in kw.items():
         section, key = dotted.split("__")
@@ -109,7 +111,8 @@ def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
 
 
 def chat_file(path):
-    """Chat records of different lengths: labels only on the assistant turns, padding in every batch."""
+    """Chat records of different lengths: labels only on the assistant turns, padding in every
+    batch."""
     rows = [
         {
             "messages": [
@@ -144,7 +147,8 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
     assert t["tokens_seen"] == a["tokens_seen"] > 0 and t["timed_tokens"] == a["timed_tokens"] > 0
     if data == "chat":  # examples of different lengths: padding in the batches, counted by neither
         assert a["tokens_seen"] < 2 * 2 * seq
-    # Same model, data and schedule; TRL's default bf16 autocast (fp32 here) moves the loss a little only.
+    # Same model, data and schedule; TRL's default bf16 autocast (fp32 here) moves the loss a little
+    # only.
     assert trl["final_loss"] == pytest.approx(ours["final_loss"], rel=0.05)
     ev = t["evidence"]
     assert (
@@ -164,7 +168,8 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
 
 
 def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_path):
-    """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the baseline's."""
+    """Three arms x three reps run A, B, C, A, B, C, A, B, C; ratios are medians over the
+    baseline's."""
     b = tiny_bench(
         tiny_model_dir,
         text_file,
@@ -199,7 +204,8 @@ def test_interleaving_and_ratios_with_many_arms(tiny_model_dir, text_file, tmp_p
     assert calls[2]["config"]["training"]["grad_accum"] == 2  # ...same effective batch
     assert doc["arms"]["flash"]["status"] == "skipped" and "CUDA" in doc["arms"]["flash"]["reason"]
     assert doc["arms"]["baseline"]["tokens_per_s"] == 400  # calls 1, 4, 7
-    # per round: hf 200/100, 500/400, 800/700 -> median 1.25; grad-accum memory 30/10, 60/40, 90/70 -> 1.5
+    # per round: hf 200/100, 500/400, 800/700 -> median 1.25; grad-accum memory 30/10, 60/40, 90/70
+    # -> 1.5
     assert doc["arms"]["hf-trainer"]["speed_x"] == pytest.approx(1.25)
     assert doc["arms"]["grad-accum"]["memory_x"] == pytest.approx(1.5)
     md = bench_train_report.markdown(doc)
@@ -224,7 +230,8 @@ def test_cpu_skips_gpu_only_arms_with_reasons():
 
 
 def test_precision_arms_that_would_repeat_the_baseline_are_skipped():
-    """The GPU baseline is bf16 and the CPU one fp32: the arm equal to it says so instead of running twice."""
+    """The GPU baseline is bf16 and the CPU one fp32: the arm equal to it says so instead of running
+    twice."""
     b = BenchTrainConfig()
     gpu = {a.name: a for a in bench_arms.select_arms(b, H100, "text")}
     cpu = {a.name: a for a in bench_arms.select_arms(b, CPU, "text")}
@@ -254,8 +261,8 @@ def test_precision_arms_that_would_repeat_the_baseline_are_skipped():
     ],
 )
 def test_batch_size_arm_respects_the_micro_batch_cap(micro, accum, cap, expected):
-    """16 x 2048 tokens at ~1B cannot fit 80 GB: under bench.max_micro_batch the arm takes the largest
-    divisor of the effective batch that fits, and keeps the effective batch."""
+    """16 x 2048 tokens at ~1B cannot fit 80 GB: under bench.max_micro_batch the arm takes the
+    largest divisor of the effective batch that fits, and keeps the effective batch."""
     b = bench_config(
         training__micro_batch_size=micro, training__grad_accum=accum, bench__max_micro_batch=cap
     )
@@ -322,7 +329,8 @@ def test_timing_drops_the_warmup_window():
 
 
 def test_config_sections_are_the_run_config_with_bench_defaults():
-    """The arms' settings are `onegpu train`'s own Config sections (same flags), with quick-sweep defaults."""
+    """The arms' settings are `onegpu train`'s own Config sections (same flags), with quick-sweep
+    defaults."""
     from onegpu.cli.args import make_parser, parse
     from onegpu.config import Config
 

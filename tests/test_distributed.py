@@ -338,7 +338,8 @@ def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_pa
 
 @pytest.mark.slow
 def test_one_process_zero2_cpu_offload_from_the_cli(base, reference, tmp_path):
-    """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one process."""
+    """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one
+    process."""
     cfg = tmp_path / "one.yaml"
     cfg.write_text(yaml.safe_dump(_cfg(base, "zero2-cpu-1")))
     proc = subprocess.run(

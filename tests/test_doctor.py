@@ -1,4 +1,5 @@
-"""`onegpu doctor` runs on a CPU-only machine, reports versions and fast paths, and says how to fix gaps."""
+"""`onegpu doctor` runs on a CPU-only machine, reports versions and fast paths, and says how to fix
+gaps."""
 
 from __future__ import annotations
 

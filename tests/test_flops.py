@@ -95,7 +95,8 @@ def test_lora_and_checkpointing_adjust_the_model_count():
     )
     shape = _shape_of("llama", cfg)
     n, attn_fwd = shape.active_params, 4 * L * H * SEQ
-    # LoRA: forward 2N + input gradients 2N, no weight gradients of the frozen base; 6 per adapter parameter.
+    # LoRA: forward 2N + input gradients 2N, no weight gradients of the frozen base; 6 per adapter
+    # parameter.
     assert (
         flops_per_token(shape, SEQ, lora_rank=8)
         == 4 * n + 6 * 8 * shape.lora_params_per_rank + 2 * attn_fwd

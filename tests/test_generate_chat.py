@@ -33,7 +33,8 @@ def _fed(model, monkeypatch) -> list:
 
 
 def _run_dir(tmp_path, tiny_model_dir, fmt: str):
-    """A run directory as training leaves it: final/ and the config.yaml recording the data format."""
+    """A run directory as training leaves it: final/ and the config.yaml recording the data
+    format."""
     shutil.copytree(tiny_model_dir, tmp_path / "run" / "final")
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"data": {"format": fmt}}))
     return tmp_path / "run"

@@ -1,6 +1,7 @@
 """What a GPU machine would run, checked here on the CPU, so that GPU time is not spent on errors a
 CPU can catch: the GPU tier collects, every benchmark preset parses and lists the arms it should,
-the GPU presets fit their time and memory, and scripts/gpu_check.sh runs, times out and summarises."""
+the GPU presets fit their time and memory, and scripts/gpu_check.sh runs, times out and summarises.
+"""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def _bench_train_script():
 
 
 def test_gpu_tier_collects_without_errors():
-    """An import error or a bad fixture in tests/gpu would otherwise surface only on the GPU machine."""
+    """An import error or a bad fixture in tests/gpu would otherwise surface only on the GPU
+    machine."""
     proc = _run(
         sys.executable,
         "-m",
@@ -108,8 +110,8 @@ def test_ds_accelerator_is_left_to_deepspeed_where_cuda_exists():
     """conftest names DeepSpeed's CPU accelerator only without CUDA; with CUDA the offload tests and
     their subprocesses keep DeepSpeed's own (CUDA) choice."""
     code = (
-        "import os, sys, torch; sys.path.insert(0, 'tests'); torch.cuda.is_available = lambda: {cuda}; "
-        "import conftest; print(os.environ.get('DS_ACCELERATOR'))"
+        "import os, sys, torch; sys.path.insert(0, 'tests'); torch.cuda.is_available = lambda: "
+        "{cuda}; import conftest; print(os.environ.get('DS_ACCELERATOR'))"
     )
     env = {k: v for k, v in ENV.items() if k != "DS_ACCELERATOR"}
     for cuda, expected in ((True, "None"), (False, "cpu")):
@@ -227,8 +229,9 @@ def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
 def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     """The planner's memory model (CPU-measured activations) for each GPU arm's micro-batch and
     precision, with the full logits (the worst case): all fit an 80 GB H100, while the uncapped
-    batch-size arm (16 x 2048) would not. DPO arms run two sequences a pair, all of seq_len (the worst
-    case: the corpus pairs are far shorter), and TRL's full arm keeps a frozen copy of the model."""
+    batch-size arm (16 x 2048) would not. DPO arms run two sequences a pair, all of seq_len (the
+    worst case: the corpus pairs are far shorter), and TRL's full arm keeps a frozen copy of the
+    model."""
     from onegpu.bench.arms import all_arms
     from onegpu.bench.settings import BenchTrainConfig
     from onegpu.cli.args import make_parser, parse
@@ -239,7 +242,8 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     script, capacity = _bench_train_script(), 80 * 2**30
     shape = model_shape("1b", 4096)
     parser = make_parser("onegpu bench train", "", BenchTrainConfig)
-    # their own defaults: HF Trainer fp32, the guide's flags and TRL bf16; TRL checkpoints by default
+    # their own defaults: HF Trainer fp32, the guide's flags and TRL bf16; TRL checkpoints by
+    # default
     peers = {"hf-trainer": "fp32", "hf-trainer-tuned": "bf16", "trl-sft": "bf16"}
     trl = {"trl-sft", "trl-dpo", "trl-dpo-lora"}
     checked = set()
@@ -294,8 +298,8 @@ def test_bench_infer_gpu_preset_dry_runs():
     reason="needs coreutils timeout",
 )
 def test_gpu_check_script_runs_steps_times_out_and_summarises(tmp_path):
-    """scripts/gpu_check.sh with plain python and PYTHONPATH=src: a step that passes, a benchmark step
-    skipped without CUDA, a step killed by its timeout, an unknown step; all in summary.txt."""
+    """scripts/gpu_check.sh with plain python and PYTHONPATH=src: a step that passes, a benchmark
+    step skipped without CUDA, a step killed by its timeout, an unknown step; all in summary.txt."""
     env = {
         **ENV,
         "GPU_CHECK_DIR": str(tmp_path / "out"),

@@ -1,4 +1,5 @@
-"""Loading for inference: run/model/adapter directories, dtype, attention, quantization, placement."""
+"""Loading for inference: run/model/adapter directories, dtype, attention, quantization,
+placement."""
 
 from __future__ import annotations
 

@@ -159,7 +159,8 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
 
 
 def _wait_for_progress(run_dir, last_step: int, proc, timeout: float = 90.0) -> None:
-    """Until the child has saved a checkpoint beyond the last one: it is training, not setting up."""
+    """Until the child has saved a checkpoint beyond the last one: it is training, not setting
+    up."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.is_alive():

@@ -45,7 +45,8 @@ def test_chunked_loss_equals_plain_loss_and_gradients(tiny_tokenizer, chunk):
 
 
 def test_chunked_loss_keeps_the_forward_autocast(tiny_tokenizer):
-    """Under bf16 autocast (as Accelerate runs the forward) the chunks' head matmul runs in bf16 too."""
+    """Under bf16 autocast (as Accelerate runs the forward) the chunks' head matmul runs in bf16
+    too."""
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
     batch = random_batch(len(tiny_tokenizer), seed=2, masked_prefix=5)
     head_dtypes = []

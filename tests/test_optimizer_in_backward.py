@@ -57,7 +57,8 @@ def test_same_weights_as_a_normal_step(tiny_tokenizer, optimizer):
 
 
 def test_full_gradients_never_coexist(tiny_tokenizer):
-    """At every gradient's completion at most one gradient is alive (a normal step holds them all)."""
+    """At every gradient's completion at most one gradient is alive (a normal step holds them
+    all)."""
 
     def max_alive(in_backward: bool) -> tuple[int, int]:
         model = make_tiny_llama(tiny_tokenizer)

@@ -160,7 +160,8 @@ class _PeakTracker:
 
 
 def test_end_to_end_peak_against_a_measured_cpu_step(tiny_tokenizer):
-    """Whole step (forward, backward, AdamW step) on CPU: the prediction is loose but must be close."""
+    """Whole step (forward, backward, AdamW step) on CPU: the prediction is loose but must be
+    close."""
     import functools
 
     from helpers import make_tiny_llama

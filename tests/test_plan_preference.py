@@ -1,5 +1,6 @@
-"""The planner on preference tuning: a pair is two sequences through the model, DPO's reference costs a
-forward per step (adapters off, a copy) or nothing per step (precomputed), a copy costs its weights."""
+"""The planner on preference tuning: a pair is two sequences through the model, DPO's reference
+costs a forward per step (adapters off, a copy) or nothing per step (precomputed), a copy costs its
+weights."""
 
 from __future__ import annotations
 

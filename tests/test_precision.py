@@ -1,5 +1,6 @@
 """Precision switches are active: loss scaling skips overflowing steps, autocast changes op dtypes,
-bf16 is refused where the GPU lacks it, TF32 flags follow the device, bf16-pure stores bf16 weights."""
+bf16 is refused where the GPU lacks it, TF32 flags follow the device, bf16-pure stores bf16 weights.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Preference losses: DPO equals TRL's DPOTrainer (loss and gradients), ORPO and SimPO equal their papers'
-formulas, the fused per-token log-probs equal the plain ones, and the reference without a copy is right."""
+"""Preference losses: DPO equals TRL's DPOTrainer (loss and gradients), ORPO and SimPO equal their
+papers' formulas, the fused per-token log-probs equal the plain ones, and the reference without a
+copy is right."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def test_orpo_equals_the_papers_odds_ratio_formula():
     len_c, len_r = torch.tensor([4.0, 2.0]), torch.tensor([3.0, 3.0])
     lam = 0.25
     loss, rc, rr = preference.orpo_loss(pi_c, pi_r, len_c, len_r, lam)
-    # Hong et al. 2024: P = exp(mean token log-prob), odds = P / (1 - P), L = L_SFT + lam * -log sigmoid(log odds ratio)
+    # Hong et al. 2024: P = exp(mean token log-prob), odds = P / (1 - P), L = L_SFT + lam * -log
+    # sigmoid(log odds ratio)
     p_c, p_r = torch.exp(pi_c / len_c), torch.exp(pi_r / len_r)
     ratio = torch.log((p_c / (1 - p_c)) / (p_r / (1 - p_r)))
     expected = -pi_c / len_c - lam * torch.log(torch.sigmoid(ratio))
@@ -114,7 +116,8 @@ def test_simpo_equals_the_papers_formula():
     assert torch.allclose(loss, expected, atol=1e-6)
 
 
-# ------------------------------------------------------------------------------ log-probs per sequence
+# ------------------------------------------------------------------------------ log-probs per
+# sequence
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "padding-free"])
 def test_fused_sequence_logps_equal_the_plain_ones_with_gradients(tiny_tokenizer, packed):
     model = make_tiny_llama(tiny_tokenizer)
@@ -144,7 +147,8 @@ def test_padded_and_packed_batches_give_the_same_sequence_logps(tiny_tokenizer):
 
 
 def test_pair_tokens_match_trl_tokenization(tiny_tokenizer, tmp_path):
-    """The same prompt / chosen / rejected ids as TRL's DPOTrainer tokenizes (text records get an EOS)."""
+    """The same prompt / chosen / rejected ids as TRL's DPOTrainer tokenizes (text records get an
+    EOS)."""
     trl = pytest.importorskip("trl")
     ds = _trl_trainer(
         tiny_tokenizer, make_tiny_llama(tiny_tokenizer), trl, tmp=str(tmp_path)
@@ -184,8 +188,9 @@ def _trl_trainer(tok, model, trl, beta=0.1, tmp="/tmp/onegpu-trl-test", ref_mode
 
 @pytest.mark.parametrize("beta", [0.1, 0.5])
 def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_path):
-    """Same tiny model, same pairs: TRL's DPOTrainer.compute_loss (its reference: a frozen copy) and ours
-    (fused head, a copy as reference) give the same loss and the same gradient for every weight."""
+    """Same tiny model, same pairs: TRL's DPOTrainer.compute_loss (its reference: a frozen copy) and
+    ours (fused head, a copy as reference) give the same loss and the same gradient for every
+    weight."""
     trl = pytest.importorskip("trl")
     torch.manual_seed(0)
     base = make_tiny_llama(tiny_tokenizer)
@@ -222,8 +227,9 @@ def test_dpo_loss_and_gradients_equal_trl_dpotrainer(tiny_tokenizer, beta, tmp_p
 
 
 def test_adapters_off_reference_is_the_base_model(tiny_tokenizer):
-    """With LoRA, the reference is the policy with its adapters disabled: at the start that is the policy
-    itself (the loss is log 2, the margin 0), and after the adapters change it is still the base."""
+    """With LoRA, the reference is the policy with its adapters disabled: at the start that is the
+    policy itself (the loss is log 2, the margin 0), and after the adapters change it is still the
+    base."""
     from peft import LoraConfig, get_peft_model
 
     from onegpu.objectives.reference import AdapterReference

@@ -1,6 +1,7 @@
-"""Preference tuning end to end: DPO with LoRA (adapters-off reference) and full DPO (precomputed reference)
-from the command line with a rising reward accuracy, ORPO/SimPO runs, accumulation normalised by pairs,
-an out-of-memory retry that keeps the effective batch, bitwise resume, and bad pair data."""
+"""Preference tuning end to end: DPO with LoRA (adapters-off reference) and full DPO (precomputed
+reference) from the command line with a rising reward accuracy, ORPO/SimPO runs, accumulation
+normalised by pairs, an out-of-memory retry that keeps the effective batch, bitwise resume, and bad
+pair data."""
 
 from __future__ import annotations
 
@@ -185,8 +186,8 @@ def test_dpo_on_chat_pairs_trains_on_the_responses(tmp_path, tiny_model_dir, tin
 
 
 def test_accumulation_and_oom_retry_keep_the_pair_batch(tmp_path, tiny_model_dir, monkeypatch):
-    """4 pairs x 1, 2 pairs x 2 and 4 pairs x 1 that runs out of memory above 2 pairs (retried as 2 x 2)
-    train the same: the loss is a mean over the pairs of the whole accumulated batch."""
+    """4 pairs x 1, 2 pairs x 2 and 4 pairs x 1 that runs out of memory above 2 pairs (retried as 2
+    x 2) train the same: the loss is a mean over the pairs of the whole accumulated batch."""
     whole = train(
         cfg_for(tmp_path, tiny_model_dir, name="whole", max_steps=4, eval_every=0, log_every=1)
     )
@@ -303,7 +304,8 @@ def test_sft_on_pair_data_and_dpo_on_text_are_clear_errors(tmp_path, tiny_model_
     ids=["checkpointing", "compile", "bf16", "adamw-8bit", "padding-free", "qlora"],
 )
 def test_dpo_runs_with_each_method(tmp_path, tiny_model_dir, techniques, tol):
-    """Checkpointing and compile leave the math as it was; bf16 autocast and an 8-bit optimizer train."""
+    """Checkpointing and compile leave the math as it was; bf16 autocast and an 8-bit optimizer
+    train."""
     if techniques.get("optimizer") == "adamw-8bit" or "lora" in techniques:
         pytest.importorskip("bitsandbytes")
     base = train(

@@ -1,5 +1,5 @@
-"""Data preloading: worker processes really prepare batches, in the same order; pinning only on a GPU;
-host-to-device copies are asynchronous."""
+"""Data preloading: worker processes really prepare batches, in the same order; pinning only on a
+GPU; host-to-device copies are asynchronous."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Non-finite steps are skipped (and end the run after K in a row); out-of-memory halves the
-micro-batch, doubles accumulation and gives the same math as the smaller micro-batch from the start."""
+micro-batch, doubles accumulation and gives the same math as the smaller micro-batch from the start.
+"""
 
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(
 
 def test_stop_mid_accumulation_cycle_restarts_the_cycle(tmp_path, tiny_model_dir, monkeypatch):
     """SIGINT during micro-batch 2 of 3 in step 4: the partial cycle is dropped, the checkpoint is
-    the state after step 3 (with the RNG of that moment), and the resumed run matches a straight run."""
+    the state after step 3 (with the RNG of that moment), and the resumed run matches a straight
+    run."""
     cfg = make_cfg(tmp_path, tiny_model_dir, name="straight", grad_accum=3, save_every=0)
     straight = train(cfg)
     calls = {"n": 0}

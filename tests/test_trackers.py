@@ -1,5 +1,6 @@
-"""Experiment trackers (output.report_to): every tracker gets the names, values and steps of metrics.jsonl and
-the config once; resume continues the same tracker runs; a tracker not installed is refused before the run."""
+"""Experiment trackers (output.report_to): every tracker gets the names, values and steps of
+metrics.jsonl and the config once; resume continues the same tracker runs; a tracker not installed
+is refused before the run."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def expected_points(run_dir) -> dict[str, dict[int, float]]:
 
 
 def wandb_records(wandb_dir):
-    """The protobuf records of W&B offline run files (the LevelDB-style log W&B writes: a 7-byte file header,
-    32 KiB blocks, each chunk with a 7-byte header: crc32, length, type FULL/FIRST/MIDDLE/LAST)."""
+    """The protobuf records of W&B offline run files (the LevelDB-style log W&B writes: a 7-byte
+    file header, 32 KiB blocks, each chunk with a 7-byte header: crc32, length, type
+    FULL/FIRST/MIDDLE/LAST)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     for path in sorted(glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
@@ -196,8 +198,9 @@ def _tensorboard_points(log_dir) -> dict[str, dict[int, float]]:
 
 
 def test_resume_continues_the_same_tracker_runs(tracker_env, tiny_model_dir):
-    """The redone steps after a resume land in the W&B and MLflow runs of the first start (their ids are kept
-    in trackers.json); the config is not logged again (MLflow would refuse a changed parameter)."""
+    """The redone steps after a resume land in the W&B and MLflow runs of the first start (their ids
+    are kept in trackers.json); the config is not logged again (MLflow would refuse a changed
+    parameter)."""
     cfg = _cfg(tracker_env, tiny_model_dir, "wandb,mlflow")
     run_dir = train(cfg).run_dir
     first = json.loads((run_dir / "trackers.json").read_text())

@@ -18,7 +18,8 @@ class DeviceInfo:
 
     @property
     def bf16(self) -> bool:
-        """bf16 math is native (Ampere+ CUDA). On CPU it works but is slow, so we never pick it there."""
+        """bf16 math is native (Ampere+ CUDA). On CPU it works but is slow, so we never pick it
+        there."""
         return self.type == "cuda" and self.capability is not None and self.capability >= (8, 0)
 
     @property
@@ -69,7 +70,8 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
     def peak_tflops(self, precision: str, tf32: bool = True) -> float:
-        """Peak matmul throughput for a compute precision name (fp32, fp16, bf16, bf16-pure, fp8)."""
+        """Peak matmul throughput for a compute precision name (fp32, fp16, bf16, bf16-pure,
+        fp8)."""
         if precision in ("fp16", "bf16", "bf16-pure"):
             return self.bf16
         if precision == "fp8":
@@ -243,7 +245,8 @@ def _norm(name: str) -> str:
 
 
 def find_gpu(name: str) -> GpuSpec:
-    """Catalog entry for a user-given name ("h100", "A100-40GB", "rtx 4090"); did-you-mean otherwise."""
+    """Catalog entry for a user-given name ("h100", "A100-40GB", "rtx 4090"); did-you-mean
+    otherwise."""
     import difflib
 
     from onegpu.errors import ConfigError

@@ -45,7 +45,8 @@ def auto_table() -> dict[str, dict]:
 
 
 def preference_table() -> dict[str, dict]:
-    """`auto` for training.objective dpo / orpo / simpo, which start from a tuned model and move it less:
+    """`auto` for training.objective dpo / orpo / simpo, which start from a tuned model and move it
+    less:
 
     - full: TRL's DPOConfig default learning rate 1e-6 (trl/trainer/dpo_config.py), with the 10%
       warm-up of the alignment-handbook's DPO recipes (recipes/zephyr-7b-beta/dpo/config_full.yaml);
@@ -151,7 +152,8 @@ def describe(cfg: Config, model_name: str | None = None) -> str:
     )
     return (
         f"hyper-parameters ({label}): lr {_num(values['lr'])} ({source['lr']}), warm-up {warmup} "
-        f"({source['warmup']}), weight decay {_num(values['weight_decay'])} ({source['weight_decay']})"
+        f"({source['warmup']}), weight decay {_num(values['weight_decay'])} "
+        f"({source['weight_decay']})"
     )
 
 

@@ -45,7 +45,8 @@ def setup_logging(verbose: bool = False) -> None:
         root.addHandler(_StderrHandler())
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
-    # datasets logs its own ERROR for unreadable files, which our DataError then explains with a fix.
+    # datasets logs its own ERROR for unreadable files, which our DataError then explains with a
+    # fix.
     logging.getLogger("datasets").setLevel(logging.INFO if verbose else logging.CRITICAL)
     # DeepSpeed (imported by transformers/accelerate when installed) warns on every CPU start.
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")

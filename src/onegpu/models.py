@@ -11,7 +11,8 @@ from onegpu.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-# Llama-architecture presets. Sizes are without embeddings unless noted; vocab comes from the tokenizer.
+# Llama-architecture presets. Sizes are without embeddings unless noted; vocab comes from the
+# tokenizer.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=128,
@@ -50,7 +51,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def resolve_name(cfg: ModelConfig, on_gpu: bool) -> str:
-    """'auto' is a preset chosen by the device: tiny trains in minutes on a CPU, 125m suits a GPU."""
+    """'auto' is a preset chosen by the device: tiny trains in minutes on a CPU, 125m suits a
+    GPU."""
     if cfg.name == "auto":
         return "125m" if on_gpu else "tiny"
     return cfg.name
@@ -76,7 +78,8 @@ def preset_config(name: str, tokenizer, **overrides):
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """Load a tokenizer and give it a pad token that is not EOS where we can (see ensure_pad_token)."""
+    """Load a tokenizer and give it a pad token that is not EOS where we can (see
+    ensure_pad_token)."""
     from transformers import AutoTokenizer
 
     local = _looks_local(name)
@@ -144,7 +147,8 @@ def ensure_pad_token(tok):
     else:
         tok.pad_token = tok.eos_token
         log.info(
-            "tokenizer has no pad token; using EOS as pad (padding is masked by position, EOS still trains)"
+            "tokenizer has no pad token; using EOS as pad (padding is masked by position, EOS "
+            "still trains)"
         )
     return tok
 
@@ -191,7 +195,8 @@ def load_model(
 
 
 def model_config(name: str, trust_remote_code: bool = False):
-    """The config of the model ``load_model`` builds, read alone (config.json, no weights); presets are Llama."""
+    """The config of the model ``load_model`` builds, read alone (config.json, no weights); presets
+    are Llama."""
     from transformers import AutoConfig, LlamaConfig
 
     if is_preset(name):

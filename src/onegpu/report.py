@@ -1,4 +1,5 @@
-"""Metrics out: metrics.jsonl (one record per line), the experiment trackers (trackers.py), and loss.png."""
+"""Metrics out: metrics.jsonl (one record per line), the experiment trackers (trackers.py), and
+loss.png."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from onegpu.trackers import Trackers
 
 class MetricsLog:
     """Append-only jsonl, each record also sent to the trackers named (trackers.resolve), which get
-    ``config`` (default: the run directory's config.yaml) once. Only the main process writes. As a context
-    manager it closes the trackers at the end, marked failed on an error."""
+    ``config`` (default: the run directory's config.yaml) once. Only the main process writes. As a
+    context manager it closes the trackers at the end, marked failed on an error."""
 
     def __init__(
         self,
@@ -155,7 +156,8 @@ DEFAULT_PROMPT = "def fib("
 
 def generate_hint(model_dir, fmt: str, sample: str | None) -> str:
     """The generate command that fits what the model learnt: a chat-tuned model gets a user turn
-    from its data through its chat template (--chat true), any other model a prompt from its data."""
+    from its data through its chat template (--chat true), any other model a prompt from its data.
+    """
     import shlex
 
     chat = " --chat true" if fmt == "messages" else ""

@@ -2,10 +2,11 @@
 Accelerate's tracker classes, fed the very records metrics.jsonl gets.
 
 The tracker classes are built here, on the main process only, rather than through
-``Accelerator(log_with=...)`` + ``init_trackers``: the Accelerator is made before the run directory and the
-resume step are known, ``init_trackers`` starts W&B and Trackio on every process (their
-``main_process_only`` is False), ``end_training`` would also tear down the process group mid-run, and the
-jsonl line and the tracker points must come from one ``write`` so that their names and steps cannot drift.
+``Accelerator(log_with=...)`` + ``init_trackers``: the Accelerator is made before the run directory
+and the resume step are known, ``init_trackers`` starts W&B and Trackio on every process (their
+``main_process_only`` is False), ``end_training`` would also tear down the process group mid-run,
+and the jsonl line and the tracker points must come from one ``write`` so that their names and steps
+cannot drift.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ IDS_FILE = "trackers.json"  # the W&B/MLflow run ids, so a resume continues the 
 
 
 def resolve(report_to: str) -> list[str]:
-    """The trackers output.report_to names, "all" read as the installed ones; a named tracker that is not
-    installed raises one ConfigError with the install command (checked before the run directory is made)."""
+    """The trackers output.report_to names, "all" read as the installed ones; a named tracker that
+    is not installed raises one ConfigError with the install command (checked before the run
+    directory is made)."""
     if report_to == "none":
         return []
     names = (
@@ -66,8 +68,9 @@ def _installed(module: str) -> bool:
 
 
 def _check_mlflow_store() -> None:
-    """MLflow 3 keeps runs in ./mlflow.db when MLFLOW_TRACKING_URI is unset; a database store needs SQLAlchemy,
-    which mlflow-skinny lacks. Say so now instead of failing in the first step of the run."""
+    """MLflow 3 keeps runs in ./mlflow.db when MLFLOW_TRACKING_URI is unset; a database store needs
+    SQLAlchemy, which mlflow-skinny lacks. Say so now instead of failing in the first step of the
+    run."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     database = uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
     if (database or not uri) and not _installed("sqlalchemy"):
@@ -79,9 +82,9 @@ def _check_mlflow_store() -> None:
 
 
 class Trackers:
-    """The started trackers of one run. Built on the main process only; the config goes to a tracker run
-    once, when that run is new (a continued one already has it, and MLflow refuses to change a logged
-    parameter)."""
+    """The started trackers of one run. Built on the main process only; the config goes to a tracker
+    run once, when that run is new (a continued one already has it, and MLflow refuses to change a
+    logged parameter)."""
 
     def __init__(
         self, names: list[str], run_dir: Path, config: Any = None, purge_step: int | None = None
@@ -94,7 +97,8 @@ class Trackers:
             not resuming
         ):  # a new run in a used directory (overwrite) must not continue the old tracker runs
             (run_dir / IDS_FILE).unlink(missing_ok=True)
-        # by default the config exactly as config.yaml records it (settled values, detected data format)
+        # by default the config exactly as config.yaml records it (settled values, detected data
+        # format)
         params = flat_config(config if config is not None else _saved_config(run_dir))
         try:
             for name in names:
@@ -109,7 +113,8 @@ class Trackers:
         _save_ids(run_dir, {**saved, **_run_ids(self.trackers)})
 
     def log(self, record: dict) -> None:
-        """The numeric, finite fields of a metrics.jsonl record as ``<split>/<field>`` at its step."""
+        """The numeric, finite fields of a metrics.jsonl record as ``<split>/<field>`` at its
+        step."""
         if "step" not in record:
             return
         prefix = record.get("split", "train")
@@ -123,8 +128,9 @@ class Trackers:
                 tracker.log(values, step=record["step"])
 
     def finish(self, failed: bool = False) -> None:
-        """Close every tracker, marking the tracker run failed where the tracker can; one that fails to close
-        is logged, not raised, so the others still close and an error that ended the run is not hidden."""
+        """Close every tracker, marking the tracker run failed where the tracker can; one that fails
+        to close is logged, not raised, so the others still close and an error that ended the run is
+        not hidden."""
         for tracker in self.trackers:
             try:
                 # W&B and MLflow are closed directly: Accelerate's finish() cannot mark a run failed
@@ -169,8 +175,8 @@ def _make(name: str, run_dir: Path, run_id: str | None, purge_step: int | None):
 
 
 def _continues(name: str, saved: dict[str, str]) -> bool:
-    """On a resume: whether the tracker writes on into the run of the first start. TensorBoard's folder and
-    Trackio's run name are the run directory's; W&B and MLflow need the id saved then."""
+    """On a resume: whether the tracker writes on into the run of the first start. TensorBoard's
+    folder and Trackio's run name are the run directory's; W&B and MLflow need the id saved then."""
     return name in ("tensorboard", "trackio") or name in saved
 
 
@@ -205,8 +211,9 @@ def _saved_config(run_dir: Path) -> dict:
 
 
 def flat_config(config: Any) -> dict[str, Any]:
-    """The run config, tokens redacted, as one level of ``section.field`` keys with plain values: the shape
-    every tracker's hyper-parameter table takes (TensorBoard's hparams accept no lists or nesting)."""
+    """The run config, tokens redacted, as one level of ``section.field`` keys with plain values:
+    the shape every tracker's hyper-parameter table takes (TensorBoard's hparams accept no lists or
+    nesting)."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:

@@ -1,6 +1,7 @@
 """Under torchrun: shard a tiny Llama with FSDP2 as `onegpu train` does and print what is active.
 
-    torchrun --nproc-per-node 2 tests/dist_scripts/fsdp2_check.py <model_dir> <full|hybrid> <fp32|bf16>
+    torchrun --nproc-per-node 2 tests/dist_scripts/fsdp2_check.py <model_dir> <full|hybrid>
+    <fp32|bf16>
 
 Prints one JSON line (rank 0): mesh shape and names, local shard size, compute dtype of the logits.
 """

@@ -71,7 +71,8 @@ def test_bf16_autocast_on_cuda(tiny_tokenizer):
 
 def test_tf32_follows_the_gpu_and_changes_fp32_matmuls():
     """On by default on Ampere+: an fp32 matmul then rounds its inputs to TF32's 10-bit mantissa
-    (error ~1e-3 against fp64); switched off it is exact fp32 (~1e-6). Measured, not read off a flag."""
+    (error ~1e-3 against fp64); switched off it is exact fp32 (~1e-6). Measured, not read off a
+    flag."""
     from onegpu.techniques.prepare import global_switches
 
     dev = detect()

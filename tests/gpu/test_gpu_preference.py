@@ -1,5 +1,6 @@
-"""Preference tuning on a CUDA GPU (skipped without one): the fused per-token log-probs under bf16 autocast
-match the plain ones and never hold the (tokens x vocab) logits, and a short DPO + LoRA run trains."""
+"""Preference tuning on a CUDA GPU (skipped without one): the fused per-token log-probs under bf16
+autocast match the plain ones and never hold the (tokens x vocab) logits, and a short DPO + LoRA run
+trains."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ class Card:
 
     @property
     def bf16(self) -> bool:
-        """torch.cuda.is_bf16_supported() on this card: native from Ampere (8.0); emulated before."""
+        """torch.cuda.is_bf16_supported() on this card: native from Ampere (8.0); emulated
+        before."""
         return self.capability >= (8, 0)
 
 
@@ -144,7 +145,8 @@ def build_shim(cache: Path) -> tuple[Path | None, str]:
 
 
 def run_card(card: str, shim: Path, paths: list[str], timeout: int = 600):
-    """Run pytest on ``paths`` in a fresh process that sees ``card``; returns the CompletedProcess."""
+    """Run pytest on ``paths`` in a fresh process that sees ``card``; returns the
+    CompletedProcess."""
     env = dict(os.environ, LD_PRELOAD=str(shim), **{ENV_CARD: card})
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CUDA accelerator would load the real CUDA runtime
@@ -329,7 +331,8 @@ def _scalar(dtype):
 
 @contextlib.contextmanager
 def fake_value(value: float):
-    """``.item()`` (and ``float()``/``bool()``) of a fake tensor reads ``value`` inside the block."""
+    """``.item()`` (and ``float()``/``bool()``) of a fake tensor reads ``value`` inside the
+    block."""
     _VALUES.append(value)
     try:
         yield

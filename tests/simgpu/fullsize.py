@@ -14,9 +14,10 @@ Substitutions, each because fake tensors hold no values or this machine has no C
   CPU autocast run as they do on a card; the batch stays real (train_step counts its tokens on the
   host, as training does before copying a batch to the device);
 - attention: transformers' SDPA call is routed as a CUDA card's dispatcher routes it (see
-  ``CardAttention``: it replaces transformers' "sdpa" attention function while entered): half-precision inputs without a mask run
-  ``aten._scaled_dot_product_flash_attention``; CUDA autocast casts SDPA's inputs to half, which
-  CPU autocast does not, so the router casts them; anything else runs the composite op;
+  ``CardAttention``: it replaces transformers' "sdpa" attention function while entered):
+  half-precision inputs without a mask run ``aten._scaled_dot_product_flash_attention``; CUDA
+  autocast casts SDPA's inputs to half, which CPU autocast does not, so the router casts them;
+  anything else runs the composite op;
 - the fused loss verifies its head against the model's logits by value, once per model: marked
   verified, as the planner's own measuring model is (plan/activations.build_probe_model);
 - MemTracker's module hooks refuse the fused loss's calls of the output head (once per chunk, outside
@@ -362,8 +363,8 @@ def _optimizer_impl(optimizer) -> str:
 
 
 def predicted(setup: Setup) -> dict:
-    """The planner's peak for the setup, bytes: the estimate ``onegpu plan`` makes on a GPU, with the
-    attention kernel the planner measures for this model, and its parts."""
+    """The planner's peak for the setup, bytes: the estimate ``onegpu plan`` makes on a GPU, with
+    the attention kernel the planner measures for this model, and its parts."""
     from onegpu.config import Config
     from onegpu.plan import memory
     from onegpu.plan.arch import _shape_of

@@ -28,6 +28,6 @@ def test_planner_peak_within_5_percent_of_tracked_peak(setup):
     parts = r["tracked_parts_gib"]
     assert parts["param"] > 1.0 and parts["act"] > 0.5  # a full-size model and batch were tracked
     assert r["ratio"] == pytest.approx(1.0, abs=TOLERANCE), (
-        f"{r['setup']}: predicted {r['predicted_gib']:.2f} GiB, tracked {r['tracked_gib']:.2f} GiB; "
-        f"parts tracked {parts}, predicted {r['predicted_parts_gib']}"
+        f"{r['setup']}: predicted {r['predicted_gib']:.2f} GiB, tracked {r['tracked_gib']:.2f} "
+        f"GiB; parts tracked {parts}, predicted {r['predicted_parts_gib']}"
     )

@@ -3,8 +3,8 @@
 An arm is a few dotted overrides of the baseline run ``Config`` (so a method shows up here as soon
 as the config drives it), or a peer trainer given the same run settings: HF ``Trainer`` at its
 defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults. With
-``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next to
-TRL's ``DPOTrainer`` at its defaults.
+``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next
+to TRL's ``DPOTrainer`` at its defaults.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _all(*checks):
 
 def _unlike_baseline(precision: str):
     """Skip a precision arm that would repeat the baseline: by default bf16 on a GPU that has it,
-    fp16 on an older one, fp32 on a CPU (the same rule as techniques/precision.resolve_precision)."""
+    fp16 on an older one, fp32 on a CPU (the same rule as techniques/precision.resolve_precision).
+    """
 
     def check(dev, b, fmt):
         base = b.techniques.precision
@@ -217,10 +218,11 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
 
 
 def dpo_arms() -> list[Arm]:
-    """DPO: our defaults (full fine-tune, reference log-probs precomputed once before the first step;
-    LoRA, reference = the adapters switched off), our loop with TRL's default full reference (a frozen
-    copy run every step) for a like-for-like step, and TRL's DPOTrainer at its defaults, full and with
-    the same LoRA adapters (the LoRA arms read r, alpha, dropout and targets from techniques.lora)."""
+    """DPO: our defaults (full fine-tune, reference log-probs precomputed once before the first
+    step; LoRA, reference = the adapters switched off), our loop with TRL's default full reference
+    (a frozen copy run every step) for a like-for-like step, and TRL's DPOTrainer at its defaults,
+    full and with the same LoRA adapters (the LoRA arms read r, alpha, dropout and targets from
+    techniques.lora)."""
     return [
         Arm("baseline", "onegpu DPO, full (reference precomputed)", {}),
         Arm(

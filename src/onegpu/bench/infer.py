@@ -46,12 +46,14 @@ TOKENS = {
 @dataclass
 class BenchInferConfig:
     model: str = "small"
-    """A preset (tiny, small, 125m, 1b: random-init Llama built from its config) or a model directory."""
+    """A preset (tiny, small, 125m, 1b: random-init Llama built from its config) or a model
+    directory."""
     vocab_size: int = 32000
     """Vocabulary size of preset models."""
     settings: str = "fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile"
-    """Comma-separated settings, each "+"-joined from: fp32 fp16 bf16 eager sdpa int8 nf4 fp4 ao-int8
-    ao-int8-dynamic ao-int4 static static-compile. Plain model.generate is always added as hf-default."""
+    """Comma-separated settings, each "+"-joined from: fp32 fp16 bf16 eager sdpa int8 nf4 fp4
+    ao-int8 ao-int8-dynamic ao-int4 static static-compile. Plain model.generate is always added as
+    hf-default."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to measure on."""
     batch_size: int = 4
@@ -335,8 +337,8 @@ def cli(argv: Sequence[str]) -> int:
     if cfg.dry_run:
         settings = parse_settings(cfg.settings, cfg.model, cfg.device, cfg.compile_backend)
         print(
-            f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt {cfg.prompt_len}, "
-            f"{cfg.new_tokens} new tokens, {cfg.repeats} repeats"
+            f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt "
+            f"{cfg.prompt_len}, {cfg.new_tokens} new tokens, {cfg.repeats} repeats"
         )
         for setting in settings:
             print(f"  {setting.name}")
@@ -378,8 +380,9 @@ def to_markdown(result: dict) -> str:
     lines = [
         f"# onegpu bench infer — {result['device']}",
         "",
-        f"{result['date']}; model `{Path(c['model']).name}`, batch {c['batch_size']}, prompt {c['prompt_len']} "
-        f"tokens, {c['new_tokens']} new tokens, median of {c['repeats']} interleaved repetitions.",
+        f"{result['date']}; model `{Path(c['model']).name}`, batch {c['batch_size']}, prompt "
+        f"{c['prompt_len']} tokens, {c['new_tokens']} new tokens, median of {c['repeats']} "
+        "interleaved repetitions.",
         "",
         "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

@@ -1,4 +1,5 @@
-"""The settings of `onegpu bench train`: a run ``Config`` (the baseline arm) plus a ``bench`` section.
+"""The settings of `onegpu bench train`: a run ``Config`` (the baseline arm) plus a ``bench``
+section.
 
 Kept apart from the sweep (train.py) and the arm table (arms.py) so that both can read the same
 typed settings without importing each other.
@@ -17,19 +18,23 @@ class BenchSettings:
     """How the benchmark runs (the arms' run settings are the Config sections beside this one)."""
 
     warmup_steps: int = 2
-    """Leading steps left out of the timing (allocator warm-up, compilation); also the logging interval."""
+    """Leading steps left out of the timing (allocator warm-up, compilation); also the logging
+    interval."""
     max_seconds: float = 120.0
-    """Time budget of one arm's training loop; an arm that runs out reports the steps it finished."""
+    """Time budget of one arm's training loop; an arm that runs out reports the steps it finished.
+    """
     reps: int = 3
     """Repetitions of every arm, interleaved (A, B, C, A, B, C, ...)."""
     arms: str = "all"
     """Comma-separated arm names, or "all". The baseline arm is always included."""
     best: str = "auto"
-    """Arms merged into the "best" arm (comma-separated), or "auto" for this device's recommended set."""
+    """Arms merged into the "best" arm (comma-separated), or "auto" for this device's recommended
+    set."""
     max_micro_batch: int = 0
-    """Largest micro-batch the batch-size arm may use (0: no limit). That arm puts the whole effective
-    batch in one micro-batch; above this limit it uses the largest divisor of the effective batch
-    that fits, so a sweep at a large model does not measure an out-of-memory retry instead."""
+    """Largest micro-batch the batch-size arm may use (0: no limit). That arm puts the whole
+    effective batch in one micro-batch; above this limit it uses the largest divisor of the
+    effective batch that fits, so a sweep at a large model does not measure an out-of-memory retry
+    instead."""
     out: str = "benchmarks/results"
     """Folder for the results (json, md, png)."""
     name: Optional[str] = None

@@ -2,9 +2,9 @@
 and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
-exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a fresh
-subprocess each (clean peak memory) and repetitions are interleaved — A, B, C, A, B, C — so slow
-drift of a shared machine hits every arm alike. Every ratio in the report comes from one run.
+exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a
+fresh subprocess each (clean peak memory) and repetitions are interleaved — A, B, C, A, B, C — so
+slow drift of a shared machine hits every arm alike. Every ratio in the report comes from one run.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def apply_overrides(cfg: dict, overrides: dict) -> dict:
 def run_sweep(
     b: BenchTrainConfig, runner: Callable | None = None, progress: Callable | None = None
 ) -> dict:
-    """Run every arm `reps` times, interleaved; return the results document (see bench_train_report).
-    `progress(doc)` is called after every repetition (a long sweep keeps what it measured)."""
+    """Run every arm `reps` times, interleaved; return the results document (see
+    bench_train_report). `progress(doc)` is called after every repetition (a long sweep keeps what
+    it measured)."""
     from onegpu import hardware
     from onegpu.bench import train_report as bench_report
 
@@ -126,7 +127,8 @@ def validate(b: BenchTrainConfig) -> None:
         )
     if b.bench.max_micro_batch < 0:
         raise ConfigError(
-            f"bench.max_micro_batch must be 0 (no limit) or positive, got {b.bench.max_micro_batch}.",
+            "bench.max_micro_batch must be 0 (no limit) or positive, got "
+            f"{b.bench.max_micro_batch}.",
             hint="set --bench.max_micro_batch 8",
         )
     if b.bench.max_seconds <= 0:
@@ -220,8 +222,8 @@ def cli(argv) -> int:
 
 
 def objective_shorthand(argv) -> list[str]:
-    """`--objective dpo` means `--training.objective dpo`: the objective picks the whole arm table, so
-    it gets a short flag of its own."""
+    """`--objective dpo` means `--training.objective dpo`: the objective picks the whole arm table,
+    so it gets a short flag of its own."""
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--objective":
@@ -242,8 +244,9 @@ def dry_run(b: BenchTrainConfig) -> int:
         "unknown" if b.data.path else ("text" if b.training.objective == "sft" else "preference")
     )  # known once read
     print(
-        f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x {b.training.grad_accum} "
-        f"x {b.data.seq_len} tokens, {b.training.max_steps} steps, {b.bench.reps} reps"
+        f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x "
+        f"{b.training.grad_accum} x {b.data.seq_len} tokens, {b.training.max_steps} steps, "
+        f"{b.bench.reps} reps"
         + (f" [{b.bench.name}]" if b.bench.name else "")
         + (f"; objective {b.training.objective}" if b.training.objective != "sft" else "")
     )

@@ -1,4 +1,5 @@
-"""One benchmark arm in a fresh process: ``python -m onegpu.bench.train_child spec.json result.json``.
+"""One benchmark arm in a fresh process: ``python -m onegpu.bench.train_child spec.json
+result.json``.
 
 Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py) and its
 `DPOTrainer` (train_dpo.py) — imports
@@ -124,8 +125,8 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
 
 
 class Watch(Callback):
-    """Observes the loop: the prepared run (for the evidence), DPO's reference pass (timed again, warm,
-    in the untimed first window), and memory when training ends."""
+    """Observes the loop: the prepared run (for the evidence), DPO's reference pass (timed again,
+    warm, in the untimed first window), and memory when training ends."""
 
     def __init__(self, probe: MemoryProbe | None):
         self.probe, self.run, self.memory, self.reference_pass = probe, None, {}, {}
@@ -198,7 +199,8 @@ def evidence(run) -> dict:
 
 
 def _reference_kind(run) -> str | None:
-    """DPO's reference as this run really computed it (None for SFT and the reference-free objectives)."""
+    """DPO's reference as this run really computed it (None for SFT and the reference-free
+    objectives)."""
     return run.objective.reference_name
 
 

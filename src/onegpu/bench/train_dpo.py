@@ -1,11 +1,12 @@
 """DPO arms of `onegpu bench train --objective dpo`, in the arm's own process (see train_child.py):
 TRL's ``DPOTrainer`` at its defaults as the peer, and the clock on our reference pass.
 
-TRL gets the very records our loop trains on (the pairs ``pairs.corpus_pairs`` makes from the standard
-library, or data.path's), in the order our loop draws them, and tokenizes them itself; the bench then
-checks that its token ids equal ours pair by pair, so both count the same real tokens. Only what a
-fair comparison needs is set to our run's values (hf_arguments plus ``aligned_arguments`` below, each
-with its reason); the rest, the reference included, is TRL's own default.
+TRL gets the very records our loop trains on (the pairs ``pairs.corpus_pairs`` makes from the
+standard library, or data.path's), in the order our loop draws them, and tokenizes them itself; the
+bench then checks that its token ids equal ours pair by pair, so both count the same real tokens.
+Only what a fair comparison needs is set to our run's values (hf_arguments plus
+``aligned_arguments`` below, each with its reason); the rest, the reference included, is TRL's own
+default.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from onegpu.bench import train_peers
 
 # ---------------------------------------------------------------------------------------- onegpu
 def reference_pass(run, seconds: float | None) -> dict:
-    """Our precomputed reference (objectives/reference.py: one no-grad pass over every pair before the
-    first step) as the run timed it, with its pairs and tokens: it runs before the loop's timing
+    """Our precomputed reference (objectives/reference.py: one no-grad pass over every pair before
+    the first step) as the run timed it, with its pairs and tokens: it runs before the loop's timing
     windows, so the report charges it separately instead of it vanishing from tokens/s.
 
     That pass is the process's first forward and pays its one-off start-up (kernel and allocator
-    warm-up), which the other arms pay in their untimed first steps. The same pass again, warm (results
-    discarded, no weights touched), is what the report charges to tokens/s. Called when the loop begins
-    (Callback.on_train_begin): the first logged window, untimed, holds it. ``seconds``: the run's own
-    pass, as the run reported it (Callback.on_reference_pass); None when it made none (no precomputed
-    reference, or a resumed run).
+    warm-up), which the other arms pay in their untimed first steps. The same pass again, warm
+    (results discarded, no weights touched), is what the report charges to tokens/s. Called when the
+    loop begins (Callback.on_train_begin): the first logged window, untimed, holds it. ``seconds``:
+    the run's own pass, as the run reported it (Callback.on_reference_pass); None when it made none
+    (no precomputed reference, or a resumed run).
     """
     import torch
 
@@ -57,9 +58,10 @@ def reference_pass(run, seconds: float | None) -> dict:
 
 # ------------------------------------------------------------------------------------------ TRL
 def record_rows(records, tokenized, tok, data_cfg) -> list[int]:
-    """For each tokenized pair (run.train_ds, after over-long pairs were left out), the record it came
-    from. A pair our data code truncated has no record with its tokens; TRL would cut it elsewhere
-    (the end, not the prompt's start), so the bench refuses rather than compare different tokens."""
+    """For each tokenized pair (run.train_ds, after over-long pairs were left out), the record it
+    came from. A pair our data code truncated has no record with its tokens; TRL would cut it
+    elsewhere (the end, not the prompt's start), so the bench refuses rather than compare different
+    tokens."""
     from onegpu.data.pairs import encode_pair
     from onegpu.errors import ConfigError
 
@@ -99,19 +101,23 @@ def trl_records(records, rows: list[int], data_cfg):
 
 
 def aligned_arguments(cfg, device) -> dict:
-    """DPOConfig settings set to our run's, each because the comparison needs it (hf_arguments already
-    aligns batch, accumulation, steps, learning rate and schedule, optimizer betas, clipping, seed)."""
+    """DPOConfig settings set to our run's, each because the comparison needs it (hf_arguments
+    already aligns batch, accumulation, steps, learning rate and schedule, optimizer betas,
+    clipping, seed)."""
     from onegpu.objectives.preference import resolve_beta
     from onegpu.techniques.precision import resolve_precision
 
     precision = resolve_precision(cfg.techniques, device)
     kw = dict(
-        # the same arithmetic: TRL's default is bf16 autocast, ours fp32 on a CPU and the preset's bf16 on a GPU
+        # the same arithmetic: TRL's default is bf16 autocast, ours fp32 on a CPU and the preset's
+        # bf16 on a GPU
         bf16=precision.startswith("bf16"),
         fp16=precision == "fp16",
-        # TRL cuts at 1024 tokens by default; ours at data.seq_len (no pair here reaches either: see record_rows)
+        # TRL cuts at 1024 tokens by default; ours at data.seq_len (no pair here reaches either: see
+        # record_rows)
         max_length=cfg.data.seq_len,
-        # the same objective: beta and label smoothing are the loss itself (TRL's 0.1 and 0.0 are our defaults too)
+        # the same objective: beta and label smoothing are the loss itself (TRL's 0.1 and 0.0 are
+        # our defaults too)
         beta=resolve_beta("dpo", cfg.preference.beta),
         label_smoothing=cfg.preference.label_smoothing,
     )
@@ -140,8 +146,9 @@ def lora_config(cfg):
 
 def default_reference(model, lora: bool):
     """What TRL does with ref_model=None, made possible here: with PEFT, nothing (it disables the
-    adapters); for a full fine-tune it loads a second copy of the policy from the policy's path, which a
-    model built in memory from a preset does not have, so the bench hands it that copy itself."""
+    adapters); for a full fine-tune it loads a second copy of the policy from the policy's path,
+    which a model built in memory from a preset does not have, so the bench hands it that copy
+    itself."""
     path = getattr(model.config, "_name_or_path", "") or ""
     if lora or (Path(path) / "config.json").is_file():
         return None
@@ -149,7 +156,8 @@ def default_reference(model, lora: bool):
 
 
 def run_trl_dpo(spec: dict, callbacks: tuple = ()) -> dict:
-    """TRL's DPOTrainer at its defaults on our records in our order (full, or LoRA with the same adapters)."""
+    """TRL's DPOTrainer at its defaults on our records in our order (full, or LoRA with the same
+    adapters)."""
     import trl
     from trl import DPOConfig, DPOTrainer
 

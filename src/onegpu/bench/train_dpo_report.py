@@ -16,8 +16,8 @@ ALIGNED = [
     ),
     (
         "pairs and their order",
-        "the records our data code makes (`pairs.corpus_pairs`), in the order our loop "
-        "draws them; TRL tokenizes them itself and the bench checks its ids equal ours pair by pair",
+        "the records our data code makes (`pairs.corpus_pairs`), in the order our loop draws them; "
+        "TRL tokenizes them itself and the bench checks its ids equal ours pair by pair",
     ),
     (
         "steps, micro-batch x accumulation",
@@ -37,9 +37,10 @@ ALIGNED = [
     ("LoRA (LoRA arms)", "the same adapters: r, alpha, dropout, target modules"),
 ]
 KEPT = (
-    "TRL's own defaults kept: its reference (a frozen copy of the model run inside every step for a full "
-    "fine-tune; the adapters switched off for LoRA), gradient checkpointing on, padding to the longest "
-    "sequence (ours: to a multiple of 64), its metrics every step, Trainer's fused AdamW."
+    "TRL's own defaults kept: its reference (a frozen copy of the model run inside every step for "
+    "a full fine-tune; the adapters switched off for LoRA), gradient checkpointing on, padding to "
+    "the longest sequence (ours: to a multiple of 64), its metrics every step, Trainer's fused "
+    "AdamW."
 )
 
 
@@ -48,7 +49,8 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
 
 
 def _vs_peer(doc: dict, name: str) -> dict:
-    """This arm's ratios against its TRL counterpart (full with full, LoRA with LoRA); 1.00 for the peers."""
+    """This arm's ratios against its TRL counterpart (full with full, LoRA with LoRA); 1.00 for the
+    peers."""
     for key in ("vs_trl_dpo", "vs_trl_dpo_lora"):
         if name in doc.get(key, {}):
             return doc[key][name]
@@ -84,13 +86,14 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         "",
         f"{doc['date']} · `{doc['command']}`",
         "",
-        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), {s['train_examples']} preference "
-        f"pairs from the standard library, {t['micro_batch_size'] * t['grad_accum']} pairs a step "
-        f"({t['micro_batch_size']} x {t['grad_accum']}), sequences of at most {c['data']['seq_len']} tokens, "
-        f"{t['max_steps']} steps per arm (first {b['warmup_steps']} untimed), {b['reps']} interleaved rounds; "
-        "medians, and the range over rounds. tokens/s counts the real tokens of the chosen and rejected "
-        "sequences (prompt + response, both), the same count in every arm. Memory: what training added "
-        f"to the process ({mem}). Ratios pair each round's arm with that round's TRL arm.",
+        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), {s['train_examples']} "
+        f"preference pairs from the standard library, {t['micro_batch_size'] * t['grad_accum']} "
+        f"pairs a step ({t['micro_batch_size']} x {t['grad_accum']}), sequences of at most "
+        f"{c['data']['seq_len']} tokens, {t['max_steps']} steps per arm (first {b['warmup_steps']} "
+        f"untimed), {b['reps']} interleaved rounds; medians, and the range over rounds. tokens/s "
+        "counts the real tokens of the chosen and rejected sequences (prompt + response, both), "
+        f"the same count in every arm. Memory: what training added to the process ({mem}). Ratios "
+        "pair each round's arm with that round's TRL arm.",
         "",
     ]
     for key, label in (
@@ -102,8 +105,8 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
             if doc["arms"][name].get("reference_pass_s") is not None:
                 extra = f" ({_fmt(vs.get('speed_x_with_ref'), '.2f', 'x')} with its reference pass)"
             lines.append(
-                f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s{extra}, "
-                f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
+                f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} "
+                f"tokens/s{extra}, {_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
             )
     lines += [
         "",
@@ -116,7 +119,8 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         vs = _vs_peer(doc, name)
         rng = a.get("tokens_per_s_range")
         ref = (
-            f"{_fmt(a.get('reference_pass_warm_s'), '.2f')} / {_fmt(a.get('reference_pass_s'), '.2f')}"
+            f"{_fmt(a.get('reference_pass_warm_s'), '.2f')} / "
+            f"{_fmt(a.get('reference_pass_s'), '.2f')}"
             if a.get("reference_pass_s") is not None
             else "in every step"
         )
@@ -124,10 +128,12 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         status = "" if a["status"] == "ok" else f"**{a['status']}** "
         lines.append(
             f"| {name} | {a['row']} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-            f"{'—' if not rng else f'{rng[0]:,.0f}–{rng[1]:,.0f}'} | {ref if a['status'] == 'ok' else '—'} | "
-            f"{_fmt(a.get('tokens_per_s_with_ref'), ',.0f')} | {_fmt(vs.get('speed_x'), '.2f', 'x')} | "
-            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(vs.get('memory_x'), '.2f', 'x')} | "
-            f"{_fmt(a.get('final_loss'), '.4f')} | {_fmt(a.get('reward_accuracy'), '.2f')} | {status}{note} |"
+            f"{'—' if not rng else f'{rng[0]:,.0f}–{rng[1]:,.0f}'} | "
+            f"{ref if a['status'] == 'ok' else '—'} | "
+            f"{_fmt(a.get('tokens_per_s_with_ref'), ',.0f')} | "
+            f"{_fmt(vs.get('speed_x'), '.2f', 'x')} | {_fmt(a.get('train_mem_mb'), ',.0f')} | "
+            f"{_fmt(vs.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('final_loss'), '.4f')} | "
+            f"{_fmt(a.get('reward_accuracy'), '.2f')} | {status}{note} |"
         )
     lines += [
         "",
@@ -147,8 +153,8 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         "",
         KEPT,
         "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
-        f"peft {v['peft']}, trl {v.get('trl')}, datasets {v.get('datasets')}; python {v['python']}. "
+        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft "
+        f"{v['peft']}, trl {v.get('trl')}, datasets {v.get('datasets')}; python {v['python']}. "
         f"Commit {(doc.get('code') or {}).get('commit')}.",
     ]
     if png_name:

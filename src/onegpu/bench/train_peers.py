@@ -47,7 +47,8 @@ def setup(spec: dict) -> PeerSetup:
     recs = read_records(cfg)
     data = build_data(cfg, name, recs)
     set_seed(t.seed)
-    # the peers' model as HF builds it (their own techniques, not our pipeline), at our seed and kernel
+    # the peers' model as HF builds it (their own techniques, not our pipeline), at our seed and
+    # kernel
     model = models.load_model(
         name, cfg.model, data.tokenizer, attn_implementation=_attention(cfg, device, name)
     )
@@ -76,7 +77,8 @@ def example_tokens(dataset) -> list[int]:
 
 
 def _attention(cfg, device, model_name: str) -> str:
-    """The kernel our arms resolve for this model and device, so the peers run the same attention."""
+    """The kernel our arms resolve for this model and device, so the peers run the same
+    attention."""
     from onegpu import models
     from onegpu.techniques.attention import model_kernels, resolve_attention
     from onegpu.techniques.precision import resolve_precision
@@ -144,7 +146,8 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
     out["evidence"].update(
         trl=trl.__version__,
         loss_type=args.loss_type,
-        # SFTTrainer patches the model's forward with its fused, chunked LM head + loss (no full logits)
+        # SFTTrainer patches the model's forward with its fused, chunked LM head + loss (no full
+        # logits)
         chunked_loss=args.loss_type == "chunked_nll" or "forward" in vars(base),
         # what the logged loss is divided by: Trainer's count of target tokens over the whole
         # accumulated batch when the model accepts it, as our loop does; else a per-micro-batch mean

@@ -1,8 +1,8 @@
 """Results of `onegpu bench train`: one json document, the guide's table in markdown, a PNG chart.
 
 All ratios come from one run: the median over rounds of the arm's value divided by the baseline
-arm's value in the same round of the interleaved repetitions: "speed x" on real (non-padding) tokens per second, "memory x" on the
-memory the training itself added (see bench_train_child.MemoryProbe).
+arm's value in the same round of the interleaved repetitions: "speed x" on real (non-padding) tokens
+per second, "memory x" on the memory the training itself added (see bench_train_child.MemoryProbe).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ PEERS = {
     "vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
     "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)", VS_HF),
     "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)", VS_HF),
-    # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against LoRA
+    # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against
+    # LoRA
     "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
     "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
 }
@@ -90,7 +91,8 @@ def versions() -> dict:
 
 def code_version() -> dict:
     """The commit measured: benchmarks/bench_train.py --snapshot names it in ONEGPU_BENCH_COMMIT
-    ("+local": with uncommitted edits); otherwise the checkout's HEAD and whether it had local edits."""
+    ("+local": with uncommitted edits); otherwise the checkout's HEAD and whether it had local
+    edits."""
     import os
     import subprocess
 
@@ -203,9 +205,10 @@ def summarize(doc: dict) -> dict:
 
 def with_reference_pass(rep: dict, max_steps: int) -> float:
     """Tokens/s with DPO's precomputed reference pass charged to the timed steps pro rata: the pass
-    covers the pairs of all max_steps steps, so timed_steps / max_steps of it belongs to the timed ones.
-    Its warm time is charged (the first pass also pays the process's start-up, which the other arms
-    pay in their untimed steps); arms that compute the reference inside each step have nothing to add."""
+    covers the pairs of all max_steps steps, so timed_steps / max_steps of it belongs to the timed
+    ones. Its warm time is charged (the first pass also pays the process's start-up, which the other
+    arms pay in their untimed steps); arms that compute the reference inside each step have nothing
+    to add."""
     ref = rep.get("reference_pass") or {}
     seconds = (
         ref.get("warm_seconds", ref.get("seconds", 0.0)) * rep["timed_steps"] / max(max_steps, 1)
@@ -266,11 +269,11 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         "",
         f"{doc['date']} · `{doc['command']}`",
         "",
-        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq {c['data']['seq_len']}, "
-        f"effective batch {t['micro_batch_size'] * t['grad_accum']} "
-        f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm "
-        f"(first {b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. "
-        f"MFU against measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
+        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq "
+        f"{c['data']['seq_len']}, effective batch {t['micro_batch_size'] * t['grad_accum']} "
+        f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm (first "
+        f"{b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. MFU against "
+        f"measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
         f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.",
         "",
     ]
@@ -282,8 +285,8 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
             ]
     lines += [""] if any(doc.get(key) for key in PEERS) else []
     lines += [
-        "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | samples/s | MFU "
-        "| train mem MB | final loss | note |",
+        "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | "
+        "samples/s | MFU | train mem MB | final loss | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in doc["arms"].items():
@@ -297,13 +300,14 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
             f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
             f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
             f"{_fmt(a.get('samples_per_s'), '.2f')} | {_fmt(a.get('mfu'), '.1%')} | "
-            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | {status}{note} |"
+            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | "
+            f"{status}{note} |"
         )
     v = doc["versions"]
     lines += [
         "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, "
-        f"peft {v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}.",
+        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft "
+        f"{v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}.",
     ]
     if png_name:
         lines += ["", f"![speed and memory against the baseline]({png_name})"]
@@ -318,8 +322,8 @@ def peer_note(arm: dict) -> str:
     bits = [ev.get("precision")] + [k for k in ("checkpointing", "compiled") if ev.get(k)]
     if arm.get("kind") == "trl" and ev:
         bits.append(
-            f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss ({ev.get('loss_type')}), "
-            f"{ev.get('loss_normalisation')}; TRL {ev.get('trl')}"
+            f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss "
+            f"({ev.get('loss_type')}), {ev.get('loss_normalisation')}; TRL {ev.get('trl')}"
         )
     return ", ".join(b for b in bits if b)
 

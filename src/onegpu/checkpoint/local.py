@@ -3,7 +3,8 @@
 ``checkpoint-<step>/`` holds
   model/            ``save_pretrained`` output (safetensors; adapters only for a PEFT model) + tokenizer
   trainer_state.pt  optimizer, scheduler, grad scaler and RNG states, stored as tensors and plain
-                    containers only, so ``torch.load(weights_only=True)`` reads it (no arbitrary pickles)
+                    containers only, so ``torch.load(weights_only=True)`` reads it (no arbitrary
+                    pickles)
   state.json        the loop's TrainState: step, data position, tokens seen, eval history
   config.yaml       the resolved run configuration (secrets redacted)
   manifest.json     size and sha256 of every file above; written last
@@ -117,9 +118,9 @@ def save_checkpoint(
 
     ``rng`` is the RNG state to store (default: now); the loop passes the state at the start of an
     abandoned accumulation cycle so that the resumed run replays that cycle exactly.
-    ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across processes.
-    ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is saved
-    again).
+    ``gathered`` comes from ``gather_sharded`` when FSDP2/DeepSpeed split the states across
+    processes. ``on_write`` is called after each write (SAVE_POINTS; "trash" only when the step is
+    saved again).
     """
     written: WriteHook = on_write or (lambda point: None)
     gathered = gathered or {}
@@ -166,7 +167,8 @@ def save_checkpoint(
 
 def _publish(tmp: Path, final: Path, written: WriteHook) -> None:
     """Rename into place. An older checkpoint of the same step (a run resumed from an earlier
-    point) is moved aside first; at no moment is a half-written folder visible under a final name."""
+    point) is moved aside first; at no moment is a half-written folder visible under a final name.
+    """
     if final.exists():
         trash = final.with_name(f"{TRASH_PREFIX}{final.name}")
         shutil.rmtree(trash, ignore_errors=True)
@@ -192,7 +194,8 @@ def clean_stale(run_dir: Path) -> None:
 
 
 def discard_all(run_dir: Path) -> int:
-    """Remove every checkpoint of an earlier run (output.overwrite): "latest" must never find one."""
+    """Remove every checkpoint of an earlier run (output.overwrite): "latest" must never find
+    one."""
     old = [p for p in Path(run_dir).glob(f"{PREFIX}*") if p.is_dir()]
     for p in old:
         shutil.rmtree(p)
@@ -372,7 +375,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator) -> dic
 def check_fits(path: Path, model) -> None:
     """One ConfigError, before anything is written, when the checkpoint's weights have other shapes
     than this model's (another size, another vocabulary, another LoRA rank). Only the safetensors
-    headers are read. Sharded (engine) checkpoints without a model/ folder are checked by their loader."""
+    headers are read. Sharded (engine) checkpoints without a model/ folder are checked by their
+    loader."""
     from safetensors import safe_open
 
     shapes = {}
@@ -444,7 +448,7 @@ def load_model_weights(model_dir: Path, model) -> None:
     if missing or unexpected:
         key = (missing or unexpected)[0]
         raise ConfigError(
-            f"weights in {model_dir} do not fit this model ({'missing' if missing else 'unexpected'} "
-            f"{key}).",
+            f"weights in {model_dir} do not fit this model "
+            f"({'missing' if missing else 'unexpected'} {key}).",
             hint="resume with the same model.name it was written with",
         )

@@ -66,7 +66,8 @@ def load_sharded(path: Path, model, optimizer, scheduler, accelerator) -> dict:
         if blob["optimizer"].get("engine") == "deepspeed":
             raise ConfigError(
                 f"checkpoint {path} holds DeepSpeed optimizer partitions; this run uses FSDP2.",
-                hint="resume with the same techniques.offload / distributed.strategy it was written with",
+                hint="resume with the same techniques.offload / distributed.strategy it was "
+                "written with",
             )
         _load_fsdp2(path, model, optimizer, blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

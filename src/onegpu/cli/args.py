@@ -179,7 +179,8 @@ def _plain(v: Any) -> Any:
 
 
 def _check_yaml_files(argv: list[str], config_cls: type) -> None:
-    """Validate --config files with our own loader first: its errors name the key and suggest one."""
+    """Validate --config files with our own loader first: its errors name the key and suggest
+    one."""
     from onegpu.config import from_dict, load_yaml
 
     for i, arg in enumerate(argv):

@@ -1,4 +1,5 @@
-"""`onegpu bench <what> ...`: measured comparisons, one module per benchmark (each with ``cli(argv)``)."""
+"""`onegpu bench <what> ...`: measured comparisons, one module per benchmark (each with
+``cli(argv)``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def cli(argv: Sequence[str]) -> int:
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: onegpu bench <benchmark> [options]   (onegpu bench <benchmark> --help)\n\nbenchmarks:"
+            "usage: onegpu bench <benchmark> [options]   (onegpu bench <benchmark> "
+            "--help)\n\nbenchmarks:"
         )
         for name, (_, desc) in BENCHMARKS.items():
             print(f"  {name:<8} {desc}")

@@ -52,7 +52,8 @@ def versions() -> dict:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver: from nvidia-smi where present, else the CUDA driver API version torch sees."""
+    """The NVIDIA driver: from nvidia-smi where present, else the CUDA driver API version torch
+    sees."""
     import torch
 
     if shutil.which("nvidia-smi"):
@@ -179,7 +180,8 @@ def check_flash_attn() -> Check:
             "flash_attn",
             False,
             f"{v} installed but does not load: {str(exc).splitlines()[0][:100]}",
-            "reinstall it against this torch: pip install --force-reinstall flash-attn --no-build-isolation",
+            "reinstall it against this torch: pip install --force-reinstall flash-attn "
+            "--no-build-isolation",
         )
     return Check("flash_attn", True, v)
 

@@ -1,11 +1,12 @@
-"""`onegpu plan [MODEL] --gpu NAME [train flags] [--batch B]`: will it fit, and how fast will it run?
+"""`onegpu plan [MODEL] --gpu NAME [train flags] [--batch B]`: will it fit, and how fast will it
+run?
 
 The planner plans a training config, so plan takes the flags of `onegpu train` as they are
-(`--data.seq_len`, `--training.micro_batch_size`, `--techniques.lora.enabled`, `--config FILE`, ...):
-a train command line with `train` replaced by `plan` predicts that run, and the techniques it
-fixes are respected in the recommendation. On top come the flags only a plan has: the GPU
-(`--gpu`), the effective batch to keep (`--batch`, default micro_batch_size x grad_accum), the
-memory to plan for (`--memory_gib`) and the output (`--top`, `--json`, `--save`). MODEL is short for
+(`--data.seq_len`, `--training.micro_batch_size`, `--techniques.lora.enabled`, `--config FILE`,
+...): a train command line with `train` replaced by `plan` predicts that run, and the techniques it
+fixes are respected in the recommendation. On top come the flags only a plan has: the GPU (`--gpu`),
+the effective batch to keep (`--batch`, default micro_batch_size x grad_accum), the memory to plan
+for (`--memory_gib`) and the output (`--top`, `--json`, `--save`). MODEL is short for
 `--model.name`. The old spellings `--seq-len` and `--memory-gib` still work, with a note.
 """
 
@@ -132,10 +133,12 @@ def print_plan(plan, recommended, top: int) -> None:
     tag = "" if calibrated else " (uncalibrated)"
     shape = plan.shape
     print(
-        f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers, vocab {shape.vocab}"
+        f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers, vocab "
+        f"{shape.vocab}"
     )
     print(
-        f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective batch {plan.batch}\n"
+        f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective "
+        f"batch {plan.batch}\n"
     )
     print(f"{'#':>2}  {'plan':<52} {'peak GB':>8} {'tokens/s' + tag:>24}  why")
     for i, r in enumerate(plan.rows[:top], 1):
@@ -200,7 +203,8 @@ def _print_max_context(cfg, ns) -> int:
     gib = ns.memory_gib or spec.memory_gib
     print(f"model {shape.name}: {shape.params / 1e6:,.1f}M parameters, {shape.layers} layers")
     print(
-        f"gpu   {spec.name}: {gib:.1f} GB; batch 1, attention {attention}; method {rows[0].candidate.method}\n"
+        f"gpu   {spec.name}: {gib:.1f} GB; batch 1, attention {attention}; method "
+        f"{rows[0].candidate.method}\n"
     )
     print(f"{'setup':<40} {'longest seq':>12} {'peak GB':>8} {'host GB':>8} {'tokens/s':>10}  plan")
     for r in rows:
@@ -214,16 +218,16 @@ def _print_max_context(cfg, ns) -> int:
         )
     if shape.max_positions and any(r.seq_len > shape.max_positions for r in rows):
         print(
-            f"\nbeyond max_position_embeddings={shape.max_positions}: memory allows it; the model's "
-            "positions need extending (rope scaling) to train there"
+            f"\nbeyond max_position_embeddings={shape.max_positions}: memory allows it; the "
+            "model's positions need extending (rope scaling) to train there"
         )
     pub = published_context(shape.config, gib, cfg.techniques.lora)
     if pub is not None:
         best = max(r.seq_len for r in rows)
         print(
-            f"\npublished, {pub.model} {pub.method} on a {pub.card_gb} GB card: Unsloth {pub.tokens:,} "
-            f"tokens, Hugging Face + FA2 {pub.baseline_tokens:,} ({pub.source}); ours {best:,} "
-            f"({best / pub.tokens:.2f}x Unsloth's)"
+            f"\npublished, {pub.model} {pub.method} on a {pub.card_gb} GB card: Unsloth "
+            f"{pub.tokens:,} tokens, Hugging Face + FA2 {pub.baseline_tokens:,} ({pub.source}); "
+            f"ours {best:,} ({best / pub.tokens:.2f}x Unsloth's)"
         )
     assumed = sorted({a for r in rows if r.speed for a in r.speed.assumptions})
     if assumed:
@@ -235,12 +239,13 @@ def _print_catalog() -> int:
     from onegpu.hardware import CATALOG
 
     print(
-        f"{'gpu':<11} {'memory GB':>9} {'fp32':>6} {'tf32':>7} {'bf16':>7} {'fp8':>7} {'GB/s':>6}  name"
+        f"{'gpu':<11} {'memory GB':>9} {'fp32':>6} {'tf32':>7} {'bf16':>7} {'fp8':>7} {'GB/s':>6}  "
+        "name"
     )
     for g in CATALOG:
         print(
-            f"{g.key:<11} {g.memory_gib:>9.1f} {g.fp32:>6.1f} {g.tf32:>7.1f} {g.bf16:>7.1f} {g.fp8:>7.1f} "
-            f"{g.bandwidth_gbs:>6.0f}  {g.name}"
+            f"{g.key:<11} {g.memory_gib:>9.1f} {g.fp32:>6.1f} {g.tf32:>7.1f} {g.bf16:>7.1f} "
+            f"{g.fp8:>7.1f} {g.bandwidth_gbs:>6.0f}  {g.name}"
         )
     print("\nTFLOP/s are dense peaks from the vendors' datasheets.")
     return 0

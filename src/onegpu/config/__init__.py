@@ -1,4 +1,5 @@
-"""The run configuration: typed sections (sections.py), whole-config checks (checks.py), dicts and YAML (io.py)."""
+"""The run configuration: typed sections (sections.py), whole-config checks (checks.py), dicts and
+YAML (io.py)."""
 
 from onegpu.config.checks import NON_NEGATIVE, OFFLOAD_OPTIMIZERS, POSITIVE_INTS, validate
 from onegpu.config.io import SECRET_PATTERN, from_dict, load_yaml, redact, save_yaml, to_dict

@@ -1,4 +1,5 @@
-"""Checks of a whole configuration that its types cannot express: ranges, and switches that conflict."""
+"""Checks of a whole configuration that its types cannot express: ranges, and switches that
+conflict."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ NON_NEGATIVE = {
     "techniques.activation_offload_min_bytes",
     "techniques.tiled_mlp_tile_tokens",
 }
-# Optimizers DeepSpeed offload can replace with its own CPU Adam; the others keep state it cannot move.
+# Optimizers DeepSpeed offload can replace with its own CPU Adam; the others keep state it cannot
+# move.
 OFFLOAD_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused")
 
 
@@ -135,8 +137,8 @@ def _check_preference(cfg: Config) -> None:
         )
     if pref.reference != "auto" and objective in ("orpo", "simpo"):
         raise ConfigError(
-            f"preference.reference={pref.reference} is set, but training.objective={objective} uses no "
-            "reference model.",
+            f"preference.reference={pref.reference} is set, but training.objective={objective} "
+            "uses no reference model.",
             hint="drop preference.reference, or set training.objective=dpo",
         )
     if pref.reference == "adapters" and not cfg.techniques.lora.enabled:

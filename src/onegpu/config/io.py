@@ -1,5 +1,5 @@
-"""Configuration in and out: nested dicts and YAML files to typed dataclasses (unknown keys and wrong types
-rejected with the field named), and back, with access tokens redacted."""
+"""Configuration in and out: nested dicts and YAML files to typed dataclasses (unknown keys and
+wrong types rejected with the field named), and back, with access tokens redacted."""
 
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ SECRET_PATTERN = re.compile(
 
 
 def redact(data: Any) -> Any:
-    """A copy of a config dict with access tokens blanked, so saved configs and logs never leak them:
-    values that look like tokens, and the values of any *TOKEN*/*SECRET*/*KEY* environment variable."""
+    """A copy of a config dict with access tokens blanked, so saved configs and logs never leak
+    them: values that look like tokens, and the values of any *TOKEN*/*SECRET*/*KEY* environment
+    variable."""
     import os
 
     secrets = [

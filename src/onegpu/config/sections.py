@@ -1,5 +1,6 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML and/or the command line.
-Every field is a ``--section.field`` flag (cli/args.py); the docstring under a field is its help text."""
+Every field is a ``--section.field`` flag (cli/args.py); the docstring under a field is its help
+text."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from onegpu.errors import ConfigError
 @dataclass
 class ModelConfig:
     name: str = "auto"
-    """Preset (tiny, small, 125m, 1b), Hub model id or local model directory. auto: tiny on CPU, 125m on a GPU."""
+    """Preset (tiny, small, 125m, 1b), Hub model id or local model directory. auto: tiny on CPU,
+    125m on a GPU."""
     tokenizer: Optional[str] = None
-    """Tokenizer id or directory. Default: the model's own; presets: a byte-level BPE trained on the data, cached."""
+    """Tokenizer id or directory. Default: the model's own; presets: a byte-level BPE trained on the
+    data, cached."""
     vocab_size: int = 4096
     """Vocabulary size of the locally trained tokenizer (presets only)."""
     from_scratch: bool = False
@@ -30,7 +33,8 @@ class DataConfig:
     """Local file or folder (jsonl/json/csv/parquet/txt) or a Hub dataset name. Default: the
     Python standard library's own source files."""
     format: Literal["auto", "text", "prompt_completion", "messages", "preference"] = "auto"
-    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages / prompt+chosen+rejected)."""
+    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages /
+    prompt+chosen+rejected)."""
     text_field: str = "text"
     """Column holding raw text."""
     prompt_field: str = "prompt"
@@ -40,16 +44,18 @@ class DataConfig:
     messages_field: str = "messages"
     """Column holding chat messages (messages format)."""
     chosen_field: str = "chosen"
-    """Column holding the preferred response (preference format: text, or a list of chat messages)."""
+    """Column holding the preferred response (preference format: text, or a list of chat messages).
+    """
     rejected_field: str = "rejected"
     """Column holding the dispreferred response (preference format)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
     overlong: Literal["truncate", "drop", "split"] = "split"
-    """Chat/prompt-completion records over seq_len (counted in the log and summary). split: a chat is cut on turn
-    boundaries (system message kept, an assistant turn too long alone left out); prompt/completion, with no turn to
-    cut on, is dropped. drop: left out. truncate: cut at seq_len, a cut assistant turn not trained on (its EOS is
-    gone), a prompt cut from its start. Default split: never trains on a cut turn, keeps every turn that fits."""
+    """Chat/prompt-completion records over seq_len (counted in the log and summary). split: a chat
+    is cut on turn boundaries (system message kept, an assistant turn too long alone left out);
+    prompt/completion, with no turn to cut on, is dropped. drop: left out. truncate: cut at seq_len,
+    a cut assistant turn not trained on (its EOS is gone), a prompt cut from its start. Default
+    split: never trains on a cut turn, keeps every turn that fits."""
     val_fraction: float = 0.05
     """Share of files (or records) held out for validation."""
     max_bytes: int = 6_000_000
@@ -65,23 +71,27 @@ class DataConfig:
     persistent_workers: bool = True
     """Keep workers alive between epochs and evals (num_workers > 0)."""
     pad_to_multiple: int = 64
-    """Pad variable-length batches to a multiple of this (tensor cores; torch.compile recompiles less)."""
+    """Pad variable-length batches to a multiple of this (tensor cores; torch.compile recompiles
+    less)."""
 
 
 @dataclass
 class TrainingConfig:
     objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
-    """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning on
-    prompt + chosen + rejected pairs (the preference section); the default data then becomes pairs made
-    from the standard library (the real continuation of a snippet chosen over a word-shuffled one)."""
+    """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning
+    on prompt + chosen + rejected pairs (the preference section); the default data then becomes
+    pairs made from the standard library (the real continuation of a snippet chosen over a
+    word-shuffled one)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step (effective batch = micro_batch_size x grad_accum)."""
+    """Micro-batches accumulated per optimizer step (effective batch = micro_batch_size x
+    grad_accum)."""
     max_steps: int = 200
     """Optimizer steps to run."""
     max_minutes: float = 0.0
-    """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves."""
+    """Stop after this many minutes of training (0 = no limit); the run still evaluates and saves.
+    """
     lr: Union[float, Literal["auto"]] = "auto"
     """Peak learning rate. auto: by mode and objective (hyper.py). sft: 2e-3 from scratch, 2e-5
     full fine-tune, 2e-4 LoRA/QLoRA; dpo/orpo/simpo: 5e-4 from scratch, 1e-6 full fine-tune, 5e-6
@@ -109,9 +119,11 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for model init, data order and dropout."""
     max_bad_steps: int = 5
-    """Stop after this many steps in a row with a NaN/inf loss or gradient (each skipped; 0 = never stop)."""
+    """Stop after this many steps in a row with a NaN/inf loss or gradient (each skipped; 0 = never
+    stop)."""
     oom_retry: bool = True
-    """On out-of-memory, halve the micro-batch, double grad_accum (same effective batch) and retry the step."""
+    """On out-of-memory, halve the micro-batch, double grad_accum (same effective batch) and retry
+    the step."""
 
 
 @dataclass
@@ -150,8 +162,9 @@ class TechniquesConfig:
     checkpointing_every: int = 2
     """With checkpointing=every-n: checkpoint every n-th decoder layer."""
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
-    """Attention kernel. auto = the fastest the model and device support: flash_attention_2 (flash_attn,
-    GPU, fp16/bf16), else sdpa (PyTorch SDPA), else eager; flash = SDPA's flash kernel or flash_attn's."""
+    """Attention kernel. auto = the fastest the model and device support: flash_attention_2
+    (flash_attn, GPU, fp16/bf16), else sdpa (PyTorch SDPA), else eager; flash = SDPA's flash kernel
+    or flash_attn's."""
     padding_free: bool = False
     """Pack variable-length examples into one row with position_ids instead of padding."""
     optimizer: Literal[
@@ -176,7 +189,8 @@ class TechniquesConfig:
     compile_backend: str = "inductor"
     """torch.compile backend."""
     compile_regional: bool = True
-    """Compile each decoder block separately (fast compile, same speed) instead of the whole model."""
+    """Compile each decoder block separately (fast compile, same speed) instead of the whole model.
+    """
     loss: Literal["auto", "fused", "plain"] = "auto"
     """Cross-entropy. fused: the output head and the loss run loss_chunk_size tokens at a time with
     their gradients taken in the forward, so the full (tokens x vocab) logits never exist (faster,
@@ -213,15 +227,18 @@ class TechniquesConfig:
 class PreferenceConfig:
     beta: Union[float, Literal["auto"]] = "auto"
     """Strength of the preference term. auto: DPO 0.1 (Rafailov et al. 2023; TRL's default), ORPO's
-    lambda 0.1 (Hong et al. 2024), SimPO 2.0 (Meng et al. 2024, the range 2.0-2.5 of its recipes)."""
+    lambda 0.1 (Hong et al. 2024), SimPO 2.0 (Meng et al. 2024, the range 2.0-2.5 of its recipes).
+    """
     reference: Literal["auto", "adapters", "precomputed", "copy"] = "auto"
     """DPO's reference model. adapters: the LoRA base with the adapters switched off (no copy);
     precomputed: its log-probs computed in one pass before training (kept in the run directory);
-    copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed. ORPO/SimPO use none."""
+    copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed. ORPO/SimPO use none.
+    """
     label_smoothing: float = 0.0
     """Share of pairs assumed mislabelled (conservative DPO, Mitchell 2023), in [0, 0.5)."""
     simpo_gamma_ratio: float = 0.5
-    """SimPO's target margin as a share of beta (gamma = ratio x beta; the paper's recipes use 0.3-0.6)."""
+    """SimPO's target margin as a share of beta (gamma = ratio x beta; the paper's recipes use
+    0.3-0.6)."""
 
 
 @dataclass
@@ -237,13 +254,14 @@ class OutputConfig:
     keep_last: int = 2
     """Checkpoints to keep (the best by eval loss is kept too)."""
     report_to: str = "tensorboard"
-    """Experiment trackers that receive the metrics of metrics.jsonl (same names and steps) and the config:
-    tensorboard (run_dir/tensorboard), wandb, mlflow, trackio, a comma-separated list of them, all (the
-    installed ones) or none. Project: $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else $ONEGPU_PROJECT,
-    else onegpu; run name: the run directory's."""
+    """Experiment trackers that receive the metrics of metrics.jsonl (same names and steps) and the
+    config: tensorboard (run_dir/tensorboard), wandb, mlflow, trackio, a comma-separated list of
+    them, all (the installed ones) or none. Project: $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else
+    $ONEGPU_PROJECT, else onegpu; run name: the run directory's."""
     tensorboard: Optional[bool] = None
     """Deprecated, use report_to (kept so config.yaml files of older runs still load and resume):
-    false removes tensorboard from report_to, true adds it. Folded into report_to when the config is read."""
+    false removes tensorboard from report_to, true adds it. Folded into report_to when the config is
+    read."""
 
     def __post_init__(self):
         self.report_to = _tracker_list(self.report_to)
@@ -273,7 +291,8 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 
 
 def _tracker_list(value: str) -> str:
-    """output.report_to in one spelling (lower case, no spaces or repeats), or a ConfigError naming the bad part."""
+    """output.report_to in one spelling (lower case, no spaces or repeats), or a ConfigError naming
+    the bad part."""
     if not isinstance(value, str):
         raise ConfigError(
             f"output.report_to must be a string, got {value!r}.",
@@ -286,7 +305,8 @@ def _tracker_list(value: str) -> str:
         if name not in (*TRACKERS, "all", "none"):
             raise ConfigError(
                 f"output.report_to: unknown tracker '{name}'.",
-                hint=f"choose from {', '.join(TRACKERS)}, a comma-separated list of them, all or none",
+                hint=f"choose from {', '.join(TRACKERS)}, a comma-separated list of them, all or "
+                "none",
             )
     if len(names) > 1 and ({"all", "none"} & set(names)):
         raise ConfigError(
@@ -320,9 +340,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """What to train on: the records, their format, the sequence length, the loading workers."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    """The optimisation: objective, batch, steps, learning-rate schedule, evaluation and checkpoint cadence."""
+    """The optimisation: objective, batch, steps, learning-rate schedule, evaluation and checkpoint
+    cadence."""
     techniques: TechniquesConfig = field(default_factory=TechniquesConfig)
-    """How each step runs: precision, attention, checkpointing, optimizer, compile, loss, LoRA, offload."""
+    """How each step runs: precision, attention, checkpointing, optimizer, compile, loss, LoRA,
+    offload."""
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the run directory goes, what it keeps, and where metrics are reported."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
@@ -330,4 +352,5 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"
-    """auto: predict candidate setups, probe the best few here, train with the fastest that fits (same batch)."""
+    """auto: predict candidate setups, probe the best few here, train with the fastest that fits
+    (same batch)."""

@@ -1,1 +1,2 @@
-"""Data: records.py (files -> records), batches.py (tokenize, pack, collate, order), tokenizer.py."""
+"""Data: records.py (files -> records), batches.py (tokenize, pack, collate, order),
+tokenizer.py."""

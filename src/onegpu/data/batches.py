@@ -24,8 +24,8 @@ def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = 
 def tokenize_counted(
     ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = "train"
 ) -> tuple[Any, overlong.DataStats]:
-    """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the records.
-    Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
+    """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the
+    records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
     from onegpu.data import pairs
 
     fn = {
@@ -233,7 +233,8 @@ class Collator:
 
     def pack(self, examples: list[dict]) -> dict:
         """Padding-free: all examples end to end in one row, position_ids restarting at each, so
-        attention keeps them apart and no compute goes to padding (only the row's tail is padded)."""
+        attention keeps them apart and no compute goes to padding (only the row's tail is padded).
+        """
         import torch
 
         ids, labels, pos = [], [], []

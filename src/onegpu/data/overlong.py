@@ -51,7 +51,8 @@ class DataStats:
         parts = []
         if self.split_records:
             parts.append(
-                f"{self.split_records:,} split on turn boundaries into {self.split_examples:,} examples"
+                f"{self.split_records:,} split on turn boundaries into {self.split_examples:,} "
+                "examples"
             )
         if self.truncated:
             parts.append(f"{self.truncated:,} truncated (a cut assistant turn is not trained on)")
@@ -59,7 +60,8 @@ class DataStats:
             parts.append(f"{self.dropped:,} dropped")
         if self.turns_left_out:
             parts.append(
-                f"{self.turns_left_out:,} assistant turn(s) longer than seq_len on their own left out"
+                f"{self.turns_left_out:,} assistant turn(s) longer than seq_len on their own left "
+                "out"
             )
         if self.empty:
             parts.append(f"{self.empty:,} other record(s) with nothing to train on skipped")
@@ -104,7 +106,8 @@ def fit_prompt_completion(
     p_ids: list[int], c_ids: list[int], seq_len: int, policy: str, bos: int | None
 ) -> tuple[Example | None, int]:
     """One example (or None) and the record's fate. The completion (ending in EOS) is never cut:
-    truncate cuts the prompt from its start, keeping a leading BOS and the text next to the completion."""
+    truncate cuts the prompt from its start, keeping a leading BOS and the text next to the
+    completion."""
     if len(p_ids) + len(c_ids) <= seq_len:
         return (p_ids + c_ids, [IGNORE] * len(p_ids) + c_ids), FIT
     if policy != "truncate":

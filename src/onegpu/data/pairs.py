@@ -1,5 +1,5 @@
-"""Preference pairs: records of prompt + chosen + rejected -> token ids -> one batch per micro-batch in
-which every chosen sequence and every rejected one is a row of a single forward.
+"""Preference pairs: records of prompt + chosen + rejected -> token ids -> one batch per micro-batch
+in which every chosen sequence and every rejected one is a row of a single forward.
 
 Records: ``prompt`` / ``chosen`` / ``rejected`` as plain text, or as chat messages (TRL's
 "conversational" shape: the prompt a list of messages, each response a list holding the assistant's
@@ -27,8 +27,8 @@ REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 
 # ------------------------------------------------------------------------------------ tokenizing
 def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
-    """The `datasets.map` function batches.tokenize_counted applies to preference records: each record's
-    ids and its fate (fits, truncated, dropped; data/overlong.py)."""
+    """The `datasets.map` function batches.tokenize_counted applies to preference records: each
+    record's ids and its fate (fits, truncated, dropped; data/overlong.py)."""
     out = {
         "prompt_ids": [],
         "chosen_ids": [],
@@ -62,7 +62,8 @@ def encode_pair(
         if not getattr(tok, "chat_template", None):
             raise DataError(
                 f"{where}: chat-shaped preference data needs a tokenizer with a chat template.",
-                hint="use a chat model's tokenizer (model.tokenizer), or plain-text prompt/chosen/rejected",
+                hint="use a chat model's tokenizer (model.tokenizer), or plain-text "
+                "prompt/chosen/rejected",
             )
 
         def render(messages, generation_prompt=False):
@@ -125,8 +126,9 @@ def _common_prefix(a: list, b: list) -> int:
 
 
 def fit_pair(p_ids: list, c_ids: list, r_ids: list, seq_len: int, policy: str, bos: int | None):
-    """(fate, (prompt, chosen, rejected)) within seq_len per sequence. truncate: the prompt loses its start
-    (a leading BOS kept) down to half of seq_len, then the responses their ends; drop/split: left out."""
+    """(fate, (prompt, chosen, rejected)) within seq_len per sequence. truncate: the prompt loses
+    its start (a leading BOS kept) down to half of seq_len, then the responses their ends;
+    drop/split: left out."""
     if not c_ids or not r_ids:
         return overlong.EMPTY, ([], [], [])
     if len(p_ids) + max(len(c_ids), len(r_ids)) <= seq_len:

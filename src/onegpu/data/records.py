@@ -37,7 +37,8 @@ EXTENSIONS = {
 
 @dataclass
 class Source:
-    """Where records come from: a datasets builder and its train/validation file lists (or a Hub name)."""
+    """Where records come from: a datasets builder and its train/validation file lists (or a Hub
+    name)."""
 
     builder: str
     train_files: list[str]
@@ -227,7 +228,8 @@ def chat_problem(conv) -> tuple[str, str] | None:
         if m["role"] not in ROLES:
             return (
                 f"chat message {i} has unknown role {m['role']!r}.",
-                f"use one of {', '.join(ROLES)} (rename e.g. 'bot' or 'gpt' to 'assistant', 'human' to 'user')",
+                f"use one of {', '.join(ROLES)} (rename e.g. 'bot' or 'gpt' to 'assistant', "
+                "'human' to 'user')",
             )
     return None
 
@@ -365,8 +367,8 @@ def detect_format(cfg: DataConfig, columns: list[str]) -> str:
         return "text"
     raise DataError(
         f"cannot tell the data format from columns {columns}.",
-        hint="name the columns text / prompt+completion / messages / prompt+chosen+rejected, or set "
-        "data.text_field etc.",
+        hint="name the columns text / prompt+completion / messages / prompt+chosen+rejected, or "
+        "set data.text_field etc.",
     )
 
 

@@ -6,7 +6,8 @@ process. The rules that keep a run's meaning independent of the process count:
 
 * Global batch: ``training.grad_accum`` is the accumulation of the *single-process* run. With N
   processes each accumulates grad_accum / N micro-batches, so micro_batch x grad_accum sequences
-  still make one optimizer step (``distributed.keep_global_batch``; must divide, else a ConfigError).
+  still make one optimizer step (``distributed.keep_global_batch``; must divide, else a
+  ConfigError).
 * Data: the single-process order of micro-batches is cut round-robin: process r takes micro-batches
   r, r+N, r+2N, ... so every global batch holds exactly the examples of the one-process run.
 * Gradients: each process's loss is divided by the target-token count of the *global* batch, and

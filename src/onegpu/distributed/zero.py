@@ -52,8 +52,9 @@ def check(cfg: Config) -> None:
     if tech.optimizer not in COMPATIBLE_OPTIMIZERS:
         raise ConfigError(
             f"techniques.optimizer={tech.optimizer} cannot run under DeepSpeed ZeRO "
-            f"(techniques.offload={tech.offload}, distributed.strategy={cfg.distributed.strategy}): "
-            "its optimizer state is not plain per-parameter tensors that ZeRO can partition.",
+            f"(techniques.offload={tech.offload}, "
+            f"distributed.strategy={cfg.distributed.strategy}): its optimizer state is not plain "
+            "per-parameter tensors that ZeRO can partition.",
             hint=f"use techniques.optimizer one of {', '.join(COMPATIBLE_OPTIMIZERS)}",
         )
     if tech.lora.quantize_base != "none":

@@ -29,7 +29,8 @@ class SamplingConfig:
     temperature: float = 0.8
     """Sampling temperature (0 = greedy)."""
     top_p: float = 0.95
-    """Nucleus sampling: sample from the smallest token set with this total probability (1 = off)."""
+    """Nucleus sampling: sample from the smallest token set with this total probability (1 = off).
+    """
     top_k: int = 50
     """Sample from the k most likely tokens only (0 = off)."""
     repetition_penalty: float = 1.0
@@ -96,13 +97,15 @@ def use_chat(chat: Union[bool, str], tokenizer, data_format: Optional[str] = Non
     if chat is True and not has_template:
         raise ConfigError(
             "--chat true needs a tokenizer with a chat template; this one has none.",
-            hint="drop --chat (prompts are then plain text), or pass --tokenizer with a chat template",
+            hint="drop --chat (prompts are then plain text), or pass --tokenizer with a chat "
+            "template",
         )
     if chat != "auto":
         return bool(chat)
     if has_template and data_format is None:  # a Hub model: an instruct model wants its template
         log.info(
-            "the tokenizer has a chat template; prompts are fed as plain text (--chat true for chat turns)"
+            "the tokenizer has a chat template; prompts are fed as plain text (--chat true for "
+            "chat turns)"
         )
     return has_template and data_format == "messages"
 
@@ -232,7 +235,8 @@ def _compile_config(model, scfg: SamplingConfig):
     mode = scfg.compile
     if model.device.type != "cuda" and mode == "reduce-overhead":
         mode = "default"  # reduce-overhead means CUDA graphs; there is nothing to capture elsewhere
-    # dynamic=False: the static cache keeps decode shapes fixed, so one specialised graph serves all steps.
+    # dynamic=False: the static cache keeps decode shapes fixed, so one specialised graph serves all
+    # steps.
     cc = CompileConfig(backend=scfg.compile_backend, mode=mode, fullgraph=False, dynamic=False)
     # transformers compiles only on accelerators unless told; we compile where the user asked.
     cc._compile_all_devices = True

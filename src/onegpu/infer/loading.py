@@ -49,9 +49,11 @@ class InferConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs (auto = cuda when present). Ignored when device_map is set."""
     device_map: Optional[str] = None
-    """Weight placement by Accelerate, e.g. "auto": fill the GPU, then CPU RAM, then offload_folder."""
+    """Weight placement by Accelerate, e.g. "auto": fill the GPU, then CPU RAM, then offload_folder.
+    """
     max_memory: Optional[str] = None
-    """With device_map: memory budget per device, e.g. "0=6GiB,cpu=24GiB" (layers beyond it spill over)."""
+    """With device_map: memory budget per device, e.g. "0=6GiB,cpu=24GiB" (layers beyond it spill
+    over)."""
     offload_folder: Optional[str] = None
     """With device_map: folder for weights that fit neither the GPU nor the CPU budget."""
     adapter: Optional[str] = None
@@ -114,7 +116,8 @@ def load(cfg: InferConfig) -> Loaded:
     source, adapter = resolve_model(cfg.model)
     if adapter and cfg.adapter:
         raise ConfigError(
-            f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second one.",
+            f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second "
+            "one.",
             hint="give the base model to --model, or drop --adapter",
         )
     adapter = adapter or cfg.adapter
@@ -184,8 +187,9 @@ def _resolve_dtype(name: str, device: str, field: str = "dtype"):
 
     from onegpu.hardware import detect
 
-    # bf16 on a GPU: native from Ampere (capability 8.0), the rule training uses (hardware.DeviceInfo.bf16);
-    # torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (T4, V100), and slow.
+    # bf16 on a GPU: native from Ampere (capability 8.0), the rule training uses
+    # (hardware.DeviceInfo.bf16); torch.cuda.is_bf16_supported() also says yes where bf16 is only
+    # emulated (T4, V100), and slow.
     gpu = detect() if device == "cuda" else None
     if name == "auto":
         if gpu is None:

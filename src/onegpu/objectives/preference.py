@@ -1,4 +1,5 @@
-"""Preference tuning: DPO, ORPO and SimPO as losses over the log-probs of chosen and rejected responses.
+"""Preference tuning: DPO, ORPO and SimPO as losses over the log-probs of chosen and rejected
+responses.
 
 One forward serves a whole pair batch (data/pairs.py puts the chosen and the rejected sequences in
 one batch), with the fused head computing per-token log-probs chunk by chunk (fused_loss.py), and
@@ -14,7 +15,8 @@ reference, |y| = its tokens, s(x) = log sigmoid(x), eps = label smoothing:
   DPO's; rewards beta pi/|y|.
 - ORPO (Hong et al. 2024, eqs. 6-7): a = pi/|y| (mean token log-prob); log odds(y) = a - log(1 - e^a);
   loss = -a_c + lambda (-s(log odds_c - log odds_r)), lambda = beta; rewards beta a. The SFT term is
-  per pair (mean over its tokens), as in the paper; TRL's ORPOTrainer averages it over the batch's tokens.
+  per pair (mean over its tokens), as in the paper; TRL's ORPOTrainer averages it over the batch's
+  tokens.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def orpo_loss(pi_c, pi_r, len_c, len_r, lam: float):
     return -a_c - lam * F.logsigmoid(log_odds), lam * a_c, lam * a_r
 
 
-# ------------------------------------------------------------------------------- log-probs per sequence
+# ------------------------------------------------------------------------------- log-probs per
+# sequence
 def sequence_logps(model, batch: dict, tokens: TokenLoss | int = 0):
     """(model output, summed response log-prob per sequence, response tokens per sequence): 2n
     values, chosen first. The target of position p is token p + 1, so it belongs to token p + 1's
@@ -188,8 +191,8 @@ def _means(sums: torch.Tensor | None) -> dict:
 
 
 def _moe_aux(model, out, pairs: int):
-    """The MoE router loss weighted by the micro-batch's pairs: after the step divides by all pairs, the
-    step adds coef x (pair-weighted mean aux loss), as moe_aux_term does per token for SFT."""
+    """The MoE router loss weighted by the micro-batch's pairs: after the step divides by all pairs,
+    the step adds coef x (pair-weighted mean aux loss), as moe_aux_term does per token for SFT."""
     aux = getattr(out, "aux_loss", None)
     if aux is None or not model.training:
         return 0.0
@@ -198,7 +201,8 @@ def _moe_aux(model, out, pairs: int):
 
 def disable_dropout(model) -> int:
     """Dropout off everywhere (as TRL's DPOTrainer does by default): with it, the policy's and the
-    reference's log-probs of the same text differ at step 0 and the reward margin starts as noise."""
+    reference's log-probs of the same text differ at step 0 and the reward margin starts as noise.
+    """
     n = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout) and module.p:

@@ -79,8 +79,8 @@ class CopyReference:
 
 
 class FixedReference:
-    """Zero reference log-probs, for the planner's probes of a precomputed-reference setup: they time the
-    step, to which precomputed log-probs add nothing, whatever their values."""
+    """Zero reference log-probs, for the planner's probes of a precomputed-reference setup: they
+    time the step, to which precomputed log-probs add nothing, whatever their values."""
 
     kind = "fixed"
 
@@ -122,8 +122,8 @@ def precompute(
     if resumed:
         if not path.is_file():
             raise DataError(
-                f"{path} is missing: a resumed DPO run needs the reference log-probs computed from its "
-                "starting weights.",
+                f"{path} is missing: a resumed DPO run needs the reference log-probs computed from "
+                "its starting weights.",
                 hint="restore the file, or start the run again with --output.overwrite true",
             )
         saved = _load(path)
@@ -157,7 +157,8 @@ def precompute(
         if chosen is None or len(chosen) != len(ds):
             raise DataError(
                 f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
-                hint="the data changed since the run began: start it again with --output.overwrite true",
+                hint="the data changed since the run began: start it again with --output.overwrite "
+                "true",
             )
         out[name] = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(
             REF_REJECTED, rejected.tolist()

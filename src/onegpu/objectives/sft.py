@@ -1,6 +1,6 @@
-"""Supervised fine-tuning (and pre-training): summed next-token cross-entropy over the target tokens,
-normalised by the target tokens of the whole accumulated batch. Mixture-of-Experts models add their
-router load-balancing loss (techniques/moe.moe_aux_term)."""
+"""Supervised fine-tuning (and pre-training): summed next-token cross-entropy over the target
+tokens, normalised by the target tokens of the whole accumulated batch. Mixture-of-Experts models
+add their router load-balancing loss (techniques/moe.moe_aux_term)."""
 
 from __future__ import annotations
 

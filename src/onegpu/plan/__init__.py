@@ -49,7 +49,8 @@ def make_plan(
 
 
 def resolve(cfg, model: str | None = None, gpu: str | None = None):
-    """(GPU spec, model name, ModelShape, attention kernel planned for) of a config and overrides."""
+    """(GPU spec, model name, ModelShape, attention kernel planned for) of a config and
+    overrides."""
     from onegpu import hardware, models
     from onegpu.plan.arch import cached_shape
     from onegpu.techniques.attention import planning_attention

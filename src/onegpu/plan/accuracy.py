@@ -33,7 +33,8 @@ def run_config(c: Candidate):
 def build(config, c: Candidate):
     """Model, optimizer, objective and accelerator for a setup, assembled as training assembles them
     (training/assemble.assemble) from a transformers config at random weights. Full or LoRA
-    fine-tuning; quantized bases and DeepSpeed offload are measured through `train --plan auto` instead."""
+    fine-tuning; quantized bases and DeepSpeed offload are measured through `train --plan auto`
+    instead."""
     import torch
 
     from onegpu.hardware import detect
@@ -56,7 +57,8 @@ def _batch(vocab: int, batch: int, seq: int):
 
 
 def retained_bytes(config, c: Candidate, seq: int) -> int:
-    """Device bytes a forward leaves allocated for backward (what ActivationModel.retained predicts)."""
+    """Device bytes a forward leaves allocated for backward (what ActivationModel.retained
+    predicts)."""
     import torch
 
     from onegpu.objectives.tokens import with_target_positions
@@ -78,7 +80,8 @@ def retained_bytes(config, c: Candidate, seq: int) -> int:
 
 
 def step_peak(config, c: Candidate, seq: int, steps: int = 3) -> dict:
-    """Steady-state peak allocated bytes and tokens/s over ``steps`` optimizer steps (after one warm-up)."""
+    """Steady-state peak allocated bytes and tokens/s over ``steps`` optimizer steps (after one
+    warm-up)."""
     import torch
 
     from onegpu.training.step import train_step

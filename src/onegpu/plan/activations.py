@@ -9,10 +9,10 @@ layer count. Matmul outputs are allocated but not computed (see _SkipMatmul), so
 blocks measure in seconds; weights come from ``to_empty`` and are never written.
 
 Compile is modelled from the same forward (``_Tracker.compiled_alive``): torch.compile's min-cut
-partitioner saves the outputs of compute-heavy ops (matmuls, attention, reductions) and the inputs of
-matmuls and attention, and recomputes other elementwise results, casts and copies in backward,
-so a compiled block keeps, instead of such an intermediate, what it is recomputed from. An assumption, not a
-measurement of compiled code: plan/published.py gives its source and check.
+partitioner saves the outputs of compute-heavy ops (matmuls, attention, reductions) and the inputs
+of matmuls and attention, and recomputes other elementwise results, casts and copies in backward, so
+a compiled block keeps, instead of such an intermediate, what it is recomputed from. An assumption,
+not a measurement of compiled code: plan/published.py gives its source and check.
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ def retained_after_forward(
 def retained_eager_and_compiled(
     model, batch: dict, loss_fn, autocast_dtype=None, skip_matmul: bool = False
 ) -> tuple[int, int]:
-    """(retained_after_forward, what compiled code would keep of the same forward: compiled_alive)."""
+    """(retained_after_forward, what compiled code would keep of the same forward:
+    compiled_alive)."""
     import torch
 
     exclude = {

@@ -38,7 +38,8 @@ class ModelShape:
     intermediate: int = 0  # the dense MLP's width (what a tiled MLP never holds whole); 0 = unknown
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
-        """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated names)."""
+        """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated
+        names)."""
         if targets.strip() == "all-linear":
             return self.lora_params_per_rank
         names = {t.strip().rsplit(".", 1)[-1] for t in targets.split(",") if t.strip()}
@@ -67,7 +68,8 @@ class ModelShape:
 
 
 def forward_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """One forward's FLOPs per token (a no-grad pass, e.g. DPO's reference): 2N plus the attention matmuls."""
+    """One forward's FLOPs per token (a no-grad pass, e.g. DPO's reference): 2N plus the attention
+    matmuls."""
     return float(2 * shape.active_params + 4 * shape.layers * shape.hidden * seq_len)
 
 
@@ -99,7 +101,8 @@ def flops_per_token(
 
 
 def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = False):
-    """HF config for a preset (with the locally trained tokenizer's vocab size) or a model dir / id."""
+    """HF config for a preset (with the locally trained tokenizer's vocab size) or a model dir /
+    id."""
     from transformers import AutoConfig, LlamaConfig
 
     from onegpu import models

@@ -262,7 +262,8 @@ def act_bytes(c: Candidate) -> int:
 
 def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
     """Whether training runs this setup's MLPs over token tiles (techniques/tiled_mlp.py): on, or
-    auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less."""
+    auto from tiled_mlp_min_seq tokens per row; never an MoE block, nor a call of one tile or less.
+    """
     t = c.techniques
     wanted = t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and seq_len >= t.tiled_mlp_min_seq)
     tokens = c.training.micro_batch_size * c.rows_per_example * seq_len

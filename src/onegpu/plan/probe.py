@@ -54,8 +54,8 @@ def auto_plan(cfg: Config) -> Config:
     rows = [r for r in plan.rows if r.fits][:TOP]
     if not rows:
         raise OnegpuError(
-            f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} GB "
-            f"at seq_len={cfg.data.seq_len}, batch={batch}.",
+            f"the planner finds no setup of {name} that fits in {device.total_memory / 2**30:.1f} "
+            f"GB at seq_len={cfg.data.seq_len}, batch={batch}.",
             hint="run 'onegpu plan' to see what each setup needs; shorten data.seq_len",
         )
     # The first setup probed in a process pays one-off start-up costs that its own warm-up steps do
@@ -103,7 +103,8 @@ def _device_spec(device):
 
 
 def _shared_data(cfg: Config, device, name: str):
-    """Tokenizer, datasets and collator, built once for all probes (they do not depend on the setup)."""
+    """Tokenizer, datasets and collator, built once for all probes (they do not depend on the
+    setup)."""
     from onegpu.training.data import build_data
 
     return build_data(cfg, name)
@@ -118,7 +119,8 @@ def probe_one(row, cfg: Config, shared, device) -> Measured:
     from onegpu.techniques.prepare import global_switches
 
     m = Measured(row.candidate.label(), row.speed.tokens_per_s, row.memory.peak / 2**30)
-    # Settled per candidate, as run_training settles a run: a LoRA candidate gets LoRA's auto values.
+    # Settled per candidate, as run_training settles a run: a LoRA candidate gets LoRA's auto
+    # values.
     name = resolve_name(cfg.model, device.is_gpu)
     setup = resolve_hyperparameters(row.candidate.apply(cfg), name)
     try:
@@ -210,7 +212,8 @@ def _sync(device) -> None:
 
 
 def _release(device) -> None:
-    """Free the probe's model and optimizer (the next probe's make_accelerator starts Accelerate afresh)."""
+    """Free the probe's model and optimizer (the next probe's make_accelerator starts Accelerate
+    afresh)."""
     import torch
 
     gc.collect()

@@ -109,10 +109,11 @@ FALLBACK_EFFICIENCY = 0.40
 # fine-tune on one A100, packed to 4096. (torchtitan's 8B FSDP row: 5,762 -> 6,667, +15.7%.)
 COMPILE_SPEEDUP = 8998 / 7075
 # torchtune README, same table: LoRA 8,210 vs QLoRA 8,035 tokens/s (x0.979), both with compile,
-# chunked loss, activation checkpointing and offload (torchao's NF4 kernels; bitsandbytes' may differ).
+# chunked loss, activation checkpointing and offload (torchao's NF4 kernels; bitsandbytes' may
+# differ).
 QLORA_SLOWDOWN = 8035 / 8210
-# Compile's memory: torchtune README, same table, "+ Compile" 60.0 -> 51.0 GiB peak (-14.9%). Modelled
-# by mechanism in activations.py (elementwise intermediates recomputed); this is its check.
+# Compile's memory: torchtune README, same table, "+ Compile" 60.0 -> 51.0 GiB peak (-14.9%).
+# Modelled by mechanism in activations.py (elementwise intermediates recomputed); this is its check.
 COMPILE_MEMORY_CHECK = (60.0, 51.0)
 
 
@@ -126,7 +127,8 @@ def default_efficiency(capability: tuple) -> tuple[float, str]:
     if run is None:
         return (
             FALLBACK_EFFICIENCY,
-            f"efficiency {FALLBACK_EFFICIENCY:.2f} (assumed: no published run for this GPU class, no probe on this GPU yet)",
+            f"efficiency {FALLBACK_EFFICIENCY:.2f} (assumed: no published run for this GPU class, "
+            "no probe on this GPU yet)",
         )
     return run.efficiency, (
         f"efficiency {run.efficiency:.2f} (published: {run.model} on {run.gpu}, "

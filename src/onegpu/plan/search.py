@@ -211,7 +211,8 @@ def search(
     capacity_gib: float | None = None,
     attention: str = "sdpa",
 ) -> Plan:
-    """All setups of the first tier that has any that fit, ranked; the best few that do not fit follow."""
+    """All setups of the first tier that has any that fit, ranked; the best few that do not fit
+    follow."""
     capacity = (capacity_gib or spec.memory_gib) * 2**30
     plan = Plan(spec, shape, seq_len, batch)
     tf32 = cfg.techniques.tf32 if cfg.techniques.tf32 is not None else True

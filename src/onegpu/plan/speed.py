@@ -6,8 +6,8 @@ optimizer step, which is modelled on its own. The probe measures a whole step, t
 back out (``compute_efficiency``) and stores what is left per GPU model and precision, so a probed
 setup re-planned predicts exactly what was measured. Without a measurement the efficiency of a
 published run on the same GPU class is used (plan/published.py; DEFAULT_EFFICIENCY for classes
-without one), and every figure built on it is shown as "(uncalibrated)". The other constants below are
-assumptions no probe fits; each estimate lists the ones it used.
+without one), and every figure built on it is shown as "(uncalibrated)". The other constants below
+are assumptions no probe fits; each estimate lists the ones it used.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from onegpu.plan.published import (
     default_efficiency,
 )
 
-# For a GPU class (or fp32 compute) without a published run: an assumption, until a probe measures it.
+# For a GPU class (or fp32 compute) without a published run: an assumption, until a probe measures
+# it.
 DEFAULT_EFFICIENCY = FALLBACK_EFFICIENCY
 # Small micro-batches under-fill the GPU; utilisation reaches half its peak at this many tokens
 # per micro-batch (an assumption: a probe measures one micro-batch size, which cannot fit a curve).
@@ -125,8 +126,8 @@ def save_calibration(
 
 
 def base_efficiency(spec: GpuSpec, precision: str) -> tuple[float, bool]:
-    """(compute-only efficiency at a well-filled micro-batch, whether it was measured on this GPU model).
-    Entries written before efficiencies were stored compute-only are not used."""
+    """(compute-only efficiency at a well-filled micro-batch, whether it was measured on this GPU
+    model). Entries written before efficiencies were stored compute-only are not used."""
     entry = load_calibration().get(spec.key, {}).get(_prec_class(precision))
     if not entry or entry.get("kind") != CALIBRATION_KIND:
         return default(spec, precision)[0], False
@@ -134,7 +135,8 @@ def base_efficiency(spec: GpuSpec, precision: str) -> tuple[float, bool]:
 
 
 def default(spec: GpuSpec, precision: str) -> tuple[float, str]:
-    """(efficiency, its label) before any probe: a published 16-bit run on this GPU class, if any."""
+    """(efficiency, its label) before any probe: a published 16-bit run on this GPU class, if
+    any."""
     if spec.key == "CPU" or _prec_class(precision) != "16bit":
         return (
             DEFAULT_EFFICIENCY,
@@ -158,7 +160,8 @@ def compute_efficiency(
     tf32: bool = True,
 ) -> float:
     """The stored efficiency that makes ``estimate`` predict ``tokens_per_s`` for this setup: the
-    measured step minus the modelled optimizer step, over the peak, without fill and method factors."""
+    measured step minus the modelled optimizer step, over the peak, without fill and method factors.
+    """
     tokens = c.effective_batch * c.rows_per_example * seq_len
     step = tokens / tokens_per_s
     # A measurement faster than the optimizer model allows still leaves the compute some time.
@@ -175,8 +178,8 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
     out.append(f"micro-batch fill: half speed at {half} tokens")
     if t.compile != "off":
         out.append(
-            f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled blocks keep "
-            "no elementwise intermediates (min-cut partitioner; -14.9% peak there)"
+            f"compile x{COMPILE_SPEEDUP:.2f} speed (torchtune, Llama-3.2-3B on A100); compiled "
+            "blocks keep no elementwise intermediates (min-cut partitioner; -14.9% peak there)"
         )
     if c.quantize_base != "none":
         out.append(
@@ -191,7 +194,8 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
     if t.activation_offload:
         out.append(
             f"activation offload at {pcie_gbs(spec):.0f} GB/s per direction (PCIe gen "
-            f"{PCIE_GEN.get(spec.key, 4)} x16 at {PINNED_COPY_EFFICIENCY:.0%}), overlapped with compute"
+            f"{PCIE_GEN.get(spec.key, 4)} x16 at {PINNED_COPY_EFFICIENCY:.0%}), overlapped with "
+            "compute"
         )
     if t.offload != "none":
         out.append(

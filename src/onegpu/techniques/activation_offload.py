@@ -109,7 +109,8 @@ def apply_activation_offload(model, tcfg, device_type: str):
         )
     ActivationOffload(model, tcfg.activation_offload_min_bytes).attach()
     log.info(
-        "activation offload: saved tensors of %d bytes or more wait in host memory for the backward",
+        "activation offload: saved tensors of %d bytes or more wait in host memory for the "
+        "backward",
         tcfg.activation_offload_min_bytes,
     )
     return model

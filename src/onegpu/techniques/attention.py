@@ -31,7 +31,8 @@ from onegpu.hardware import DeviceInfo
 
 log = logging.getLogger(__name__)
 
-# No "flash" in the name on purpose: transformers treats any such name as a flash_attn package request.
+# No "flash" in the name on purpose: transformers treats any such name as a flash_attn package
+# request.
 SDPA_FLASH = "sdpa_fa_kernel"
 FLASH2 = "flash_attention_2"
 HALF_PRECISIONS = ("fp16", "bf16", "bf16-pure")
@@ -59,7 +60,8 @@ ANY_MODEL = ModelKernels("model", "", flash=True, sdpa=True)
 
 
 def model_kernels(config, trust_remote_code: bool = False) -> ModelKernels:
-    """What the class AutoModelForCausalLM would build for ``config`` supports (no weights loaded)."""
+    """What the class AutoModelForCausalLM would build for ``config`` supports (no weights
+    loaded)."""
     from onegpu.models import causal_lm_class
 
     cls = causal_lm_class(config, trust_remote_code)
@@ -81,7 +83,8 @@ def resolve_attention(
     precision: str = "fp32",
     model: ModelKernels | None = None,
 ) -> str:
-    """The attn_implementation to load a model for training with (``precision``: the resolved one)."""
+    """The attn_implementation to load a model for training with (``precision``: the resolved
+    one)."""
     return attention_implementation(
         tcfg.attention, device.type, device.name, model, precision in HALF_PRECISIONS
     )
@@ -90,7 +93,8 @@ def resolve_attention(
 def planning_attention(tcfg: TechniquesConfig, config, trust_remote_code: bool = False) -> str:
     """The kernel the planner measures a model's activations with, on the CPU, by this resolution:
     auto and flash count as auto there (sdpa where the model has it, else eager), as flash kernels
-    keep the tensors SDPA keeps; an explicit sdpa the model refuses is the same error as in training."""
+    keep the tensors SDPA keeps; an explicit sdpa the model refuses is the same error as in
+    training."""
     want = tcfg.attention if tcfg.attention in ("eager", "sdpa") else "auto"
     return attention_implementation(want, "cpu", model=model_kernels(config, trust_remote_code))
 
@@ -151,7 +155,8 @@ def _flash(model: ModelKernels, device_type: str, device_name: str) -> str:
         else f"{model} has no flash_attention_2 support"
     )
     log.info(
-        "attention: SDPA with the FlashAttention kernel where it applies, else memory-efficient (%s)",
+        "attention: SDPA with the FlashAttention kernel where it applies, else memory-efficient "
+        "(%s)",
         why,
     )
     return SDPA_FLASH
@@ -161,8 +166,10 @@ def _refused(want: str, model: ModelKernels, device_type: str, half: bool) -> Co
     auto = _fastest(model, device_type, half)[0]
     fix = "install flash-attn, or use" if want == "flash" and model.flash else "use"
     return ConfigError(
-        f"attention={want} is not supported by {model}; it supports {', '.join(model.supported())}.",
-        hint=f"{fix} attention=auto, which picks the fastest kernel the model supports ({auto} here)",
+        f"attention={want} is not supported by {model}; it supports "
+        f"{', '.join(model.supported())}.",
+        hint=f"{fix} attention=auto, which picks the fastest kernel the model supports ({auto} "
+        "here)",
     )
 
 

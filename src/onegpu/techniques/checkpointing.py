@@ -75,11 +75,13 @@ def _enable_by_layer(model, every: int, offload: bool, device_type: str) -> None
 
 
 def _checkpoint_offloaded(function, *args, device_type: str = "cuda", **kwargs):
-    """Checkpoint whose saved layer inputs go to pinned host memory until the backward needs them."""
+    """Checkpoint whose saved layer inputs go to pinned host memory until the backward needs
+    them."""
     from torch.autograd.graph import save_on_cpu
     from torch.utils.checkpoint import checkpoint
 
-    # Pinned pages make the copies asynchronous; there is no pinned allocator without an accelerator.
+    # Pinned pages make the copies asynchronous; there is no pinned allocator without an
+    # accelerator.
     with save_on_cpu(pin_memory=device_type != "cpu", device_type=device_type):
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 

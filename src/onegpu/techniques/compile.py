@@ -45,7 +45,8 @@ def compile_kwargs(tcfg: TechniquesConfig, device_type: str = "cuda") -> dict:
         kwargs["mode"] = _INDUCTOR_MODES[tcfg.compile]
     elif tcfg.compile != "default":
         raise ConfigError(
-            f"techniques.compile={tcfg.compile} is an inductor mode, but compile_backend='{backend}'.",
+            f"techniques.compile={tcfg.compile} is an inductor mode, but "
+            f"compile_backend='{backend}'.",
             hint="use techniques.compile=default with this backend, or compile_backend=inductor",
         )
     if tcfg.compile == "reduce-overhead" and device_type != "cuda":

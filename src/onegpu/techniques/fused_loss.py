@@ -1,5 +1,5 @@
-"""Fused output head + cross-entropy ("fused linear cross-entropy", as in Liger-Kernel and Unsloth), and
-the per-token log-probs preference losses need, computed the same chunked way.
+"""Fused output head + cross-entropy ("fused linear cross-entropy", as in Liger-Kernel and Unsloth),
+and the per-token log-probs preference losses need, computed the same chunked way.
 
 The plain loss writes (tokens x vocab) fp32 logits, log-softmax writes a second tensor of that size,
 and backward two more: gigabytes at a 128k vocabulary, and most of a small model's memory traffic.
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from onegpu.errors import UnavailableError
 
 # Logits per chunk. A CPU wants a chunk that stays in its last-level cache (8 MB of fp32 at this
-# size: 256 tokens at a 8k vocabulary measured fastest); a GPU wants matmuls large enough to fill it.
+# size: 256 tokens at a 8k vocabulary measured fastest); a GPU wants matmuls large enough to fill
+# it.
 CPU_CHUNK_ELEMENTS = 2**21
 GPU_CHUNK_ELEMENTS = 2**25
 

@@ -41,7 +41,8 @@ def quantization_config(tcfg: TechniquesConfig, precision: str, model_name: str,
         return None
     if not lcfg.enabled:
         raise ConfigError(
-            f"techniques.lora.quantize_base={lcfg.quantize_base} needs techniques.lora.enabled=true.",
+            f"techniques.lora.quantize_base={lcfg.quantize_base} needs "
+            "techniques.lora.enabled=true.",
             hint="a quantized base is frozen, so only adapters can train: enable LoRA",
         )
     from onegpu.models import is_preset
@@ -50,7 +51,8 @@ def quantization_config(tcfg: TechniquesConfig, precision: str, model_name: str,
         raise ConfigError(
             f"techniques.lora.quantize_base={lcfg.quantize_base} needs pretrained weights, "
             f"but model '{model_name}' is built from scratch.",
-            hint="set --model.name to a local model directory or Hub id (QLoRA fine-tunes a trained model)",
+            hint="set --model.name to a local model directory or Hub id (QLoRA fine-tunes a "
+            "trained model)",
         )
     import torch
 
@@ -88,7 +90,8 @@ def apply_lora(model, tcfg: TechniquesConfig):
     _cast_trainable(model, dtype)
     if tcfg.checkpointing != "off":
         # Only reentrant checkpointing needs inputs that require grad (peft#1142); we use the
-        # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing grads.
+        # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing
+        # grads.
         model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()
     log.info(
@@ -106,7 +109,8 @@ def apply_lora(model, tcfg: TechniquesConfig):
 
 
 def adapter_dtype(dtype: str, precision: str) -> str:
-    """lora.dtype settled for a precision: "fp32" or "bf16" (training and the planner both ask here).
+    """lora.dtype settled for a precision: "fp32" or "bf16" (training and the planner both ask
+    here).
 
     auto = bf16 only under bf16-pure, where the user has chosen bf16 weights for the whole model
     (torchtune's LoRA recipes train adapters in bf16 the same way); under autocast the adapters are
@@ -170,11 +174,13 @@ def loaded_in_kbit(model) -> bool:
 def _warn_if_nothing_quantized(model, kind: str) -> None:
     """transformers swaps only layers whose type is exactly nn.Linear (or GPT-2's Conv1D) for
     bitsandbytes ones; a model with its own Linear subclass (Falcon's FalconLinear) loads with the
-    flag set and every weight still full precision: say so rather than let the memory saving be assumed."""
+    flag set and every weight still full precision: say so rather than let the memory saving be
+    assumed."""
     if not any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
         log.warning(
-            "techniques.lora.quantize_base=%s: no layer of %s was quantized (its linear layers are not "
-            "plain nn.Linear, which is all transformers quantizes); the base stays full precision",
+            "techniques.lora.quantize_base=%s: no layer of %s was quantized (its linear layers are "
+            "not plain nn.Linear, which is all transformers quantizes); the base stays full "
+            "precision",
             kind,
             type(model).__name__,
         )

@@ -37,8 +37,8 @@ def experts_kernel(model) -> str:
     weights = next(model.parameters()).dtype
     if current == "grouped_mm" and weights != torch.bfloat16 and torch.cuda.is_available():
         log.info(
-            "MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights only, "
-            "these are %s)",
+            "MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights "
+            "only, these are %s)",
             str(weights).removeprefix("torch."),
         )
         return "eager"

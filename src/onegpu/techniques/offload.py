@@ -57,8 +57,8 @@ def _missing_build_tools() -> list[str]:
 
 
 def cpu_adam(groups, lr: float, betas: tuple[float, float]):
-    """DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, like torch.optim.AdamW); torch's AdamW
-    where its build fails after all (the first use compiles it), as use_cpu_adam documents."""
+    """DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, like torch.optim.AdamW); torch's
+    AdamW where its build fails after all (the first use compiles it), as use_cpu_adam documents."""
     import torch
 
     try:
@@ -68,7 +68,8 @@ def cpu_adam(groups, lr: float, betas: tuple[float, float]):
     except Exception as exc:  # noqa: BLE001 - a JIT build fails with anything from OSError to RuntimeError
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         log.warning(
-            "DeepSpeed CPU Adam failed to build (%s); torch AdamW runs the offloaded optimizer step",
+            "DeepSpeed CPU Adam failed to build (%s); torch AdamW runs the offloaded optimizer "
+            "step",
             first,
         )
         return torch.optim.AdamW(groups, lr=lr, betas=betas)

@@ -109,6 +109,7 @@ class _States(Mapping):
 
 
 def steps_in_backward(optimizer) -> bool:
-    """Whether ``optimizer`` (possibly wrapped by Accelerate) updates the weights during backward."""
+    """Whether ``optimizer`` (possibly wrapped by Accelerate) updates the weights during
+    backward."""
     inner = getattr(optimizer, "optimizer", optimizer)
     return bool(getattr(inner, "steps_in_backward", False))

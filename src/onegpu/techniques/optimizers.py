@@ -58,7 +58,8 @@ def build_optimizer(model, tcfg: TechniquesConfig, train: TrainingConfig) -> tor
             hint=f"choose one of: {', '.join(BUILDERS)}",
         )
     # Training builds the optimizer before Accelerate moves the model to its device, and that device
-    # is the CUDA GPU whenever one is available (hardware.detect): the parameters alone would say CPU.
+    # is the CUDA GPU whenever one is available (hardware.detect): the parameters alone would say
+    # CPU.
     on_cuda = torch.cuda.is_available() or any(p.is_cuda for g in groups for p in g["params"])
     if tcfg.optimizer_in_backward:
         from onegpu.techniques.optimizer_in_backward import OptimizerInBackward
@@ -130,7 +131,8 @@ def _paged_adamw_8bit(groups, lr, on_cuda):
     instead of failing with OOM on a memory spike."""
     if not on_cuda:
         log.info(
-            "paged-adamw-8bit: paging needs CUDA unified memory; on this device it runs as adamw-8bit"
+            "paged-adamw-8bit: paging needs CUDA unified memory; on this device it runs as "
+            "adamw-8bit"
         )
     return _bnb().optim.PagedAdamW8bit(groups, lr=lr, betas=BETAS)
 
@@ -148,12 +150,14 @@ def _torchao_optim():
 
 
 def _adamw_8bit_ao(groups, lr, on_cuda):
-    """torchao's 8-bit AdamW: state is a quantized tensor subclass, step compiled by torch.compile."""
+    """torchao's 8-bit AdamW: state is a quantized tensor subclass, step compiled by
+    torch.compile."""
     return _torchao_optim().AdamW8bit(groups, lr=lr, betas=BETAS)
 
 
 def _adamw_4bit_ao(groups, lr, on_cuda):
-    """torchao's 4-bit AdamW: half the state of the 8-bit one (1 byte per parameter for both moments)."""
+    """torchao's 4-bit AdamW: half the state of the 8-bit one (1 byte per parameter for both
+    moments)."""
     return _torchao_optim().AdamW4bit(groups, lr=lr, betas=BETAS)
 
 

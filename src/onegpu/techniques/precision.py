@@ -1,4 +1,5 @@
-"""Mixed precision: which compute dtype, the Accelerate setting that applies it, loss scaling, TF32."""
+"""Mixed precision: which compute dtype, the Accelerate setting that applies it, loss scaling,
+TF32."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def resolve_precision(tcfg: TechniquesConfig, device: DeviceInfo) -> str:
         )
     if p in ("fp16", "bf16", "bf16-pure") and device.type == "cpu":
         log.warning(
-            "techniques.precision=%s on CPU: 16-bit math is emulated here and much slower than fp32",
+            "techniques.precision=%s on CPU: 16-bit math is emulated here and much slower than "
+            "fp32",
             p,
         )
     return p
@@ -83,8 +85,9 @@ def apply_tf32(tcfg: TechniquesConfig, device: DeviceInfo) -> bool:
 
 
 # torch >= 2.9 has two APIs for TF32 (allow_tf32 / set_float32_matmul_precision, and per-backend
-# fp32_precision); once anything in the process uses the new one (transformers' TrainingArguments(tf32=True)
-# does), reading a legacy flag raises. So TF32 is set and read through the new API only.
+# fp32_precision); once anything in the process uses the new one (transformers'
+# TrainingArguments(tf32=True) does), reading a legacy flag raises. So TF32 is set and read through
+# the new API only.
 def _tf32_backends() -> tuple:
     import torch
 
@@ -93,7 +96,8 @@ def _tf32_backends() -> tuple:
 
 
 def tf32_state() -> tuple[str, ...]:
-    """The fp32 precision of each CUDA backend ("tf32", "ieee" or "none" = unset), to restore later."""
+    """The fp32 precision of each CUDA backend ("tf32", "ieee" or "none" = unset), to restore
+    later."""
     return tuple(b.fp32_precision for b in _tf32_backends())
 
 
@@ -113,8 +117,9 @@ def warn_fp16_on_bf16_model(model_config, precision: str) -> bool:
     is_bf16 = dtype in (torch.bfloat16, "bfloat16")
     if precision == "fp16" and is_bf16:
         log.warning(
-            "techniques.precision=fp16 on a model stored in bfloat16: its activations can exceed the fp16 "
-            "range and turn the loss into NaN (transformers#14189); prefer precision=bf16 (or fp32)"
+            "techniques.precision=fp16 on a model stored in bfloat16: its activations can exceed "
+            "the fp16 range and turn the loss into NaN (transformers#14189); prefer precision=bf16 "
+            "(or fp32)"
         )
         return True
     return False

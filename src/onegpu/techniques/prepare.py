@@ -52,7 +52,8 @@ def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str
 
 def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
     """Steps 2-8 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
-    ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one process."""
+    ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one
+    process."""
     from onegpu.techniques.activation_offload import apply_activation_offload
     from onegpu.techniques.checkpointing import apply_checkpointing
     from onegpu.techniques.compile import apply_compile

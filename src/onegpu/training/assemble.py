@@ -85,9 +85,9 @@ def assemble(
     """Build a model and what trains it, in this order (and why):
 
     1. the model from ``source``: a model name (``models.load_model``, with the load-time
-       arguments of techniques/prepare.load_kwargs), a transformers config (built at random, with the dtype and
-       attention kernel load_kwargs would choose) or an already built model (the planner's
-       uninitialised measuring copy);
+       arguments of techniques/prepare.load_kwargs), a transformers config (built at random, with
+       the dtype and attention kernel load_kwargs would choose) or an already built model (the
+       planner's uninitialised measuring copy);
     2. with a tokenizer: start-up checks on the loaded model (positions, shape advice) and the
        embeddings sized to the tokenizer;
     3. preference objectives: dropout off; a copy reference taken now, before adapters or compile;
@@ -109,7 +109,8 @@ def assemble(
         check_seq_len(cfg, getattr(model.config, "max_position_embeddings", None))
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer))
-        # the dtype the weights are stored in: a load (fp32 for fp16 autocast) rewrites model.config's
+        # the dtype the weights are stored in: a load (fp32 for fp16 autocast) rewrites
+        # model.config's
         stored = model.config
         if isinstance(source, str) and not models.is_preset(source):
             stored = models.model_config(source, cfg.model.trust_remote_code)
@@ -190,9 +191,11 @@ def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):
     # notebook), so each starts clean. Accelerate has no public way to do this: its private reset is
     # called here and nowhere else. The process group (PartialState) stays.
     AcceleratorState._reset_state(reset_partial_state=False)
-    # Several processes or offload: the DeepSpeed / FSDP2 plugin (and its precision) from our config.
+    # Several processes or offload: the DeepSpeed / FSDP2 plugin (and its precision) from our
+    # config.
     engine = distributed.accelerator_kwargs(cfg, precision, device.type == "cuda")
-    # Accelerate's cpu=True would switch DeepSpeed off; DS_ACCELERATOR=cpu already keeps it on the CPU.
+    # Accelerate's cpu=True would switch DeepSpeed off; DS_ACCELERATOR=cpu already keeps it on the
+    # CPU.
     cpu = device.type == "cpu" and "deepspeed_plugin" not in engine
     kwargs = {"mixed_precision": accelerate_mixed_precision(precision), "cpu": cpu, **engine}
     accelerator = Accelerator(**kwargs)
@@ -216,14 +219,14 @@ def build_optimizer(cfg: Config, device: DeviceInfo, model):
     if cfg.techniques.optimizer_in_backward:
         if distributed.world_size() > 1:
             raise ConfigError(
-                "techniques.optimizer_in_backward runs in one process only: several processes reduce "
-                "gradients after the update would already have used them.",
+                "techniques.optimizer_in_backward runs in one process only: several processes "
+                "reduce gradients after the update would already have used them.",
                 hint="launch one process, or turn techniques.optimizer_in_backward off",
             )
         if t.oom_retry:
             log.info(
-                "optimizer_in_backward: out-of-memory retry is off (a step that runs out of memory in "
-                "backward has already updated part of the weights)"
+                "optimizer_in_backward: out-of-memory retry is off (a step that runs out of memory "
+                "in backward has already updated part of the weights)"
             )
     if offload.use_cpu_adam(cfg, device.is_gpu):  # offloaded state: DeepSpeed's vectorised CPU Adam
         from onegpu.techniques.optimizers import BETAS, param_groups
@@ -235,7 +238,8 @@ def build_optimizer(cfg: Config, device: DeviceInfo, model):
 
 
 def lr_schedule(t):
-    """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps (``t`` settled: warm-up in steps)."""
+    """Linear warm-up, then cosine decay to min_lr_ratio x peak at max_steps (``t`` settled: warm-up
+    in steps)."""
 
     def factor(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:

@@ -75,7 +75,8 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         if train.overlong:  # the policy left nothing: say so, with the counts
             raise DataError(
                 f"no training examples after tokenization: {train.describe()}.",
-                hint="raise data.seq_len (up to the model's limit), or choose another data.overlong",
+                hint="raise data.seq_len (up to the model's limit), or choose another "
+                "data.overlong",
             )
         raise DataError(
             "no training examples after tokenization (all records too short or fully masked).",
@@ -104,7 +105,8 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
 
 
 def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, fingerprint: str):
-    """Presets get a byte-level BPE trained on the training split; everything else its own tokenizer."""
+    """Presets get a byte-level BPE trained on the training split; everything else its own
+    tokenizer."""
     mcfg = cfg.model
     if mcfg.tokenizer:
         return models.load_tokenizer(mcfg.tokenizer, mcfg.trust_remote_code)
@@ -117,8 +119,8 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
 
 
 def corpus_pairs(cfg: Config, train_rec, val_rec):
-    """The default job's preference pairs, made from the standard library's sources (data/pairs.py), as
-    many as the run will use: DPO's reference pass then costs no more."""
+    """The default job's preference pairs, made from the standard library's sources (data/pairs.py),
+    as many as the run will use: DPO's reference pass then costs no more."""
     from onegpu.data.pairs import corpus_pairs as make
 
     t = cfg.training
@@ -138,8 +140,8 @@ def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
     d, objective = cfg.data, cfg.training.objective
     if objective == "sft" and fmt == "preference":
         raise DataError(
-            f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), but "
-            "training.objective=sft.",
+            f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), "
+            "but training.objective=sft.",
             hint="set --training.objective dpo (or orpo / simpo) to train on pairs",
         )
     if objective != "sft" and fmt != "preference":
@@ -147,8 +149,8 @@ def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
         raise DataError(
             f"training.objective={objective} needs preference pairs: columns '{d.prompt_field}', "
             f"'{d.chosen_field}' and '{d.rejected_field}'; {d.path} has {columns}.",
-            hint="rename the columns (or set data.chosen_field / data.rejected_field), or train with "
-            "training.objective=sft",
+            hint="rename the columns (or set data.chosen_field / data.rejected_field), or train "
+            "with training.objective=sft",
         )
 
 

@@ -108,9 +108,10 @@ class NanGuard:
         )
         if self.max_bad_steps and self.bad_streak >= self.max_bad_steps:
             raise TrainingDiverged(
-                f"loss or gradients were NaN/inf for {self.bad_streak} steps in a row (last at step {step}).",
-                hint="lower training.lr, keep training.max_grad_norm on, prefer bf16 to fp16, check the data, "
-                "or resume from an earlier checkpoint with --output.resume",
+                f"loss or gradients were NaN/inf for {self.bad_streak} steps in a row (last at "
+                f"step {step}).",
+                hint="lower training.lr, keep training.max_grad_norm on, prefer bf16 to fp16, "
+                "check the data, or resume from an earlier checkpoint with --output.resume",
             )
 
 
@@ -210,7 +211,8 @@ class DataFeed:
 
 
 def release_memory() -> None:
-    """Give the failed attempt's blocks back before retrying (its tensors are unreachable by now)."""
+    """Give the failed attempt's blocks back before retrying (its tensors are unreachable by
+    now)."""
     import gc
 
     import torch

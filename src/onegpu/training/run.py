@@ -156,7 +156,8 @@ def _precompute_reference(
 
 def _as_saved(cfg: Config, run_dir: Path) -> Config:
     """The configuration as the run directory records it: its resolved location, and without the
-    one-off choices (resume/overwrite), so `--config <run>/config.yaml --output.resume latest` continues it."""
+    one-off choices (resume/overwrite), so `--config <run>/config.yaml --output.resume latest`
+    continues it."""
     cfg.output.dir, cfg.output.name = str(run_dir.parent.resolve()), run_dir.name
     cfg.output.resume, cfg.output.overwrite = None, False
     return cfg
@@ -179,7 +180,8 @@ def resume(run: assemble.Run, accelerator, path: Path) -> TrainState:
     t = run.cfg.training
     if (state.micro_batch_size, state.grad_accum) != (t.micro_batch_size, t.grad_accum):
         log.info(
-            "resuming with micro_batch_size %d x grad_accum %d as the checkpoint ran (config: %d x %d)",
+            "resuming with micro_batch_size %d x grad_accum %d as the checkpoint ran (config: %d x "
+            "%d)",
             state.micro_batch_size,
             state.grad_accum,
             t.micro_batch_size,

@@ -13,7 +13,8 @@ from onegpu.errors import ConfigError
 
 
 def check_run_dir(cfg: Config) -> Path:
-    """Where the run will write, checked without writing anything (a bad input must leave no trace)."""
+    """Where the run will write, checked without writing anything (a bad input must leave no
+    trace)."""
     out = cfg.output
     name = out.name or time.strftime("%Y%m%d-%H%M%S")
     path = Path(out.dir).expanduser() / name
@@ -24,7 +25,8 @@ def check_run_dir(cfg: Config) -> Path:
     if path.exists() and any(path.iterdir()) and not (out.overwrite or out.resume):
         raise ConfigError(
             f"run directory {path} is not empty.",
-            hint="pass --output.resume latest to continue it, --output.overwrite true, or another --output.name",
+            hint="pass --output.resume latest to continue it, --output.overwrite true, or another "
+            "--output.name",
         )
     parent = _existing_ancestor(path)
     problem = _unwritable(parent)
@@ -84,7 +86,8 @@ CHECKPOINT_MARGIN = 64 * 2**20  # bytes: config, tokenizer, metrics and filesyst
 
 
 def checkpoint_bytes(model) -> int:
-    """A checkpoint's size, estimated generously: weights plus optimizer moments ~ 3x the parameters."""
+    """A checkpoint's size, estimated generously: weights plus optimizer moments ~ 3x the
+    parameters."""
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + CHECKPOINT_MARGIN
 
 

@@ -1,4 +1,5 @@
-"""What a run carries between steps (checkpointed), what it returns, and the hooks that observe it."""
+"""What a run carries between steps (checkpointed), what it returns, and the hooks that observe
+it."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ class Callback:
     a notebook). Override what you need; every process calls them."""
 
     def on_reference_pass(self, seconds: float) -> None:
-        """DPO's precomputed reference pass took ``seconds`` (before the loop, before on_train_begin)."""
+        """DPO's precomputed reference pass took ``seconds`` (before the loop, before
+        on_train_begin)."""
 
     def on_train_begin(self, run, state: TrainState) -> None:
         """Model, optimizer and data are built and prepared; the first step is next."""

@@ -26,8 +26,8 @@ def train_step(
     Each micro-batch contributes its *summed* loss divided by the objective's count of the whole
     accumulated batch (all processes: target tokens, or pairs for a preference objective), so the
     gradient equals that of one big batch however the tokens fall across micro-batches.
-    ``objective`` defaults to SFT's plain loss. Returns (loss tensor, real input tokens) without syncing,
-    except for the guard's one scalar: a NaN/inf loss or gradient norm skips the update.
+    ``objective`` defaults to SFT's plain loss. Returns (loss tensor, real input tokens) without
+    syncing, except for the guard's one scalar: a NaN/inf loss or gradient norm skips the update.
     ``should_stop`` is polled between micro-batches; if it turns true the partial cycle is dropped
     (no update was made yet) and StepInterrupted is raised.
     """
