@@ -1,6 +1,6 @@
 """Produce benchmarks/results/infer-<device>-<date>.{json,md,png} with `onegpu bench infer`.
 
-    python benchmarks/bench_infer.py                          # CPU: small random-init Llama, a few minutes
+    python benchmarks/bench_infer.py  # CPU: small random-init Llama, a few minutes
     python benchmarks/bench_infer.py --preset 1b --device cuda  # GPU: ~1B Llama, bf16 and friends
     python benchmarks/bench_infer.py --preset 1b --device cuda --dry-run  # list the settings only
 

@@ -1,12 +1,12 @@
 """The committed training benchmarks, one preset each (extra flags go to `onegpu bench train`).
 
-    python benchmarks/bench_train.py cpu --snapshot        # the CPU table in benchmarks/results/
-    python benchmarks/bench_train.py headline --snapshot   # onegpu vs HF Trainer only, more repetitions
-    python benchmarks/bench_train.py cpu-dpo --snapshot    # DPO: onegpu vs TRL's DPOTrainer, on this CPU
-    python benchmarks/bench_train.py gpu-quick             # on a CUDA GPU: one preset (below)
-    python benchmarks/bench_train.py gpu-quick gpu-best    # several presets, one after the other
-    python benchmarks/bench_train.py gpu                   # every GPU preset (~77 minutes)
-    python benchmarks/bench_train.py gpu --dry-run         # list each preset's arms; nothing saved or trained
+    python benchmarks/bench_train.py cpu --snapshot       # the CPU table in benchmarks/results/
+    python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more reps
+    python benchmarks/bench_train.py cpu-dpo --snapshot   # DPO: onegpu vs TRL's DPOTrainer (CPU)
+    python benchmarks/bench_train.py gpu-quick            # on a CUDA GPU: one preset (below)
+    python benchmarks/bench_train.py gpu-quick gpu-best   # several presets, one after the other
+    python benchmarks/bench_train.py gpu                  # every GPU preset (~77 minutes)
+    python benchmarks/bench_train.py gpu --dry-run        # list each preset's arms, train nothing
 
 Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the
 arms, without writing the model or training), --workdir DIR (where the GPU presets keep the saved

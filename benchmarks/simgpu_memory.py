@@ -3,7 +3,7 @@ PyTorch's MemTracker for one real optimizer step (onegpu's prepare_model, loss a
 fake tensors, attention routed to the kernel an sm80+ card runs. No GPU, no download.
 
     PYTHONPATH=src python benchmarks/simgpu_memory.py            # every row (~15 min, 2 cores)
-    PYTHONPATH=src python benchmarks/simgpu_memory.py --only 1B  # rerun the rows whose label has "1B"
+    PYTHONPATH=src python benchmarks/simgpu_memory.py --only 1B  # rerun rows whose label has "1B"
 
 Writes benchmarks/results/simgpu-memory.json and .md (the table docs/planner.md shows). The harness
 and what it substitutes: tests/simgpu/fullsize.py.

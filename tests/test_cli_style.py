@@ -120,7 +120,10 @@ def test_renamed_rewrites_both_forms_and_leaves_the_rest(capsys):
 def test_hint_fits_the_data_format():
     data = Config().data
     data.path = "my.jsonl"
-    long = "Explain, in a few words, why the sky looks blue on a clear summer afternoon and red at dusk"
+    long = (
+        "Explain, in a few words, why the sky looks blue on a clear summer afternoon and red at "
+        "dusk"
+    )
     chat = [
         {
             "messages": [

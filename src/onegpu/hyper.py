@@ -50,8 +50,8 @@ def preference_table() -> dict[str, dict]:
 
     - full: TRL's DPOConfig default learning rate 1e-6 (trl/trainer/dpo_config.py), with the 10%
       warm-up of the alignment-handbook's DPO recipes (recipes/zephyr-7b-beta/dpo/config_full.yaml);
-    - lora / qlora: the alignment-handbook's QLoRA DPO recipe (recipes/zephyr-7b-beta/dpo/config_qlora.yaml):
-      lr 5e-6, warm-up ratio 0.1;
+    - lora / qlora: the alignment-handbook's QLoRA DPO recipe
+      (recipes/zephyr-7b-beta/dpo/config_qlora.yaml): lr 5e-6, warm-up ratio 0.1;
     - scratch (a preset, as in the default job): 5e-4 with 10% warm-up, onegpu's own choice: a
       randomly initialised model has no prior to stay near, and at 1e-6 its rewards would not move.
     No weight decay in any: the recipes use none.

@@ -161,7 +161,10 @@ def generate_hint(model_dir, fmt: str, sample: str | None) -> str:
     import shlex
 
     chat = " --chat true" if fmt == "messages" else ""
-    return f"onegpu generate --model {shlex.quote(str(model_dir))}{chat} {_quoted(sample or DEFAULT_PROMPT)}"
+    return (
+        f"onegpu generate --model {shlex.quote(str(model_dir))}{chat} "
+        f"{_quoted(sample or DEFAULT_PROMPT)}"
+    )
 
 
 def sample_prompt(records, fmt: str, data_cfg, limit: int = 60) -> str | None:

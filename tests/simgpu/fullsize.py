@@ -20,10 +20,11 @@ Substitutions, each because fake tensors hold no values or this machine has no C
   anything else runs the composite op;
 - the fused loss verifies its head against the model's logits by value, once per model: marked
   verified, as the planner's own measuring model is (plan/activations.build_probe_model);
-- MemTracker's module hooks refuse the fused loss's calls of the output head (once per chunk, outside
-  the model's forward, with ``torch.autograd.grad`` inside that forward): ``ModulesInModel`` leaves
-  module calls made outside the model's forward out of the per-module hooks. Their memory is still
-  counted (the tracker counts every allocation); only the module breakdown skips them;
+- MemTracker's module hooks refuse the fused loss's calls of the output head (once per chunk,
+  outside the model's forward, with ``torch.autograd.grad`` inside that forward):
+  ``ModulesInModel`` leaves module calls made outside the model's forward out of the per-module
+  hooks. Their memory is still counted (the tracker counts every allocation); only the module
+  breakdown skips them;
 - MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: frozen
   parameters are entered as hooked already (``Tracker``);
 - Accelerate keeps the fake weights where they are (``device_placement=False``): moving fake

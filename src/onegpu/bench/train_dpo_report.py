@@ -137,12 +137,12 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         )
     lines += [
         "",
-        "Where each arm computes DPO's reference: `baseline` once, before the first step (a no-grad pass "
-        "over every training and validation pair, stored with the run); the table shows that pass on its own "
-        "(warm, and as first run, which also pays the process's start-up) and charges its warm time to the "
-        'timed steps pro rata in "tokens/s with reference pass". `ref-copy` and `trl-dpo` run a frozen '
-        "copy's forward inside every step, the LoRA arms the policy with its adapters off: their tokens/s "
-        "include it.",
+        "Where each arm computes DPO's reference: `baseline` once, before the first step (a "
+        "no-grad pass over every training and validation pair, stored with the run); the table "
+        "shows that pass on its own (warm, and as first run, which also pays the process's "
+        'start-up) and charges its warm time to the timed steps pro rata in "tokens/s with '
+        "reference pass\". `ref-copy` and `trl-dpo` run a frozen copy's forward inside every "
+        "step, the LoRA arms the policy with its adapters off: their tokens/s include it.",
         "",
         "Set on TRL's side to the run's values (the rest is TRL's default):",
         "",

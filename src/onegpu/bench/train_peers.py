@@ -23,7 +23,8 @@ class PeerSetup:
     cfg: Any  # onegpu.config.Config
     device: Any  # onegpu.hardware.DeviceInfo
     model_name: str
-    records: Any  # onegpu.training.data.Records: the records before tokenizing (TRL tokenizes them itself)
+    # onegpu.training.data.Records: the records before tokenizing (TRL tokenizes them itself)
+    records: Any
     data: Any  # onegpu.training.data.Data: tokenizer, tokenized splits, collator
     model: Any
     dataset: Any  # datasets.Dataset: one row per micro-batch example, step by step

@@ -1,7 +1,8 @@
 """Checkpoints: one directory per optimizer step that is either complete or absent.
 
 ``checkpoint-<step>/`` holds
-  model/            ``save_pretrained`` output (safetensors; adapters only for a PEFT model) + tokenizer
+  model/            ``save_pretrained`` output (safetensors; adapters only for a PEFT model) +
+                    tokenizer
   trainer_state.pt  optimizer, scheduler, grad scaler and RNG states, stored as tensors and plain
                     containers only, so ``torch.load(weights_only=True)`` reads it (no arbitrary
                     pickles)

@@ -165,7 +165,8 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def _lines(text: str) -> list[str]:
-    """One prompt per line; a literal \\n inside a line stands for a newline (multi-line prompts)."""
+    """One prompt per line; a literal \\n inside a line stands for a newline (multi-line
+    prompts)."""
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 

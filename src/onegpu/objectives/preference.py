@@ -11,12 +11,12 @@ The formulas, per pair, with pi = a response's summed log-prob under the policy,
 reference, |y| = its tokens, s(x) = log sigmoid(x), eps = label smoothing:
 - DPO (Rafailov et al. 2023, eq. 7; eps: Mitchell 2023): z = beta((pi_c - ref_c) - (pi_r - ref_r)),
   loss = -(1 - eps) s(z) - eps s(-z); rewards beta(pi - ref).
-- SimPO (Meng et al. 2024, eq. 6): z = beta(pi_c/|y_c| - pi_r/|y_r|) - gamma, gamma = ratio x beta; loss as
-  DPO's; rewards beta pi/|y|.
-- ORPO (Hong et al. 2024, eqs. 6-7): a = pi/|y| (mean token log-prob); log odds(y) = a - log(1 - e^a);
-  loss = -a_c + lambda (-s(log odds_c - log odds_r)), lambda = beta; rewards beta a. The SFT term is
-  per pair (mean over its tokens), as in the paper; TRL's ORPOTrainer averages it over the batch's
-  tokens.
+- SimPO (Meng et al. 2024, eq. 6): z = beta(pi_c/|y_c| - pi_r/|y_r|) - gamma, gamma = ratio x beta;
+  loss as DPO's; rewards beta pi/|y|.
+- ORPO (Hong et al. 2024, eqs. 6-7): a = pi/|y| (mean token log-prob);
+  log odds(y) = a - log(1 - e^a); loss = -a_c + lambda (-s(log odds_c - log odds_r)),
+  lambda = beta; rewards beta a. The SFT term is per pair (mean over its tokens), as in the paper;
+  TRL's ORPOTrainer averages it over the batch's tokens.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class PublishedRun:
     micro_batch: int
     seq_len: int
     tokens_per_s: float  # per GPU
-    efficiency: float  # compute-only efficiency by our count (speed.compute_efficiency), re-derived in tests
+    # compute-only efficiency by our count (speed.compute_efficiency), re-derived in tests
+    efficiency: float
 
 
 LLAMA_3_2_3B = dict(

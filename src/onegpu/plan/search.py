@@ -122,9 +122,11 @@ def tier_candidates(
         act_offloads,
     ):
         if in_bwd and (mb != batch or off != "none"):
-            continue  # an update inside backward needs the whole batch in one micro-batch, and no offload
+            # an update inside backward needs the whole batch in one micro-batch, and no offload
+            continue
         if act and ck == "offload":
-            continue  # both would send the checkpointed inputs to the host (config/checks.py refuses it)
+            # both would send the checkpointed inputs to the host (config/checks.py refuses it)
+            continue
         for tiled in _tiling(t, shape, mb, seq_len):
             out.append(
                 setup(

@@ -2,8 +2,8 @@
 
 * ``StopSignal``: the first SIGTERM/SIGINT asks the loop to stop after the current micro-batch and
   write a checkpoint; a second one exits at once.
-* ``NanGuard``: a step whose loss or gradient norm is NaN/inf makes no update; K in a row end the run.
-  It reads one scalar per step (the norm the clipping computes anyway).
+* ``NanGuard``: a step whose loss or gradient norm is NaN/inf makes no update; K in a row end the
+  run. It reads one scalar per step (the norm the clipping computes anyway).
 * ``smaller_micro_batch`` / ``convert_position``: after an out-of-memory error the loop halves the
   micro-batch, doubles accumulation (same effective batch) and retries the same examples.
 """
