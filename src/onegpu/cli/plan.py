@@ -67,9 +67,7 @@ def build_parser():
         help="memory to plan for instead of the GPU's total",
     )
     p.add_argument(
-        "--max-context",
         "--max_context",
-        dest="max_context",
         type=bool,
         default=False,
         help="print, per setup, the longest sequence that fits at batch 1 and its tokens/s",
@@ -94,8 +92,9 @@ def build_parser():
 def cli(argv: Sequence[str]) -> int:
     switches = {
         "--json": "--json=true",
-        "--max-context": "--max-context=true",
-        "--max_context": "--max-context=true",
+        # one flag style (underscores); the hyphenated spelling works too
+        "--max-context": "--max_context=true",
+        "--max_context": "--max_context=true",
     }
     argv = [switches.get(a, a) for a in renamed(argv, RENAMED)]  # a switch alone means on
     cfg, ns = parse(build_parser(), model_shorthand(argv), Config)
