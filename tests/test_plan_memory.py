@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from onegpu.plan import activation_model, memory
 from onegpu.plan import activations as acts
-from onegpu.plan import memory
 from onegpu.plan.arch import _shape_of
 from onegpu.plan.candidate import setup
 
@@ -90,7 +90,7 @@ def test_checkpointing_modes_order_and_offload_keeps_nothing_per_layer(fitted):
         am.base.at(b, s)
     )  # only embedding/head/loss; block inputs go to the host
     assert (
-        acts.checkpointed_layers(5, "every-n", 2) == 3
+        activation_model.checkpointed_layers(5, "every-n", 2) == 3
     )  # layers 0, 2, 4: transformers' every_n_layers rule
     assert am.recompute_peak(b, s, "full") == pytest.approx(am.block.at(b, s))
 

@@ -1,6 +1,7 @@
 """The planner: predict whether a training setup fits on a GPU and how fast it runs, before running.
 
-arch.py (model shapes on the meta device), activations.py (measured activation bytes),
+arch.py (model shapes on the meta device), activations.py (measuring activation bytes),
+activation_model.py (the fitted byte formulas per block, checkpointing mode and compile),
 memory.py (peak memory by component), speed.py (FLOPs over calibrated peak), search.py (candidate
 setups, ranked), context.py (the longest sequence each setup fits), probe.py (a few real steps of
 the best candidates; `train --plan auto`).

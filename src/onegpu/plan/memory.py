@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onegpu.plan.activations import (
-    ActivationModel,
-    activation_model,
-    checkpointed_layers,
-)
+from onegpu.plan.activation_model import ActivationModel, checkpointed_layers
+from onegpu.plan.activations import activation_model
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
 

@@ -70,7 +70,7 @@ class SpeedEstimate:
 
 def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     """arch.flops_per_token for a candidate's LoRA rank and checkpointed layers."""
-    from onegpu.plan.activations import checkpointed_layers
+    from onegpu.plan.activation_model import checkpointed_layers
     from onegpu.plan.arch import flops_per_token as count
     from onegpu.plan.arch import forward_flops_per_token
 
