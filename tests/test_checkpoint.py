@@ -12,6 +12,7 @@ import torch
 
 from helpers import Parts, make_tiny_llama
 from onegpu.checkpoint import local as checkpoint
+from onegpu.checkpoint import resume
 from onegpu.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
@@ -100,10 +101,10 @@ def test_damaged_checkpoint_is_never_picked(tmp_path, parts, damage):
         (newer / "manifest.json").unlink()
     assert checkpoint.verify(newer) is not None
     assert checkpoint.find_latest(tmp_path) == older
-    assert checkpoint.resolve_resume("latest", tmp_path) == older
+    assert resume.resolve_resume("latest", tmp_path) == older
     if damage != "no-manifest":
         with pytest.raises(ConfigError, match="damaged"):
-            checkpoint.resolve_resume(str(newer), tmp_path)
+            resume.resolve_resume(str(newer), tmp_path)
 
 
 def test_keep_last_and_best(tmp_path, parts):
@@ -135,7 +136,7 @@ def test_resave_same_step_replaces_atomically(tmp_path, parts, point):
     with pytest.raises(SystemExit):
         parts.save(tmp_path, 3, on_write=crash)
     assert any(p.name.startswith(".") for p in tmp_path.iterdir())  # a half-done save is left
-    latest = checkpoint.resolve_resume("latest", tmp_path)  # what a resume picks after the crash
+    latest = resume.resolve_resume("latest", tmp_path)  # what a resume picks after the crash
     assert latest == first and checkpoint.verify(latest) is None
     assert all(torch.equal(old[k], v) for k, v in saved_weights(latest).items())
 
@@ -169,10 +170,10 @@ def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, parts, point):
 
 def test_resume_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        checkpoint.resolve_resume("latest", tmp_path / "nope")
+        resume.resolve_resume("latest", tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no complete checkpoint"):
-        checkpoint.resolve_resume("latest", tmp_path / "empty")
+        resume.resolve_resume("latest", tmp_path / "empty")
 
 
 def test_foreign_pickle_is_refused(tmp_path, parts):

@@ -20,6 +20,7 @@ import torch
 from helpers import assert_same_weights, losses, make_cfg
 from onegpu import train
 from onegpu.checkpoint import local as checkpoint
+from onegpu.checkpoint import resume
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
@@ -97,7 +98,7 @@ def test_kill_inside_checkpoint_writes(ctx, tmp_path, tiny_tokenizer, tiny_model
         p.start()
         p.join(60)
         assert p.exitcode == -signal.SIGKILL, (point, p.exitcode)
-        latest = checkpoint.resolve_resume("latest", tmp_path)  # what --output.resume latest picks
+        latest = resume.resolve_resume("latest", tmp_path)  # what --output.resume latest picks
         assert checkpoint.step_of(latest) == (step if point == "rename" else 1), point
         _assert_loads(latest, tiny_tokenizer)
         assert not list(tmp_path.glob(".*"))  # leftovers of the killed save were tidied away
@@ -133,7 +134,7 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
         )
         kills += 1
         mid_write += any(run_dir.glob(".tmp-*"))  # the kill landed inside a checkpoint write
-        latest = checkpoint.resolve_resume("latest", run_dir)
+        latest = resume.resolve_resume("latest", run_dir)
         assert checkpoint.step_of(latest) >= last_step
         last_step = checkpoint.step_of(latest)
         _assert_loads(latest, tiny_tokenizer)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from onegpu import distributed, hardware, hyper, models, trackers
 from onegpu.checkpoint import local as checkpoint
+from onegpu.checkpoint import resume as checkpoint_resume
 from onegpu.checkpoint import sharded as checkpoint_sharded
 from onegpu.config import Config
 from onegpu.data import batches
@@ -45,7 +46,9 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         # a tracker not installed: refused before any mkdir
         report_to = trackers.resolve(cfg.output.report_to)
         run_dir = rundir.check_run_dir(cfg)
-        resume_from = checkpoint.resolve_resume(cfg.output.resume, run_dir, cfg.training.objective)
+        resume_from = checkpoint_resume.resolve_resume(
+            cfg.output.resume, run_dir, cfg.training.objective
+        )
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
