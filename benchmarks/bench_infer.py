@@ -84,7 +84,7 @@ def record_command(stem: Path, argv: list[str]) -> None:
     command."""
     import json
 
-    from onegpu.bench.infer import to_markdown
+    from onegpu.bench.infer_report import to_markdown
 
     path = stem.with_suffix(".json")
     result = json.loads(path.read_text())

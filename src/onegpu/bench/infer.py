@@ -11,7 +11,6 @@ alike; the median repetition is reported.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import platform
 import statistics
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from onegpu.bench.infer_report import to_markdown, write_outputs
 from onegpu.errors import ConfigError
 from onegpu.infer import InferConfig, SamplingConfig
 
@@ -315,16 +315,6 @@ def _versions() -> dict:
     return found
 
 
-def write_outputs(result: dict, out_dir: str, stem: str) -> list[Path]:
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    paths[1].write_text(to_markdown(result))
-    plot(result, paths[2])
-    return paths
-
-
 def cli(argv: Sequence[str]) -> int:
     import tempfile
 
@@ -359,62 +349,3 @@ def _check(cfg: BenchInferConfig) -> None:
             raise ConfigError(
                 f"--{name} must be >= 1, got {getattr(cfg, name)}.", hint=f"set --{name} 1 or more"
             )
-
-
-COLUMNS = [
-    ("setting", "setting", "{}"),
-    ("prefill_tps", "prefill tok/s", "{:,.0f}"),
-    ("decode_tps", "decode tok/s", "{:,.1f}"),
-    ("decode_speedup", "decode vs HF", "{:.2f}x"),
-    ("ttft_ms", "TTFT ms", "{:,.1f}"),
-    ("peak_mb", "peak GPU MB", "{:,.0f}"),
-    ("weight_mb", "weights MB", "{:,.1f}"),
-    ("token_agreement", "greedy tokens = fp32", "{:.1%}"),
-    ("argmax_agreement", "argmax = fp32", "{:.1%}"),
-    ("max_logit_diff", "max abs logit diff", "{:.3g}"),
-]
-
-
-def to_markdown(result: dict) -> str:
-    c = result["config"]
-    lines = [
-        f"# onegpu bench infer — {result['device']}",
-        "",
-        f"{result['date']}; model `{Path(c['model']).name}`, batch {c['batch_size']}, prompt "
-        f"{c['prompt_len']} tokens, {c['new_tokens']} new tokens, median of {c['repeats']} "
-        "interleaved repetitions.",
-        "",
-        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    for row in result["results"]:
-        cells = ["n/a" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-    lines += ["", f"Versions: {versions}.", f"Command: `{result['command']}`", ""]
-    return "\n".join(lines)
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    names = [r["setting"] for r in rows]
-    panels = [
-        ("prefill_tps", "prefill tokens/s"),
-        ("decode_tps", "decode tokens/s"),
-        ("weight_mb", "weights (MB)"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 0.45 * len(names) + 1.5))
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        values = [r[key] or 0 for r in rows]
-        ax.barh(names, values, color=["#888888"] + ["#3b7dd8"] * (len(rows) - 1))
-        ax.set_title(title)
-        ax.invert_yaxis()
-    fig.suptitle(f"onegpu bench infer — {result['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
