@@ -1,2 +1,2 @@
-"""Data: records.py (files -> records), batches.py (tokenize, pack, collate, order),
-tokenizer.py."""
+"""Data: records.py (files -> records), validate.py (file and chat-message checks with file and
+line), batches.py (tokenize, pack, collate, order), tokenizer.py."""

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from onegpu.config import DataConfig
-from onegpu.data import overlong, records
+from onegpu.data import overlong, records, validate
 from onegpu.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def _messages(batch, indices, tok, cfg, split):
     out = _rows()
     encode = functools.partial(_encode_chat, tok=tok)
     for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field], strict=True)):
-        problem = records.chat_problem(conv)
+        problem = validate.chat_problem(conv)
         if problem:
             raise DataError(f"{records.where(batch, i, idx, split)}: {problem[0]}", hint=problem[1])
         examples, fate, left_out = overlong.fit_chat(conv, encode, cfg.seq_len, cfg.overlong)

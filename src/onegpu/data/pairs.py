@@ -17,7 +17,7 @@ import random
 import re
 
 from onegpu.config import DataConfig
-from onegpu.data import overlong, records
+from onegpu.data import overlong, records, validate
 from onegpu.errors import DataError
 
 IGNORE = overlong.IGNORE
@@ -103,7 +103,7 @@ def _as_messages(prompt, chosen, rejected, cfg: DataConfig, where: str) -> tuple
     def msgs(value, role, name):
         if isinstance(value, str):
             return [{"role": role, "content": value}]
-        problem = records.chat_problem(value)
+        problem = validate.chat_problem(value)
         if problem:
             raise DataError(f"{where}, '{name}': {problem[0]}", hint=problem[1])
         return list(value)
