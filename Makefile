@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu gpu-check clean
+.PHONY: setup demo test lint test-gpu gpu-check clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/onegpu train
 
+# ruff first: the formatter and the linter (pyproject.toml), then the suite
 test: setup
+	$(BIN)/ruff format --check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 test-gpu: setup
