@@ -267,3 +267,10 @@ def is_quantized_layer(module) -> bool:
         return True
     weight = getattr(module, "weight", None)
     return weight is not None and type(weight).__module__.startswith("torchao")
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens that count in the loss: labels shifted by one, -100 excluded."""
+    from onegpu.objectives.tokens import IGNORE
+
+    return int((labels[:, 1:] != IGNORE).sum())

@@ -332,8 +332,9 @@ def test_padding_free_documents_do_not_see_each_other(tiny_model_dir, tiny_token
 def test_padding_free_batch_has_the_same_loss_without_padding(tiny_model_dir, tiny_tokenizer):
     """Prompt/completion examples packed into one row: same summed loss and target count as the
     padded batch, fewer positions computed."""
+    from helpers import count_targets
     from onegpu.objectives.sft import loss_sum
-    from onegpu.objectives.tokens import IGNORE, count_targets
+    from onegpu.objectives.tokens import IGNORE
 
     model = _load(tiny_model_dir, tiny_tokenizer, "sdpa")
     examples = []

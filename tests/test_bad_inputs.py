@@ -765,13 +765,12 @@ def test_chat_turn_trains_content_and_end_token(tiny_tokenizer):
         {"role": "user", "content": "bye"},
         {"role": "assistant", "content": "see you"},
     ]
-    ex = batches.tokenize(
+    ex = batches.tokenize_counted(
         datasets.Dataset.from_dict({"messages": [conv]}),
         "messages",
         tok,
         DataConfig(seq_len=128, num_proc=1),
-        "t",
-    )[0]
+    )[0][0]
     targets = [t for t, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != -100]
     assert tok.decode(targets) == "hi there<|eos|>see you<|eos|>"
     newline = tok("\n", add_special_tokens=False)["input_ids"]

@@ -186,9 +186,7 @@ def test_a_truncated_pair_is_refused_rather_than_compared(tiny_tokenizer):
         ]
     )
     cfg = DataConfig(seq_len=48, overlong="truncate")
-    tokenized, _ = batches.tokenize_counted(
-        records, "preference", tiny_tokenizer, cfg, "test", "train"
-    )
+    tokenized, _ = batches.tokenize_counted(records, "preference", tiny_tokenizer, cfg, "train")
     assert record_rows(records, tokenized.select([0]), tiny_tokenizer, cfg) == [0]
     with pytest.raises(ConfigError, match="truncated") as err:
         record_rows(records, tokenized, tiny_tokenizer, cfg)

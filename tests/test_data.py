@@ -28,7 +28,7 @@ def test_text_is_packed_with_eos_between_documents(tiny_tokenizer, tmp_path):
 
     cfg = DataConfig(seq_len=16, num_proc=1)
     ds = datasets.Dataset.from_dict({"text": ["def f(x):\n    return x\n", "import os\n"] * 10})
-    out = batches.tokenize(ds, "text", tiny_tokenizer, cfg, "t")
+    out = batches.tokenize_counted(ds, "text", tiny_tokenizer, cfg)[0]
     assert len(out) > 0 and all(len(r) == 16 for r in out["input_ids"])
     flat = sum(out["input_ids"], [])
     assert tiny_tokenizer.eos_token_id in flat
@@ -43,7 +43,7 @@ def test_prompt_completion_masks_prompt_and_ends_with_eos(tiny_tokenizer):
 
     cfg = DataConfig(seq_len=64, num_proc=1)
     ds = datasets.Dataset.from_dict({"prompt": ["Q: add 1 and 2\nA:"], "completion": [" 3"]})
-    ex = batches.tokenize(ds, "prompt_completion", tiny_tokenizer, cfg, "t")[0]
+    ex = batches.tokenize_counted(ds, "prompt_completion", tiny_tokenizer, cfg)[0][0]
     n_prompt = len(tiny_tokenizer("Q: add 1 and 2\nA:")["input_ids"])
     assert ex["labels"][:n_prompt] == [-100] * n_prompt
     assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:]
@@ -61,7 +61,7 @@ def test_messages_train_only_on_assistant_tokens(tiny_tokenizer):
         {"role": "assistant", "content": "see you"},
     ]
     ds = datasets.Dataset.from_dict({"messages": [conv]})
-    ex = batches.tokenize(ds, "messages", tiny_tokenizer, cfg, "t")[0]
+    ex = batches.tokenize_counted(ds, "messages", tiny_tokenizer, cfg)[0][0]
     trained = tiny_tokenizer.decode(
         [t for t, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != -100]
     )
@@ -151,7 +151,7 @@ def test_chat_errors_name_the_record_outside_jsonl(tiny_tokenizer):
     with pytest.raises(
         DataError, match=r"train record 1: chat message 2 has unknown role 'gpt'"
     ) as err:
-        batches.tokenize(ds, "messages", tiny_tokenizer, DataConfig(num_proc=1), "t")
+        batches.tokenize_counted(ds, "messages", tiny_tokenizer, DataConfig(num_proc=1))[0]
     assert "'assistant'" in err.value.hint
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_tiny_llama, random_batch
+from helpers import count_targets, make_tiny_llama, random_batch
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.objectives.sft import SFT, loss_sum
@@ -15,7 +15,6 @@ from onegpu.objectives.tokens import (
     IGNORE,
     TARGETS,
     TokenLoss,
-    count_targets,
     model_inputs,
     select_targets,
     with_target_positions,

@@ -30,7 +30,7 @@ def tokenize(tok, fmt, rows, seq_len, policy, **kw):
     import datasets
 
     cfg = DataConfig(seq_len=seq_len, num_proc=kw.pop("num_proc", 1), overlong=policy)
-    return batches.tokenize_counted(datasets.Dataset.from_dict(rows), fmt, tok, cfg, "t", **kw)
+    return batches.tokenize_counted(datasets.Dataset.from_dict(rows), fmt, tok, cfg, **kw)
 
 
 def trained_spans(tok, ex) -> list[str]:

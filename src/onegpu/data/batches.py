@@ -16,13 +16,8 @@ IGNORE = overlong.IGNORE
 
 
 # ------------------------------------------------------------------------------------ tokenizing
-def tokenize(ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = "train"):
-    """Tokenize with `datasets.map` (cached on disk, `num_proc` processes)."""
-    return tokenize_counted(ds, fmt, tok, cfg, fingerprint, split)[0]
-
-
 def tokenize_counted(
-    ds, fmt: str, tok, cfg: DataConfig, fingerprint: str, split: str = "train"
+    ds, fmt: str, tok, cfg: DataConfig, split: str = "train"
 ) -> tuple[Any, overlong.DataStats]:
     """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the
     records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""

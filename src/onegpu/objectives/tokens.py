@@ -38,11 +38,6 @@ def model_inputs(batch: dict) -> dict:
     return inputs
 
 
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens that count in the loss: labels shifted by one, -100 excluded."""
-    return int((labels[:, 1:] != IGNORE).sum())
-
-
 def with_target_positions(batch: dict) -> dict:
     """The batch plus the flat positions whose next token is a target, computed here, on the host,
     before the batch is copied to the device: the fused loss then selects those rows without a

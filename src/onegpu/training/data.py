@@ -58,15 +58,11 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, model_name, train_rec, fmt, recs.fingerprint)
     check_positions(cfg, model_name)  # before tokenizing: a too long seq_len is not "no examples"
-    train_ds, stats = batches.tokenize_counted(
-        train_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "train"
-    )
+    train_ds, stats = batches.tokenize_counted(train_rec, fmt, tokenizer, cfg.data, "train")
     all_stats = [stats]
     val_ds = None
     if val_rec is not None:
-        val_ds, stats = batches.tokenize_counted(
-            val_rec, fmt, tokenizer, cfg.data, recs.fingerprint, "validation"
-        )
+        val_ds, stats = batches.tokenize_counted(val_rec, fmt, tokenizer, cfg.data, "validation")
         all_stats.append(stats)
     for stats in all_stats:
         log.info("data %s", stats.describe())
