@@ -36,17 +36,26 @@ def load_kwargs(cfg: Config, device: DeviceInfo, precision: str, model_name: str
     """Step 1: the arguments ``models.load_model`` passes to ``from_pretrained``. The attention
     kernel depends on what the model class supports, read from its config alone (no weights)."""
     from onegpu.models import model_config
-    from onegpu.techniques.attention import model_kernels, resolve_attention
     from onegpu.techniques.lora import quantization_config
-    from onegpu.techniques.precision import weights_dtype
 
     quant = quantization_config(cfg.techniques, precision, model_name, cfg.model)  # QLoRA base
-    trust = cfg.model.trust_remote_code
-    kernels = model_kernels(model_config(model_name, trust), trust)
+    config = model_config(model_name, cfg.model.trust_remote_code)
+    return {
+        **build_kwargs(cfg, device, precision, config),
+        "extra": {"quantization_config": quant} if quant else None,
+    }
+
+
+def build_kwargs(cfg: Config, device: DeviceInfo, precision: str, config) -> dict:
+    """The weights' dtype and the attention kernel for a model of this transformers ``config``:
+    what a load from a name and a build from a config (the planner's accuracy check) share."""
+    from onegpu.techniques.attention import model_kernels, resolve_attention
+    from onegpu.techniques.precision import weights_dtype
+
+    kernels = model_kernels(config, cfg.model.trust_remote_code)
     return {
         "dtype": weights_dtype(precision),
         "attn_implementation": resolve_attention(cfg.techniques, device, precision, kernels),
-        "extra": {"quantization_config": quant} if quant else None,
     }
 
 

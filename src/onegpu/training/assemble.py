@@ -159,16 +159,12 @@ def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer):
         return source
     from transformers import AutoModelForCausalLM
 
-    from onegpu.techniques.attention import model_kernels, resolve_attention
-    from onegpu.techniques.precision import weights_dtype
+    from onegpu.techniques.prepare import build_kwargs
 
-    trust = cfg.model.trust_remote_code
-    attention = resolve_attention(cfg.techniques, device, precision, model_kernels(source, trust))
     return AutoModelForCausalLM.from_config(
         source,
-        dtype=weights_dtype(precision),
-        attn_implementation=attention,
-        trust_remote_code=trust,
+        trust_remote_code=cfg.model.trust_remote_code,
+        **build_kwargs(cfg, device, precision, source),
     )
 
 
