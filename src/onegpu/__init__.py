@@ -19,6 +19,10 @@ def train(config=None, callbacks=()):
     from onegpu.training.run import run_training
 
     cfg = validate(copy.deepcopy(config) if isinstance(config, Config) else from_dict(config or {}))
+    from onegpu.training import rl_default
+
+    if rl_default.is_default_job(cfg):  # GRPO with no model and no data: the default job's model
+        cfg = validate(rl_default.settle(cfg, lambda base: run_training(validate(base)).final))
     if cfg.plan == "auto":  # plan before train: settle the setup by measurement
         from onegpu.plan.probe import auto_plan
 

@@ -64,6 +64,24 @@ def preference_table() -> dict[str, dict]:
     }
 
 
+def grpo_table() -> dict[str, dict]:
+    """`auto` for training.objective grpo:
+
+    - full: TRL's GRPOConfig defaults (trl/trainer/grpo_config.py): learning_rate 1e-6, no warm-up
+      and no weight decay (TrainingArguments' defaults, which GRPOConfig keeps);
+    - lora / qlora: Unsloth's GRPO notebooks (unslothai/notebooks, e.g.
+      Llama3.1_(8B)-GRPO.ipynb): learning_rate 5e-6, warmup_ratio 0.1, weight_decay 0.1;
+    - scratch (a preset): 1e-4 with 10% warm-up, onegpu's own choice, as for the preference
+      objectives: a small model trained from scratch has no tuned prior to stay near.
+    """
+    return {
+        "scratch": {"lr": 1e-4, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+        "full": {"lr": 1e-6, "warmup_steps": 0, "warmup_ratio": None, "weight_decay": 0.0},
+        "lora": {"lr": 5e-6, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.1},
+        "qlora": {"lr": 5e-6, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.1},
+    }
+
+
 def training_mode(cfg: Config, model_name: str | None = None) -> str:
     """scratch, full, lora or qlora. With adapters the adapters set the mode (they are what trains);
     otherwise a preset or model.from_scratch is from scratch. "auto" always names a preset."""
@@ -99,7 +117,9 @@ def _settle(cfg: Config, model_name: str | None) -> tuple[str, dict, dict]:
             hint="set training.warmup_ratio to e.g. 0.03, or use training.warmup_steps",
         )
     mode = training_mode(cfg, model_name)
-    auto = (auto_table() if cfg.training.objective == "sft" else preference_table())[mode]
+    objective = cfg.training.objective
+    table = {"sft": auto_table, "grpo": grpo_table}.get(objective, preference_table)
+    auto = table()[mode]
     values, source = {}, {}
     for key in ("lr", "weight_decay"):
         value = getattr(t, key)

@@ -2,6 +2,7 @@
 YAML (io.py)."""
 
 from onegpu.config.checks import NON_NEGATIVE, OFFLOAD_OPTIMIZERS, POSITIVE_INTS, validate
+from onegpu.config.grpo import GRPOConfig
 from onegpu.config.io import SECRET_PATTERN, from_dict, load_yaml, redact, save_yaml, to_dict
 from onegpu.config.sections import (
     Config,
@@ -19,6 +20,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DistributedConfig",
+    "GRPOConfig",
     "LoraConfig",
     "ModelConfig",
     "OutputConfig",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from onegpu.config.grpo import check_grpo
 from onegpu.config.sections import Config
 from onegpu.errors import ConfigError
 
@@ -76,6 +77,7 @@ def validate(cfg: Config) -> Config:
         )
     _check_conflicts(cfg)
     _check_preference(cfg)
+    check_grpo(cfg)
     return cfg
 
 
@@ -147,7 +149,7 @@ def _check_preference(cfg: Config) -> None:
             "adapters switched off.",
             hint="add --techniques.lora.enabled true, or set preference.reference=precomputed",
         )
-    if objective != "sft" and cfg.data.format not in ("auto", "preference"):
+    if objective in ("dpo", "orpo", "simpo") and cfg.data.format not in ("auto", "preference"):
         raise ConfigError(
             f"training.objective={objective} trains on preference pairs, but data.format="
             f"{cfg.data.format}.",

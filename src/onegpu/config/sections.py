@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from onegpu.config.grpo import GRPOConfig
 from onegpu.errors import ConfigError
 
 
@@ -77,11 +78,13 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = "sft"
     """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning
     on prompt + chosen + rejected pairs (the preference section); the default data then becomes
     pairs made from the standard library (the real continuation of a snippet chosen over a
-    word-shuffled one)."""
+    word-shuffled one). grpo: online RL on prompts, scored by reward functions (the grpo section);
+    with no model and no data it trains the default job's model to continue standard-library
+    code into Python that compiles."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
@@ -349,6 +352,8 @@ class Config:
     """Where the run directory goes, what it keeps, and where metrics are reported."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """Preference tuning (training.objective dpo / orpo / simpo)."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """Online RL from verifiable rewards (training.objective grpo): sampling, rewards, the loss."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Several processes/GPUs (DDP, FSDP2, DeepSpeed); ignored in a single plain process."""
     plan: Literal["off", "auto"] = "off"

@@ -21,18 +21,20 @@ def tokenize_counted(
 ) -> tuple[Any, overlong.DataStats]:
     """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the
     records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
-    from onegpu.data import pairs
+    from onegpu.data import pairs, prompts
 
     fn = {
         "text": _text,
         "prompt_completion": _prompt_completion,
         "messages": _messages,
         "preference": pairs.tokenize_batch,
+        "prompt": prompts.tokenize_batch,
     }[fmt]
     kw = dict(
         batched=True,
         with_indices=True,
-        remove_columns=ds.column_names,
+        # prompts keep their columns: the reward functions read them
+        remove_columns=[] if fmt == "prompt" else ds.column_names,
         desc=f"tokenizing ({fmt})",
         fn_kwargs={"tok": tok, "cfg": cfg, "split": split},
     )
@@ -58,8 +60,8 @@ def tokenize_counted(
             remove_columns=out.column_names,
         )
         return out, overlong.text_stats(len(ds), split, cfg.seq_len, len(out))
-    # a preference pair has no turn boundary to cut on: split drops it, and is reported as drop
-    policy = "drop" if fmt == "preference" and cfg.overlong == "split" else cfg.overlong
+    # a preference pair or a prompt has no turn boundary to cut on: split drops it (reported so)
+    policy = "drop" if fmt in ("preference", "prompt") and cfg.overlong == "split" else cfg.overlong
     stats = overlong.count(out, split, fmt, policy, cfg.seq_len)
     out = out.filter(
         lambda fates: [f in overlong.KEPT for f in fates],

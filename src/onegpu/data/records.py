@@ -305,6 +305,8 @@ def corpus_texts(ds, fmt: str, cfg: DataConfig):
             yield rec[cfg.text_field] or ""
         elif fmt == "prompt_completion":
             yield f"{rec[cfg.prompt_field]}{rec[cfg.completion_field]}"
+        elif fmt == "prompt":
+            yield _plain(rec.get(cfg.prompt_field))
         elif fmt == "preference":
             yield "\n".join(
                 _plain(rec.get(k)) for k in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)

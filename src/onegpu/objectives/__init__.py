@@ -1,5 +1,6 @@
 """What a run optimises, behind one protocol (objectives/base.Objective): SFT (sft.py), the
-preference objectives DPO / ORPO / SimPO (preference.py) and DPO's reference (reference.py). The
+preference objectives DPO / ORPO / SimPO (preference.py), their reference (reference.py) and GRPO
+(grpo.py: rollouts, rewards.py, grpo_loss.py). The
 output head's loss they share, fused or plain, is a method applied to the model
 (techniques/fused_loss.py) reached through tokens.TokenLoss."""
 
@@ -11,12 +12,19 @@ __all__ = ["Objective", "make_objective"]
 
 
 def make_objective(
-    cfg, vocab: int, on_gpu: bool, reference_model=None, autocast=None, probe: bool = False
+    cfg,
+    vocab: int,
+    on_gpu: bool,
+    reference_model=None,
+    autocast=None,
+    probe: bool = False,
+    tokenizer=None,
 ) -> Objective:
     """The run's objective from training.objective and the loss settings, with the reference DPO
     needs built in (reference.choose says which): ``reference_model`` is the frozen copy
     (preference.reference=copy) already on its device, ``autocast`` the run's; ``probe``: a planner
-    probe of a precomputed reference, which times the step with fixed reference log-probs."""
+    probe of a precomputed reference, which times the step with fixed reference log-probs;
+    ``tokenizer``: GRPO's, which decodes completions for the rewards."""
     from onegpu import distributed
     from onegpu.objectives.tokens import TokenLoss
 
@@ -26,6 +34,21 @@ def make_objective(
 
         return SFT(tokens)
     from onegpu.objectives import reference
+
+    if cfg.training.objective == "grpo":
+        from onegpu.objectives import rewards
+        from onegpu.objectives.grpo import GRPO
+
+        ref = reference.build(reference.kind_of(cfg), tokens, reference_model, autocast, probe)
+        return GRPO(
+            cfg.grpo,
+            tokens,
+            rewards.resolve(cfg.grpo, default_job=cfg.data.path is None),
+            tokenizer,
+            cfg.data.prompt_field,
+            ref,
+            cfg.data.pad_to_multiple,
+        )
     from onegpu.objectives.preference import Preference
 
     kind = reference.choose(

@@ -59,6 +59,15 @@ class Objective(ABC):
     def begin_eval(self) -> None:  # noqa: B027 (optional hook, as end_cycle)
         """An evaluation pass begins: statistics from here on are the evaluation's."""
 
+    def eval_batch_size(self, micro_batch_size: int) -> int:
+        """Validation examples per evaluation batch (GRPO: prompts, each sampled group_size
+        times)."""
+        return micro_batch_size
+
+    def eval_micro(self, model, batch: dict) -> list[dict]:
+        """The batches an evaluation batch is scored as (GRPO: its prompts' rollouts)."""
+        return [batch]
+
     def eval_metrics(self) -> dict[str, float]:
         """The evaluation pass's figures (dropped once read)."""
         return {}

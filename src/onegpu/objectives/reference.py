@@ -34,6 +34,19 @@ def choose(objective: str, reference: str, lora: bool) -> str | None:
     return reference
 
 
+def kind_of(cfg) -> str | None:
+    """The reference of any objective: ``choose`` for the preference ones; for GRPO none at
+    beta = 0, else adapters with LoRA or a copy (grpo.reference)."""
+    if cfg.training.objective != "grpo":
+        return choose(cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled)
+    g = cfg.grpo
+    if not g.beta:
+        return None
+    if g.reference == "auto":
+        return "adapters" if cfg.techniques.lora.enabled else "copy"
+    return g.reference
+
+
 def build(kind: str | None, tokens: TokenLoss, model=None, autocast=None, probe: bool = False):
     """The ``(policy, batch) -> reference log-probs`` callable for ``choose``'s answer; None where
     there is none to call (ORPO, SimPO, or precomputed log-probs carried by the batches). ``tokens``
@@ -61,6 +74,11 @@ class AdapterReference:
         with torch.no_grad(), _peft_model(model).disable_adapter():
             return sequence_logps(model, batch, self.tokens)[1]
 
+    def token_logps(self, model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Per target token (GRPO's KL term), under the logits / ``temperature``."""
+        with torch.no_grad(), _peft_model(model).disable_adapter():
+            return self.tokens.policy_logps(model, batch, temperature)[1]
+
 
 class CopyReference:
     """Reference log-probs from a frozen copy of the starting model, under the run's autocast."""
@@ -76,6 +94,11 @@ class CopyReference:
 
         with torch.no_grad(), self.autocast():
             return sequence_logps(self.model, batch, self.tokens)[1]
+
+    def token_logps(self, _policy, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Per target token (GRPO's KL term), under the logits / ``temperature``."""
+        with torch.no_grad(), self.autocast():
+            return self.tokens.policy_logps(self.model, batch, temperature)[1]
 
 
 class FixedReference:

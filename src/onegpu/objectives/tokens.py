@@ -11,6 +11,7 @@ chooses between the two and falls back from fused to plain.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -103,6 +104,15 @@ class TokenLoss:
         ``with_target_positions``."""
         return self._fused_or_plain(_fused_logps, _plain_logps, model, batch)
 
+    def policy_logps(self, model, batch: dict, temperature: float = 1.0):
+        """(model output, log-prob of each target token under the logits / ``temperature``, the
+        entropy of each of those distributions, no gradient): what a sampling policy's loss
+        needs (GRPO), in the order of ``with_target_positions``."""
+        fused = functools.partial(_fused_policy, temperature=temperature)
+        plain = functools.partial(_plain_policy, temperature=temperature)
+        out, (logps, entropy) = self._fused_or_plain(fused, plain, model, batch)
+        return out, logps, entropy
+
     def _fused_or_plain(self, fused, plain, model, batch: dict):
         if self.chunk_size:
             try:
@@ -137,6 +147,24 @@ def _plain_logps(model, batch: dict):
         out.logits, batch["labels"], batch.get(TARGETS)
     )  # rows of logits, not hidden states
     return out, -F.cross_entropy(h.float(), y, reduction="none")
+
+
+def _plain_policy(model, batch: dict, temperature: float):
+    out = model(**model_inputs(batch))
+    z, y = select_targets(out.logits, batch["labels"], batch.get(TARGETS))
+    z = z.float() / temperature
+    logps = -F.cross_entropy(z, y, reduction="none")
+    with torch.no_grad():
+        logp = F.log_softmax(z.detach(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+    return out, (logps, entropy)
+
+
+def _fused_policy(model, batch: dict, chunk_size: int, verify: bool, temperature: float):
+    from onegpu.techniques.fused_loss import fused_policy_logps
+
+    out, h, y, head, amp = _target_hidden(model, batch, verify)
+    return out, fused_policy_logps(head, h, y, chunk_size, amp, temperature)
 
 
 def _fused_loss(model, batch: dict, chunk_size: int, verify: bool):

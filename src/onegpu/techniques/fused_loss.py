@@ -99,8 +99,11 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ per-token log-probs
-def fused_token_logps(head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp) -> torch.Tensor:
-    """log p(y_i | h_i) for every row, fp32, ``chunk`` rows of logits at a time.
+def fused_token_logps(
+    head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(y_i | h_i) for every row, fp32, ``chunk`` rows of logits at a time (the logits divided
+    by ``temperature`` first, as a sampler at that temperature drew y).
 
     Preference losses need these per token (summed per sequence, then passed through a non-linear
     loss), so the incoming gradient is a vector known only after the whole batch's forward: unlike
@@ -108,51 +111,73 @@ def fused_token_logps(head, h: torch.Tensor, y: torch.Tensor, chunk: int, amp) -
     the head again, chunk by chunk (one chunk of logits alive at a time, as in the forward): one
     extra head matmul buys never holding the (tokens x vocab) logits.
     """
+    return fused_policy_logps(head, h, y, chunk, amp, temperature, entropy=False)[0]
+
+
+def fused_policy_logps(
+    head, h, y, chunk: int, amp, temperature: float = 1.0, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs as ``fused_token_logps``, the entropy of each row's distribution or None): the
+    entropy comes from the same chunk of logits, without a gradient (a statistic for the log)."""
     params = [p for p in head.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or params):
         with torch.no_grad():
-            return _all_chunks(head, h, y, chunk, amp)
-    return _FusedTokenLogps.apply(head, chunk, amp, h, y, *params)
+            return _all_chunks(head, h, y, chunk, amp, temperature, entropy)
+    return _FusedTokenLogps.apply(head, chunk, amp, temperature, entropy, h, y, *params)
 
 
-def _chunk_logps(head, h: torch.Tensor, y: torch.Tensor, amp) -> torch.Tensor:
+def _chunk_logps(
+    head, h: torch.Tensor, y: torch.Tensor, amp, temperature: float = 1.0, entropy: bool = False
+):
     device_type, enabled, dtype = amp
     with torch.autocast(device_type, dtype=dtype, enabled=enabled):
         z = head.logits(h)
-    return -F.cross_entropy(z.float(), y, reduction="none")
+    z = z.float() if temperature == 1.0 else z.float() / temperature
+    logps = -F.cross_entropy(z, y, reduction="none")
+    if not entropy:
+        return logps, None
+    with torch.no_grad():
+        logp = F.log_softmax(z.detach(), dim=-1)
+        return logps, -(logp.exp() * logp).sum(-1)
 
 
-def _all_chunks(head, h, y, chunk, amp) -> torch.Tensor:
+def _all_chunks(head, h, y, chunk, amp, temperature: float = 1.0, entropy: bool = False):
     if y.numel() == 0:
-        return h.new_zeros((0,), dtype=torch.float32)
-    return torch.cat(
-        [
-            _chunk_logps(head, h[s : s + chunk], y[s : s + chunk], amp)
-            for s in range(0, y.numel(), chunk)
-        ]
-    )
+        empty = h.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty.clone() if entropy else None)
+    parts = [
+        _chunk_logps(head, h[s : s + chunk], y[s : s + chunk], amp, temperature, entropy)
+        for s in range(0, y.numel(), chunk)
+    ]
+    ent = torch.cat([e for _, e in parts]) if entropy else None
+    return torch.cat([lp for lp, _ in parts]), ent
 
 
 class _FusedTokenLogps(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, head, chunk: int, amp, h, y, *params):
-        with torch.no_grad():
-            out = _all_chunks(head, h, y, chunk, amp)
-        ctx.head, ctx.chunk, ctx.amp = head, chunk, amp
-        ctx.save_for_backward(h, y, *params)
-        return out
+    H = 5  # position of h among forward's inputs
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def forward(ctx, head, chunk: int, amp, temperature, entropy, h, y, *params):
+        with torch.no_grad():
+            out, ent = _all_chunks(head, h, y, chunk, amp, temperature, entropy)
+        ctx.head, ctx.chunk, ctx.amp, ctx.temperature = head, chunk, amp, temperature
+        ctx.save_for_backward(h, y, *params)
+        if ent is None:
+            return out, None
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_entropy=None):
         h, y, *params = ctx.saved_tensors
-        want_h = ctx.needs_input_grad[3]
+        want_h = ctx.needs_input_grad[_FusedTokenLogps.H]
         grad_h = torch.zeros_like(h) if want_h else None
         sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         with torch.enable_grad():
             for start in range(0, y.numel(), ctx.chunk):
                 sl = slice(start, start + ctx.chunk)
                 hc = h[sl].detach().requires_grad_(want_h)
-                logps = _chunk_logps(ctx.head, hc, y[sl], ctx.amp)
+                logps, _ = _chunk_logps(ctx.head, hc, y[sl], ctx.amp, ctx.temperature)
                 grads = torch.autograd.grad(
                     logps,
                     ([hc] if want_h else []) + list(params),
@@ -166,6 +191,8 @@ class _FusedTokenLogps(torch.autograd.Function):
                         acc.add_(g)
         ctx.head = None
         return (
+            None,
+            None,
             None,
             None,
             None,

@@ -90,7 +90,8 @@ def assemble(
        planner's uninitialised measuring copy);
     2. with a tokenizer: start-up checks on the loaded model (positions, shape advice) and the
        embeddings sized to the tokenizer;
-    3. preference objectives: dropout off; a copy reference taken now, before adapters or compile;
+    3. preference objectives and GRPO: dropout off; a copy reference taken now, before adapters
+       or compile;
     4. THE pipeline (techniques/prepare.prepare_model), FSDP2 sharding last with an accelerator;
     5. the optimizer and its schedule, over the final parameters (``optimizer=False``: none);
     6. the accelerator's prepare (device placement, DDP / DeepSpeed engines), before any reference
@@ -120,10 +121,7 @@ def assemble(
     copied = None
     if objective != "sft":
         preference.disable_dropout(model)
-        if (
-            reference.choose(objective, cfg.preference.reference, cfg.techniques.lora.enabled)
-            == "copy"
-        ):
+        if reference.kind_of(cfg) == "copy":
             copied = copy.deepcopy(model)  # the starting weights, before adapters or compile
     shard = (
         functools.partial(
@@ -140,9 +138,9 @@ def assemble(
         autocast = accelerator.autocast
         if copied is not None:
             copied.to(accelerator.device)
-    loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe)
+    loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe, tokenizer)
     if loss.needs_reference is not None:
-        log.info("DPO reference: %s", loss.needs_reference)
+        log.info("%s reference: %s", objective.upper(), loss.needs_reference)
     return Prepared(model, loss, opt, scheduler)
 
 

@@ -44,8 +44,13 @@ def read_records(cfg: Config) -> Records:
     """The configured records (or the default job's corpus, made into pairs for a preference
     objective), checked against the objective."""
     train_rec, val_rec, fingerprint = records_io.load_records(cfg.data, cfg.training.seed)
-    if cfg.training.objective != "sft" and cfg.data.path is None:
+    objective = cfg.training.objective
+    if objective == "grpo" and cfg.data.path is None:
+        train_rec, val_rec = corpus_prompts(cfg, train_rec, val_rec)
+    elif objective != "sft" and cfg.data.path is None:
         train_rec, val_rec = corpus_pairs(cfg, train_rec, val_rec)
+    if objective == "grpo":  # prompts, with whatever other columns the rewards read
+        return Records(train_rec, val_rec, fingerprint, check_prompts(cfg, train_rec, val_rec))
     fmt = records_io.detect_format(cfg.data, train_rec.column_names)
     check_objective(cfg, fmt, train_rec.column_names)
     return Records(train_rec, val_rec, fingerprint, fmt)
@@ -88,6 +93,10 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         from onegpu.data.pairs import PairCollator
 
         collator = PairCollator(collator)
+    if fmt == "prompt":  # GRPO: prompt ids and the columns; rollouts are padded when sampled
+        from onegpu.data.prompts import PromptCollator
+
+        collator = PromptCollator()
     sample = report.sample_prompt(val_rec if val_rec is not None else train_rec, fmt, cfg.data)
     log.info(
         "data: %s, %d train / %d val examples of <= %d tokens (%.1fs)",
@@ -131,6 +140,42 @@ def corpus_pairs(cfg: Config, train_rec, val_rec):
     return train, val
 
 
+def corpus_prompts(cfg: Config, train_rec, val_rec):
+    """The default GRPO job's prompts: the starts of standard-library functions and classes
+    (data/prompts.corpus_prompts), as many as the run uses."""
+    from onegpu.data.prompts import corpus_prompts as make
+
+    t, g = cfg.training, cfg.grpo
+    per_step = t.micro_batch_size * t.grad_accum // g.group_size
+    field = cfg.data.text_field
+    train = make(train_rec, field, t.seed, max(per_step * t.max_steps, per_step))
+    val = None
+    if val_rec is not None:
+        val = make(
+            val_rec,
+            field,
+            t.seed + 1,
+            max(t.eval_batches, 1) * max(1, t.micro_batch_size // g.group_size),
+        )
+    return train, val
+
+
+def check_prompts(cfg: Config, train_rec, val_rec) -> str:
+    """GRPO's records: a prompt column in every split (pairs or completions are not prompts)."""
+    d = cfg.data
+    for name, rec in (("training", train_rec), ("validation", val_rec)):
+        if rec is None:
+            continue
+        columns = [c for c in rec.column_names if c != records_io.ORIGIN]
+        if d.prompt_field not in columns:
+            raise DataError(
+                f"training.objective=grpo needs a '{d.prompt_field}' column (text or chat "
+                f"messages); the {name} records of {d.path} have {columns}.",
+                hint="rename the column holding the prompts, or set data.prompt_field",
+            )
+    return "prompt"
+
+
 def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
     """Preference pairs go with a preference objective, and only with one."""
     d, objective = cfg.data, cfg.training.objective
@@ -165,4 +210,12 @@ def check_seq_len(cfg: Config, limit) -> None:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
             hint=f"set data.seq_len <= {limit}",
+        )
+    longest = cfg.data.seq_len + cfg.grpo.max_completion_length
+    if cfg.training.objective == "grpo" and isinstance(limit, int) and longest > limit:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} (the longest prompt) + grpo.max_completion_length="
+            f"{cfg.grpo.max_completion_length} = {longest} exceeds the model's "
+            f"max_position_embeddings={limit}.",
+            hint=f"lower grpo.max_completion_length or data.seq_len so they add up to <= {limit}",
         )

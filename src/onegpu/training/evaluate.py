@@ -28,13 +28,13 @@ def evaluate(run, accelerator) -> tuple[float, dict] | None:
     # Compiled blocks run eagerly here: a handful of batches does not repay compiling the
     # no-grad variant of every block (another full compile on a CPU).
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        for batch in batches.eval_batches(
-            run.val_ds, t.micro_batch_size, run.collator, t.eval_batches
-        ):
-            batch = with_target_positions(batch)  # on the host: the target rows, and so their count
-            count += objective.count(batch)
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            total += objective.loss(model, batch).float()
+        size = objective.eval_batch_size(t.micro_batch_size)
+        for examples in batches.eval_batches(run.val_ds, size, run.collator, t.eval_batches):
+            for batch in objective.eval_micro(model, examples):
+                batch = with_target_positions(batch)  # on the host: the target rows and count
+                count += objective.count(batch)
+                batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+                total += objective.loss(model, batch).float()
     # the objective's figures of the validation pairs (rewards), apart from training's window
     return float(total) / max(count, 1), objective.eval_metrics()
 
@@ -47,9 +47,11 @@ def evaluate_and_log(run, accelerator, metrics, state) -> None:
     state.history.append((state.step, loss))
     state.best_eval = min(state.best_eval, loss)
     rec = {"split": "val", "step": state.step, "loss": loss}
-    if rewards:  # preference tuning: a perplexity of a pair loss means nothing
+    if rewards:  # preference tuning, RL: a perplexity of their losses means nothing
         rec.update(rewards)
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and "reward" in rewards:
+            log.info("step %d: val loss %.4f, reward %.3f", state.step, loss, rewards["reward"])
+        elif accelerator.is_main_process:
             log.info(
                 "step %d: val loss %.4f, reward accuracy %.3f, margin %.4f",
                 state.step,

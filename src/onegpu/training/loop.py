@@ -163,18 +163,25 @@ def _log_step(
         "tokens_seen": state.tokens_seen,
         "memory_gb": device_memory_gb(run.device),
     }
-    rec.update(run.objective.window_metrics())  # preference objectives: reward accuracy and margin
+    # preference objectives: reward accuracy and margin; GRPO: rewards, lengths, clipping, speeds
+    rec.update(run.objective.window_metrics())
     metrics.write(rec)
     state.timed_tokens += window["tokens"]
     state.timed_seconds += elapsed
     for cb in callbacks:
         cb.on_log(run, state, rec)
     if bar is not None:
-        extra = (
-            {"margin": f"{rec['reward_margin']:.3f}", "acc": f"{rec['reward_accuracy']:.2f}"}
-            if "reward_margin" in rec
-            else {}
-        )
+        extra = {}
+        if "reward_margin" in rec:
+            extra = {
+                "margin": f"{rec['reward_margin']:.3f}",
+                "acc": f"{rec['reward_accuracy']:.2f}",
+            }
+        elif "reward" in rec:  # GRPO: the reward, and sampling's speed apart from the whole step's
+            extra = {
+                "reward": f"{rec['reward']:.3f}",
+                "gen_tok_s": f"{rec['gen_tokens_per_s']:.0f}",
+            }
         bar.set_postfix(
             loss=f"{rec['loss']:.3f}",
             **extra,

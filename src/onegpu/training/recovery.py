@@ -174,14 +174,30 @@ class DataFeed:
         from onegpu.data import batches
 
         run, s = self.run, self.state
-        order = batches.BatchOrder(
-            len(run.train_ds),
-            s.micro_batch_size,
-            run.cfg.training.seed,
-            start=s.batches_seen,
-            rank=distributed.rank(),
-            world=distributed.world_size(),
-        )
+        if run.cfg.training.objective == "grpo":  # whole groups of a prompt, whole steps' prompts
+            from onegpu.data.prompts import GroupOrder
+
+            g = run.cfg.grpo
+            order = GroupOrder(
+                len(run.train_ds),
+                s.micro_batch_size,
+                s.micro_batch_size * s.grad_accum,
+                g.group_size,
+                run.cfg.training.seed,
+                start=s.batches_seen,
+                repeat=g.num_iterations,
+            )
+            self.rows_per_epoch = order.rows_per_epoch
+        else:
+            order = batches.BatchOrder(
+                len(run.train_ds),
+                s.micro_batch_size,
+                run.cfg.training.seed,
+                start=s.batches_seen,
+                rank=distributed.rank(),
+                world=distributed.world_size(),
+            )
+            self.rows_per_epoch = len(run.train_ds)
         self._it = iter(
             batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu)
         )
@@ -196,7 +212,7 @@ class DataFeed:
         s = self.state
         bs, accum = smaller_micro_batch(s.micro_batch_size, s.grad_accum)
         s.batches_seen = convert_position(
-            s.batches_seen, len(self.run.train_ds), s.micro_batch_size, bs
+            s.batches_seen, self.rows_per_epoch, s.micro_batch_size, bs
         )
         log.warning(
             "step %d: out of memory with micro_batch_size %d; retrying with %d x grad_accum %d "

@@ -49,6 +49,8 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         resume_from = checkpoint_resume.resolve_resume(
             cfg.output.resume, run_dir, cfg.training.objective
         )
+        if cfg.training.objective == "grpo":
+            _check_grpo_run(cfg)  # a reward that cannot be imported: refused before any load
         model_name = models.resolve_name(cfg.model, device.is_gpu)
         # lr, warm-up and weight decay settled by mode before anything is built; the settled numbers
         # are what config.yaml records, so a resume trains with exactly them
@@ -121,6 +123,19 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     if accelerator.is_main_process:
         print_summary(result)
     return result
+
+
+def _check_grpo_run(cfg: Config) -> None:
+    from onegpu.errors import ConfigError
+    from onegpu.objectives import rewards
+
+    if distributed.world_size() > 1:
+        raise ConfigError(
+            "training.objective=grpo runs in one process: its groups of completions are scored "
+            "and normalised together.",
+            hint="launch a single process (one GPU)",
+        )
+    rewards.resolve(cfg.grpo, default_job=cfg.data.path is None)
 
 
 def _precompute_reference(

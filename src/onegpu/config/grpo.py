@@ -1,0 +1,165 @@
+"""The grpo section: online RL from verifiable rewards (training.objective grpo), and its checks.
+
+Defaults are TRL's GRPOConfig (trl 1.16, trl/trainer/grpo_config.py) wherever TRL has the field, so
+a recipe written for TRL means the same here; each field says where its default comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from onegpu.errors import ConfigError
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8
+    """Completions sampled per prompt (a group; advantages are rewards relative to the group). TRL's
+    num_generations default, 8. training.micro_batch_size counts completions, and micro_batch_size
+    x grad_accum (the completions of one step) must be a multiple of it."""
+    max_completion_length: int = 512
+    """Most tokens sampled per completion (TRL's default 512). Prompts are cut to data.seq_len."""
+    temperature: float = 1.0
+    """Sampling temperature (TRL's default 1.0); the loss's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (TRL's
+    default 1.0 = all)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 = all; TRL's default)."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """How per-token losses are aggregated. dapo (TRL's default since 0.20; Yu et al. 2025): summed
+    over the tokens of the step, divided by that token count. grpo (Shao et al. 2024): each
+    completion's mean over its tokens, averaged over completions (favours short right answers).
+    dr_grpo (Liu et al. 2025): summed, divided by completions x max_completion_length."""
+    epsilon: float = 0.2
+    """Clip range of the probability ratio, lower side (TRL's default 0.2; PPO's)."""
+    epsilon_high: Optional[float] = None
+    """Upper clip range (default: epsilon; DAPO recommends 0.28, "clip-higher")."""
+    beta: float = 0.0
+    """KL coefficient against the reference model. 0 (TRL's default; DAPO, Dr. GRPO) loads no
+    reference at all; DeepSeek-R1 used 0.001."""
+    reference: Literal["auto", "adapters", "copy"] = "auto"
+    """The reference with beta > 0. adapters: with LoRA, the base is the policy with its adapters
+    off (no copy); copy: a frozen copy of the starting model. auto: adapters with LoRA, else
+    copy."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages: reward minus its group's mean, divided by the group's std (group; TRL's default),
+    by the std over the step's completions (batch), or not divided (none; Dr. GRPO)."""
+    num_iterations: int = 1
+    """Optimizer steps per batch of rollouts (TRL's mu, default 1); from the second on, the ratio
+    against the rollout's own log-probs is clipped."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length out of the loss (TRL's default false; DAPO
+    recommends true)."""
+    rewards: list[str] = field(default_factory=list)
+    """Reward functions: built-in names (exact_match, format, length, python_compiles,
+    python_continues) and/or module:function references with TRL's signature f(prompts,
+    completions, **columns) -> list[float | None]. Default job: python_continues."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward function (default: 1 each); the total reward is the weighted sum."""
+    answer_field: str = "answer"
+    """Column the exact_match reward compares completions with."""
+    format_pattern: str = r"(?s)^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+    """Regular expression the format reward requires a completion to match (whole completion)."""
+
+
+def check_grpo(cfg) -> None:
+    """The grpo section's ranges, and the fields of one objective set for another."""
+    g, t, objective = cfg.grpo, cfg.training, cfg.training.objective
+    if objective != "grpo":
+        changed = _changed(g, GRPOConfig())
+        if changed:
+            raise ConfigError(
+                f"grpo.{changed[0]} is set, but training.objective={objective}.",
+                hint="drop the grpo.* settings, or set --training.objective grpo",
+            )
+        return
+    from onegpu.config.sections import PreferenceConfig
+
+    changed = _changed(cfg.preference, PreferenceConfig())
+    if changed:
+        raise ConfigError(
+            f"preference.{changed[0]} is a setting of the preference objectives (dpo / orpo / "
+            "simpo), but training.objective=grpo.",
+            hint="drop it; GRPO's settings are in the grpo section (e.g. grpo.beta, "
+            "grpo.reference)",
+        )
+    rules = [
+        (
+            g.group_size < 2,
+            "grpo.group_size",
+            g.group_size,
+            ">= 2",
+            "set grpo.group_size to e.g. 8: an advantage is a reward relative to the rest of its "
+            "group, so alone each is 0",
+        ),
+        (
+            g.max_completion_length < 1,
+            "grpo.max_completion_length",
+            g.max_completion_length,
+            ">= 1",
+            "set grpo.max_completion_length to e.g. 256",
+        ),
+        (g.temperature <= 0, "grpo.temperature", g.temperature, "> 0", "set e.g. 1.0"),
+        (not 0 < g.top_p <= 1, "grpo.top_p", g.top_p, "in (0, 1]", "set e.g. 1.0"),
+        (g.top_k < 0, "grpo.top_k", g.top_k, ">= 0 (0 = off)", "set 0"),
+        (g.epsilon < 0, "grpo.epsilon", g.epsilon, ">= 0", "set e.g. 0.2"),
+        (
+            g.epsilon_high is not None and g.epsilon_high < 0,
+            "grpo.epsilon_high",
+            g.epsilon_high,
+            ">= 0",
+            "set e.g. 0.28, or leave it unset",
+        ),
+        (g.beta < 0, "grpo.beta", g.beta, ">= 0", "set 0 (no reference) or e.g. 0.001"),
+        (g.num_iterations < 1, "grpo.num_iterations", g.num_iterations, ">= 1", "set 1"),
+    ]
+    for bad, name, value, must, fix in rules:
+        if bad:
+            raise ConfigError(f"{name} must be {must}, got {value}.", hint=fix)
+    per_step = t.micro_batch_size * t.grad_accum
+    if per_step % g.group_size:
+        raise ConfigError(
+            f"training.micro_batch_size x training.grad_accum = {per_step} completions per step is "
+            f"not a multiple of grpo.group_size={g.group_size}: a group would be split between "
+            "steps.",
+            hint=f"make micro_batch_size x grad_accum a multiple of {g.group_size}",
+        )
+    if g.reference == "adapters" and not cfg.techniques.lora.enabled:
+        raise ConfigError(
+            "grpo.reference=adapters needs LoRA: the reference is the base model with the adapters "
+            "switched off.",
+            hint="add --techniques.lora.enabled true, or set grpo.reference=copy",
+        )
+    if g.reference != "auto" and g.beta == 0:
+        raise ConfigError(
+            f"grpo.reference={g.reference} is set, but grpo.beta=0 uses no reference model.",
+            hint="set grpo.beta > 0 (e.g. 0.001), or drop grpo.reference",
+        )
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+        raise ConfigError(
+            f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.rewards)} reward "
+            "functions.",
+            hint="give one weight per entry of grpo.rewards, or drop grpo.reward_weights",
+        )
+    if t.save_every and t.save_every % g.num_iterations:
+        raise ConfigError(
+            f"training.save_every={t.save_every} is not a multiple of grpo.num_iterations="
+            f"{g.num_iterations}: a checkpoint would fall inside a batch of rollouts still in use.",
+            hint=f"set training.save_every to a multiple of {g.num_iterations}",
+        )
+    if cfg.data.format not in ("auto",):
+        raise ConfigError(
+            f"training.objective=grpo reads prompts, but data.format={cfg.data.format}.",
+            hint="set data.format=auto: GRPO needs a prompt column (text or chat messages)",
+        )
+
+
+def _changed(section, default) -> list[str]:
+    return [
+        f.name
+        for f in dataclasses.fields(section)
+        if getattr(section, f.name) != getattr(default, f.name)
+    ]

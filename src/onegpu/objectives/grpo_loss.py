@@ -1,0 +1,77 @@
+"""GRPO's formulas: group-relative advantages and the clipped, per-token policy loss, as TRL's
+GRPOTrainer computes them (trl 1.16: ``_generate_and_score_completions`` and ``_compute_loss``),
+written over the flat target tokens of a batch (the order of tokens.with_target_positions).
+
+Per token t of completion i, with r = exp(logp - logp_old), A_i the completion's advantage:
+    loss_t = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t,
+    KL_t = exp(ref - logp) - (ref - logp) - 1   (Schulman's k3 estimator, as in DeepSeekMath).
+A micro-batch returns its loss *summed* as the loss type aggregates it; the step divides by the
+count of the whole accumulated batch (``count``), which gives TRL's normalisation:
+    dapo: sum over tokens / tokens of the step;
+    grpo: sum over completions of (their mean over tokens) / completions of the step;
+    dr_grpo: sum over tokens / (completions of the step x max_completion_length).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS_STD = 1e-4  # TRL's: advantages = (r - mean) / (std + 1e-4)
+
+
+def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Rewards (NaN = not scored) minus their group's mean, divided by the group's (scale=group)
+    or the batch's (batch) unbiased std, or not divided (none); NaN advantages become 0. Rows are
+    whole groups of ``group`` consecutive completions."""
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    adv = (grouped - mean).reshape(-1)
+    if scale == "group":
+        adv = adv / (_nanstd(grouped, dim=1).repeat_interleave(group) + EPS_STD)
+    elif scale == "batch":
+        adv = adv / (_nanstd(rewards.reshape(1, -1), dim=1) + EPS_STD)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased std ignoring NaNs (TRL's nanstd)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim).float()
+    var = torch.nanmean((x - mean) ** 2, dim=dim) * n / (n - 1)
+    return var.sqrt()
+
+
+def per_token_loss(
+    logps, old_logps, ref_logps, adv_tok, eps_low: float, eps_high: float, beta: float
+):
+    """(per-token loss, per-token KL or None, per-token clipped flag) over the target tokens."""
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss = -torch.min(ratio * adv_tok, clipped * adv_tok)
+    kl = None
+    if beta:
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1
+        loss = loss + beta * kl
+    region = ((ratio < 1 - eps_low) & (adv_tok < 0)) | ((ratio > 1 + eps_high) & (adv_tok > 0))
+    return loss, kl, region.detach()
+
+
+def aggregate(loss_tok: torch.Tensor, rows: torch.Tensor, n_rows: int, loss_type: str):
+    """The micro-batch's summed loss: token sum (dapo, dr_grpo) or the sum over completions of
+    their token mean (grpo). ``rows``: each token's completion (row) index."""
+    if loss_type != "grpo":
+        return loss_tok.sum()
+    sums = loss_tok.new_zeros(n_rows).index_add(0, rows, loss_tok)
+    counts = loss_tok.new_zeros(n_rows).index_add(0, rows, torch.ones_like(loss_tok))
+    return (sums / counts.clamp(min=1.0)).sum()
+
+
+def count(loss_type: str, tokens: int, rows: int, max_completion_length: int) -> int:
+    """What the step divides the summed losses of all micro-batches by."""
+    if loss_type == "dapo":
+        return tokens
+    if loss_type == "grpo":
+        return rows
+    return rows * max_completion_length

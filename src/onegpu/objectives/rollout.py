@@ -1,0 +1,127 @@
+"""GRPO's rollouts: the policy samples completions of its prompts in the training process, in the
+training memory (no second engine), and they become training rows.
+
+Sampling is transformers' ``generate`` on the prepared model (LoRA: the adapted model), under
+no_grad, in eval mode, with compiled blocks run eagerly: a decode step's shapes change every token,
+and a compiled block would recompile for them. The KV cache lives only inside ``generate``: it is
+freed when sampling returns, before any forward of the loss.
+
+A training row is prompt + completion, unpadded, then right-padded to the micro-batch's longest;
+only completion tokens are targets (a truncated completion's none, with
+grpo.mask_truncated_completions). The completion ends at its first EOS, which it keeps (as TRL).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from onegpu.objectives.tokens import IGNORE
+
+
+@dataclass
+class Samples:
+    """One cycle's completions, row-aligned with its prompts."""
+
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    seconds: float  # wall time of sampling (the device synchronised)
+
+
+def generation_model(model):
+    """The module whose ``generate`` samples: inside a DDP or DeepSpeed wrapper, the model."""
+    while not hasattr(model, "generate") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int) -> Samples:
+    """Sample one completion per prompt row, ``rows`` prompts per ``generate`` call."""
+    from transformers import GenerationConfig
+
+    eos = _eos_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=gcfg.temperature,
+        top_p=gcfg.top_p,
+        top_k=gcfg.top_k,
+        max_new_tokens=gcfg.max_completion_length,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        use_cache=True,
+    )
+    gen = generation_model(model)
+    was_training = gen.training
+    gen.eval()
+    t0 = time.perf_counter()
+    completions, truncated = [], []
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            for start in range(0, len(prompt_ids), rows):
+                chunk = prompt_ids[start : start + rows]
+                ids, mask = left_padded(chunk, pad, device)
+                out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                for row in out[:, ids.size(1) :].tolist():
+                    c, cut = _until_eos(row, set(eos))
+                    completions.append(c)
+                    truncated.append(cut)
+                del out
+    finally:
+        gen.train(was_training)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return Samples(completions, truncated, time.perf_counter() - t0)
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's EOS first, then any other the model's generation config stops at."""
+    ids = generation_model(model).generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.insert(0, tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("GRPO needs an end-of-sequence token: the tokenizer has none")
+    return ids
+
+
+def _until_eos(row: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    for i, tok in enumerate(row):
+        if tok in eos:
+            return row[: i + 1], False
+    return row, True
+
+
+def left_padded(rows: list[list[int]], pad: int, device):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def training_rows(
+    prompt_ids: list[list[int]], samples: Samples, pad: int, mask_truncated: bool, multiple: int = 1
+) -> dict:
+    """The rows as one right-padded batch (input_ids, attention_mask, labels) on the host; width
+    padded to a multiple of ``multiple`` (data.pad_to_multiple)."""
+    seqs = [p + c for p, c in zip(prompt_ids, samples.completion_ids, strict=True)]
+    width = max(len(s) for s in seqs)
+    width = -(-width // multiple) * multiple
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for i, (p, c, cut) in enumerate(
+        zip(prompt_ids, samples.completion_ids, samples.truncated, strict=True)
+    ):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c, dtype=torch.long)
+        mask[i, :n] = 1
+        if not (mask_truncated and cut):
+            labels[i, len(p) : n] = torch.tensor(c, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
