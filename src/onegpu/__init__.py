@@ -22,7 +22,7 @@ def train(config=None, callbacks=()):
     from onegpu.training import rl_default
 
     if rl_default.is_default_job(cfg):  # GRPO with no model and no data: the default job's model
-        cfg = validate(rl_default.settle(cfg, lambda base: run_training(validate(base)).final))
+        cfg = validate(rl_default.settle(cfg, lambda base: run_training(validate(base)).final_dir))
     if cfg.plan == "auto":  # plan before train: settle the setup by measurement
         from onegpu.plan.probe import auto_plan
 

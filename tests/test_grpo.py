@@ -1,0 +1,175 @@
+"""GRPO runs on the loop every objective shares: rewards as TRL calls them, the log, bitwise resume
+(sampling included), the out-of-memory retry, rollouts reused over num_iterations, the references,
+the prompt order, and the default job's model."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import onegpu
+from helpers import make_cfg, oom_above
+from onegpu.data.prompts import GroupOrder
+from onegpu.objectives import make_objective
+from test_grpo_inputs import write_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRL_STYLE = '''
+SEEN = {}
+def answer_length(prompts, completions, answer, **kwargs):
+    """A reward written for TRL: reads the extra column `answer` by name."""
+    SEEN["columns"] = sorted(kwargs) + ["answer"]
+    SEEN.setdefault("n", []).append(len(completions))
+    return [1.0 if len(c) < 3 * len(a) else 0.0 for c, a in zip(completions, answer)]
+'''
+
+
+def grpo_cfg(tmp_path, model_dir, name="run", grpo=None, **training):
+    cfg = make_cfg(tmp_path, model_dir, name, **training)
+    cfg["data"]["path"] = str(write_prompts(tmp_path, n=24))
+    cfg["training"].update(objective="grpo", micro_batch_size=4, grad_accum=2)
+    cfg["training"].update(training)
+    cfg["grpo"] = {"group_size": 4, "max_completion_length": 6, "rewards": ["length"]}
+    cfg["grpo"].update(grpo or {})
+    return cfg
+
+
+def metrics(run_dir, split="train"):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("split") == split and "loss" in r]
+
+
+def test_a_reward_written_for_trl_runs_unchanged_and_everything_is_logged(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    (tmp_path / "trl_rewards.py").write_text(textwrap.dedent(TRL_STYLE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = grpo_cfg(
+        tmp_path, tiny_model_dir, max_steps=2, save_every=0, eval_every=0,
+        grpo={"rewards": ["trl_rewards:answer_length", "length"], "reward_weights": [1.0, -0.5],
+              "beta": 0.04},
+    )  # fmt: skip
+    result = onegpu.train(cfg)
+    import trl_rewards
+
+    assert 8 in trl_rewards.SEEN["n"]  # a training step: 2 prompts x group 4 (eval: 1 x 4)
+    assert "completion_ids" in trl_rewards.SEEN["columns"]  # as TRL passes them
+    train = metrics(result.run_dir)[-1]
+    for key in ("reward", "reward_std", "rewards/trl_rewards:answer_length/mean",
+                "rewards/length/std", "completion_length", "completion_length_max",
+                "truncated_ratio", "clip_ratio", "entropy", "kl", "gen_tokens_per_s",
+                "train_tokens_per_s", "tokens_per_s", "frac_reward_zero_std"):  # fmt: skip
+        assert key in train, key
+    assert train["completion_length_max"] <= 6 and 0 <= train["truncated_ratio"] <= 1
+    assert train["entropy"] > 0 and train["kl"] >= 0
+    val = metrics(result.run_dir, "val")[-1]
+    assert "reward" in val and "rewards/length/mean" in val  # validation prompts, same figures
+
+
+def test_resume_is_bitwise_with_sampling_included(tmp_path, tiny_model_dir):
+    full = onegpu.train(grpo_cfg(tmp_path, tiny_model_dir, "full", max_steps=4, save_every=2))
+    cut = grpo_cfg(tmp_path, tiny_model_dir, "cut", max_steps=4, save_every=2)
+    cut["training"]["max_steps"] = 2
+    onegpu.train(cut)
+    cut["training"]["max_steps"] = 4
+    cut["output"]["resume"] = "latest"
+    resumed = onegpu.train(cut)
+    a = load_file(str(full.final_dir / "model.safetensors"))
+    b = load_file(str(resumed.final_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rewards = [(r["step"], r["reward"], r["loss"]) for r in metrics(full.run_dir)]
+    assert rewards == [(r["step"], r["reward"], r["loss"]) for r in metrics(resumed.run_dir)]
+
+
+def test_out_of_memory_retry_keeps_the_step_s_completions(tmp_path, tiny_model_dir, monkeypatch):
+    from onegpu.training import assemble
+
+    monkeypatch.setattr(assemble, "make_objective", oom_above(2, make_objective))
+    result = onegpu.train(grpo_cfg(tmp_path, tiny_model_dir, max_steps=2, save_every=0))
+    assert (result.state.micro_batch_size, result.state.grad_accum) == (2, 4)  # 8 per step
+    assert len(metrics(result.run_dir)) == 2
+
+
+def test_rollouts_serve_num_iterations_steps_then_are_sampled_again(tiny_model_dir, tiny_tokenizer):
+    from onegpu.config import from_dict
+    from onegpu.data.prompts import PROMPT_IDS, ROW
+    from onegpu.objectives.grpo import OLD
+
+    cfg = from_dict({"training": {"objective": "grpo", "micro_batch_size": 4},
+                     "data": {"path": "x"},
+                     "grpo": {"group_size": 4, "num_iterations": 2, "max_completion_length": 5,
+                              "rewards": ["length"]}})  # fmt: skip
+    objective = make_objective(cfg, len(tiny_tokenizer), False, tokenizer=tiny_tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    ids = tiny_tokenizer("def f(x):")["input_ids"]
+    micro = [{PROMPT_IDS: [ids] * 4, ROW: [0] * 4, "prompt": ["def f(x):"] * 4}]
+    torch.manual_seed(0)
+    first = objective.begin_cycle(model, micro)
+    objective.end_cycle()
+    second = objective.begin_cycle(model, micro)
+    objective.end_cycle()
+    third = objective.begin_cycle(model, micro)
+    assert OLD in first[0]  # the log-probs at sampling, for the ratio of the second use
+    assert torch.equal(first[0]["input_ids"], second[0]["input_ids"])
+    assert not torch.equal(first[0]["input_ids"], third[0]["input_ids"])  # sampled again
+
+
+def test_group_order_keeps_groups_and_steps_whole_and_survives_a_smaller_micro_batch():
+    from onegpu.training.recovery import convert_position
+
+    order = GroupOrder(10, batch_size=4, per_step=8, group=4, seed=3)
+    rows = [i for _, b in zip(range(10), order, strict=False) for i in b]
+    groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
+    assert all(len(set(g)) == 1 for g in groups)  # a prompt's completions side by side
+    assert len({g[0] for g in groups[:5]}) == 5  # one epoch: 5 different prompts (10 // 2 steps)
+    # after 3 micro-batches of 4, an out-of-memory retry halves the micro-batch: same rows follow
+    start = convert_position(3, order.rows_per_epoch, 4, 2)
+    halved = GroupOrder(10, batch_size=2, per_step=8, group=4, seed=3, start=start)
+    assert [i for _, b in zip(range(4), halved, strict=False) for i in b] == rows[12:20]
+    again = GroupOrder(10, batch_size=4, per_step=8, group=4, seed=3, repeat=2)
+    step = [i for _, b in zip(range(4), again, strict=False) for i in b]
+    assert step[:8] == step[8:]  # num_iterations=2: each step's prompts twice
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_references_start_equal_to_the_policy(tmp_path, tiny_model_dir, lora):
+    """beta > 0: a copy (full fine-tune) or the adapters switched off (LoRA); at the first step the
+    policy is the reference, so the KL is 0."""
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0, log_every=1,
+                   grpo={"beta": 0.1})  # fmt: skip
+    cfg["techniques"]["lora"] = {"enabled": lora}
+    result = onegpu.train(cfg)
+    assert metrics(result.run_dir)[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_default_job_takes_the_newest_default_run_and_only_unset_settings(tmp_path):
+    from onegpu.config import Config, save_yaml
+    from onegpu.training import rl_default
+
+    runs = tmp_path / "runs"
+    for name, objective in (("old", "sft"), ("new", "sft"), ("dpo", "dpo")):
+        c = Config()
+        c.training.objective = objective
+        (runs / name / "final").mkdir(parents=True)
+        save_yaml(c, runs / name / "config.yaml")
+        (runs / name / "final" / "config.json").write_text("{}")
+    (runs / "dpo" / "final" / "config.json").touch()  # newest, but not the default job
+    import os
+
+    os.utime(runs / "old" / "final", (1, 1))
+    assert rl_default.newest_default_final(runs) == runs / "new" / "final"
+    cfg = Config()
+    cfg.training.objective, cfg.output.dir = "grpo", str(runs)
+    cfg.grpo.max_completion_length = 20  # the user's choice stays
+    settled = rl_default.settle(cfg, train_default=None)
+    assert settled.model.name == str(runs / "new" / "final")
+    assert settled.grpo.max_completion_length == 20 and settled.training.max_steps == 40
+    cfg.data.path = "mine.jsonl"  # not the default job: nothing changes
+    assert rl_default.settle(cfg) is cfg
