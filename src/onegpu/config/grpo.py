@@ -40,6 +40,10 @@ class GRPOConfig:
     beta: float = 0.0
     """KL coefficient against the reference model. 0 (TRL's default; DAPO, Dr. GRPO) loads no
     reference at all; DeepSeek-R1 used 0.001."""
+    kl_ratio: bool = True
+    """Multiply the KL term by the probability ratio against the rollout, so its gradient is the
+    unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, default true). It
+    changes the gradient even on-policy, where the ratio is 1 but differentiable."""
     reference: Literal["auto", "adapters", "copy"] = "auto"
     """The reference with beta > 0. adapters: with LoRA, the base is the policy with its adapters
     off (no copy); copy: a frozen copy of the starting model. auto: adapters with LoRA, else
@@ -76,9 +80,7 @@ def check_grpo(cfg) -> None:
                 hint="drop the grpo.* settings, or set --training.objective grpo",
             )
         return
-    from onegpu.config.sections import PreferenceConfig
-
-    changed = _changed(cfg.preference, PreferenceConfig())
+    changed = _changed(cfg.preference, type(cfg.preference)())
     if changed:
         raise ConfigError(
             f"preference.{changed[0]} is a setting of the preference objectives (dpo / orpo / "

@@ -71,7 +71,14 @@ class GRPO(Objective):
         rows = batch[TARGETS] // batch["labels"].size(1)
         adv = batch[ADV].to(logps.dtype).index_select(0, rows)
         per_tok, kl, clipped = grpo_loss.per_token_loss(
-            logps, batch.get(OLD), batch.get(REF), adv, self.eps_low, self.eps_high, self.g.beta
+            logps,
+            batch.get(OLD),
+            batch.get(REF),
+            adv,
+            self.eps_low,
+            self.eps_high,
+            self.g.beta,
+            self.g.kl_ratio,
         )
         stats = self.eval if self.eval is not None else self.pending
         zero = logps.new_zeros(())

@@ -4,7 +4,8 @@ written over the flat target tokens of a batch (the order of tokens.with_target_
 
 Per token t of completion i, with r = exp(logp - logp_old), A_i the completion's advantage:
     loss_t = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t,
-    KL_t = exp(ref - logp) - (ref - logp) - 1   (Schulman's k3 estimator, as in DeepSeekMath).
+    KL_t = exp(ref - logp) - (ref - logp) - 1   (Schulman's k3 estimator, as in DeepSeekMath),
+    times r with grpo.kl_ratio (TRL's default since DeepSeek-V3.2's unbiased KL gradient).
 A micro-batch returns its loss *summed* as the loss type aggregates it; the step divides by the
 count of the whole accumulated batch (``count``), which gives TRL's normalisation:
     dapo: sum over tokens / tokens of the step;
@@ -30,6 +31,11 @@ def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
         adv = adv / (_nanstd(grouped, dim=1).repeat_interleave(group) + EPS_STD)
     elif scale == "batch":
         adv = adv / (_nanstd(rewards.reshape(1, -1), dim=1) + EPS_STD)
+    # A group of equal rewards says nothing: exactly 0, not the fp32 rounding of its mean (8 x 0.7
+    # leaves 6e-8, which the std of 6e-8 would scale to 6e-4 of one sign; TRL keeps that).
+    hi = torch.where(grouped.isnan(), -torch.inf, grouped).amax(1)
+    lo = torch.where(grouped.isnan(), torch.inf, grouped).amin(1)
+    adv = adv.masked_fill((hi == lo).repeat_interleave(group), 0.0)
     return torch.nan_to_num(adv, nan=0.0)
 
 
@@ -42,9 +48,17 @@ def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def per_token_loss(
-    logps, old_logps, ref_logps, adv_tok, eps_low: float, eps_high: float, beta: float
+    logps,
+    old_logps,
+    ref_logps,
+    adv_tok,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+    kl_ratio: bool = True,
 ):
-    """(per-token loss, per-token KL or None, per-token clipped flag) over the target tokens."""
+    """(per-token loss, per-token KL or None, per-token clipped flag) over the target tokens;
+    ``kl_ratio``: the KL term weighted by the ratio (grpo.kl_ratio)."""
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
@@ -53,7 +67,7 @@ def per_token_loss(
     if beta:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
-        loss = loss + beta * kl
+        loss = loss + beta * (kl * ratio if kl_ratio else kl)
     region = ((ratio < 1 - eps_low) & (adv_tok < 0)) | ((ratio > 1 + eps_high) & (adv_tok > 0))
     return loss, kl, region.detach()
 

@@ -39,11 +39,16 @@ def kind_of(cfg) -> str | None:
     beta = 0, else adapters with LoRA or a copy (grpo.reference)."""
     if cfg.training.objective != "grpo":
         return choose(cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled)
-    g = cfg.grpo
+    return grpo_reference(cfg.grpo, cfg.techniques.lora.enabled)
+
+
+def grpo_reference(g, lora: bool) -> str | None:
+    """GRPO's reference from its section: none at beta 0, else grpo.reference (auto: adapters with
+    LoRA, a copy without)."""
     if not g.beta:
         return None
     if g.reference == "auto":
-        return "adapters" if cfg.techniques.lora.enabled else "copy"
+        return "adapters" if lora else "copy"
     return g.reference
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from onegpu.config import (
     Config,
+    GRPOConfig,
     LoraConfig,
     PreferenceConfig,
     TechniquesConfig,
@@ -31,6 +32,8 @@ class Candidate:
     """The methods this setup trains with, settled (see the module docstring)."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """preference.reference as configured (settled by objectives.reference.choose)."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO's rollouts (group size, completion length, iterations) and reference (beta)."""
 
     @property
     def lora_rank(self) -> int:
@@ -44,15 +47,24 @@ class Candidate:
 
     @property
     def rows_per_example(self) -> int:
-        """Sequences through the model per example: a preference pair is two."""
-        return 1 if self.training.objective == "sft" else 2
+        """Sequences through the model per example: a preference pair is two (a GRPO example is
+        one completion)."""
+        return 2 if self.training.objective in ("dpo", "orpo", "simpo") else 1
+
+    def sequence_tokens(self, seq_len: int) -> int:
+        """Tokens of one training sequence at data.seq_len: GRPO's rows are a prompt of up to
+        seq_len tokens and its completion."""
+        grpo = self.training.objective == "grpo"
+        return seq_len + (self.grpo.max_completion_length if grpo else 0)
 
     @property
     def reference_kind(self) -> str | None:
         """DPO's reference for this setup (None, adapters, precomputed, copy): LoRA changes what
         auto means."""
-        from onegpu.objectives.reference import choose
+        from onegpu.objectives.reference import choose, grpo_reference
 
+        if self.training.objective == "grpo":
+            return grpo_reference(self.grpo, bool(self.lora_rank))
         return choose(self.training.objective, self.preference.reference, bool(self.lora_rank))
 
     @property
@@ -104,6 +116,7 @@ class Candidate:
         out.training = copy.deepcopy(self.training)
         out.techniques = copy.deepcopy(self.techniques)
         out.preference = copy.deepcopy(self.preference)
+        out.grpo = copy.deepcopy(self.grpo)
         out.plan = "off"  # the result is a concrete setup, not a request to plan again
         return out
 
@@ -114,6 +127,7 @@ def setup(
     base: Config | None = None,
     training: dict | None = None,
     preference: dict | None = None,
+    grpo: dict | None = None,
     **techniques,
 ) -> Candidate:
     """A candidate: ``base``'s sections (default: the defaults) with these overrides.
@@ -145,4 +159,5 @@ def setup(
     )
     if t.optimizer_in_backward:
         tr = dataclasses.replace(tr, max_grad_norm=0.0)
-    return Candidate(tr, t, dataclasses.replace(base.preference, **(preference or {})))
+    pref = dataclasses.replace(base.preference, **(preference or {}))
+    return Candidate(tr, t, pref, dataclasses.replace(base.grpo, **(grpo or {})))

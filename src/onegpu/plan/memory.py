@@ -173,6 +173,7 @@ def activations(
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
     host memory under activation offload; off a GPU they are already in host memory and stay)."""
     t = c.techniques
+    seq_len = c.sequence_tokens(seq_len)  # GRPO: prompt and completion
     acts = acts or activation_model(shape.config, t, attention)
     compiled = (
         t.compile != "off"
@@ -210,6 +211,20 @@ def activations(
         )
         transient += back + PREFETCH * storage
     return kept, max(transient, loss), host
+
+
+def rollout_bytes(shape: ModelShape, c: Candidate, seq_len: int) -> float:
+    """GRPO's sampling (objectives/rollout.py), between steps, when no gradient or activation
+    exists: the KV cache of the step's completions, all sampled in one ``generate`` call, at full
+    length (prompts left-padded to seq_len, plus the completion), in the compute dtype; and the
+    last position's logits, which generate makes fp32, with the sampler's softmax and its
+    filtered copy beside them."""
+    cfg = shape.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or shape.heads
+    head_dim = getattr(cfg, "head_dim", None) or shape.hidden // max(shape.heads, 1)
+    rows = c.effective_batch
+    cache = rows * (seq_len + c.grpo.max_completion_length) * shape.layers * 2 * kv_heads
+    return cache * head_dim * act_bytes(c) + 3 * rows * shape.vocab * 4
 
 
 def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
@@ -334,10 +349,14 @@ def estimate(
     ):  # DPO's frozen reference: the whole model once more, in the weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
+    peak = max(backward_peak, step_peak)
+    if c.training.objective == "grpo":  # sampling: weights and optimizer state, no gradients
+        comps["rollout KV cache and sampling logits"] = rollout_bytes(shape, c, seq_len)
+        peak = max(peak, comps["rollout KV cache and sampling logits"])
     if host:  # shown, but not in the device peak
         comps["offloaded activations (pinned host)"] = host
     if paged_bytes(
         shape, c, on_gpu
     ):  # shown, but not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
-    return MemoryEstimate(comps, w + o + max(backward_peak, step_peak), host)
+    return MemoryEstimate(comps, w + o + peak, host)

@@ -54,6 +54,9 @@ PCIE_GEN = {
 PCIE_LINK_GBS = {3: 15.75, 4: 31.5, 5: 63.0}
 PINNED_COPY_EFFICIENCY = 0.8
 CPU_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeed's CPUAdam, a many-core host
+# GRPO's decode steps reach this share of the memory bandwidth reading weights and KV cache (an
+# assumption: small-batch decoding in eager transformers runs well below the roofline)
+DECODE_BANDWIDTH_SHARE = 0.5
 
 
 @dataclass
@@ -89,6 +92,9 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
             "copy",
         ):  # the reference's forward, every step
             total += forward_flops_per_token(shape, seq_len)
+        if c.training.objective == "grpo" and c.grpo.num_iterations > 1:
+            # the log-probs at sampling: one forward per batch of rollouts, which serves mu steps
+            total += forward_flops_per_token(shape, seq_len) / c.grpo.num_iterations
     return total
 
 
@@ -162,10 +168,12 @@ def compute_efficiency(
     """The stored efficiency that makes ``estimate`` predict ``tokens_per_s`` for this setup: the
     measured step minus the modelled optimizer step, over the peak, without fill and method factors.
     """
+    rollout = rollout_seconds(shape, c, seq_len, spec)
+    seq_len = c.sequence_tokens(seq_len)
     tokens = c.effective_batch * c.rows_per_example * seq_len
     step = tokens / tokens_per_s
     # A measurement faster than the optimizer model allows still leaves the compute some time.
-    compute = max(step - optimizer_seconds(shape, c, spec), 0.05 * step)
+    compute = max(step - optimizer_seconds(shape, c, spec) - rollout, 0.05 * step)
     peak = spec.peak_tflops(c.techniques.precision, tf32) * 1e12
     used = tokens * flops_per_token(shape, c, seq_len) / (peak * compute)
     return used / (_fill(spec, _micro_tokens(c, seq_len)) * method_factor(c))
@@ -191,6 +199,11 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
         )
     if t.tiled_mlp != "off":
         out.append("tiled MLP: its forward once more per step (gate, up and down projections)")
+    if c.training.objective == "grpo":
+        out.append(
+            f"GRPO sampling: decode at {DECODE_BANDWIDTH_SHARE:.0%} of the memory bandwidth, "
+            "prefill at training's efficiency; tokens/s counts prompt and completion tokens"
+        )
     if t.activation_offload:
         out.append(
             f"activation offload at {pcie_gbs(spec):.0f} GB/s per direction (PCIe gen "
@@ -231,6 +244,8 @@ def estimate(
     """Predicted training throughput (tokens/s) of one setup on one GPU; ``offloaded``: the bytes
     of activations one micro-batch sends to the host (memory.MemoryEstimate.host_activations)."""
     precision = c.techniques.precision
+    rollout = rollout_seconds(shape, c, seq_len, spec)
+    seq_len = c.sequence_tokens(seq_len)  # GRPO: a row is a prompt and its completion
     eff, calibrated = base_efficiency(spec, precision)
     eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
     fpt = flops_per_token(shape, c, seq_len)
@@ -241,10 +256,31 @@ def estimate(
         + optimizer_seconds(shape, c, spec)
         + activation_offload_seconds(shape, c, seq_len)
         + offload_exposed_seconds(c, spec, compute, offloaded)
+        + rollout
     )
     return SpeedEstimate(
         tokens / step, step, fpt, eff, calibrated, assumptions(c, spec, calibrated)
     )
+
+
+def rollout_seconds(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec) -> float:
+    """GRPO's sampling per step: the prompts' prefill (compute, at the same efficiency as
+    training's forward: an assumption) and one decode step per completion token, bound by
+    reading the weights and the KV cache at DECODE_BANDWIDTH_SHARE of the card's bandwidth; one
+    batch of rollouts serves grpo.num_iterations steps."""
+    if c.training.objective != "grpo":
+        return 0.0
+    from onegpu.plan.arch import forward_flops_per_token
+    from onegpu.plan.memory import param_bytes, rollout_bytes
+
+    rows, new = c.effective_batch, c.grpo.max_completion_length
+    eff = base_efficiency(spec, c.techniques.precision)[0] * method_factor(c)
+    peak = spec.peak_tflops(c.techniques.precision) * 1e12
+    prefill = rows * seq_len * forward_flops_per_token(shape, seq_len) / (peak * eff)
+    weights = shape.params * param_bytes(c.techniques.precision)
+    cache = rollout_bytes(shape, c, seq_len) / 2  # on average half written
+    bandwidth = spec.bandwidth_gbs * 1e9 * DECODE_BANDWIDTH_SHARE
+    return (prefill + new * (weights + cache) / bandwidth) / c.grpo.num_iterations
 
 
 def activation_offload_seconds(shape: ModelShape, c: Candidate, seq_len: int) -> float:

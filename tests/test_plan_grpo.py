@@ -1,0 +1,99 @@
+"""The planner on GRPO: rows are prompt + completion, sampling's KV cache and logits are a peak of
+their own, the reference is counted as GRPO chooses it, and `--plan auto` probes GRPO setups with
+real rollouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onegpu.config import Config
+from onegpu.plan import memory, speed
+from onegpu.plan.arch import _shape_of, model_shape
+from onegpu.plan.candidate import setup
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def grpo_setup(mb=8, accum=2, lora=None, **grpo):
+    base = Config()
+    base.training.objective = "grpo"
+    return setup(mb, accum, base=base, grpo=grpo, **({"lora": lora} if lora else {}))
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return model_shape("tiny")
+
+
+def test_rows_are_prompt_plus_completion_and_sampling_is_a_peak_of_its_own(shape):
+    short, long = grpo_setup(max_completion_length=64), grpo_setup(max_completion_length=1024)
+    a, b = memory.estimate(shape, short, 256), memory.estimate(shape, long, 256)
+    key = "rollout KV cache and sampling logits"
+    assert key in a.components and b.components[key] > a.components[key]
+    assert b.components["activations"] > a.components["activations"]  # longer rows to train on
+    sft = setup(8, 2)
+    assert key not in memory.estimate(shape, sft, 256).components
+    assert (
+        speed.estimate(shape, long, 256, _cpu()).step_seconds
+        > speed.estimate(shape, short, 256, _cpu()).step_seconds
+    )
+
+
+def test_reference_is_counted_only_where_grpo_keeps_one(shape):
+    def ref(c):
+        return memory.estimate(shape, c, 128).components.get("reference copy", 0)
+
+    assert ref(grpo_setup(beta=0.0)) == 0  # TRL's default: no reference at all
+    assert ref(grpo_setup(beta=0.04)) > 0  # full fine-tune: a frozen copy
+    assert ref(grpo_setup(beta=0.04, lora={"r": 8})) == 0  # LoRA: the adapters switched off
+    assert grpo_setup(beta=0.04, lora={"r": 8}).reference_kind == "adapters"
+
+
+def test_kv_cache_formula_equals_what_generate_keeps(tiny_tokenizer):
+    """The cache part of rollout_bytes against the tensors of transformers' own cache after a
+    generate of the same rows and lengths (fp32 on a CPU)."""
+    from helpers import make_tiny_llama
+
+    model = make_tiny_llama(tiny_tokenizer).eval()
+    rows, prompt, new = 4, 12, 9
+    ids = torch.randint(5, len(tiny_tokenizer), (rows, prompt))
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+            min_new_tokens=new, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    cache = out.past_key_values
+    kept = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    c = grpo_setup(mb=rows, accum=1, group_size=4, max_completion_length=new)
+    shape = _shape_of("tiny-llama", model.config)
+    logits = 3 * rows * shape.vocab * 4
+    predicted = memory.rollout_bytes(shape, c, prompt) - logits
+    # the cache holds every position but the last sampled token's
+    assert kept == pytest.approx(predicted * (prompt + new - 1) / (prompt + new), rel=1e-6)
+
+
+def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_path):
+    from onegpu.config import from_dict
+    from onegpu.plan import probe
+    from test_grpo_inputs import write_prompts
+
+    cfg = from_dict({
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(write_prompts(tmp_path, n=40)), "seq_len": 32, "num_proc": 1},
+        "training": {"objective": "grpo", "micro_batch_size": 8, "grad_accum": 1,
+                     "max_steps": 4},
+        "grpo": {"group_size": 4, "max_completion_length": 4, "rewards": ["length"]},
+        "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
+        "plan": "auto",
+    })  # fmt: skip
+    out = probe.auto_plan(cfg)
+    assert out.training.objective == "grpo" and out.plan == "off"
+    assert out.training.micro_batch_size * out.training.grad_accum == 8
+    assert out.grpo.group_size == 4 and out.grpo.rewards == ["length"]
+
+
+def _cpu():
+    from onegpu import hardware
+
+    return hardware.spec_from_device(hardware.detect())
