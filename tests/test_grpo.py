@@ -173,3 +173,30 @@ def test_default_job_takes_the_newest_default_run_and_only_unset_settings(tmp_pa
     assert settled.grpo.max_completion_length == 20 and settled.training.max_steps == 40
     cfg.data.path = "mine.jsonl"  # not the default job: nothing changes
     assert rl_default.settle(cfg) is cfg
+
+
+CHAT_REWARD = """
+SEEN = []
+def is_message(prompts, completions, **kwargs):
+    SEEN.append((prompts[0], completions[0]))
+    return [float(c[0]["role"] == "assistant") for c in completions]
+"""
+
+
+def test_chat_prompts_reach_the_rewards_as_messages(tmp_path, tiny_model_dir, monkeypatch):
+    """A prompt given as chat messages is rendered with the chat template; the rewards receive it as
+    given, and each completion as TRL passes it: a list holding the assistant's message."""
+    (tmp_path / "chat_rewards.py").write_text(textwrap.dedent(CHAT_REWARD))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": [{"role": "user", "content": f"count to {i}"}]} for i in range(12)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0,
+                   grpo={"rewards": ["chat_rewards:is_message"]})  # fmt: skip
+    cfg["data"]["path"] = str(path)
+    result = onegpu.train(cfg)
+    import chat_rewards
+
+    prompt, completion = chat_rewards.SEEN[0]
+    assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+    assert metrics(result.run_dir)[0]["reward"] == 1.0

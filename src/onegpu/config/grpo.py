@@ -28,6 +28,11 @@ class GRPOConfig:
     default 1.0 = all)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0 = all; TRL's default)."""
+    sampler: Literal["auto", "continuous", "generate"] = "auto"
+    """How rollouts are sampled. continuous: transformers' continuous batching (generate_batch, a
+    paged KV cache sized for the step's completions); generate: plain ``generate`` with a dynamic
+    cache. auto: continuous batching, measured fastest (benchmarks/results/grpo-rollouts-cpu.md),
+    falling back to generate for a model it cannot serve."""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """How per-token losses are aggregated. dapo (TRL's default since 0.20; Yu et al. 2025): summed
     over the tokens of the step, divided by that token count. grpo (Shao et al. 2024): each

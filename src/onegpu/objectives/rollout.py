@@ -1,10 +1,12 @@
 """GRPO's rollouts: the policy samples completions of its prompts in the training process, in the
 training memory (no second engine), and they become training rows.
 
-Sampling is transformers' ``generate`` on the prepared model (LoRA: the adapted model), under
-no_grad, in eval mode, with compiled blocks run eagerly: a decode step's shapes change every token,
-and a compiled block would recompile for them. The KV cache lives only inside ``generate``: it is
-freed when sampling returns, before any forward of the loss.
+Sampling runs on the prepared model (LoRA: the adapted model), under no_grad, in eval mode, with
+compiled blocks run eagerly (a decode step's shapes change every token, and a compiled block would
+recompile for them), through transformers' continuous batching (paged KV cache, the fastest path
+measured: benchmarks/results/grpo-rollouts-cpu.md) or its plain ``generate`` (grpo.sampler). The
+KV cache lives only inside the call: it is freed when sampling returns, before any forward of the
+loss.
 
 A training row is prompt + completion, unpadded, then right-padded to the micro-batch's longest;
 only completion tokens are targets (a truncated completion's none, with
@@ -13,12 +15,15 @@ grpo.mask_truncated_completions). The completion ends at its first EOS, which it
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from onegpu.objectives.tokens import IGNORE
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,7 +44,9 @@ def generation_model(model):
 
 @torch.no_grad()
 def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int) -> Samples:
-    """Sample one completion per prompt row, ``rows`` prompts per ``generate`` call."""
+    """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
+    transformers' continuous batching (auto, continuous) or ``generate``; auto falls back to
+    ``generate`` once, for good, on a model continuous batching cannot serve."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -58,23 +65,59 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
     was_training = gen.training
     gen.eval()
     t0 = time.perf_counter()
-    completions, truncated = [], []
+    completions: list[list[int]] = []
     try:
         with torch.compiler.set_stance("force_eager"):
             for start in range(0, len(prompt_ids), rows):
                 chunk = prompt_ids[start : start + rows]
-                ids, mask = left_padded(chunk, pad, device)
-                out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-                for row in out[:, ids.size(1) :].tolist():
-                    c, cut = _until_eos(row, set(eos))
-                    completions.append(c)
-                    truncated.append(cut)
-                del out
+                completions += _sample_chunk(gen, chunk, config, gcfg, pad, device)
     finally:
         gen.train(was_training)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return Samples(completions, truncated, time.perf_counter() - t0)
+    cut = [_until_eos(c, set(eos)) for c in completions]
+    return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0)
+
+
+_CONTINUOUS_FAILED: set[int] = set()  # models (by id) continuous batching could not serve
+
+
+def _sample_chunk(gen, chunk, config, gcfg, pad: int, device) -> list[list[int]]:
+    if gcfg.sampler != "generate" and id(gen) not in _CONTINUOUS_FAILED:
+        try:
+            return continuous(gen, chunk, config, gcfg.max_completion_length)
+        except RuntimeError as exc:
+            if gcfg.sampler == "continuous":
+                raise
+            _CONTINUOUS_FAILED.add(id(gen))
+            log.info("GRPO sampling: continuous batching unavailable (%s); using generate", exc)
+    ids, mask = left_padded(chunk, pad, device)
+    out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return out[:, ids.size(1) :].tolist()
+
+
+def continuous(gen, chunk: list[list[int]], config, new_tokens: int) -> list[list[int]]:
+    """transformers' continuous batching over the chunk's prompts, its paged KV cache sized for
+    them (left to itself it would size the cache from free memory: most of the card, or of the
+    host's RAM), results in the prompts' order."""
+    from transformers import ContinuousBatchingConfig
+
+    page = 256
+    pages = -(-(max(map(len, chunk)) + new_tokens) // page) + 1  # a spare page per row
+    prompt_tokens = sum(map(len, chunk))
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=len(chunk) * pages,
+        max_batch_tokens=max(page, min(8192, prompt_tokens)),
+    )
+    out = gen.generate_batch(chunk, generation_config=config, continuous_batching_config=cb)
+    results = list(out.values())
+    failed = [r.error for r in results if r.error]
+    if len(results) != len(chunk) or failed:
+        raise RuntimeError(
+            failed[0] if failed else f"{len(results)} of {len(chunk)} completions came back"
+        )
+    return [list(r.generated_tokens) for r in results]
 
 
 def _eos_ids(tokenizer, model) -> list[int]:
