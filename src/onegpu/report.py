@@ -136,7 +136,7 @@ def print_summary(r) -> None:
     print(
         f"done: {s.step} steps{resumed}, {s.trained_tokens:,} tokens trained in "
         f"{r.wall_seconds:.0f}s ({r.tokens_per_second:,.0f} tokens/s); "
-        f"val loss {first} -> {last}"
+        f"val loss {first} -> {last}" + _val_reward(r.run_dir / "metrics.jsonl")
     )
     for stats in r.data_stats:
         print(f"data {stats.describe()}")
@@ -148,6 +148,23 @@ def print_summary(r) -> None:
     print(f"run directory: {r.run_dir}\n  {', '.join(files)}")
     fmt = r.data_stats[0].fmt if r.data_stats else "text"
     print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
+
+
+def _val_reward(path) -> str:
+    """ ", val reward a -> b" for a run whose evaluations score rewards (GRPO), else ""."""
+    import json
+
+    if not path.is_file():
+        return ""
+    rewards = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if rec.get("split") == "val" and "reward" in rec:
+            rewards.append(rec["reward"])
+    return f", val reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else ""
 
 
 # the default corpus is the standard library's source: a code prompt fits it

@@ -24,6 +24,10 @@ import torch
 from onegpu.objectives.tokens import IGNORE
 
 log = logging.getLogger(__name__)
+# On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
+# the threads' synchronisation costs more than they save, many times more on a shared machine
+# (benchmarks/results/grpo-rollouts-cpu.md: the tiny preset, each path at 1 and 2 threads).
+ONE_THREAD_PARAMS = 100_000_000
 
 
 @dataclass
@@ -66,6 +70,9 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
     gen.eval()
     t0 = time.perf_counter()
     completions: list[list[int]] = []
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
+        torch.set_num_threads(1)
     try:
         with torch.compiler.set_stance("force_eager"):
             for start in range(0, len(prompt_ids), rows):
@@ -73,6 +80,7 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
                 completions += _sample_chunk(gen, chunk, config, gcfg, pad, device)
     finally:
         gen.train(was_training)
+        torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.synchronize()
     cut = [_until_eos(c, set(eos)) for c in completions]
