@@ -626,8 +626,15 @@ def _snapshot(root):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case, tmp_path, tiny_model_dir, capsys, monkeypatch):
-    args = base_args(tmp_path, tiny_model_dir)
-    args += case.args(tmp_path, tiny_model_dir) if callable(case.args) else case.args
+    check_case(
+        case, base_args(tmp_path, tiny_model_dir), tmp_path, tiny_model_dir, capsys, monkeypatch
+    )
+
+
+def check_case(case, args, tmp_path, model_dir, capsys, monkeypatch) -> None:
+    """Run one catalogue case on top of ``args``: one error with its text and fix, exit code 2, no
+    traceback, nothing written."""
+    args = args + (case.args(tmp_path, model_dir) if callable(case.args) else case.args)
     if case.patch:
         case.patch(monkeypatch, tmp_path)
     before = _snapshot(tmp_path / "runs")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from onegpu.cli.main import main
-from test_bad_inputs import Case, _snapshot, base_args
+from test_bad_inputs import Case, base_args, check_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,18 +125,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_grpo_bad_input(case, tmp_path, tiny_model_dir, capsys, monkeypatch):
-    args = grpo_args(tmp_path, tiny_model_dir)
-    args += case.args(tmp_path, tiny_model_dir) if callable(case.args) else case.args
-    if case.patch:
-        case.patch(monkeypatch, tmp_path)
-    before = _snapshot(tmp_path / "runs")
-    code = main(args)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    for expect in case.expect:
-        assert expect in err, err
-    assert "Traceback" not in err and err.count("error: ") == 1
-    assert _snapshot(tmp_path / "runs") == before  # nothing written
+    check_case(case, grpo_args(tmp_path, tiny_model_dir), tmp_path, tiny_model_dir, capsys,
+               monkeypatch)  # fmt: skip
 
 
 def test_grpo_field_set_for_sft_is_refused(tmp_path, tiny_model_dir, capsys):
