@@ -170,7 +170,7 @@ def test_default_job_takes_the_newest_default_run_and_only_unset_settings(tmp_pa
     cfg.grpo.max_completion_length = 20  # the user's choice stays
     settled = rl_default.settle(cfg, train_default=None)
     assert settled.model.name == str(runs / "new" / "final")
-    assert settled.grpo.max_completion_length == 20 and settled.training.max_steps == 40
+    assert settled.grpo.max_completion_length == 20 and settled.training.max_steps == 60
     cfg.data.path = "mine.jsonl"  # not the default job: nothing changes
     assert rl_default.settle(cfg) is cfg
 
@@ -200,3 +200,12 @@ def test_chat_prompts_reach_the_rewards_as_messages(tmp_path, tiny_model_dir, mo
     prompt, completion = chat_rewards.SEEN[0]
     assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
     assert metrics(result.run_dir)[0]["reward"] == 1.0
+
+
+def test_continuous_batching_sampler_trains_too(tmp_path, tiny_model_dir):
+    """grpo.sampler=continuous: transformers' continuous batching samples (or an error)."""
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0,
+                   grpo={"sampler": "continuous"})  # fmt: skip
+    result = onegpu.train(cfg)
+    rec = metrics(result.run_dir)[0]
+    assert rec["completion_length"] > 0 and rec["gen_tokens_per_s"] > 0

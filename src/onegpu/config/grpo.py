@@ -28,11 +28,12 @@ class GRPOConfig:
     default 1.0 = all)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0 = all; TRL's default)."""
-    sampler: Literal["auto", "continuous", "generate"] = "auto"
-    """How rollouts are sampled. continuous: transformers' continuous batching (generate_batch, a
-    paged KV cache sized for the step's completions); generate: plain ``generate`` with a dynamic
-    cache. auto: continuous batching, measured fastest (benchmarks/results/grpo-rollouts-cpu.md),
-    falling back to generate for a model it cannot serve."""
+    sampler: Literal["generate", "continuous"] = "generate"
+    """How rollouts are sampled. generate: transformers' ``generate`` with a dynamic KV cache, on
+    one CPU thread for a small model (measured fastest: benchmarks/results/grpo-rollouts-cpu.md;
+    static cache + compile was 1.1x faster per call but compiles for 30 s at each new prompt
+    length). continuous: transformers' continuous batching (a paged KV cache sized for the step's
+    completions), 2.4-2.8x slower on that CPU, for trying on a GPU."""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """How per-token losses are aggregated. dapo (TRL's default since 0.20; Yu et al. 2025): summed
     over the tokens of the step, divided by that token count. grpo (Shao et al. 2024): each

@@ -3,8 +3,8 @@ training memory (no second engine), and they become training rows.
 
 Sampling runs on the prepared model (LoRA: the adapted model), under no_grad, in eval mode, with
 compiled blocks run eagerly (a decode step's shapes change every token, and a compiled block would
-recompile for them), through transformers' continuous batching (paged KV cache, the fastest path
-measured: benchmarks/results/grpo-rollouts-cpu.md) or its plain ``generate`` (grpo.sampler). The
+recompile for them), through transformers' ``generate`` (the fastest path measured:
+benchmarks/results/grpo-rollouts-cpu.md) or its continuous batching (grpo.sampler). The
 KV cache lives only inside the call: it is freed when sampling returns, before any forward of the
 loss.
 
@@ -15,7 +15,6 @@ grpo.mask_truncated_completions). The completion ends at its first EOS, which it
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,6 @@ import torch
 
 from onegpu.objectives.tokens import IGNORE
 
-log = logging.getLogger(__name__)
 # On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
 # the threads' synchronisation costs more than they save, many times more on a shared machine
 # (benchmarks/results/grpo-rollouts-cpu.md: the tiny preset, each path at 1 and 2 threads).
@@ -49,8 +47,7 @@ def generation_model(model):
 @torch.no_grad()
 def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
-    transformers' continuous batching (auto, continuous) or ``generate``; auto falls back to
-    ``generate`` once, for good, on a model continuous batching cannot serve."""
+    transformers' ``generate`` or its continuous batching."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -87,18 +84,9 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
     return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0)
 
 
-_CONTINUOUS_FAILED: set[int] = set()  # models (by id) continuous batching could not serve
-
-
 def _sample_chunk(gen, chunk, config, gcfg, pad: int, device) -> list[list[int]]:
-    if gcfg.sampler != "generate" and id(gen) not in _CONTINUOUS_FAILED:
-        try:
-            return continuous(gen, chunk, config, gcfg.max_completion_length)
-        except RuntimeError as exc:
-            if gcfg.sampler == "continuous":
-                raise
-            _CONTINUOUS_FAILED.add(id(gen))
-            log.info("GRPO sampling: continuous batching unavailable (%s); using generate", exc)
+    if gcfg.sampler == "continuous":
+        return continuous(gen, chunk, config, gcfg.max_completion_length)
     ids, mask = left_padded(chunk, pad, device)
     out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return out[:, ids.size(1) :].tolist()
@@ -123,7 +111,8 @@ def continuous(gen, chunk: list[list[int]], config, new_tokens: int) -> list[lis
     failed = [r.error for r in results if r.error]
     if len(results) != len(chunk) or failed:
         raise RuntimeError(
-            failed[0] if failed else f"{len(results)} of {len(chunk)} completions came back"
+            "grpo.sampler=continuous: "
+            + (failed[0] if failed else f"{len(results)} of {len(chunk)} completions came back")
         )
     return [list(r.generated_tokens) for r in results]
 

@@ -21,15 +21,18 @@ from onegpu.config import Config, GRPOConfig, TrainingConfig, load_yaml
 log = logging.getLogger(__name__)
 
 # (section, field, value) the default GRPO job changes where the user left the default
+# (measured on the 2-core CPU: the validation reward of the stdlib prompts rises from 0.09 to 0.26
+# in these 60 steps; at lr 2e-5 or with half the prompts a step it stays within noise)
 DEFAULT_JOB = (
-    ("training", "micro_batch_size", 16),
-    ("training", "max_steps", 40),
-    ("training", "lr", 2e-5),
+    ("training", "micro_batch_size", 16),  # 16 completions: 2 prompts x 8 a micro-batch
+    ("training", "grad_accum", 2),  # 4 prompts a step
+    ("training", "max_steps", 60),
+    ("training", "lr", 2e-4),
     ("training", "warmup_steps", 0),
-    ("training", "eval_every", 10),
-    ("training", "eval_batches", 4),
+    ("training", "eval_every", 15),
+    ("training", "eval_batches", 8),  # 16 validation prompts x 8 completions
     ("training", "log_every", 5),
-    ("grpo", "max_completion_length", 48),
+    ("grpo", "max_completion_length", 32),
     ("data", "seq_len", 128),
 )
 
