@@ -209,3 +209,14 @@ def test_continuous_batching_sampler_trains_too(tmp_path, tiny_model_dir):
     result = onegpu.train(cfg)
     rec = metrics(result.run_dir)[0]
     assert rec["completion_length"] > 0 and rec["gen_tokens_per_s"] > 0
+
+
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_dir, monkeypatch):
+    from helpers import nan_at
+    from onegpu.training import assemble
+
+    monkeypatch.setattr(assemble, "make_objective", nan_at({1}, make_objective, grad_accum=2))
+    result = onegpu.train(grpo_cfg(tmp_path, tiny_model_dir, max_steps=2, save_every=0))
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "skipped" in r] == [1]
+    assert result.state.step == 2 and result.state.skipped_steps == 1
