@@ -104,7 +104,7 @@ class GRPO(Objective):
             self.cycle = cycle if self.g.num_iterations > 1 else None
         self.pending.train_tokens = int(cycle.rows["attention_mask"].sum())
         self._trained_from = time.perf_counter()
-        return _split(cycle, size)
+        return _split(cycle, size, self.pad_multiple)
 
     def end_cycle(self) -> None:
         if self.cycle is not None:
@@ -128,7 +128,7 @@ class GRPO(Objective):
         most one micro-batch of completions (group_size x the prompts)."""
         rows = {k: [v for v in vals for _ in range(self.g.group_size)] for k, vals in batch.items()}
         cycle = self._rollouts(model, rows, len(rows[PROMPT_IDS]), self.eval)
-        return _split(cycle, len(rows[PROMPT_IDS]))
+        return _split(cycle, len(rows[PROMPT_IDS]), self.pad_multiple)
 
     def eval_metrics(self) -> dict:
         stats, self.eval = self.eval, None
@@ -192,7 +192,7 @@ class GRPO(Objective):
         if not wanted:
             return out
         with torch.compiler.set_stance("force_eager"):
-            for part in _split(Cycle((), batch, {}), micro_size):
+            for part in _split(Cycle((), batch, {}), micro_size, self.pad_multiple):
                 part = {k: v.to(device) for k, v in with_target_positions(part).items()}
                 counts = (part["labels"][:, 1:] != IGNORE).sum(1).tolist()
                 for key, fn in wanted.items():
@@ -204,13 +204,15 @@ def _joined(micro: list[dict]) -> dict:
     return {k: [v for mb in micro for v in mb[k]] for k in micro[0]}
 
 
-def _split(cycle: Cycle, size: int) -> list[dict]:
-    """The step's rows as micro-batches of ``size`` rows (trimmed to their longest row)."""
+def _split(cycle: Cycle, size: int, multiple: int = 1) -> list[dict]:
+    """The step's rows as micro-batches of ``size`` rows, trimmed to their longest row rounded up
+    to ``multiple`` (data.pad_to_multiple: fewer shapes, fewer recompiles)."""
     out = []
     b = cycle.rows
     for s in range(0, b["labels"].size(0), size):
         part = {k: v[s : s + size] for k, v in b.items()}
-        width = int(part["attention_mask"].sum(1).max())
+        longest = int(part["attention_mask"].sum(1).max())
+        width = min(-(-longest // multiple) * multiple, b["labels"].size(1))
         for k in ("input_ids", "attention_mask", "labels"):
             part[k] = part[k][:, :width].contiguous()
         for key, rows in cycle.per_row.items():
