@@ -58,6 +58,7 @@ class GRPO(Objective):
         self.cycle: Cycle | None = None
         self.pending, self.window, self.eval = _Stats(), _Stats(), None
         self._trained_from = 0.0
+        self._first_size = 0  # the micro-batch of the first step (before any out-of-memory retry)
 
     # ---------------------------------------------------------------------------- the protocol
     def count(self, batch: dict) -> int:
@@ -97,10 +98,15 @@ class GRPO(Objective):
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
         self.pending = _Stats()
         size = len(micro[0][PROMPT_IDS])
+        # the step's completions are sampled in one call; after an out-of-memory retry shrank the
+        # micro-batch, in as many calls as it was shrunk by
+        self._first_size = self._first_size or size
         key = tuple(i for mb in micro for i in mb[ROW])
         cycle = self.cycle
         if cycle is None or cycle.key != key or cycle.uses >= self.g.num_iterations:
-            cycle = self._rollouts(model, _joined(micro), size, self.pending)
+            rows = _joined(micro)
+            per_call = len(rows[PROMPT_IDS]) * size // self._first_size
+            cycle = self._rollouts(model, rows, size, self.pending, per_call)
             self.cycle = cycle if self.g.num_iterations > 1 else None
         self.pending.train_tokens = int(cycle.rows["attention_mask"].sum())
         self._trained_from = time.perf_counter()
@@ -143,11 +149,13 @@ class GRPO(Objective):
         return type(self.reference).__name__ if self.reference is not None else None
 
     # ------------------------------------------------------------------------------ rollouts
-    def _rollouts(self, model, rows: dict, micro_size: int, stats: _Stats) -> Cycle:
+    def _rollouts(
+        self, model, rows: dict, micro_size: int, stats: _Stats, per_call: int = 0
+    ) -> Cycle:
         prompt_ids = rows[PROMPT_IDS]
         device = next(model.parameters()).device
         samples = rollout.sample(
-            model, prompt_ids, self.g, self.tokenizer, device, rows=len(prompt_ids)
+            model, prompt_ids, self.g, self.tokenizer, device, rows=per_call or len(prompt_ids)
         )
         texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
         prompts = rows[self.prompt_field]
