@@ -24,8 +24,7 @@ from onegpu.objectives.base import Objective
 from onegpu.objectives.rewards import Reward, score
 from onegpu.objectives.tokens import IGNORE, TARGETS, TokenLoss
 
-ADV, OLD, REF = "advantages", "old_logps", "ref_logps"
-LOSS_STATS = ("tokens", "clipped", "kl", "entropy")  # device sums, per loss call
+ADV, OLD, REF = "advantages", "old_logps", "ref_logps"  # batch keys of the training rows
 
 
 @dataclass
@@ -39,6 +38,15 @@ class Cycle:
 
 
 class GRPO(Objective):
+    """training.objective grpo. ``rewards``: the resolved reward functions (rewards.resolve);
+    ``tokenizer`` decodes completions for them; ``reference``: reference.AdapterReference or
+    CopyReference with beta > 0, else None; ``pad_multiple``: data.pad_to_multiple.
+
+    Statistics follow Preference's pattern: a cycle's are pending until ``end_cycle`` commits
+    them to the window (a cycle redone after an out-of-memory error counts once); an evaluation
+    keeps its own. Rewards and lengths are host numbers (known at sampling); the loss's clip,
+    KL and entropy sums stay on the device until the log reads them (one sync)."""
+
     def __init__(
         self,
         gcfg,
