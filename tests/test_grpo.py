@@ -220,3 +220,12 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_d
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "skipped" in r] == [1]
     assert result.state.step == 2 and result.state.skipped_steps == 1
+
+
+def test_few_prompts_are_enough_for_a_step_of_more_completions(tmp_path, tiny_model_dir):
+    """6 prompts, 2 a step of 16 completions: counted as prompts, not as micro-batch rows."""
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0,
+                   micro_batch_size=16, grad_accum=1, grpo={"group_size": 8})  # fmt: skip
+    cfg["data"]["path"] = str(write_prompts(tmp_path, n=6))
+    cfg["data"]["val_fraction"] = 0.0
+    assert onegpu.train(cfg).state.step == 1
