@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py cpu --snapshot       # the CPU table in benchmarks/results/
     python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more reps
     python benchmarks/bench_train.py cpu-dpo --snapshot   # DPO: onegpu vs TRL's DPOTrainer (CPU)
+    python benchmarks/bench_train.py cpu-grpo --snapshot  # GRPO: onegpu vs TRL's GRPOTrainer (CPU)
     python benchmarks/bench_train.py gpu-quick            # on a CUDA GPU: one preset (below)
     python benchmarks/bench_train.py gpu-quick gpu-best   # several presets, one after the other
     python benchmarks/bench_train.py gpu                  # every GPU preset (~77 minutes)
@@ -10,7 +11,8 @@
 
 Options: --snapshot (run from a copy of src/, below), --dry-run (check the settings and list the
 arms, without writing the model or training), --workdir DIR (where the GPU presets keep the saved
-model and the chat data; default $ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
+model and the chat data, and cpu-grpo the default job's run it trains from; default
+$ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
 
 GPU presets: Llama ~1B (`1b` preset: 16 layers, d=2048, GQA 32/8, vocabulary 4096), random init,
 bf16, seq 2048, micro-batch 4 x accumulation 2, 10 steps (2 untimed), 2 interleaved repetitions;
@@ -63,6 +65,7 @@ class Preset:
     arms: tuple[str, ...] = ()  # besides the baseline; () = every arm
     gpu: bool = False  # trains the saved Llama ~1B
     chat: bool = False  # on the chat data set (variable lengths) instead of packed text
+    sft_model: bool = False  # starts from the default job's trained model (GRPO)
 
     def argv(self) -> list[str]:
         return list(self.args) + (
@@ -141,6 +144,40 @@ CPU_DPO = (
     "--bench.max_seconds",
     "120",
 )
+# GRPO on this CPU: onegpu's default against TRL's GRPOTrainer at its defaults, from the default
+# job's trained model (the model the default GRPO job starts from), with the default GRPO job's
+# prompts (starts of standard-library functions), reward (python_continues), completion length (48),
+# prompt length (128) and lr (2e-5): 2 prompts x 8 completions a step, 20 steps (2 untimed), 5
+# interleaved rounds with a seed each; on the shared 2-core CPU about 1.5 minutes an onegpu run and
+# 2.5 a TRL one (measured), ~21 minutes in all.
+CPU_GRPO = (
+    "--training.objective",
+    "grpo",
+    "--model.from_scratch",
+    "false",
+    "--data.seq_len",
+    "128",
+    "--grpo.group_size",
+    "8",
+    "--grpo.max_completion_length",
+    "48",
+    "--grpo.rewards",
+    "[python_continues]",
+    "--training.lr",
+    "2e-5",
+    "--training.micro_batch_size",
+    "16",
+    "--training.grad_accum",
+    "1",
+    "--training.max_steps",
+    "20",
+    "--bench.warmup_steps",
+    "2",
+    "--bench.reps",
+    "5",
+    "--bench.max_seconds",
+    "400",
+)
 GPU = (
     "--data.seq_len",
     "2048",
@@ -170,6 +207,7 @@ PRESETS = {
         Preset("cpu", CPU),
         Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
         Preset("cpu-dpo", CPU_DPO),
+        Preset("cpu-grpo", CPU_GRPO, sft_model=True),
         Preset("gpu-quick", GPU, ("hf-trainer-tuned", "trl-sft"), gpu=True),
         Preset("gpu-best", GPU, ("best", "hf-trainer"), gpu=True),
         Preset("gpu-memory", GPU, ("batch-size", "grad-accum", "checkpointing"), gpu=True),
@@ -300,6 +338,21 @@ def saved_model(path: Path, preset: str = "1b", max_bytes: int = 3_000_000) -> P
     return path
 
 
+def default_model(runs: Path) -> Path:
+    """The default job's trained model (the newest default run's final/ under ``runs``), trained
+    first (`onegpu train`, ~2 minutes on a CPU) when there is none: the model the default GRPO job
+    starts from."""
+    from onegpu.training.rl_default import newest_default_final
+
+    final = newest_default_final(runs)
+    if final is None:
+        cmd = [sys.executable, "-m", "onegpu.cli.main", "train", "--output.dir", str(runs)]
+        print("+", " ".join(cmd[2:] + ["--output.report_to", "none"]), flush=True)
+        subprocess.run(cmd + ["--output.report_to", "none"], cwd=ROOT, check=True)
+        final = newest_default_final(runs)
+    return final
+
+
 def snapshot_env(tmp: str) -> dict:
     """PYTHONPATH pointing at a copy of src/ taken now, and the commit it was taken from (with
     "+local" when the checkout had uncommitted edits) for the results."""
@@ -340,6 +393,12 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
             "--model.from_scratch",
             "false",
         ]
+    if preset.sft_model:
+        runs = workdir / "runs"
+        argv += [
+            "--model.name",
+            str(runs / "<default run>/final" if dry_run else default_model(runs)),
+        ]
     if preset.chat:
         chat = workdir / "chat.jsonl"
         argv += ["--data.path", str(chat if dry_run else chat_data(chat))]
@@ -347,6 +406,7 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
         "cpu": f"train-cpu-{stamp}",
         "headline": f"train-cpu-{stamp}-vs-hf",
         "cpu-dpo": f"train-cpu-dpo-{stamp}",
+        "cpu-grpo": f"train-cpu-grpo-{stamp}",
     }.get(preset.name)
     return argv + [
         "--bench.out",

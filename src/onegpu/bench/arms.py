@@ -4,7 +4,8 @@ An arm is a few dotted overrides of the baseline run ``Config`` (so a method sho
 as the config drives it), or a peer trainer given the same run settings: HF ``Trainer`` at its
 defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults. With
 ``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next
-to TRL's ``DPOTrainer`` at its defaults.
+to TRL's ``DPOTrainer`` at its defaults; with ``training.objective=grpo`` (``grpo_arms``), our GRPO
+next to TRL's ``GRPOTrainer`` at its defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ KINDS = (
     "hf",
     "trl",
     "trl-dpo",
-)  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer
+    "trl-grpo",
+)  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer; trl.GRPOTrainer
 
 
 @dataclass
@@ -125,6 +127,8 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
     """The guide's rows, one setting each; the baseline first, the peer trainers last."""
     if b.training.objective == "dpo":
         return dpo_arms()
+    if b.training.objective == "grpo":
+        return grpo_arms()
     eff = b.training.micro_batch_size * b.training.grad_accum
     big = big_micro_batch(b)
     small = max(1, b.training.micro_batch_size // 4)
@@ -249,6 +253,21 @@ def dpo_arms() -> list[Arm]:
             {"techniques.lora.enabled": True},
             kind="trl-dpo",
             needs=_all(_module("trl"), _module("peft")),
+        ),
+    ]
+
+
+def grpo_arms() -> list[Arm]:
+    """GRPO, full fine-tune: our defaults for the run's settings, and TRL's GRPOTrainer at its
+    defaults with the same model, prompts and order, reward functions, groups and sampling."""
+    return [
+        Arm("baseline", "onegpu GRPO, full fine-tune", {}),
+        Arm(
+            "trl-grpo",
+            "TRL GRPOTrainer, defaults, full fine-tune",
+            {},
+            kind="trl-grpo",
+            needs=_module("trl"),
         ),
     ]
 

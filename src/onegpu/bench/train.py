@@ -1,5 +1,6 @@
 """`onegpu bench train`: the guide's technique table, measured on this machine, next to HF Trainer
-and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms).
+and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms); with
+`--objective grpo`, GRPO next to TRL's GRPOTrainer (arms.grpo_arms, train_grpo.py).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
 exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a
@@ -40,6 +41,8 @@ def base_config(b: BenchTrainConfig, out_dir: str) -> dict:
     cfg = {k: v for k, v in to_dict(resolve_hyperparameters(b)).items() if k != "bench"}
     cfg["output"].update(dir=out_dir, overwrite=True)
     cfg["training"].update(max_minutes=b.bench.max_seconds / 60, log_every=b.bench.warmup_steps)
+    if b.training.objective == "grpo":  # the reward curve and each step's figures: every step
+        cfg["training"]["log_every"] = 1
     return cfg
 
 
@@ -70,6 +73,7 @@ def run_sweep(
     arms = select_arms(b, device, prep["data_format"])
     runner = runner or run_child
     doc = bench_report.new_document(b, device, prep, sys.argv)
+    doc["load"] = {"before": _load()}
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
         base = base_config(b, tmp)
         for arm in arms:
@@ -89,18 +93,39 @@ def run_sweep(
                 spec = {
                     "arm": arm.name,
                     "kind": arm.kind,
-                    "config": apply_overrides(base, arm.overrides),
+                    "config": apply_overrides(base, {**arm.overrides, **round_seed(b, rep)}),
                     "warmup_steps": b.bench.warmup_steps,
                     "budget_s": b.bench.max_seconds,
                     "rep": rep,
                 }
-                doc["schedule"].append({"rep": rep, "arm": arm.name, "start": time.time()})
+                doc["schedule"].append(
+                    {"rep": rep, "arm": arm.name, "start": time.time(), "load": _load()}
+                )
                 log.info("rep %d/%d: %s", rep + 1, b.bench.reps, arm.name)
                 doc["arms"][arm.name]["reps"].append(runner(spec))
                 if progress is not None:
                     progress(doc)
+    doc["load"]["after"] = _load()
     bench_report.summarize(doc)
     return doc
+
+
+def _load() -> list[float] | None:
+    """The machine's load average (1, 5, 15 minutes, as `uptime` shows it): on a shared machine
+    it says how much else was running."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def round_seed(b: BenchTrainConfig, rep: int) -> dict:
+    """GRPO samples its completions: with one seed every round would repeat the same rollouts and
+    reward curve, so each round has its own seed (the same for every arm of the round: the same
+    prompts in the same order), and the spread over rounds is the reward's noise."""
+    if b.training.objective != "grpo":
+        return {}
+    return {"training.seed": b.training.seed + rep}
 
 
 def validate(b: BenchTrainConfig) -> None:
@@ -108,10 +133,11 @@ def validate(b: BenchTrainConfig) -> None:
     from onegpu.config import validate as validate_run
 
     validate_run(b)
-    if b.training.objective not in ("sft", "dpo"):
+    if b.training.objective not in ("sft", "dpo", "grpo"):
         raise ConfigError(
-            f"bench train measures training.objective sft or dpo, not {b.training.objective}.",
-            hint="use --objective dpo (or sft); orpo and simpo have no peer trainer here",
+            f"bench train measures training.objective sft or dpo (or grpo), not "
+            f"{b.training.objective}.",
+            hint="use --objective dpo, grpo or sft; orpo and simpo have no peer trainer here",
         )
     for key in ("warmup_steps", "reps"):
         if getattr(b.bench, key) < 1:
@@ -241,7 +267,9 @@ def dry_run(b: BenchTrainConfig) -> int:
     validate(b)
     device = detect()
     fmt = (
-        "unknown" if b.data.path else ("text" if b.training.objective == "sft" else "preference")
+        "unknown"
+        if b.data.path
+        else {"sft": "text", "grpo": "prompt"}.get(b.training.objective, "preference")
     )  # known once read
     print(
         f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x "
@@ -250,7 +278,12 @@ def dry_run(b: BenchTrainConfig) -> int:
         + (f" [{b.bench.name}]" if b.bench.name else "")
         + (f"; objective {b.training.objective}" if b.training.objective != "sft" else "")
     )
-    peers = {"hf": "HF Trainer", "trl": "TRL SFTTrainer", "trl-dpo": "TRL DPOTrainer"}
+    peers = {
+        "hf": "HF Trainer",
+        "trl": "TRL SFTTrainer",
+        "trl-dpo": "TRL DPOTrainer",
+        "trl-grpo": "TRL GRPOTrainer",
+    }
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)
         what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items())

@@ -1,8 +1,8 @@
 """One benchmark arm in a fresh process: ``python -m onegpu.bench.train_child spec.json
 result.json``.
 
-Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py) and its
-`DPOTrainer` (train_dpo.py) — imports
+Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py), its
+`DPOTrainer` (train_dpo.py) and its `GRPOTrainer` (train_grpo.py) — imports
 its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the model
 from the same seed and trains on the same examples in the same order. Timing leaves out the first
 `warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise anyway.
@@ -74,12 +74,14 @@ def preimport(kind: str) -> None:
 
     for mod in model_modules():
         importlib.import_module(mod)
-    if kind in ("hf", "trl", "trl-dpo"):
+    if kind in ("hf", "trl", "trl-dpo", "trl-grpo"):
         from transformers import Trainer, TrainingArguments  # noqa: F401
     if kind == "trl":
         from trl import SFTConfig, SFTTrainer  # noqa: F401
     if kind == "trl-dpo":
         from trl import DPOConfig, DPOTrainer  # noqa: F401
+    if kind == "trl-grpo":
+        from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 
 
 def model_modules() -> list[str]:
@@ -118,6 +120,12 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
             reward_accuracy=records[-1]["reward_accuracy"],
             reward_margin=records[-1].get("reward_margin"),
         )
+    if records and "gen_tokens_per_s" in records[-1]:  # GRPO: per step, generation apart
+        from onegpu.bench.train_grpo import onegpu_steps, step_timing
+
+        t = spec["config"]["training"]
+        out["steps"] = onegpu_steps(records, t["micro_batch_size"] * t["grad_accum"])
+        out.update(step_timing(out["steps"], spec["warmup_steps"]))
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
     out.update(watch.memory)
@@ -222,12 +230,13 @@ def main(argv: list[str]) -> int:
     if spec["kind"] == "onegpu":
         result = run_onegpu(spec, probe)
     else:
-        from onegpu.bench import train_dpo, train_peers
+        from onegpu.bench import train_dpo, train_grpo, train_peers
 
         runners = {
             "hf": train_peers.run_hf,
             "trl": train_peers.run_trl,
             "trl-dpo": train_dpo.run_trl_dpo,
+            "trl-grpo": train_grpo.run_trl_grpo,
         }
         result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:

@@ -47,12 +47,7 @@ def setup(spec: dict) -> PeerSetup:
     name = models.resolve_name(cfg.model, device.is_gpu)
     recs = read_records(cfg)
     data = build_data(cfg, name, recs)
-    set_seed(t.seed)
-    # the peers' model as HF builds it (their own techniques, not our pipeline), at our seed and
-    # kernel
-    model = models.load_model(
-        name, cfg.model, data.tokenizer, attn_implementation=_attention(cfg, device, name)
-    )
+    model = peer_model(cfg, device, name, data.tokenizer)
     order = iter(batches.BatchOrder(len(data.train_ds), t.micro_batch_size, t.seed))
     step_batches = [
         [i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)
@@ -62,6 +57,19 @@ def setup(spec: dict) -> PeerSetup:
     lengths = example_tokens(dataset)
     per_step = [sum(lengths[s * len(b) : (s + 1) * len(b)]) for s, b in enumerate(step_batches)]
     return PeerSetup(cfg, device, name, recs, data, model, dataset, per_step, indices)
+
+
+def peer_model(cfg, device, name: str, tokenizer):
+    """The peers' model as HF builds it (their own techniques, not our pipeline), at our seed and
+    attention kernel."""
+    from accelerate.utils import set_seed
+
+    from onegpu import models
+
+    set_seed(cfg.training.seed)
+    return models.load_model(
+        name, cfg.model, tokenizer, attn_implementation=_attention(cfg, device, name)
+    )
 
 
 def example_tokens(dataset) -> list[int]:

@@ -41,6 +41,8 @@ PEERS = {
     # LoRA
     "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
     "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
+    # GRPO: our defaults against TRL's (train_grpo_report adds generation, training and reward)
+    "vs_trl_grpo": ("trl-grpo", "TRL GRPOTrainer (defaults)", ("baseline",)),
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
@@ -185,6 +187,12 @@ def summarize(doc: dict) -> dict:
             [min(r["tokens_per_s"] for r in ok), max(r["tokens_per_s"] for r in ok)] if ok else None
         )
         arm["inactive"] = _inactive(arm, ok)
+    extra = {}  # GRPO: generation, training and the final reward, each paired with TRL's
+    if doc["config"]["training"].get("objective") == "grpo":
+        from onegpu.bench.train_grpo_report import GRPO_RATIOS, summarize_grpo
+
+        summarize_grpo(doc)
+        extra = GRPO_RATIOS
     base = doc["arms"].get("baseline", {})
     for arm in doc["arms"].values():
         arm["speed_x"] = paired_ratio(arm, base, "tokens_per_s")
@@ -196,6 +204,7 @@ def summarize(doc: dict) -> dict:
                 "speed_x": paired_ratio(a, hf, "tokens_per_s"),
                 "memory_x": paired_ratio(a, hf, "train_mem_mb"),
                 "speed_x_with_ref": paired_ratio(a, hf, "tokens_per_s_with_ref"),
+                **{k: paired_ratio(a, hf, figure) for k, figure in extra.items()},
             }
             for name, a in doc["arms"].items()
             if name in ours and a.get("tokens_per_s") and hf.get("tokens_per_s")
@@ -262,6 +271,10 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         from onegpu.bench.train_dpo_report import dpo_markdown
 
         return dpo_markdown(doc, png_name)
+    if doc["config"]["training"].get("objective") == "grpo":
+        from onegpu.bench.train_grpo_report import grpo_markdown
+
+        return grpo_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
     lines = [
@@ -329,7 +342,12 @@ def peer_note(arm: dict) -> str:
 
 
 def chart(doc: dict, path: Path) -> Path:
-    """Two bar panels: speed x and memory x per arm that ran (1.0 = the baseline)."""
+    """Two bar panels: speed x and memory x per arm that ran (1.0 = the baseline); for GRPO the
+    reward curves and the ratios to TRL (train_grpo_report.chart)."""
+    if doc["config"]["training"].get("objective") == "grpo":
+        from onegpu.bench.train_grpo_report import chart as grpo_chart
+
+        return grpo_chart(doc, path)
     import matplotlib
 
     matplotlib.use("Agg")
