@@ -147,16 +147,25 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         "Set on TRL's side to the run's values (the rest is TRL's default):",
         "",
     ]
-    lines += [f"- {what}: {why}." for what, why in ALIGNED]
+    lines += footer(doc, ALIGNED, KEPT, png_name, "speed and memory against the baseline")
+    return "\n".join(lines) + "\n"
+
+
+def footer(doc: dict, aligned, kept: str, png_name: str | None, caption: str) -> list[str]:
+    """A peer comparison's closing lines: what was aligned on the peer's side and why, what was
+    left at its defaults, the versions and commit, and the plot."""
     v = doc["versions"]
+    peft = f", peft {v['peft']}" if v.get("peft") else ""
+    lines = [f"- {what}: {why}." for what, why in aligned]
     lines += [
         "",
-        KEPT,
+        kept,
         "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft "
-        f"{v['peft']}, trl {v.get('trl')}, datasets {v.get('datasets')}; python {v['python']}. "
+        f"torch {v['torch']}, transformers {v['transformers']}, accelerate "
+        f"{v['accelerate']}{peft}, trl {v.get('trl')}, datasets {v.get('datasets')}; python "
+        f"{v['python']}. "
         f"Commit {(doc.get('code') or {}).get('commit')}.",
     ]
     if png_name:
-        lines += ["", f"![speed and memory against the baseline]({png_name})"]
-    return "\n".join(lines) + "\n"
+        lines += ["", f"![{caption}]({png_name})"]
+    return lines

@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from onegpu.bench.train_dpo_report import footer
+
 PEER = "trl-grpo"
 TAIL = 5  # steps averaged into the "final reward" (one step's reward is noisy)
 
@@ -234,18 +236,7 @@ def grpo_markdown(doc: dict, png_name: str | None = None) -> str:
         )
     lines += reward_table(doc)
     lines += ["", "Set on TRL's side to the run's values (the rest is TRL's default):", ""]
-    lines += [f"- {what}: {why}." for what, why in ALIGNED]
-    v = doc["versions"]
-    lines += [
-        "",
-        KEPT,
-        "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, trl "
-        f"{v.get('trl')}, datasets {v.get('datasets')}; python {v['python']}. Commit "
-        f"{(doc.get('code') or {}).get('commit')}.",
-    ]
-    if png_name:
-        lines += ["", f"![reward curves, speed and memory]({png_name})"]
+    lines += footer(doc, ALIGNED, KEPT, png_name, "reward curves, speed and memory")
     return "\n".join(lines) + "\n"
 
 
