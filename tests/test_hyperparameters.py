@@ -49,6 +49,20 @@ def test_each_mode_takes_its_table_values(mode):
     assert t.warmup_steps == steps
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grpo_takes_its_own_table_in_each_mode(mode):
+    from onegpu.hyper import grpo_table
+
+    data = {**MODES[mode], "training": {"objective": "grpo", "micro_batch_size": 16}}
+    data["grpo"] = {"rewards": ["length"]}
+    t, row = settled(data), grpo_table()[mode]
+    assert (t.lr, t.weight_decay) == (row["lr"], row["weight_decay"])
+    ratio = row["warmup_ratio"]
+    assert t.warmup_steps == (row["warmup_steps"] if ratio is None else math.ceil(ratio * 200))
+    assert grpo_table()["full"]["lr"] == 1e-6  # TRL's GRPOConfig default
+    assert grpo_table()["lora"]["lr"] == 5e-6  # Unsloth's GRPO notebooks
+
+
 def test_the_table():
     assert auto_table() == {
         "scratch": {"lr": 2e-3, "warmup_steps": 20, "warmup_ratio": None, "weight_decay": 0.1},
