@@ -59,6 +59,10 @@ NO_FAKE = [
         re.compile(r"nvidia-smi|getDriverVersion|set_rng_state|get_rng_state"),
         "the real driver / CUDA RNG state",
     ),
+    (
+        re.compile(r"^rollout$"),
+        "GRPO's sampling: a fake tensor has no values to sample from",
+    ),
 ]
 
 

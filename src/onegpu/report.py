@@ -152,18 +152,9 @@ def print_summary(r) -> None:
 
 def _val_reward(path) -> str:
     """ ", val reward a -> b" for a run whose evaluations score rewards (GRPO), else ""."""
-    import json
-
     if not path.is_file():
         return ""
-    rewards = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line cut short by a crash
-            continue
-        if rec.get("split") == "val" and "reward" in rec:
-            rewards.append(rec["reward"])
+    rewards = [r["reward"] for r in read_metrics(path) if r.get("split") == "val" and "reward" in r]
     return f", val reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else ""
 
 

@@ -284,6 +284,7 @@ class BatchOrder:
         self.per_epoch = (
             n // batch_size
         )  # drop the ragged tail: every micro-batch has the same size
+        self.rows_per_epoch = n  # what an out-of-memory shrink converts positions over
         # Several processes share one global order round-robin (process r takes micro-batches
         # r, r+world, ...): together they see exactly the one-process batches. `start` is global.
         self.rank, self.world = rank, world
@@ -305,6 +306,25 @@ class BatchOrder:
 
     def __len__(self) -> int:  # DataLoader asks; the order is endless
         return 2**62
+
+
+def training_order(
+    cfg, n: int, micro_batch_size: int, grad_accum: int, start: int = 0, rank: int = 0,
+    world: int = 1,
+):  # fmt: skip
+    """The order a run's training examples are drawn in: BatchOrder, or for GRPO the prompts'
+    GroupOrder (whole groups, whole steps, grpo.num_iterations repeats). Raises a DataError when
+    there are too few examples for a micro-batch (GRPO: prompts for a step)."""
+    t = cfg.training
+    if t.objective != "grpo":
+        return BatchOrder(n, micro_batch_size, t.seed, start=start, rank=rank, world=world)
+    from onegpu.data.prompts import GroupOrder
+
+    g = cfg.grpo
+    per_step = micro_batch_size * grad_accum
+    return GroupOrder(
+        n, micro_batch_size, per_step, g.group_size, t.seed, start=start, repeat=g.num_iterations
+    )
 
 
 def make_loader(ds, order, collator, cfg: DataConfig, on_gpu: bool):

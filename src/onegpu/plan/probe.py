@@ -163,15 +163,8 @@ def _run_steps(cfg: Config, shared, device) -> tuple[float, float]:
     )
     model, optimizer = parts.model, parts.optimizer
     t = cfg.training
-    order = batches.BatchOrder(len(shared.train_ds), t.micro_batch_size, t.seed)
-    if t.objective == "grpo":  # whole groups per step, as training feeds them (its sampling timed)
-        from onegpu.data.prompts import GroupOrder
-
-        g = cfg.grpo
-        order = GroupOrder(
-            len(shared.train_ds), t.micro_batch_size, t.micro_batch_size * t.grad_accum,
-            g.group_size, t.seed, repeat=g.num_iterations,
-        )  # fmt: skip
+    # as training draws them (GRPO: whole groups per step, its sampling timed)
+    order = batches.training_order(cfg, len(shared.train_ds), t.micro_batch_size, t.grad_accum)
     loader = iter(
         batches.make_loader(shared.train_ds, order, shared.collator, cfg.data, device.is_gpu)
     )

@@ -174,30 +174,16 @@ class DataFeed:
         from onegpu.data import batches
 
         run, s = self.run, self.state
-        if run.cfg.training.objective == "grpo":  # whole groups of a prompt, whole steps' prompts
-            from onegpu.data.prompts import GroupOrder
-
-            g = run.cfg.grpo
-            order = GroupOrder(
-                len(run.train_ds),
-                s.micro_batch_size,
-                s.micro_batch_size * s.grad_accum,
-                g.group_size,
-                run.cfg.training.seed,
-                start=s.batches_seen,
-                repeat=g.num_iterations,
-            )
-            self.rows_per_epoch = order.rows_per_epoch
-        else:
-            order = batches.BatchOrder(
-                len(run.train_ds),
-                s.micro_batch_size,
-                run.cfg.training.seed,
-                start=s.batches_seen,
-                rank=distributed.rank(),
-                world=distributed.world_size(),
-            )
-            self.rows_per_epoch = len(run.train_ds)
+        order = batches.training_order(
+            run.cfg,
+            len(run.train_ds),
+            s.micro_batch_size,
+            s.grad_accum,
+            start=s.batches_seen,
+            rank=distributed.rank(),
+            world=distributed.world_size(),
+        )
+        self.rows_per_epoch = order.rows_per_epoch
         self._it = iter(
             batches.make_loader(run.train_ds, order, run.collator, run.cfg.data, run.device.is_gpu)
         )

@@ -58,7 +58,8 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         cfg = _as_saved(hyper.resolve_hyperparameters(cfg, model_name), run_dir)
         log.info("device: %s; precision %s; model %s", device.name, precision, model_name)
         data = build_data(cfg, model_name)
-        _check_enough(cfg, len(data.train_ds))
+        t = cfg.training  # enough examples for a micro-batch (GRPO: prompts for a step)?
+        batches.training_order(cfg, len(data.train_ds), t.micro_batch_size, t.grad_accum)
         set_seed(cfg.training.seed)  # model init independent of how much randomness data prep used
         parts = assemble.assemble(
             cfg, device, precision, model_name, tokenizer=data.tokenizer, accelerator=accelerator
@@ -121,18 +122,6 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
     if accelerator.is_main_process:
         print_summary(result)
     return result
-
-
-def _check_enough(cfg: Config, examples: int) -> None:
-    """Enough training examples for a micro-batch (GRPO: prompts for a step), before any load."""
-    t = cfg.training
-    if t.objective == "grpo":
-        from onegpu.data.prompts import GroupOrder
-
-        per_step = t.micro_batch_size * t.grad_accum
-        GroupOrder(examples, t.micro_batch_size, per_step, cfg.grpo.group_size, t.seed)
-    else:
-        batches.BatchOrder(examples, t.micro_batch_size, t.seed)
 
 
 def _check_grpo_run(cfg: Config) -> None:
