@@ -229,3 +229,35 @@ def test_few_prompts_are_enough_for_a_step_of_more_completions(tmp_path, tiny_mo
     cfg["data"]["path"] = str(write_prompts(tmp_path, n=6))
     cfg["data"]["val_fraction"] = 0.0
     assert onegpu.train(cfg).state.step == 1
+
+
+def test_truncated_completions_are_left_out_only_when_masked():
+    from onegpu.objectives import rollout
+
+    samples = rollout.Samples([[5, 6, 7], [8, 2]], [True, False], 0.0)
+    for masked in (True, False):
+        rows = rollout.training_rows([[1, 3], [1, 4]], samples, 0, masked)
+        trained = (rows["labels"] != -100).sum(1).tolist()
+        assert trained == ([0, 2] if masked else [3, 2])
+
+
+@pytest.mark.parametrize("narrow", [{"top_k": 1}, {"top_p": 1e-6}])
+def test_top_k_and_top_p_narrow_the_sampling(tiny_model_dir, tiny_tokenizer, narrow):
+    """top_k=1 or a tiny top_p leave one token to sample: a group's completions are all the same;
+    without them (top_k=0, top_p=1) the same group differs."""
+    from transformers import AutoModelForCausalLM
+
+    from onegpu.config import GRPOConfig
+    from onegpu.objectives import rollout
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    prompt = tiny_tokenizer("def f(x):")["input_ids"]
+
+    def group(**kw):
+        torch.manual_seed(0)
+        g = GRPOConfig(max_completion_length=8, **kw)
+        out = rollout.sample(model, [prompt] * 6, g, tiny_tokenizer, torch.device("cpu"), 6)
+        return {tuple(c) for c in out.completion_ids}
+
+    assert len(group(**narrow)) == 1
+    assert len(group()) > 1
