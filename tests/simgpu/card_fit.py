@@ -1,0 +1,131 @@
+"""The training loop on the card: ``onegpu.train`` (the assembly `onegpu train` uses) for a few
+steps of a tiny Llama saved with save_pretrained, its values substituted as fit_harness.py names.
+Runs inside a card's process; the loop runs on the simulated H100 only (it does not branch on which
+card runs it: the card's decisions are checked on every card in card_decisions.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import cards
+import fit_harness
+import pytest
+import torch
+
+from onegpu.training.state import Callback
+
+LOSS = 2.5  # what every fake scalar reads in these runs: the logged losses must be exactly it
+
+
+def _only(card, key: str) -> None:
+    if card.key != key:
+        pytest.skip(f"the loop runs on the simulated {key} (card decisions run on every card)")
+
+
+class Watch(Callback):
+    """What the run held during its steps, read from the run itself."""
+
+    def __init__(self):
+        self.params: list[set] = []  # per step: (device type, fake?) of every parameter
+        self.state: list[set] = []  # per step: devices of the optimizer's state
+        self.same_params = None  # the optimizer's parameters are the model's
+        self.autocast: list = []  # dtype of a projection's output in the steps' forwards
+        self.logged: list[tuple[float, int]] = []  # (memory_gb logged, the card's peak bytes)
+        self.micro: list[tuple[int, int]] = []  # per step: (micro_batch_size, grad_accum)
+
+    def on_train_begin(self, run, state) -> None:
+        opt = [p for g in run.optimizer.param_groups for p in g["params"]]
+        self.same_params = {id(p) for p in opt} == {id(p) for p in run.model.parameters()}
+        proj = run.model.model.layers[0].self_attn.q_proj
+        proj.register_forward_hook(
+            lambda m, i, out: self.autocast.append(out.dtype) if m.training else None
+        )
+
+    def on_step_end(self, run, state) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.params.append(
+            {(p.device.type, isinstance(p, FakeTensor)) for p in run.model.parameters()}
+        )
+        inner = run.optimizer.optimizer  # Accelerate's wrapper holds the torch optimizer
+        self.state.append({v.device.type for s in inner.state.values() for v in s.values()})
+        self.micro.append((state.micro_batch_size, state.grad_accum))
+
+    def on_log(self, run, state, record) -> None:
+        self.logged.append((record["memory_gb"], cards.MEMORY.peak))
+
+
+def config(tmp_path, model_dir, **training) -> dict:
+    """A few steps of the tiny model in bf16 autocast, evaluation on, no checkpoint written
+    (``training.save_every: 0``: only the final model, whose write fit_harness substitutes)."""
+    from helpers import make_cfg
+
+    cfg = make_cfg(tmp_path, model_dir, save_every=0, **training)
+    cfg["techniques"] = {"precision": "bf16"}
+    return cfg
+
+
+class Syncs:
+    """Counts the host synchronisations the training loop's ``_synchronize`` makes."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self._real = torch.cuda.synchronize
+
+        def sync(device=None):
+            caller = sys._getframe(1).f_code
+            if caller.co_name == "_synchronize" and caller.co_filename.endswith("training/loop.py"):
+                self.count += 1
+            return self._real(device)
+
+        torch.cuda.synchronize = sync
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize = self._real
+
+
+def test_fit_runs_on_the_card(card, tmp_path, tiny_model_dir):
+    """Four steps: the parameters were fake cuda tensors in every step (the optimizer's own, its
+    state on the card too), forward ran under bf16 autocast, the metrics hold every step and every
+    evaluation with the substituted loss (validation's over its
+    real target count), the memory logged is the card's counted peak, the loop
+    synchronised the host before each window's clock read, and no checkpoint was written."""
+    _only(card, "H100")
+    import onegpu
+    from onegpu.checkpoint.local import PREFIX
+    from onegpu.report import read_metrics
+
+    watch = Watch()
+    with Syncs() as syncs, fit_harness.on_the_card(LOSS):
+        cards.MEMORY.reset_peak()
+        result = onegpu.train(config(tmp_path, tiny_model_dir, max_steps=4, eval_every=2), [watch])
+    assert watch.same_params
+    assert watch.params == [{("cuda", True)}] * 4
+    assert watch.state == [{"cuda"}] * 4  # AdamW's step, exp_avg, exp_avg_sq
+    assert watch.autocast and set(watch.autocast) == {torch.bfloat16}
+    recs = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in recs if r["split"] == "train"] == [
+        (s, LOSS) for s in (1, 2, 3, 4)
+    ]
+    # validation: the substituted summed loss over the real count of the validation targets
+    val = [(r["step"], LOSS / r["loss"]) for r in recs if r["split"] == "val"]
+    assert [s for s, _ in val] == [0, 2, 4]
+    assert all(n == pytest.approx(round(n)) and round(n) > 0 for _, n in val)
+    # the memory logged is the card's counted peak; after a step it holds at least the fp32
+    # weights, their gradients and AdamW's two moments
+    weights = sum(p.numel() * 4 for p in result_params(tiny_model_dir))
+    assert len(watch.logged) == 4
+    assert all(gb == peak / 2**30 and peak >= 4 * weights for gb, peak in watch.logged)
+    assert syncs.count == 4  # log_every 1: one synchronisation per logged window
+    assert result.state.step == 4 and not list(result.run_dir.glob(f"{PREFIX}*"))
+    assert (result.final_dir / "model.safetensors").is_file()
+
+
+def result_params(model_dir):
+    """The saved tiny model's parameters (on the host, outside the card's mode)."""
+    from transformers import AutoModelForCausalLM
+
+    return list(AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())

@@ -1,0 +1,61 @@
+"""The training loop (``onegpu.train``) on a simulated card: what a whole run needs beyond a step.
+
+Inside ``on_the_card()`` a run goes through its real assembly, loop, evaluation and metrics; the
+card's "cuda" tensors are fake (cards.fake_cuda). What this adds to cards.py's substitutions, and
+why (nothing in src/ is patched):
+- parameters moved by Accelerate's device placement keep their identity:
+  ``torch.__future__.set_swap_module_params_on_conversion(True)`` makes ``module.to("cuda")`` swap
+  each parameter's contents in place (``torch.utils.swap_tensors``). A real ``.to()`` assigns
+  ``param.data``, which a fake tensor cannot take from a real one; without the swap the model would
+  get new Parameter objects and the optimizer built before the placement would hold the old host
+  ones;
+- page-locked batches: the DataLoader pins each batch (``pin_memory=True`` on a GPU); pinning needs
+  the CUDA host allocator, which is not there, so ``Tensor.pin_memory`` answers the batch as it is
+  (a real card returns a page-locked copy of the same values);
+- the final model's write (transformers' ``PreTrainedModel.save_pretrained``): fake weights hold
+  no values (nor storage addresses, which transformers reads to find tied weights), so it is given
+  a state dict of host zeros of each weight's shape and dtype; the file has the model's names,
+  shapes and dtypes, not trained weights. Checkpoints are not written at all
+  (``training.save_every: 0``);
+- values read by the loop (the logged loss, the NaN guard's verdict, the validation loss) are
+  cards.fake_value's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import cards
+
+
+@contextlib.contextmanager
+def on_the_card(value: float = cards.VALUE):
+    """Run what the block runs on the simulated card, the substitutions above in force."""
+    import torch
+    from transformers import PreTrainedModel
+
+    write = PreTrainedModel.save_pretrained
+    pin = torch.Tensor.pin_memory
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+
+    def zeros_save(model, directory, *args, state_dict=None, **kwargs):
+        state_dict = state_dict if state_dict is not None else model.state_dict()
+        zeros = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in state_dict.items()}
+        return write(model, directory, *args, state_dict=zeros, **kwargs)
+
+    def unpinned(t, device=None):
+        return t
+
+    PreTrainedModel.save_pretrained = zeros_save
+    torch.Tensor.pin_memory = unpinned
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with cards.fake_cuda() as mode, cards.fake_value(value):
+            # swap_tensors refuses a tensor with a weak reference: the converter's describer keeps
+            # one to every real tensor it has seen (the parameters being moved), so strongly here.
+            mode.fake_tensor_converter.meta_converter.describer.lookup_tensor = {}
+            yield mode
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        torch.Tensor.pin_memory = pin
+        PreTrainedModel.save_pretrained = write
