@@ -129,3 +129,91 @@ def result_params(model_dir):
     from transformers import AutoModelForCausalLM
 
     return list(AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())
+
+
+def write_pairs(path) -> str:
+    """Preference pairs from the tests' corpus: the snippet's rest chosen over its lines
+    reversed."""
+    import json
+
+    from helpers import CORPUS
+
+    snippets = [c for c in dict.fromkeys(CORPUS) if "\n" in c.strip()]
+    with open(path, "w") as f:
+        for i in range(24):
+            head, _, rest = snippets[i % len(snippets)].partition("\n")
+            worse = "\n".join(reversed(rest.splitlines())) + "\n"
+            f.write(json.dumps({"prompt": head + "\n", "chosen": rest, "rejected": worse}) + "\n")
+    return str(path)
+
+
+class ReferenceWatch(Callback):
+    """Forwards of a projection of the policy (and of the reference copy, if any) in the steps:
+    (whose, grad enabled, adapters disabled, device, fake, output dtype)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.copy = None  # the reference copy's parameters as (device, fake, requires_grad)
+        self.shared = None  # parameters the copy shares with the policy
+
+    def _hook(self, whose: str, module, policy):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        def record(m, args, out):
+            if not policy.training:  # the evaluations' forwards
+                return
+            off = bool(getattr(m, "disable_adapters", False))
+            fake = isinstance(out, FakeTensor)
+            self.calls.append(
+                (whose, torch.is_grad_enabled(), off, out.device.type, fake, out.dtype)
+            )
+
+        module.register_forward_hook(record)
+
+    def on_train_begin(self, run, state) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self._hook("policy", _q_proj(run.model), run.model)
+        copy = getattr(run.objective.reference, "model", None)
+        if copy is not None:
+            self._hook("copy", _q_proj(copy), run.model)
+            self.copy = {
+                (p.device.type, isinstance(p, FakeTensor), p.requires_grad)
+                for p in copy.parameters()
+            }
+            mine = {id(p) for p in run.model.parameters()}
+            self.shared = [n for n, p in copy.named_parameters() if id(p) in mine]
+
+
+def _q_proj(model):
+    """The first decoder layer's query projection (PEFT's LoRA layer when adapters are on)."""
+    return next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+
+
+@pytest.mark.parametrize("reference", ["adapters", "copy"])
+def test_dpo_reference_pass_on_the_card(card, tmp_path, tiny_model_dir, reference):
+    """DPO through onegpu.train: each micro-batch's reference log-probs come from a no-grad forward
+    on the card, of the policy with its LoRA adapters off (adapters) or of a frozen copy of the
+    starting model (copy, a full fine-tune) under the run's bf16 autocast; then the policy's own
+    forward with gradients."""
+    _only(card, "H100")
+    import onegpu
+
+    lora = reference == "adapters"
+    cfg = config(tmp_path, tiny_model_dir, max_steps=1, grad_accum=2, objective="dpo")
+    cfg["data"]["path"] = write_pairs(tmp_path / "pairs.jsonl")
+    cfg["data"]["seq_len"] = 64
+    cfg["preference"] = {"reference": reference}
+    cfg["techniques"]["lora"] = {"enabled": lora, "r": 8}
+    watch = ReferenceWatch()
+    with fit_harness.on_the_card(LOSS):
+        result = onegpu.train(cfg, [watch])
+    assert result.state.step == 1
+    ref = ("policy", False, True) if lora else ("copy", False, False)
+    policy = ("policy", True, False)
+    whose = [c[:3] for c in watch.calls]
+    # per micro-batch: the reference first, then the policy (1 step x 2 micro-batches)
+    assert whose == [ref, policy] * 2
+    assert {c[3:] for c in watch.calls} == {("cuda", True, torch.bfloat16)}
+    if not lora:
+        assert watch.copy == {("cuda", True, False)} and watch.shared == []

@@ -15,8 +15,12 @@ why (nothing in src/ is patched):
 - the final model's write (transformers' ``PreTrainedModel.save_pretrained``): fake weights hold
   no values (nor storage addresses, which transformers reads to find tied weights), so it is given
   a state dict of host zeros of each weight's shape and dtype; the file has the model's names,
-  shapes and dtypes, not trained weights. Checkpoints are not written at all
+  shapes and dtypes, not trained weights. A LoRA run's adapter (PEFT's ``save_pretrained``, whose
+  ``safe_save_file`` is given the same host zeros) likewise. Checkpoints are not written at all
   (``training.save_every: 0``);
+- tensors made from Python numbers on the card (``Tensor.new_tensor``, DPO's pair count): torch's
+  constructor allocates on the device itself, below the fake mode, so the tensor is made on the
+  host and moved, as cards.py does for batches (the same values on a real card);
 - values read by the loop (the logged loss, the NaN guard's verdict, the validation loss) are
   cards.fake_value's.
 """
@@ -31,23 +35,36 @@ import cards
 @contextlib.contextmanager
 def on_the_card(value: float = cards.VALUE):
     """Run what the block runs on the simulated card, the substitutions above in force."""
+    import peft.peft_model
     import torch
     from transformers import PreTrainedModel
 
-    write = PreTrainedModel.save_pretrained
+    write, adapter_write = PreTrainedModel.save_pretrained, peft.peft_model.safe_save_file
     pin = torch.Tensor.pin_memory
+    made = torch.Tensor.new_tensor
     swap = torch.__future__.get_swap_module_params_on_conversion()
 
     def zeros_save(model, directory, *args, state_dict=None, **kwargs):
         state_dict = state_dict if state_dict is not None else model.state_dict()
-        zeros = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in state_dict.items()}
-        return write(model, directory, *args, state_dict=zeros, **kwargs)
+        return write(model, directory, *args, state_dict=_zeros(state_dict), **kwargs)
+
+    def adapter_zeros_save(tensors, filename, metadata=None):
+        return adapter_write(_zeros(tensors), filename, metadata=metadata)
 
     def unpinned(t, device=None):
         return t
 
+    def new_tensor(t, data, dtype=None, device=None, requires_grad=False, **kw):
+        target = torch.device(device) if device is not None else t.device
+        if target.type != "cuda":
+            return made(t, data, dtype=dtype, device=device, requires_grad=requires_grad, **kw)
+        host = made(t.new_empty(0, device="cpu"), data, dtype=dtype or t.dtype)
+        return host.to(target).requires_grad_(requires_grad)
+
     PreTrainedModel.save_pretrained = zeros_save
+    peft.peft_model.safe_save_file = adapter_zeros_save
     torch.Tensor.pin_memory = unpinned
+    torch.Tensor.new_tensor = new_tensor
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         with cards.fake_cuda() as mode, cards.fake_value(value):
@@ -58,4 +75,13 @@ def on_the_card(value: float = cards.VALUE):
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         torch.Tensor.pin_memory = pin
+        torch.Tensor.new_tensor = made
         PreTrainedModel.save_pretrained = write
+        peft.peft_model.safe_save_file = adapter_write
+
+
+def _zeros(tensors: dict) -> dict:
+    """Host zeros of the shapes and dtypes of ``tensors`` (fake ones hold no values to write)."""
+    import torch
+
+    return {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in tensors.items()}
