@@ -5,6 +5,7 @@ card runs it: the card's decisions are checked on every card in card_decisions.p
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import cards
@@ -55,13 +56,13 @@ class Watch(Callback):
         self.logged.append((record["memory_gb"], cards.MEMORY.peak))
 
 
-def config(tmp_path, model_dir, **training) -> dict:
-    """A few steps of the tiny model in bf16 autocast, evaluation on, no checkpoint written
+def config(tmp_path, model_dir, precision: str = "bf16", **training) -> dict:
+    """A few steps of the tiny model in ``precision`` autocast, evaluation on, no checkpoint written
     (``training.save_every: 0``: only the final model, whose write fit_harness substitutes)."""
     from helpers import make_cfg
 
     cfg = make_cfg(tmp_path, model_dir, save_every=0, **training)
-    cfg["techniques"] = {"precision": "bf16"}
+    cfg["techniques"] = {"precision": precision}
     return cfg
 
 
@@ -217,3 +218,94 @@ def test_dpo_reference_pass_on_the_card(card, tmp_path, tiny_model_dir, referenc
     assert {c[3:] for c in watch.calls} == {("cuda", True, torch.bfloat16)}
     if not lora:
         assert watch.copy == {("cuda", True, False)} and watch.shared == []
+
+
+class Releases:
+    """Counts torch.cuda.empty_cache calls from recovery's release after an out-of-memory error."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self._real = torch.cuda.empty_cache
+
+        def empty(*args):
+            caller = sys._getframe(1).f_code
+            if caller.co_name == "release_memory" and caller.co_filename.endswith("recovery.py"):
+                self.count += 1
+            return self._real(*args)
+
+        torch.cuda.empty_cache = empty
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.empty_cache = self._real
+
+
+def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, caplog):
+    """A T4 whose memory is lowered (``MEMORY.limit``, a limit override: the tiny model would need
+    a batch far too large for the host to reach 15 GiB) to the peak that two steps of micro-batch
+    2 x grad_accum 2 reach: micro-batch 4 x 1 fits its first step, runs out of memory in its second
+    (AdamW's moments now exist), and the loop releases the failed attempt's memory (empty_cache
+    included), retries the step as 2 x grad_accum 2 (the effective batch kept) and finishes.
+    fp32: fp16's loss scaler would read the substituted value as an inf found (card_step checks the
+    scaler)."""
+    _only(card, "T4")
+    import onegpu
+    from onegpu.report import read_metrics
+
+    fits = Watch()
+    cards.MEMORY.reset_peak()
+    with fit_harness.on_the_card(LOSS):
+        onegpu.train(
+            config(
+                tmp_path,
+                tiny_model_dir,
+                "fp32",
+                name="fits",
+                micro_batch_size=2,
+                grad_accum=2,
+                max_steps=2,
+                eval_every=0,
+            ),
+            [fits],
+        )
+    logged, peak = fits.logged[-1]
+    gc.collect()
+    assert cards.MEMORY.allocated() == 0  # the first run gave all of its memory back
+    watch = Watch()
+    cards.MEMORY.limit = peak
+    try:
+        with Releases() as released, fit_harness.on_the_card(LOSS):
+            result = onegpu.train(
+                config(
+                    tmp_path,
+                    tiny_model_dir,
+                    "fp32",
+                    name="oom",
+                    micro_batch_size=4,
+                    grad_accum=1,
+                    max_steps=2,
+                    eval_every=0,
+                ),
+                [watch],
+            )
+    finally:
+        cards.MEMORY.limit = None
+    assert watch.micro == [(4, 1), (2, 2)]  # halved, accumulation doubled: 4 sequences a step
+    assert result.state.step == 2 and result.state.tokens_seen == 2 * 4 * 32
+    assert released.count == 1
+    assert "step 2: out of memory with micro_batch_size 4; retrying with 2 x grad_accum 2" in (
+        caplog.text
+    )
+    recs = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["split"] == "train"] == [1, 2]
+    assert logged == peak / 2**30 and cards.MEMORY.peak <= peak
+    # the error itself is the one a card raises
+    with cards.fake_cuda():
+        cards.MEMORY.limit = cards.MEMORY.allocated() + 1024
+        try:
+            with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to "):
+                torch.empty(4096, device="cuda")
+        finally:
+            cards.MEMORY.limit = None

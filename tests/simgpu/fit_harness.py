@@ -70,8 +70,16 @@ def on_the_card(value: float = cards.VALUE):
         with cards.fake_cuda() as mode, cards.fake_value(value):
             # swap_tensors refuses a tensor with a weak reference: the converter's describer keeps
             # one to every real tensor it has seen (the parameters being moved), so strongly here.
-            mode.fake_tensor_converter.meta_converter.describer.lookup_tensor = {}
-            yield mode
+            converter = mode.fake_tensor_converter.meta_converter
+            converter.describer.lookup_tensor = {}
+            mode.fake_tensor_converter.from_meta_and_device = _unremembered
+            try:
+                yield mode
+            finally:
+                # Both strong memos hold the run's card tensors (its parameters among them): drop
+                # them, so the card's memory is given back when the run's objects are.
+                converter.describer.lookup_tensor.clear()
+                converter.tensor_memo.clear()
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         torch.Tensor.pin_memory = pin
@@ -85,3 +93,12 @@ def _zeros(tensors: dict) -> dict:
     import torch
 
     return {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in tensors.items()}
+
+
+def _unremembered(fake_mode, t, device, pytype=None, dispatch_keys=None):
+    """An op's fresh output made fake (FakeTensorConverter.from_meta_and_device), not remembered:
+    cards.fake_cuda's memo keeps what it remembers alive for the whole block, which would keep
+    every such output (a failed step's among them) counted on the card."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
