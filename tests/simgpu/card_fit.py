@@ -66,26 +66,27 @@ def config(tmp_path, model_dir, precision: str = "bf16", **training) -> dict:
     return cfg
 
 
-class Syncs:
-    """Counts the host synchronisations the training loop's ``_synchronize`` makes."""
+class Calls:
+    """Counts the calls of ``torch.cuda.<name>`` made by the function ``caller`` of the source file
+    ending in ``path`` (the code under test calls torch.cuda through the module)."""
 
-    def __init__(self):
-        self.count = 0
+    def __init__(self, name: str, caller: str, path: str):
+        self.name, self.caller, self.path, self.count = name, caller, path, 0
 
     def __enter__(self):
-        self._real = torch.cuda.synchronize
+        self._real = getattr(torch.cuda, self.name)
 
-        def sync(device=None):
-            caller = sys._getframe(1).f_code
-            if caller.co_name == "_synchronize" and caller.co_filename.endswith("training/loop.py"):
+        def counted(*args, **kwargs):
+            code = sys._getframe(1).f_code
+            if code.co_name == self.caller and code.co_filename.endswith(self.path):
                 self.count += 1
-            return self._real(device)
+            return self._real(*args, **kwargs)
 
-        torch.cuda.synchronize = sync
+        setattr(torch.cuda, self.name, counted)
         return self
 
     def __exit__(self, *exc):
-        torch.cuda.synchronize = self._real
+        setattr(torch.cuda, self.name, self._real)
 
 
 def test_fit_runs_on_the_card(card, tmp_path, tiny_model_dir):
@@ -100,7 +101,10 @@ def test_fit_runs_on_the_card(card, tmp_path, tiny_model_dir):
     from onegpu.report import read_metrics
 
     watch = Watch()
-    with Syncs() as syncs, fit_harness.on_the_card(LOSS):
+    with (
+        Calls("synchronize", "_synchronize", "training/loop.py") as syncs,
+        fit_harness.on_the_card(LOSS),
+    ):
         cards.MEMORY.reset_peak()
         result = onegpu.train(config(tmp_path, tiny_model_dir, max_steps=4, eval_every=2), [watch])
     assert watch.same_params
@@ -220,28 +224,6 @@ def test_dpo_reference_pass_on_the_card(card, tmp_path, tiny_model_dir, referenc
         assert watch.copy == {("cuda", True, False)} and watch.shared == []
 
 
-class Releases:
-    """Counts torch.cuda.empty_cache calls from recovery's release after an out-of-memory error."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __enter__(self):
-        self._real = torch.cuda.empty_cache
-
-        def empty(*args):
-            caller = sys._getframe(1).f_code
-            if caller.co_name == "release_memory" and caller.co_filename.endswith("recovery.py"):
-                self.count += 1
-            return self._real(*args)
-
-        torch.cuda.empty_cache = empty
-        return self
-
-    def __exit__(self, *exc):
-        torch.cuda.empty_cache = self._real
-
-
 def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, caplog):
     """A T4 whose memory is lowered (``MEMORY.limit``, a limit override: the tiny model would need
     a batch far too large for the host to reach 15 GiB) to the peak that two steps of micro-batch
@@ -255,6 +237,8 @@ def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, c
     from onegpu.report import read_metrics
 
     fits = Watch()
+    gc.collect()
+    held = cards.MEMORY.allocated()  # what earlier checks in this process still hold on the card
     cards.MEMORY.reset_peak()
     with fit_harness.on_the_card(LOSS):
         onegpu.train(
@@ -272,11 +256,14 @@ def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, c
         )
     logged, peak = fits.logged[-1]
     gc.collect()
-    assert cards.MEMORY.allocated() == 0  # the first run gave all of its memory back
+    assert cards.MEMORY.allocated() == held  # the first run gave all of its memory back
     watch = Watch()
     cards.MEMORY.limit = peak
     try:
-        with Releases() as released, fit_harness.on_the_card(LOSS):
+        with (
+            Calls("empty_cache", "release_memory", "training/recovery.py") as released,
+            fit_harness.on_the_card(LOSS),
+        ):
             result = onegpu.train(
                 config(
                     tmp_path,
@@ -309,3 +296,43 @@ def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, c
                 torch.empty(4096, device="cuda")
         finally:
             cards.MEMORY.limit = None
+
+
+def test_probe_reports_the_cards_peak(card, tmp_path, tiny_model_dir):
+    """The planner's probe (plan/probe.probe_one: `train --plan auto` measures its best setups with
+    it) on the card: the setup the planner ranks first runs its warm-up and measured steps, the
+    peak it reports is the card's counted peak since the probe reset it, and it synchronises before
+    its clock and gives the card's cache back after."""
+    _only(card, "H100")
+    from helpers import make_cfg
+    from onegpu import hardware, models
+    from onegpu.config import from_dict
+    from onegpu.plan import probe
+    from onegpu.plan.arch import model_shape
+    from onegpu.plan.search import search
+    from onegpu.techniques.attention import planning_attention
+    from onegpu.training.data import build_data
+
+    cfg = from_dict(make_cfg(tmp_path, tiny_model_dir, micro_batch_size=2, grad_accum=1))
+    cfg.techniques.compile = "off"  # torch.compile under fake cuda is outside the tier
+    device = hardware.detect()
+    name = models.resolve_name(cfg.model, device.is_gpu)
+    shape = model_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
+    attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
+    gib = device.total_memory / 2**30
+    plan = search(cfg, probe._device_spec(device), shape, cfg.data.seq_len, 2, gib, attention)
+    row = plan.best
+    assert row is not None and row.candidate.techniques.precision in ("bf16", "bf16-pure")
+    shared = build_data(cfg, name)
+    cards.MEMORY.peak = 1 << 50  # a stale peak the probe must reset
+    with (
+        Calls("synchronize", "_sync", "plan/probe.py") as syncs,
+        Calls("empty_cache", "_release", "plan/probe.py") as released,
+        fit_harness.on_the_card(LOSS),
+    ):
+        measured = probe.probe_one(row, cfg, shared, device)
+    assert measured.error == "" and measured.tokens_per_s > 0
+    assert measured.peak_gb == cards.MEMORY.peak / 2**30
+    weights = sum(p.numel() for p in result_params(tiny_model_dir)) * 2  # at least bf16 weights
+    assert weights < cards.MEMORY.peak < 1 << 30
+    assert syncs.count == 1 and released.count == 1
