@@ -6,6 +6,7 @@ card runs it: the card's decisions are checked on every card in card_decisions.p
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import cards
@@ -18,9 +19,12 @@ from onegpu.training.state import Callback
 LOSS = 2.5  # what every fake scalar reads in these runs: the logged losses must be exactly it
 
 
-def _only(card, key: str) -> None:
-    if card.key != key:
-        pytest.skip(f"the loop runs on the simulated {key} (card decisions run on every card)")
+def only_on(key: str):
+    """Run on the simulated ``key`` only, skipped before any fixture is built on the others."""
+    return pytest.mark.skipif(
+        os.environ.get(cards.ENV_CARD) != key,
+        reason=f"the loop runs on the simulated {key} (card decisions run on every card)",
+    )
 
 
 class Watch(Callback):
@@ -89,13 +93,13 @@ class Calls:
         setattr(torch.cuda, self.name, self._real)
 
 
-def test_fit_runs_on_the_card(card, tmp_path, tiny_model_dir):
+@only_on("H100")
+def test_fit_runs_on_the_card(tmp_path, tiny_model_dir):
     """Four steps: the parameters were fake cuda tensors in every step (the optimizer's own, its
     state on the card too), forward ran under bf16 autocast, the metrics hold every step and every
     evaluation with the substituted loss (validation's over its
     real target count), the memory logged is the card's counted peak, the loop
     synchronised the host before each window's clock read, and no checkpoint was written."""
-    _only(card, "H100")
     import onegpu
     from onegpu.checkpoint.local import PREFIX
     from onegpu.report import read_metrics
@@ -195,13 +199,13 @@ def _q_proj(model):
     return next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
 
 
+@only_on("H100")
 @pytest.mark.parametrize("reference", ["adapters", "copy"])
-def test_dpo_reference_pass_on_the_card(card, tmp_path, tiny_model_dir, reference):
+def test_dpo_reference_pass_on_the_card(tmp_path, tiny_model_dir, reference):
     """DPO through onegpu.train: each micro-batch's reference log-probs come from a no-grad forward
     on the card, of the policy with its LoRA adapters off (adapters) or of a frozen copy of the
     starting model (copy, a full fine-tune) under the run's bf16 autocast; then the policy's own
     forward with gradients."""
-    _only(card, "H100")
     import onegpu
 
     lora = reference == "adapters"
@@ -224,7 +228,8 @@ def test_dpo_reference_pass_on_the_card(card, tmp_path, tiny_model_dir, referenc
         assert watch.copy == {("cuda", True, False)} and watch.shared == []
 
 
-def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, caplog):
+@only_on("T4")
+def test_out_of_memory_shrinks_the_micro_batch(tmp_path, tiny_model_dir, caplog):
     """A T4 whose memory is lowered (``MEMORY.limit``, a limit override: the tiny model would need
     a batch far too large for the host to reach 15 GiB) to the peak that two steps of micro-batch
     2 x grad_accum 2 reach: micro-batch 4 x 1 fits its first step, runs out of memory in its second
@@ -232,7 +237,6 @@ def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, c
     included), retries the step as 2 x grad_accum 2 (the effective batch kept) and finishes.
     fp32: fp16's loss scaler would read the substituted value as an inf found (card_step checks the
     scaler)."""
-    _only(card, "T4")
     import onegpu
     from onegpu.report import read_metrics
 
@@ -298,12 +302,12 @@ def test_out_of_memory_shrinks_the_micro_batch(card, tmp_path, tiny_model_dir, c
             cards.MEMORY.limit = None
 
 
-def test_probe_reports_the_cards_peak(card, tmp_path, tiny_model_dir):
+@only_on("H100")
+def test_probe_reports_the_cards_peak(tmp_path, tiny_model_dir):
     """The planner's probe (plan/probe.probe_one: `train --plan auto` measures its best setups with
     it) on the card: the setup the planner ranks first runs its warm-up and measured steps, the
     peak it reports is the card's counted peak since the probe reset it, and it synchronises before
     its clock and gives the card's cache back after."""
-    _only(card, "H100")
     from helpers import make_cfg
     from onegpu import hardware, models
     from onegpu.config import from_dict
