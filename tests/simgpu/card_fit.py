@@ -97,9 +97,9 @@ class Calls:
 def test_fit_runs_on_the_card(tmp_path, tiny_model_dir):
     """Four steps: the parameters were fake cuda tensors in every step (the optimizer's own, its
     state on the card too), forward ran under bf16 autocast, the metrics hold every step and every
-    evaluation with the substituted loss (validation's over its
-    real target count), the memory logged is the card's counted peak, the loop
-    synchronised the host before each window's clock read, and no checkpoint was written."""
+    evaluation with the substituted loss (validation's over its real target count), the memory
+    logged is the card's counted peak, the loop synchronised the host before each window's clock
+    read, and no checkpoint was written."""
     import onegpu
     from onegpu.checkpoint.local import PREFIX
     from onegpu.report import read_metrics
@@ -160,18 +160,20 @@ class ReferenceWatch(Callback):
     """Forwards of a projection of the policy (and of the reference copy, if any) in the steps:
     (whose, grad enabled, adapters disabled, device, fake, output dtype)."""
 
-    def __init__(self):
+    def __init__(self, copy: bool):
+        self.with_copy = copy  # the reference is a copy (preference.reference=copy)
         self.calls: list[tuple] = []
         self.copy = None  # the reference copy's parameters as (device, fake, requires_grad)
         self.shared = None  # parameters the copy shares with the policy
 
     def _hook(self, whose: str, module, policy):
+        from peft.tuners.lora import LoraLayer
         from torch._subclasses.fake_tensor import FakeTensor
 
         def record(m, args, out):
             if not policy.training:  # the evaluations' forwards
                 return
-            off = bool(getattr(m, "disable_adapters", False))
+            off = isinstance(m, LoraLayer) and m.disable_adapters
             fake = isinstance(out, FakeTensor)
             self.calls.append(
                 (whose, torch.is_grad_enabled(), off, out.device.type, fake, out.dtype)
@@ -183,8 +185,8 @@ class ReferenceWatch(Callback):
         from torch._subclasses.fake_tensor import FakeTensor
 
         self._hook("policy", _q_proj(run.model), run.model)
-        copy = getattr(run.objective.reference, "model", None)
-        if copy is not None:
+        if self.with_copy:
+            copy = run.objective.reference.model  # reference.CopyReference's frozen model
             self._hook("copy", _q_proj(copy), run.model)
             self.copy = {
                 (p.device.type, isinstance(p, FakeTensor), p.requires_grad)
@@ -214,7 +216,7 @@ def test_dpo_reference_pass_on_the_card(tmp_path, tiny_model_dir, reference):
     cfg["data"]["seq_len"] = 64
     cfg["preference"] = {"reference": reference}
     cfg["techniques"]["lora"] = {"enabled": lora, "r": 8}
-    watch = ReferenceWatch()
+    watch = ReferenceWatch(copy=not lora)
     with fit_harness.on_the_card(LOSS):
         result = onegpu.train(cfg, [watch])
     assert result.state.step == 1
