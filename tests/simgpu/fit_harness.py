@@ -21,8 +21,15 @@ why (nothing in src/ is patched):
 - tensors made from Python numbers on the card (``Tensor.new_tensor``, DPO's pair count): torch's
   constructor allocates on the device itself, below the fake mode, so the tensor is made on the
   host and moved, as cards.py does for batches (the same values on a real card);
+- the fake mode's memory of tensors: swap_tensors refuses a tensor something holds a weak
+  reference to, and the converter's describer holds one to every real tensor it converts (the
+  parameters being placed), so it holds them strongly in the block. An op's fresh output is not
+  remembered at all (``from_meta_and_device``): cards.fake_cuda's memo holds what it remembers for
+  the whole block, so a failed step's activations would stay counted on the card. Both memos are
+  emptied when the block ends, so the run's card memory is given back with its objects;
 - values read by the loop (the logged loss, the NaN guard's verdict, the validation loss) are
-  cards.fake_value's.
+  cards.fake_value's ``value``; a bool read answers ``bool(value)``, so a run passes a nonzero
+  one (0.0 reads as "not finite" to the NaN guard, which would skip every step).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import cards
 
 
 @contextlib.contextmanager
-def on_the_card(value: float = cards.VALUE):
-    """Run what the block runs on the simulated card, the substitutions above in force."""
+def on_the_card(value: float):
+    """Run what the block runs on the simulated card, the substitutions above in force; a fake
+    scalar reads ``value``."""
     import peft.peft_model
     import torch
     from transformers import PreTrainedModel
@@ -68,8 +76,7 @@ def on_the_card(value: float = cards.VALUE):
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         with cards.fake_cuda() as mode, cards.fake_value(value):
-            # swap_tensors refuses a tensor with a weak reference: the converter's describer keeps
-            # one to every real tensor it has seen (the parameters being moved), so strongly here.
+            # strong, so the parameters being placed can be swapped (see the docstring)
             converter = mode.fake_tensor_converter.meta_converter
             converter.describer.lookup_tensor = {}
             mode.fake_tensor_converter.from_meta_and_device = _unremembered
