@@ -344,3 +344,32 @@ def test_probe_reports_the_cards_peak(tmp_path, tiny_model_dir):
     weights = sum(p.numel() for p in result_params(tiny_model_dir)) * 2  # at least bf16 weights
     assert weights < cards.MEMORY.peak < 1 << 30
     assert syncs.count == 1 and released.count == 1
+
+
+@only_on("H100")
+def test_offload_optimizer_falls_back_through_the_assembly(tmp_path, monkeypatch, caplog):
+    """ZeRO CPU offload on the card: the assembly builds DeepSpeed's CPU Adam (a C++ op compiled on
+    first use); where that build fails (here a compiler that always fails, ``CXX=/bin/false``) the
+    run gets torch's AdamW over the model's parameters, with a warning, instead of stopping."""
+    import logging
+
+    from card_step import _model
+
+    from onegpu.config import Config
+    from onegpu.hardware import detect
+    from onegpu.training import assemble
+
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # no cached build
+    cfg = Config()
+    cfg.techniques.offload = "zero2-cpu"
+    t = cfg.training  # settled, as a run settles them before assembling (hyper.py)
+    t.lr, t.weight_decay, t.warmup_steps = 1e-4, 0.0, 0
+    model = _model()
+    with caplog.at_level(logging.WARNING), cards.fake_cuda():
+        cards.on_card(model)
+        optimizer, _ = assemble.build_optimizer(cfg, detect(), model)
+    assert type(optimizer) is torch.optim.AdamW
+    trained = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(trained) == sorted(id(p) for p in model.parameters())
+    assert "DeepSpeed CPU Adam failed to build" in caplog.text
