@@ -157,3 +157,16 @@ def test_optimizer_in_backward_step(card):
     inner = opt.optimizer
     assert type(inner).__name__ == "OptimizerInBackward"
     assert all(o.state for o in inner.inner)  # every parameter's optimizer stepped inside backward
+
+
+def test_nan_guard_verdict_on_the_card(card):
+    """The NaN guard reads one bool from the card: a finite value passes, inf is a bad step."""
+    from onegpu.training.recovery import NanGuard
+
+    _, _, _, loss = step(TechniquesConfig(precision="fp32"))
+    guard = NanGuard(max_bad_steps=3)
+    with cards.fake_cuda():
+        norm = torch.zeros((), device="cuda")
+        assert loss.is_cuda and not guard.is_bad(loss, norm)
+        with cards.fake_value(float("inf")):
+            assert guard.is_bad(loss, norm)

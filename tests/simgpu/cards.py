@@ -336,11 +336,11 @@ _VALUES: list[float] = []
 def _scalar(dtype):
     import torch
 
-    value = _VALUES[-1] if _VALUES else VALUE
-    if dtype == torch.bool:
-        return bool(value)
     import math
 
+    value = _VALUES[-1] if _VALUES else VALUE
+    if dtype == torch.bool:  # the loop's bool reads ask "is it finite?" (the NaN guard's verdict)
+        return math.isfinite(value)
     return value if dtype.is_floating_point or not math.isfinite(value) else int(value)
 
 
