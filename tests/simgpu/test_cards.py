@@ -11,6 +11,7 @@ CHECKS = [
     "tests/simgpu/card_decisions.py",
     "tests/simgpu/card_step.py",
     "tests/simgpu/card_risks.py",
+    "tests/simgpu/card_offload.py",
 ]
 
 
