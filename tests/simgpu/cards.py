@@ -31,7 +31,9 @@ Accelerate, PEFT and onegpu):
   step); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
   head reproduces the model's logits; the CPU tier checks it with values);
 - the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
-  ``module.to()`` can swap fake parameters in place;
+  ``module.to()`` can swap fake parameters in place; an op's output is not remembered at all, and
+  an op given a storage (``Tensor.set_``) skips the fake mode's op cache, whose key would hold
+  it: either would keep card bytes alive that a real card frees;
 - placement: a test puts the model on the card itself (``on_card``) before its optimizer is built
   and turns Accelerate's device placement off; moving fake parameters swaps their tensors, which
   drops hooks registered on them (optimizer in backward), where a real ``.to()`` keeps them;
