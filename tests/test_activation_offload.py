@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -189,3 +190,30 @@ def test_fake_tensors_move_what_real_ones_move(tiny_tokenizer, batch):
         loss_sum(model.train(), batch).backward()
     assert isinstance(next(model.parameters()), FakeTensor) and real.stats.moved > 0
     assert fake.stats == real.stats
+
+
+def test_a_graph_dropped_before_backward_frees_what_stayed(tiny_tokenizer, batch):
+    """What stays on the device (below min_bytes) is saved detached: an output its own node saves
+    (RMSNorm's rsqrt) must not keep that node, and so itself, alive once the graph is dropped
+    unused."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made.append(StorageWeakRef(t.untyped_storage()))
+            return out
+
+    model = _model(tiny_tokenizer)
+    offload = ActivationOffload(model, min_bytes=1 << 40).attach()  # every saved tensor stays
+    held = (*model.parameters(), *model.buffers(), *batch.values())  # alive anyway
+    anyway = {StorageWeakRef(t.untyped_storage()) for t in held}
+    made: list = []
+    with Outputs():
+        model(**batch)  # gradients on, the graph dropped with the output
+    gc.collect()
+    assert offload.stats.kept > 0 and offload.stats.moved == 0
+    assert [r for r in made if r not in anyway and not r.expired()] == []

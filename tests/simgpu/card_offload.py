@@ -9,6 +9,7 @@ overlap (cards.py, "streams and events"); equal values are the CPU tier's
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass, field
 
 import card_step
@@ -90,6 +91,7 @@ def watching(track_saves: bool):
         if state["done"]:
             return
         if state["depth"] == 0:
+            gc.collect()  # alive is reachable: nothing waits for the collector in either reading
             seen.start = cards.MEMORY.allocated()
             weights = (*mod.parameters(), *mod.buffers())
             state["weights"] = {StorageWeakRef(w.untyped_storage()) for w in weights}
@@ -106,6 +108,7 @@ def watching(track_saves: bool):
             if track_saves:
                 saves.__exit__(None, None, None)
             host.__exit__(None, None, None)
+            gc.collect()
             seen.end, seen.host = cards.MEMORY.allocated(), host.allocated()
             state["done"] = True
 
@@ -187,7 +190,6 @@ def card_peak(setup) -> dict:
     state exists, gradients were freed): torch.cuda.max_memory_allocated over it, bytes, and what
     ran. Built as training builds it (see fullsize.build, which does the same on fake host
     tensors): prepare_model for "cuda", then fake "cuda" weights."""
-    import gc
     import time
 
     from accelerate.state import AcceleratorState
@@ -274,3 +276,29 @@ def test_full_size_peak_with_offload_as_planned(card):
     saved = rows[False][0]["peak"] - rows[True][0]["peak"]
     planned_saving = rows[False][1]["peak"] - rows[True][1]["peak"]
     assert 0 < planned_saving <= saved
+
+
+def test_forward_without_backward_releases_its_copies(card):
+    """A forward whose graph is dropped before any backward (an evaluation with gradients on)
+    leaves only its copies in flight on the card beyond what the plain model leaves, and the next
+    forward releases them first."""
+    if card.key not in card_step.EVERY_STEP:
+        pytest.skip(f"the method steps run on {' and '.join(card_step.EVERY_STEP)}")
+    from onegpu.techniques.prepare import prepare_model
+
+    held = {}
+    for offload in (False, True):
+        tcfg = TechniquesConfig(activation_offload=offload, activation_offload_min_bytes=MIN_BYTES)
+        model = prepare_model(card_step._model(), tcfg, "cuda")
+        with cards.fake_cuda():
+            cards.on_card(model).train()
+            batch = {k: v.to("cuda") for k, v in card_step._batch().items()}
+            gc.collect()
+            before, held[offload] = torch.cuda.memory_allocated(), []
+            for _ in range(2):
+                model(**batch)  # the output, and with it the graph, is dropped at once
+                gc.collect()
+                held[offload].append(torch.cuda.memory_allocated() - before)
+    in_flight = attached(model).stats.in_flight
+    assert in_flight > 0 and held[True] == [held[False][0] + in_flight] * 2
+    assert held[False][0] == held[False][1]

@@ -37,6 +37,9 @@ Accelerate, PEFT and onegpu):
 - placement: a test puts the model on the card itself (``on_card``) before its optimizer is built
   and turns Accelerate's device placement off; moving fake parameters swaps their tensors, which
   drops hooks registered on them (optimizer in backward), where a real ``.to()`` keeps them;
+- threads: the backward runs on the calling thread (``torch.autograd.set_multithreading_enabled``
+  off), not on autograd's CUDA device thread, so that coverage sees what runs in it (saved-tensor
+  unpack hooks, the optimizer step in backward); nothing in a step depends on which thread;
 - page-locked host buffers (``pin_memory=True``, activation offload) are fake host tensors: the
   CUDA host allocator is not there;
 - streams and events (``torch.cuda.Stream``, ``Event``, ``current_stream``, ``default_stream``,
@@ -253,6 +256,10 @@ def install(card: Card) -> None:
     cuda.default_stream = lambda device=None: _STREAMS[0]
     cuda.stream = _on_stream
     cuda.set_stream = lambda stream: _STREAMS.__setitem__(-1, stream or _STREAMS[0])
+    # Backward on the calling thread: for "cuda" tensors autograd runs it on a device thread of
+    # its own, started from C++, where coverage cannot follow (the backward's hooks would count
+    # as never run).
+    torch.autograd.set_multithreading_enabled(False)
     # `onegpu doctor` asks the driver API for its version where nvidia-smi is absent.
     torch._C._cuda_getDriverVersion = lambda: DRIVER_API
     # bitsandbytes (imported by PEFT) asks for the current stream's handle when it loads.

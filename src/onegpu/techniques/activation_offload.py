@@ -200,7 +200,10 @@ class ActivationOffload:
                 if key not in fwd.small:  # count each storage once
                     fwd.small.add(key)
                     self.stats.kept += storage.nbytes()
-                return tensor
+                # Detached, as torch asks of a pack hook's result: an output its own node saves
+                # (rsqrt's, softmax's) would hold that node, and the node it, so a graph dropped
+                # before its backward (an evaluation with gradients on) would never be freed.
+                return tensor.detach()
             stored = _Stored(storage, tensor.device, len(fwd.order))
             self._to_host(stored, storage)
             fwd.order.append(stored)
