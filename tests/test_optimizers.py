@@ -80,6 +80,61 @@ def test_fused_and_foreach_compute_the_same_update():
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
 
+def test_sgd_is_fused_and_computes_foreach_sgds_update():
+    """Fused SGD: the same update as torch's foreach SGD with momentum and weight decay, and no
+    decayed copy of the gradients at the step (foreach builds one for the whole group at once)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    weights, temps = [], []
+    for fused in (True, False):
+        model, x, target = _problem()
+        opt = _build(model, "sgd", lr=0.1, wd=0.1)
+        if not fused:  # the implementation a card otherwise defaults to
+            opt = torch.optim.SGD(
+                model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1, foreach=True
+            )
+        assert bool(opt.param_groups[0]["fused"]) is fused
+        _step(model, opt, x, target)  # the momentum buffer exists from here on
+        torch.nn.functional.mse_loss(model(x), target).backward()
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            opt.step()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        temps.append(peak["Total"] - 3 * DIM * DIM * 4)  # beyond weight, gradient and momentum
+        weights.append(model.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+    assert temps[0] < DIM * DIM * 4 / 2 and temps[1] >= DIM * DIM * 4, temps
+
+
+def test_adafactor_steps_one_tensor_at_a_time():
+    """Adafactor is built single-tensor (a card would default to foreach): its step holds one
+    matrix's variance estimate and its update, where foreach holds every matrix's at once."""
+
+    def step_temp(opt, model, x) -> int:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        model(x).square().mean().backward()
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            opt.step()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        return peak["Total"] - 2 * 4 * sum(p.numel() for p in model.parameters())  # w + grads
+
+    temps = []
+    for foreach in (None, True):  # None: what build_optimizer makes
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(8)])
+        opt = _build(model, "adafactor")
+        if foreach:
+            opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, foreach=True)
+        assert opt.defaults["foreach"] is (foreach or False)
+        temps.append(step_temp(opt, model, torch.randn(8, DIM)))
+    one = DIM * DIM * 4
+    assert temps[0] <= 2.5 * one and temps[1] >= 7.5 * one, temps  # two matrices vs eight
+
+
 def _state_after_one_step(name):
     model, x, target = _problem()
     opt = _build(model, name)

@@ -75,9 +75,9 @@ def test_activation_offload_moves_the_blocks_to_pinned_host_memory():
         assert host == pytest.approx(blocks) and b.host_activations == host > 0
         # what stays on the device: the rest, and the copies in flight (4 of the largest storage)
         storage = memory.largest_saved(shape, off, 4096, False, ckpt == "full")
-        assert b.components["activations"] == pytest.approx(
-            a.components["activations"] - host + 4 * storage
-        )
+        kept_plain, kept_off = (memory.activations(shape, x, 2048)[0] for x in (plain, off))
+        assert kept_off == pytest.approx(kept_plain - host + 4 * storage)
+        assert b.peak <= a.peak
         assert "offloaded activations (pinned host)" in b.components
 
 

@@ -19,7 +19,9 @@ Accelerate, PEFT and onegpu):
 - torch.cuda's memory statistics (``memory_allocated``, ``max_memory_allocated``,
   ``reset_peak_memory_stats``, ``memory_reserved``, ``empty_cache``): the bytes of the live
   storages of fake "cuda" tensors, counted by a dispatch mode (``CudaMemory``), peak included;
-  no allocator rounding, no CUDA context;
+  no allocator rounding, no CUDA context; with ``MEMORY.limit`` set (a check's switch) an op past
+  it raises torch.OutOfMemoryError with the message a card gives ("CUDA out of memory. Tried to
+  allocate ...");
 - transformers under fake tensors: ``is_torchdynamo_compiling``-style "tracing" checks count
   FakeTensors as tracing, so the causal mask is always materialised (SDPA gets a bool mask);
   batches are built on the CPU and moved (``torch.tensor(..., device="cuda")`` would allocate);
@@ -329,13 +331,15 @@ def _on_stream(stream):
 # ---------------------------------------------------------------- fake tensors and their memory
 class CudaMemory:
     """Bytes of the live storages of fake "cuda" tensors, and their peak (a TorchDispatchMode sees
-    every op's outputs; a storage counts until Python frees it)."""
+    every op's outputs; a storage counts until Python frees it). With ``limit`` set, an op whose
+    new storages would take the count past it raises the out-of-memory error a card raises."""
 
     def __init__(self):
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.live = WeakIdKeyDictionary()
         self.peak = 0
+        self.limit: int | None = None  # bytes; None (the default): never out of memory
 
     def allocated(self) -> int:
         return sum(self.live.values())
@@ -347,12 +351,23 @@ class CudaMemory:
         import torch
         from torch.utils import _pytree as pytree
 
+        new = {}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 st = t.untyped_storage()
                 if st not in self.live:
-                    self.live[st] = st.nbytes()
-        self.peak = max(self.peak, self.allocated())
+                    new[id(st)] = (st, st.nbytes())
+        asked, held = sum(n for _, n in new.values()), self.allocated()
+        if self.limit is not None and held + asked > self.limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {asked / 2**20:.2f} MiB. GPU 0 has a total "
+                f"capacity of {self.limit / 2**30:.2f} GiB of which "
+                f"{max(self.limit - held, 0) / 2**20:.2f} MiB is free. Of the allocated memory "
+                f"{held / 2**30:.2f} GiB is allocated by PyTorch."
+            )
+        for st, n in new.values():
+            self.live[st] = n
+        self.peak = max(self.peak, held + asked)
 
 
 MEMORY = CudaMemory()

@@ -28,7 +28,12 @@ Substitutions, each because fake tensors hold no values or this machine has no C
 - MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) refuses: frozen
   parameters are entered as hooked already (``Tracker``);
 - Accelerate keeps the fake weights where they are (``device_placement=False``): moving fake
-  parameters between devices would swap them for real storage.
+  parameters between devices would swap them for real storage;
+- fused SGD's in-place kernel has no fake implementation in torch 2.13 (fused AdamW's has), and
+  FakeTensor's fallback would run it on real zero tensors of full size: it gets one that does
+  nothing (``_fused_sgd_meta``), which is what it allocates on a card too;
+- a value read from a fake tensor (``.item()``: Adafactor's relative step reads each weight's
+  norm) is 1.0 (``_Values``): it scales an update, not a size.
 
 MemTracker counts what the caching allocator would hand out, not what it reserves: the CUDA context,
 the cuBLAS workspace and allocator rounding stay the planner's own additions (``reserved()``).
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from onegpu.plan.candidate import Candidate, setup
@@ -248,6 +254,15 @@ class CardAttention:
         AttentionInterface.register("sdpa", self.plain)
 
 
+class _Values(TorchDispatchMode):
+    """``.item()`` of a fake tensor reads 1.0 (see the module docstring)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
+
+
 class ModulesInModel(ModTracker):
     """ModTracker hooks only for the model and module calls inside its forward (see the module
     docstring: the fused loss calls the output head outside it)."""
@@ -280,6 +295,19 @@ class Tracker(MemTracker):
                 self._param_to_grad_hook_handles[p] = (RemovableHandle(none), RemovableHandle(none))
 
 
+_LIBRARIES: list = []
+
+
+def _fused_sgd_meta() -> None:
+    """A do-nothing meta kernel for ``aten._fused_sgd_`` (see the module docstring), once."""
+    if _LIBRARIES or torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_sgd_", "Meta"):
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for name in ("_fused_sgd_", "_fused_sgd_.tensor_lr"):
+        lib.impl(name, lambda *args, **kwargs: None, "Meta")
+    _LIBRARIES.append(lib)  # the registration lasts as long as the Library object
+
+
 def build(config, c: Candidate):
     """(model, optimizer, loss function, accelerator, run config) for a setup, built by training's
     own functions, with fake weights. The only place the harness calls into the build path."""
@@ -295,6 +323,7 @@ def build(config, c: Candidate):
     from onegpu.techniques.prepare import prepare_model
     from onegpu.training.assemble import make_accelerator
 
+    _fused_sgd_meta()
     cfg = c.apply(Config())
     device = DeviceInfo(type="cpu", name="cpu", total_memory=0)  # where autocast runs
     precision = c.techniques.precision
@@ -334,7 +363,7 @@ def tracked(setup: Setup, route_sdpa: bool = True) -> dict:
     ] * c.training.grad_accum
     route = CardAttention()
     t0 = time.perf_counter()
-    with route if route_sdpa else contextlib.nullcontext():
+    with route if route_sdpa else contextlib.nullcontext(), _Values():
         train_step(model, optimizer, micro, accelerator, cfg.training.max_grad_norm, loss_fn)
         tracker = Tracker(model)
         tracker.track_external(model, optimizer)

@@ -11,6 +11,8 @@ CHECKS = [
     "tests/simgpu/card_decisions.py",
     "tests/simgpu/card_step.py",
     "tests/simgpu/card_risks.py",
+    "tests/simgpu/card_fit.py",
+    "tests/simgpu/card_refusals.py",
     "tests/simgpu/card_offload.py",
 ]
 

@@ -138,7 +138,7 @@ def state_bytes(shape: ModelShape, c: Candidate) -> float:
 
 def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
     """Temporaries of optimizer.step(): foreach AdamW builds whole-model intermediate lists; fused
-    and 8-bit kernels work in place; per-tensor optimizers need one tensor's worth."""
+    SGD works in place; per-tensor optimizers need one tensor's worth."""
     n = trainable_params(shape, c)
     opt = c.techniques.optimizer
     if c.techniques.offload != "none":
@@ -146,6 +146,8 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
     fused = opt == "adamw-fused" or (opt == "adamw" and on_gpu)
     if opt in ("adamw", "adamw-foreach") and not fused:
         return n * trained_bytes(c)
+    if opt == "sgd":  # fused SGD updates in place (tests/test_optimizers.py measures it)
+        return 0.0
     return min(n, shape.largest_param) * 4 * 2
 
 
@@ -158,7 +160,7 @@ def activation_bytes(
 ) -> tuple[float, float]:
     """(bytes kept for backward on the device, extra bytes at the peak above them: the loss's own
     peak, or one recomputed or reloaded block, whichever is larger)."""
-    kept, transient, _ = activations(shape, c, seq_len, acts, attention)
+    kept, transient, _, _ = activations(shape, c, seq_len, acts, attention)
     return kept, transient
 
 
@@ -171,7 +173,8 @@ def activations(
     on_gpu: bool = True,
 ) -> tuple[float, float, float]:
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
-    host memory under activation offload; off a GPU they are already in host memory and stay)."""
+    host memory under activation offload, off a GPU already in host memory where they stay;
+    activation bytes while the backward is in the first block: ``first_block_bytes``)."""
     t = c.techniques
     seq_len = c.sequence_tokens(seq_len)  # GRPO: prompt and completion
     acts = acts or activation_model(shape.config, t, attention)
@@ -192,6 +195,7 @@ def activations(
     transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept)
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
+    first = first_block_bytes(shape, c, rows, seq_len, acts, compiled, not_kept, tiled)
     host = 0.0
     if on_gpu and t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
@@ -215,7 +219,48 @@ def activations(
             else acts.block_at(rows, seq_len, compiled, not_kept)
         )
         transient += back + PREFETCH * storage
-    return kept, max(transient, loss), host
+    return kept, max(transient, loss), host, first
+
+
+def first_block_bytes(
+    shape: ModelShape,
+    c: Candidate,
+    rows: int,
+    seq_len: int,
+    acts: ActivationModel,
+    compiled: bool,
+    not_kept: float,
+    tiled: bool,
+) -> float:
+    """Activation bytes when the backward is inside the first decoder block, its last: that
+    block's saved tensors (kept, or recomputed beside its checkpointed input) and its MLP's
+    backward intermediates: the gradient of the gated product, then those of the gate and up
+    projections together (tokens x intermediate each), beside the incoming hidden gradient. With
+    every gradient but the first block's and the input embedding's made by then, this is the
+    backward's other end (``late_backward_bytes``)."""
+    tokens = rows * seq_len
+    first = acts.block_at(rows, seq_len, compiled, not_kept)
+    if c.techniques.checkpointing != "off":  # block 0 checkpoints in every mode (every-n from 0)
+        first += acts.block_ckpt.at(rows, seq_len)
+    mlp_tokens = min(tile_tokens(shape, c), tokens) if tiled else tokens
+    return first + (3 * mlp_tokens * shape.intermediate + tokens * shape.hidden) * act_bytes(c)
+
+
+def late_backward_bytes(shape: ModelShape, c: Candidate, first_block: float) -> float:
+    """Device bytes above weights and optimizer state when the backward reaches the first block:
+    every gradient made so far and that block's activations. Without accumulation, that is all
+    gradients but the first block's and the input embedding's; a tied output head's gradient is
+    there (autograd holds it until the embedding's part is added: the same size), an untied
+    one's too. Accumulating, all gradients exist throughout; stepped in backward, or LoRA, they
+    are small."""
+    t = c.techniques
+    g = grad_bytes(shape, c)
+    if c.training.grad_accum > 1 or t.optimizer_in_backward or c.lora_rank or t.offload != "none":
+        return g + first_block
+    pb = param_bytes(t.precision)
+    block = (shape.params - shape.embed_params) / max(shape.layers, 1) * pb
+    embedding = 0 if shape.tied else shape.input_embed_params * pb
+    return g - block - embedding + first_block
 
 
 def rollout_bytes(shape: ModelShape, c: Candidate, seq_len: int) -> float:
@@ -328,10 +373,11 @@ def estimate(
     """Peak bytes of one optimizer step.
 
     The peak is either late in forward / early in backward (activations, plus gradients already
-    held from earlier micro-batches when accumulating) or in optimizer.step() (all gradients and the
-    optimizer's temporaries); weights and optimizer state are there throughout.
+    held from earlier micro-batches when accumulating), at the backward's last block (nearly every
+    gradient, one block's activations) or in optimizer.step() (all gradients and the optimizer's
+    temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient, host = activations(shape, c, seq_len, acts, attention, on_gpu)
+    kept, transient, host, first = activations(shape, c, seq_len, acts, attention, on_gpu)
     w, g, o = (
         weight_bytes(shape, c),
         grad_bytes(shape, c),
@@ -339,7 +385,10 @@ def estimate(
     )
     temp = optimizer_temp_bytes(shape, c, on_gpu)
     held_grads = g if c.training.grad_accum > 1 else 0.0
-    backward_peak = kept + transient + held_grads
+    # The backward's two ends: its start (all activations, the loss's or a block's transient)
+    # and its last block (nearly all gradients made); between them one grows as the other falls.
+    late = late_backward_bytes(shape, c, first)
+    backward_peak = max(kept + transient + held_grads, late)
     step_peak = g + temp
     comps = {
         "weights": w,
@@ -349,6 +398,8 @@ def estimate(
         "backward transient": transient,
         "optimizer temporaries": temp,
     }
+    if late > kept + transient + held_grads:  # the activations at that moment: the first block's
+        comps["activations"], comps["backward transient"] = first, 0.0
     if (
         c.reference_kind == "copy"
     ):  # DPO's frozen reference: the whole model once more, in the weights' dtype

@@ -104,11 +104,20 @@ def _adafactor(groups, lr, on_cuda):
             "techniques.optimizer=adafactor needs torch.optim.Adafactor (torch >= 2.5).",
             hint="pip install -U torch",
         )
-    return torch.optim.Adafactor(groups, lr=lr)
+    # Single-tensor: the foreach form (a card's default) builds every matrix's full-size variance
+    # estimate at once, a whole model of temporaries in the step of the optimizer chosen for its
+    # small memory; one tensor at a time holds one.
+    return torch.optim.Adafactor(groups, lr=lr, foreach=False)
 
 
 def _sgd(groups, lr, on_cuda):
-    return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    """SGD with momentum, fused where torch has the kernel (CUDA, and CPU since torch 2.4): one
+    pass in place. foreach, a card's default otherwise, builds a decayed copy of every gradient
+    of a weight-decayed group at once (a whole model's worth of temporaries at the step)."""
+    try:
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, fused=True)
+    except RuntimeError:  # a device or dtype without the fused kernel
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, foreach=True)
 
 
 # ------------------------------------------------------------------------------ bitsandbytes
