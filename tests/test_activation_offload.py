@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def batch(tiny_tokenizer):
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
-def _model(tok, checkpointing="off"):
-    model = make_tiny_llama(tok, num_hidden_layers=LAYERS)
+def _model(tok, checkpointing="off", **config):
+    model = make_tiny_llama(tok, num_hidden_layers=LAYERS, **config)
     return apply_checkpointing(model, TechniquesConfig(checkpointing=checkpointing), "cpu")
 
 
@@ -166,3 +167,53 @@ def test_hooks_left_when_forward_raises_and_off_without_grad(tiny_tokenizer, bat
     with torch.no_grad():
         model(input_ids=batch["input_ids"])
     assert offload.stats is after_raise  # no forward was entered: nothing is saved without grad
+
+
+def test_fake_tensors_move_what_real_ones_move(tiny_tokenizer, batch):
+    """A FakeTensor (torch's shape propagation, the simulated-GPU tier's card) stands for a plain
+    tensor but has no data address: the storages a forward on fake tensors moves are those the
+    same forward on real tensors moves, found by the storage's identity, not its address."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    threshold = batch["input_ids"].numel() * HIDDEN * 4  # a block input and larger
+    # eager attention: transformers counts fake tensors as tracing and then always builds the
+    # causal mask, which SDPA on real tensors does without (a different graph)
+    real = ActivationOffload(
+        _model(tiny_tokenizer, attn_implementation="eager"), min_bytes=threshold
+    ).attach()
+    loss_sum(real.model.train(), batch).backward()
+    with torch.device("meta"):
+        model = _model(tiny_tokenizer, attn_implementation="eager")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu").tie_weights()
+        fake = ActivationOffload(model, min_bytes=threshold).attach()
+        loss_sum(model.train(), batch).backward()
+    assert isinstance(next(model.parameters()), FakeTensor) and real.stats.moved > 0
+    assert fake.stats == real.stats
+
+
+def test_a_graph_dropped_before_backward_frees_what_stayed(tiny_tokenizer, batch):
+    """What stays on the device (below min_bytes) is saved detached: an output its own node saves
+    (RMSNorm's rsqrt) must not keep that node, and so itself, alive once the graph is dropped
+    unused."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made.append(StorageWeakRef(t.untyped_storage()))
+            return out
+
+    model = _model(tiny_tokenizer)
+    offload = ActivationOffload(model, min_bytes=1 << 40).attach()  # every saved tensor stays
+    held = (*model.parameters(), *model.buffers(), *batch.values())  # alive anyway
+    anyway = {StorageWeakRef(t.untyped_storage()) for t in held}
+    made: list = []
+    with Outputs():
+        model(**batch)  # gradients on, the graph dropped with the output
+    gc.collect()
+    assert offload.stats.kept > 0 and offload.stats.moved == 0
+    assert [r for r in made if r not in anyway and not r.expired()] == []

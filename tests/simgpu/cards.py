@@ -33,12 +33,24 @@ Accelerate, PEFT and onegpu):
   step); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
   head reproduces the model's logits; the CPU tier checks it with values);
 - the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
-  ``module.to()`` can swap fake parameters in place;
+  ``module.to()`` can swap fake parameters in place; an op's output is not remembered at all, and
+  an op given a storage (``Tensor.set_``) skips the fake mode's op cache, whose key would hold
+  it: either would keep card bytes alive that a real card frees;
 - placement: a test puts the model on the card itself (``on_card``) before its optimizer is built
   and turns Accelerate's device placement off; moving fake parameters swaps their tensors, which
   drops hooks registered on them (optimizer in backward), where a real ``.to()`` keeps them;
+- threads: the backward runs on the calling thread (``torch.autograd.set_multithreading_enabled``
+  off), not on autograd's CUDA device thread, so that coverage sees what runs in it (saved-tensor
+  unpack hooks, the optimizer step in backward); nothing in a step depends on which thread;
 - page-locked host buffers (``pin_memory=True``, activation offload) are fake host tensors: the
   CUDA host allocator is not there;
+- streams and events (``torch.cuda.Stream``, ``Event``, ``current_stream``, ``default_stream``,
+  ``stream``, ``set_stream``): ``NoStream`` and ``NoEvent``, which order nothing. On a card with no
+  data every copy is complete when its call returns, so work placed on a side stream (activation
+  offload's copies) runs, and its bookkeeping (which storages stay, which come back, the in-flight
+  bound) is checked, but the overlap itself and the waits that make it safe cannot be observed:
+  a missing ``wait_stream``/``wait_event`` would go unnoticed here. That is tests/gpu's (skipped
+  here) overlap test;
 - checkpoint writing, text generation and the CUDA RNG state stay out of the tier: they need real
   values or the real driver.
 """
@@ -239,10 +251,81 @@ def install(card: Card) -> None:
         setattr(cuda, name, fn)
         if hasattr(cuda.memory, name):
             setattr(cuda.memory, name, fn)
+    # Streams and events: the CPU build has none (see NoStream).
+    cuda.Stream, cuda.Event = NoStream, NoEvent
+    _STREAMS[:] = [NoStream()]
+    cuda.current_stream = lambda device=None: _STREAMS[-1]
+    cuda.default_stream = lambda device=None: _STREAMS[0]
+    cuda.stream = _on_stream
+    cuda.set_stream = lambda stream: _STREAMS.__setitem__(-1, stream or _STREAMS[0])
+    # Backward on the calling thread: for "cuda" tensors autograd runs it on a device thread of
+    # its own, started from C++, where coverage cannot follow (the backward's hooks would count
+    # as never run).
+    torch.autograd.set_multithreading_enabled(False)
     # `onegpu doctor` asks the driver API for its version where nvidia-smi is absent.
     torch._C._cuda_getDriverVersion = lambda: DRIVER_API
     # bitsandbytes (imported by PEFT) asks for the current stream's handle when it loads.
     torch._C._cuda_getCurrentRawStream = lambda device: 0
+
+
+class NoEvent:
+    """A CUDA event on a card with no data: what it marks has always happened."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NoStream:
+    """A CUDA stream on a card with no data: each copy or kernel issued on it is done when its
+    call returns, so there is nothing to wait for and nothing to order."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        import torch
+
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> NoEvent:
+        event = event or NoEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_STREAMS: list = []  # the current stream last: [the default stream, streams entered...]
+
+
+@contextlib.contextmanager
+def _on_stream(stream):
+    """``torch.cuda.stream(s)``: ``current_stream()`` is ``s`` inside the block."""
+    _STREAMS.append(stream or _STREAMS[-1])
+    try:
+        yield
+    finally:
+        _STREAMS.pop()
 
 
 # ---------------------------------------------------------------- fake tensors and their memory
@@ -295,7 +378,11 @@ def _card_mode(fake_mode):
     its target tokens from real labels); ops that touch the card go to the fake mode, and the
     card's memory is counted."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        disable_fake_tensor_cache,
+        unset_fake_temporarily,
+    )
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -323,7 +410,14 @@ def _card_mode(fake_mode):
                 lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t),
                 (args, kwargs),
             )
-            out = func(*args, **kwargs)
+            # An op given a storage (Tensor.set_) bypasses the fake mode's op cache: the cache's
+            # key would hold the storage, and so its bytes on the card, for the whole process.
+            leaves = pytree.tree_leaves((args, kwargs))
+            if any(isinstance(x, torch.UntypedStorage) for x in leaves):
+                with disable_fake_tensor_cache(fake_mode):
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
             MEMORY.record(out)
             return out
 
@@ -366,11 +460,23 @@ def fake_cuda():
     # module.to() on fake parameters (Accelerate's prepare) swaps them in place, which a weak
     # reference forbids. A plain dict remembers them strongly, for the length of the block.
     mode.fake_tensor_converter.meta_converter.tensor_memo = {}
+    # An op's output (a fresh meta tensor made fake) went to the same memo, and so lived as long
+    # as the block, with its bytes on the card: every op the fake mode's cache had not seen yet
+    # (the first layer's intermediates) stayed alive. Nothing looks an op's output up again, so
+    # it is made fake without being remembered.
+    mode.fake_tensor_converter.from_meta_and_device = _unremembered
     try:
         with mode, _card_mode(mode):
             yield mode
     finally:
         torch.cuda.empty_cache()
+
+
+def _unremembered(fake_mode, t, device, pytype=None, dispatch_keys=None):
+    """The fake tensor for an op's meta output, on ``device``, not remembered by the converter."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
 
 def on_card(model):

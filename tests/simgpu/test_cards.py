@@ -13,6 +13,7 @@ CHECKS = [
     "tests/simgpu/card_risks.py",
     "tests/simgpu/card_fit.py",
     "tests/simgpu/card_refusals.py",
+    "tests/simgpu/card_offload.py",
 ]
 
 

@@ -202,6 +202,8 @@ def activations(
         # and loss part, the copies in flight (techniques/activation_offload.py bounds them) and,
         # in backward, the block whose saved tensors are back (a checkpointed one: its input,
         # beside the recomputed block already counted).
+        # Left out (so it keeps more: 96 MiB at Llama-3.2-1B 2x4096, tests/simgpu/card_offload.py):
+        # the head's saved inputs move too, and they are the copies in flight at the forward's end.
         from onegpu.techniques.activation_offload import MAX_IN_FLIGHT, PREFETCH
 
         host = acts.blocks(rows, seq_len, shape.layers, mode, every, compiled, not_kept)

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
@@ -47,20 +48,29 @@ PREFETCH = 2
 
 @dataclasses.dataclass
 class OffloadStats:
-    """What the last forward saved for backward, in bytes of distinct storages."""
+    """What the last forward saved for backward (bytes of distinct storages), and what its backward
+    brought back."""
 
     kept: int = 0
     """Left on the device: below the size threshold, or not a plain tensor."""
     moved: int = 0
     """Held in host memory until the backward."""
+    moved_storages: int = 0
+    """How many storages ``moved`` counts."""
+    in_flight: int = 0
+    """Bytes of moved storages whose device copy was still alive when the forward ended: copies
+    under way, at most ``MAX_IN_FLIGHT`` storages (0 off CUDA, where copies are synchronous)."""
+    fetched: int = 0
+    """Storages the backward copied back to the device: the moved ones not still in flight."""
+    prefetched: int = 0
+    """Of ``fetched``, those started ahead of the node that needed them."""
 
 
 class _Stored:
     """One storage the forward saved: its host copy, and its device copy while there is one."""
 
-    def __init__(self, storage, index: int):
-        self.ref = StorageWeakRef(storage)  # to tell a reused address from the same storage
-        self.device = storage.device
+    def __init__(self, storage, device: torch.device, index: int):
+        self.device = device
         self.nbytes = storage.nbytes()
         self.index = index  # position in forward order: the backward runs the other way
         self.host = None  # a uint8 tensor in host memory
@@ -76,8 +86,8 @@ class _Forward:
 
     def __init__(self):
         self.order: list[_Stored] = []
-        self.by_address: dict = {}
-        self.small: dict = {}  # storages left on the device, by address (for the stats)
+        self.moved: dict = {}  # StorageWeakRef -> _Stored
+        self.small: set = set()  # StorageWeakRefs of storages left on the device (for the stats)
 
 
 @dataclasses.dataclass
@@ -92,9 +102,26 @@ class _Saved:
     offset: int
 
 
-def _bytes_of(storage) -> torch.Tensor:
-    """A flat uint8 tensor over a whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+def _key(storage) -> StorageWeakRef:
+    """A storage's identity: a weak reference to the storage object itself, equal for every view
+    and every Python handle of it. Not its address: while the key lives no other storage can
+    take its place (the weak reference keeps the storage object, not its memory), and a tensor
+    with no memory of its own (a FakeTensor: torch's tracing) has address 0."""
+    return StorageWeakRef(storage)
+
+
+def _bytes_of(storage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage (no copy). ``device`` is the tensor's: a
+    FakeTensor's storage reports "meta" while the tensor stands for one on ``device``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+_ATTR = "_activation_offload"
+
+
+def attached(model) -> ActivationOffload | None:
+    """The activation offload attached to ``model``, if any."""
+    return vars(model).get(_ATTR)
 
 
 def apply_activation_offload(model, tcfg, device_type: str):
@@ -130,9 +157,11 @@ class ActivationOffload:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def attach(self) -> ActivationOffload:
-        """Enter the hooks at each forward of the model and leave them at its end."""
+        """Enter the hooks at each forward of the model and leave them at its end; the model
+        keeps this object (``attached``: its stats)."""
         self.model.register_forward_pre_hook(self.enter)
         self.model.register_forward_hook(self.leave, always_call=True)
+        vars(self.model)[_ATTR] = self
         return self
 
     # ---- the forward: enter and leave the hooks ----------------------------------------------
@@ -140,8 +169,7 @@ class ActivationOffload:
         if not torch.is_grad_enabled():  # evaluation or a reference pass: nothing is saved
             return
         self._weights = {
-            t.untyped_storage().data_ptr()
-            for t in (*self.model.parameters(), *self.model.buffers())
+            _key(t.untyped_storage()) for t in (*self.model.parameters(), *self.model.buffers())
         }
         self.stats = OffloadStats()
         self._release_in_flight()  # a forward whose backward never ran (its graph was dropped)
@@ -152,45 +180,51 @@ class ActivationOffload:
         if self._forward is None:
             return
         self._hooks.__exit__(None, None, None)
+        self.stats.in_flight = sum(s.nbytes for s in self._in_flight)
         self._forward = None  # the graph's handles keep what they need; nothing else may
 
     # ---- pack: in the forward ----------------------------------------------------------------
     def pack(self, tensor: torch.Tensor):
         fwd = self._forward
-        if fwd is None or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-            return tensor  # a subclass (quantized weight, DTensor) keeps its own storage logic
-        storage = tensor.untyped_storage()
-        address = (storage.device, storage.data_ptr())
-        if storage.data_ptr() in self._weights or storage.device.type == "meta":
+        if fwd is None or not _plain(tensor) or tensor.device.type == "meta":
             return tensor
-        stored = fwd.by_address.get(address)
-        if stored is None or stored.ref.expired():  # a new storage (an address can be reused)
+        if torch.compiler.is_compiling():  # torch.compile's tracing: its fake tensors hold no data
+            return tensor
+        storage = tensor.untyped_storage()
+        key = _key(storage)
+        if key in self._weights:
+            return tensor
+        stored = fwd.moved.get(key)
+        if stored is None:
             if storage.nbytes() < self.min_bytes:
-                small = fwd.small.get(address)
-                if small is None or small.expired():  # count each storage once
-                    fwd.small[address] = StorageWeakRef(storage)
+                if key not in fwd.small:  # count each storage once
+                    fwd.small.add(key)
                     self.stats.kept += storage.nbytes()
-                return tensor
-            stored = _Stored(storage, len(fwd.order))
+                # Detached, as torch asks of a pack hook's result: an output its own node saves
+                # (rsqrt's, softmax's) would hold that node, and the node it, so a graph dropped
+                # before its backward (an evaluation with gradients on) would never be freed.
+                return tensor.detach()
+            stored = _Stored(storage, tensor.device, len(fwd.order))
             self._to_host(stored, storage)
             fwd.order.append(stored)
-            fwd.by_address[address] = stored
+            fwd.moved[key] = stored
             self.stats.moved += stored.nbytes
+            self.stats.moved_storages += 1
         stored.pending += 1
         return _Saved(
             stored, fwd, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
         )
 
     def _to_host(self, stored: _Stored, storage) -> None:
-        if storage.device.type == "cpu":  # already host memory: book it, copy nothing
-            stored.host = _bytes_of(storage)
+        if stored.device.type == "cpu":  # already host memory: book it, copy nothing
+            stored.host = _bytes_of(storage, stored.device)
             return
-        source = _bytes_of(storage)
+        source = _bytes_of(storage, stored.device)
         stored.host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
-        if storage.device.type != "cuda":  # another accelerator: a plain synchronous copy
+        if stored.device.type != "cuda":  # another accelerator: a plain synchronous copy
             stored.host.copy_(source)
             return
-        compute, side = torch.cuda.current_stream(storage.device), self._side_stream(storage.device)
+        compute, side = torch.cuda.current_stream(stored.device), self._side_stream(stored.device)
         side.wait_stream(compute)  # the tensor's producer has run
         with torch.cuda.stream(side):
             stored.host.copy_(source, non_blocking=True)
@@ -242,6 +276,7 @@ class ActivationOffload:
             self._fetch(stored, compute)
         for ahead in _next_in_backward(fwd, stored):
             self._fetch(ahead, compute)
+            self.stats.prefetched += 1
         if stored.ready is not None:
             compute.wait_event(stored.ready)
         return stored.on_device
@@ -256,6 +291,14 @@ class ActivationOffload:
             buffer.copy_(stored.host, non_blocking=True)
             stored.ready = side.record_event()
         stored.on_device = buffer
+        self.stats.fetched += 1
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A strided tensor whose storage holds its values: a plain tensor, or a FakeTensor standing
+    for one (torch's tracing and shape propagation). Other subclasses (a quantized weight, a
+    DTensor) keep their own storage logic and are left alone."""
+    return type(tensor) in (torch.Tensor, FakeTensor) and tensor.layout == torch.strided
 
 
 def _next_in_backward(fwd: _Forward, stored: _Stored) -> list:
