@@ -30,7 +30,8 @@ Accelerate, PEFT and onegpu):
 - values: a fake tensor holds none, so wherever a test or the loop reads one (``.item()``,
   ``bool()``, ``float()``: the NaN guard's verdict, a logged loss, GradScaler's inf check) the
   answer is ``VALUE`` (finite), or what a test asks for with ``fake_value`` (``inf``: a skipped
-  step); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
+  step); a ``bool()`` read answers whether that value is finite (the NaN guard asks
+  ``isfinite``); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
   head reproduces the model's logits; the CPU tier checks it with values);
 - the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
   ``module.to()`` can swap fake parameters in place; an op's output is not remembered at all, and
@@ -428,9 +429,9 @@ _VALUES: list[float] = []
 
 
 def _scalar(dtype):
-    import torch
-
     import math
+
+    import torch
 
     value = _VALUES[-1] if _VALUES else VALUE
     if dtype == torch.bool:  # the loop's bool reads ask "is it finite?" (the NaN guard's verdict)

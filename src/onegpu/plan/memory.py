@@ -17,9 +17,8 @@ from onegpu.plan.candidate import Candidate
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
-FRAGMENTATION = (
-    0.05  # caching allocator: reserved exceeds allocated by a few percent in steady state
-)
+# caching allocator: reserved exceeds allocated by a few percent in steady state
+FRAGMENTATION = 0.05
 
 # Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
 # exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
@@ -103,9 +102,8 @@ def grad_bytes(shape: ModelShape, c: Candidate) -> float:
     return shape.params * param_bytes(t.precision)
 
 
-PAGED = (
-    "paged-adamw-8bit",
-)  # state in CUDA unified memory: outside the caching allocator, spills to host
+# state in CUDA unified memory: outside the caching allocator, spills to host
+PAGED = ("paged-adamw-8bit",)
 
 
 def optimizer_bytes(shape: ModelShape, c: Candidate, on_gpu: bool = True) -> float:
@@ -151,19 +149,6 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
     return min(n, shape.largest_param) * 4 * 2
 
 
-def activation_bytes(
-    shape: ModelShape,
-    c: Candidate,
-    seq_len: int,
-    acts: ActivationModel | None = None,
-    attention: str = "sdpa",
-) -> tuple[float, float]:
-    """(bytes kept for backward on the device, extra bytes at the peak above them: the loss's own
-    peak, or one recomputed or reloaded block, whichever is larger)."""
-    kept, transient, _, _ = activations(shape, c, seq_len, acts, attention)
-    return kept, transient
-
-
 def activations(
     shape: ModelShape,
     c: Candidate,
@@ -178,12 +163,10 @@ def activations(
     t = c.techniques
     seq_len = c.sequence_tokens(seq_len)  # GRPO: prompt and completion
     acts = acts or activation_model(shape.config, t, attention)
-    compiled = (
-        t.compile != "off"
-    )  # elementwise intermediates recomputed (activations.py; an assumption)
-    rows = (
-        c.training.micro_batch_size * c.rows_per_example
-    )  # a preference pair: chosen and rejected
+    # compiled: elementwise intermediates recomputed (activations.py; an assumption)
+    compiled = t.compile != "off"
+    # a preference pair: chosen and rejected
+    rows = c.training.micro_batch_size * c.rows_per_example
     mode, every = t.checkpointing, t.checkpointing_every
     tiled = mlp_tiled(shape, c, seq_len)
     not_kept = mlp_saved_bytes(shape, c, rows * seq_len) if tiled else 0.0
@@ -305,10 +288,7 @@ def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:
     model is measured on an unquantized copy, whose autocast keeps a 16-bit copy of each frozen
     Linear weight for its input's gradient; bitsandbytes' 4-bit and 8-bit matmuls save the packed
     weight (already counted with the weights) and dequantize it again in backward."""
-    autocast = c.techniques.precision in (
-        "fp16",
-        "bf16",
-    )  # bf16-pure weights need no cast
+    autocast = c.techniques.precision in ("fp16", "bf16")  # bf16-pure weights need no cast
     if c.quantize_base == "none" or not autocast or not shape.layers:
         return 0.0
     return shape.linear_params / shape.layers * 2
@@ -397,9 +377,7 @@ def estimate(
     }
     if late > kept + transient + held_grads:  # the activations at that moment: the first block's
         comps["activations"], comps["backward transient"] = first, 0.0
-    if (
-        c.reference_kind == "copy"
-    ):  # DPO's frozen reference: the whole model once more, in the weights' dtype
+    if c.reference_kind == "copy":  # DPO's frozen reference: the whole model again, weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]
     peak = max(backward_peak, step_peak)
@@ -408,8 +386,6 @@ def estimate(
         peak = max(peak, comps["rollout KV cache and sampling logits"])
     if host:  # shown, but not in the device peak
         comps["offloaded activations (pinned host)"] = host
-    if paged_bytes(
-        shape, c, on_gpu
-    ):  # shown, but not in the peak: outside the allocator, pages out
+    if paged_bytes(shape, c, on_gpu):  # shown, not in the peak: outside the allocator, pages out
         comps["paged optimizer state (host-backed)"] = paged_bytes(shape, c, on_gpu)
     return MemoryEstimate(comps, w + o + peak, host)
