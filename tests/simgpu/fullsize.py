@@ -195,9 +195,12 @@ class _CardSdpa(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]
-        if torch.is_autocast_enabled("cpu"):  # CUDA autocast lists SDPA as a half-precision op
-            half = torch.get_autocast_dtype("cpu")
-            q, k, v = q.to(half), k.to(half), v.to(half)
+        # CUDA autocast lists SDPA as a half-precision op; CPU autocast (the fake CPU weights
+        # here) does not, and the cast happens below this mode either way: cast them here.
+        for kind in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(kind):
+                half = torch.get_autocast_dtype(kind)
+                q, k, v = q.to(half), k.to(half), v.to(half)
         if (
             kwargs.get("attn_mask") is None
             and len(args) < 4
