@@ -146,6 +146,8 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
         return n * trained_bytes(c)
     if opt == "sgd":  # fused SGD updates in place (tests/test_optimizers.py measures it)
         return 0.0
+    if opt == "adafactor":  # one tensor at a time: its full-size variance estimate, then update
+        return min(n, shape.largest_param) * trained_bytes(c)
     return min(n, shape.largest_param) * 4 * 2
 
 
