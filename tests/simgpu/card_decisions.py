@@ -159,6 +159,20 @@ def test_paged_optimizer_is_paged_on_a_gpu(card, caplog):
         )
     assert type(opt).__name__ == "PagedAdamW8bit" and opt.is_paged
     assert "runs as adamw-8bit" not in caplog.text
+    # and the plan for this card counts its state as host-backed, outside the device's peak
+    from onegpu.hardware import detect
+    from onegpu.plan import memory
+    from onegpu.plan.arch import model_shape
+    from onegpu.plan.candidate import setup
+
+    shape, on_gpu = model_shape("1b"), detect().is_gpu
+    paged, plain = (
+        memory.estimate(shape, setup(1, 1, optimizer=o), 1024, on_gpu=on_gpu)
+        for o in ("paged-adamw-8bit", "adamw-8bit")
+    )
+    state = memory.state_bytes(shape, setup(1, 1, optimizer="adamw-8bit"))
+    assert paged.components["paged optimizer state (host-backed)"] == state
+    assert paged.peak == pytest.approx(plain.peak - state)
 
 
 def test_doctor_report(card):

@@ -302,3 +302,37 @@ def test_forward_without_backward_releases_its_copies(card):
     in_flight = attached(model).stats.in_flight
     assert in_flight > 0 and held[True] == [held[False][0] + in_flight] * 2
     assert held[False][0] == held[False][1]
+
+
+class _Skip(torch.nn.Module):
+    """A chain of layers whose first output also feeds the loss directly (a skip connection): the
+    backward needs that early storage at once, before its turn in reverse forward order."""
+
+    def __init__(self, width: int = 256, depth: int = 8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        first = h = torch.relu(self.layers[0](x))
+        for layer in self.layers[1:]:
+            h = torch.relu(layer(h))
+        return h.sum() + (first * first).sum()
+
+
+def test_a_storage_needed_out_of_order_is_fetched_on_demand(card):
+    """The skip connection's storage is neither in flight nor prefetched when the backward asks
+    for it: it is copied back on demand, and every moved storage comes back exactly once."""
+    if card.key not in card_step.EVERY_STEP:
+        pytest.skip(f"the method steps run on {' and '.join(card_step.EVERY_STEP)}")
+    from onegpu.techniques.activation_offload import PREFETCH, apply_activation_offload
+
+    tcfg = TechniquesConfig(activation_offload=True, activation_offload_min_bytes=MIN_BYTES)
+    model = apply_activation_offload(_Skip(), tcfg, "cuda")
+    with cards.fake_cuda():
+        model.to_empty(device="cuda")
+        model(torch.zeros(64, 256).to("cuda")).backward()
+    stats = attached(model).stats
+    assert stats.moved_storages > MAX_IN_FLIGHT + PREFETCH
+    # every storage not left on the device comes back once; the skip's was not fetched ahead
+    assert stats.fetched == stats.moved_storages - MAX_IN_FLIGHT
+    assert stats.fetched - stats.prefetched == 1  # the skip's, asked for first
