@@ -31,8 +31,8 @@ Accelerate, PEFT and onegpu):
   ``bool()``, ``float()``: the NaN guard's verdict, a logged loss, GradScaler's inf check) the
   answer is ``VALUE`` (finite), or what a test asks for with ``fake_value`` (``inf``: a skipped
   step); a ``bool()`` read answers whether that value is finite (the NaN guard asks
-  ``isfinite``); ``torch.allclose`` on card tensors answers True (the fused loss's one-time check that its
-  head reproduces the model's logits; the CPU tier checks it with values);
+  ``isfinite``); ``torch.allclose`` on card tensors answers True (the fused loss's one-time
+  check that its head reproduces the model's logits; the CPU tier checks it with values);
 - the fake mode remembers the fake tensors it made from real ones strongly, not weakly, so
   ``module.to()`` can swap fake parameters in place; an op's output is not remembered at all, and
   an op given a storage (``Tensor.set_``) skips the fake mode's op cache, whose key would hold
