@@ -10,6 +10,7 @@ import os
 
 import cards
 import pytest
+import torch
 
 
 def test_doctor_flags_gpu_libraries_built_for_the_cpu(card):
@@ -57,3 +58,20 @@ def test_flash_refused_for_a_model_without_fused_attention(card):
     with pytest.raises(ConfigError, match=r"attention=flash is not supported by oldnet") as err:
         attention_implementation("flash", "cuda", card.name, model, half=True)
     assert "it supports eager" in str(err.value) and "attention=auto" in err.value.hint
+
+
+def test_torchao_int4_on_the_card_needs_bf16(card):
+    """`--quantization ao-int4` on a card: fp16 activations are refused with the fix (tinygemm
+    takes bf16 only); bf16 gets the tile-packed int4 config. Quantizing with it needs the CUDA
+    kernel itself, which has no fake: that stays out of the tier."""
+    from onegpu.errors import UnavailableError
+    from onegpu.hardware import detect
+    from onegpu.techniques.quantization import torchao_config
+
+    pytest.importorskip("torchao")
+    device = detect().type
+    with pytest.raises(UnavailableError, match="needs bf16 activations") as err:
+        torchao_config("ao-int4", device, torch.float16)
+    assert "--dtype bf16" in err.value.hint
+    config = torchao_config("ao-int4", device, torch.bfloat16)
+    assert type(config).__name__ == "Int4WeightOnlyConfig" and config.group_size == 128
