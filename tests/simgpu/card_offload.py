@@ -188,32 +188,21 @@ class NoCausalMask:
 def card_peak(setup) -> dict:
     """One optimizer step of ``setup`` (a fullsize.Setup) on the card, after a warm one (optimizer
     state exists, gradients were freed): torch.cuda.max_memory_allocated over it, bytes, and what
-    ran. Built as training builds it (see fullsize.build, which does the same on fake host
-    tensors): prepare_model for "cuda", then fake "cuda" weights."""
+    ran. Built as training builds it, with fullsize's parts (fullsize.build does the same on fake
+    host tensors): prepare_model for "cuda", then fake "cuda" weights."""
     import time
 
     from accelerate.state import AcceleratorState
-    from fullsize import CardAttention
-    from transformers import AutoModelForCausalLM
+    from fullsize import CardAttention, meta_model, train_parts
 
     from onegpu.config import Config
     from onegpu.hardware import detect
-    from onegpu.objectives.sft import SFT
-    from onegpu.objectives.tokens import TokenLoss
-    from onegpu.techniques.optimizers import build_optimizer
-    from onegpu.techniques.precision import weights_dtype
     from onegpu.techniques.prepare import prepare_model
-    from onegpu.training.assemble import make_accelerator
     from onegpu.training.step import train_step
 
     config, c = setup.config(), setup.candidate
     cfg = c.apply(Config())
-    precision = c.techniques.precision
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=weights_dtype(precision), attn_implementation="sdpa"
-        )
-    model = prepare_model(model, cfg.techniques, "cuda")
+    model = prepare_model(meta_model(config, c), cfg.techniques, "cuda")
     ids = torch.randint(0, config.vocab_size, (c.training.micro_batch_size, setup.seq))
     micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
     t0 = time.perf_counter()
@@ -221,12 +210,8 @@ def card_peak(setup) -> dict:
     with cards.fake_cuda(), NoCausalMask(), CardAttention() as route:
         before = torch.cuda.memory_allocated()  # what other checks in this process left alive
         cards.on_card(model).train()
-        optimizer = build_optimizer(model, cfg.techniques, cfg.training)
-        accelerator = make_accelerator(cfg, detect(), precision)
-        accelerator.device_placement = False  # on the card already: see cards.py, "placement"
-        model, optimizer = accelerator.prepare(model, optimizer)
-        # fake values: the fused head's one check by value is skipped (fullsize.py)
-        loss_fn = SFT(TokenLoss.for_run(cfg.techniques, config.vocab_size, True, False, False))
+        # on the card already, so Accelerate places nothing: see cards.py, "placement"
+        model, optimizer, loss_fn, accelerator, _ = train_parts(model, config, cfg, detect())
         args = (accelerator, cfg.training.max_grad_norm, loss_fn)
         train_step(model, optimizer, micro, *args)
         torch.cuda.reset_peak_memory_stats()

@@ -23,13 +23,11 @@ why (nothing in src/ is patched):
   host and moved, as cards.py does for batches (the same values on a real card);
 - the fake mode's memory of tensors: swap_tensors refuses a tensor something holds a weak
   reference to, and the converter's describer holds one to every real tensor it converts (the
-  parameters being placed), so it holds them strongly in the block. An op's fresh output is not
-  remembered at all (``from_meta_and_device``): cards.fake_cuda's memo holds what it remembers for
-  the whole block, so a failed step's activations would stay counted on the card. Both memos are
-  emptied when the block ends, so the run's card memory is given back with its objects;
-- values read by the loop (the logged loss, the NaN guard's verdict, the validation loss) are
-  cards.fake_value's ``value``; a bool read answers ``bool(value)``, so a run passes a nonzero
-  one (0.0 reads as "not finite" to the NaN guard, which would skip every step).
+  parameters being placed), so it holds them strongly in the block. Both memos (this one and
+  cards.fake_cuda's) are emptied when the block ends, so the run's card memory is given back with
+  its objects;
+- values read by the loop (the logged loss, the validation loss) are cards.fake_value's
+  ``value``; the NaN guard's bool read answers whether it is finite.
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ def on_the_card(value: float):
             # strong, so the parameters being placed can be swapped (see the docstring)
             converter = mode.fake_tensor_converter.meta_converter
             converter.describer.lookup_tensor = {}
-            mode.fake_tensor_converter.from_meta_and_device = _unremembered
             try:
                 yield mode
             finally:
@@ -100,12 +97,3 @@ def _zeros(tensors: dict) -> dict:
     import torch
 
     return {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in tensors.items()}
-
-
-def _unremembered(fake_mode, t, device, pytype=None, dispatch_keys=None):
-    """An op's fresh output made fake (FakeTensorConverter.from_meta_and_device), not remembered:
-    cards.fake_cuda's memo keeps what it remembers alive for the whole block, which would keep
-    every such output (a failed step's among them) counted on the card."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)

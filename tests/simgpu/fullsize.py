@@ -313,38 +313,51 @@ def _fused_sgd_meta() -> None:
 
 def build(config, c: Candidate):
     """(model, optimizer, loss function, accelerator, run config) for a setup, built by training's
-    own functions, with fake weights. The only place the harness calls into the build path."""
+    own functions, with fake host weights. With ``meta_model`` and ``train_parts``, the only place
+    the harness calls into the build path (a card's process uses the same two: card_offload.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from onegpu.config import Config
     from onegpu.hardware import DeviceInfo
-    from onegpu.objectives.sft import SFT
-    from onegpu.objectives.tokens import TokenLoss
-    from onegpu.techniques.optimizers import build_optimizer
-    from onegpu.techniques.precision import weights_dtype
     from onegpu.techniques.prepare import prepare_model
-    from onegpu.training.assemble import make_accelerator
 
     _fused_sgd_meta()
     cfg = c.apply(Config())
-    device = DeviceInfo(type="cpu", name="cpu", total_memory=0)  # where autocast runs
-    precision = c.techniques.precision
-    accelerator = make_accelerator(cfg, device, precision)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=weights_dtype(precision), attn_implementation="sdpa"
-        )
+    model = meta_model(config, c)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty unties them
     model = prepare_model(model.train(), cfg.techniques, "cuda")
+    cpu = DeviceInfo(type="cpu", name="cpu", total_memory=0)  # where autocast runs
+    return train_parts(model, config, cfg, cpu)
+
+
+def meta_model(config, c: Candidate):
+    """The model as from_pretrained builds it (the weights' dtype, sdpa), on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from onegpu.techniques.precision import weights_dtype
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=weights_dtype(c.techniques.precision), attn_implementation="sdpa"
+        )
+
+
+def train_parts(model, config, cfg, device):
+    """Optimizer, Accelerator (autocast for ``device``; the fake weights stay where they are) and
+    SFT loss for a prepared model with fake weights: (model, optimizer, loss, accelerator, cfg)."""
+    from onegpu.objectives.sft import SFT
+    from onegpu.objectives.tokens import TokenLoss
+    from onegpu.techniques.optimizers import build_optimizer
+    from onegpu.training.assemble import make_accelerator
+
     optimizer = build_optimizer(model, cfg.techniques, cfg.training)
+    accelerator = make_accelerator(cfg, device, cfg.techniques.precision)
     model, optimizer = accelerator.prepare(model, optimizer, device_placement=[False, False])
     # values are fake, so the fused head's one check by value is skipped: see the module docstring
     tokens = TokenLoss.for_run(cfg.techniques, config.vocab_size, True, False, verify=False)
-    loss_fn = SFT(tokens)
-    return model, optimizer, loss_fn, accelerator, cfg
+    return model, optimizer, SFT(tokens), accelerator, cfg
 
 
 def tracked(setup: Setup, route_sdpa: bool = True) -> dict:

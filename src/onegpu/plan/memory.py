@@ -366,8 +366,8 @@ def estimate(
     held_grads = g if c.training.grad_accum > 1 else 0.0
     # The backward's two ends: its start (all activations, the loss's or a block's transient)
     # and its last block (nearly all gradients made); between them one grows as the other falls.
-    late = late_backward_bytes(shape, c, first)
-    backward_peak = max(kept + transient + held_grads, late)
+    early, late = kept + transient + held_grads, late_backward_bytes(shape, c, first)
+    backward_peak = max(early, late)
     step_peak = g + temp
     comps = {
         "weights": w,
@@ -377,7 +377,7 @@ def estimate(
         "backward transient": transient,
         "optimizer temporaries": temp,
     }
-    if late > kept + transient + held_grads:  # the activations at that moment: the first block's
+    if late > early:  # the activations at that moment: the first block's
         comps["activations"], comps["backward transient"] = first, 0.0
     if c.reference_kind == "copy":  # DPO's frozen reference: the whole model again, weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
