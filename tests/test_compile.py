@@ -85,6 +85,28 @@ def test_bucketed_lengths_do_not_recompile(tiny_tokenizer):
     assert unbucketed > bucketed  # every new length is a new shape
 
 
+@pytest.mark.parametrize("tiled_mlp", ["auto", "on"])
+@pytest.mark.parametrize("checkpointing", ["off", "full"])
+def test_every_block_shares_one_graph_through_the_pipeline(
+    tiny_tokenizer, tiled_mlp, checkpointing
+):
+    """Through prepare_model, with the tiled MLP (auto is the default) and checkpointing, regional
+    compile makes one graph for all blocks: nothing per block is guarded on (a per-block object
+    would recompile each block and leave blocks past dynamo's recompile limit eager)."""
+    from onegpu.techniques.prepare import prepare_model
+
+    tcfg = TechniquesConfig(
+        compile="default",
+        compile_backend="counting_eager",
+        tiled_mlp=tiled_mlp,
+        tiled_mlp_tile_tokens=16,
+        checkpointing=checkpointing,
+    )
+    model = prepare_model(make_tiny_llama(tiny_tokenizer, num_hidden_layers=10), tcfg, "cpu")
+    loss_sum(model.train(), _padded_batch(tiny_tokenizer, [60, 64], multiple=64)).backward()
+    assert len(COMPILED_FRAMES) == 1
+
+
 def test_inductor_compiles_a_block(tiny_tokenizer):
     """The default backend (inductor) compiles the block's forward and its backward, in one graph,
     and the compiled block gives the eager loss."""

@@ -11,7 +11,7 @@ from helpers import make_tiny_llama
 from onegpu.config import LoraConfig, TechniquesConfig
 from onegpu.objectives.sft import loss_sum
 from onegpu.techniques.prepare import prepare_model
-from onegpu.techniques.tiled_mlp import TiledForward, apply_tiled_mlp, untile
+from onegpu.techniques.tiled_mlp import TiledMLP, apply_tiled_mlp, untile
 
 SEQ, INTER = 96, 128  # the tiny model: hidden 64, intermediate 128
 
@@ -155,7 +155,7 @@ def test_moe_blocks_left_whole_with_a_log_line(tiny_tokenizer, caplog):
     )
     with caplog.at_level(logging.INFO, logger="onegpu.techniques.tiled_mlp"):
         apply_tiled_mlp(model, TechniquesConfig(tiled_mlp="on"))
-    assert not any(isinstance(layer.mlp.forward, TiledForward) for layer in model.model.layers)
+    assert not any(isinstance(layer.mlp, TiledMLP) for layer in model.model.layers)
     assert "2 decoder layers left whole (is a Mixture-of-Experts block)" in caplog.text
 
 
@@ -163,5 +163,8 @@ def test_prepared_twice_tiles_once_and_keys_unchanged(tiny_tokenizer):
     model = _tiled(tiny_tokenizer)
     keys = set(make_tiny_llama(tiny_tokenizer).state_dict())
     apply_tiled_mlp(model, TechniquesConfig(tiled_mlp="on"))
-    assert not isinstance(model.model.layers[0].mlp.forward.forward, TiledForward)
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__mro__[:3] == (type(mlp), TiledMLP, LlamaMLP)  # one level of tiling
     assert set(model.state_dict()) == keys

@@ -19,9 +19,12 @@ run without the checkpoint: the full intermediate never exists there either.
 shorter ones as they are, so short-sequence runs pay nothing. Mixture-of-Experts blocks are left
 whole: their routing and load-balancing loss are computed over the whole sequence.
 
-The tiling replaces one attribute, ``forward``, on each MLP instance (the class is untouched, the
-module tree and state_dict keys stay the same, so PEFT, save_pretrained and compile see the model
-as before); ``untile`` puts the model's own forward back.
+Each tiled MLP's class becomes a subclass of its own (``TiledLlamaMLP`` of ``LlamaMLP``, one per
+class, shared by every layer) whose forward runs the class's forward over the tiles: the module
+tree, its parameters and state_dict keys stay the same, so PEFT, save_pretrained and compile see
+the model as before, and regional compile sees the same code in every block (a per-instance
+forward would be a different object in each, which compile guards on: one recompile a block, and
+eager blocks past its recompile limit). ``untile`` puts each MLP's own class back.
 """
 
 from __future__ import annotations
@@ -36,27 +39,37 @@ log = logging.getLogger(__name__)
 MOE_CHILDREN = {"experts", "router", "shared_expert", "shared_experts"}
 
 
-class TiledForward:
-    """An MLP's own forward, run over tiles of tokens (see the module docstring)."""
+class TiledMLP:
+    """Placed before an MLP's own class (``tiled_class``): its forward is that class's forward,
+    run over tiles of tokens (see the module docstring). ``onegpu_tiling`` (tile tokens, minimum
+    sequence) is set on each instance."""
 
-    def __init__(self, forward, tile_tokens: int, min_seq: int):
-        self.forward = forward  # the module's bound forward, as it was
-        self.tile_tokens = tile_tokens
-        self.min_seq = min_seq
+    onegpu_tiling: tuple[int, int]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        tile = self.tile_tokens or x.shape[-1]
-        if x.dim() < 2 or x.shape[-2] < self.min_seq or x.shape[:-1].numel() <= tile:
-            return self.forward(x)
+        own = super().forward  # the MLP class's own forward
+        tile_tokens, min_seq = self.onegpu_tiling
+        tile = tile_tokens or x.shape[-1]
+        if x.dim() < 2 or x.shape[-2] < min_seq or x.shape[:-1].numel() <= tile:
+            return own(x)
         pieces = x.reshape(-1, x.shape[-1]).split(tile)
         if torch.is_grad_enabled():
-            outs = [checkpoint(self.forward, p, use_reentrant=False) for p in pieces]
+            outs = [checkpoint(own, p, use_reentrant=False) for p in pieces]
         else:
-            outs = [self.forward(p) for p in pieces]
+            outs = [own(p) for p in pieces]
         out = torch.cat(outs)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_TILED: dict[type, type] = {}  # an MLP class -> its tiled subclass, made once
+
+
+def tiled_class(cls: type) -> type:
+    if cls not in _TILED:
+        _TILED[cls] = type(f"Tiled{cls.__name__}", (TiledMLP, cls), {"__module__": __name__})
+    return _TILED[cls]
 
 
 def mlp_blocks(model) -> tuple[list, list]:
@@ -85,9 +98,9 @@ def apply_tiled_mlp(model, tcfg):
         log.info("tiled MLP: %d decoder layers left whole (%s)", len(skipped), "; ".join(reasons))
     min_seq = tcfg.tiled_mlp_min_seq if tcfg.tiled_mlp == "auto" else 1
     for mlp in tileable:
-        if isinstance(mlp.forward, TiledForward):  # prepared twice: tile once
-            continue
-        mlp.forward = TiledForward(mlp.forward, tcfg.tiled_mlp_tile_tokens, min_seq)
+        if not isinstance(mlp, TiledMLP):  # prepared twice: tile once
+            mlp.__class__ = tiled_class(type(mlp))
+        mlp.onegpu_tiling = (tcfg.tiled_mlp_tile_tokens, min_seq)
     if tileable:
         log.info(
             "tiled MLP: %d decoder layers run their MLP in tiles of %s tokens from %d tokens a "
@@ -100,7 +113,8 @@ def apply_tiled_mlp(model, tcfg):
 
 
 def untile(model) -> None:
-    """Put each MLP's own forward back."""
+    """Put each MLP's own class back."""
     for mlp in mlp_blocks(model)[0]:
-        if isinstance(mlp.forward, TiledForward):
-            del mlp.forward  # the instance attribute: the class's forward shows through again
+        if isinstance(mlp, TiledMLP):
+            mlp.__class__ = type(mlp).__bases__[1]
+            del mlp.onegpu_tiling
