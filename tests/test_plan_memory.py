@@ -115,7 +115,9 @@ def test_components_follow_dtypes_and_methods():
         memory.weight_bytes(shape, pure) == n * 2 and memory.optimizer_bytes(shape, pure) == n * 4
     )
     eight = setup(8, 1, precision="bf16", optimizer="adamw-8bit")
-    assert memory.optimizer_bytes(shape, eight) == pytest.approx(n * 2, rel=0.01)
+    assert memory.optimizer_bytes(shape, eight) == pytest.approx(
+        n * (2 + 8 / 256)
+    )  # per 256: absmax
     four = setup(8, 1, precision="bf16", optimizer="adamw-4bit-ao")
     assert memory.optimizer_bytes(shape, four) == pytest.approx(n * 1, rel=0.1)
     ada = setup(8, 1, precision="bf16", optimizer="adafactor")
@@ -243,3 +245,57 @@ def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targe
     every = setup(4, 1, precision="fp32", lora={"r": 8})
     assert memory.lora_params(shape, c) <= memory.lora_params(shape, every)
     assert c.apply(Config()).techniques.lora.targets == targets
+
+
+def _step_temporaries(model, opt) -> int:
+    """Peak bytes the allocator hands out during one ``opt.step()`` beyond what existed before it,
+    from the profiler's allocator events (they see inside custom ops and compiled code, which a
+    dispatch-mode tracker does not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    now = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "name,needs",
+    [
+        ("adamw", None),
+        ("adamw-foreach", None),
+        ("sgd", None),
+        ("adafactor", None),
+        ("adamw-8bit", "bitsandbytes"),
+        ("adamw-8bit-ao", "torchao"),
+        ("adamw-4bit-ao", "torchao"),
+    ],
+)
+def test_optimizer_step_temporaries_as_measured_on_cpu(name, needs):
+    """The planner's step temporaries (on CPU) against the allocator's peak during a real step of
+    one 1024 x 1024 fp32 weight, after a first step made the state (and compiled torchao's)."""
+    if needs:
+        pytest.importorskip(needs)
+    from dataclasses import replace
+
+    from onegpu.config import TechniquesConfig, TrainingConfig
+    from onegpu.techniques.optimizers import build_optimizer
+
+    dim = 1024
+    torch.manual_seed(0)
+    model = torch.nn.Linear(dim, dim, bias=False)
+    opt = build_optimizer(model, TechniquesConfig(optimizer=name), TrainingConfig(lr=1e-3))
+    for first in (True, False):
+        model(torch.randn(8, dim)).square().mean().backward()
+        if first:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    measured = _step_temporaries(model, opt)
+    shape = replace(_shape_of("llama", _llama()), params=dim * dim, largest_param=dim * dim)
+    c = setup(1, 1, precision="fp32", optimizer=name)
+    predicted = memory.optimizer_temp_bytes(shape, c, on_gpu=False)
+    assert predicted == pytest.approx(measured, rel=0.05, abs=dim * dim * 0.1), (measured, name)

@@ -471,6 +471,7 @@ def _setups() -> list[Setup]:
             **more,
         )
 
+    in_bwd = {"optimizer_in_backward": True, "loss_chunk_size": fused("Llama-3.2-3B")}
     rows = [
         ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
         ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
@@ -487,6 +488,10 @@ def _setups() -> list[Setup]:
         ),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk_size=fused("Llama-3.2-3B")), 2048),
+        # torchtune's 3B ladder (benchmarks/plan_vs_published.py) without compile: the step in
+        # backward, with torch's fused AdamW and with bitsandbytes' 8-bit one (its fake kernel)
+        ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw", **in_bwd), 4096),
+        ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw-8bit", **in_bwd), 4096),
         ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
         (
             "Llama-3.1-8B",

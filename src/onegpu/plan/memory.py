@@ -17,16 +17,14 @@ from onegpu.plan.candidate import Candidate
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
-# caching allocator: reserved exceeds allocated by a few percent in steady state
-FRAGMENTATION = 0.05
+FRAGMENTATION = 0.05  # caching allocator: reserved exceeds allocated by a few % in steady state
 
 # Optimizer state per trainable parameter, in units of the parameter's own size (torch AdamW keeps
 # exp_avg and exp_avg_sq in the parameter dtype) or in absolute bytes for quantized states.
 STATE_RELATIVE = {"adamw": 2.0, "adamw-foreach": 2.0, "adamw-fused": 2.0, "sgd": 1.0}
 STATE_BYTES = {
-    "adamw-8bit": 2.0
-    + 8 / 2048,  # bitsandbytes blockwise 8-bit: 2 states x 1 B + fp32 absmax per 2048
-    "paged-adamw-8bit": 2.0 + 8 / 2048,
+    "adamw-8bit": 2.0 + 8 / 256,  # bitsandbytes blockwise: 2 states x 1 B + fp32 absmax per 256
+    "paged-adamw-8bit": 2.0 + 8 / 256,
     "adamw-8bit-ao": 2.0 + 8 / 256,  # torchao: block size 256
     "adamw-4bit-ao": 1.0 + 8 / 128,  # torchao: two 4-bit states, block size 128
 }
@@ -62,14 +60,10 @@ def weight_bytes(shape: ModelShape, c: Candidate) -> float:
     """Resident model weights (frozen quantized base + adapters for QLoRA)."""
     t = c.techniques
     pb = param_bytes(t.precision)
-    if t.offload == "zero3-cpu":
-        return (
-            2 * shape.largest_param * 2
-        )  # only the gathered layer (and the prefetched next) in 16-bit
-    if t.offload == "zero2-cpu":
-        return (
-            shape.params * 2
-        )  # 16-bit working copy; fp32 master lives with the optimizer on the host
+    if t.offload == "zero3-cpu":  # only the gathered layer (and the prefetched next) in 16-bit
+        return 2 * shape.largest_param * 2
+    if t.offload == "zero2-cpu":  # 16-bit working copy; fp32 master lives with the optimizer
+        return shape.params * 2
     base = shape.params * pb
     if c.quantize_base in ("nf4", "fp4", "int8"):
         per = NF4_BYTES if c.quantize_base != "int8" else INT8_BYTES
@@ -134,21 +128,34 @@ def state_bytes(shape: ModelShape, c: Candidate) -> float:
     return n * pb * STATE_RELATIVE.get(opt, 2.0)
 
 
+# Bytes per element of the largest trained tensor that a per-tensor step allocates beyond its
+# state, measured on CPU from allocator events (tests/test_plan_memory.py): torchao's compiled
+# steps write fp32 moments (4-bit: and int64 codes) to full-size buffers before quantizing;
+# bitsandbytes' CPU kernel works on fp32 moments, gradient, weight and denominator.
+STEP_TEMP_PER_ELEMENT = {"adamw-8bit-ao": 8.0, "adamw-4bit-ao": 26.0}
+BNB_CPU_TEMP_PER_ELEMENT = 20.0
+
+
 def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
-    """Temporaries of optimizer.step(): foreach AdamW builds whole-model intermediate lists; fused
-    SGD works in place; per-tensor optimizers need one tensor's worth."""
+    """Temporaries of optimizer.step(). None in place: fused AdamW (onegpu's adamw on a GPU and,
+    since torch 2.4, on CPU) and fused SGD, and bitsandbytes' 8-bit CUDA kernel (its op declares
+    every tensor it touches as mutated; on the simulated card the step of Llama-3.2-3B's embedding
+    holds nothing beyond its gradient). foreach AdamW builds whole-model intermediate lists;
+    Adafactor one tensor's variance estimate; the per-tensor steps above their largest tensor's."""
     n = trainable_params(shape, c)
     opt = c.techniques.optimizer
+    largest = min(n, shape.largest_param)
     if c.techniques.offload != "none":
         return 0.0
-    fused = opt == "adamw-fused" or (opt == "adamw" and on_gpu)
-    if opt in ("adamw", "adamw-foreach") and not fused:
+    if opt == "adamw-foreach":
         return n * trained_bytes(c)
-    if opt == "sgd":  # fused SGD updates in place (tests/test_optimizers.py measures it)
-        return 0.0
     if opt == "adafactor":  # one tensor at a time: its full-size variance estimate, then update
-        return min(n, shape.largest_param) * trained_bytes(c)
-    return min(n, shape.largest_param) * 4 * 2
+        return largest * trained_bytes(c)
+    if opt in STEP_TEMP_PER_ELEMENT:
+        return largest * STEP_TEMP_PER_ELEMENT[opt]
+    if opt in ("adamw-8bit", "paged-adamw-8bit") and not on_gpu:
+        return largest * BNB_CPU_TEMP_PER_ELEMENT
+    return 0.0
 
 
 def activations(
