@@ -85,22 +85,33 @@ def test_bucketed_lengths_do_not_recompile(tiny_tokenizer):
     assert unbucketed > bucketed  # every new length is a new shape
 
 
-@pytest.mark.parametrize("tiled_mlp", ["auto", "on"])
-@pytest.mark.parametrize("checkpointing", ["off", "full"])
-def test_every_block_shares_one_graph_through_the_pipeline(
-    tiny_tokenizer, tiled_mlp, checkpointing
-):
-    """Through prepare_model, with the tiled MLP (auto is the default) and checkpointing, regional
-    compile makes one graph for all blocks: nothing per block is guarded on (a per-block object
-    would recompile each block and leave blocks past dynamo's recompile limit eager)."""
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"tiled_mlp": "auto"},
+        {"tiled_mlp": "on"},
+        {"tiled_mlp": "auto", "checkpointing": "full"},
+        {"tiled_mlp": "on", "checkpointing": "full"},
+        {"tiled_mlp": "on", "checkpointing": "full", "activation_offload": True, "lora": "on"},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_every_block_shares_one_graph_through_the_pipeline(tiny_tokenizer, switches):
+    """Through prepare_model, with the tiled MLP (auto is the default), checkpointing, LoRA and
+    activation offload, regional compile makes one graph for all blocks: nothing per block is
+    guarded on (a per-block object would recompile each block and leave blocks past dynamo's
+    recompile limit eager)."""
+    from onegpu.config import LoraConfig
     from onegpu.techniques.prepare import prepare_model
 
+    switches = dict(switches)
+    lora = LoraConfig(enabled=switches.pop("lora", "off") == "on", r=4)
     tcfg = TechniquesConfig(
         compile="default",
         compile_backend="counting_eager",
-        tiled_mlp=tiled_mlp,
         tiled_mlp_tile_tokens=16,
-        checkpointing=checkpointing,
+        lora=lora,
+        **switches,
     )
     model = prepare_model(make_tiny_llama(tiny_tokenizer, num_hidden_layers=10), tcfg, "cpu")
     loss_sum(model.train(), _padded_batch(tiny_tokenizer, [60, 64], multiple=64)).backward()
