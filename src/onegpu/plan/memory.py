@@ -129,19 +129,20 @@ def state_bytes(shape: ModelShape, c: Candidate) -> float:
 
 
 # Bytes per element of the largest trained tensor that a per-tensor step allocates beyond its
-# state, measured on CPU from allocator events (tests/test_plan_memory.py): torchao's compiled
-# steps write fp32 moments (4-bit: and int64 codes) to full-size buffers before quantizing;
-# bitsandbytes' CPU kernel works on fp32 moments, gradient, weight and denominator.
-STEP_TEMP_PER_ELEMENT = {"adamw-8bit-ao": 8.0, "adamw-4bit-ao": 26.0}
-BNB_CPU_TEMP_PER_ELEMENT = 20.0
+# state, (GPU, CPU). CPU: measured from allocator events (tests/test_plan_memory.py). GPU: the
+# buffers of inductor's Triton code for sm90 (benchmarks/optimizer_step_buffers.py): torchao's
+# 8-bit step is one fused kernel with none, the 4-bit one writes fp32 moments and int64 codes
+# before packing; bitsandbytes' CUDA kernel works in place, its CPU one on fp32 copies.
+STEP_TEMP_PER_ELEMENT = {"adamw-8bit-ao": (0.0, 8.0), "adamw-4bit-ao": (24.0, 26.0)}
+STEP_TEMP_PER_ELEMENT |= dict.fromkeys(("adamw-8bit", "paged-adamw-8bit"), (0.0, 20.0))
 
 
 def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float:
     """Temporaries of optimizer.step(). None in place: fused AdamW (onegpu's adamw on a GPU and,
-    since torch 2.4, on CPU) and fused SGD, and bitsandbytes' 8-bit CUDA kernel (its op declares
-    every tensor it touches as mutated; on the simulated card the step of Llama-3.2-3B's embedding
-    holds nothing beyond its gradient). foreach AdamW builds whole-model intermediate lists;
-    Adafactor one tensor's variance estimate; the per-tensor steps above their largest tensor's."""
+    since torch 2.4, on CPU) and fused SGD (on the simulated card, as bitsandbytes' 8-bit kernel,
+    the step of Llama-3.2-3B's embedding holds nothing beyond its gradient). foreach AdamW builds
+    whole-model intermediate lists; Adafactor one tensor's variance estimate; the per-tensor
+    steps above their largest tensor's."""
     n = trainable_params(shape, c)
     opt = c.techniques.optimizer
     largest = min(n, shape.largest_param)
@@ -152,9 +153,7 @@ def optimizer_temp_bytes(shape: ModelShape, c: Candidate, on_gpu: bool) -> float
     if opt == "adafactor":  # one tensor at a time: its full-size variance estimate, then update
         return largest * trained_bytes(c)
     if opt in STEP_TEMP_PER_ELEMENT:
-        return largest * STEP_TEMP_PER_ELEMENT[opt]
-    if opt in ("adamw-8bit", "paged-adamw-8bit") and not on_gpu:
-        return largest * BNB_CPU_TEMP_PER_ELEMENT
+        return largest * STEP_TEMP_PER_ELEMENT[opt][0 if on_gpu else 1]
     return 0.0
 
 
