@@ -274,3 +274,18 @@ def count_targets(labels: torch.Tensor) -> int:
     from onegpu.objectives.tokens import IGNORE
 
     return int((labels[:, 1:] != IGNORE).sum())
+
+
+def peak_cpu_bytes(fn) -> int:
+    """Peak bytes held by torch's CPU allocator while ``fn()`` runs, from the profiler's trace of
+    every allocation and free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak

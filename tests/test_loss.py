@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import count_targets, make_tiny_llama, random_batch
+from helpers import count_targets, make_tiny_llama, peak_cpu_bytes, random_batch
 from onegpu.config import Config, TechniquesConfig, from_dict, validate
 from onegpu.errors import ConfigError, UnavailableError
 from onegpu.objectives.sft import SFT, loss_sum
@@ -96,21 +96,6 @@ def test_unknown_logit_transform_is_refused(tiny_tokenizer):
         )
 
 
-def _peak_cpu_bytes(fn) -> int:
-    """Peak bytes held by torch's CPU allocator while ``fn()`` runs, from the profiler's trace of
-    every allocation and free."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 def test_chunked_loss_lowers_peak_memory(tiny_tokenizer):
     """A large vocabulary makes the logits dominate, as in real LLMs (transformers#30860)."""
     vocab = 16384
@@ -120,7 +105,7 @@ def test_chunked_loss_lowers_peak_memory(tiny_tokenizer):
     for chunk in (0, 64):
         model.zero_grad(set_to_none=True)
         # the lambda runs inside this iteration, so it sees this iteration's chunk
-        peaks[chunk] = _peak_cpu_bytes(lambda: loss_sum(model, batch, chunk_size=chunk).backward())  # noqa: B023
+        peaks[chunk] = peak_cpu_bytes(lambda: loss_sum(model, batch, chunk_size=chunk).backward())  # noqa: B023
     logits_bytes = 2 * 256 * vocab * 4  # one fp32 copy of the full logits
     assert peaks[0] > 2 * logits_bytes  # logits, their softmax and gradient coexist
     assert peaks[64] < peaks[0] - logits_bytes

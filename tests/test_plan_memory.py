@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import peak_cpu_bytes
 from onegpu.plan import activation_model, memory
 from onegpu.plan import activations as acts
 from onegpu.plan.arch import _shape_of
@@ -247,22 +248,6 @@ def test_lora_on_a_subset_of_modules_is_planned_as_trained(tiny_tokenizer, targe
     assert c.apply(Config()).techniques.lora.targets == targets
 
 
-def _step_temporaries(model, opt) -> int:
-    """Peak bytes the allocator hands out during one ``opt.step()`` beyond what existed before it,
-    from the profiler's allocator events (they see inside custom ops and compiled code, which a
-    dispatch-mode tracker does not)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    now = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
-
-
 @pytest.mark.parametrize(
     "name,needs",
     [
@@ -294,7 +279,7 @@ def test_optimizer_step_temporaries_as_measured_on_cpu(name, needs):
         if first:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    measured = _step_temporaries(model, opt)
+    measured = peak_cpu_bytes(opt.step)  # allocator events see into custom ops and compiled code
     shape = replace(_shape_of("llama", _llama()), params=dim * dim, largest_param=dim * dim)
     c = setup(1, 1, precision="fp32", optimizer=name)
     predicted = memory.optimizer_temp_bytes(shape, c, on_gpu=False)
