@@ -22,6 +22,7 @@ so that it traces as plain tensors. Writes results/optimizer-step-buffers.md.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 import subprocess
@@ -153,16 +154,10 @@ def child(bits: int) -> None:
 
     code = generated_code(bits)
     kernels = len(re.findall(r"\.run\(", code[code.index("def call(") :]))
-    total = 0
-    rows = []
-    for shape, dtype in buffers(code):
-        n = 1
-        for d in shape:
-            n *= d
-        size = n * getattr(torch, dtype).itemsize
-        total += size
-        rows.append(f"{dtype}{list(shape)}")
-    print(f"RESULT {bits} {kernels} {total / N:.4f} {' '.join(rows) or '-'}", flush=True)
+    found = buffers(code)
+    total = sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in found)
+    names = " ".join(f"{dtype}{list(shape)}" for shape, dtype in found) or "-"
+    print(f"RESULT {bits} {kernels} {total / N:.4f} {names}", flush=True)
 
 
 def main() -> int:

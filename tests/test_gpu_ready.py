@@ -5,7 +5,6 @@ the GPU presets fit their time and memory, and scripts/gpu_check.sh runs, times 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -13,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import benchmark_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -68,16 +69,6 @@ def _run(*args: str, env: dict | None = None, timeout: float = 120) -> subproces
     return subprocess.run(
         list(args), cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout
     )
-
-
-def _bench_train_script():
-    spec = importlib.util.spec_from_file_location(
-        "bench_train_script", ROOT / "benchmarks" / "bench_train.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gpu_tier_collects_without_errors():
@@ -187,7 +178,7 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
 def test_gpu_presets_fit_a_ten_minute_command():
     """The estimates (seconds per arm at the GPU shape) keep every preset near 8 minutes, and the
     docstring's table shows what the estimator says."""
-    script = _bench_train_script()
+    script = benchmark_script("bench_train")
     for name, preset in script.PRESETS.items():
         if not preset.gpu:
             continue
@@ -203,7 +194,7 @@ def test_gpu_presets_fit_a_ten_minute_command():
 def test_gpu_presets_write_the_model_and_the_chat_data_once(tmp_path):
     """The saved model and the chat set are written once per work folder (under a temporary name,
     renamed when complete) and every later preset reuses them."""
-    script = _bench_train_script()
+    script = benchmark_script("bench_train")
     work = tmp_path / "work"
     model = script.saved_model(
         work / "llama-1b", preset="tiny", max_bytes=200_000
@@ -239,7 +230,7 @@ def test_every_gpu_preset_arm_fits_80_gb_by_the_planners_estimate():
     from onegpu.plan.arch import model_shape
     from onegpu.plan.candidate import setup
 
-    script, capacity = _bench_train_script(), 80 * 2**30
+    script, capacity = benchmark_script("bench_train"), 80 * 2**30
     shape = model_shape("1b", 4096)
     parser = make_parser("onegpu bench train", "", BenchTrainConfig)
     # their own defaults: HF Trainer fp32, the guide's flags and TRL bf16; TRL checkpoints by

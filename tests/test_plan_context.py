@@ -4,13 +4,11 @@ memory and speed models, the memory options crossed in one tier, the longest seq
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import benchmark_script
 from onegpu.cli.main import main
 from onegpu.config import Config
 from onegpu.hardware import find_gpu
@@ -21,15 +19,6 @@ from onegpu.plan.context import ladder, longest
 from onegpu.plan.search import tier_candidates
 
 GIB = 2**30
-
-
-def _bench():
-    path = Path(__file__).parents[1] / "benchmarks" / "plan_vs_published.py"
-    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plan_vs_published"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tier_one_crosses_bf16_weights_8bit_and_paged_state_step_in_backward_and_offload():
@@ -171,7 +160,7 @@ def test_unsloths_figures_are_matched_to_the_same_model_method_and_card():
 def test_llama_8b_full_fine_tune_on_a_4090_is_found_within_10_percent_of_torchtune():
     """torchtune: 18.9 GiB peak, bf16 weights, paged 8-bit AdamW with the step in backward,
     activation checkpointing, chunked cross-entropy; batch 2 x 2048 on one RTX 4090."""
-    bench = _bench()
+    bench = benchmark_script("plan_vs_published")
     row = bench.predict_8b_4090()
     assert row["found"], (
         f"torchtune's setup is not among the fitting rows; the plan picked {row['best']}"
@@ -199,5 +188,5 @@ EIGHT_BIT_GAP = (
     ],
 )
 def test_torchtune_3b_ladder_rows_within_10_percent(key):
-    row = _bench().predict([key])["rows"][0]
+    row = benchmark_script("plan_vs_published").predict([key])["rows"][0]
     assert row["predicted_gib"] == pytest.approx(row["published_gib"], rel=0.10), row

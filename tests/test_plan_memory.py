@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import peak_cpu_bytes
+from helpers import benchmark_script, peak_cpu_bytes
 from onegpu.plan import activation_model, memory
 from onegpu.plan import activations as acts
 from onegpu.plan.arch import _shape_of
@@ -116,9 +116,8 @@ def test_components_follow_dtypes_and_methods():
         memory.weight_bytes(shape, pure) == n * 2 and memory.optimizer_bytes(shape, pure) == n * 4
     )
     eight = setup(8, 1, precision="bf16", optimizer="adamw-8bit")
-    assert memory.optimizer_bytes(shape, eight) == pytest.approx(
-        n * (2 + 8 / 256)
-    )  # per 256: absmax
+    per_value = 2 + 8 / 256  # two 1-byte states, an fp32 absmax per 256 values each
+    assert memory.optimizer_bytes(shape, eight) == pytest.approx(n * per_value)
     four = setup(8, 1, precision="bf16", optimizer="adamw-4bit-ao")
     assert memory.optimizer_bytes(shape, four) == pytest.approx(n * 1, rel=0.1)
     ada = setup(8, 1, precision="bf16", optimizer="adafactor")
@@ -292,13 +291,7 @@ def test_the_gpu_buffer_scripts_torchao_step_is_torchaos(bits):
     quantized state unrolled into plain tensors) for a simulated GPU: here it gives the weights and
     the state codes torchao's optimizer gives, bit for bit, on a second step."""
     ao = pytest.importorskip("torchao.optim")
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "optimizer_step_buffers.py"
-    spec = importlib.util.spec_from_file_location("optimizer_step_buffers", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("optimizer_step_buffers")
 
     torch.manual_seed(0)
     n = 256 * 64

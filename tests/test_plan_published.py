@@ -3,12 +3,9 @@ QLoRA speed factors, compile's memory, LoRA adapter dtype, and torchtune's Llama
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers import benchmark_script
 from onegpu.config import Config
 from onegpu.hardware import find_gpu
 from onegpu.plan import memory, published, speed
@@ -95,19 +92,10 @@ def test_compiled_blocks_keep_less_than_eager_ones():
     assert acts.retained(2, 256, 2, compiled=True) < acts.retained(2, 256, 2)
 
 
-def _benchmark():
-    path = Path(__file__).parents[1] / "benchmarks" / "plan_vs_published.py"
-    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_torchtune_packed_and_compile_rows_within_10_percent():
     """The cheap rows of benchmarks/plan_vs_published.py (one activation fit, no chunked loss):
     torchtune's Llama-3.2-3B full fine-tune, 60.0 GiB packed and 51.0 GiB with compile."""
-    result = _benchmark().predict(["packed", "compile"])
+    result = benchmark_script("plan_vs_published").predict(["packed", "compile"])
     by = {r["key"]: r for r in result["rows"]}
     assert result["params"] == pytest.approx(3.21e9, rel=0.01)
     for key in ("packed", "compile"):
