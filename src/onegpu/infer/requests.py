@@ -1,0 +1,78 @@
+"""What callers hand the decode engine and what it hands back: one request's sampling settings, and
+the news of a request after each engine step. No torch here: the server and the CLI build these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from onegpu.errors import ConfigError
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled. temperature 0 is greedy (the most likely token each step)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off; as transformers: divide positive scores, multiply negative
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings, cut from the text
+    ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
+
+    def check(self, field_prefix: str = "") -> None:
+        """One clear error naming the bad field (``field_prefix`` + name: "--top_p", "top_p")."""
+        checks = {
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "temperature": self.temperature >= 0,
+            "top_k": self.top_k >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "repetition_penalty": self.repetition_penalty > 0,
+            "seed": 0 <= self.seed < 2**63,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(
+                    f"{field_prefix}{name} has an invalid value: {getattr(self, name)}.",
+                    hint="max_new_tokens >= 1; temperature, top_k >= 0; 0 < top_p <= 1; "
+                    "repetition_penalty > 0; 0 <= seed < 2**63",
+                )
+        if any(not s for s in self.stop):
+            raise ConfigError(
+                f"{field_prefix}stop contains an empty string.",
+                hint="remove it; an empty stop string would stop at once",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Update:
+    """What happened to one request during an engine step: the tokens it produced (``token_ids``)
+    and the text that may be shown now (``text``: held back while it could still become a stop string
+    or ends in half a character). ``finished`` comes once, with the reason."""
+
+    request_id: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0  # so far, in all
+    first_token: bool = False  # this update carries the request's first token
+
+
+@dataclass
+class Result:
+    """A finished request, as ``Engine.generate`` returns it."""
+
+    token_ids: list[int]  # the generated tokens (up to and including EOS, before a stop string cut)
+    text: str  # the generated text, without special tokens, cut before a stop string
+    finish_reason: FinishReason
+    prompt_tokens: int
