@@ -19,7 +19,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    repetition_penalty: float = 1.0  # 1 = off; as transformers: divide positive scores, multiply negative
+    repetition_penalty: float = (
+        1.0  # 1 = off; as transformers: divide positive scores, multiply negative
+    )
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings, cut from the text
     ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
@@ -55,8 +57,8 @@ class SamplingParams:
 @dataclass
 class Update:
     """What happened to one request during an engine step: the tokens it produced (``token_ids``)
-    and the text that may be shown now (``text``: held back while it could still become a stop string
-    or ends in half a character). ``finished`` comes once, with the reason."""
+    and the text that may be shown now (``text``: held back while it could still become a stop
+    string or ends in half a character). ``finished`` comes once, with the reason."""
 
     request_id: int
     token_ids: list[int] = field(default_factory=list)
