@@ -205,13 +205,21 @@ def check_positions(cfg: Config, model_name: str) -> None:
     check_seq_len(cfg, getattr(config, "max_position_embeddings", None))
 
 
+def longest_sequence(cfg: Config) -> int:
+    """The longest row the run trains on: data.seq_len, plus the completion for GRPO (whose
+    data.seq_len bounds the prompt)."""
+    if cfg.training.objective == "grpo":
+        return cfg.data.seq_len + cfg.grpo.max_completion_length
+    return cfg.data.seq_len
+
+
 def check_seq_len(cfg: Config, limit) -> None:
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
             hint=f"set data.seq_len <= {limit}",
         )
-    longest = cfg.data.seq_len + cfg.grpo.max_completion_length
+    longest = longest_sequence(cfg)
     if cfg.training.objective == "grpo" and isinstance(limit, int) and longest > limit:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} (the longest prompt) + grpo.max_completion_length="
