@@ -247,3 +247,11 @@ def test_a_misspelt_yaml_key_gets_the_did_you_mean_the_flag_gets(tmp_path, key, 
     assert err.value.hint == f"did you mean '{meant}'?"
     assert main(["train", f"--{key}", "1"]) == 2
     assert f"did you mean '--{meant}'" in capsys.readouterr().err
+
+
+def test_a_list_flag_given_a_bare_name_says_a_list_is_expected():
+    with pytest.raises(ConfigError, match=r"grpo.rewards takes a list, got 'length,format'") as err:
+        _parse(["--grpo.rewards", "length,format"])
+    assert "--grpo.rewards '[length, format]'" in err.value.hint
+    ok = _parse(["--training.objective", "grpo", "--grpo.rewards", "[length, format]"])
+    assert ok.grpo.rewards == ["length", "format"]

@@ -216,6 +216,12 @@ def _friendly(parser, message: str) -> ConfigError:
             for t in re.findall(r"Expected a <class '(\w+)'>", expected)
             if t in TYPE_WORDS
         ]
+        if "Expected a <class 'list'>" in expected:  # a bare name where a list was due
+            items = ", ".join(x.strip() for x in got.strip("[]").split(",") if x.strip())
+            return ConfigError(
+                f"{key} takes a list, got {got!r}.",
+                hint=f"write it in brackets: --{key} '[{items}]' (several items: '[a, b]')",
+            )
         if types:  # a number, or a number or "auto": the number is what went wrong
             words = f" (or {', '.join(dict.fromkeys(choices))})" if choices else ""
             return ConfigError(
