@@ -170,3 +170,22 @@ def test_cli_stop_flag_repeats_and_understands_backslash_n(tiny_model_dir, monke
         ]
     )
     assert seen["stop"] == ["\n\n", "return", "a,b"]
+
+
+def test_quantization_without_bitsandbytes_names_generates_own_flags(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    """Where bitsandbytes cannot be imported, `generate --quantization nf4` names its own flag and
+    a way round it, not training's techniques.lora.quantize_base (which generate refuses)."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, name)
+    pkg = tmp_path / "site" / "bitsandbytes"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import onegpu_missing_cuda_runtime\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert main(["generate", "--model", str(tiny_model_dir), "--quantization", "nf4", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "bitsandbytes (for --quantization nf4) is installed but fails to import" in err
+    assert "--quantization none" in err and "quantize_base" not in err

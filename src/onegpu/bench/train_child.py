@@ -106,9 +106,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
 
     watch = Watch(probe)
     result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
-    records = [
-        r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"
-    ]
+    records = train_windows(read_metrics(result.run_dir / "metrics.jsonl"))
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
     if (
@@ -128,6 +126,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
         out.update(step_timing(out["steps"], spec["warmup_steps"]))
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
+    out["skipped_steps"] = result.state.skipped_steps
     out.update(watch.memory)
     return out
 
@@ -151,6 +150,13 @@ class Watch(Callback):
 
     def on_train_end(self, run, state) -> None:
         self.memory = self.probe.read() if self.probe is not None else {}
+
+
+def train_windows(records: list[dict]) -> list[dict]:
+    """The training log's timing windows. A step the loop skipped (non-finite loss or gradients)
+    writes a record with only ``skipped``: no tokens, no clock, no loss. Its tokens and time stay
+    in the open window, which the next full record closes, so that record covers both steps."""
+    return [r for r in records if r.get("split") == "train" and "skipped" not in r]
 
 
 def timing_from_windows(records: list[dict], warmup: int) -> dict:
