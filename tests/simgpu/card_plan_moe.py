@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get(cards.ENV_CARD) != "H100", reason="the H100 is the card that measured it"
 )
 
-# tests/gpu/test_gpu_plan.py on an H100 (2026-11-25): retained bytes, batch 4 x 1024, bf16 autocast
-# over fp32 weights (/work/shared/gpu/h100-20261125/gpu-tier-tests.log; tests/test_plan_moe_probe.py)
+# tests/gpu/test_gpu_plan.py on an H100 (2026-11-25, its gpu-tier-tests.log): retained bytes,
+# batch 4 x 1024, bf16 autocast over fp32 weights (as in tests/test_plan_moe_probe.py)
 MEASURED = {"off": 500_816_380, "full": 166_275_580, "every-n": 336_326_140}
 
 
