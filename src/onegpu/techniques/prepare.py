@@ -72,7 +72,7 @@ def prepare_model(
     from onegpu.techniques.moe import apply_moe_aux_loss
     from onegpu.techniques.tiled_mlp import apply_tiled_mlp
 
-    apply_moe_aux_loss(model)
+    apply_moe_aux_loss(model, device_type)
     model = apply_lora(model, tcfg)
     model = apply_tiled_mlp(model, tcfg, seq_len)
     model = apply_checkpointing(model, tcfg, device_type)
