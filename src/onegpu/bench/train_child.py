@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from onegpu.bench.timing import startup_seconds
 from onegpu.training.state import Callback
 
 
@@ -178,16 +179,6 @@ def timing_from_windows(records: list[dict], warmup: int) -> dict:
         "startup_s": startup_seconds(early_seconds, early_steps, seconds, steps),
         "final_loss": final,
     }
-
-
-def startup_seconds(
-    early_seconds: float, early_steps: int, timed_seconds: float, timed_steps: int
-) -> float | None:
-    """What the untimed first steps took beyond the same steps at the timed (steady) rate: the
-    one-off cost of compiling and warming up, reported beside tokens/s instead of hidden in it."""
-    if not timed_steps or not early_steps:
-        return None
-    return max(0.0, early_seconds - early_steps * timed_seconds / timed_steps)
 
 
 def evidence(run) -> dict:

@@ -3,8 +3,6 @@ saying which side compiled and what each side's start-up (compiling included) co
 
 from __future__ import annotations
 
-from onegpu.bench.train_report import PEERS, _fmt
-
 
 def compiled(arm: dict) -> bool | None:
     """Whether the arm's code was compiled, read off its live objects (the evidence)."""
@@ -16,11 +14,12 @@ def _side(arm: dict) -> str:
     return {True: "compiled", False: "eager", None: "compile unknown"}[compiled(arm)]
 
 
-def headline(doc: dict) -> list[str]:
+def headline(doc: dict, peers: dict) -> list[str]:
     """One line per pairing with a peer: the ratios, which side compiled, and each side's start-up
-    seconds (compiling included) beside the steady tokens/s the ratio compares."""
+    seconds (compiling included) beside the steady tokens/s the ratio compares. ``peers``:
+    train_report.PEERS."""
     lines = []
-    for key, (ref, label, _ours) in PEERS.items():
+    for key, (ref, label, _ours) in peers.items():
         peer = doc["arms"].get(ref, {})
         for name, vs in doc.get(key, {}).items():
             ours = doc["arms"][name]
@@ -54,3 +53,7 @@ def compile_note(doc: dict) -> str:
         )
         + "); the `compile` arm shows what compiling adds."
     )
+
+
+def _fmt(v, spec: str, suffix: str = "") -> str:
+    return "—" if v is None else f"{v:{spec}}{suffix}"

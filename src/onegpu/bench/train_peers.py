@@ -256,7 +256,7 @@ def make_timer(warmup: int, budget_s: float, every: int, cuda: bool):
             start = next(((s, t) for s, t in self.marks if s >= warmup), None)
             if start is None or self.marks[-1][0] <= start[0]:
                 return {"timed_steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
-            from onegpu.bench.train_child import startup_seconds
+            from onegpu.bench.timing import startup_seconds
 
             end = self.marks[-1]
             steps, seconds = end[0] - start[0], end[1] - start[1]

@@ -293,7 +293,7 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
     ]
     from onegpu.bench.train_headline import compile_note, headline
 
-    lines += headline(doc)
+    lines += headline(doc, PEERS)
     lines += [compile_note(doc), ""]
     lines += [
         "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | "
