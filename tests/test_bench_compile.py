@@ -168,3 +168,20 @@ def test_headline_flags_an_eager_baseline_against_a_compiled_peer():
     assert "`baseline` (eager) vs HF Trainer (guide's flags) (compiled): 0.81x" in line
     assert line.endswith("not like for like: only one side compiled.")
     assert "on a CPU compile=auto decides by the run's own length (10 steps: eager" in md
+
+
+def test_dry_run_shows_the_settled_compile(triton, monkeypatch, capsys):
+    from onegpu import hardware
+
+    monkeypatch.setattr(hardware, "detect", lambda: H100)
+    b = BenchTrainConfig()
+    b.bench.arms = "baseline,offload,compile,eager,hf-trainer-tuned"
+    assert bench_train.dry_run(b) == 0
+    listed = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[1:])
+    assert listed["baseline"] == "- [compile default: as a default run of 50+ steps]"
+    assert listed["offload"] == (
+        "techniques.offload=zero2-cpu [compile off: as a default run of 50+ steps]"
+    )
+    assert listed["compile"].startswith("skip: the baseline compiles already")
+    assert listed["eager"] == "techniques.compile=off"
+    assert listed["hf-trainer-tuned"] == "HF Trainer"

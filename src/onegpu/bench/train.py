@@ -285,6 +285,17 @@ def dry_run(b: BenchTrainConfig) -> int:
         what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items())
         if arm.kind in peers:  # a peer with settings of its own (LoRA) names both
             what = peers[arm.kind] + (f" ({what})" if what else "")
-        what = what or "-"
+        what = (what or "-") + settled_note(arm, b, device.type)
         print(f"  {arm.name:<18} {'skip: ' + reason if reason else what}")
     return 0
+
+
+def settled_note(arm, b: BenchTrainConfig, device_type: str) -> str:
+    """What settle_compile adds to one of our arms on this device, for the dry run's listing."""
+    if arm.kind != "onegpu":
+        return ""
+    config = apply_overrides({k: v for k, v in to_dict(b).items() if k != "bench"}, arm.overrides)
+    mode = settle_compile(config, device_type)["techniques"]["compile"]
+    if mode == config["techniques"]["compile"]:
+        return ""
+    return f" [compile {mode}: as a default run of 50+ steps]"
