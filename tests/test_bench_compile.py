@@ -185,3 +185,14 @@ def test_dry_run_shows_the_settled_compile(triton, monkeypatch, capsys):
     assert listed["compile"].startswith("skip: the baseline compiles already")
     assert listed["eager"] == "techniques.compile=off"
     assert listed["hf-trainer-tuned"] == "HF Trainer"
+
+
+def test_dpo_headline_says_which_side_compiled():
+    doc = _doc(
+        H100,
+        {"baseline": ("onegpu", 9_488, 3.0, False), "trl-dpo": ("trl-dpo", 1_088, 5.0, False)},
+    )
+    doc["config"]["training"]["objective"] = "dpo"
+    doc["setup"]["train_examples"] = 80
+    md = train_report.markdown(train_report.summarize(doc))
+    assert "- **onegpu `baseline` (eager) vs TRL DPOTrainer (defaults) (eager): 8.72x" in md

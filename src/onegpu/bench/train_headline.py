@@ -10,7 +10,8 @@ def compiled(arm: dict) -> bool | None:
     return None if ev is None or "compiled" not in ev else bool(ev["compiled"])
 
 
-def _side(arm: dict) -> str:
+def side(arm: dict) -> str:
+    """'compiled' or 'eager', as the headline says it."""
     return {True: "compiled", False: "eager", None: "compile unknown"}[compiled(arm)]
 
 
@@ -25,7 +26,7 @@ def headline(doc: dict, peers: dict) -> list[str]:
             ours = doc["arms"][name]
             unlike = compiled(ours) is not None and compiled(ours) != compiled(peer)
             lines.append(
-                f"- **onegpu `{name}` ({_side(ours)}) vs {label} ({_side(peer)}): "
+                f"- **onegpu `{name}` ({side(ours)}) vs {label} ({side(peer)}): "
                 f"{_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
                 f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.** Start-up "
                 f"{_fmt(ours.get('startup_s'), '.0f', ' s')} vs "
