@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from onegpu.bench.timing import startup_seconds
 from onegpu.training.state import Callback
 
 
@@ -160,22 +161,28 @@ def train_windows(records: list[dict]) -> list[dict]:
 
 
 def timing_from_windows(records: list[dict], warmup: int) -> dict:
-    """Each log record covers the steps since the previous one; drop those up to `warmup`."""
-    steps = tokens = 0
-    seconds = 0.0
+    """Each log record covers the steps since the previous one; drop those up to `warmup`. Their
+    time beyond the steady rate is the start-up cost (compiling, the allocator's first growth)."""
+    steps = tokens = early_steps = 0
+    seconds = early_seconds = 0.0
     prev_step, prev_tokens = 0, 0
     for r in records:
         window_tokens = r["tokens_seen"] - prev_tokens
+        window_seconds = window_tokens / max(r["tokens_per_s"], 1e-9)
         if prev_step >= warmup:
             steps += r["step"] - prev_step
             tokens += window_tokens
-            seconds += window_tokens / max(r["tokens_per_s"], 1e-9)
+            seconds += window_seconds
+        else:
+            early_steps += r["step"] - prev_step
+            early_seconds += window_seconds
         prev_step, prev_tokens = r["step"], r["tokens_seen"]
     final = records[-1]["loss"] if records else None
     return {
         "timed_steps": steps,
         "timed_tokens": tokens,
         "timed_seconds": seconds,
+        "startup_s": startup_seconds(early_seconds, early_steps, seconds, steps),
         "final_loss": final,
     }
 
