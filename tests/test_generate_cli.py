@@ -35,7 +35,7 @@ def test_batched_equals_one_by_one(tiny):
     assert all(c.new_tokens > 0 and c.text for c in batched)
 
 
-def test_static_cache_and_compile_match_eager_greedy(tiny):
+def test_compiled_decode_matches_eager_greedy_on_both_decoders(tiny):
     from torch._dynamo.utils import counters
 
     eager = generate(tiny.model, tiny.tokenizer, PROMPTS[:2], greedy(batch_size=2))
@@ -48,10 +48,15 @@ def test_static_cache_and_compile_match_eager_greedy(tiny):
         greedy(batch_size=2, compile="default", compile_backend="aot_eager"),
     )
     assert _texts(compiled) == _texts(eager)
-    assert (
-        counters["stats"]["unique_graphs"] >= 1
-    )  # the decode step really went through torch.compile
-    assert hasattr(tiny.model, "_compiled_call")
+    assert counters["stats"]["unique_graphs"] >= 1  # the engine's step went through torch.compile
+    hf = generate(
+        tiny.model,
+        tiny.tokenizer,
+        PROMPTS[:2],
+        greedy(batch_size=2, decoder="hf", compile="default", compile_backend="aot_eager"),
+    )
+    assert _texts(hf) == _texts(eager)
+    assert hasattr(tiny.model, "_compiled_call")  # transformers' static-cache compile path ran
 
 
 def test_stop_strings_cut_generation(tiny):
