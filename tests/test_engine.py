@@ -149,10 +149,10 @@ def test_eos_and_stop_strings_end_a_request(llama, tiny_tokenizer):
     row = _ids(tiny_tokenizer)[0]
     engine = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=1))
     full = engine.generate([row], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
-    eos = full.token_ids[5]  # pretend the sixth token is the end of sequence
-    engine.state.eos[:1] = eos
-    engine.state.eos_set = frozenset({eos})
-    ended = engine.generate([row], SamplingParams(max_new_tokens=24))[0]
+    eos = full.token_ids[5]  # the sixth token ends a sequence now
+    ended = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=1, eos_ids=[eos])).generate(
+        [row], SamplingParams(max_new_tokens=24)
+    )[0]
     assert (
         ended.finish_reason == "stop"
         and ended.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]

@@ -28,12 +28,12 @@ class GRPOConfig:
     default 1.0 = all)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0 = all; TRL's default)."""
-    sampler: Literal["generate", "continuous"] = "generate"
-    """How rollouts are sampled. generate: transformers' ``generate`` with a dynamic KV cache, on
-    one CPU thread for a small model (measured fastest: benchmarks/results/grpo-rollouts-cpu.md;
-    static cache + compile was 1.1x faster per call but compiles for 30 s at each new prompt
-    length). continuous: transformers' continuous batching (a paged KV cache sized for the step's
-    completions), 2.4-2.8x slower on that CPU, for trying on a GPU."""
+    sampler: Literal["engine", "generate", "continuous"] = "engine"
+    """How rollouts are sampled (benchmarks/results/grpo-rollouts-cpu.md measures each). engine:
+    onegpu's decode engine — each prompt prefilled once for its group, every completion decoded
+    together in a static cache sized to the step, sampling on the device. generate: transformers'
+    ``generate`` with a dynamic KV cache. continuous: transformers' continuous batching (a paged KV
+    cache sized for the step's completions). On a CPU a small model samples on one thread."""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """How per-token losses are aggregated. dapo (TRL's default since 0.20; Yu et al. 2025): summed
     over the tokens of the step, divided by that token count. grpo (Shao et al. 2024): each

@@ -47,6 +47,9 @@ class EngineConfig:
     """torch.compile backend."""
     sync_every: int = 8
     """Decode steps between read-backs to the host (stop strings, streaming, new requests)."""
+    eos_ids: Optional[list[int]] = None
+    """Tokens that end a sequence. Default: the model's generation config's, and the
+    tokenizer's."""
 
 
 @dataclass
@@ -86,7 +89,10 @@ class Engine:
         self.device = model.get_input_embeddings().weight.device
         self.cache = SlotCache(self.max_slots, self.max_len, _compute_dtype(model), self.device)
         self.state = DecodeState.empty(
-            model, self.max_slots, _eos_ids(model, tokenizer), self.config.sync_every
+            model,
+            self.max_slots,
+            self.config.eos_ids or _eos_ids(model, tokenizer),
+            self.config.sync_every,
         )
         self.compiled = _compile_mode(self.config, self.device)
         self.stepper = Stepper(self, self.compiled, self.config.compile_backend)

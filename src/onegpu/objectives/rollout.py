@@ -1,12 +1,13 @@
 """GRPO's rollouts: the policy samples completions of its prompts in the training process, in the
 training memory (no second engine), and they become training rows.
 
-Sampling runs on the prepared model (LoRA: the adapted model), under no_grad, in eval mode, with
-compiled blocks run eagerly (a decode step's shapes change every token, and a compiled block would
-recompile for them), through transformers' ``generate`` (the fastest path measured:
-benchmarks/results/grpo-rollouts-cpu.md) or its continuous batching (grpo.sampler). The
-KV cache lives only inside the call: it is freed when sampling returns, before any forward of the
-loss.
+Sampling runs on the prepared model itself (LoRA: the adapted model; the live training weights,
+no copy), under no_grad, in eval mode, through onegpu's decode engine (grpo.sampler=engine, the
+default: each prompt prefilled once and its KV copied to its group's other slots, all completions
+decoded together, sampling on the device), transformers' ``generate`` or its continuous batching.
+Compiled blocks run eagerly on the eager paths (a compiled block would recompile for every decode
+shape). The KV cache lives only inside the call: it is freed when sampling returns, before any
+forward of the loss.
 
 A training row is prompt + completion, unpadded, then right-padded to the micro-batch's longest;
 only completion tokens are targets (a truncated completion's none, with
@@ -47,7 +48,7 @@ def generation_model(model):
 @torch.no_grad()
 def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
-    transformers' ``generate`` or its continuous batching."""
+    the decode engine, transformers' ``generate`` or its continuous batching."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -85,11 +86,32 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
 
 
 def _sample_chunk(gen, chunk, config, gcfg, pad: int, device) -> list[list[int]]:
+    if gcfg.sampler == "engine":
+        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id)
     if gcfg.sampler == "continuous":
         return continuous(gen, chunk, config, gcfg.max_completion_length)
     ids, mask = left_padded(chunk, pad, device)
     out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return out[:, ids.size(1) :].tolist()
+
+
+def engine_rollouts(gen, chunk: list[list[int]], gcfg, eos: list[int]) -> list[list[int]]:
+    """The chunk's completions from one decode engine: a slot per completion, the cache sized to
+    the longest prompt + max_completion_length. Seeds come from torch's generator, so the run's
+    seed (and a resume, which restores it) fixes the rollouts."""
+    from onegpu.infer.engine import Engine, EngineConfig
+    from onegpu.infer.requests import SamplingParams
+
+    new = gcfg.max_completion_length
+    length = -(-(max(map(len, chunk)) + new) // 64) * 64
+    config = EngineConfig(max_slots=len(chunk), max_len=length, compile="off", eos_ids=eos)
+    engine = Engine(gen, None, config)
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    params = [
+        SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i)
+        for i in range(len(chunk))
+    ]
+    return [r.token_ids for r in engine.generate(chunk, params)]
 
 
 def continuous(gen, chunk: list[list[int]], config, new_tokens: int) -> list[list[int]]:

@@ -1,0 +1,59 @@
+"""GRPO's rollouts through the decode engine: each prompt prefilled once for its group, the live
+training weights (LoRA adapters included) read with no copy, the default sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from families import tiny_family_model
+from onegpu.config.grpo import GRPOConfig
+from onegpu.objectives.rollout import engine_rollouts
+
+
+def _greedy(model, ids, new):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_engine_is_the_default_sampler():
+    assert GRPOConfig().sampler == "engine"
+
+
+def test_each_prompt_is_prefilled_once_for_its_group(tiny_tokenizer):
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    prefills = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: (
+            prefills.append(kw["input_ids"].shape) if kw["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in ("def f(x):", "class A:")]
+    chunk = [p for p in prompts for _ in range(4)]  # a group of 4 completions per prompt
+    gcfg = GRPOConfig(max_completion_length=8, temperature=1.0)
+    out = engine_rollouts(model, chunk, gcfg, [tiny_tokenizer.eos_token_id])
+    assert len(prefills) == 2 and len(out) == 8
+    # the copied KV serves the group as a prefill would: sampled rows differ, greedy rows agree
+    assert len({tuple(r) for r in out[:4]}) > 1
+    greedy = engine_rollouts(
+        model, chunk, GRPOConfig(max_completion_length=8, temperature=0.0), [-1]
+    )
+    assert all(r == _greedy(model, prompts[i // 4], 8) for i, r in enumerate(greedy))
+
+
+def test_rollouts_read_the_live_lora_weights(tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    base = tiny_family_model("llama", tiny_tokenizer)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.eval()
+    prompt = tiny_tokenizer("def f(x):")["input_ids"]
+    gcfg = GRPOConfig(max_completion_length=10, temperature=0.0)
+    before = engine_rollouts(model, [prompt], gcfg, [-1])[0]
+    with torch.no_grad():  # an optimizer step on the adapters, in place
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    after = engine_rollouts(model, [prompt], gcfg, [-1])[0]
+    assert after != before and after == _greedy(model, prompt, 10)
