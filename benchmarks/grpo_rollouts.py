@@ -1,14 +1,17 @@
-"""Which transformers path samples GRPO rollouts fastest on this machine.
+"""Which path samples GRPO rollouts fastest here: onegpu's decode engine or transformers'.
 
     python benchmarks/grpo_rollouts.py --rounds 5 --out benchmarks/results/grpo-rollouts-cpu
 
 Paths, each sampling group_size completions per prompt with the default job's model shape (the
-`tiny` preset, random weights, fp32): (a) plain ``model.generate`` (dynamic cache), (b) static
-cache + torch.compile through ``generate``, (c) transformers' continuous batching
-(``model.generate_batch``). Every path must produce exactly ``max_new_tokens`` per row (EOS is
-masked by ``min_new_tokens`` or disabled), so tokens/s compare like with like. Rounds interleave
-the paths (a, b, c, a, b, c, ...); a path's first call is timed apart (compilation, warm-up).
-Each path runs with torch's default intra-op threads (@2t on two cores) and with one (@1t).
+`tiny` preset, random weights, fp32): (e) onegpu's decode engine as GRPO's default sampler runs it
+(``rollout.engine_rollouts``: eager, an engine per call, each prompt prefilled once), (f) the same
+with its decode step compiled (a run that compiles: the engine kept across calls), (a) plain
+``model.generate`` (dynamic cache), (b) static cache + torch.compile through ``generate``, (c)
+transformers' continuous batching (``model.generate_batch``). Every path must produce exactly
+``max_new_tokens`` per row (EOS is masked by ``min_new_tokens`` or disabled), so tokens/s compare
+like with like. Rounds interleave the paths (a, b, c, a, b, c, ...); a path's first call is timed
+apart (compilation, warm-up). Each path runs with torch's default intra-op threads (@2t on two
+cores) and with one (@1t).
 Writes <out>.json (every per-round number, machine, load, versions) and <out>.md (a table).
 """
 
@@ -31,10 +34,12 @@ import torch
 import transformers
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
 
+from onegpu.config.grpo import GRPOConfig
 from onegpu.data.tokenizer import train_tokenizer
 from onegpu.models import preset_config
+from onegpu.objectives.rollout import engine_rollouts
 
-BASE_PATHS = ("generate", "static-compile", "continuous-batching")
+BASE_PATHS = ("engine", "engine-compile", "generate", "static-compile", "continuous-batching")
 # each path with torch's default intra-op threads and with one: a decode step's ops are small, and
 # splitting them across threads can cost more than it saves (most of all on a shared machine)
 DEFAULT_THREADS = torch.get_num_threads()
@@ -80,8 +85,10 @@ def gen_config(tok, args, path: str) -> GenerationConfig:
 def run_once(model, tok, prompts, args, path: str) -> tuple[float, float, int]:
     """One batch of rollouts; returns (wall seconds, CPU seconds of all the process's threads,
     generated tokens), checking every row's length. CPU seconds suffer less from a busy machine."""
-    cfg = gen_config(tok, args, path)
     rows = len(prompts) * args.group
+    if path.startswith("engine"):
+        return _engine_once(model, prompts, args, rows, compiled=path == "engine-compile")
+    cfg = gen_config(tok, args, path)
     # Left unset, num_blocks and max_batch_tokens are sized from free memory: on a CPU that is the
     # host RAM (a 14 GB cache here), so size the paged cache for the batch: one page per row
     # suffices while prompt + completion <= page_size, plus a spare page per row.
@@ -109,14 +116,27 @@ def run_once(model, tok, prompts, args, path: str) -> tuple[float, float, int]:
     return secs, cpu, sum(lengths)
 
 
+def _engine_once(model, prompts, args, rows: int, compiled: bool) -> tuple[float, float, int]:
+    chunk = [p for p in prompts for _ in range(args.group)]
+    gcfg = GRPOConfig(max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = engine_rollouts(model, chunk, gcfg, [-1], compiled)  # no EOS: all decode new_tokens
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    lengths = list(map(len, out))
+    if len(lengths) != rows or set(lengths) != {args.new_tokens}:
+        raise RuntimeError(f"engine: {len(lengths)} rows of lengths {sorted(set(lengths))}")
+    return secs, cpu, sum(lengths)
+
+
 def bench(model, tok, prompts, args) -> dict:
     """Interleaved rounds over the paths for one workload; a path that fails is recorded, once."""
+    paths = args.paths.split(",") if args.paths else PATHS
     res = {
         p: dict(first_call_s=None, seconds=[], cpu_s=[], tokens=[], tok_per_s=[], load_1min=[])
-        for p in PATHS
+        for p in paths
     }
     for rnd in range(-1, args.rounds):  # round -1: each path's first call (compile, warm-up)
-        for p in PATHS:
+        for p in paths:
             r = res[p]
             if r.get("error"):
                 continue
@@ -156,7 +176,7 @@ def rng(x: dict, digits: int) -> str:
 
 def write_md(path: Path, doc: dict) -> None:
     lines = [
-        "# GRPO rollouts on CPU: which transformers path samples fastest",
+        "# GRPO rollouts on CPU: which path samples fastest",
         "",
         f"{doc['date']}; `tiny` preset (random weights, fp32, vocab {doc['vocab']}), "
         f"{doc['new_tokens']} new tokens per completion (EOS masked or disabled), sampling T=1 "
@@ -199,6 +219,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompts", default="2,4", help="prompts per batch, one workload each")
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", default="", help=f"comma-separated subset of {', '.join(PATHS)}")
     args = ap.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as rounds finish
 

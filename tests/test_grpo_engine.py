@@ -57,3 +57,22 @@ def test_rollouts_read_the_live_lora_weights(tiny_tokenizer):
                 p.normal_(std=0.5)
     after = engine_rollouts(model, [prompt], gcfg, [-1])[0]
     assert after != before and after == _greedy(model, prompt, 10)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_compiles_its_rollouts_once_with_the_eager_tokens(tiny_tokenizer):
+    from torch._dynamo.utils import counters
+
+    from onegpu.objectives import rollout
+
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    chunk = [tiny_tokenizer("def f(x):")["input_ids"]] * 2
+    gcfg = GRPOConfig(max_completion_length=8, temperature=0.0)
+    eager = engine_rollouts(model, chunk, gcfg, [-1])
+    counters.clear()
+    first = engine_rollouts(model, chunk, gcfg, [-1], compiled=True)
+    engine = rollout._ENGINES[model]
+    assert engine.stepper.compiled is not None and counters["stats"]["unique_graphs"] >= 1
+    again = engine_rollouts(model, chunk, gcfg, [-1], compiled=True)
+    assert rollout._ENGINES[model] is engine  # kept: the next rollout reuses the compiled step
+    assert first == again == eager

@@ -4,15 +4,12 @@ and the one-token decode step (compiled) that advances every slot at once, readi
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from onegpu.infer.sampling import RowParams, next_tokens
 from onegpu.infer.slot_cache import cache_kwarg, masks
-
-if TYPE_CHECKING:
-    from onegpu.infer.engine import Engine
 
 
 @dataclass
@@ -91,7 +88,7 @@ class DecodeState:
         self.first[slot] = -1
 
 
-def first_tokens(engine: Engine, seq, source) -> None:
+def first_tokens(engine, seq, source) -> None:
     """Start ``seq`` in its slot: prefill its prompt (or take the logits of ``source``, whose prompt
     is the same and whose KV was copied in), sample its first token, set the slot's state."""
     st, row = engine.state, seq.slot
@@ -108,7 +105,13 @@ def first_tokens(engine: Engine, seq, source) -> None:
         seq.logits = source.logits
     sl = slice(row, row + 1)
     with torch.no_grad():
-        tok = next_tokens(seq.logits, st.params(sl), not p.greedy, p.repetition_penalty != 1.0)
+        tok = next_tokens(
+            seq.logits,
+            st.params(sl),
+            not p.greedy,
+            p.repetition_penalty != 1.0,
+            p.top_k > 0 or p.top_p < 1.0,
+        )
     st.tokens[sl], st.positions[row], st.step[row] = tok, n, 1
     st.first[sl] = tok
     st.seen[row, tok] = True
@@ -116,7 +119,7 @@ def first_tokens(engine: Engine, seq, source) -> None:
     st.live[sl] = ~(eos | (st.budget[sl] <= 1))
 
 
-def _prefill(engine: Engine, seq) -> torch.Tensor:
+def _prefill(engine, seq) -> torch.Tensor:
     n = len(seq.prompt)
     ids = torch.tensor([seq.prompt], device=engine.device)
     engine.cache.prefill(seq.slot, n)
@@ -133,17 +136,20 @@ def _prefill(engine: Engine, seq) -> torch.Tensor:
     return out.logits[:, -1].float()
 
 
-def _masks(engine: Engine, positions, kv_len: int, query_len: int = 1):
+def _masks(engine, positions, kv_len: int, query_len: int = 1):
     config = engine.model.config
     return masks(
         config, positions, kv_len, engine.cache.dtype, config._attn_implementation, query_len
     )
 
 
-def _adapter_kwargs(engine: Engine, names: Optional[list]) -> dict:
+def _adapter_kwargs(engine, names: Optional[list]) -> dict:
     if names is None:
         return {}
     return {"adapter_names": [n or "__base__" for n in names]}
+
+
+# ``engine`` below is the Engine that owns this state (engine.py; not imported: it imports this)
 
 
 class Stepper:
@@ -151,7 +157,7 @@ class Stepper:
     everything else is tensors with fixed addresses — so torch.compile specialises it once per
     bucket and, on a GPU, replays it as a CUDA graph."""
 
-    def __init__(self, engine: Engine, mode: Optional[str], backend: str = "inductor"):
+    def __init__(self, engine, mode: Optional[str], backend: str = "inductor"):
         self.engine = engine
         self.kwarg = cache_kwarg(engine.model)
         self.compiled = None
@@ -159,12 +165,13 @@ class Stepper:
             mode = mode if backend == "inductor" else None
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
 
-    def __call__(self, rows, kv_len, sampling, penalty, adapters) -> torch.Tensor:
+    def __call__(self, rows, kv_len, flags: tuple, adapters) -> torch.Tensor:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
-            return self.step(rows, kv_len, sampling, penalty, adapters)
-        return self.compiled(rows, kv_len, sampling, penalty, None)
+            return self.step(rows, kv_len, flags, adapters)
+        return self.compiled(rows, kv_len, flags, None)
 
-    def step(self, rows: int, kv_len: int, sampling: bool, penalty: bool, adapters):
+    def step(self, rows: int, kv_len: int, flags: tuple, adapters):
+        """``flags``: (sampling, penalty, filtering) of the running requests."""
         engine, st = self.engine, self.engine.state
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
         engine.cache.decode(rows, pos, kv_len)
@@ -177,7 +184,8 @@ class Stepper:
             logits_to_keep=1,
             **_adapter_kwargs(engine, adapters),
         ).logits[:, -1]
-        nxt = next_tokens(logits, st.params(slice(0, rows)), sampling, penalty)
+        nxt = next_tokens(logits, st.params(slice(0, rows)), *flags)
+        penalty = flags[1]
         step = st.step[:rows] + 1
         ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (step >= st.budget[:rows])
         st.tokens[:rows] = torch.where(live, nxt, st.tokens[:rows])
@@ -190,5 +198,5 @@ class Stepper:
         return torch.where(live, nxt, -1)
 
 
-def decode_once(engine: Engine, rows, kv_len, sampling, penalty, adapters, column: int) -> None:
-    engine.state.out[:rows, column] = engine.stepper(rows, kv_len, sampling, penalty, adapters)
+def decode_once(engine, rows, kv_len, flags: tuple, adapters, column: int) -> None:
+    engine.state.out[:rows, column] = engine.stepper(rows, kv_len, flags, adapters)

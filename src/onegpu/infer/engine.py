@@ -164,12 +164,15 @@ class Engine:
             self.config.sync_every,
             max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
         )
-        sampling = any(not s.params.greedy for s in running)
-        penalty = any(s.params.repetition_penalty != 1.0 for s in running)
+        flags = (
+            any(not s.params.greedy for s in running),
+            any(s.params.repetition_penalty != 1.0 for s in running),
+            any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in running),
+        )
         adapters = self._adapter_names(rows)
         with torch.no_grad():
             for j in range(steps):
-                decode_once(self, rows, kv_len, sampling, penalty, adapters, column=j)
+                decode_once(self, rows, kv_len, flags, adapters, column=j)
         return updates + self._read_back(running, rows, steps)
 
     def generate(

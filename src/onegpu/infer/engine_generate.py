@@ -11,7 +11,7 @@ from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import Result, SamplingParams
 
 if TYPE_CHECKING:
-    from onegpu.infer.generation import SamplingConfig
+    from onegpu.infer.sampling_config import SamplingConfig
 
 
 def engine_generate(

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from onegpu.infer.generation import SamplingConfig
+    from onegpu.infer.sampling_config import SamplingConfig
 
 log = logging.getLogger(__name__)
 

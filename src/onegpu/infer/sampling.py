@@ -32,9 +32,12 @@ class RowParams:
     seen: torch.Tensor  # tokens of the prompt and the output so far (repetition penalty)
 
 
-def next_tokens(logits: torch.Tensor, p: RowParams, sampling: bool, penalty: bool) -> torch.Tensor:
-    """The next token of each row. ``sampling``/``penalty``: whether any row samples or penalises
-    (known on the host), so a greedy batch pays for no sort and no noise."""
+def next_tokens(
+    logits: torch.Tensor, p: RowParams, sampling: bool, penalty: bool, filtering: bool = True
+) -> torch.Tensor:
+    """The next token of each row. ``sampling``/``penalty``/``filtering``: whether any row samples,
+    penalises, or uses top-k/top-p (known on the host), so a greedy batch pays for no noise and an
+    unfiltered one (GRPO's) for no sort of the vocabulary."""
     logits = logits.float()
     if penalty:
         pen = p.penalty[:, None]
@@ -43,6 +46,10 @@ def next_tokens(logits: torch.Tensor, p: RowParams, sampling: bool, penalty: boo
     if not sampling:
         return greedy
     scaled = logits / p.temperature.clamp_min(1e-6)[:, None]
+    if not filtering:
+        vocab = torch.arange(scaled.shape[-1], device=scaled.device)[None]
+        sampled = (scaled + gumbel(p.seed, p.step, vocab)).argmax(-1)
+        return torch.where(p.temperature == 0, greedy, sampled)
     ordered, order = scaled.sort(-1, descending=True)
     rank = torch.arange(ordered.shape[-1], device=ordered.device)[None]
     keep = (p.top_k[:, None] == 0) | (rank < p.top_k[:, None])

@@ -19,12 +19,14 @@ def make_objective(
     autocast=None,
     probe: bool = False,
     tokenizer=None,
+    compiled: bool = False,
 ) -> Objective:
     """The run's objective from training.objective and the loss settings, with the reference DPO
     needs built in (reference.choose says which): ``reference_model`` is the frozen copy
     (preference.reference=copy) already on its device, ``autocast`` the run's; ``probe``: a planner
     probe of a precomputed reference, which times the step with fixed reference log-probs;
-    ``tokenizer``: GRPO's, which decodes completions for the rewards."""
+    ``tokenizer``: GRPO's, which decodes completions for the rewards; ``compiled``: the run compiles
+    (GRPO compiles its rollouts' decode step too)."""
     from onegpu import distributed
     from onegpu.objectives.tokens import TokenLoss
 
@@ -48,6 +50,7 @@ def make_objective(
             cfg.data.prompt_field,
             ref,
             cfg.data.pad_to_multiple,
+            compiled,
         )
     from onegpu.objectives.preference import Preference
 

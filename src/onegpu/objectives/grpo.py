@@ -56,6 +56,7 @@ class GRPO(Objective):
         prompt_field,
         reference=None,
         pad_multiple: int = 1,
+        compiled: bool = False,
     ):
         self.g, self.tokens, self.rewards = gcfg, tokens, rewards
         self.tokenizer, self.prompt_field, self.reference = tokenizer, prompt_field, reference
@@ -63,6 +64,7 @@ class GRPO(Objective):
         self.eps_high = gcfg.epsilon if gcfg.epsilon_high is None else gcfg.epsilon_high
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_multiple = pad_multiple
+        self.compiled = compiled  # the run compiles: so does the rollouts' decode step
         self.cycle: Cycle | None = None
         self.pending, self.window, self.eval = _Stats(), _Stats(), None
         self._trained_from = 0.0
@@ -163,7 +165,13 @@ class GRPO(Objective):
         prompt_ids = rows[PROMPT_IDS]
         device = next(model.parameters()).device
         samples = rollout.sample(
-            model, prompt_ids, self.g, self.tokenizer, device, rows=per_call or len(prompt_ids)
+            model,
+            prompt_ids,
+            self.g,
+            self.tokenizer,
+            device,
+            rows=per_call or len(prompt_ids),
+            compiled=self.compiled,
         )
         texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
         prompts = rows[self.prompt_field]

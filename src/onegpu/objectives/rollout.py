@@ -17,11 +17,15 @@ grpo.mask_truncated_completions). The completion ends at its first EOS, which it
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from onegpu.objectives.tokens import IGNORE
+
+# A compiled engine per model, kept across rollouts (engine_rollouts).
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
 # the threads' synchronisation costs more than they save, many times more on a shared machine
@@ -46,9 +50,12 @@ def generation_model(model):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int) -> Samples:
+def sample(
+    model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int, compiled: bool = False
+) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
-    the decode engine, transformers' ``generate`` or its continuous batching."""
+    the decode engine, transformers' ``generate`` or its continuous batching. ``compiled``: the run
+    compiles, and so does the engine's decode step (kept across calls, so it compiles once)."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -72,10 +79,11 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
     if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
         torch.set_num_threads(1)
     try:
-        with torch.compiler.set_stance("force_eager"):
+        compiled = compiled and gcfg.sampler == "engine"
+        with torch.compiler.set_stance("default" if compiled else "force_eager"):
             for start in range(0, len(prompt_ids), rows):
                 chunk = prompt_ids[start : start + rows]
-                completions += _sample_chunk(gen, chunk, config, gcfg, pad, device)
+                completions += _sample_chunk(gen, chunk, config, gcfg, pad, device, compiled)
     finally:
         gen.train(was_training)
         torch.set_num_threads(threads)
@@ -85,9 +93,9 @@ def sample(model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: in
     return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0)
 
 
-def _sample_chunk(gen, chunk, config, gcfg, pad: int, device) -> list[list[int]]:
+def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled) -> list[list[int]]:
     if gcfg.sampler == "engine":
-        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id)
+        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled)
     if gcfg.sampler == "continuous":
         return continuous(gen, chunk, config, gcfg.max_completion_length)
     ids, mask = left_padded(chunk, pad, device)
@@ -95,17 +103,28 @@ def _sample_chunk(gen, chunk, config, gcfg, pad: int, device) -> list[list[int]]
     return out[:, ids.size(1) :].tolist()
 
 
-def engine_rollouts(gen, chunk: list[list[int]], gcfg, eos: list[int]) -> list[list[int]]:
+def engine_rollouts(
+    gen, chunk: list[list[int]], gcfg, eos: list[int], compiled: bool = False
+) -> list[list[int]]:
     """The chunk's completions from one decode engine: a slot per completion, the cache sized to
     the longest prompt + max_completion_length. Seeds come from torch's generator, so the run's
-    seed (and a resume, which restores it) fixes the rollouts."""
+    seed (and a resume, which restores it) fixes the rollouts. Eager, the engine lives for the
+    call; compiled, it is kept for the model (its cache too: a compiled step is bound to its
+    tensors) and rebuilt only for a longer prompt."""
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.requests import SamplingParams
 
     new = gcfg.max_completion_length
-    length = -(-(max(map(len, chunk)) + new) // 64) * 64
-    config = EngineConfig(max_slots=len(chunk), max_len=length, compile="off", eos_ids=eos)
-    engine = Engine(gen, None, config)
+    length = 64
+    while length < max(map(len, chunk)) + new:  # powers of two: few rebuilds for longer prompts
+        length *= 2
+    engine = _ENGINES.get(gen) if compiled else None
+    if engine is None or engine.max_slots < len(chunk) or engine.max_len < length:
+        mode = "on" if compiled else "off"
+        config = EngineConfig(max_slots=len(chunk), max_len=length, compile=mode, eos_ids=eos)
+        engine = Engine(gen, None, config)
+        if compiled:
+            _ENGINES[gen] = engine
     base = int(torch.randint(0, 2**62, (1,)).item())
     params = [
         SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i)

@@ -139,7 +139,8 @@ def assemble(
         autocast = accelerator.autocast
         if copied is not None:
             copied.to(accelerator.device)
-    loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe, tokenizer)
+    compiled = tcfg.compile != "off"
+    loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe, tokenizer, compiled)
     if loss.needs_reference is not None:
         log.info("%s reference: %s", objective.upper(), loss.needs_reference)
     return Prepared(model, loss, opt, scheduler)
