@@ -19,7 +19,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    repetition_penalty: float = 1.0  # 1 = off; as transformers: divide positive scores, multiply negative
+    repetition_penalty: float = (
+        1.0  # 1 = off; as transformers: divide positive scores, multiply negative
+    )
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings, cut from the text
     ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
