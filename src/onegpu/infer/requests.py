@@ -57,8 +57,8 @@ class SamplingParams:
 @dataclass
 class Update:
     """What happened to one request during an engine step: the tokens it produced (``token_ids``)
-    and the text that may be shown now (``text``: held back while it could still become a stop string
-    or ends in half a character). ``finished`` comes once, with the reason."""
+    and the text that may be shown now (``text``: held back while it could still become a stop
+    string or ends in half a character). ``finished`` comes once, with the reason."""
 
     request_id: int
     token_ids: list[int] = field(default_factory=list)

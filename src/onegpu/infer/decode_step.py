@@ -1,0 +1,193 @@
+"""The engine's device side: each slot's state as tensors, the prefill that starts a request,
+and the one-token decode step (compiled) that advances every slot at once, reading nothing back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from onegpu.infer.sampling import RowParams, next_tokens
+from onegpu.infer.slot_cache import cache_kwarg, masks
+
+if TYPE_CHECKING:
+    from onegpu.infer.engine import Engine
+
+
+@dataclass
+class DecodeState:
+    """Per slot: the token to feed next, where it goes, whether the slot still decodes, its budget
+    and sampling settings; ``out`` collects the tokens of the steps since the last read-back."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    live: torch.Tensor
+    budget: torch.Tensor
+    ignore_eos: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    penalty: torch.Tensor
+    seed: torch.Tensor
+    step: torch.Tensor
+    seen: torch.Tensor
+    first: torch.Tensor  # a newly admitted slot's first token until it is read back, else -1
+    out: torch.Tensor
+    eos: torch.Tensor
+    eos_set: frozenset
+
+    @classmethod
+    def empty(cls, model, slots: int, eos_ids: list[int], sync_every: int = 64) -> DecodeState:
+        device = model.get_input_embeddings().weight.device
+        vocab = model.get_output_embeddings().weight.shape[0]
+
+        def z(dtype, *shape, fill=0):
+            return torch.full(shape or (slots,), fill, dtype=dtype, device=device)
+
+        state = cls(
+            tokens=z(torch.long),
+            positions=z(torch.long),
+            live=z(torch.bool),
+            budget=z(torch.long),
+            ignore_eos=z(torch.bool),
+            temperature=z(torch.float),
+            top_k=z(torch.long),
+            top_p=z(torch.float, fill=1.0),
+            penalty=z(torch.float, fill=1.0),
+            seed=z(torch.long),
+            step=z(torch.long),
+            seen=z(torch.bool, slots, vocab),
+            first=z(torch.long, fill=-1),
+            out=z(torch.long, slots, sync_every, fill=-1),
+            eos=torch.tensor(eos_ids or [-2], dtype=torch.long, device=device),
+            eos_set=frozenset(eos_ids),
+        )
+        if device.type == "cuda":  # CUDA graphs replay on fixed addresses
+            for f in fields(cls):
+                value = getattr(state, f.name)
+                if isinstance(value, torch.Tensor):
+                    torch._dynamo.mark_static_address(value)
+        return state
+
+    def params(self, rows: slice) -> RowParams:
+        return RowParams(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.penalty[rows],
+            self.seed[rows],
+            self.step[rows],
+            self.seen[rows],
+        )
+
+    def read_back(self, rows: int, steps: int) -> list[list[int]]:
+        table = torch.cat([self.first[:rows, None], self.out[:rows, :steps]], 1).tolist()
+        self.first[:rows] = -1
+        return table
+
+    def retire(self, slot: int) -> None:
+        self.live[slot] = False
+        self.first[slot] = -1
+
+
+def first_tokens(engine: Engine, seq, source) -> None:
+    """Start ``seq`` in its slot: prefill its prompt (or take the logits of ``source``, whose prompt
+    is the same and whose KV was copied in), sample its first token, set the slot's state."""
+    st, row = engine.state, seq.slot
+    p, n = seq.params, len(seq.prompt)
+    st.temperature[row], st.top_k[row], st.top_p[row] = p.temperature, p.top_k, p.top_p
+    st.penalty[row], st.seed[row], st.step[row] = p.repetition_penalty, p.seed, 0
+    st.budget[row], st.ignore_eos[row] = p.max_new_tokens, p.ignore_eos
+    st.seen[row] = False
+    st.seen[row, torch.tensor(seq.prompt, device=st.seen.device)] = True
+    if source is None:
+        with torch.no_grad():
+            seq.logits = _prefill(engine, seq)
+    else:
+        seq.logits = source.logits
+    sl = slice(row, row + 1)
+    with torch.no_grad():
+        tok = next_tokens(seq.logits, st.params(sl), not p.greedy, p.repetition_penalty != 1.0)
+    st.tokens[sl], st.positions[row], st.step[row] = tok, n, 1
+    st.first[sl] = tok
+    st.seen[row, tok] = True
+    eos = torch.isin(tok, st.eos) & ~st.ignore_eos[sl]
+    st.live[sl] = ~(eos | (st.budget[sl] <= 1))
+
+
+def _prefill(engine: Engine, seq) -> torch.Tensor:
+    n = len(seq.prompt)
+    ids = torch.tensor([seq.prompt], device=engine.device)
+    engine.cache.prefill(seq.slot, n)
+    kw = _adapter_kwargs(engine, [seq.adapter] if engine.routing else None)
+    out = engine.model(
+        input_ids=ids,
+        position_ids=torch.arange(n, device=engine.device)[None],
+        attention_mask=_masks(engine, torch.tensor([n - 1], device=engine.device), n, n),
+        **{cache_kwarg(engine.model): engine.cache},
+        use_cache=True,
+        logits_to_keep=1,
+        **kw,
+    )
+    return out.logits[:, -1].float()
+
+
+def _masks(engine: Engine, positions, kv_len: int, query_len: int = 1):
+    config = engine.model.config
+    return masks(
+        config, positions, kv_len, engine.cache.dtype, config._attn_implementation, query_len
+    )
+
+
+def _adapter_kwargs(engine: Engine, names: Optional[list]) -> dict:
+    if names is None:
+        return {}
+    return {"adapter_names": [n or "__base__" for n in names]}
+
+
+class Stepper:
+    """The one-token step of all slots, as a function of (rows, kv_len, sampling, penalty) only —
+    everything else is tensors with fixed addresses — so torch.compile specialises it once per
+    bucket and, on a GPU, replays it as a CUDA graph."""
+
+    def __init__(self, engine: Engine, mode: Optional[str]):
+        self.engine = engine
+        self.kwarg = cache_kwarg(engine.model)
+        self.compiled = (
+            torch.compile(self.step, mode=mode, dynamic=False, fullgraph=False) if mode else None
+        )
+
+    def __call__(self, rows, kv_len, sampling, penalty, adapters) -> torch.Tensor:
+        if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
+            return self.step(rows, kv_len, sampling, penalty, adapters)
+        return self.compiled(rows, kv_len, sampling, penalty, None)
+
+    def step(self, rows: int, kv_len: int, sampling: bool, penalty: bool, adapters):
+        engine, st = self.engine, self.engine.state
+        pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
+        engine.cache.decode(rows, pos, kv_len)
+        logits = engine.model(
+            input_ids=st.tokens[:rows, None],
+            position_ids=pos[:, None],
+            attention_mask=_masks(engine, pos, kv_len),
+            **{self.kwarg: engine.cache},
+            use_cache=True,
+            logits_to_keep=1,
+            **_adapter_kwargs(engine, adapters),
+        ).logits[:, -1]
+        nxt = next_tokens(logits, st.params(slice(0, rows)), sampling, penalty)
+        step = st.step[:rows] + 1
+        ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (step >= st.budget[:rows])
+        st.tokens[:rows] = torch.where(live, nxt, st.tokens[:rows])
+        st.positions[:rows] = pos + live.long()
+        st.step[:rows] = torch.where(live, step, st.step[:rows])
+        if penalty:
+            idx = torch.arange(rows, device=nxt.device)
+            st.seen[idx, nxt] = st.seen[idx, nxt] | live
+        st.live[:rows] = live & ~ended
+        return torch.where(live, nxt, -1)
+
+
+def decode_once(engine: Engine, rows, kv_len, sampling, penalty, adapters, column: int) -> None:
+    engine.state.out[:rows, column] = engine.stepper(rows, kv_len, sampling, penalty, adapters)

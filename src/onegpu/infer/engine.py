@@ -1,0 +1,331 @@
+"""The decode engine: what ``onegpu generate``, ``onegpu bench infer``, GRPO's rollouts and
+``onegpu serve`` generate with.
+
+Requests wait in a queue; each engine ``step`` admits waiting ones into free slots of the KV cache
+(a prefill each; requests with the same prompt share one prefill), then runs up to ``sync_every``
+decode steps for every running sequence together, then reads the new tokens back to the host once.
+A decode step is one forward of one token per slot, on-device sampling and the slots' bookkeeping,
+with fixed shapes — compiled, and on a GPU captured as a CUDA graph by ``torch.compile``'s
+``reduce-overhead`` mode — so the host neither syncs nor launches per token. EOS and the token
+budget are checked on the device; stop strings on the host at each read-back.
+
+The engine knows nothing of HTTP or GRPO; it is not thread-safe (drive it from one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+
+from onegpu.errors import ConfigError
+from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
+from onegpu.infer.requests import Result, SamplingParams, Update
+from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position
+from onegpu.infer.text import TextTracker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
+
+
+@dataclass
+class EngineConfig:
+    max_slots: int = 8
+    """Sequences decoded together (the KV cache holds this many)."""
+    max_len: Optional[int] = None
+    """KV positions per sequence: prompt + new tokens must fit. Default: the model's context."""
+    compile: Literal["auto", "off", "on"] = "auto"
+    """Compile the decode step (auto: on a GPU, as CUDA graphs; off on a CPU, where compiling
+    costs a minute of start-up)."""
+    sync_every: int = 8
+    """Decode steps between read-backs to the host (stop strings, streaming, new requests)."""
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_positions_used: int
+    kv_positions_total: int
+
+
+@dataclass
+class _Seq:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    adapter: Optional[str]
+    tracker: TextTracker
+    slot: int = -1
+    generated: int = 0
+    cancelled: bool = False
+    logits: Optional[torch.Tensor] = None  # the prefill's last logits, during its admission
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        context = _context(model)
+        self.max_len = min(self.config.max_len or context, context)
+        self.max_slots = self.config.max_slots
+        if self.max_slots < 1 or self.max_len < 2 or self.config.sync_every < 1:
+            raise ConfigError(
+                f"engine: max_slots {self.max_slots}, max_len {self.max_len}, sync_every "
+                f"{self.config.sync_every}",
+                hint="max_slots >= 1, max_len >= 2, sync_every >= 1",
+            )
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = SlotCache(self.max_slots, self.max_len, _compute_dtype(model), self.device)
+        self.state = DecodeState.empty(
+            model, self.max_slots, _eos_ids(model, tokenizer), self.config.sync_every
+        )
+        self.compiled = _compile_mode(self.config.compile, self.device)
+        self.stepper = Stepper(self, self.compiled)
+        # Once a request names an adapter, every forward names one per row ("__base__" for a
+        # request without): PEFT would otherwise apply its active adapter to those.
+        self.routing = False
+        self._waiting: deque[_Seq] = deque()
+        self._slots: list[Optional[_Seq]] = [None] * self.max_slots
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
+    ) -> int:
+        """Queue a request; its id. Too long a request, a bad setting or an unknown adapter is a
+        ConfigError naming it."""
+        params.check()
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty.", hint="give at least one token")
+        need = len(prompt_ids) + params.max_new_tokens
+        if need > self.max_len:
+            raise ConfigError(
+                f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {need} is over the engine's limit of "
+                f"{self.max_len} tokens.",
+                hint="shorten the prompt or lower max_new_tokens to "
+                f"{self.max_len - len(prompt_ids)}",
+            )
+        _check_adapter(self.model, adapter)
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer.", hint="give the engine one")
+        self.routing = self.routing or adapter is not None
+        seq = _Seq(
+            self._next_id,
+            list(prompt_ids),
+            params,
+            adapter,
+            TextTracker(self.tokenizer, params.stop),
+        )
+        self._next_id += 1
+        self._waiting.append(seq)
+        return seq.id
+
+    def cancel(self, request_id: int) -> None:
+        for seq in [*self._waiting, *self._running()]:
+            if seq.id == request_id:
+                seq.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    def stats(self) -> EngineStats:
+        running = self._running()
+        used = sum(len(s.prompt) + s.generated for s in running)
+        return EngineStats(len(running), len(self._waiting), used, self.max_slots * self.max_len)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Update]:
+        """Admit, decode up to sync_every tokens, read back: the news of each request."""
+        updates = self._drop_cancelled()
+        admitted = self._admit()
+        running = self._running()
+        if not running:
+            return updates
+        rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
+        longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
+        kv_len = _bucket(longest, self.max_len, start=64)
+        steps = min(
+            self.config.sync_every,
+            max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
+        )
+        sampling = any(not s.params.greedy for s in running)
+        penalty = any(s.params.repetition_penalty != 1.0 for s in running)
+        adapters = self._adapter_names(rows)
+        with torch.no_grad():
+            for j in range(steps):
+                decode_once(self, rows, kv_len, sampling, penalty, adapters, column=j)
+        return updates + self._read_back(running, rows, steps)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: Union[SamplingParams, list[SamplingParams]],
+        adapters: Optional[list[Optional[str]]] = None,
+    ) -> list[Result]:
+        """Run requests to completion; results in the prompts' order."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        names = adapters or [None] * len(prompts)
+        ids = [self.submit(p, s, a) for p, s, a in zip(prompts, each, names, strict=True)]
+        done: dict[int, Result] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        texts: dict[int, str] = {i: "" for i in ids}
+        while self.has_work():
+            for u in self.step():
+                tokens[u.request_id] += u.token_ids
+                texts[u.request_id] += u.text
+                if u.finished:
+                    done[u.request_id] = Result(
+                        tokens[u.request_id], texts[u.request_id], u.finish_reason, u.prompt_tokens
+                    )
+        return [done[i] for i in ids]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _running(self) -> list[_Seq]:
+        return [s for s in self._slots if s is not None]
+
+    def _drop_cancelled(self) -> list[Update]:
+        gone = [s for s in self._waiting if s.cancelled] + [
+            s for s in self._running() if s.cancelled
+        ]
+        self._waiting = deque(s for s in self._waiting if not s.cancelled)
+        for s in gone:
+            self._free(s)
+        return [
+            Update(
+                s.id, [], s.tracker.take(final=True), True, "cancelled", len(s.prompt), s.generated
+            )
+            for s in gone
+        ]
+
+    def _admit(self) -> set:
+        """Prefill waiting requests into free slots, lowest first (a decode step covers slots up to
+        the highest in use). A prompt already prefilled in this round is copied, not recomputed."""
+        admitted: list[_Seq] = []
+        shared: dict[tuple, _Seq] = {}
+        while self._waiting and None in self._slots:
+            seq = self._waiting.popleft()
+            seq.slot = self._slots.index(None)
+            self._slots[seq.slot] = seq
+            key = (tuple(seq.prompt), seq.adapter)
+            if key in shared:
+                self.cache.copy_slot(shared[key].slot, seq.slot, len(seq.prompt))
+                first_tokens(self, seq, source=shared[key])
+            else:
+                first_tokens(self, seq, source=None)
+                shared[key] = seq
+            admitted.append(seq)
+        for seq in admitted:
+            seq.logits = None
+        return {seq.id for seq in admitted}
+
+    def _adapter_names(self, rows: int) -> Optional[list[str]]:
+        """PEFT's per-row adapter names when a running request names an adapter (a mixed batch);
+        then a request without one runs on the base model ("__base__")."""
+        if not self.routing:
+            return None
+        names = ["__base__"] * rows
+        for s in self._running():
+            names[s.slot] = s.adapter or "__base__"
+        return names
+
+    def _read_back(self, running: list[_Seq], rows: int, steps: int) -> list[Update]:
+        """One device-to-host copy for all the new tokens; finish what ended."""
+        table = self.state.read_back(rows, steps)
+        updates = []
+        for seq in running:
+            row = [t for t in table[seq.slot] if t >= 0]
+            first = seq.generated == 0
+            seq.generated += len(row)
+            seq.tracker.add(row)
+            ended = self._finish_reason(seq, row)
+            if ended is not None:
+                self._free(seq)
+            updates.append(
+                Update(
+                    seq.id,
+                    row,
+                    seq.tracker.take(final=ended is not None),
+                    ended is not None,
+                    ended,
+                    len(seq.prompt),
+                    seq.generated,
+                    first and bool(row),
+                )
+            )
+        return updates
+
+    def _finish_reason(self, seq: _Seq, row: list[int]) -> Optional[str]:
+        if seq.tracker.stopped:
+            return "stop"
+        if row and row[-1] in self.state.eos_set and not seq.params.ignore_eos:
+            return "stop"
+        if seq.generated >= seq.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _free(self, seq: _Seq) -> None:
+        if seq.slot >= 0 and self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
+            self.state.retire(seq.slot)
+
+
+def _bucket(n: int, cap: int, start: int = 1) -> int:
+    """The smallest power-of-two multiple of ``start`` that holds ``n``, at most ``cap``: a few
+    fixed shapes, so a compiled step is reused instead of recompiled for every count."""
+    size = start
+    while size < n:
+        size *= 2
+    return min(size, cap)
+
+
+def _context(model) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(
+        f"{type(model).__name__}: its config names no context length.",
+        hint="pass the engine's max_len",
+    )
+
+
+def _compute_dtype(model) -> torch.dtype:
+    floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    return floats[0] if floats else torch.float32
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if (
+        tokenizer is not None
+        and tokenizer.eos_token_id is not None
+        and tokenizer.eos_token_id not in ids
+    ):
+        ids.insert(0, tokenizer.eos_token_id)
+    return ids
+
+
+def _compile_mode(choice: str, device) -> Optional[str]:
+    """None (eager) or the torch.compile mode of the decode step."""
+    if choice == "off" or (choice == "auto" and device.type != "cuda"):
+        return None
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def _check_adapter(model, adapter: Optional[str]) -> None:
+    if adapter is None or adapter == "__base__":
+        return
+    known = list(getattr(model, "peft_config", {}) or {})
+    if adapter not in known:
+        raise ConfigError(
+            f"adapter '{adapter}' is not loaded.",
+            hint=f"use one of: {', '.join(known) or '(none: the model has no adapters)'}",
+        )

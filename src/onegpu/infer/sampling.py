@@ -1,0 +1,69 @@
+"""Choosing the next token on the device, for a batch of requests that each sample differently.
+
+Each row has its own temperature, top-k, top-p, repetition penalty and seed as tensors, so one
+kernel sequence serves a mixed batch and nothing is read back to the host. The order and the
+meaning of the filters are transformers' (repetition penalty, temperature, top-k, top-p).
+
+Randomness is counter-based: the noise of token t at a request's step s is a hash of (seed, s, t),
+and the token is the Gumbel-max ``argmax(logit / T + G)`` over the tokens the filters keep — an
+exact draw from the filtered softmax. A request's output therefore depends on its seed alone, not on
+which slot it sits in, what else is in the batch, or a generator's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling settings on the device, [rows] each (``seen``: [rows, vocab])."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    penalty: torch.Tensor
+    seed: torch.Tensor
+    step: torch.Tensor  # tokens the request generated so far: the noise's counter
+    seen: torch.Tensor  # tokens of the prompt and the output so far (repetition penalty)
+
+
+def next_tokens(logits: torch.Tensor, p: RowParams, sampling: bool, penalty: bool) -> torch.Tensor:
+    """The next token of each row. ``sampling``/``penalty``: whether any row samples or penalises
+    (known on the host), so a greedy batch pays for no sort and no noise."""
+    logits = logits.float()
+    if penalty:
+        pen = p.penalty[:, None]
+        logits = torch.where(p.seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+    greedy = logits.argmax(-1)
+    if not sampling:
+        return greedy
+    scaled = logits / p.temperature.clamp_min(1e-6)[:, None]
+    ordered, order = scaled.sort(-1, descending=True)
+    rank = torch.arange(ordered.shape[-1], device=ordered.device)[None]
+    keep = (p.top_k[:, None] == 0) | (rank < p.top_k[:, None])
+    ordered = ordered.masked_fill(~keep, float("-inf"))
+    probs = ordered.softmax(-1)
+    # top-p: keep a token while the mass before it is under top_p (the first always stays)
+    keep = keep & (((probs.cumsum(-1) - probs) < p.top_p[:, None]) | (rank == 0))
+    noisy = ordered.masked_fill(~keep, float("-inf")) + gumbel(p.seed, p.step, order)
+    sampled = order.gather(-1, noisy.argmax(-1, keepdim=True))[:, 0]
+    return torch.where(p.temperature == 0, greedy, sampled)
+
+
+def gumbel(seed: torch.Tensor, step: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise for each (row, token): -log(-log(u)), u from a hash of (seed, step,
+    token id). 32-bit mixing in int64, each product kept under 2**63 (31-bit multipliers)."""
+    s = ((seed ^ (seed >> 32)) & _M32)[:, None]
+    x = ((s * 0x7FEB352D) & _M32) ^ ((step[:, None] * 0x68E31DA5) & _M32)
+    x = (x + ((token * 0x1B56C4E9) & _M32)) & _M32
+    for mult in (0x6C8E9CF5, 0x2C1B3C6D):
+        x = x ^ (x >> 16)
+        x = (x * mult) & _M32
+    x = x ^ (x >> 15)
+    u = ((x >> 8).float() + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
