@@ -16,7 +16,7 @@ import httpx
 
 TESTS = Path(__file__).parent
 SRC = TESTS.parent / "src"
-SERVE = [sys.executable, str(TESTS / "serve_fake_engine.py")]
+SERVE = [sys.executable, "-m", "onegpu", "serve"]  # the command as a user runs it
 START_TIMEOUT_S = 120
 
 

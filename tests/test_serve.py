@@ -61,8 +61,21 @@ def test_models_lists_the_base_and_each_adapter(client, tiny_model_dir):
     assert [m.id for m in client.models.list().data] == [str(tiny_model_dir), "alpha", "beta"]
 
 
-def test_greedy_completions_equal_generate(client, tiny_model_dir, capsys, tmp_path):
+def engine_answers(model_dir, prompts) -> list[str]:
+    """What the decode engine gives for these prompts, called directly (no server)."""
+    from onegpu.infer import InferConfig, load
+    from onegpu.infer.engine import Engine, EngineConfig
+    from onegpu.infer.requests import SamplingParams
+
+    loaded = load(InferConfig(model=str(model_dir)))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_slots=4, max_len=256))
+    ids = [loaded.tokenizer(p)["input_ids"] for p in prompts]
+    return [r.text for r in engine.generate(ids, SamplingParams(max_new_tokens=TOKENS))]
+
+
+def test_greedy_completions_equal_generate_and_the_engine(client, tiny_model_dir, capsys, tmp_path):
     expected = generated(capsys, tmp_path, tiny_model_dir, PROMPTS)
+    assert engine_answers(tiny_model_dir, PROMPTS) == expected
     one_by_one = [complete(client, str(tiny_model_dir), p).choices[0].text for p in PROMPTS]
     together = complete(client, str(tiny_model_dir), PROMPTS)
     assert one_by_one == expected and any(expected)

@@ -44,7 +44,7 @@ def build_parser():
     return parser
 
 
-def cli(argv: Sequence[str], kit=None) -> int:
+def cli(argv: Sequence[str]) -> int:
     from onegpu.config import from_dict
     from onegpu.infer import InferConfig
     from onegpu.serve.config import ServeConfig
@@ -55,7 +55,7 @@ def cli(argv: Sequence[str], kit=None) -> int:
     icfg = from_dict(_fields(raw, InferConfig, SKIP), InferConfig)
     scfg = from_dict(_fields(raw, ServeConfig), ServeConfig)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return serve(icfg, scfg, kit)
+    return serve(icfg, scfg)
 
 
 def repeatable(argv: Sequence[str], flag: str) -> list[str]:

@@ -14,6 +14,8 @@ from onegpu.errors import ConfigError, ModelError, UnavailableError
 
 log = logging.getLogger(__name__)
 
+BASE_ROW = "__base__"  # PEFT's adapter_names entry for a row that takes no adapter
+
 
 def parse_adapters(specs: list[str]) -> dict[str, str]:
     """``["math=runs/m/final", ...]`` -> {"math": "runs/m/final"}, each checked."""
@@ -86,9 +88,12 @@ class ServedModels:
         return [self.base, *self.adapters]
 
     def adapter_for(self, name: str) -> Optional[str]:
-        """The engine's adapter for a requested model name (None: the base alone)."""
+        """The engine's adapter for a requested model name. The base is named too once adapters
+        are loaded: a PeftModel applies its active adapter to a request that names none (until
+        some request in the engine's life has named one), so the base gets PEFT's own name for
+        "no adapter on this row"."""
         if name == self.base:
-            return None
+            return BASE_ROW if self.adapters else None
         if name in self.adapters:
             return name
         from onegpu.serve.schemas import APIError

@@ -7,41 +7,27 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from onegpu.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineKit:
-    """How to build the decode engine: ``make(model, tokenizer, plan, cfg)`` and the KV bytes one
-    token takes (the engine owns the cache layout, so it owns that figure)."""
+def make_engine(model, tokenizer, plan, cfg: ServeConfig):
+    from onegpu.infer.engine import Engine, EngineConfig
 
-    make: Callable[..., Any]
-    bytes_per_position: Callable[[Any], int]
-
-
-def engine_kit() -> EngineKit:
-    from onegpu.infer.engine import Engine, EngineConfig, kv_bytes_per_position
-
-    def make(model, tokenizer, plan, cfg: ServeConfig):
-        config = EngineConfig(
-            max_slots=plan.max_slots,
-            max_len=plan.max_len,
-            compile=cfg.compile,
-            sync_every=cfg.sync_every,
-        )
-        return Engine(model, tokenizer, config)
-
-    return EngineKit(make, kv_bytes_per_position)
+    config = EngineConfig(
+        max_slots=plan.max_slots,
+        max_len=plan.max_len,
+        compile=cfg.compile,
+        sync_every=cfg.sync_every,
+    )
+    return Engine(model, tokenizer, config)
 
 
-def serve(icfg, cfg: ServeConfig, kit: EngineKit | None = None) -> int:
+def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
+    from onegpu.infer.engine import kv_bytes_per_position
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
     from onegpu.serve.budget import plan_kv
@@ -52,12 +38,11 @@ def serve(icfg, cfg: ServeConfig, kit: EngineKit | None = None) -> int:
     cfg.check()
     adapters = parse_adapters(cfg.adapter)  # before loading: a typo should not cost a model load
     models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
-    kit = kit or engine_kit()
     loaded = load(icfg)
     model = attach_adapters(loaded.model, adapters)
     context = getattr(model.config, "max_position_embeddings", None)
     plan = plan_kv(
-        kit.bytes_per_position(model),
+        kv_bytes_per_position(model),
         context,
         loaded.device,
         cfg.max_len,
@@ -65,7 +50,7 @@ def serve(icfg, cfg: ServeConfig, kit: EngineKit | None = None) -> int:
         cfg.kv_memory,
     )
     _say(plan.describe())
-    engine = kit.make(model, loaded.tokenizer, plan, cfg)
+    engine = make_engine(model, loaded.tokenizer, plan, cfg)
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None
