@@ -168,8 +168,8 @@ class Scheduler:
         for index, (ids, params) in enumerate(ticket.sequences):
             try:
                 rid = self.engine.submit(ids, params, adapter=ticket.adapter)
-            except OnegpuError as exc:
-                ticket.post(index, APIError(400, exc.message, code="invalid_request"))
+            except Exception as exc:  # noqa: BLE001 - a refused request must not stop the loop
+                ticket.post(index, _refusal(exc))
                 self._release(len(ticket.sequences) - index)
                 self._cancel(ticket)
                 return
@@ -212,3 +212,11 @@ class Scheduler:
     def _release(self, n: int) -> None:
         with self._lock:
             self._in_flight -= n
+
+
+def _refusal(exc: Exception) -> APIError:
+    """The engine's own refusal (a limit, an adapter) is the caller's 400; anything else is ours."""
+    if isinstance(exc, OnegpuError):
+        return APIError(400, exc.message, code="invalid_request")
+    log.exception("engine.submit failed")
+    return APIError(500, f"the engine could not take the request: {exc}", kind="server_error")
