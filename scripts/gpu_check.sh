@@ -6,14 +6,18 @@
 #   dry       every benchmark preset's dry run (arms, skips, estimates)     -> dry.log
 #   tests     pytest -m gpu tests/gpu, all but the offload tests            -> tests.log, tests.xml
 #   offload   pytest -m gpu tests/gpu/test_gpu_offload.py                   -> offload.log, offload.xml
-#   infer     benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer.log, infer-cuda-*.{json,md,png}
+#   infer     the generation engine's presets: onegpu bench infer --preset gpu -> infer.log, its results
+#   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
 #   dpo       benchmarks/bench_train.py gpu-dpo (DPO vs TRL's DPOTrainer)   -> dpo.log, train-gpu-dpo-*
+#   grpo      benchmarks/bench_train.py gpu-grpo (GRPO vs TRL's GRPOTrainer) -> grpo.log, train-gpu-grpo-*
 #   simpeak   scripts/simgpu_vs_real.py: simulated peak vs real max_memory_allocated -> simpeak.log
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
-# eat the session; the steps after a failed or timed-out one still run. One 10-minute command on the
-# GPU machine holds "versions dry tests", "offload infer", "quick", "best" or "dpo" (see benchmarks/README.md).
+# eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
+# 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
+# One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "infer",
+# "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
 # there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
@@ -45,14 +49,14 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload infer quick best dpo simpeak)
+ALL=(versions dry tests offload infer infer-hf quick best dpo grpo simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 240 ;;
-    quick|best|dpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 540 ;;
+    infer-hf) echo 240 ;; quick|best|dpo|grpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
 
@@ -79,24 +83,30 @@ PYEOF
 step_cmd() {
   case $1 in
     versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
-    dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo gpu --dry-run \
+    dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo cpu-grpo gpu gpu-grpo --dry-run \
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
     # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
     offload) "${PYTEST[@]}" --timeout 280 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
-    # reduced: one setting per family (dtype, bitsandbytes, torchao, static cache + compile), 2 repeats
-    infer) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
+    # ---- the generation engine's presets (src/onegpu/infer/): `onegpu bench infer --preset gpu`
+    # picks the settings, lengths and repeats for a card; until that preset exists this step fails.
+    infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ;;
+    # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
+    # cache + compile), 2 repeats
+    infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
              -- --settings fp32,bf16,int8,nf4,ao-int8,bf16+static-compile --repeats 2 --new_tokens 32 ;;
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
     dpo) "$PY" benchmarks/bench_train.py gpu-dpo --bench.out "$DIR" ;;
+    # GRPO vs TRL's GRPOTrainer; trains the default job's model first on a fresh machine (~1.5 min)
+    grpo) "$PY" benchmarks/bench_train.py gpu-grpo --bench.out "$DIR" ;;
     # the simulated tier's memory (fake tensors, MemTracker) against the card's allocator
     simpeak) "$PY" scripts/simgpu_vs_real.py ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
   esac
 }
 
-needs_gpu() { case $1 in infer|quick|best|dpo|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"
@@ -106,7 +116,7 @@ for step in "${STEPS[@]}"; do
     printf '%-8s %-9s %6ss  %s\n' SKIP "$step" 0 "no CUDA GPU (GPU_CHECK_FORCE=1 runs it)" | tee -a "$SUMMARY"
     continue
   fi
-  var=TIMEOUT_$(echo "$step" | tr '[:lower:]' '[:upper:]')
+  var=TIMEOUT_$(echo "$step" | tr '[:lower:]-' '[:upper:]_')  # infer-hf: TIMEOUT_INFER_HF
   limit=${!var:-$(default_timeout "$step")}
   echo "== $step (timeout ${limit}s) -> $log"
   start=$(date +%s)

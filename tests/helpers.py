@@ -291,13 +291,14 @@ def peak_cpu_bytes(fn) -> int:
     return peak
 
 
-def benchmark_script(name: str):
-    """``benchmarks/<name>.py`` imported as a module (the benchmarks are scripts, not a package)."""
+def benchmark_script(name: str, folder: str = "benchmarks"):
+    """``<folder>/<name>.py`` imported as a module (the benchmarks and scripts are scripts, not a
+    package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while being defined

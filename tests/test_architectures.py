@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from families import FAMILIES, tiny_family_model
 from onegpu import train
 from onegpu.infer import InferConfig, SamplingConfig, generate, load
 from onegpu.report import read_metrics
@@ -14,69 +15,6 @@ from onegpu.training.state import Callback
 
 pytest.importorskip("peft")
 
-# Config class and the keys a tiny model of the family needs beyond COMMON (transformers 5.23).
-FAMILIES = {
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        {
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 64,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-        },
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
-    ),
-    "gemma": ("GemmaConfig", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16}),
-    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16}),
-    "phi": ("PhiConfig", {}),
-    "phi3": ("Phi3Config", {}),
-    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
-    "gpt_neox": ("GPTNeoXConfig", {}),
-    "olmo2": ("Olmo2Config", {}),
-    "starcoder2": ("Starcoder2Config", {}),
-    "granite": ("GraniteConfig", {}),
-    "falcon": ("FalconConfig", {}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "smollm3": ("SmolLM3Config", {}),
-    "glm4": ("Glm4Config", {"head_dim": 16}),
-    "cohere": (
-        "CohereConfig",
-        {"logit_scale": 0.5},
-    ),  # Command-R's 0.0625 learns too slowly for 8 steps
-    "gpt_oss": (
-        "GptOssConfig",
-        {
-            "head_dim": 16,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
-        },
-    ),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            "kv_lora_rank": 16,
-            "q_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-    ),
-}
 # MoE families whose transformers code has a load-balancing loss (DeepSeek-V3 balances by bias).
 MOE_ROUTER_LOSS = {"qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"}
 # Attention SDPA cannot express (logit soft-capping, attention sinks): attention=auto picks eager.
@@ -113,33 +51,12 @@ def _matrix():
 @pytest.fixture(scope="module")
 def saved_family(tmp_path_factory, tiny_tokenizer):
     """family -> a folder with its tiny model and the tiny tokenizer, both from save_pretrained."""
-    import torch
-    import transformers
 
     tok, done = tiny_tokenizer, {}
 
     def get(family: str):
         if family not in done:
-            name, extra = FAMILIES[family]
-            # initializer_range 0.1, not the usual 0.02: the frozen random head of a LoRA run can
-            # then move its logits enough for the loss to fall clearly in a few steps.
-            common = dict(
-                vocab_size=len(tok),
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=256,
-                initializer_range=0.1,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(
-                getattr(transformers, name)(**common, **extra)
-            )
+            model = tiny_family_model(family, tok)
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(str(path))
             tok.save_pretrained(str(path))

@@ -127,7 +127,7 @@ def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp
     }
 
     md = paths["md"].read_text()
-    assert "vs TRL DPOTrainer (defaults):" in md and "with its reference pass" in md
+    assert "(eager) vs TRL DPOTrainer (defaults) (eager):" in md and "with its reference pass" in md
     assert "| trl-dpo | TRL DPOTrainer, defaults, full" in md and "in every step" in md
     assert "Set on TRL's side to the run's values" in md
 

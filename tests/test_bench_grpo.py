@@ -11,6 +11,7 @@ import pytest
 from onegpu.bench import train as bench_train
 from onegpu.bench.settings import BenchTrainConfig
 from onegpu.bench.train_grpo import onegpu_steps, same_prompts, step_timing
+from onegpu.training.state import Callback
 
 GRPO_ARMS = ["baseline", "trl-grpo"]
 
@@ -105,8 +106,8 @@ def test_generation_and_training_split_the_timed_steps():
          "gen_tokens_per_s": 48.0, "reward": 0.5},
     ]  # fmt: skip
     steps = onegpu_steps(records, rows=8)
-    assert steps[1] == {"step": 2, "tokens": 200, "completion_tokens": 48, "seconds": 2.0,
-                        "gen_seconds": 1.0, "reward": 0.5}  # fmt: skip
+    assert steps[1] == {"step": 2, "steps": 1, "tokens": 200, "completion_tokens": 48,
+                        "seconds": 2.0, "gen_seconds": 1.0, "reward": 0.5}  # fmt: skip
     t = step_timing(steps, warmup=1)
     assert t["timed_steps"] == 1 and t["timed_tokens"] == 200 and t["timed_seconds"] == 2.0
     assert t["gen_tokens_per_s"] == 48.0 and t["train_tokens_per_s"] == 200.0
@@ -124,3 +125,35 @@ def test_each_round_samples_with_its_own_seed():
     ]
     b.training.objective = "dpo"
     assert bench_train.round_seed(b, 1) == {}
+
+
+class NanInStep(Callback):
+    """Makes one step's training forward non-finite (the final norm's output times NaN) so the
+    loop skips that update, as a bf16 step on a card did; sampling, in eval mode, stays finite."""
+
+    def __init__(self, step: int):
+        self.step, self.hook = step, None
+
+    def on_step_end(self, run, state) -> None:
+        if state.step == self.step - 1:
+            norm = run.model.model.norm
+            self.hook = norm.register_forward_hook(
+                lambda m, args, out: out * float("nan") if m.training else out
+            )
+        elif self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+def test_a_skipped_step_leaves_the_onegpu_arm_its_per_step_figures(tmp_path, tiny_model_dir):
+    """The loop logs a skipped step as a record with no tokens_seen (the card's KeyError): the arm
+    reads the next record's window as covering both steps, and counts the skipped one."""
+    from onegpu.bench.train_child import run_onegpu
+    from test_grpo import grpo_cfg
+
+    cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=3, save_every=0, eval_every=0)
+    out = run_onegpu({"config": cfg, "warmup_steps": 0}, callbacks=(NanInStep(2),))
+    assert out["skipped_steps"] == 1 and out["steps_done"] == 3
+    assert [(s["step"], s["steps"]) for s in out["steps"]] == [(1, 1), (3, 2)]
+    assert out["timed_steps"] == 3 and out["timed_tokens"] == out["tokens_seen"]
+    assert all(s["completion_tokens"] > 0 and s["gen_seconds"] > 0 for s in out["steps"])

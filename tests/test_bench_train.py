@@ -324,6 +324,7 @@ def test_timing_drops_the_warmup_window():
         "timed_steps": 3,
         "timed_tokens": 300,
         "timed_seconds": pytest.approx(4.0),
+        "startup_s": pytest.approx(200 - 2 * 4.0 / 3),  # 2 untimed steps in 200 s, then 4/3 s
         "final_loss": 3.5,
     }
 

@@ -223,3 +223,35 @@ def test_lr_help_names_the_auto_values_of_every_objective():
         assert [_num(table[mode]["lr"]) for mode in ("scratch", "full", "lora")] == re.findall(
             r"\d+e-\d+", part
         ), (label, part)
+
+
+@pytest.mark.parametrize(
+    "key,meant",
+    [
+        ("training.learning_rate", "training.lr"),  # another trainer's name
+        ("training.lerning_rate", "training.lr"),
+        ("techniques.lora.rank", "techniques.lora.r"),
+        ("lr", "training.lr"),  # a field put at the top level
+    ],
+)
+def test_a_misspelt_yaml_key_gets_the_did_you_mean_the_flag_gets(tmp_path, key, meant, capsys):
+    """The same key as a flag and in a YAML file: one suggestion, not a list of valid keys."""
+    *sections, name = key.split(".")
+    doc: dict = {name: 1}
+    for section in reversed(sections):
+        doc = {section: doc}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as err:
+        _parse(["--config", str(path)])
+    assert err.value.hint == f"did you mean '{meant}'?"
+    assert main(["train", f"--{key}", "1"]) == 2
+    assert f"did you mean '--{meant}'" in capsys.readouterr().err
+
+
+def test_a_list_flag_given_a_bare_name_says_a_list_is_expected():
+    with pytest.raises(ConfigError, match=r"grpo.rewards takes a list, got 'length,format'") as err:
+        _parse(["--grpo.rewards", "length,format"])
+    assert "--grpo.rewards '[length, format]'" in err.value.hint
+    ok = _parse(["--training.objective", "grpo", "--grpo.rewards", "[length, format]"])
+    assert ok.grpo.rewards == ["length", "format"]

@@ -162,3 +162,38 @@ def test_malformed_json_message_reads_as_english(tmp_path):
         DataError, match=r"d\.jsonl:2: malformed JSON \(Unterminated string starting at column 10\)"
     ):
         data.file_source(str(p), 0.0)
+
+
+def _build(tmp_path, model_dir, name: str, text: str, **data_cfg):
+    from onegpu.config import from_dict
+    from onegpu.training.data import build_data
+
+    (tmp_path / name).write_text(text)
+    data_cfg = {"path": str(tmp_path / name), "seq_len": 32, "num_proc": 1, **data_cfg}
+    cfg = from_dict({"data": data_cfg, "model": {"name": str(model_dir)}})
+    return build_data(cfg, str(model_dir))
+
+
+def test_data_without_validation_examples_warns_why_and_the_fix(tmp_path, tiny_model_dir, caplog):
+    """'val loss n/a' at every evaluation, silently, otherwise: one text file (one record, nothing
+    to hold out), and 20 short records whose one held-out record fills no whole block."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="onegpu.training.data")
+    one = _build(tmp_path, tiny_model_dir, "one.txt", "def f(x):\n    return x\n" * 50)
+    assert one.val_ds is None
+    assert "no validation examples: 1 record(s) in the data (a text file is one record)" in (
+        caplog.text
+    )
+    assert "set data.val_fraction 0 to train without validation" in caplog.text
+    caplog.clear()
+    rows = "".join(
+        json.dumps({"text": f"def f{i}(x):\n    return {i}\n"}) + "\n" for i in range(20)
+    )
+    short = _build(tmp_path, tiny_model_dir, "short.jsonl", rows)
+    assert len(short.val_ds) == 0
+    assert "the 1 held-out record(s) fill no whole 32-token block" in caplog.text
+    assert "fix: raise data.val_fraction, or lower data.seq_len" in caplog.text
+    caplog.clear()
+    _build(tmp_path, tiny_model_dir, "none.txt", "def f(x):\n    return x\n" * 50, val_fraction=0)
+    assert "no validation examples" not in caplog.text  # asked for: nothing to warn about

@@ -20,15 +20,16 @@ def tiny(tiny_model_dir):
     return loaded
 
 
-def _fed(model, monkeypatch) -> list:
-    """Records the input_ids each model.generate call receives."""
-    seen, real = [], model.generate
+def _fed(model, request) -> list:
+    """Records the input_ids of each prefill (a forward of more than one token) the model runs."""
+    seen = []
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["input_ids"].tolist())
-        return real(*args, **kwargs)
+    def spy(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:
+            seen.append(ids.tolist())
 
-    monkeypatch.setattr(model, "generate", spy)
+    request.addfinalizer(model.register_forward_pre_hook(spy, with_kwargs=True).remove)
     return seen
 
 
@@ -40,8 +41,8 @@ def _run_dir(tmp_path, tiny_model_dir, fmt: str):
     return tmp_path / "run"
 
 
-def test_chat_feeds_exactly_the_chat_template_with_generation_prompt(tiny, monkeypatch):
-    seen = _fed(tiny.model, monkeypatch)
+def test_chat_feeds_exactly_the_chat_template_with_generation_prompt(tiny, request):
+    seen = _fed(tiny.model, request)
     out = generate(
         tiny.model,
         tiny.tokenizer,
@@ -57,8 +58,8 @@ def test_chat_feeds_exactly_the_chat_template_with_generation_prompt(tiny, monke
     )  # the record keeps the user's prompt
 
 
-def test_chat_batch_is_left_padded_chat_templates(tiny, monkeypatch):
-    seen = _fed(tiny.model, monkeypatch)
+def test_chat_batch_feeds_each_chat_template_whole_and_unpadded(tiny, request):
+    seen = _fed(tiny.model, request)
     prompts = ["hi", "a longer question about Python classes"]
     generate(
         tiny.model,
@@ -66,16 +67,19 @@ def test_chat_batch_is_left_padded_chat_templates(tiny, monkeypatch):
         prompts,
         SamplingConfig(max_new_tokens=2, greedy=True, chat=True),
     )
-    pad = tiny.tokenizer.pad_token_id
-    for row, prompt in zip(seen[0], prompts, strict=True):
-        ids = tiny.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
-        assert row[len(row) - len(ids) :] == ids and set(row[: len(row) - len(ids)]) <= {pad}
+    # the engine prefills each prompt in its own slot: no padding to line them up
+    assert seen == [
+        [
+            tiny.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        ]
+        for prompt in prompts
+    ]
 
 
-def test_chat_off_feeds_the_plain_prompt(tiny, monkeypatch):
-    seen = _fed(tiny.model, monkeypatch)
+def test_chat_off_feeds_the_plain_prompt(tiny, request):
+    seen = _fed(tiny.model, request)
     generate(
         tiny.model,
         tiny.tokenizer,
@@ -85,7 +89,7 @@ def test_chat_off_feeds_the_plain_prompt(tiny, monkeypatch):
     assert seen == [tiny.tokenizer(["def f("])["input_ids"]]
 
 
-def test_chat_auto_is_on_only_for_a_run_trained_on_chat_data(tmp_path, tiny_model_dir, monkeypatch):
+def test_chat_auto_is_on_only_for_a_run_trained_on_chat_data(tmp_path, tiny_model_dir, request):
     chat_run = load(InferConfig(model=str(_run_dir(tmp_path / "a", tiny_model_dir, "messages"))))
     text_run = load(InferConfig(model=str(_run_dir(tmp_path / "b", tiny_model_dir, "text"))))
     plain = load(
@@ -101,7 +105,7 @@ def test_chat_auto_is_on_only_for_a_run_trained_on_chat_data(tmp_path, tiny_mode
     )["input_ids"]
     text = plain.tokenizer("hi")["input_ids"]
     for loaded, expected in ((chat_run, templated), (text_run, text), (plain, text)):
-        seen = _fed(loaded.model, monkeypatch)
+        seen = _fed(loaded.model, request)
         generate(
             loaded.model,
             loaded.tokenizer,

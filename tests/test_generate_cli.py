@@ -35,7 +35,7 @@ def test_batched_equals_one_by_one(tiny):
     assert all(c.new_tokens > 0 and c.text for c in batched)
 
 
-def test_static_cache_and_compile_match_eager_greedy(tiny):
+def test_compiled_decode_matches_eager_greedy_on_both_decoders(tiny):
     from torch._dynamo.utils import counters
 
     eager = generate(tiny.model, tiny.tokenizer, PROMPTS[:2], greedy(batch_size=2))
@@ -48,10 +48,15 @@ def test_static_cache_and_compile_match_eager_greedy(tiny):
         greedy(batch_size=2, compile="default", compile_backend="aot_eager"),
     )
     assert _texts(compiled) == _texts(eager)
-    assert (
-        counters["stats"]["unique_graphs"] >= 1
-    )  # the decode step really went through torch.compile
-    assert hasattr(tiny.model, "_compiled_call")
+    assert counters["stats"]["unique_graphs"] >= 1  # the engine's step went through torch.compile
+    hf = generate(
+        tiny.model,
+        tiny.tokenizer,
+        PROMPTS[:2],
+        greedy(batch_size=2, decoder="hf", compile="default", compile_backend="aot_eager"),
+    )
+    assert _texts(hf) == _texts(eager)
+    assert hasattr(tiny.model, "_compiled_call")  # transformers' static-cache compile path ran
 
 
 def test_stop_strings_cut_generation(tiny):
@@ -170,3 +175,22 @@ def test_cli_stop_flag_repeats_and_understands_backslash_n(tiny_model_dir, monke
         ]
     )
     assert seen["stop"] == ["\n\n", "return", "a,b"]
+
+
+def test_quantization_without_bitsandbytes_names_generates_own_flags(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    """Where bitsandbytes cannot be imported, `generate --quantization nf4` names its own flag and
+    a way round it, not training's techniques.lora.quantize_base (which generate refuses)."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, name)
+    pkg = tmp_path / "site" / "bitsandbytes"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import onegpu_missing_cuda_runtime\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert main(["generate", "--model", str(tiny_model_dir), "--quantization", "nf4", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "bitsandbytes (for --quantization nf4) is installed but fails to import" in err
+    assert "--quantization none" in err and "quantize_base" not in err

@@ -30,7 +30,7 @@ GPU_ARMS = {
     "gpu-best": ["baseline", "best", "hf-trainer"],
     "gpu-memory": ["baseline", "batch-size", "grad-accum", "checkpointing"],
     "gpu-precision": ["baseline", "fp32", "fp32-tf32", "fp16"],
-    "gpu-kernels": ["baseline", "flash", "compile"],
+    "gpu-kernels": ["baseline", "flash", "eager"],
     "gpu-optim": ["baseline", "adamw-fused", "adafactor", "adamw-8bit"],
     "gpu-offload": ["baseline", "offload", "preload"],
     "gpu-peft": ["baseline", "lora", "qlora", "plain-loss"],
@@ -51,7 +51,7 @@ MUST_COVER = {
     "adafactor",
     "adamw-8bit",
     "preload",
-    "compile",
+    "eager",
     "offload",
     "lora",
     "qlora",
@@ -132,6 +132,7 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
         "headline",
         "cpu-dpo",
         "gpu",
+        "gpu-grpo",
         "--dry-run",
         env=env,
     )
@@ -173,6 +174,9 @@ def test_every_bench_train_preset_dry_runs_with_the_expected_arms(tmp_path):
         and dpo["trl-dpo-lora"] == "TRL DPOTrainer (techniques.lora.enabled=True)"
     )
     assert re.search(r"2 reps \[train-gpu-dpo-\d+\]; objective dpo", proc.stdout)
+    # GRPO on the card: the default job's model, our GRPO against TRL's GRPOTrainer, 2 rounds
+    assert names(sections["gpu-grpo"]) == ["baseline", "trl-grpo"]
+    assert re.search(r"2 reps \[train-gpu-grpo-\d+\]; objective grpo", proc.stdout)
 
 
 def test_gpu_presets_fit_a_ten_minute_command():
@@ -310,3 +314,24 @@ def test_gpu_check_script_runs_steps_times_out_and_summarises(tmp_path):
     versions = (tmp_path / "out" / "versions.txt").read_text()
     assert re.search(r"^torch \d", versions, re.M) and re.search(r"^trl ", versions, re.M)
     assert (tmp_path / "out" / "dry.log").exists() and (tmp_path / "out" / "versions.log").exists()
+
+
+def test_gpu_check_steps_each_fit_ten_minutes():
+    """Every step of scripts/gpu_check.sh has a command of its own and runs under a timeout whose
+    limit plus the kill grace stays within the GPU machine's 600 s a command; the GRPO preset and
+    the generation engine's `infer` step are among them."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    grace = int(re.search(r"timeout --kill-after=(\d+) ", script).group(1))
+    proc = _run(
+        "bash",
+        "-c",
+        'eval "$(sed -n "/^ALL=/p;/^default_timeout()/,/^}/p" scripts/gpu_check.sh)"; '
+        'for s in "${ALL[@]}"; do echo "$s $(default_timeout "$s")"; done',
+    )
+    limits = dict(line.split() for line in proc.stdout.splitlines())
+    assert {"grpo", "infer", "quick", "tests"} <= set(limits), proc.stdout + proc.stderr
+    commands = script[script.index("step_cmd() {") : script.index("needs_gpu()")]
+    for step, limit in limits.items():
+        assert int(limit) + grace <= 600, (step, limit)
+        assert re.search(rf"^\s+{re.escape(step)}\) ", commands, re.M), step
+    assert "bench infer --preset gpu" in commands and "bench_train.py gpu-grpo" in commands

@@ -161,3 +161,35 @@ def test_grpo_cases_are_in_the_catalogue():
     doc = (Path(__file__).parents[1] / "docs" / "guarantees.md").read_text()
     missing = [c.id for c in CASES if f"`{c.id}`" not in doc]
     assert not missing, f"add these cases to docs/guarantees.md: {missing}"
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_run_directory(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    """A reward that raises at the step-0 evaluation: the run directory it had created (config,
+    empty metrics, tracker files) is removed, not left as if a run had trained there."""
+    _reward_module(monkeypatch, tmp_path)
+    assert main(grpo_args(tmp_path, tiny_model_dir, rewards="[my_rewards:raises]")) == 2
+    assert "raised ValueError" in capsys.readouterr().err
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_a_run_that_fails_after_a_step_keeps_its_directory(tmp_path, tiny_model_dir):
+    """What a run that trained wrote stays for diagnosis (its metrics) and, with checkpoints, for
+    a resume."""
+    import onegpu
+    from helpers import make_cfg
+    from onegpu.training.state import Callback
+
+    class FailAtStep2(Callback):
+        def on_step_end(self, run, state) -> None:
+            if state.step == 2:
+                raise RuntimeError("stop here")
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=3, save_every=0, eval_every=0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        onegpu.train(cfg, callbacks=[FailAtStep2()])
+    (run,) = (tmp_path / "runs").iterdir()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert (run / "config.yaml").is_file() and any('"train"' in x for x in lines)

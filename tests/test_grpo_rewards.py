@@ -89,3 +89,20 @@ def test_resolve_names_weights_and_the_default_job():
 def test_normalise_answer_keeps_non_numbers_readable():
     assert normalise_answer("  Hello   World. ") == "hello world"
     assert normalise_answer("-0.50") == "-0.5"
+
+
+def test_a_reward_module_in_the_working_directory_is_found_by_the_console_script(
+    tmp_path, monkeypatch
+):
+    """`onegpu` as its console script starts sys.path at its own folder, not the working
+    directory; the help says the working directory is searched, so it is."""
+    import sys
+
+    (tmp_path / "cwd_reward_mod.py").write_text(
+        "def fn(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (reward,) = resolve(GRPOConfig(rewards=["cwd_reward_mod:fn"]))
+    assert reward.fn(prompts=["p"], completions=["c"]) == [1.0]
+    assert sys.path[-1] == str(tmp_path)  # searched last: installed packages are not shadowed

@@ -66,7 +66,7 @@ def _router_weights(model):
 def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
     torch.manual_seed(0)
     model = BUILDERS[arch](tiny_tokenizer)
-    assert apply_moe_aux_loss(model) and model.config.output_router_logits
+    assert apply_moe_aux_loss(model, "cpu") and model.config.output_router_logits
     model.train()
     batch = random_batch(len(tiny_tokenizer), length=24, seed=4)
     batch["labels"][0, :6] = IGNORE  # one row with a prompt that does not count
@@ -94,7 +94,7 @@ def test_aux_loss_term_is_added_and_reaches_the_router(tiny_tokenizer, arch):
 def test_aux_loss_also_with_chunked_loss_and_not_in_eval(tiny_tokenizer):
     torch.manual_seed(0)
     model = _mixtral(tiny_tokenizer)
-    apply_moe_aux_loss(model)
+    apply_moe_aux_loss(model, "cpu")
     batch = random_batch(len(tiny_tokenizer), length=24, seed=4)
     batch["labels"][0, :6] = IGNORE  # one row with a prompt that does not count
     model.train()
@@ -111,7 +111,7 @@ def test_dense_models_are_left_alone(tiny_tokenizer):
     from helpers import make_tiny_llama
 
     model = make_tiny_llama(tiny_tokenizer, num_hidden_layers=1)
-    assert not apply_moe_aux_loss(model)
+    assert not apply_moe_aux_loss(model, "cpu")
 
 
 def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):

@@ -231,3 +231,24 @@ def test_policy_is_a_checked_config_value():
     assert from_dict({}).data.overlong == "split"
     with pytest.raises(ConfigError, match="data.overlong: invalid value 'cut'"):
         from_dict({"data": {"overlong": "cut"}})
+
+
+def test_a_pair_with_an_empty_response_is_dropped_and_counted(tiny_tokenizer):
+    """An empty chosen (or blank rejected) response would still tokenize to its EOS and be
+    trained on: the pair is left out and counted, in the line the start and the summary print."""
+    rows = {
+        "prompt": ["def f(x):", "def g(x):", "def h(x):"],
+        "chosen": ["    return x", "", "    return 2"],
+        "rejected": ["    pass", "    pass", " \n"],
+    }
+    out, stats = tokenize(tiny_tokenizer, "preference", rows, 64, "drop")
+    assert len(out) == 1 and stats.records == 3 and stats.empty == 2 and stats.overlong == 0
+    assert stats.describe() == (
+        "train: 0 of 3 records longer than data.seq_len=64 (data.overlong=drop): "
+        "2 pair(s) with an empty chosen or rejected response dropped"
+    )
+    answer = [{"role": "assistant", "content": "    return x"}]
+    chat = {"chosen": [[{"role": "assistant", "content": ""}]], "rejected": [answer]}
+    chat["prompt"] = [[{"role": "user", "content": "write f"}]]
+    out, stats = tokenize(tiny_tokenizer, "preference", chat, 64, "drop")
+    assert len(out) == 0 and stats.empty == 1

@@ -168,3 +168,26 @@ def test_prepared_twice_tiles_once_and_keys_unchanged(tiny_tokenizer):
     mlp = model.model.layers[0].mlp
     assert type(mlp).__mro__[:3] == (type(mlp), TiledMLP, LlamaMLP)  # one level of tiling
     assert set(model.state_dict()) == keys
+
+
+def test_start_up_line_says_whether_tiles_are_used_at_the_runs_sequence_length(
+    tmp_path, tiny_model_dir, tiny_tokenizer, caplog
+):
+    """A run at data.seq_len=32 under tiled_mlp=auto (tiles from 8,192 tokens) cuts no tile: its
+    start-up line says so instead of announcing tiles; at or above the threshold it says they are
+    used."""
+    import onegpu
+    from helpers import make_cfg
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0)
+    with caplog.at_level(logging.INFO, logger="onegpu.techniques.tiled_mlp"):
+        onegpu.train(cfg)
+    assert "tiled MLP: no tiles at this sequence length" in caplog.text
+    assert "sequences of up to 32 tokens" in caplog.text and "run their MLP whole" in caplog.text
+    assert "in tiles of" not in caplog.text
+    caplog.clear()
+    tcfg = TechniquesConfig(tiled_mlp="auto", tiled_mlp_min_seq=32)
+    with caplog.at_level(logging.INFO, logger="onegpu.techniques.tiled_mlp"):
+        apply_tiled_mlp(make_tiny_llama(tiny_tokenizer), tcfg, seq_len=64)
+    assert "tiles used at this sequence length" in caplog.text
+    assert "tiles of hidden-size tokens on sequences of 32 to 64 tokens" in caplog.text

@@ -135,3 +135,25 @@ def test_library_entry_point_is_onegpu_train():
         inspect.isfunction(onegpu.train)
         and "callbacks" in inspect.signature(onegpu.train).parameters
     )
+
+
+def test_summary_line_adds_up(tmp_path, tiny_model_dir, capsys):
+    """The end-of-run line's tokens over its seconds give its tokens/s: the rate is over the steps'
+    own time, and that is the time next to it; the whole process's time is shown apart."""
+    import re
+
+    from helpers import make_cfg
+
+    result = train(make_cfg(tmp_path, tiny_model_dir, max_steps=4, save_every=2, eval_every=2))
+    out = capsys.readouterr().out
+    m = re.search(
+        r"done: 4 steps, ([\d,]+) tokens trained in ([\d.,]+)s of training steps \(([\d,]+) "
+        r"tokens/s; ([\d.,]+)s in all, with start-up, evaluation and saving\)",
+        out,
+    )
+    assert m, out
+    tokens, seconds, rate, wall = (float(g.replace(",", "")) for g in m.groups())
+    assert tokens == result.state.trained_tokens
+    assert seconds == pytest.approx(result.state.timed_seconds, abs=0.51)  # shown rounded
+    assert rate == pytest.approx(tokens / result.state.timed_seconds, abs=1)
+    assert wall == pytest.approx(result.wall_seconds, abs=0.51) and wall >= seconds

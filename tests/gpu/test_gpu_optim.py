@@ -55,13 +55,19 @@ def test_low_bit_optimizers_on_cuda(name):
     opt = _build(model, name)
     losses = _train(model, opt, x, target)
     assert losses[-1] < 0.8 * losses[0]
-    # The moments live on the GPU (torchao keeps its scalar step counter on the host).
-    assert all(
-        v.is_cuda
-        for s in opt.state.values()
-        for k, v in s.items()
-        if isinstance(v, torch.Tensor) and k != "step"
-    )
+    # The moments live on the GPU (torchao keeps its scalar step counter on the host); paged ones
+    # in CUDA unified memory, which bitsandbytes wraps as host tensors (torch.frombuffer over the
+    # managed pointer) marked is_paged and prefetched to page_deviceid before each update.
+    weight = model.weight
+    for s in opt.state.values():
+        for k, v in s.items():
+            if not isinstance(v, torch.Tensor) or k == "step":
+                continue
+            if name.startswith("paged") and k in ("state1", "state2"):
+                assert getattr(v, "is_paged", False), k
+                assert v.page_deviceid == weight.device.index, k
+            else:
+                assert v.is_cuda, k
     assert state_bytes(opt) < 0.3 * state_bytes(ref)  # 8-bit ~1/4, 4-bit ~1/8 of fp32 Adam state
 
 

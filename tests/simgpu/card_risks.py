@@ -136,7 +136,7 @@ def test_moe_experts_kernel_fits_the_weights(card, precision):
     from onegpu.techniques.precision import weights_dtype
 
     model = _model(moe=True).to(weights_dtype(precision))
-    assert apply_moe_aux_loss(model)
+    assert apply_moe_aux_loss(model, "cuda")
     assert model.config._experts_implementation == (
         "grouped_mm" if precision == "bf16-pure" else "eager"
     )

@@ -46,7 +46,8 @@ Accelerate, PEFT and onegpu):
 - page-locked host buffers (``pin_memory=True``, activation offload) are fake host tensors: the
   CUDA host allocator is not there;
 - streams and events (``torch.cuda.Stream``, ``Event``, ``current_stream``, ``default_stream``,
-  ``stream``, ``set_stream``): ``NoStream`` and ``NoEvent``, which order nothing. On a card with no
+  ``stream``, ``set_stream``, ``Tensor.record_stream``): ``NoStream`` and ``NoEvent``, which order
+  nothing. On a card with no
   data every copy is complete when its call returns, so work placed on a side stream (activation
   offload's copies) runs, and its bookkeeping (which storages stay, which come back, the in-flight
   bound) is checked, but the overlap itself and the waits that make it safe cannot be observed:
@@ -259,6 +260,8 @@ def install(card: Card) -> None:
     cuda.default_stream = lambda device=None: _STREAMS[0]
     cuda.stream = _on_stream
     cuda.set_stream = lambda stream: _STREAMS.__setitem__(-1, stream or _STREAMS[0])
+    # A tensor marked as used by a stream (its memory's reuse deferred): nothing to defer here.
+    torch.Tensor.record_stream = _record_stream
     # Backward on the calling thread: for "cuda" tensors autograd runs it on a device thread of
     # its own, started from C++, where coverage cannot follow (the backward's hooks would count
     # as never run).
@@ -267,6 +270,10 @@ def install(card: Card) -> None:
     torch._C._cuda_getDriverVersion = lambda: DRIVER_API
     # bitsandbytes (imported by PEFT) asks for the current stream's handle when it loads.
     torch._C._cuda_getCurrentRawStream = lambda device: 0
+
+
+def _record_stream(tensor, stream) -> None:
+    """``Tensor.record_stream`` on a card whose streams order nothing (NoStream)."""
 
 
 class NoEvent:

@@ -95,7 +95,15 @@ def _mixtral(**kw):
 
 # The published shapes (each model's config.json on the Hub), built with transformers' config
 # classes: no download. Rope scaling and token ids do not change a byte of training memory.
+def _preset(name: str):
+    from onegpu.plan.arch import load_config
+
+    return load_config(name)
+
+
 SHAPES = {
+    # onegpu's own preset, as the H100 run of 2026-11-25 trained it (vocab 4096, untied)
+    "1b": lambda: _preset("1b"),
     "Llama-3.2-1B": lambda: _llama(
         hidden_size=2048,
         intermediate_size=8192,
@@ -472,6 +480,7 @@ def _setups() -> list[Setup]:
         )
 
     in_bwd = {"optimizer_in_backward": True, "loss_chunk_size": fused("Llama-3.2-3B")}
+    in_bwd_1b = {"optimizer_in_backward": True, "loss_chunk_size": fused("1b")}
     rows = [
         ("Llama-3.2-1B", c(2, 1, "bf16-pure"), 2048),
         ("Llama-3.2-1B", c(2, 1, "bf16", "full"), 2048),
@@ -492,6 +501,10 @@ def _setups() -> list[Setup]:
         # backward, with torch's fused AdamW and with bitsandbytes' 8-bit one (its fake kernel)
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw", **in_bwd), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw-8bit", **in_bwd), 4096),
+        # bf16 autocast over fp32 weights, stepped in backward: the forward's end with autocast's
+        # cached weight copies is the peak (plan/autocast_cache.py; an H100 measured 14.41, 8.91)
+        ("1b", c(2, 1, "bf16", "full", "adamw", **in_bwd_1b), 4096),
+        ("1b", c(2, 1, "bf16", "full", "adamw-8bit", **in_bwd_1b), 4096),
         ("Llama-3.1-8B", c(1, 1, "bf16-pure", "full", "sgd"), 4096),
         (
             "Llama-3.1-8B",

@@ -14,6 +14,7 @@ CHECKS = [
     "tests/simgpu/card_fit.py",
     "tests/simgpu/card_refusals.py",
     "tests/simgpu/card_offload.py",
+    "tests/simgpu/card_plan_moe.py",
 ]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onegpu.bench.settings import BenchTrainConfig
+from onegpu.bench.settle import baseline_compiles
 from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,18 @@ def _compiler(dev, b, fmt):
 
     if dev.type == "cpu" and not has_cpu_compiler():
         return "torch.compile on CPU needs a C++ compiler (g++)"
+    return None
+
+
+def _eager_baseline(dev, b, fmt):
+    if baseline_compiles(b, dev.type):
+        return "the baseline compiles already (a default run of 50+ steps on this device does)"
+    return None
+
+
+def _compiled_baseline(dev, b, fmt):
+    if not baseline_compiles(b, dev.type):
+        return "the baseline runs eager already: the compile arm measures compiling here"
     return None
 
 
@@ -189,7 +202,19 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
             needs=_module("bitsandbytes"),
         ),
         Arm("preload", "Data preloading", {"data.num_workers": 2, "data.pin_memory": True}),
-        Arm("compile", "torch.compile", {"techniques.compile": "default"}, needs=_compiler),
+        Arm(
+            "compile",
+            "torch.compile",
+            {"techniques.compile": "default"},
+            needs=_all(_compiler, _eager_baseline),
+        ),
+        # On a GPU the baseline compiles (settle.settle_compile): this arm shows what that gains.
+        Arm(
+            "eager",
+            "torch.compile (eager reference)",
+            {"techniques.compile": "off"},
+            needs=_compiled_baseline,
+        ),
         Arm(
             "plain-loss",
             "Plain cross-entropy (full logits, not fused)",

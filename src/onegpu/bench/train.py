@@ -10,7 +10,6 @@ slow drift of a shared machine hits every arm alike. Every ratio in the report c
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from onegpu.bench.arms import arm_names, select_arms, skip_reason
 from onegpu.bench.settings import BenchSettings, BenchTrainConfig
+from onegpu.bench.settle import apply_overrides, settle_compile
 from onegpu.config import to_dict
 from onegpu.errors import ConfigError
 
@@ -43,17 +43,6 @@ def base_config(b: BenchTrainConfig, out_dir: str) -> dict:
     cfg["training"].update(max_minutes=b.bench.max_seconds / 60, log_every=b.bench.warmup_steps)
     if b.training.objective == "grpo":  # the reward curve and each step's figures: every step
         cfg["training"]["log_every"] = 1
-    return cfg
-
-
-def apply_overrides(cfg: dict, overrides: dict) -> dict:
-    cfg = copy.deepcopy(cfg)
-    for dotted, value in overrides.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
     return cfg
 
 
@@ -93,7 +82,7 @@ def run_sweep(
                 spec = {
                     "arm": arm.name,
                     "kind": arm.kind,
-                    "config": apply_overrides(base, {**arm.overrides, **round_seed(b, rep)}),
+                    "config": arm_config(arm, base, b, rep, device.type),
                     "warmup_steps": b.bench.warmup_steps,
                     "budget_s": b.bench.max_seconds,
                     "rep": rep,
@@ -108,6 +97,13 @@ def run_sweep(
     doc["load"]["after"] = _load()
     bench_report.summarize(doc)
     return doc
+
+
+def arm_config(arm, base: dict, b: BenchTrainConfig, rep: int, device_type: str) -> dict:
+    """The run Config of one arm's repetition: the base with the arm's overrides, and for our own
+    arms compile=auto settled as a run of realistic length settles it (arms.settle_compile)."""
+    config = apply_overrides(base, {**arm.overrides, **round_seed(b, rep)})
+    return settle_compile(config, device_type) if arm.kind == "onegpu" else config
 
 
 def _load() -> list[float] | None:
@@ -289,6 +285,17 @@ def dry_run(b: BenchTrainConfig) -> int:
         what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items())
         if arm.kind in peers:  # a peer with settings of its own (LoRA) names both
             what = peers[arm.kind] + (f" ({what})" if what else "")
-        what = what or "-"
+        what = (what or "-") + settled_note(arm, b, device.type)
         print(f"  {arm.name:<18} {'skip: ' + reason if reason else what}")
     return 0
+
+
+def settled_note(arm, b: BenchTrainConfig, device_type: str) -> str:
+    """What settle_compile adds to one of our arms on this device, for the dry run's listing."""
+    if arm.kind != "onegpu":
+        return ""
+    config = apply_overrides({k: v for k, v in to_dict(b).items() if k != "bench"}, arm.overrides)
+    mode = settle_compile(config, device_type)["techniques"]["compile"]
+    if mode == config["techniques"]["compile"]:
+        return ""
+    return f" [compile {mode}: as a default run of 50+ steps]"

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from onegpu.bench.timing import startup_seconds
 from onegpu.training.state import Callback
 
 
@@ -106,9 +107,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
 
     watch = Watch(probe)
     result = onegpu.train(from_dict(spec["config"]), callbacks=[watch, *callbacks])
-    records = [
-        r for r in read_metrics(result.run_dir / "metrics.jsonl") if r.get("split") == "train"
-    ]
+    records = train_windows(read_metrics(result.run_dir / "metrics.jsonl"))
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
     if (
@@ -128,6 +127,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
         out.update(step_timing(out["steps"], spec["warmup_steps"]))
     out["tokens_seen"] = result.state.tokens_seen
     out["steps_done"] = result.state.step
+    out["skipped_steps"] = result.state.skipped_steps
     out.update(watch.memory)
     return out
 
@@ -153,23 +153,36 @@ class Watch(Callback):
         self.memory = self.probe.read() if self.probe is not None else {}
 
 
+def train_windows(records: list[dict]) -> list[dict]:
+    """The training log's timing windows. A step the loop skipped (non-finite loss or gradients)
+    writes a record with only ``skipped``: no tokens, no clock, no loss. Its tokens and time stay
+    in the open window, which the next full record closes, so that record covers both steps."""
+    return [r for r in records if r.get("split") == "train" and "skipped" not in r]
+
+
 def timing_from_windows(records: list[dict], warmup: int) -> dict:
-    """Each log record covers the steps since the previous one; drop those up to `warmup`."""
-    steps = tokens = 0
-    seconds = 0.0
+    """Each log record covers the steps since the previous one; drop those up to `warmup`. Their
+    time beyond the steady rate is the start-up cost (compiling, the allocator's first growth)."""
+    steps = tokens = early_steps = 0
+    seconds = early_seconds = 0.0
     prev_step, prev_tokens = 0, 0
     for r in records:
         window_tokens = r["tokens_seen"] - prev_tokens
+        window_seconds = window_tokens / max(r["tokens_per_s"], 1e-9)
         if prev_step >= warmup:
             steps += r["step"] - prev_step
             tokens += window_tokens
-            seconds += window_tokens / max(r["tokens_per_s"], 1e-9)
+            seconds += window_seconds
+        else:
+            early_steps += r["step"] - prev_step
+            early_seconds += window_seconds
         prev_step, prev_tokens = r["step"], r["tokens_seen"]
     final = records[-1]["loss"] if records else None
     return {
         "timed_steps": steps,
         "timed_tokens": tokens,
         "timed_seconds": seconds,
+        "startup_s": startup_seconds(early_seconds, early_steps, seconds, steps),
         "final_loss": final,
     }
 

@@ -96,16 +96,19 @@ def dpo_markdown(doc: dict, png_name: str | None = None) -> str:
         "pair each round's arm with that round's TRL arm.",
         "",
     ]
-    for key, label in (
-        ("vs_trl_dpo", "TRL DPOTrainer (defaults)"),
-        ("vs_trl_dpo_lora", "TRL DPOTrainer, LoRA"),
+    from onegpu.bench.train_headline import side
+
+    for key, peer, label in (
+        ("vs_trl_dpo", "trl-dpo", "TRL DPOTrainer (defaults)"),
+        ("vs_trl_dpo_lora", "trl-dpo-lora", "TRL DPOTrainer, LoRA"),
     ):
         for name, vs in doc.get(key, {}).items():
             extra = ""
             if doc["arms"][name].get("reference_pass_s") is not None:
                 extra = f" ({_fmt(vs.get('speed_x_with_ref'), '.2f', 'x')} with its reference pass)"
+            sides = f" ({side(doc['arms'][name])}) vs {label} ({side(doc['arms'].get(peer, {}))})"
             lines.append(
-                f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} "
+                f"- **onegpu `{name}`{sides}: {_fmt(vs['speed_x'], '.2f', 'x')} "
                 f"tokens/s{extra}, {_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
             )
     lines += [

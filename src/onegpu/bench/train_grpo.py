@@ -23,18 +23,26 @@ from onegpu.bench import train_peers
 
 # ---------------------------------------------------------------------------------------- onegpu
 def onegpu_steps(records: list[dict], rows: int) -> list[dict]:
-    """Our per-step figures from metrics.jsonl logged every step: a record's window is one step;
-    its completion tokens are the mean completion length times the step's ``rows`` completions,
-    and its sampling seconds those tokens over gen_tokens_per_s (our loop's own clock on
-    rollout.sample)."""
-    out, prev = [], 0
+    """Our per-step figures from metrics.jsonl logged every step: a record's window is the steps
+    since the previous record (one, unless the loop skipped a step); its completion tokens are the
+    mean completion length times the window's ``rows`` completions a step, and its sampling
+    seconds those tokens over gen_tokens_per_s (our loop's own clock on rollout.sample).
+
+    A step the loop skipped (non-finite loss or gradients) leaves a record of its own with only
+    ``skipped``: no tokens, no clock. Its sampling and tokens are in the next record's window
+    (the loop keeps that window open), so it is passed over here, not read as a step."""
+    out, prev_step, prev_tokens = [], 0, 0
     for r in records:
-        tokens = r["tokens_seen"] - prev
-        prev = r["tokens_seen"]
-        completion = round(r["completion_length"] * rows)
+        if "skipped" in r:
+            continue
+        steps = r["step"] - prev_step
+        tokens = r["tokens_seen"] - prev_tokens
+        prev_step, prev_tokens = r["step"], r["tokens_seen"]
+        completion = round(r["completion_length"] * rows * steps)
         out.append(
             {
                 "step": r["step"],
+                "steps": steps,
                 "tokens": tokens,
                 "completion_tokens": completion,
                 "seconds": tokens / max(r["tokens_per_s"], 1e-9),
@@ -142,6 +150,7 @@ def step_recorder(clock: GenerateClock, budget_s: float, cuda: bool):
             self.steps.append(
                 {
                     "step": state.global_step,
+                    "steps": 1,
                     "tokens": state.num_input_tokens_seen - self.tokens,
                     "seconds": now - self.last,
                     "gen_seconds": clock.seconds - self.gen,
@@ -284,7 +293,7 @@ def step_timing(steps: list[dict], warmup: int) -> dict:
     gen = sum(s["gen_seconds"] for s in timed)
     completion = sum(s["completion_tokens"] for s in timed)
     return {
-        "timed_steps": len(timed),
+        "timed_steps": sum(s["steps"] for s in timed),
         "timed_tokens": tokens,
         "timed_seconds": seconds,
         "gen_seconds": gen,

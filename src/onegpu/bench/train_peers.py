@@ -256,11 +256,15 @@ def make_timer(warmup: int, budget_s: float, every: int, cuda: bool):
             start = next(((s, t) for s, t in self.marks if s >= warmup), None)
             if start is None or self.marks[-1][0] <= start[0]:
                 return {"timed_steps": 0, "timed_tokens": 0, "timed_seconds": 0.0}
+            from onegpu.bench.timing import startup_seconds
+
             end = self.marks[-1]
+            steps, seconds = end[0] - start[0], end[1] - start[1]
             return {
-                "timed_steps": end[0] - start[0],
+                "timed_steps": steps,
                 "timed_tokens": sum(per_step[start[0] : end[0]]),
-                "timed_seconds": end[1] - start[1],
+                "timed_seconds": seconds,
+                "startup_s": startup_seconds(start[1] - self.t0, start[0], seconds, steps),
             }
 
     return StepTimer()

@@ -178,6 +178,7 @@ def summarize(doc: dict) -> dict:
             "final_loss",
             "tokens_per_s_with_ref",
             "reward_accuracy",
+            "startup_s",
         ):
             arm[key] = _median([r.get(key) for r in ok])
         passes = [r["reference_pass"] for r in ok if r.get("reference_pass")]
@@ -290,17 +291,14 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.",
         "",
     ]
-    for key, (_, label, _ours) in PEERS.items():
-        for name, vs in doc.get(key, {}).items():
-            lines += [
-                f"- **onegpu `{name}` vs {label}: {_fmt(vs['speed_x'], '.2f', 'x')} tokens/s, "
-                f"{_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
-            ]
-    lines += [""] if any(doc.get(key) for key in PEERS) else []
+    from onegpu.bench.train_headline import compile_note, headline
+
+    lines += headline(doc, PEERS)
+    lines += [compile_note(doc), ""]
     lines += [
         "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | "
-        "samples/s | MFU | train mem MB | final loss | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "start-up s | samples/s | MFU | train mem MB | final loss | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in doc["arms"].items():
         guide = next((f"{v[0]} / {v[1]}" for k, v in GUIDE.items() if a["row"].startswith(k)), "")
@@ -312,7 +310,8 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         lines.append(
             f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
             f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-            f"{_fmt(a.get('samples_per_s'), '.2f')} | {_fmt(a.get('mfu'), '.1%')} | "
+            f"{_fmt(a.get('startup_s'), '.1f')} | {_fmt(a.get('samples_per_s'), '.2f')} | "
+            f"{_fmt(a.get('mfu'), '.1%')} | "
             f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | "
             f"{status}{note} |"
         )

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from onegpu.config.names import suggest_flag
 from onegpu.errors import ConfigError
 
 # jsonargparse titles a group with the dataclass's signature when the field has no docstring
@@ -191,73 +192,8 @@ def _check_yaml_files(argv: list[str], config_cls: type) -> None:
             from_dict(load_yaml(path), config_cls)
 
 
-# Names users bring from other trainers (HF TrainingArguments, TRL, Axolotl) -> our flag.
-ALIASES = {
-    "learning_rate": "training.lr",
-    "lr_rate": "training.lr",
-    "batch_size": "training.micro_batch_size",
-    "per_device_train_batch_size": "training.micro_batch_size",
-    "micro_batch": "training.micro_batch_size",
-    "gradient_accumulation_steps": "training.grad_accum",
-    "grad_accumulation": "training.grad_accum",
-    "steps": "training.max_steps",
-    "num_steps": "training.max_steps",
-    "warmup": "training.warmup_steps",
-    "seed": "training.seed",
-    "max_seq_length": "data.seq_len",
-    "max_length": "data.seq_len",
-    "seq_length": "data.seq_len",
-    "sequence_len": "data.seq_len",
-    "dataset": "data.path",
-    "data_path": "data.path",
-    "output_dir": "output.dir",
-    "resume_from_checkpoint": "output.resume",
-    "model_name_or_path": "model.name",
-    "model_name": "model.name",
-    "gradient_checkpointing": "techniques.checkpointing",
-    "optim": "techniques.optimizer",
-    "lora_r": "techniques.lora.r",
-    "lora_alpha": "techniques.lora.alpha",
-}
 # jsonargparse names the expected type as a Python class; say it in words
 TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-
-
-def suggest_flag(flag: str, options: list[str]) -> str | None:
-    """The flag a mistyped one most likely meant. The field is matched within its own section
-    first (comparing whole flags lets the shared '--training.' prefix outweigh the field name:
-    'learnig_rate' would match 'eval_batches'), together with the names other trainers use."""
-    flags = {o[2:]: o for o in options}
-    section, _, name = flag.lstrip("-").rpartition(".")
-    sections = sorted({f.split(".")[0] for f in flags if "." in f})
-    if section and section.split(".")[0] not in sections:  # '--traning.lr': fix the section first
-        close = difflib.get_close_matches(section.split(".")[0], sections, n=1, cutoff=0.6)
-        section = ".".join(close[:1] + section.split(".")[1:]) if close else section
-    aliases = {
-        alias: f"--{target}" for alias, target in ALIASES.items() if f"--{target}" in options
-    }
-
-    def match(names: dict[str, str]) -> str | None:
-        close = difflib.get_close_matches(
-            name, list(names), n=1, cutoff=0.75 if len(name) <= 4 else 0.6
-        )
-        return names[close[0]] if close else None
-
-    in_section = {
-        f[len(section) + 1 :]: o
-        for f, o in flags.items()
-        if section and f.startswith(section + ".")
-    }
-    same_section_aliases = {a: o for a, o in aliases.items() if o.startswith(f"--{section}.")}
-    for names in (
-        in_section | same_section_aliases,  # the same section, its own fields and aliases
-        {f.rpartition(".")[2]: o for f, o in flags.items()} | aliases,
-    ):  # any section
-        found = match(names)
-        if found:
-            return found
-    close = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
-    return close[0] if close else None
 
 
 def _friendly(parser, message: str) -> ConfigError:
@@ -280,6 +216,12 @@ def _friendly(parser, message: str) -> ConfigError:
             for t in re.findall(r"Expected a <class '(\w+)'>", expected)
             if t in TYPE_WORDS
         ]
+        if "Expected a <class 'list'>" in expected:  # a bare name where a list was due
+            items = ", ".join(x.strip() for x in got.strip("[]").split(",") if x.strip())
+            return ConfigError(
+                f"{key} takes a list, got {got!r}.",
+                hint=f"write it in brackets: --{key} '[{items}]' (several items: '[a, b]')",
+            )
         if types:  # a number, or a number or "auto": the number is what went wrong
             words = f" (or {', '.join(dict.fromkeys(choices))})" if choices else ""
             return ConfigError(

@@ -205,6 +205,10 @@ def json_problem(exc: json.JSONDecodeError) -> str:
     return f"{msg} at column {exc.colno}" if exc.colno else msg
 
 
+def _print_now(text: str) -> None:
+    print(text, end="", flush=True)
+
+
 def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[bool]) -> int:
     from onegpu.infer import generate, load
 
@@ -215,18 +219,16 @@ def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[
         raise ConfigError(
             "--stream works with a single prompt.", hint="drop --stream, or give one prompt"
         )
-    streamer = None
+    on_text = None
     if stream:
-        from transformers import TextStreamer
-
-        streamer = TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
         print(prompts[0], end="", flush=True)
+        on_text = _print_now
     completions = generate(
         loaded.model,
         loaded.tokenizer,
         prompts,
         scfg,
-        streamer=streamer,
+        on_text=on_text,
         data_format=loaded.data_format,
     )
     if stream:

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from onegpu.config.names import suggest_key
 from onegpu.config.sections import Config
 from onegpu.errors import ConfigError
 
@@ -29,12 +30,11 @@ def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
     for key, value in data.items():
         where = f"{prefix}{key}"
         if key not in names:
+            # a close name at this level first (a section's own typo), else what the command
+            # line suggests for the same flag: names from other trainers, a field in another section
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = (
-                f"did you mean '{prefix}{close[0]}'?"
-                if close
-                else f"valid keys: {', '.join(names)}"
-            )
+            meant = f"{prefix}{close[0]}" if close else suggest_key(where, cls, prefix)
+            hint = f"did you mean '{meant}'?" if meant else f"valid keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{where}'.", hint=hint)
         kwargs[key] = _coerce(value, hints[key], where)
     return cls(**kwargs)

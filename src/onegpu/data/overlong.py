@@ -35,7 +35,7 @@ class DataStats:
     split_examples: int = 0  # the examples those became
     dropped: int = 0  # over-long records that gave no example
     turns_left_out: int = 0  # assistant turns longer than seq_len on their own (split)
-    empty: int = 0  # records that fit but have nothing to train on (e.g. no assistant turn)
+    empty: int = 0  # records with nothing to train on (no assistant turn, an empty response)
 
     def describe(self) -> str:
         """One line: how many of how many, and the policy."""
@@ -63,7 +63,11 @@ class DataStats:
                 f"{self.turns_left_out:,} assistant turn(s) longer than seq_len on their own left "
                 "out"
             )
-        if self.empty:
+        if self.empty and self.fmt == "preference":
+            parts.append(
+                f"{self.empty:,} pair(s) with an empty chosen or rejected response dropped"
+            )
+        elif self.empty:
             parts.append(f"{self.empty:,} other record(s) with nothing to train on skipped")
         return line + (": " + ", ".join(parts) if parts else "")
 

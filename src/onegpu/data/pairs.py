@@ -40,16 +40,33 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field], strict=True)
     for i, (idx, p, c, r) in enumerate(rows):
         where = records.where(batch, i, idx, split)
-        prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)
-        fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(
-            prompt_ids, chosen_ids, rejected_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id
-        )
+        if _empty_response(c) or _empty_response(r):
+            # An empty response still tokenizes (to its EOS), so it would be trained on: a pair
+            # that prefers "nothing" to an answer, or an answer to "nothing", is left out and
+            # counted (DataStats.empty), as over-long pairs are.
+            fate, (prompt_ids, chosen_ids, rejected_ids) = overlong.EMPTY, ([], [], [])
+        else:
+            prompt_ids, chosen_ids, rejected_ids = encode_pair(p, c, r, tok, cfg, where)
+            fate, (prompt_ids, chosen_ids, rejected_ids) = fit_pair(
+                prompt_ids, chosen_ids, rejected_ids, cfg.seq_len, cfg.overlong, tok.bos_token_id
+            )
         out["prompt_ids"].append(prompt_ids)
         out["chosen_ids"].append(chosen_ids)
         out["rejected_ids"].append(rejected_ids)
         out[overlong.FATE].append(fate)
         out[overlong.TURNS].append(0)
     return out
+
+
+def _empty_response(value) -> bool:
+    """A response with no text: an empty (or blank) string, or chat messages whose last one, the
+    answer, has empty text content."""
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        content = value[-1].get("content")
+        return isinstance(content, str) and not content.strip()
+    return False
 
 
 def encode_pair(

@@ -1,10 +1,16 @@
-"""Inference: ``load`` a causal LM (loading.py) and ``generate`` from prompts (generation.py)."""
+"""Inference: ``load`` a causal LM (loading.py), the decode engine (engine.py, not imported
+here: it imports torch) and ``generate`` from prompts on it (generation.py)."""
 
-from onegpu.infer.generation import Completion, SamplingConfig, generate, generation_kwargs
+from onegpu.infer.generation import Completion, SamplingConfig, generate
+from onegpu.infer.hf_generate import generation_kwargs
 from onegpu.infer.loading import InferConfig, Loaded, load, parse_max_memory, resolve_model
+from onegpu.infer.requests import Result, SamplingParams, Update
 
 __all__ = [
     "Completion",
+    "Result",
+    "SamplingParams",
+    "Update",
     "InferConfig",
     "Loaded",
     "SamplingConfig",

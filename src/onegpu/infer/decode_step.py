@@ -151,12 +151,13 @@ class Stepper:
     everything else is tensors with fixed addresses — so torch.compile specialises it once per
     bucket and, on a GPU, replays it as a CUDA graph."""
 
-    def __init__(self, engine: Engine, mode: Optional[str]):
+    def __init__(self, engine: Engine, mode: Optional[str], backend: str = "inductor"):
         self.engine = engine
         self.kwarg = cache_kwarg(engine.model)
-        self.compiled = (
-            torch.compile(self.step, mode=mode, dynamic=False, fullgraph=False) if mode else None
-        )
+        self.compiled = None
+        if mode:  # modes are inductor's; another backend (tests: aot_eager) takes none
+            mode = mode if backend == "inductor" else None
+            self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
 
     def __call__(self, rows, kv_len, sampling, penalty, adapters) -> torch.Tensor:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks

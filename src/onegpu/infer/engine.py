@@ -41,6 +41,10 @@ class EngineConfig:
     compile: Literal["auto", "off", "on"] = "auto"
     """Compile the decode step (auto: on a GPU, as CUDA graphs; off on a CPU, where compiling
     costs a minute of start-up)."""
+    compile_mode: Optional[str] = None
+    """torch.compile mode (default: reduce-overhead on a GPU — CUDA graphs — default elsewhere)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend."""
     sync_every: int = 8
     """Decode steps between read-backs to the host (stop strings, streaming, new requests)."""
 
@@ -84,8 +88,8 @@ class Engine:
         self.state = DecodeState.empty(
             model, self.max_slots, _eos_ids(model, tokenizer), self.config.sync_every
         )
-        self.compiled = _compile_mode(self.config.compile, self.device)
-        self.stepper = Stepper(self, self.compiled)
+        self.compiled = _compile_mode(self.config, self.device)
+        self.stepper = Stepper(self, self.compiled, self.config.compile_backend)
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
@@ -313,11 +317,13 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def _compile_mode(choice: str, device) -> Optional[str]:
+def _compile_mode(config: EngineConfig, device) -> Optional[str]:
     """None (eager) or the torch.compile mode of the decode step."""
-    if choice == "off" or (choice == "auto" and device.type != "cuda"):
+    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
         return None
-    return "reduce-overhead" if device.type == "cuda" else "default"
+    mode = config.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+    # reduce-overhead means CUDA graphs: nothing to capture elsewhere
+    return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
 
 
 def _check_adapter(model, adapter: Optional[str]) -> None:

@@ -1,12 +1,14 @@
-"""Generation from batches of prompts (left padded), with stop strings, sampling settings and an
-optional static cache + compiled decode step."""
+"""``onegpu generate``'s batch API: prompts in, completions out, through the decode engine
+(``decoder="engine"``, the default) or transformers' own ``generate`` (``decoder="hf"``: the
+reference, and what the old flags static_cache/compile drive)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from onegpu.errors import ConfigError, DataError
 
@@ -41,12 +43,18 @@ class SamplingConfig:
     """Prompts generated together (left padded)."""
     seed: int = 1234
     """Seed for sampling; the same seed and prompts give the same output."""
-    static_cache: bool = False
-    """Preallocate the KV cache to its final size, so every decode step has the same shapes."""
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
-    """torch.compile the decode step (implies static_cache; the first call pays for compilation)."""
+    decoder: Literal["engine", "hf"] = "engine"
+    """engine: onegpu's decode engine (a KV cache sized to the request, all prompts decoded
+    together as slots free up, sampling on the device). hf: transformers' generate (left-padded
+    batches; static_cache applies)."""
+    compile: Literal["auto", "off", "default", "reduce-overhead", "max-autotune"] = "auto"
+    """torch.compile the one-token decode step. auto: on a GPU (captured as a CUDA graph), not on
+    a CPU (compiling takes about a minute there). The first call pays for compilation."""
     compile_backend: str = "inductor"
     """torch.compile backend."""
+    static_cache: bool = False
+    """decoder hf: preallocate transformers' KV cache to its final size (the engine always does,
+    sized to the request)."""
 
 
 @dataclass
@@ -65,15 +73,13 @@ def generate(
     tokenizer,
     prompts: list[str],
     scfg: SamplingConfig,
-    streamer=None,
+    on_text: Optional[Callable[[str], None]] = None,
     data_format: Optional[str] = None,
 ) -> list[Completion]:
-    """Generate a completion per prompt, ``scfg.batch_size`` prompts at a time (left padded).
+    """A completion per prompt. ``on_text`` receives the text of a single prompt as it is made.
 
     ``data_format``: what the model was trained on, when known (``Loaded.data_format``); with
     ``scfg.chat="auto"``, "messages" feeds the prompts as chat turns."""
-    from transformers import set_seed
-
     _check_sampling(scfg)
     chat = use_chat(scfg.chat, tokenizer, data_format)
     for i, prompt in enumerate(prompts):
@@ -82,12 +88,62 @@ def generate(
                 f"prompt {i + 1} is empty.",
                 hint="remove empty prompts (or blank lines in the prompt file)",
             )
+    ids = prompt_ids(tokenizer, prompts, chat)
+    context = _check_lengths(model, ids)
+    if scfg.decoder == "hf":
+        return _hf(model, tokenizer, prompts, ids, scfg, on_text)
+    from onegpu.infer.engine_generate import engine_generate
+
+    max_new = _fit(scfg.max_new_tokens, max(map(len, ids)), context)
+    return [
+        Completion(p, r.text, len(r.token_ids), r.finish_reason)
+        for p, r in zip(
+            prompts, engine_generate(model, tokenizer, ids, scfg, max_new, on_text), strict=True
+        )
+    ]
+
+
+def _check_lengths(model, ids: list[list[int]]) -> Optional[int]:
+    from onegpu.infer.hf_generate import context_length
+
+    context = context_length(model)
+    for i, row in enumerate(ids):
+        if context and len(row) >= context:
+            raise DataError(
+                f"prompt {i + 1} is {len(row)} tokens; the model's context is {context} tokens.",
+                hint=f"shorten the prompt to under {context} tokens",
+            )
+    return context
+
+
+def _fit(max_new: int, longest: int, context: Optional[int]) -> int:
+    if context and longest + max_new > context:
+        log.warning(
+            "max_new_tokens lowered from %d to %d to stay within the %d-token context",
+            max_new,
+            context - longest,
+            context,
+        )
+        return context - longest
+    return max_new
+
+
+def _hf(model, tokenizer, prompts, ids, scfg: SamplingConfig, on_text) -> list[Completion]:
+    from transformers import set_seed
+
+    from onegpu.infer.hf_generate import TextCallback, generate_batch
+
     set_seed(scfg.seed)
+    streamer = TextCallback(tokenizer, on_text) if on_text else None
     done: list[Completion] = []
     for start in range(0, len(prompts), scfg.batch_size):
-        done += _generate_batch(
-            model, tokenizer, prompts[start : start + scfg.batch_size], scfg, streamer, start, chat
+        rows = generate_batch(
+            model, tokenizer, ids[start : start + scfg.batch_size], scfg, streamer
         )
+        done += [
+            Completion(p, text, len(new), finish)
+            for p, (new, text, finish) in zip(prompts[start:], rows, strict=False)
+        ]
     return done
 
 
@@ -146,114 +202,3 @@ def _check_sampling(scfg: SamplingConfig) -> None:
             "--stop contains an empty string.",
             hint="remove it; an empty stop string would stop at once",
         )
-
-
-def _generate_batch(
-    model, tokenizer, prompts: list[str], scfg: SamplingConfig, streamer, offset: int, chat: bool
-):
-    import torch
-
-    context = _context_length(model)
-    ids = prompt_ids(tokenizer, prompts, chat)
-    lengths = [len(row) for row in ids]
-    for i, n in enumerate(lengths):
-        if context and n >= context:
-            raise DataError(
-                f"prompt {offset + i + 1} is {n} tokens; the model's context is {context} tokens.",
-                hint=f"shorten the prompt to under {context} tokens",
-            )
-    tokenizer.padding_side = "left"  # new tokens must follow each prompt directly
-    multiple = _pad_multiple(scfg, max(lengths), context)
-    enc = tokenizer.pad(
-        {"input_ids": ids}, padding=True, pad_to_multiple_of=multiple, return_tensors="pt"
-    ).to(_input_device(model))
-    width = enc["input_ids"].shape[1]
-    max_new = scfg.max_new_tokens
-    if context and width + max_new > context:
-        max_new = context - width
-        log.warning(
-            "max_new_tokens lowered from %d to %d to stay within the %d-token context",
-            scfg.max_new_tokens,
-            max_new,
-            context,
-        )
-    with torch.inference_mode():
-        out = model.generate(
-            **enc, **generation_kwargs(model, tokenizer, scfg, max_new), streamer=streamer
-        )
-    return [
-        _completion(p, row[width:], tokenizer, scfg.stop)
-        for p, row in zip(prompts, out.tolist(), strict=True)
-    ]
-
-
-def _pad_multiple(scfg: SamplingConfig, longest: int, context: Optional[int]) -> Optional[int]:
-    """With a static cache + compile, pad prompts to a multiple of 64 tokens so that prompts of
-    similar length share one compiled graph instead of recompiling for every length."""
-    if not (scfg.static_cache or scfg.compile != "off"):
-        return None
-    padded = -(-longest // 64) * 64
-    return 64 if context is None or padded + 1 < context else None
-
-
-def _context_length(model) -> Optional[int]:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def _input_device(model):
-    """Inputs go where the embeddings are (the first device under a device_map; weights offloaded
-    to disk sit on the meta device and are streamed in from CPU)."""
-    device = model.get_input_embeddings().weight.device
-    return "cpu" if device.type == "meta" else device
-
-
-def generation_kwargs(model, tokenizer, scfg: SamplingConfig, max_new_tokens: int) -> dict:
-    """Arguments for model.generate: sampling, stop strings, and the static-cache/compile path."""
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    sample = not scfg.greedy and scfg.temperature > 0
-    kw["do_sample"] = sample
-    if sample:
-        kw.update(temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k)
-    if scfg.repetition_penalty != 1.0:
-        kw["repetition_penalty"] = scfg.repetition_penalty
-    if scfg.stop:
-        kw.update(stop_strings=list(scfg.stop), tokenizer=tokenizer)
-    if scfg.static_cache or scfg.compile != "off":
-        kw["cache_implementation"] = "static"
-    if scfg.compile != "off":
-        kw["compile_config"] = _compile_config(model, scfg)
-    else:
-        kw["disable_compile"] = (
-            True  # transformers would otherwise auto-compile static-cache decoding on GPUs
-        )
-    return kw
-
-
-def _compile_config(model, scfg: SamplingConfig):
-    from transformers import CompileConfig
-
-    mode = scfg.compile
-    if model.device.type != "cuda" and mode == "reduce-overhead":
-        mode = "default"  # reduce-overhead means CUDA graphs; there is nothing to capture elsewhere
-    # dynamic=False: the static cache keeps decode shapes fixed, so one specialised graph serves all
-    # steps.
-    cc = CompileConfig(backend=scfg.compile_backend, mode=mode, fullgraph=False, dynamic=False)
-    # transformers compiles only on accelerators unless told; we compile where the user asked.
-    cc._compile_all_devices = True
-    return cc
-
-
-def _completion(prompt: str, new_ids: list[int], tokenizer, stops: list[str]) -> Completion:
-    eos = tokenizer.eos_token_id
-    finish = "length"
-    if eos is not None and eos in new_ids:
-        new_ids = new_ids[: new_ids.index(eos) + 1]
-        finish = "stop"
-    elif tokenizer.pad_token_id is not None and tokenizer.pad_token_id in new_ids:
-        # a sequence that hit a stop string is padded while the rest of its batch finishes
-        new_ids = new_ids[: new_ids.index(tokenizer.pad_token_id)]
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        text, finish = text[:cut], "stop"
-    return Completion(prompt, text, len(new_ids), finish)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import codeop
 import importlib
 import math
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ def _function(name: str, gcfg) -> Callable:
             hint=f"built-ins: {', '.join(BUILTINS)}; or give e.g. my_rewards:correct",
         )
     module, _, attr = name.partition(":")
+    _search_working_directory()
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
@@ -67,6 +70,16 @@ def _function(name: str, gcfg) -> Callable:
             hint="point it at a function f(prompts, completions, **columns) -> list[float]",
         )
     return fn
+
+
+def _search_working_directory() -> None:
+    """A reward module in the working directory is importable however onegpu was started: the
+    `onegpu` console script's sys.path starts at the script's own folder, not at the working
+    directory (as ``python -m`` does). Appended last, so a file there never shadows an installed
+    package; kept, so the module can import its neighbours when it is called."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def score(

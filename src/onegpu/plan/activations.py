@@ -208,6 +208,7 @@ def prepare_like_training(
 
     from onegpu.config import Config, LoraConfig, TechniquesConfig
     from onegpu.hardware import DeviceInfo
+    from onegpu.techniques.moe import use_experts_kernel
     from onegpu.training.assemble import assemble
 
     cfg = Config(
@@ -225,9 +226,12 @@ def prepare_like_training(
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        return assemble(cfg, cpu, "fp32", model, optimizer=False).model
+        model = assemble(cfg, cpu, "fp32", model, optimizer=False).model
     finally:
         quiet.setLevel(level)
+    # MoE: the experts kernel of the GPU run being planned, not this CPU copy's (techniques/moe.py)
+    use_experts_kernel(model, "cuda")
+    return model
 
 
 def activation_model(config, techniques=None, attention: str = "sdpa") -> ActivationModel:
@@ -346,7 +350,11 @@ def build_probe_model(
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention)
     model = model.to_empty(device="cpu")  # never written: untouched pages cost no RAM
     model.train()
-    return prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
+    from onegpu.plan.moe_probe import route_round_robin
+
+    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
+    route_round_robin(model)  # MoE: the same experts, all of them, at every point (moe_probe.py)
+    return model
 
 
 def _sub(a: Fit, b: Fit) -> Fit:
@@ -376,6 +384,7 @@ def _cache_key(
         lora_dtype,
         "compiled-v2",
         repr(POINTS),
+        "experts-round-robin-v1",  # MoE probes: fixed routing, the GPU run's experts kernel
         torch.__version__,
         transformers.__version__,
     ]

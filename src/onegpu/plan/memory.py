@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from onegpu.plan.activation_model import ActivationModel, checkpointed_layers
 from onegpu.plan.activations import activation_model
 from onegpu.plan.arch import ModelShape
+from onegpu.plan.autocast_cache import forward_end_bytes
 from onegpu.plan.candidate import Candidate
+from onegpu.plan.transients import act_bytes, loss_transient_bytes, param_bytes, rollout_bytes
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
@@ -44,11 +46,6 @@ class MemoryEstimate:
 
     def fits(self, capacity_bytes: float) -> bool:
         return self.reserved() <= capacity_bytes
-
-
-def param_bytes(precision: str) -> int:
-    """Bytes per trainable weight: fp32 master weights under autocast, bf16 only for bf16-pure."""
-    return 2 if precision == "bf16-pure" else 4
 
 
 def trained_bytes(c: Candidate) -> int:
@@ -251,46 +248,6 @@ def late_backward_bytes(shape: ModelShape, c: Candidate, first_block: float) -> 
     return g - block - embedding + first_block
 
 
-def rollout_bytes(shape: ModelShape, c: Candidate, seq_len: int) -> float:
-    """GRPO's sampling (objectives/rollout.py), between steps, when no gradient or activation
-    exists: the KV cache of the step's completions, all sampled in one ``generate`` call, at full
-    length (prompts left-padded to seq_len, plus the completion), in the compute dtype; and the
-    last position's logits, which generate makes fp32, with the sampler's softmax and its
-    filtered copy beside them."""
-    cfg = shape.config
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or shape.heads
-    head_dim = getattr(cfg, "head_dim", None) or shape.hidden // max(shape.heads, 1)
-    rows = c.effective_batch
-    cache = rows * (seq_len + c.grpo.max_completion_length) * shape.layers * 2 * kv_heads
-    return cache * head_dim * act_bytes(c) + 3 * rows * shape.vocab * 4
-
-
-def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
-    """Bytes the loss holds above the kept activations at its own peak.
-
-    Plain loss: at the start of backward, cross-entropy's two fp32 (tokens x vocab) gradients are
-    alive together (nll_loss's, and log_softmax's computed from it); the cast back to the logits'
-    dtype comes after the first is freed. Fused loss: the peak is inside its forward, which takes
-    the head's gradient chunk by chunk (techniques/fused_loss.py): beside the kept activations it
-    holds the fp32 sum of the head's gradient (counted as kept when the weights are fp32: the sum
-    is the gradient), the previous chunk's gradient (still referenced while the next is computed)
-    and, under autocast over fp32 weights, the weight's 16-bit copy. Its peak is either in a
-    chunk's cross-entropy backward (three fp32 chunk x vocab tensors) or while the chunk's weight
-    gradient is made (that gradient, and its 16-bit form under autocast).
-    """
-    t = c.techniques
-    if not t.loss_chunk_size:
-        return 8.0 * tokens * shape.vocab
-    chunk = min(t.loss_chunk_size, tokens) * shape.vocab
-    cast = 2 if t.precision in ("fp16", "bf16") else 0  # autocast's 16-bit copy of fp32 weights
-    head = shape.vocab * shape.hidden
-    if c.lora_rank:  # a frozen head: no gradient sums, only the weight's copy the matmul saves
-        return cast * head + 12.0 * chunk
-    pb = param_bytes(t.precision)
-    held = (4 - pb) + pb + cast  # fp32 sums beyond the kept gradient, previous chunk's, weight copy
-    return max(held * head + 12.0 * chunk, (held + pb + cast) * head + 2.0 * chunk)
-
-
 def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:
     """Per block, what the measured model keeps that a quantized base does not. The activation
     model is measured on an unquantized copy, whose autocast keeps a 16-bit copy of each frozen
@@ -300,11 +257,6 @@ def quantized_cast_bytes(shape: ModelShape, c: Candidate) -> float:
     if c.quantize_base == "none" or not autocast or not shape.layers:
         return 0.0
     return shape.linear_params / shape.layers * 2
-
-
-def act_bytes(c: Candidate) -> int:
-    """Bytes per activation element: 16-bit compute keeps 16-bit activations."""
-    return 2 if c.techniques.precision in ("fp16", "bf16", "bf16-pure") else 4
 
 
 def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
@@ -317,6 +269,13 @@ def mlp_tiled(shape: ModelShape, c: Candidate, seq_len: int) -> bool:
     return (
         wanted and not shape.experts and shape.intermediate > 0 and tokens > tile_tokens(shape, c)
     )
+
+
+def mlp_tokens(shape: ModelShape, c: Candidate, seq_len: int) -> int:
+    """Tokens one MLP call runs at once: a tile's when tiled, else the micro-batch's."""
+    seq = c.sequence_tokens(seq_len)
+    tokens = c.training.micro_batch_size * c.rows_per_example * seq
+    return min(tile_tokens(shape, c), tokens) if mlp_tiled(shape, c, seq) else tokens
 
 
 def tile_tokens(shape: ModelShape, c: Candidate) -> int:
@@ -373,7 +332,12 @@ def estimate(
     # The backward's two ends: its start (all activations, the loss's or a block's transient)
     # and its last block (nearly all gradients made); between them one grows as the other falls.
     early, late = kept + transient + held_grads, late_backward_bytes(shape, c, first)
-    backward_peak = max(early, late)
+    # A third point under autocast: the forward's end, with the cache's 16-bit weight copies
+    # (autocast_cache.py); the backward starts after the cache is emptied.
+    forward_end = forward_end_bytes(
+        shape, c, kept, mlp_tokens(shape, c, seq_len), act_bytes(c), lora_params(shape, c)
+    )
+    backward_peak = max(early, late, forward_end + held_grads)
     step_peak = g + temp
     comps = {
         "weights": w,
@@ -383,8 +347,11 @@ def estimate(
         "backward transient": transient,
         "optimizer temporaries": temp,
     }
-    if late > early:  # the activations at that moment: the first block's
+    if late > early and late >= forward_end:  # the activations at that moment: the first block's
         comps["activations"], comps["backward transient"] = first, 0.0
+    elif forward_end > early:  # beside the kept activations: the cached copies, the last MLP's
+        comps["backward transient"] = 0.0
+        comps["autocast weight copies and last MLP (forward)"] = forward_end - kept
     if c.reference_kind == "copy":  # DPO's frozen reference: the whole model again, weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]

@@ -13,7 +13,11 @@ the design of torchtune's ``OffloadActivations`` and TRL's ``activation_offloadi
   the device storage is kept alive until its copy is done, for at most ``MAX_IN_FLIGHT`` storages
   (then the compute stream waits for the oldest copy), which bounds the extra memory.
   Host-to-device: when the backward asks for one storage, the next ``PREFETCH`` storages in
-  reverse forward order start copying too, so the copies overlap with the backward's compute;
+  reverse forward order start copying too, so the copies overlap with the backward's compute. The
+  buffers they land in are allocated from the side stream's own pool and marked as used by the
+  compute stream (``record_stream``), so a prefetch starts as soon as the side stream is free
+  instead of waiting for every kernel the compute stream has queued (the backward queues ahead);
+  the compute stream waits only for the copy of the storage it is about to read;
 - tensors already in host memory (a CPU run) are not copied: they are only booked as host-held,
   and each saved tensor is still rebuilt from its storage, so the bookkeeping is the one a GPU
   run uses.
@@ -282,14 +286,16 @@ class ActivationOffload:
         return stored.on_device
 
     def _fetch(self, stored: _Stored, compute) -> None:
-        """Start the copy of one storage back to the device on the side stream. The buffer is
-        allocated on the compute stream, which uses and frees it, so it needs no record_stream."""
+        """Start the copy of one storage back to the device on the side stream. The buffer comes
+        from the side stream's pool, so no kernel still queued on the compute stream can be using
+        its memory and the copy need not wait for them; ``record_stream`` keeps the allocator from
+        handing it out again before the compute stream's kernels that read it have run."""
         side = self._side_stream(stored.device)
-        buffer = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
-        side.wait_stream(compute)  # the buffer's previous user has finished with it
         with torch.cuda.stream(side):
+            buffer = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
             buffer.copy_(stored.host, non_blocking=True)
             stored.ready = side.record_event()
+        buffer.record_stream(compute)
         stored.on_device = buffer
         self.stats.fetched += 1
 

@@ -58,7 +58,12 @@ def quantization_config(tcfg: TechniquesConfig, precision: str, model_name: str,
 
     from onegpu.techniques.quantization import bnb_config
 
-    return bnb_config(lcfg.quantize_base, getattr(torch, COMPUTE_DTYPES.get(precision, "float32")))
+    return bnb_config(
+        lcfg.quantize_base,
+        getattr(torch, COMPUTE_DTYPES.get(precision, "float32")),
+        setting=f"techniques.lora.quantize_base={lcfg.quantize_base}",
+        instead="or set techniques.lora.quantize_base=none",
+    )
 
 
 def apply_lora(model, tcfg: TechniquesConfig):

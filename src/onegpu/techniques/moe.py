@@ -13,29 +13,36 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def apply_moe_aux_loss(model) -> bool:
+def apply_moe_aux_loss(model, device_type: str) -> bool:
     """Make MoE models return their load-balancing loss (off by default in their configs), with
-    experts that can run in the weights' dtype (see ``experts_kernel``)."""
+    experts that can run in the weights' dtype on ``device_type`` (see ``experts_kernel``)."""
     config = model.config
     if getattr(config, "router_aux_loss_coef", None) is None or not hasattr(
         config, "output_router_logits"
     ):
         return False
     config.output_router_logits = True
-    kernel = experts_kernel(model)
-    if kernel != config._experts_implementation:
-        model.set_experts_implementation(kernel)
+    use_experts_kernel(model, device_type)
     return True
 
 
-def experts_kernel(model) -> str:
+def use_experts_kernel(model, device_type: str) -> None:
+    """Switch the model's experts to ``experts_kernel(model, device_type)`` where it differs."""
+    kernel = experts_kernel(model, device_type)
+    if kernel != model.config._experts_implementation:
+        model.set_experts_implementation(kernel)
+
+
+def experts_kernel(model, device_type: str) -> str:
     """transformers' default experts kernel, torch's grouped_mm, takes bf16 only on CUDA GPUs; under
     fp32 master weights (precision bf16 with autocast, or fp32) it gets fp32 and stops the step
-    ("Expected inputs of BF16 type"). Those run the per-expert loop ("eager") there instead: the
-    same math, no (tokens x experts) gather. Training runs on CUDA whenever one is available."""
+    ("Expected inputs of BF16 type"). A CUDA run of such weights runs the per-expert loop ("eager")
+    instead: the same math, no (tokens x experts) gather. Decided by the run's device and the
+    weights' dtype, never by whether this process could reach a GPU: the planner's probe, on CPU in
+    a process that has one, must build what the run it plans will build."""
     current = model.config._experts_implementation
     weights = next(model.parameters()).dtype
-    if current == "grouped_mm" and weights != torch.bfloat16 and torch.cuda.is_available():
+    if current == "grouped_mm" and weights != torch.bfloat16 and device_type == "cuda":
         log.info(
             "MoE experts: per-expert loop, not grouped_mm (CUDA grouped_mm takes bf16 weights "
             "only, these are %s)",

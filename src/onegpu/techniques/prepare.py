@@ -59,10 +59,12 @@ def build_kwargs(cfg: Config, device: DeviceInfo, precision: str, config) -> dic
     }
 
 
-def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
+def prepare_model(
+    model, tcfg: TechniquesConfig, device_type: str, shard=None, seq_len: int | None = None
+):
     """Steps 2-8 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
     ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one
-    process."""
+    process; ``seq_len``: the run's longest sequence, for the start-up lines (None: not known)."""
     from onegpu.techniques.activation_offload import apply_activation_offload
     from onegpu.techniques.checkpointing import apply_checkpointing
     from onegpu.techniques.compile import apply_compile
@@ -70,9 +72,9 @@ def prepare_model(model, tcfg: TechniquesConfig, device_type: str, shard=None):
     from onegpu.techniques.moe import apply_moe_aux_loss
     from onegpu.techniques.tiled_mlp import apply_tiled_mlp
 
-    apply_moe_aux_loss(model)
+    apply_moe_aux_loss(model, device_type)
     model = apply_lora(model, tcfg)
-    model = apply_tiled_mlp(model, tcfg)
+    model = apply_tiled_mlp(model, tcfg, seq_len)
     model = apply_checkpointing(model, tcfg, device_type)
     model = apply_compile(model, tcfg, device_type)
     model = apply_activation_offload(model, tcfg, device_type)

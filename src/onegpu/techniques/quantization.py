@@ -28,18 +28,30 @@ def import_bitsandbytes(needed_for: str, instead: str):
 
 
 def bnb_config(
-    kind: str, compute_dtype=None, double_quant: bool = True, int8_threshold: float = 6.0
+    kind: str,
+    compute_dtype=None,
+    double_quant: bool = True,
+    int8_threshold: float = 6.0,
+    setting: str | None = None,
+    instead: str | None = None,
 ):
     """A transformers BitsAndBytesConfig for kind in {"int8", "nf4", "fp4"}.
 
     int8 is LLM.int8(): outlier features above ``int8_threshold`` stay in 16-bit, the rest int8.
     4-bit stores weights in nf4 (normal-float, best for normally distributed weights) or fp4, with
     optional double quantization of the scales; matmuls run in ``compute_dtype``.
+
+    Where bitsandbytes cannot run, the error names the caller's own setting (``setting``) and the
+    way round it (``instead``): a fix from another command's flags would be refused there. The
+    defaults are the loading flags of `onegpu generate` / `serve`; training passes its own.
     """
     import torch
 
     import_bitsandbytes(
-        f"techniques.lora.quantize_base={kind}", "or set techniques.lora.quantize_base=none"
+        setting or f"--quantization {kind}",
+        instead
+        or "or load without it: --quantization none, or ao-int8 (torchao's int8 weights, no "
+        "bitsandbytes)",
     )
     from transformers import BitsAndBytesConfig
 

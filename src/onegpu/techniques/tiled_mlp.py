@@ -88,8 +88,9 @@ def mlp_blocks(model) -> tuple[list, list]:
     return tileable, skipped
 
 
-def apply_tiled_mlp(model, tcfg):
-    """Tile the decoder layers' MLPs according to ``tcfg.tiled_mlp``; returns the model."""
+def apply_tiled_mlp(model, tcfg, seq_len: int | None = None):
+    """Tile the decoder layers' MLPs according to ``tcfg.tiled_mlp``; returns the model.
+    ``seq_len``: the run's longest sequence, so the log says whether tiles are used at it."""
     if tcfg.tiled_mlp == "off":
         return model
     tileable, skipped = mlp_blocks(model)
@@ -102,14 +103,30 @@ def apply_tiled_mlp(model, tcfg):
             mlp.__class__ = tiled_class(type(mlp))
         mlp.onegpu_tiling = (tcfg.tiled_mlp_tile_tokens, min_seq)
     if tileable:
-        log.info(
-            "tiled MLP: %d decoder layers run their MLP in tiles of %s tokens from %d tokens a "
-            "sequence",
-            len(tileable),
-            tcfg.tiled_mlp_tile_tokens or "hidden-size",
-            min_seq,
-        )
+        log.info("tiled MLP: %s", tiling_line(len(tileable), tcfg, min_seq, seq_len))
     return model
+
+
+def tiling_line(layers: int, tcfg, min_seq: int, seq_len: int | None) -> str:
+    """What the tiling does to this run: an ``auto`` tiling installed on a run whose sequences are
+    all shorter than its threshold never cuts a tile, and the start-up line must not suggest it
+    does."""
+    tile = tcfg.tiled_mlp_tile_tokens or "hidden-size"
+    if seq_len is None:
+        return (
+            f"{layers} decoder layers run their MLP in tiles of {tile} tokens from {min_seq} "
+            "tokens a sequence"
+        )
+    if seq_len < min_seq:
+        return (
+            f"no tiles at this sequence length: sequences of up to {seq_len} tokens are shorter "
+            f"than techniques.tiled_mlp_min_seq={min_seq} (tiled_mlp=auto), so the {layers} "
+            "decoder layers run their MLP whole"
+        )
+    return (
+        f"tiles used at this sequence length: {layers} decoder layers run their MLP in tiles of "
+        f"{tile} tokens on sequences of {min_seq} to {seq_len} tokens"
+    )
 
 
 def untile(model) -> None:

@@ -18,7 +18,7 @@ from onegpu.config import Config
 from onegpu.errors import ConfigError
 from onegpu.hardware import DeviceInfo
 from onegpu.objectives import Objective, make_objective
-from onegpu.training.data import Data, check_seq_len
+from onegpu.training.data import Data, check_seq_len, longest_sequence
 from onegpu.training.startup import check_model_settings
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,8 @@ def assemble(
         if accelerator is not None
         else None
     )
-    model = prepare_model(model, resolved_techniques(cfg, device.type), device.type, shard)
+    tcfg = resolved_techniques(cfg, device.type)
+    model = prepare_model(model, tcfg, device.type, shard, longest_sequence(cfg))
     opt, scheduler = build_optimizer(cfg, device, model) if optimizer else (None, None)
     autocast = None
     if accelerator is not None:

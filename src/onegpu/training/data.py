@@ -71,6 +71,7 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         all_stats.append(stats)
     for stats in all_stats:
         log.info("data %s", stats.describe())
+    _warn_without_validation(cfg.data, fmt, len(train_rec), val_rec, val_ds, all_stats[-1])
     if len(train_ds) == 0:
         train = all_stats[0]
         if train.overlong:  # the policy left nothing: say so, with the counts
@@ -107,6 +108,34 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         time.perf_counter() - t0,
     )
     return Data(tokenizer, train_ds, val_ds, collator, fmt, all_stats, sample)
+
+
+def _warn_without_validation(d, fmt: str, n_train: int, val_rec, val_ds, stats) -> None:
+    """Data that yields no validation example makes every evaluation print 'val loss n/a': say
+    so once, at the start, with why and the fix (data.val_fraction 0 asks for it: no warning)."""
+    if d.val_fraction <= 0 or (val_ds is not None and len(val_ds)):
+        return
+    if val_rec is None or len(val_rec) == 0:
+        one = " (a text file is one record)" if fmt == "text" else ""
+        why = (
+            f"{n_train} record(s) in the data{one}, too few to hold data.val_fraction="
+            f"{d.val_fraction} of them out"
+        )
+        fix = (
+            "give more records (a folder of several files holds whole files out), or set "
+            "data.val_fraction 0 to train without validation"
+        )
+    elif fmt == "text":
+        why = f"the {len(val_rec)} held-out record(s) fill no whole {d.seq_len}-token block"
+        fix = "raise data.val_fraction, or lower data.seq_len"
+    else:
+        why = f"all {len(val_rec)} held-out record(s) were left out ({stats.describe()})"
+        fix = "raise data.val_fraction, or data.seq_len / data.overlong so they fit"
+    log.warning(
+        "no validation examples: %s; the run reports no validation loss (val loss n/a). fix: %s",
+        why,
+        fix,
+    )
 
 
 def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, fingerprint: str):
@@ -205,13 +234,21 @@ def check_positions(cfg: Config, model_name: str) -> None:
     check_seq_len(cfg, getattr(config, "max_position_embeddings", None))
 
 
+def longest_sequence(cfg: Config) -> int:
+    """The longest row the run trains on: data.seq_len, plus the completion for GRPO (whose
+    data.seq_len bounds the prompt)."""
+    if cfg.training.objective == "grpo":
+        return cfg.data.seq_len + cfg.grpo.max_completion_length
+    return cfg.data.seq_len
+
+
 def check_seq_len(cfg: Config, limit) -> None:
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings={limit}.",
             hint=f"set data.seq_len <= {limit}",
         )
-    longest = cfg.data.seq_len + cfg.grpo.max_completion_length
+    longest = longest_sequence(cfg)
     if cfg.training.objective == "grpo" and isinstance(limit, int) and longest > limit:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} (the longest prompt) + grpo.max_completion_length="

@@ -69,42 +69,44 @@ def run_training(cfg: Config, callbacks: tuple[Callback, ...] = ()) -> RunResult
         ):  # a checkpoint of another model shape fails here, not after the mkdir
             checkpoint.check_fits(resume_from, accelerator.unwrap_model(parts.model))
         rundir.check_disk(parts.model, run_dir)
-        rundir.create_run_dir(run_dir, accelerator.is_main_process)
-        if (
-            parts.objective.needs_reference == "precomputed"
-        ):  # before a resume loads trained weights
-            data = _precompute_reference(
-                cfg, data, parts, run_dir, accelerator, resume_from is not None, callbacks
+        fresh = resume_from is None
+        with rundir.removed_if_failed_early(run_dir, accelerator.is_main_process, fresh) as first:
+            rundir.create_run_dir(run_dir, accelerator.is_main_process)
+            if (
+                parts.objective.needs_reference == "precomputed"
+            ):  # before a resume loads trained weights
+                data = _precompute_reference(
+                    cfg, data, parts, run_dir, accelerator, resume_from is not None, callbacks
+                )
+            run = assemble.Run(
+                cfg,
+                device,
+                run_dir,
+                model_name,
+                precision,
+                data,
+                parts.model,
+                parts.optimizer,
+                parts.scheduler,
+                parts.objective,
             )
-        run = assemble.Run(
-            cfg,
-            device,
-            run_dir,
-            model_name,
-            precision,
-            data,
-            parts.model,
-            parts.optimizer,
-            parts.scheduler,
-            parts.objective,
-        )
-        state = resume(run, accelerator, resume_from) if resume_from else None
-        if resume_from is None and accelerator.is_main_process:
-            _start_fresh(run_dir)
-        if (
-            accelerator.is_main_process
-        ):  # after a resume that fits, so a failed one leaves the old config
-            rundir.save_config(cfg, data.format, run_dir)
-        with MetricsLog(
-            run_dir,
-            report_to,
-            enabled=accelerator.is_main_process,
-            purge_step=state.step + 1 if state else None,
-        ) as metrics:
-            state = fit(run, accelerator, metrics, state, callbacks)
-        if state.stopped:
-            return _stopped(run, state, time.perf_counter() - t_start)
-        final = save_final(run, accelerator)
+            state = resume(run, accelerator, resume_from) if resume_from else None
+            if resume_from is None and accelerator.is_main_process:
+                _start_fresh(run_dir)
+            if (
+                accelerator.is_main_process
+            ):  # after a resume that fits, so a failed one leaves the old config
+                rundir.save_config(cfg, data.format, run_dir)
+            with MetricsLog(
+                run_dir,
+                report_to,
+                enabled=accelerator.is_main_process,
+                purge_step=state.step + 1 if state else None,
+            ) as metrics:
+                state = fit(run, accelerator, metrics, state, (first, *callbacks))
+            if state.stopped:
+                return _stopped(run, state, time.perf_counter() - t_start)
+            final = save_final(run, accelerator)
     wall = time.perf_counter() - t_start
     if accelerator.is_main_process:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")

@@ -3,13 +3,19 @@ leave no trace), created once every input has been checked, and the settled conf
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 from onegpu.config import Config, save_yaml
 from onegpu.errors import ConfigError
+from onegpu.training.state import Callback
+
+log = logging.getLogger(__name__)
 
 
 def check_run_dir(cfg: Config) -> Path:
@@ -80,6 +86,51 @@ def create_run_dir(path: Path, is_main: bool = True) -> None:
             f"cannot write to run directory {path}: {exc.strerror}.",
             hint="choose a writable --output.dir",
         ) from None
+
+
+class FirstStep(Callback):
+    """Whether the loop finished an optimizer step (its log record, written before on_step_end,
+    counts: the metrics then hold a trained step)."""
+
+    def __init__(self):
+        self.done = False
+
+    def on_log(self, run, state, record: dict) -> None:
+        self.done = True
+
+    def on_step_end(self, run, state) -> None:
+        self.done = True
+
+
+@contextlib.contextmanager
+def removed_if_failed_early(path: Path, is_main: bool, fresh: bool):
+    """Around a run from the creation of its directory: if it fails before its first optimizer
+    step (a reward function that raises, an out-of-memory error at step 1), what it wrote there (a
+    config, an empty or evaluation-only metrics file, tracker files, a reference pass) is removed,
+    the directory too when the run created it, so no half-written run is left to be mistaken for
+    one that trained or to be resumed. A resumed run, or one that trained a step, keeps it all.
+    Yields the callback that tells the first step apart; enter before ``create_run_dir``."""
+    before = set(os.listdir(path)) if path.is_dir() else None
+    first = FirstStep()
+    try:
+        yield first
+    except BaseException:
+        if is_main and fresh and not first.done and path.is_dir():
+            _remove_new(path, before)
+            log.warning("removed %s: the run failed before its first step", path)
+        raise
+
+
+def _remove_new(path: Path, before: set[str] | None) -> None:
+    if before is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in set(os.listdir(path)) - before:
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 CHECKPOINT_MARGIN = 64 * 2**20  # bytes: config, tokenizer, metrics and filesystem slack

@@ -1,0 +1,74 @@
+"""``generate`` on the decode engine: the prompts become requests of one engine whose cache is sized
+to them (longest prompt + new tokens, in 64-token steps), ``batch_size`` slots decoded together; a
+prompt takes the next free slot as soon as one finishes (continuous batching)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Optional
+
+from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.requests import Result, SamplingParams
+
+if TYPE_CHECKING:
+    from onegpu.infer.generation import SamplingConfig
+
+
+def engine_generate(
+    model,
+    tokenizer,
+    ids: list[list[int]],
+    scfg: SamplingConfig,
+    max_new: int,
+    on_text: Optional[Callable[[str], None]] = None,
+) -> list[Result]:
+    need = -(-(max(map(len, ids)) + max_new) // 64) * 64
+    compile_ = "auto" if scfg.compile == "auto" else ("off" if scfg.compile == "off" else "on")
+    engine = Engine(
+        model,
+        tokenizer,
+        EngineConfig(
+            max_slots=min(scfg.batch_size, len(ids)),
+            max_len=need,
+            compile=compile_,
+            compile_mode=None if scfg.compile in ("auto", "off") else scfg.compile,
+            compile_backend=scfg.compile_backend,
+        ),
+    )
+    params = [request_params(scfg, max_new, i) for i in range(len(ids))]
+    if on_text is None:
+        return engine.generate(ids, params)
+    return _streamed(engine, ids, params, on_text)
+
+
+def request_params(scfg: SamplingConfig, max_new: int, index: int) -> SamplingParams:
+    """The engine's settings for prompt ``index``: its own seed (scfg.seed + index), so equal
+    prompts sample different completions and a rerun reproduces each."""
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=0.0 if scfg.greedy else scfg.temperature,
+        top_k=scfg.top_k,
+        top_p=scfg.top_p,
+        repetition_penalty=scfg.repetition_penalty,
+        seed=scfg.seed + index,
+        stop=tuple(scfg.stop),
+    )
+
+
+def _streamed(engine: Engine, ids, params, on_text) -> list[Result]:
+    """Like ``engine.generate``, handing each update's text to ``on_text`` as it comes."""
+    rids = [engine.submit(p, s) for p, s in zip(ids, params, strict=True)]
+    tokens = {r: [] for r in rids}
+    texts = {r: "" for r in rids}
+    done: dict[int, Result] = {}
+    while engine.has_work():
+        for u in engine.step():
+            tokens[u.request_id] += u.token_ids
+            texts[u.request_id] += u.text
+            if u.text:
+                on_text(u.text)
+            if u.finished:
+                done[u.request_id] = Result(
+                    tokens[u.request_id], texts[u.request_id], u.finish_reason, u.prompt_tokens
+                )
+    return [done[r] for r in rids]

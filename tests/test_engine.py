@@ -1,0 +1,212 @@
+"""The decode engine: the same tokens as transformers' generate (every family, with a LoRA adapter,
+in fp32), continuous batching that changes no request's output, sampling that a seed alone fixes,
+and one clear error for a request it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from families import FAMILIES, tiny_family_model
+from onegpu.errors import ConfigError
+from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.requests import SamplingParams
+from onegpu.infer.slot_cache import kv_bytes_per_position
+
+PROMPTS = ["def add(a, b):", "import os\nclass Foo:", "x = [1, 2"]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def _ids(tok, prompts=PROMPTS):
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+def _hf_greedy(model, ids, new, **kw):
+    """transformers' greedy tokens; it stops at EOS as the engine does (its min_new_tokens would
+    forbid EOS instead, which the engine's ignore_eos does not)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0, **kw
+        )
+    return out[0, len(ids) :].tolist()
+
+
+# DeepSeek-V3's attention repeats its latent K/V by num_attention_heads / num_key_value_heads as
+# soon as a mask is given; its real configs have the two equal, the shared tiny config does not.
+FAMILY_OVERRIDES = {"deepseek_v3": {"num_key_value_heads": 4}}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_hf_generate_for_every_family(family, tiny_tokenizer):
+    model = tiny_family_model(family, tiny_tokenizer, **FAMILY_OVERRIDES.get(family, {})).eval()
+    ids = _ids(tiny_tokenizer)
+    # three prompts of different lengths in one batch: each slot at its own position
+    params = SamplingParams(max_new_tokens=12)
+    got = Engine(model, None, EngineConfig(max_slots=3, max_len=64)).generate(ids, params)
+    for row, res in zip(ids, got, strict=True):
+        assert res.token_ids == _hf_greedy(model, row, params.max_new_tokens), family
+
+
+def test_greedy_equals_hf_generate_with_a_lora_adapter(tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    base = tiny_family_model("llama", tiny_tokenizer)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # a trained adapter, not the identity PEFT starts from
+            torch.nn.init.normal_(p, std=0.5)
+    model.eval()
+    ids = _ids(tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=12)
+    got = Engine(model, None, EngineConfig(max_slots=3, max_len=64)).generate(ids, params)
+    with model.disable_adapter():
+        plain = Engine(model, None, EngineConfig(max_slots=3, max_len=64)).generate(ids, params)
+    for row, res in zip(ids, got, strict=True):
+        assert res.token_ids == _hf_greedy(model, row, params.max_new_tokens)
+    assert any(a.token_ids != b.token_ids for a, b in zip(got, plain, strict=True))
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_tokenizer):
+    return tiny_family_model("llama", tiny_tokenizer).eval()
+
+
+def test_a_request_joining_mid_flight_changes_no_output(llama, tiny_tokenizer):
+    ids = _ids(tiny_tokenizer)
+    alone = [Engine(llama, None, EngineConfig(max_slots=1)).generate([r], GREEDY)[0] for r in ids]
+    engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=64, sync_every=4))
+    first = engine.submit(ids[0], GREEDY)
+    news = {first: []}
+    for u in engine.step():  # the first request decodes alone for a while
+        news[u.request_id] += u.token_ids
+    later = [engine.submit(r, GREEDY) for r in ids[1:]]  # one joins now, one waits for a slot
+    news.update({r: [] for r in later})
+    while engine.has_work():
+        for u in engine.step():
+            news[u.request_id] += u.token_ids
+    assert [news[r] for r in [first, *later]] == [a.token_ids for a in alone]
+
+
+def test_tokens_are_read_back_once_per_sync_not_per_step(llama, tiny_tokenizer):
+    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5))
+    for row in _ids(tiny_tokenizer)[:2]:
+        engine.submit(row, GREEDY)
+    first = engine.step()
+    # the prefill's token and five decode steps, all in one read-back
+    assert [len(u.token_ids) for u in first] == [6, 6] and all(u.first_token for u in first)
+
+
+def test_a_seed_fixes_a_sample_wherever_the_request_sits(llama, tiny_tokenizer):
+    ids = _ids(tiny_tokenizer)
+    sample = [
+        SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=40, seed=s)
+        for s in (1, 2, 3)
+    ]
+    engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=64))
+    a = engine.generate(ids, sample)
+    b = engine.generate(ids[::-1], sample[::-1])[::-1]  # other slots, other neighbours
+    c = Engine(llama, None, EngineConfig(max_slots=1)).generate(ids[:1], sample[:1])
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert a[0].token_ids == c[0].token_ids
+    other = engine.generate(ids[:1], [SamplingParams(max_new_tokens=16, temperature=1.0, seed=9)])
+    assert other[0].token_ids != a[0].token_ids
+    assert a[0].token_ids != engine.generate(ids[:1], GREEDY)[0].token_ids[:16]
+
+
+def test_sampling_draws_from_the_softmax():
+    from onegpu.infer.sampling import RowParams, next_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    n = 4000
+    rows = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
+    params = RowParams(
+        rows(1.0, torch.float),
+        rows(0, torch.long),
+        rows(1.0, torch.float),
+        rows(1.0, torch.float),
+        torch.arange(n),  # n requests, n seeds
+        rows(0, torch.long),
+        torch.zeros(n, 4, dtype=torch.bool),
+    )
+    drawn = next_tokens(logits.expand(n, 4), params, sampling=True, penalty=False)
+    freq = torch.bincount(drawn, minlength=4).float() / n
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.03)
+    params.top_k[:] = 2  # only the two best tokens may be drawn
+    drawn = next_tokens(logits.expand(n, 4), params, sampling=True, penalty=False)
+    assert set(drawn.tolist()) == {0, 1}
+    params.top_k[:], params.top_p[:] = 0, 0.5  # the best token alone holds over half the mass
+    assert set(next_tokens(logits.expand(n, 4), params, True, False).tolist()) == {0}
+
+
+def test_repetition_penalty_as_transformers_applies_it(llama, tiny_tokenizer):
+    row = _ids(tiny_tokenizer)[0]
+    params = SamplingParams(max_new_tokens=16, repetition_penalty=1.5)
+    got = Engine(llama, None, EngineConfig(max_slots=1)).generate([row], params)[0]
+    want = _hf_greedy(llama, row, 16, repetition_penalty=1.5)
+    assert got.token_ids == want and want != _hf_greedy(llama, row, 16)
+
+
+def test_eos_and_stop_strings_end_a_request(llama, tiny_tokenizer):
+    row = _ids(tiny_tokenizer)[0]
+    engine = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=1))
+    full = engine.generate([row], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    eos = full.token_ids[5]  # pretend the sixth token is the end of sequence
+    engine.state.eos[:1] = eos
+    engine.state.eos_set = frozenset({eos})
+    ended = engine.generate([row], SamplingParams(max_new_tokens=24))[0]
+    assert (
+        ended.finish_reason == "stop"
+        and ended.token_ids == full.token_ids[: full.token_ids.index(eos) + 1]
+    )
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = engine.generate([row], SamplingParams(max_new_tokens=24, stop=(stop,), ignore_eos=True))
+    assert cut[0].finish_reason == "stop" and cut[0].text == text[: text.index(stop)]
+
+
+def test_the_cache_is_sized_to_the_request_not_the_context(llama):
+    engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=96))
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    assert engine.cache.bytes == 4 * 96 * kv_bytes_per_position(llama)
+    cfg = llama.config  # K and V, fp32, every layer
+    head = cfg.hidden_size // cfg.num_attention_heads
+    assert (
+        kv_bytes_per_position(llama)
+        == 2 * 4 * cfg.num_key_value_heads * head * cfg.num_hidden_layers
+    )
+
+
+def test_cancel_frees_the_slot_for_the_next_request(llama, tiny_tokenizer):
+    ids = _ids(tiny_tokenizer)
+    engine = Engine(llama, None, EngineConfig(max_slots=1, sync_every=2))
+    a = engine.submit(ids[0], GREEDY)
+    b = engine.submit(ids[1], GREEDY)
+    engine.step()
+    assert engine.stats().running == 1 and engine.stats().waiting == 1
+    engine.cancel(a)
+    news = engine.step()
+    assert (news[0].request_id, news[0].finish_reason) == (a, "cancelled")
+    assert engine.stats().running == 1 and news[1].request_id == b
+
+
+def test_bad_requests_are_one_clear_error(llama):
+    engine = Engine(llama, None, EngineConfig(max_slots=1, max_len=32))
+    with pytest.raises(ConfigError, match="over the engine's limit of 32 tokens"):
+        engine.submit(list(range(30)), SamplingParams(max_new_tokens=8))
+    with pytest.raises(ConfigError, match="top_p has an invalid value"):
+        engine.submit([1, 2], SamplingParams(top_p=0))
+    with pytest.raises(ConfigError, match="adapter 'nope' is not loaded"):
+        engine.submit([1, 2], SamplingParams(max_new_tokens=4), adapter="nope")
+    assert not engine.has_work()  # nothing half-queued
+
+
+def test_compiled_step_gives_the_eager_tokens(llama, tiny_tokenizer):
+    from torch._dynamo.utils import counters
+
+    ids = _ids(tiny_tokenizer)
+    eager = Engine(llama, None, EngineConfig(max_slots=3, max_len=64)).generate(ids, GREEDY)
+    counters.clear()
+    # aot_eager traces the same graph inductor would compile, without its C++ build time
+    config = EngineConfig(max_slots=3, max_len=64, compile="on", compile_backend="aot_eager")
+    compiled = Engine(llama, None, config).generate(ids, GREEDY)
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in eager]
+    assert counters["stats"]["unique_graphs"] >= 1  # the step really went through torch.compile
