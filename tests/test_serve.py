@@ -76,6 +76,8 @@ def engine_answers(model_dir, prompts) -> list[str]:
 def test_greedy_completions_equal_generate_and_the_engine(client, tiny_model_dir, capsys, tmp_path):
     expected = generated(capsys, tmp_path, tiny_model_dir, PROMPTS)
     assert engine_answers(tiny_model_dir, PROMPTS) == expected
+    # and transformers' own generate, the reference `onegpu generate --decoder hf` keeps
+    assert generated(capsys, tmp_path, tiny_model_dir, PROMPTS, "--decoder", "hf") == expected
     one_by_one = [complete(client, str(tiny_model_dir), p).choices[0].text for p in PROMPTS]
     together = complete(client, str(tiny_model_dir), PROMPTS)
     assert one_by_one == expected and any(expected)
