@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "onegpu.cli.generate",
         "sample text from a trained run or any Hugging Face causal LM",
     ),
+    "serve": (
+        "onegpu.cli.serve",
+        "serve a model and its LoRA adapters over an OpenAI-compatible HTTP API",
+    ),
     "plan": (
         "onegpu.cli.plan",
         "predict memory and speed of training setups on a GPU; print the fastest that fits",

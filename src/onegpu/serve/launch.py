@@ -1,0 +1,63 @@
+"""`onegpu serve` from its settings to a listening server: load the model and its adapters, size
+the KV cache from the memory left after the weights, build the engine, and run until told to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from onegpu.serve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(model, tokenizer, plan, cfg: ServeConfig):
+    from onegpu.infer.engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        max_slots=plan.max_slots,
+        max_len=plan.max_len,
+        compile=cfg.compile,
+        sync_every=cfg.sync_every,
+    )
+    return Engine(model, tokenizer, config)
+
+
+def serve(icfg, cfg: ServeConfig) -> int:
+    from onegpu.infer import load
+    from onegpu.infer.engine import kv_bytes_per_position
+    from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
+    from onegpu.serve.app import Service, build_app
+    from onegpu.serve.budget import plan_kv
+    from onegpu.serve.metrics import Metrics
+    from onegpu.serve.scheduler import Scheduler
+    from onegpu.serve.server import run_server
+
+    cfg.check()
+    adapters = parse_adapters(cfg.adapter)  # before loading: a typo should not cost a model load
+    models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
+    loaded = load(icfg)
+    model = attach_adapters(loaded.model, adapters)
+    context = getattr(model.config, "max_position_embeddings", None)
+    plan = plan_kv(
+        kv_bytes_per_position(model),
+        context,
+        loaded.device,
+        cfg.max_len,
+        cfg.max_slots,
+        cfg.kv_memory,
+    )
+    _say(plan.describe())
+    engine = make_engine(model, loaded.tokenizer, plan, cfg)
+    metrics = Metrics()
+    scheduler = Scheduler(engine, cfg.queue_size, metrics)
+    api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None
+    service = Service(scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key)
+    _say(f"serving {', '.join(models.names())} on http://{cfg.host}:{cfg.port}/v1")
+    return run_server(build_app(service), scheduler, cfg.host, cfg.port, cfg.grace)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

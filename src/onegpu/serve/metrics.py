@@ -1,0 +1,64 @@
+"""The server's Prometheus metrics (prometheus-client), in a registry of their own so that two
+servers in one process (tests) do not share counters. Names follow vLLM's where one exists."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds: a tiny model on CPU answers in milliseconds, a 70B one in tens of seconds
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "onegpu_requests",
+            "HTTP requests answered, by route and status code",
+            ["route", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "onegpu_prompt_tokens", "prompt tokens of finished sequences", registry=r
+        )
+        self.generated_tokens = Counter(
+            "onegpu_generation_tokens", "tokens generated (sent or not)", registry=r
+        )
+        self.finished = Counter(
+            "onegpu_sequences_finished",
+            "sequences finished, by reason (stop, length, cancelled)",
+            ["reason"],
+            registry=r,
+        )
+        self.running = Gauge("onegpu_num_requests_running", "sequences in engine slots", registry=r)
+        self.waiting = Gauge(
+            "onegpu_num_requests_waiting", "sequences accepted, waiting for a slot", registry=r
+        )
+        self.kv_used = Gauge("onegpu_kv_positions_used", "KV-cache positions in use", registry=r)
+        self.kv_total = Gauge("onegpu_kv_positions_total", "KV-cache positions in all", registry=r)
+        self.kv_usage = Gauge("onegpu_kv_cache_usage_ratio", "KV-cache use, 0 to 1", registry=r)
+        self.ttft = Histogram(
+            "onegpu_time_to_first_token_seconds",
+            "arrival to first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "onegpu_e2e_request_latency_seconds",
+            "arrival to last token of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def engine_stats(self, stats, waiting_outside: int = 0) -> None:
+        """The engine's slots and cache after a step; ``waiting_outside``: accepted sequences the
+        engine has not been handed yet."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting + waiting_outside)
+        self.kv_used.set(stats.kv_positions_used)
+        self.kv_total.set(stats.kv_positions_total)
+        self.kv_usage.set(stats.kv_positions_used / max(1, stats.kv_positions_total))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

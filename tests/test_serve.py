@@ -1,0 +1,182 @@
+"""`onegpu serve` answers OpenAI's API as the engine and `onegpu generate` do: greedy completions
+and chat equal generate's, each adapter equals that adapter alone, streams carry the same text
+and end with [DONE], n choices, stop strings, concurrent requests that do not disturb each
+other, metrics. One server for the module (a subprocess on 127.0.0.1), called with the real
+openai client."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serve_support import Server, make_adapters, openai_client
+
+PROMPTS = ["def add(a, b):", "class Point:", "The quick brown"]
+TOKENS = 24
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_tokenizer, tmp_path_factory):
+    return make_adapters(tiny_tokenizer, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, adapters, tmp_path_factory):
+    args = ["--model", str(tiny_model_dir), "--api_key", KEY, "--max_len", "256"]
+    args += ["--max_slots", "4", "--queue_size", "8", "--sync_every", "4"]
+    for name, folder in adapters.items():
+        args += ["--adapter", f"{name}={folder}"]
+    srv = Server(args, tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server, KEY)
+
+
+def generated(capsys, tmp_path, model_dir, prompts, *flags) -> list[str]:
+    """What `onegpu generate --greedy` answers (in this process, through its CLI)."""
+    from onegpu.cli.main import main
+
+    out = tmp_path / "gen.jsonl"
+    argv = ["generate", "--model", str(model_dir), "--greedy", "true", "--batch_size", "1"]
+    argv += ["--max_new_tokens", str(TOKENS), "--output", str(out), *flags, *prompts]
+    assert main(argv) == 0
+    capsys.readouterr()
+    return [json.loads(line)["text"] for line in out.read_text().splitlines()]
+
+
+def complete(client, model: str, prompt, **kw):
+    kw = {"max_tokens": TOKENS, "temperature": 0, **kw}
+    return client.completions.create(model=model, prompt=prompt, **kw)
+
+
+def test_models_lists_the_base_and_each_adapter(client, tiny_model_dir):
+    assert [m.id for m in client.models.list().data] == [str(tiny_model_dir), "alpha", "beta"]
+
+
+def engine_answers(model_dir, prompts) -> list[str]:
+    """What the decode engine gives for these prompts, called directly (no server)."""
+    from onegpu.infer import InferConfig, load
+    from onegpu.infer.engine import Engine, EngineConfig
+    from onegpu.infer.requests import SamplingParams
+
+    loaded = load(InferConfig(model=str(model_dir)))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_slots=4, max_len=256))
+    ids = [loaded.tokenizer(p)["input_ids"] for p in prompts]
+    return [r.text for r in engine.generate(ids, SamplingParams(max_new_tokens=TOKENS))]
+
+
+def test_greedy_completions_equal_generate_and_the_engine(client, tiny_model_dir, capsys, tmp_path):
+    expected = generated(capsys, tmp_path, tiny_model_dir, PROMPTS)
+    assert engine_answers(tiny_model_dir, PROMPTS) == expected
+    # and transformers' own generate, the reference `onegpu generate --decoder hf` keeps
+    assert generated(capsys, tmp_path, tiny_model_dir, PROMPTS, "--decoder", "hf") == expected
+    one_by_one = [complete(client, str(tiny_model_dir), p).choices[0].text for p in PROMPTS]
+    together = complete(client, str(tiny_model_dir), PROMPTS)
+    assert one_by_one == expected and any(expected)
+    assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == expected
+    assert together.usage.completion_tokens <= len(PROMPTS) * TOKENS
+
+
+def test_each_adapter_answers_as_it_does_alone(client, tiny_model_dir, adapters, capsys, tmp_path):
+    answers = {}
+    for name, folder in adapters.items():
+        alone = generated(capsys, tmp_path, tiny_model_dir, PROMPTS, "--adapter", str(folder))
+        served = [complete(client, name, p).choices[0].text for p in PROMPTS]
+        assert served == alone, name
+        answers[name] = served
+    base = [complete(client, str(tiny_model_dir), p).choices[0].text for p in PROMPTS]
+    assert answers["alpha"] != answers["beta"] and answers["alpha"] != base  # adapters do act
+
+
+def test_chat_uses_the_chat_template_as_generate_does(client, tiny_model_dir, capsys, tmp_path):
+    expected = generated(capsys, tmp_path, tiny_model_dir, PROMPTS[:2], "--chat", "true")
+    for prompt, text in zip(PROMPTS[:2], expected, strict=True):
+        reply = client.chat.completions.create(
+            model=str(tiny_model_dir),
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=TOKENS,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == text
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_a_stream_carries_the_same_text_and_ends_with_done(client, server, tiny_model_dir):
+    whole = complete(client, "alpha", PROMPTS[0])
+    chunks = list(complete(client, "alpha", PROMPTS[0], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole.choices[0].finish_reason
+    chat = dict(model="beta", messages=[{"role": "user", "content": "hi"}], temperature=0)
+    whole = client.chat.completions.create(max_tokens=TOKENS, **chat)
+    stream = client.chat.completions.create(
+        max_tokens=TOKENS, stream=True, stream_options={"include_usage": True}, **chat
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    raw = httpx.post(
+        f"{server.url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "alpha", "prompt": "x", "max_tokens": 4, "stream": True},
+        timeout=60,
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.endswith("data: [DONE]\n\n") and raw.text.count("data: [DONE]") == 1
+
+
+def test_n_choices(client, tiny_model_dir):
+    model = str(tiny_model_dir)
+    single = complete(client, model, PROMPTS[1])
+    greedy = complete(client, model, PROMPTS[1], n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {single.choices[0].text}
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    sampled = dict(temperature=1.0, top_p=0.9, n=3, seed=7, max_tokens=12)
+    first = complete(client, model, PROMPTS[1], **sampled)
+    again = complete(client, model, PROMPTS[1], **sampled)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded
+    assert len({c.text for c in first.choices}) > 1  # each choice samples on its own
+
+
+def test_a_stop_string_cuts_the_answer(client, tiny_model_dir):
+    full = complete(client, str(tiny_model_dir), PROMPTS[0]).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = complete(client, str(tiny_model_dir), PROMPTS[0], stop=[stop]).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_concurrent_requests_each_get_their_own_answer(client, tiny_model_dir):
+    """More requests than slots, base and adapters mixed, one long prompt among them: every
+    answer equals the one that request gets alone."""
+    long_prompt = " ".join(["def add(a, b): return a + b"] * 12)
+    jobs = [(m, p) for m in (str(tiny_model_dir), "alpha", "beta") for p in PROMPTS]
+    jobs.append(("alpha", long_prompt))
+    alone = [complete(client, m, p).choices[0].text for m, p in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: complete(client, *job).choices[0].text, jobs))
+    assert together == alone
+
+
+def test_metrics_count_requests_tokens_and_latency(client, server):
+    before = server.metric("onegpu_requests_total", 'route="/v1/completions",status="200"')
+    tokens = server.metric("onegpu_generation_tokens_total")
+    reply = complete(client, "beta", PROMPTS[2])
+    after = server.metric("onegpu_requests_total", 'route="/v1/completions",status="200"')
+    assert after == before + 1
+    assert server.metric("onegpu_generation_tokens_total") == tokens + reply.usage.completion_tokens
+    assert server.metric("onegpu_prompt_tokens_total") >= reply.usage.prompt_tokens
+    assert server.metric("onegpu_time_to_first_token_seconds_count") >= 1
+    assert server.metric("onegpu_e2e_request_latency_seconds_count") >= 1
+    assert server.metric("onegpu_kv_positions_total") == 4 * 256
+    assert server.metric("onegpu_num_requests_running") == 0
