@@ -108,7 +108,9 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
     ) -> int:
         """Queue a request; its id. Too long a request, a bad setting or an unknown adapter is a
-        ConfigError naming it."""
+        ConfigError naming it. ``adapter``: a PEFT adapter's name, or "__base__" for the base
+        model; None runs the model as it is (its active adapter) until a request names one — from
+        then on None means the base, so a server names "__base__" for its base requests."""
         params.check()
         if not prompt_ids:
             raise ConfigError("the prompt is empty.", hint="give at least one token")

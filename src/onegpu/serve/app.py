@@ -175,6 +175,7 @@ def sequences(req, prompts: list[list[int]], limit: int) -> list[tuple[list[int]
                 top_p=req.top_p,
                 seed=(seed + j) % 2**63,
                 stop=req.stops(),
+                ignore_eos=req.ignore_eos,
             )
             try:
                 params.check()

@@ -63,6 +63,7 @@ class _Sampling(_Strict):
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     user: Optional[str] = None
+    ignore_eos: bool = False  # vLLM's extension: decode max_tokens whatever the model says
 
     @field_validator("stop")
     @classmethod
