@@ -15,6 +15,7 @@ CHECKS = [
     "tests/simgpu/card_refusals.py",
     "tests/simgpu/card_offload.py",
     "tests/simgpu/card_plan_moe.py",
+    "tests/simgpu/card_engine.py",
 ]
 
 

@@ -57,7 +57,7 @@ class DecodeState:
             seen=z(torch.bool, slots, vocab),
             first=z(torch.long, fill=-1),
             out=z(torch.long, slots, sync_every, fill=-1),
-            eos=torch.tensor(eos_ids or [-2], dtype=torch.long, device=device),
+            eos=torch.tensor(eos_ids or [-2], dtype=torch.long).to(device),
             eos_set=frozenset(eos_ids),
         )
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses
@@ -97,7 +97,7 @@ def first_tokens(engine, seq, source) -> None:
     st.penalty[row], st.seed[row], st.step[row] = p.repetition_penalty, p.seed, 0
     st.budget[row], st.ignore_eos[row] = p.max_new_tokens, p.ignore_eos
     st.seen[row] = False
-    st.seen[row, torch.tensor(seq.prompt, device=st.seen.device)] = True
+    st.seen[row, torch.tensor(seq.prompt).to(st.seen.device)] = True
     if source is None:
         with torch.no_grad():
             seq.logits = _prefill(engine, seq)
@@ -121,13 +121,13 @@ def first_tokens(engine, seq, source) -> None:
 
 def _prefill(engine, seq) -> torch.Tensor:
     n = len(seq.prompt)
-    ids = torch.tensor([seq.prompt], device=engine.device)
+    ids = torch.tensor([seq.prompt]).to(engine.device)  # built on the host, then moved
     engine.cache.prefill(seq.slot, n)
     kw = _adapter_kwargs(engine, [seq.adapter] if engine.routing else None)
     out = engine.model(
         input_ids=ids,
         position_ids=torch.arange(n, device=engine.device)[None],
-        attention_mask=_masks(engine, torch.tensor([n - 1], device=engine.device), n, n),
+        attention_mask=_masks(engine, torch.full((1,), n - 1, device=engine.device), n, n),
         **{cache_kwarg(engine.model): engine.cache},
         use_cache=True,
         logits_to_keep=1,
