@@ -121,7 +121,10 @@ def engine_rollouts(
     engine = _ENGINES.get(gen) if compiled else None
     if engine is None or engine.max_slots < len(chunk) or engine.max_len < length:
         mode = "on" if compiled else "off"
-        config = EngineConfig(max_slots=len(chunk), max_len=length, compile=mode, eos_ids=eos)
+        # nothing streams: read back every 32 steps (a finished row idles at most that long)
+        config = EngineConfig(
+            max_slots=len(chunk), max_len=length, compile=mode, eos_ids=eos, sync_every=32
+        )
         engine = Engine(gen, None, config)
         if compiled:
             _ENGINES[gen] = engine
