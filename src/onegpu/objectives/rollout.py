@@ -29,7 +29,8 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
 # the threads' synchronisation costs more than they save, many times more on a shared machine
-# (benchmarks/results/grpo-rollouts-cpu.md: the tiny preset, each path at 1 and 2 threads).
+# (`benchmarks/grpo_rollouts.py` runs each path at 1 and 2 threads; the 2026-11-24 run of it, in
+# git history, found 2 threads slower for every path, by 1.05x to 16x, on a 2-core machine).
 ONE_THREAD_PARAMS = 100_000_000
 
 
