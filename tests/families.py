@@ -57,6 +57,9 @@ FAMILIES = {
             "qk_rope_head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
+            # as many K/V heads as heads, as its real configs: with fewer, its attention repeats
+            # the latent K/V for any explicit mask (transformers' own batched generate included)
+            "num_key_value_heads": 4,
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
@@ -92,5 +95,5 @@ def tiny_family_model(family: str, tokenizer, **common_overrides):
     common.update(common_overrides)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, name)(**common, **extra)
+        getattr(transformers, name)(**{**common, **extra})
     )

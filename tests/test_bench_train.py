@@ -163,7 +163,7 @@ def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_
         a["tokens_per_s"] / t["tokens_per_s"]
     )
     md = paths["md"].read_text()
-    assert "vs TRL SFTTrainer (defaults):" in md and "| TRL SFTTrainer, defaults | trl-sft |" in md
+    assert "vs TRL SFTTrainer (defaults) (" in md and "| TRL SFTTrainer, defaults | trl-sft |" in md
     assert "chunked loss" in md
 
 

@@ -144,9 +144,13 @@ def _masks(engine, positions, kv_len: int, query_len: int = 1):
 
 
 def _adapter_kwargs(engine, names: Optional[list]) -> dict:
-    if names is None:
-        return {}
-    return {"adapter_names": [n or "__base__" for n in names]}
+    """Extra forward arguments: PEFT's per-row adapters; and no MoE router loss (a model trained
+    with it keeps output_router_logits in its config, and that loss would read the attention mask
+    as a 2D padding mask)."""
+    kw = {} if names is None else {"adapter_names": [n or "__base__" for n in names]}
+    if getattr(engine.model.config, "output_router_logits", False):
+        kw["output_router_logits"] = False
+    return kw
 
 
 # ``engine`` below is the Engine that owns this state (engine.py; not imported: it imports this)
