@@ -73,6 +73,11 @@ class Setting:
     """The engine's EngineConfig.compile."""
 
     @property
+    def hf_compiled(self) -> bool:
+        """transformers' generate with a static cache + torch.compile ("auto" runs it eager)."""
+        return self.sampling.compile not in ("off", "auto")
+
+    @property
     def bnb(self) -> bool:
         return self.infer.quantization in BNB
 
@@ -87,7 +92,7 @@ class Setting:
                 parts[-1] += ", CUDA graphs)" if device == "cuda" else ")"
             else:
                 parts[-1] += ", eager"
-        elif self.sampling.compile != "off":
+        elif self.hf_compiled:
             parts.append(f"generate, static cache + compile ({self.sampling.compile_backend})")
         else:
             parts.append("generate" + (", static cache" if self.sampling.static_cache else ""))
@@ -129,7 +134,7 @@ def _check(s: Setting) -> None:
             f"--settings: '{s.name}': compile is the engine's (engine+compile).",
             hint="for transformers' static cache + compile use hf-static-compile",
         )
-    if s.engine and (s.sampling.static_cache or s.sampling.compile != "off"):
+    if s.engine and (s.sampling.static_cache or s.hf_compiled):
         raise ConfigError(
             f"--settings: '{s.name}' mixes the engine with transformers' static cache.",
             hint="the engine has its own static cache; use engine+compile",

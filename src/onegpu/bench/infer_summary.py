@@ -73,7 +73,7 @@ def _compiled(s, device: str) -> str:
         if s.engine_compile == "off":
             return "no"
         return "inductor + CUDA graphs" if device == "cuda" else "inductor"
-    return "no" if s.sampling.compile == "off" else f"{s.sampling.compile_backend}"
+    return s.sampling.compile_backend if s.hf_compiled else "no"
 
 
 def _against(cell, base) -> dict:
