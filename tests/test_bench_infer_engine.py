@@ -57,7 +57,13 @@ def test_presets_expand_to_the_documented_settings(capsys):
     ]
     assert "dry run: 1b on cuda (bf16), batch 1,8 x prompt 512, 128 new tokens, 5 rounds" in out
     out, listed = _dry(capsys, "--preset", "cpu", "--repeats", "6")  # later flags override
-    assert listed == ["hf-default", "hf-static-compile", "engine+fp32", "engine+fp32+compile"]
+    assert listed == [
+        "hf-default",
+        "hf-static-compile",
+        "engine+fp32",
+        "engine+fp32+compile",
+        "engine+fp32+eager-attention+compile",
+    ]
     assert "dry run: tiny on cpu (fp32), batch 1,16 x prompt 512, 128 new tokens, 6 rounds" in out
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     assert (
