@@ -140,3 +140,43 @@ def test_bench_runs_engine_settings_end_to_end(tmp_path, capsys):
     assert "% of bandwidth" in md and "not measured on a CPU" in md
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "e.partial.json").exists()
+
+
+class _ScriptedMemory:
+    """CUDA's allocator readings, scripted: allocated memory grows 10 MiB between two readings and
+    a timed call rises 5 MiB above its start."""
+
+    level = 0
+
+    def __init__(self, device):
+        self.cuda = True
+
+    def allocated(self):
+        _ScriptedMemory.level += 10 * 2**20
+        return _ScriptedMemory.level
+
+    def start(self):
+        pass
+
+    def rise(self):
+        return 5 * 2**20
+
+
+def test_the_benchs_memory_breakdown_adds_up_on_cuda_readings(tmp_path, monkeypatch):
+    """The bench's own wiring: weights = what loading allocated, peak = weights + what the warm-up
+    left + a call's rise, and weights + KV cache + workspace = peak, for every setting."""
+    from onegpu.bench import infer as bench_infer
+    from onegpu.bench import infer_timing
+
+    monkeypatch.setattr(bench_infer, "Memory", _ScriptedMemory)
+    monkeypatch.setattr(infer_timing, "Memory", _ScriptedMemory)
+    argv = ["bench", "infer", "--model", "tiny", "--vocab_size", "512", "--dtype", "fp32"]
+    argv += ["--settings", "engine+fp32", "--batch_size", "2", "--prompt_len", "8"]
+    argv += ["--new_tokens", "4", "--sync_every", "2", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path), "--name", "m"]) == 0
+    for row in json.loads((tmp_path / "m.json").read_text())["results"]:
+        mem = row["memory_mb"]
+        assert mem["weights"] == 10 and mem["peak"] == 10 + 10 + 5
+        assert mem["weights"] + mem["kv"] + mem["workspace"] == pytest.approx(mem["peak"])
+        assert mem["kv"] == pytest.approx(2 * 12 * row["kv_bytes_per_position"] / 2**20)
+    assert "workspace" in (tmp_path / "m.md").read_text()
