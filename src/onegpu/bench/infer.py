@@ -11,10 +11,7 @@ load hits every setting alike. The machine's 1-minute load is recorded with ever
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +21,7 @@ from typing import Literal, Optional
 from onegpu.bench import infer_roofline as roof
 from onegpu.bench.infer_report import to_markdown, write_outputs
 from onegpu.bench.infer_settings import BASELINE, Setting, batch_sizes, parse_settings, preset_argv
+from onegpu.bench.infer_summary import summarize
 from onegpu.bench.infer_timing import Memory, time_engine, time_generate
 from onegpu.errors import ConfigError
 from onegpu.infer import InferConfig, SamplingConfig
@@ -287,54 +285,6 @@ def quality(model, ref_model, ids, ref_tokens, tokens) -> dict:
         "argmax_agreement": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
         "max_logit_diff": (logits - ref_logits).abs().max().item(),
     }
-
-
-def summarize(bench: _Bench) -> dict:
-    import torch
-
-    from onegpu.bench.infer_summary import kv_sizing, rows
-
-    cfg = bench.cfg
-    gbs = _median(bench.bandwidth)
-    return {
-        "benchmark": "infer",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": None,
-        "device": _device_name(bench.device),
-        "device_type": bench.device,
-        "versions": _versions(),
-        "config": dataclasses.asdict(cfg),
-        "threads": torch.get_num_threads(),
-        "rounds": bench.rounds,
-        "bandwidth": {"gbs": gbs, "source": bench.bandwidth_source, "runs": bench.bandwidth},
-        "results": rows(bench, gbs),
-        "kv_sizing": kv_sizing(bench),
-    }
-
-
-def _median(values: list) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    found = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "torchao", "onegpu"):
-        try:
-            found[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return found
 
 
 def cli(argv: Sequence[str]) -> int:

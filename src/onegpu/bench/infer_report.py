@@ -87,7 +87,8 @@ def to_markdown(result: dict) -> str:
         lines.append("")
     lines += _notes(result, bw)
     versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-    lines += ["", f"Versions: {versions}.", f"Command: `{result['command']}`", ""]
+    lines += ["", f"Versions: {versions}; commit {result.get('commit')}."]
+    lines += [f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
 

@@ -1,9 +1,13 @@
-"""The rows of `onegpu bench infer`'s results: one per setting and batch size, from its calls."""
+"""The results of `onegpu bench infer`: one row per setting and batch size, from its calls, and
+what the run was (device, versions, commit, bandwidth, rounds)."""
 
 from __future__ import annotations
 
 import dataclasses
+import platform
 import statistics
+import time
+from pathlib import Path
 from typing import Optional
 
 from onegpu.bench import infer_roofline as roof
@@ -30,9 +34,9 @@ def rows(bench, gbs: Optional[float]) -> list[dict]:
     for cell in bench.cells:
         s, facts = cell.setting, bench.facts[cell.setting.name]
         med = {k: _median([r.get(k) for r in cell.runs]) for k in MEDIANS}
-        weights = facts["weight_alloc"] if facts["weight_alloc"] is not None else None
+        alloc = facts["weight_alloc"]  # CUDA: what loading allocated; elsewhere as stored
         mem = roof.memory_breakdown(
-            weights if weights is not None else facts["weight_bytes"],
+            alloc if alloc is not None else facts["weight_bytes"],
             cell.kv_bytes,
             cell.growth,
             None if med["mem_rise"] is None else int(med["mem_rise"]),
@@ -115,3 +119,61 @@ def kv_sizing(bench) -> list[dict]:
             }
         )
     return out
+
+
+def summarize(bench) -> dict:
+    import torch
+
+    cfg = bench.cfg
+    gbs = _median(bench.bandwidth)
+    return {
+        "benchmark": "infer",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": None,
+        "device": _device_name(bench.device),
+        "device_type": bench.device,
+        "versions": _versions(),
+        "commit": _commit(),
+        "config": dataclasses.asdict(cfg),
+        "threads": torch.get_num_threads(),
+        "rounds": bench.rounds,
+        "bandwidth": {"gbs": gbs, "source": bench.bandwidth_source, "runs": bench.bandwidth},
+        "results": rows(bench, gbs),
+        "kv_sizing": kv_sizing(bench),
+    }
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _commit() -> Optional[str]:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    found = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "torchao", "onegpu"):
+        try:
+            found[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return found
