@@ -2,6 +2,7 @@
 
     python benchmarks/profile_engine.py                      # tiny preset, batch 1, compiled
     python benchmarks/profile_engine.py --batch 16 --compile off
+    python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -9,6 +10,11 @@ profiler (median of 5 batches); the profiler's shares (which it inflates evenly)
 compiled graph, Dynamo's guard evaluation ("TorchDynamo Cache Lookup"), attention
 (``scaled_dot_product_attention``), matmuls, the read-back to the host, and the rest — Python and
 bookkeeping between the ops.
+
+``--head-ab`` instead times, interleaved over 5 rounds, the same compiled engine on the model as it
+is (output head ``F.linear(x, W)``, W stored [vocab, hidden]) and on a copy whose head multiplies by
+a contiguous [hidden, vocab] copy of W (``x @ W_t``): what the CPU's matmul does with each layout,
+and whether the greedy tokens stay the same.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import argparse
 import statistics
 import sys
 import time
+
+import torch
 
 GROUPS = {
     "inductor's fused kernels (the compiled graph's own time)": ("CompiledFxGraph",),
@@ -28,7 +36,6 @@ GROUPS = {
 
 
 def build(batch: int, new_tokens: int, prompt_len: int, compile_mode: str):
-    import torch
 
     from onegpu import models
     from onegpu.data.tokenizer import train_tokenizer
@@ -74,20 +81,65 @@ def profile_steps(engine, prompts, new_tokens: int, steps: int = 4):
         wall = time.perf_counter() - t0
     while engine.has_work():
         engine.step()
-    return prof.key_averages(), wall, steps * engine.config.sync_every
+    decoded = min(steps * engine.config.sync_every, new_tokens - 1 - engine.config.sync_every)
+    return prof.key_averages(), wall, decoded
+
+
+class TransposedHead(torch.nn.Module):
+    """An output head computing ``x @ W_t`` from a contiguous [hidden, vocab] copy of W."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # the engine reads the vocabulary size from it
+        self.register_buffer("wt", weight.detach().t().contiguous())
+
+    def forward(self, x):
+        return x @ self.wt
+
+
+def head_ab(args) -> None:
+    import copy
+    import os
+
+    from onegpu.infer.engine import Engine
+    from onegpu.infer.requests import SamplingParams
+
+    as_is, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
+    model = copy.deepcopy(as_is.model)
+    model.lm_head = TransposedHead(model.lm_head.weight)
+    engines = {"F.linear(x, W), W [vocab, hidden]": as_is}
+    engines["x @ W_t, W_t contiguous [hidden, vocab]"] = Engine(model, None, as_is.config)
+    times = {name: [] for name in engines}
+    for engine in engines.values():
+        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
+    for _ in range(5):
+        for name, engine in engines.items():
+            times[name].append(decode_ms(engine, prompts, args.new_tokens))
+    print(
+        f"engine, tiny preset, batch {args.batch}, compile {args.compile}, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; 5 interleaved rounds"
+    )
+    print("\n| output head | ms per decode step, median (range) |\n|---|---|")
+    for name, ms in times.items():
+        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
+    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
+    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
+    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
 
 
 def main(argv: list[str]) -> int:
     import os
-
-    import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--compile", choices=["on", "off"], default="on")
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_len", type=int, default=512)
+    parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
     args = parser.parse_args(argv)
+    if args.head_ab:
+        head_ab(args)
+        return 0
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
     wall = [decode_ms(engine, prompts, args.new_tokens) for _ in range(5)]
