@@ -274,6 +274,42 @@ def _copy_gbs(mbytes: int = 64) -> float:
     return 2 * 5 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9  # read + write
 
 
+READ_MIB, READ_REPS = 256, 5
+READ_METHOD = (
+    f"torch.sum over a {READ_MIB} MiB fp32 tensor (every byte read once), best of {READ_REPS}"
+)
+
+
+def measure_read_gbs(device_type: str = "cpu", mib: int = READ_MIB, reps: int = READ_REPS) -> float:
+    """Memory read bandwidth in GB/s, measured: the best of ``reps`` sums of a tensor far larger
+    than any cache (READ_METHOD). What a decode step does with its weights and KV cache is read
+    them once, so this, not a copy, is its limit where no datasheet figure exists (CPUs)."""
+    import time
+
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4, device=device_type)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    x.sum()  # warm-up: touches the pages, picks the kernel
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def memory_bandwidth(device: DeviceInfo) -> tuple[float, str]:
+    """The memory bandwidth (GB/s) bounding a decode step on ``device``, and where it comes from:
+    a catalog card's datasheet figure, else measured here (measure_read_gbs)."""
+    spec = match_device(device)
+    if spec is not None:
+        return spec.bandwidth_gbs, f"GPU catalog: {spec.name} datasheet"
+    return measure_read_gbs(device.type), READ_METHOD
+
+
 def _cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:

@@ -1,50 +1,39 @@
-"""`onegpu bench infer`: generation speed, memory and quality of each loading/decoding setting,
-side by side with plain ``model.generate`` at its defaults.
+"""`onegpu bench infer`: generation speed, memory and quality of each decoding setting — onegpu's
+decode engine and transformers' ``generate`` — side by side with plain ``model.generate``.
 
-Per setting: time to first token (TTFT), prefill tokens/s (prompt tokens / TTFT), decode tokens/s
-(tokens after the first / time after the first), peak GPU memory, weight bytes, and agreement with
-the fp32 model (greedy tokens, and the largest logit difference on the fp32 model's continuation).
-Repetitions are interleaved (A B C A B C ...) so that drift in clocks or load hits every setting
-alike; the median repetition is reported.
+Per setting and batch size: time to first token, decode tokens/s and ms per decode step (median
+and range over rounds), peak memory as weights + KV cache + workspace (CUDA), the share of the
+device's memory bandwidth a decode step reaches (infer_roofline.py), and agreement with the fp32
+model. Rounds are interleaved (A B C A B C ...) within each batch size, after one untimed warm-up
+call per setting (compilation, CUDA-graph capture, allocator caches), so that drift in clocks or
+load hits every setting alike. The machine's 1-minute load is recorded with every call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import platform
-import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
+from onegpu.bench import infer_roofline as roof
 from onegpu.bench.infer_report import to_markdown, write_outputs
+from onegpu.bench.infer_settings import BASELINE, Setting, batch_sizes, parse_settings, preset_argv
+from onegpu.bench.infer_summary import summarize
+from onegpu.bench.infer_timing import Memory, time_engine, time_generate
 from onegpu.errors import ConfigError
 from onegpu.infer import InferConfig, SamplingConfig
 
 log = logging.getLogger(__name__)
 
-BASELINE = "hf-default"
-# A setting is "+"-joined tokens, e.g. "bf16+static-compile": dtypes, quantizations, decoding paths.
-TOKENS = {
-    "fp32": ("dtype", "fp32"),
-    "fp16": ("dtype", "fp16"),
-    "bf16": ("dtype", "bf16"),
-    "eager": ("attention", "eager"),
-    "sdpa": ("attention", "sdpa"),
-    **{
-        q: ("quantization", q)
-        for q in ("int8", "nf4", "fp4", "ao-int8", "ao-int8-dynamic", "ao-int4")
-    },
-    "static": ("static_cache", True),
-    "static-compile": ("compile", "default"),
-}
-
 
 @dataclass
 class BenchInferConfig:
+    preset: Optional[str] = None
+    """gpu or cpu: a documented run's model, settings, batch sizes, lengths and repeats (flags given
+    as well override it). gpu: 1b, bf16, batch 1 and 8; cpu: tiny, fp32, batch 1 and 16."""
     model: str = "small"
     """A preset (tiny, small, 125m, 1b: random-init Llama built from its config) or a model
     directory."""
@@ -52,20 +41,28 @@ class BenchInferConfig:
     """Vocabulary size of preset models."""
     settings: str = "fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile"
     """Comma-separated settings, each "+"-joined from: fp32 fp16 bf16 eager sdpa int8 nf4 fp4
-    ao-int8 ao-int8-dynamic ao-int4 static static-compile. Plain model.generate is always added as
-    hf-default."""
+    ao-int8 ao-int8-dynamic ao-int4 static static-compile hf-static-compile engine compile
+    ("engine+compile": the decode engine, its step compiled). Plain model.generate is always added
+    as hf-default."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """dtype of every setting that names none, hf-default's included."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to measure on."""
-    batch_size: int = 4
-    """Prompts per generate call."""
+    batch_size: str = "4"
+    """Prompts per call; a comma-separated list measures each size (e.g. 1,8)."""
     prompt_len: int = 64
     """Prompt tokens (random token ids: speed does not depend on the text)."""
     new_tokens: int = 32
     """Generated tokens per prompt (always exactly this many)."""
     repeats: int = 3
-    """Timed repetitions per setting, interleaved across settings; the median is reported."""
+    """Timed rounds per batch size, interleaved across settings; medians and ranges reported."""
+    sync_every: int = 8
+    """The engine's decode steps between read-backs (EngineConfig.sync_every)."""
+    max_minutes: float = 0.0
+    """Stop starting rounds when the next would end after this many minutes (0: no limit); the
+    results say how many rounds ran."""
     compile_backend: str = "inductor"
-    """torch.compile backend for static-compile settings."""
+    """torch.compile backend of transformers' static-compile settings."""
     out: str = "bench-infer"
     """Output folder for infer-<device>-<date>.{json,md,png}."""
     name: Optional[str] = None
@@ -77,33 +74,17 @@ class BenchInferConfig:
 
 
 @dataclass
-class Setting:
-    name: str
-    infer: InferConfig
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(greedy=True))
+class Cell:
+    """One setting at one batch size: its calls and what its warm-up left behind."""
+
+    setting: Setting
+    batch: int
     runs: list = field(default_factory=list)
     quality: dict = field(default_factory=dict)
-    weight_mb: float = 0.0
-
-
-def parse_settings(text: str, model_dir: str, device: str, backend: str) -> list[Setting]:
-    settings = [Setting(BASELINE, InferConfig(model=model_dir, device=device))]
-    for name in [s.strip() for s in text.split(",") if s.strip()]:
-        infer, sampling = InferConfig(model=model_dir, device=device), SamplingConfig(greedy=True)
-        for token in name.split("+"):
-            if token not in TOKENS:
-                raise ConfigError(
-                    f"--settings: unknown token '{token}' in '{name}'.",
-                    hint=f"use tokens from: {' '.join(TOKENS)}",
-                )
-            key, value = TOKENS[token]
-            target = infer if hasattr(infer, key) else sampling
-            setattr(target, key, value)
-        sampling.compile_backend = backend
-        settings.append(Setting(name, infer, sampling))
-    if len(settings) == 1:
-        raise ConfigError("--settings is empty.", hint="e.g. --settings fp32,bf16,int8")
-    return settings
+    growth: Optional[int] = None  # allocated bytes the warm-up call left (CUDA)
+    kv_bytes: int = 0
+    kv_source: str = ""
+    engine: object = None
 
 
 def prepare_model_dir(cfg: BenchInferConfig, workdir: Path) -> str:
@@ -127,46 +108,6 @@ def prepare_model_dir(cfg: BenchInferConfig, workdir: Path) -> str:
     return str(path)
 
 
-class _Clock:
-    """A generate() streamer that only timestamps: put() is called with the prompt, then once per
-    new token. On CUDA it synchronises first, so each stamp is when the token really exists."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        self.stamps: list[float] = []
-
-    def put(self, value) -> None:
-        self.sync()
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def time_generate(model, inputs: dict, kwargs: dict, device: str) -> tuple[dict, Any]:
-    import torch
-
-    batch, prompt_len = inputs["input_ids"].shape
-    new = kwargs["max_new_tokens"]
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    clock = _Clock(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, **kwargs, min_new_tokens=new, streamer=clock)
-    first, last = clock.stamps[1], clock.stamps[-1]
-    run = {
-        "ttft_ms": 1000 * (first - start),
-        "prefill_tps": batch * prompt_len / (first - start),
-        "decode_tps": batch * (new - 1) / (last - first) if new > 1 else None,
-        "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
-    }
-    return run, out[:, prompt_len:]
-
-
 def _kwargs(setting: Setting, loaded, new_tokens: int) -> dict:
     from onegpu.infer import generation_kwargs
 
@@ -176,55 +117,149 @@ def _kwargs(setting: Setting, loaded, new_tokens: int) -> dict:
 
 
 def _load(setting: Setting, ref):
+    import torch
     from transformers import AutoModelForCausalLM
 
     from onegpu.infer import Loaded, load
 
     if setting.name != BASELINE:
         return load(setting.infer)
-    model = AutoModelForCausalLM.from_pretrained(ref.source).to(ref.device).eval()
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    kw = {"dtype": dtypes[setting.infer.dtype]} if setting.infer.dtype in dtypes else {}
+    model = AutoModelForCausalLM.from_pretrained(ref.source, **kw).to(ref.device).eval()
     return Loaded(model, ref.tokenizer, ref.device, model.dtype, ref.source)
 
 
-def run_bench(cfg: BenchInferConfig, workdir: Path) -> dict:
+class _Bench:
+    """The state of one benchmark run: models, prompts, the reference and the cells measured."""
+
+    def __init__(self, cfg: BenchInferConfig, workdir: Path):
+        import torch
+
+        from onegpu.infer import generation_kwargs, load
+        from onegpu.infer.slot_cache import kv_bytes_per_position
+        from onegpu.techniques.quantization import weight_bytes
+
+        self.cfg, self.batches = cfg, batch_sizes(cfg.batch_size)
+        model_dir = prepare_model_dir(cfg, workdir)
+        self.settings = parse_settings(
+            cfg.settings, model_dir, cfg.device, cfg.compile_backend, cfg.dtype
+        )
+        self.ref = load(InferConfig(model=model_dir, device=cfg.device, dtype="fp32"))
+        self.device = self.ref.device
+        self.memory = Memory(self.device)
+        self.loaded, self.facts = {}, {}
+        for s in self.settings:
+            before = self.memory.allocated()
+            lm = self.loaded[s.name] = _load(s, self.ref)
+            after = self.memory.allocated()
+            self.facts[s.name] = {
+                "weight_bytes": weight_bytes(lm.model),
+                "weight_alloc": after - before if after is not None else None,
+                "weight_read_bytes": roof.weight_read_bytes(lm.model),
+                "kv_bytes_per_position": kv_bytes_per_position(lm.model),
+            }
+        gen = torch.Generator().manual_seed(cfg.seed)
+        low = len(self.ref.tokenizer.all_special_ids) + 1  # random ordinary tokens
+        vocab = self.ref.model.config.vocab_size
+        self.ids = torch.randint(low, vocab, (max(self.batches), cfg.prompt_len), generator=gen)
+        greedy = generation_kwargs(
+            self.ref.model, self.ref.tokenizer, SamplingConfig(greedy=True), cfg.new_tokens
+        )
+        _, self.ref_tokens = time_generate(
+            self.ref.model, _inputs(self.ids, self.device), greedy, self.device
+        )
+        self.cells: list[Cell] = []
+        self.bandwidth: list[float] = []
+        self.bandwidth_source = ""
+        self.rounds: dict[int, int] = {}
+
+    def call(self, cell: Cell):
+        s, lm, ids = cell.setting, self.loaded[cell.setting.name], self.ids[: cell.batch]
+        if s.engine:
+            return time_engine(cell.engine, ids.tolist(), self.cfg.new_tokens, self.device)
+        kwargs = _kwargs(s, lm, self.cfg.new_tokens)
+        return time_generate(lm.model, _inputs(ids, self.device), kwargs, self.device)
+
+    def warm_up(self, cell: Cell) -> None:
+        """The untimed first call: compiles, captures, allocates caches; its tokens give quality."""
+        from onegpu.infer.engine import Engine, EngineConfig
+
+        s, lm = cell.setting, self.loaded[cell.setting.name]
+        before = self.memory.allocated()
+        kv_pos = self.facts[s.name]["kv_bytes_per_position"]
+        if s.engine:
+            cell.engine = Engine(
+                lm.model,
+                None,
+                EngineConfig(
+                    max_slots=cell.batch,
+                    max_len=self.cfg.prompt_len + self.cfg.new_tokens,  # sized to the request
+                    compile=s.engine_compile,
+                    sync_every=self.cfg.sync_every,
+                ),
+            )
+        _, tokens = self.call(cell)
+        after = self.memory.allocated()
+        cell.growth = after - before if after is not None else None
+        if s.engine:
+            cell.kv_bytes, cell.kv_source = cell.engine.cache.bytes, "engine.cache.bytes"
+        else:  # what generate's cache holds at the end (a static cache is sized to the same)
+            positions = self.cfg.prompt_len + self.cfg.new_tokens
+            cell.kv_bytes = roof.cache_bytes(cell.batch, positions, kv_pos)
+            cell.kv_source = "computed: batch x (prompt + new) x kv bytes/position"
+        ids, ref = self.ids[: cell.batch], self.ref_tokens[: cell.batch]
+        cell.quality = quality(lm.model, self.ref.model, ids, ref, tokens)
+
+    def measure_bandwidth(self) -> None:
+        from onegpu import hardware
+
+        gbs, self.bandwidth_source = hardware.memory_bandwidth(hardware.detect())
+        self.bandwidth.append(gbs)
+
+
+def run_bench(
+    cfg: BenchInferConfig, workdir: Path, checkpoint: Optional[Callable[[dict], None]] = None
+) -> dict:
+    """Every batch size in turn: warm-ups, then interleaved rounds. ``checkpoint`` receives the
+    results so far after every round (so a run cut short leaves what it measured)."""
+    import gc
+
     import torch
 
-    from onegpu.infer import generation_kwargs, load
-    from onegpu.techniques.quantization import weight_bytes
-
-    model_dir = prepare_model_dir(cfg, workdir)
-    settings = parse_settings(cfg.settings, model_dir, cfg.device, cfg.compile_backend)
-    ref = load(
-        InferConfig(model=model_dir, device=cfg.device, dtype="fp32")
-    )  # the full-precision yardstick
-    loaded = {s.name: _load(s, ref) for s in settings}
-    gen = torch.Generator().manual_seed(cfg.seed)
-    low = len(ref.tokenizer.all_special_ids) + 1  # random ordinary tokens
-    ids = torch.randint(
-        low, ref.model.config.vocab_size, (cfg.batch_size, cfg.prompt_len), generator=gen
-    )
-    greedy = generation_kwargs(
-        ref.model, ref.tokenizer, SamplingConfig(greedy=True), cfg.new_tokens
-    )
-    _, ref_tokens = time_generate(ref.model, _inputs(ids, ref.device), greedy, ref.device)
-    for s in settings:  # warm-up (compiles graphs, fills allocator caches) and the quality pass
-        lm = loaded[s.name]
-        _, tokens = time_generate(
-            lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device
-        )
-        s.quality = quality(lm.model, ref.model, ids, ref_tokens, tokens)
-        s.weight_mb = weight_bytes(lm.model) / 2**20
-        log.info("warm-up %s done (%.0f MB of weights)", s.name, s.weight_mb)
-    for rep in range(cfg.repeats):
-        for s in settings:
-            lm = loaded[s.name]
-            s.runs.append(
-                time_generate(
-                    lm.model, _inputs(ids, lm.device), _kwargs(s, lm, cfg.new_tokens), lm.device
-                )[0]
-            )
-        log.info("repetition %d/%d done", rep + 1, cfg.repeats)
-    return summarize(cfg, settings, ref.device)
+    # every (engine, batch, bucket) is one compiled entry of the same step function
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    start = time.perf_counter()
+    bench = _Bench(cfg, workdir)
+    deadline = start + 60 * cfg.max_minutes if cfg.max_minutes > 0 else float("inf")
+    for batch in bench.batches:
+        cells = [Cell(s, batch) for s in bench.settings]
+        if time.perf_counter() > deadline:
+            log.warning("batch %d skipped: the time budget (--max_minutes) is spent", batch)
+            continue
+        for cell in cells:
+            bench.warm_up(cell)
+            log.info("warm-up %s at batch %d done", cell.setting.name, batch)
+        bench.cells += cells
+        bench.rounds[batch], last = 0, 0.0
+        for rep in range(cfg.repeats):
+            if time.perf_counter() + last > deadline:
+                log.warning("batch %d: %d of %d rounds (time budget)", batch, rep, cfg.repeats)
+                break
+            t0 = time.perf_counter()
+            bench.measure_bandwidth()
+            for cell in cells:
+                cell.runs.append(bench.call(cell)[0])
+            bench.rounds[batch], last = rep + 1, time.perf_counter() - t0
+            log.info("batch %d: round %d/%d done", batch, rep + 1, cfg.repeats)
+            if checkpoint is not None:
+                checkpoint(summarize(bench))
+        for cell in cells:  # an engine's cache and graphs go before the next batch size's
+            cell.engine = None
+        gc.collect()
+        if bench.device == "cuda":
+            torch.cuda.empty_cache()
+    return summarize(bench)
 
 
 def _inputs(ids, device: str) -> dict:
@@ -252,99 +287,56 @@ def quality(model, ref_model, ids, ref_tokens, tokens) -> dict:
     }
 
 
-def summarize(cfg: BenchInferConfig, settings: list[Setting], device: str) -> dict:
-    import torch
-
-    rows = []
-    for s in settings:
-        med = {
-            k: _median([r[k] for r in s.runs])
-            for k in ("ttft_ms", "prefill_tps", "decode_tps", "peak_mb")
-        }
-        rows.append(
-            {
-                "setting": s.name,
-                **med,
-                "weight_mb": s.weight_mb,
-                **s.quality,
-                "runs": s.runs,
-                "infer": dataclasses.asdict(s.infer),
-                "sampling": dataclasses.asdict(s.sampling),
-            }
-        )
-    base = rows[0]
-    for row in rows:
-        row["decode_speedup"] = (
-            row["decode_tps"] / base["decode_tps"] if base["decode_tps"] else None
-        )
-    return {
-        "benchmark": "infer",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": None,
-        "device": _device_name(device),
-        "device_type": device,
-        "versions": _versions(),
-        "config": dataclasses.asdict(cfg),
-        "threads": torch.get_num_threads(),
-        "results": rows,
-    }
-
-
-def _median(values: list) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    found = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "torchao", "onegpu"):
-        try:
-            found[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return found
-
-
 def cli(argv: Sequence[str]) -> int:
+    import json
     import tempfile
 
     from onegpu.cli.args import make_parser, parse
 
     parser = make_parser("onegpu bench infer", __doc__.splitlines()[0], BenchInferConfig)
-    cfg, _ = parse(parser, argv, BenchInferConfig)
+    cfg, _ = parse(parser, preset_argv(list(argv)), BenchInferConfig)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _check(cfg)
     if cfg.dry_run:
-        settings = parse_settings(cfg.settings, cfg.model, cfg.device, cfg.compile_backend)
+        settings = parse_settings(
+            cfg.settings, cfg.model, cfg.device, cfg.compile_backend, cfg.dtype
+        )
         print(
-            f"dry run: {cfg.model} on {cfg.device}, batch {cfg.batch_size} x prompt "
-            f"{cfg.prompt_len}, {cfg.new_tokens} new tokens, {cfg.repeats} repeats"
+            f"dry run: {cfg.model} on {cfg.device} ({cfg.dtype}), batch {cfg.batch_size} x "
+            f"prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, {cfg.repeats} rounds"
         )
         for setting in settings:
             print(f"  {setting.name}")
         return 0
+    stem = cfg.name or f"infer-{_device_type(cfg)}-{time.strftime('%Y%m%d')}"
+    partial = Path(cfg.out).expanduser() / f"{stem}.partial.json"
+
+    def checkpoint(result: dict) -> None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        result["command"] = " ".join(["onegpu bench infer", *argv])
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
-        result = run_bench(cfg, Path(tmp))
+        result = run_bench(cfg, Path(tmp), checkpoint)
     result["command"] = " ".join(["onegpu bench infer", *argv])
-    stem = cfg.name or f"infer-{result['device_type']}-{time.strftime('%Y%m%d')}"
     print(to_markdown(result))
     for p in write_outputs(result, cfg.out, stem):
         print(f"wrote {p}")
+    partial.unlink(missing_ok=True)
     return 0
 
 
+def _device_type(cfg: BenchInferConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _check(cfg: BenchInferConfig) -> None:
-    for name in ("batch_size", "prompt_len", "new_tokens", "repeats", "vocab_size"):
+    batch_sizes(cfg.batch_size)
+    for name in ("prompt_len", "new_tokens", "repeats", "vocab_size", "sync_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(
                 f"--{name} must be >= 1, got {getattr(cfg, name)}.", hint=f"set --{name} 1 or more"

@@ -1,0 +1,167 @@
+"""Where a decode step of onegpu's engine spends its time: torch.profiler over a few engine steps.
+
+    python benchmarks/profile_engine.py                      # tiny preset, batch 1, compiled
+    python benchmarks/profile_engine.py --batch 16 --compile off
+    python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
+
+The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
+builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
+profiler (median of 5 batches); the profiler's shares (which it inflates evenly) split it into: the
+compiled graph, Dynamo's guard evaluation ("TorchDynamo Cache Lookup"), attention
+(``scaled_dot_product_attention``), matmuls, the read-back to the host, and the rest — Python and
+bookkeeping between the ops.
+
+``--head-ab`` instead times, interleaved over 5 rounds, the same compiled engine on the model as it
+is (output head ``F.linear(x, W)``, W stored [vocab, hidden]) and on a copy whose head multiplies by
+a contiguous [hidden, vocab] copy of W (``x @ W_t``): what the CPU's matmul does with each layout,
+and whether the greedy tokens stay the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+GROUPS = {
+    "inductor's fused kernels (the compiled graph's own time)": ("CompiledFxGraph",),
+    "guard evaluation (TorchDynamo Cache Lookup)": ("TorchDynamo Cache Lookup",),
+    "attention (SDPA kernel)": ("scaled_dot_product",),
+    "matmuls (aten::mm/addmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "read-back (tolist: aten::_local_scalar_dense, cat)": ("_local_scalar_dense", "aten::cat"),
+}
+
+
+def build(batch: int, new_tokens: int, prompt_len: int, compile_mode: str):
+
+    from onegpu import models
+    from onegpu.data.tokenizer import train_tokenizer
+    from onegpu.infer.engine import Engine, EngineConfig
+
+    tok = train_tokenizer([__doc__ * 20], vocab_size=512, fingerprint="profile-engine")
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(models.preset_config("tiny", tok, vocab_size=32000)).eval()
+    config = EngineConfig(
+        max_slots=batch, max_len=prompt_len + new_tokens, compile=compile_mode, sync_every=8
+    )
+    prompts = torch.randint(10, 32000, (batch, prompt_len), generator=torch.Generator()).tolist()
+    return Engine(model, None, config), prompts
+
+
+def decode_ms(engine, prompts, new_tokens: int) -> float:
+    """ms per decode step over the engine steps after the first (which holds the prefills)."""
+    from onegpu.infer.requests import SamplingParams
+
+    for p in prompts:
+        engine.submit(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.step()
+    done, t0 = 1 + engine.config.sync_every, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return 1000 * (time.perf_counter() - t0) / (new_tokens - done)
+
+
+def profile_steps(engine, prompts, new_tokens: int, steps: int = 4):
+    from torch.profiler import ProfilerActivity, profile
+
+    from onegpu.infer.requests import SamplingParams
+
+    for p in prompts:
+        engine.submit(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    decoded = min(steps * engine.config.sync_every, new_tokens - 1 - engine.config.sync_every)
+    return prof.key_averages(), wall, decoded
+
+
+class TransposedHead(torch.nn.Module):
+    """An output head computing ``x @ W_t`` from a contiguous [hidden, vocab] copy of W."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # the engine reads the vocabulary size from it
+        self.register_buffer("wt", weight.detach().t().contiguous())
+
+    def forward(self, x):
+        return x @ self.wt
+
+
+def head_ab(args) -> None:
+    import copy
+    import os
+
+    from onegpu.infer.engine import Engine
+    from onegpu.infer.requests import SamplingParams
+
+    as_is, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
+    model = copy.deepcopy(as_is.model)
+    model.lm_head = TransposedHead(model.lm_head.weight)
+    engines = {"F.linear(x, W), W [vocab, hidden]": as_is}
+    engines["x @ W_t, W_t contiguous [hidden, vocab]"] = Engine(model, None, as_is.config)
+    times = {name: [] for name in engines}
+    for engine in engines.values():
+        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
+    for _ in range(5):
+        for name, engine in engines.items():
+            times[name].append(decode_ms(engine, prompts, args.new_tokens))
+    print(
+        f"engine, tiny preset, batch {args.batch}, compile {args.compile}, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; 5 interleaved rounds"
+    )
+    print("\n| output head | ms per decode step, median (range) |\n|---|---|")
+    for name, ms in times.items():
+        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
+    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
+    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
+    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+
+
+def main(argv: list[str]) -> int:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compile", choices=["on", "off"], default="on")
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--prompt_len", type=int, default=512)
+    parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
+    args = parser.parse_args(argv)
+    if args.head_ab:
+        head_ab(args)
+        return 0
+    engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
+    decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
+    wall = [decode_ms(engine, prompts, args.new_tokens) for _ in range(5)]
+    events, prof_wall, steps = profile_steps(engine, prompts, args.new_tokens)
+    ms = statistics.median(wall)
+    print(
+        f"engine, tiny preset, batch {args.batch}, compile {args.compile}, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}: {ms:.2f} ms per "
+        f"decode step (median of 5; range {min(wall):.2f}-{max(wall):.2f})"
+    )
+    total_us, rest = 1e6 * prof_wall, 1.0
+    print(f"\n| part | share of the profiled steps | ms per step at {ms:.2f} |\n|---|---|---|")
+    for label, keys in GROUPS.items():
+        us = sum(e.self_cpu_time_total for e in events if any(k in e.key for k in keys))
+        calls = sum(e.count for e in events if any(k in e.key for k in keys))
+        share = us / total_us
+        print(f"| {label} ({calls / steps:.0f} calls a step) | {share:.1%} | {share * ms:.2f} |")
+        rest -= share
+    print(f"| the rest: Python and bookkeeping between ops | {rest:.1%} | {rest * ms:.2f} |")
+    print(f"\nprofiled: {steps} decode steps in {prof_wall * 1000:.1f} ms with the profiler on")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
