@@ -24,7 +24,7 @@ import torch
 from onegpu.errors import ConfigError
 from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
 from onegpu.infer.requests import Result, SamplingParams, Update
-from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position
+from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
 from onegpu.infer.text import TextTracker
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Engine:
                 hint="max_slots >= 1, max_len >= 2, sync_every >= 1",
             )
         self.device = model.get_input_embeddings().weight.device
-        self.cache = SlotCache(self.max_slots, self.max_len, _compute_dtype(model), self.device)
+        self.cache = SlotCache(self.max_slots, self.max_len, kv_dtype(model), self.device)
         self.state = DecodeState.empty(
             model,
             self.max_slots,
@@ -309,11 +309,6 @@ def _context(model) -> int:
         f"{type(model).__name__}: its config names no context length.",
         hint="pass the engine's max_len",
     )
-
-
-def _compute_dtype(model) -> torch.dtype:
-    floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
-    return floats[0] if floats else torch.float32
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -101,7 +101,7 @@ def kv_bytes_per_position(model) -> int:
     """Bytes of K and V that one token takes in the cache, over all layers, measured: a one-token
     forward through a one-slot cache (head counts and sizes differ by family: GQA, MLA)."""
     device = next(model.parameters()).device
-    cache = SlotCache(1, 1, _kv_dtype(model), device)
+    cache = SlotCache(1, 1, kv_dtype(model), device)
     cache.prefill(0, 1)
     with torch.no_grad():
         model(
@@ -113,7 +113,7 @@ def kv_bytes_per_position(model) -> int:
     return cache.bytes
 
 
-def _kv_dtype(model) -> torch.dtype:
+def kv_dtype(model) -> torch.dtype:
     """The dtype the cache stores: the model's compute dtype (a quantized model computes in its
     non-quantized parameters' dtype)."""
     floats = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
