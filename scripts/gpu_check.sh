@@ -6,7 +6,9 @@
 #   dry       every benchmark preset's dry run (arms, skips, estimates)     -> dry.log
 #   tests     pytest -m gpu tests/gpu, all but the offload tests            -> tests.log, tests.xml
 #   offload   pytest -m gpu tests/gpu/test_gpu_offload.py                   -> offload.log, offload.xml
+#   engine    pytest -m gpu tests/gpu/test_gpu_engine.py: the decode engine as CUDA graphs -> engine.log
 #   infer     the generation engine's presets: onegpu bench infer --preset gpu -> infer.log, its results
+#             ($INFER_ARGS, if set, is appended: e.g. "--settings engine+bf16+compile --repeats 3")
 #   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
@@ -16,7 +18,7 @@
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
-# One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "infer",
+# One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine", "infer",
 # "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
@@ -49,13 +51,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload infer infer-hf quick best dpo grpo simpeak)
+ALL=(versions dry tests offload engine infer infer-hf quick best dpo grpo simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; infer) echo 540 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer) echo 540 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -85,12 +87,15 @@ step_cmd() {
     versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
     dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo cpu-grpo gpu gpu-grpo --dry-run \
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
-    tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py --junitxml="$DIR/tests.xml" ;;
+    tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py \
+             --ignore=tests/gpu/test_gpu_engine.py --junitxml="$DIR/tests.xml" ;;
+    engine) "${PYTEST[@]}" tests/gpu/test_gpu_engine.py ;;
     # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
     offload) "${PYTEST[@]}" --timeout 280 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
     # ---- the generation engine's presets (src/onegpu/infer/): `onegpu bench infer --preset gpu`
     # picks the settings, lengths and repeats for a card; until that preset exists this step fails.
-    infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ;;
+    # shellcheck disable=SC2086  # INFER_ARGS is a list of flags
+    infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ${INFER_ARGS:-} ;;
     # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
     # cache + compile), 2 repeats
     infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \

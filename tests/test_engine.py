@@ -205,3 +205,24 @@ def test_compiled_step_gives_the_eager_tokens(llama, tiny_tokenizer):
     compiled = Engine(llama, None, config).generate(ids, GREEDY)
     assert [r.token_ids for r in compiled] == [r.token_ids for r in eager]
     assert counters["stats"]["unique_graphs"] >= 1  # the step really went through torch.compile
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokenizer):
+    """A CUDA graph refuses a host read of the routing (the card found transformers' grouped_mm
+    fallback calling tolist() in a captured step): the compiled decode step runs the experts as
+    batched_mm, gives HF's greedy tokens, and leaves the model's own kernel in place."""
+    model = tiny_family_model(family, tiny_tokenizer).eval()
+    before = model.config._experts_implementation
+    seen = []
+    for m in model.modules():
+        if getattr(m, "has_gate", None) is not None:
+            m.register_forward_pre_hook(
+                lambda mod, a: seen.append(mod.config._experts_implementation)
+            )
+    ids = _ids(tiny_tokenizer)
+    config = EngineConfig(max_slots=3, max_len=64, compile="on", compile_backend="aot_eager")
+    got = Engine(model, None, config).generate(ids, GREEDY)
+    for row, res in zip(ids, got, strict=True):
+        assert res.token_ids == _hf_greedy(model, row, GREEDY.max_new_tokens), family
+    assert "batched_mm" in seen and model.config._experts_implementation == before

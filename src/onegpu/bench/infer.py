@@ -295,7 +295,7 @@ def cli(argv: Sequence[str]) -> int:
 
     parser = make_parser("onegpu bench infer", __doc__.splitlines()[0], BenchInferConfig)
     cfg, _ = parse(parser, preset_argv(list(argv)), BenchInferConfig)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     _check(cfg)
     if cfg.dry_run:
         settings = parse_settings(

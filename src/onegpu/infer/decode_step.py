@@ -3,6 +3,7 @@ and the one-token decode step (compiled) that advances every slot at once, readi
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -167,6 +168,9 @@ class Stepper:
         self.compiled = None
         if mode:  # modes are inductor's; another backend (tests: aot_eager) takes none
             mode = mode if backend == "inductor" else None
+            # one compiled entry per (rows, kv_len, flags) bucket: past dynamo's default limit of
+            # 8 the later buckets would silently run eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
 
     def __call__(self, rows, kv_len, flags: tuple, adapters) -> torch.Tensor:
@@ -200,6 +204,30 @@ class Stepper:
             st.seen[idx, nxt] = st.seen[idx, nxt] | live
         st.live[:rows] = live & ~ended
         return torch.where(live, nxt, -1)
+
+
+@contextmanager
+def fixed_shape_experts(model, compiled: bool):
+    """A compiled step's MoE experts as ``batched_mm`` (each token's experts gathered, one bmm): no
+    host sync and fixed shapes, which a CUDA graph needs. transformers' other kernels read the
+    routing on the host (its grouped_mm fallback for non-bf16 weights calls ``tolist()``; the
+    per-expert loop asks which experts were hit), which a graph capture refuses. Only the decode
+    steps switch — a prefill or a training step of the same model would gather each of its many
+    tokens' expert weights — and the model's own choice is back on exit."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    current = getattr(base.config, "_experts_implementation", None)
+    if not compiled or current in (None, "batched_mm") or not _has_experts(base):
+        yield
+        return
+    base.set_experts_implementation("batched_mm")
+    try:
+        yield
+    finally:
+        base.set_experts_implementation(current)
+
+
+def _has_experts(model) -> bool:
+    return any(getattr(m, "has_gate", None) is not None for m in model.modules())
 
 
 def decode_once(engine, rows, kv_len, flags: tuple, adapters, column: int) -> None:

@@ -22,7 +22,13 @@ from typing import Literal, Optional, Union
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
+from onegpu.infer.decode_step import (
+    DecodeState,
+    Stepper,
+    decode_once,
+    first_tokens,
+    fixed_shape_experts,
+)
 from onegpu.infer.requests import Result, SamplingParams, Update
 from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
 from onegpu.infer.text import TextTracker
@@ -172,7 +178,8 @@ class Engine:
             any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in running),
         )
         adapters = self._adapter_names(rows)
-        with torch.no_grad():
+        compiled = self.compiled is not None and adapters is None
+        with torch.no_grad(), fixed_shape_experts(self.model, compiled):
             for j in range(steps):
                 decode_once(self, rows, kv_len, flags, adapters, column=j)
         return updates + self._read_back(running, rows, steps)
