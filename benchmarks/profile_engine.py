@@ -3,6 +3,7 @@
     python benchmarks/profile_engine.py                      # tiny preset, batch 1, compiled
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
+    python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -20,6 +21,7 @@ and whether the greedy tokens stay the same.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -127,6 +129,38 @@ def head_ab(args) -> None:
     print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
 
 
+def freeze_ab(args) -> None:
+    """The compiled step with the weights folded in (EngineConfig.static_weights, the default:
+    inductor's freezing) against the same step reading them live (static_weights=False, GRPO's)."""
+    import os
+
+    from onegpu.infer.engine import Engine
+    from onegpu.infer.requests import SamplingParams
+
+    frozen, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
+    live_config = dataclasses.replace(frozen.config, static_weights=False)
+    engines = {"weights folded in (static_weights=True)": frozen}
+    engines["weights read live (static_weights=False)"] = Engine(frozen.model, None, live_config)
+    assert frozen.frozen and not engines["weights read live (static_weights=False)"].frozen
+    times = {name: [] for name in engines}
+    for engine in engines.values():
+        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
+    for _ in range(5):
+        for name, engine in engines.items():
+            times[name].append(decode_ms(engine, prompts, args.new_tokens))
+    print(
+        f"engine compiled (inductor), tiny preset, batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, load "
+        f"{os.getloadavg()[0]:.2f}; 5 interleaved rounds"
+    )
+    print("\n| weights | ms per decode step, median (range) |\n|---|---|")
+    for name, ms in times.items():
+        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
+    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
+    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
+    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+
+
 def main(argv: list[str]) -> int:
     import os
 
@@ -136,9 +170,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_len", type=int, default=512)
     parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
+    parser.add_argument("--freeze-ab", action="store_true", help="time folded vs live weights")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
+        return 0
+    if args.freeze_ab:
+        freeze_ab(args)
         return 0
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles

@@ -226,3 +226,26 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
     for row, res in zip(ids, got, strict=True):
         assert res.token_ids == _hf_greedy(model, row, GREEDY.max_new_tokens), family
     assert "batched_mm" in seen and model.config._experts_implementation == before
+
+
+def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
+    """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
+    the weights after the compile does not reach the folded step — and GRPO's live setting reads
+    the weights as they are at each step."""
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    ids, full = _ids(tiny_tokenizer)[:1], SamplingParams(max_new_tokens=12, ignore_eos=True)
+    frozen = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="on"))
+    live = Engine(
+        model, None, EngineConfig(max_slots=1, max_len=64, compile="on", static_weights=False)
+    )
+    assert frozen.frozen and not live.frozen
+    eager = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="off"))
+    before = eager.generate(ids, full)[0].token_ids
+    assert frozen.generate(ids, full)[0].token_ids == before
+    assert live.generate(ids, full)[0].token_ids == before
+    with torch.no_grad():
+        model.lm_head.weight.neg_()  # a training step, as far as the engines can tell
+    after = eager.generate(ids, full)[0].token_ids
+    assert after != before
+    assert live.generate(ids, full)[0].token_ids == after
+    assert frozen.generate(ids, full)[0].token_ids != after

@@ -49,6 +49,18 @@ def _host_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_memory_available() -> int:
+    """Bytes of RAM free for a new allocation now (the OS's estimate)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 # --- GPU catalog ---------------------------------------------------------------------------------
 # Peak *dense* tensor throughput (no 2:4 sparsity) in TFLOP/s, memory bandwidth in GB/s. Figures
 # are from the vendors' product datasheets / architecture whitepapers (NVIDIA); where a card has no

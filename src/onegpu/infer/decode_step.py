@@ -3,7 +3,8 @@ and the one-token decode step (compiled) that advances every slot at once, readi
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import itertools
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -157,30 +158,47 @@ def _adapter_kwargs(engine, names: Optional[list]) -> dict:
 # ``engine`` below is the Engine that owns this state (engine.py; not imported: it imports this)
 
 
+_FROZEN = itertools.count(1)
+
+
 class Stepper:
     """The one-token step of all slots, as a function of (rows, kv_len, sampling, penalty) only —
     everything else is tensors with fixed addresses — so torch.compile specialises it once per
     bucket and, on a GPU, replays it as a CUDA graph."""
 
-    def __init__(self, engine, mode: Optional[str], backend: str = "inductor"):
+    def __init__(self, engine, mode: Optional[str], backend: str = "inductor", freeze=False):
         self.engine = engine
         self.kwarg = cache_kwarg(engine.model)
         self.compiled = None
-        if mode:  # modes are inductor's; another backend (tests: aot_eager) takes none
-            mode = mode if backend == "inductor" else None
+        if mode:
             # one compiled entry per (rows, kv_len, flags) bucket: past dynamo's default limit of
             # 8 the later buckets would silently run eager
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
+        self.freeze = bool(self.compiled is not None and freeze and backend == "inductor")
+        # Dynamo would hand another engine over the same model this one's compiled step, weights
+        # folded in as they were then; a number of its own, passed in, gives it a step of its own
+        self.key = next(_FROZEN) if self.freeze else 0
+
+    def settings(self):
+        """What the compiled calls run under: inductor's freezing (the weights as constants of the
+        graph, Engine's static_weights) is read from the global config when a bucket compiles, not
+        from torch.compile's options, so it is set around the calls alone."""
+        if not self.freeze:
+            return nullcontext()
+        return torch._inductor.config.patch(freezing=True)
 
     def __call__(self, rows, kv_len, flags: tuple, adapters) -> torch.Tensor:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
             return self.step(rows, kv_len, flags, adapters)
-        return self.compiled(rows, kv_len, flags, None)
+        return self.compiled(rows, kv_len, flags, None, self.key)
 
-    def step(self, rows: int, kv_len: int, flags: tuple, adapters):
+    def step(self, rows: int, kv_len: int, flags: tuple, adapters, key: int = 0):
         """``flags``: (sampling, penalty, filtering) of the running requests."""
         engine, st = self.engine, self.engine.state
+        if key < 0:  # never: the test makes Dynamo guard on the key (unread, it would not)
+            raise ValueError(key)
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
         engine.cache.decode(rows, pos, kv_len)
         logits = engine.model(

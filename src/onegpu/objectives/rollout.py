@@ -124,7 +124,12 @@ def engine_rollouts(
         mode = "on" if compiled else "off"
         # nothing streams: read back every 32 steps (a finished row idles at most that long)
         config = EngineConfig(
-            max_slots=len(chunk), max_len=length, compile=mode, eos_ids=eos, sync_every=32
+            max_slots=len(chunk),
+            max_len=length,
+            compile=mode,
+            eos_ids=eos,
+            sync_every=32,
+            static_weights=False,  # the policy being trained: each rollout reads its weights now
         )
         engine = Engine(gen, None, config)
         if compiled:
