@@ -4,11 +4,12 @@
 # Steps, in this order (default: all of them):
 #   versions  GPU, compiler and library versions                          -> versions.txt
 #   dry       every benchmark preset's dry run (arms, skips, estimates)     -> dry.log
-#   tests     pytest -m gpu tests/gpu, all but the offload tests            -> tests.log, tests.xml
+#   tests     pytest -m gpu tests/gpu but the offload and engine tests     -> tests.log, tests.xml
 #   offload   pytest -m gpu tests/gpu/test_gpu_offload.py                   -> offload.log, offload.xml
 #   engine    pytest -m gpu tests/gpu/test_gpu_engine.py: the decode engine as CUDA graphs -> engine.log
 #   infer     the generation engine's presets: onegpu bench infer --preset gpu -> infer.log, its results
 #             ($INFER_ARGS, if set, is appended: e.g. "--settings engine+bf16+compile --repeats 3")
+#   infer-quant  torchao int8/int4 under the compiled engine: bench infer --preset gpu-quant -> infer-quant.log
 #   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
@@ -18,8 +19,8 @@
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
-# One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine", "infer",
-# "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
+# One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
+# "infer", "infer-quant", "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
 # there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
@@ -51,13 +52,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-hf quick best dpo grpo simpeak)
+ALL=(versions dry tests offload engine infer infer-quant infer-hf quick best dpo grpo simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer) echo 540 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant) echo 540 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -96,6 +97,8 @@ step_cmd() {
     # picks the settings, lengths and repeats for a card; until that preset exists this step fails.
     # shellcheck disable=SC2086  # INFER_ARGS is a list of flags
     infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ${INFER_ARGS:-} ;;
+    infer-quant) "$PY" -m onegpu.cli.main bench infer --preset gpu-quant --out "$DIR" \
+                   --name "infer-quant-cuda-$(date +%Y%m%d)" ;;
     # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
     # cache + compile), 2 repeats
     infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
@@ -111,7 +114,7 @@ step_cmd() {
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"

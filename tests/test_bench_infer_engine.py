@@ -47,15 +47,16 @@ def _dry(capsys, *argv) -> tuple[str, list[str]]:
 
 def test_presets_expand_to_the_documented_settings(capsys):
     out, listed = _dry(capsys, "--preset", "gpu")
+    assert listed == ["hf-default", "engine+bf16+compile", "engine+int8", "engine+nf4"]
+    assert "dry run: 1b on cuda (bf16), batch 8,1 x prompt 512, 128 new tokens, 5 rounds" in out
+    out, listed = _dry(capsys, "--preset", "gpu-quant")
     assert listed == [
         "hf-default",
         "engine+bf16+compile",
         "engine+ao-int8+compile",
         "engine+ao-int4+compile",
-        "engine+int8",
-        "engine+nf4",
     ]
-    assert "dry run: 1b on cuda (bf16), batch 1,8 x prompt 512, 128 new tokens, 5 rounds" in out
+    assert "dry run: 1b on cuda (bf16), batch 1 x prompt 512, 128 new tokens, 3 rounds" in out
     out, listed = _dry(capsys, "--preset", "cpu", "--repeats", "6")  # later flags override
     assert listed == [
         "hf-default",
