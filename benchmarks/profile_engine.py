@@ -32,7 +32,13 @@ GROUPS = {
     "inductor's fused kernels (the compiled graph's own time)": ("CompiledFxGraph",),
     "guard evaluation (TorchDynamo Cache Lookup)": ("TorchDynamo Cache Lookup",),
     "attention (SDPA kernel)": ("scaled_dot_product",),
-    "matmuls (aten::mm/addmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    # frozen weights (EngineConfig.static_weights) run as MKL's prepacked linear
+    "matmuls (aten::mm/addmm, mkl::_mkl_linear)": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "mkl::_mkl_linear",
+    ),
     "read-back (tolist: aten::_local_scalar_dense, cat)": ("_local_scalar_dense", "aten::cat"),
 }
 
