@@ -105,66 +105,58 @@ class TransposedHead(torch.nn.Module):
         return x @ self.wt
 
 
-def head_ab(args) -> None:
-    import copy
+def ab(engines: dict, prompts, args, what: str, column: str) -> None:
+    """Two engines timed interleaved over 5 rounds after a warm-up each (compiles), a table of
+    their ms per decode step, and whether their greedy tokens agree."""
     import os
 
-    from onegpu.infer.engine import Engine
     from onegpu.infer.requests import SamplingParams
+
+    times = {name: [] for name in engines}
+    for engine in engines.values():
+        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
+    for _ in range(5):
+        for name, engine in engines.items():
+            times[name].append(decode_ms(engine, prompts, args.new_tokens))
+    print(
+        f"{what}, tiny preset, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new "
+        f"tokens, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; 5 interleaved "
+        "rounds"
+    )
+    print(f"\n| {column} | ms per decode step, median (range) |\n|---|---|")
+    for name, ms in times.items():
+        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
+    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
+    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
+    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+
+
+def head_ab(args) -> None:
+    import copy
+
+    from onegpu.infer.engine import Engine
 
     as_is, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     model = copy.deepcopy(as_is.model)
     model.lm_head = TransposedHead(model.lm_head.weight)
     engines = {"F.linear(x, W), W [vocab, hidden]": as_is}
     engines["x @ W_t, W_t contiguous [hidden, vocab]"] = Engine(model, None, as_is.config)
-    times = {name: [] for name in engines}
-    for engine in engines.values():
-        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
-    for _ in range(5):
-        for name, engine in engines.items():
-            times[name].append(decode_ms(engine, prompts, args.new_tokens))
-    print(
-        f"engine, tiny preset, batch {args.batch}, compile {args.compile}, "
-        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; 5 interleaved rounds"
-    )
-    print("\n| output head | ms per decode step, median (range) |\n|---|---|")
-    for name, ms in times.items():
-        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
-    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
-    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
-    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+    ab(engines, prompts, args, f"engine, compile {args.compile}", "output head")
 
 
 def freeze_ab(args) -> None:
     """The compiled step with the weights folded in (EngineConfig.static_weights, the default:
     inductor's freezing) against the same step reading them live (static_weights=False, GRPO's)."""
-    import os
-
     from onegpu.infer.engine import Engine
-    from onegpu.infer.requests import SamplingParams
 
     frozen, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    live_config = dataclasses.replace(frozen.config, static_weights=False)
-    engines = {"weights folded in (static_weights=True)": frozen}
-    engines["weights read live (static_weights=False)"] = Engine(frozen.model, None, live_config)
-    assert frozen.frozen and not engines["weights read live (static_weights=False)"].frozen
-    times = {name: [] for name in engines}
-    for engine in engines.values():
-        decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles
-    for _ in range(5):
-        for name, engine in engines.items():
-            times[name].append(decode_ms(engine, prompts, args.new_tokens))
-    print(
-        f"engine compiled (inductor), tiny preset, batch {args.batch}, prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, load "
-        f"{os.getloadavg()[0]:.2f}; 5 interleaved rounds"
-    )
-    print("\n| weights | ms per decode step, median (range) |\n|---|---|")
-    for name, ms in times.items():
-        print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
-    params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
-    tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
-    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+    live = Engine(frozen.model, None, dataclasses.replace(frozen.config, static_weights=False))
+    assert frozen.frozen and not live.frozen
+    engines = {
+        "weights folded in (static_weights=True)": frozen,
+        "weights read live (static_weights=False)": live,
+    }
+    ab(engines, prompts, args, "engine compiled (inductor)", "weights")
 
 
 def main(argv: list[str]) -> int:

@@ -63,6 +63,11 @@ NO_FAKE = [
         re.compile(r"^rollout$"),
         "GRPO's sampling: a fake tensor has no values to sample from",
     ),
+    (
+        re.compile(r"^budget$"),
+        "the server's KV budget on a GPU: the tier starts no server (the budget arithmetic after "
+        "it is tested on CPU with a given budget)",
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ from onegpu.bench.settings import BenchTrainConfig
 from onegpu.bench.train_grpo import onegpu_steps, same_prompts, step_timing
 from onegpu.training.state import Callback
 
-GRPO_ARMS = ["baseline", "trl-grpo"]
+GRPO_ARMS = ["baseline", "trl-grpo"]  # the runs below; the compile arm is listed, not run
 
 
 def grpo_bench(tmp_path, model_dir) -> BenchTrainConfig:
@@ -27,6 +27,7 @@ def grpo_bench(tmp_path, model_dir) -> BenchTrainConfig:
     b.training.micro_batch_size, b.training.grad_accum, b.training.max_steps = 4, 2, 2
     b.bench.warmup_steps, b.bench.reps, b.bench.max_seconds = 1, 1, 60
     b.bench.out, b.bench.name = str(tmp_path / "results"), "grpo"
+    b.bench.arms = ",".join(GRPO_ARMS)
     return b
 
 
@@ -44,7 +45,8 @@ def test_dry_run_lists_the_grpo_arms(capsys, tmp_path, tiny_model_dir):
         for line in out.splitlines()
         if line.startswith("  ")
     }
-    assert list(listed) == GRPO_ARMS and listed["trl-grpo"] == "TRL GRPOTrainer"
+    assert list(listed) == ["baseline", "compile", "trl-grpo"]
+    assert listed["trl-grpo"] == "TRL GRPOTrainer"
     assert "objective grpo" in out and not any(tmp_path.iterdir())
 
 
@@ -157,3 +159,21 @@ def test_a_skipped_step_leaves_the_onegpu_arm_its_per_step_figures(tmp_path, tin
     assert [(s["step"], s["steps"]) for s in out["steps"]] == [(1, 1), (3, 2)]
     assert out["timed_steps"] == 3 and out["timed_tokens"] == out["tokens_seen"]
     assert all(s["completion_tokens"] > 0 and s["gen_seconds"] > 0 for s in out["steps"])
+
+
+def test_the_compile_arm_runs_only_where_the_baseline_does_not_compile(tiny_model_dir):
+    """A 20-step CPU run leaves compile=auto off, so the compile arm shows what a default run of
+    50+ steps samples and trains with; on a GPU it is skipped (gpu-grpo fits one command)."""
+    from types import SimpleNamespace
+
+    from onegpu.bench.arms import grpo_arms
+    from onegpu.techniques.compile import has_cpu_compiler
+
+    arm = next(a for a in grpo_arms() if a.name == "compile")
+    assert arm.overrides == {"techniques.compile": "default"}
+    b = BenchTrainConfig()
+    b.training.objective, b.training.max_steps = "grpo", 20
+    b.model.name, b.model.from_scratch = str(tiny_model_dir), False
+    assert "10-minute command" in arm.needs(SimpleNamespace(type="cuda"), b, "prompt")
+    if has_cpu_compiler():
+        assert arm.needs(SimpleNamespace(type="cpu"), b, "prompt") is None

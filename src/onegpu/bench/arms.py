@@ -94,6 +94,12 @@ def _compiler(dev, b, fmt):
     return None
 
 
+def _grpo_compile_device(dev, b, fmt):
+    if dev.type != "cpu":
+        return "measured on a CPU: gpu-grpo's one 10-minute command holds its two arms"
+    return None
+
+
 def _eager_baseline(dev, b, fmt):
     if baseline_compiles(b, dev.type):
         return "the baseline compiles already (a default run of 50+ steps on this device does)"
@@ -287,6 +293,14 @@ def grpo_arms() -> list[Arm]:
     defaults with the same model, prompts and order, reward functions, groups and sampling."""
     return [
         Arm("baseline", "onegpu GRPO, full fine-tune", {}),
+        # what a default run of 50+ steps does: compiled blocks, and the sampler's compiled decode
+        # step (a short bench run leaves compile=auto off on a CPU)
+        Arm(
+            "compile",
+            "onegpu GRPO, compiled (blocks and the sampler's decode step)",
+            {"techniques.compile": "default"},
+            needs=_all(_grpo_compile_device, _compiler, _eager_baseline),
+        ),
         Arm(
             "trl-grpo",
             "TRL GRPOTrainer, defaults, full fine-tune",

@@ -158,6 +158,7 @@ def _note(arm: dict, doc: dict) -> str:
         bits.append("same prompt ids" if ev.get("same_tokens") else None)
     else:
         bits.append(f"sampler {doc['config']['grpo'].get('sampler', 'generate')}")
+        bits.append("compiled" if ev.get("compiled") else None)
     steps = doc["config"]["training"]["max_steps"]
     for r in arm.get("reps", []):  # an arm that ran out of bench.max_seconds: fewer steps
         if r.get("status") == "ok" and r.get("steps_done", steps) < steps:
