@@ -42,7 +42,7 @@ PEERS = {
     "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
     "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
     # GRPO: our defaults against TRL's (train_grpo_report adds generation, training and reward)
-    "vs_trl_grpo": ("trl-grpo", "TRL GRPOTrainer (defaults)", ("baseline",)),
+    "vs_trl_grpo": ("trl-grpo", "TRL GRPOTrainer (defaults)", ("baseline", "compile")),
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
