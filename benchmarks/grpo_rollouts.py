@@ -185,7 +185,8 @@ def write_md(path: Path, doc: dict) -> None:
         f"{doc['machine']['cpus']} CPUs, torch threads by default {doc['machine']['torch_threads']}"
         " (@Nt: N threads); "
         f"load average before/after {doc['load_before']} / {doc['load_after']} "
-        "(another job shares the cores). First call: with a cold compile cache.",
+        "(near or above the CPU count: another job shared the cores). First call: with a cold "
+        "compile cache.",
         "",
         "| workload | path | tokens/s | s/batch | CPU s/batch | load (1 min) | first call s |",
         "|---|---|---|---|---|---|---|",
