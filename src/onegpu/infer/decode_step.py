@@ -4,7 +4,7 @@ and the one-token decode step (compiled) that advances every slot at once, readi
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -176,18 +176,26 @@ class Stepper:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
-        self.freeze = bool(self.compiled is not None and freeze and backend == "inductor")
+        self.freeze = freeze  # decided by the engine (engine._freeze): only for a compiled step
         # Dynamo would hand another engine over the same model this one's compiled step, weights
         # folded in as they were then; a number of its own, passed in, gives it a step of its own
-        self.key = next(_FROZEN) if self.freeze else 0
+        self.key = next(_FROZEN) if freeze else 0
+        # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
+        self.experts = _moe_model(engine.model) if self.compiled is not None else None
 
-    def settings(self):
-        """What the compiled calls run under: inductor's freezing (the weights as constants of the
-        graph, Engine's static_weights) is read from the global config when a bucket compiles, not
-        from torch.compile's options, so it is set around the calls alone."""
-        if not self.freeze:
-            return nullcontext()
-        return torch._inductor.config.patch(freezing=True)
+    def settings(self, adapters) -> ExitStack:
+        """What the compiled calls run under (nothing for the eager ones): inductor's freezing (the
+        weights as constants of the graph, Engine's static_weights), which inductor reads from the
+        global config when a bucket compiles, not from torch.compile's options; and MoE experts
+        as ``batched_mm`` (batched_mm_experts)."""
+        stack = ExitStack()
+        if self.compiled is None or adapters is not None:
+            return stack
+        if self.freeze:
+            stack.enter_context(torch._inductor.config.patch(freezing=True))
+        if self.experts is not None:
+            stack.enter_context(batched_mm_experts(self.experts))
+        return stack
 
     def __call__(self, rows, kv_len, flags: tuple, adapters) -> torch.Tensor:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
@@ -225,27 +233,31 @@ class Stepper:
 
 
 @contextmanager
-def fixed_shape_experts(model, compiled: bool):
+def batched_mm_experts(model):
     """A compiled step's MoE experts as ``batched_mm`` (each token's experts gathered, one bmm): no
     host sync and fixed shapes, which a CUDA graph needs. transformers' other kernels read the
     routing on the host (its grouped_mm fallback for non-bf16 weights calls ``tolist()``; the
     per-expert loop asks which experts were hit), which a graph capture refuses. Only the decode
     steps switch — a prefill or a training step of the same model would gather each of its many
-    tokens' expert weights — and the model's own choice is back on exit."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    current = getattr(base.config, "_experts_implementation", None)
-    if not compiled or current in (None, "batched_mm") or not _has_experts(base):
+    tokens' expert weights — and the model's own choice, read at each switch, is back on exit."""
+    current = model.config._experts_implementation
+    if current in (None, "batched_mm"):
         yield
         return
-    base.set_experts_implementation("batched_mm")
+    model.set_experts_implementation("batched_mm")
     try:
         yield
     finally:
-        base.set_experts_implementation(current)
+        model.set_experts_implementation(current)
 
 
-def _has_experts(model) -> bool:
-    return any(getattr(m, "has_gate", None) is not None for m in model.modules())
+def _moe_model(model):
+    """The (base) model if it has experts that transformers dispatches by implementation."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "_experts_implementation", None) is None:
+        return None
+    has = any(getattr(m, "has_gate", None) is not None for m in base.modules())
+    return base if has else None
 
 
 def decode_once(engine, rows, kv_len, flags: tuple, adapters, column: int) -> None:

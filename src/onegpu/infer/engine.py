@@ -22,13 +22,7 @@ from typing import Literal, Optional, Union
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer.decode_step import (
-    DecodeState,
-    Stepper,
-    decode_once,
-    first_tokens,
-    fixed_shape_experts,
-)
+from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
 from onegpu.infer.requests import Result, SamplingParams, Update
 from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
 from onegpu.infer.text import TextTracker
@@ -183,8 +177,7 @@ class Engine:
             any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in running),
         )
         adapters = self._adapter_names(rows)
-        compiled = self.compiled is not None and adapters is None
-        with torch.no_grad(), fixed_shape_experts(self.model, compiled), self.stepper.settings():
+        with torch.no_grad(), self.stepper.settings(adapters):
             for j in range(steps):
                 decode_once(self, rows, kv_len, flags, adapters, column=j)
         return updates + self._read_back(running, rows, steps)
@@ -351,7 +344,7 @@ def _freeze(config: EngineConfig, mode: Optional[str], device, model) -> bool:
     copy; never on a GPU (its memory is the scarce one) or for weights that change."""
     if not config.static_weights or mode is None or device.type != "cpu":
         return False
-    if config.compile_backend != "inductor":
+    if config.compile_backend != "inductor":  # freezing is inductor's
         return False
     from onegpu.hardware import host_memory_available
 
