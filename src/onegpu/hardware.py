@@ -39,26 +39,24 @@ def detect() -> DeviceInfo:
 
 
 def _host_memory() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # psutil comes with accelerate; be safe anyway
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return _ram("total")
 
 
 def host_memory_available() -> int:
     """Bytes of RAM free for a new allocation now (the OS's estimate)."""
+    return _ram("available")
+
+
+def _ram(which: str) -> int:
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
-    except ImportError:
+        return int(getattr(psutil.virtual_memory(), which))
+    except ImportError:  # psutil comes with accelerate; be safe anyway
         import os
 
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        pages = "SC_PHYS_PAGES" if which == "total" else "SC_AVPHYS_PAGES"
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
 
 
 # --- GPU catalog ---------------------------------------------------------------------------------
