@@ -94,7 +94,7 @@ step_cmd() {
     # DeepSpeed builds its CPU Adam the first time (a minute or two): a longer per-test limit
     offload) "${PYTEST[@]}" --timeout 280 tests/gpu/test_gpu_offload.py --junitxml="$DIR/offload.xml" ;;
     # ---- the generation engine's presets (src/onegpu/infer/): `onegpu bench infer --preset gpu`
-    # picks the settings, lengths and repeats for a card; until that preset exists this step fails.
+    # (and gpu-quant) pick the settings, lengths and repeats for a card
     # shellcheck disable=SC2086  # INFER_ARGS is a list of flags
     infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ${INFER_ARGS:-} ;;
     infer-quant) "$PY" -m onegpu.cli.main bench infer --preset gpu-quant --out "$DIR" \

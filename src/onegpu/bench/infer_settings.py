@@ -31,6 +31,17 @@ TOKENS = {
     "compile": ("engine_compile", "on"),
 }
 
+# The GPU presets' model, lengths and time budget
+_GPU = dict(
+    model="1b",
+    vocab_size=128256,
+    device="cuda",
+    dtype="bf16",
+    prompt_len=512,
+    new_tokens=128,
+    max_minutes=8.5,
+)
+
 # One command each: what it measures is written out in benchmarks/README.md and docs/inference.md.
 PRESETS: dict[str, dict] = {
     # ~1B on a GPU in one 10-minute command each (gpu_check.sh's `infer` and `infer-quant` steps).
@@ -39,30 +50,18 @@ PRESETS: dict[str, dict] = {
     # model's torchao int8 step did not end within the ~3 minutes left of a 280 s step: the
     # quantized settings get a command of their own.
     "gpu": dict(
-        model="1b",
-        vocab_size=128256,
-        device="cuda",
-        dtype="bf16",
+        **_GPU,
         settings="engine+bf16+compile,engine+int8,engine+nf4",
         batch_size="8,1",
-        prompt_len=512,
-        new_tokens=128,
         repeats=5,
-        max_minutes=8.5,
     ),
     # torchao weight-only int8 / int4 under the compiled engine against bf16, at batch 1 (where
     # decode reads the weights and little else)
     "gpu-quant": dict(
-        model="1b",
-        vocab_size=128256,
-        device="cuda",
-        dtype="bf16",
+        **_GPU,
         settings="engine+bf16+compile,engine+ao-int8+compile,engine+ao-int4+compile",
         batch_size="1",
-        prompt_len=512,
-        new_tokens=128,
         repeats=3,
-        max_minutes=8.5,
     ),
     # the CPU target: the engine's ms per token against plain generate's, tiny model, fp32; the
     # last setting gives the compiled step transformers' eager attention, which inductor fuses,
