@@ -4,6 +4,7 @@
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
     python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
+    python benchmarks/profile_engine.py --gemm-ab   # folded weights: inductor's GEMMs or MKL's
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -159,6 +160,21 @@ def freeze_ab(args) -> None:
     ab(engines, prompts, args, "engine compiled (inductor)", "weights")
 
 
+def gemm_ab(args) -> None:
+    """The frozen compiled step as the engine builds it (matmuls as inductor's C++ GEMM template
+    where it times faster than MKL's prepacked call) against the same step with freezing alone."""
+    from onegpu.infer.engine import Engine
+
+    template, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
+    library = Engine(template.model, None, template.config)
+    library.stepper.inductor = {"freezing": True}
+    engines = {
+        "inductor's GEMM template, timed against MKL (the engine's)": template,
+        "MKL's prepacked linear (freezing alone)": library,
+    }
+    ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "matmuls")
+
+
 def main(argv: list[str]) -> int:
     import os
 
@@ -169,12 +185,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt_len", type=int, default=512)
     parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
     parser.add_argument("--freeze-ab", action="store_true", help="time folded vs live weights")
+    parser.add_argument("--gemm-ab", action="store_true", help="time GEMM template vs MKL")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
         return 0
     if args.freeze_ab:
         freeze_ab(args)
+        return 0
+    if args.gemm_ab:
+        gemm_ab(args)
         return 0
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles

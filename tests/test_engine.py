@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from families import FAMILIES, tiny_family_model
 from onegpu.errors import ConfigError
@@ -195,8 +196,6 @@ def test_bad_requests_are_one_clear_error(llama):
 
 
 def test_compiled_step_gives_the_eager_tokens(llama, tiny_tokenizer):
-    from torch._dynamo.utils import counters
-
     ids = _ids(tiny_tokenizer)
     eager = Engine(llama, None, EngineConfig(max_slots=3, max_len=64)).generate(ids, GREEDY)
     counters.clear()
@@ -230,8 +229,9 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
 
 def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
     """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
-    the weights after the compile does not reach the folded step — and GRPO's live setting reads
-    the weights as they are at each step."""
+    the weights after the compile does not reach the folded step, and inductor generated its own
+    GEMMs over the folded weights — and GRPO's live setting reads the weights as they are at each
+    step."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     ids, full = _ids(tiny_tokenizer)[:1], SamplingParams(max_new_tokens=12, ignore_eos=True)
     frozen = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="on"))
@@ -241,8 +241,12 @@ def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tin
     assert frozen.frozen and not live.frozen
     eager = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="off"))
     before = eager.generate(ids, full)[0].token_ids
+    counters.clear()
     assert frozen.generate(ids, full)[0].token_ids == before
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # a matmul took the template
+    counters.clear()
     assert live.generate(ids, full)[0].token_ids == before
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 0
     with torch.no_grad():
         model.lm_head.weight.neg_()  # a training step, as far as the engines can tell
     after = eager.generate(ids, full)[0].token_ids

@@ -160,6 +160,20 @@ def _adapter_kwargs(engine, names: Optional[list]) -> dict:
 
 _FROZEN = itertools.count(1)
 
+# A frozen CPU step: the weights are constants of the graph (freezing), so inductor can also
+# generate each matmul as its own C++ GEMM over a weight it prepacks once, where that beats the
+# library's call; each matmul shape is timed once against MKL's (max_autotune_gemm, the winner
+# kept; ATen stays a choice so a matmul the template cannot take keeps MKL). The tiny preset's
+# output head at 16 rows: 2.3 against 5.5 ms. And the step's kernels are called from generated
+# C++ (cpp_wrapper), not Python: 0.3-0.5 ms less a step. Both timed in
+# benchmarks/results/engine-gemm-template-cpu.md.
+FROZEN_CPU_STEP = dict(
+    freezing=True,
+    max_autotune_gemm=True,
+    max_autotune_gemm_backends="CPP,ATEN",
+    cpp_wrapper=True,
+)
+
 
 class Stepper:
     """The one-token step of all slots, as a function of (rows, kv_len, sampling, penalty) only —
@@ -180,19 +194,21 @@ class Stepper:
         # Dynamo would hand another engine over the same model this one's compiled step, weights
         # folded in as they were then; a number of its own, passed in, gives it a step of its own
         self.key = next(_FROZEN) if freeze else 0
+        # inductor's settings while a bucket compiles (profile_engine.py --gemm-ab times others)
+        self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
         # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
         self.experts = _moe_model(engine.model) if self.compiled is not None else None
 
     def settings(self, adapters) -> ExitStack:
-        """What the compiled calls run under (nothing for the eager ones): inductor's freezing (the
-        weights as constants of the graph, Engine's static_weights), which inductor reads from the
+        """What the compiled calls run under (nothing for the eager ones): inductor's freezing and
+        GEMM templates (FROZEN_CPU_STEP, Engine's static_weights), which inductor reads from the
         global config when a bucket compiles, not from torch.compile's options; and MoE experts
         as ``batched_mm`` (batched_mm_experts)."""
         stack = ExitStack()
         if self.compiled is None or adapters is not None:
             return stack
-        if self.freeze:
-            stack.enter_context(torch._inductor.config.patch(freezing=True))
+        if self.inductor:
+            stack.enter_context(torch._inductor.config.patch(self.inductor))
         if self.experts is not None:
             stack.enter_context(batched_mm_experts(self.experts))
         return stack
