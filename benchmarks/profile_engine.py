@@ -4,7 +4,7 @@
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
     python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
-    python benchmarks/profile_engine.py --gemm-ab   # folded weights: inductor's GEMMs or MKL's
+    python benchmarks/profile_engine.py --gemm-ab   # folded weights: MKL, GEMM template, C++ wrapper
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -107,8 +107,8 @@ class TransposedHead(torch.nn.Module):
 
 
 def ab(engines: dict, prompts, args, what: str, column: str) -> None:
-    """Two engines timed interleaved over 5 rounds after a warm-up each (compiles), a table of
-    their ms per decode step, and whether their greedy tokens agree."""
+    """Engines timed interleaved over 5 rounds after a warm-up each (compiles), a table of their
+    ms per decode step, and whether their greedy tokens all agree."""
     import os
 
     from onegpu.infer.requests import SamplingParams
@@ -129,7 +129,7 @@ def ab(engines: dict, prompts, args, what: str, column: str) -> None:
         print(f"| {name} | {statistics.median(ms):.2f} ({min(ms):.2f}-{max(ms):.2f}) |")
     params = SamplingParams(max_new_tokens=min(32, args.new_tokens), ignore_eos=True)
     tokens = [[r.token_ids for r in e.generate(prompts, params)] for e in engines.values()]
-    print(f"\ngreedy tokens equal: {tokens[0] == tokens[1]}")
+    print(f"\ngreedy tokens equal: {all(t == tokens[0] for t in tokens)}")
 
 
 def head_ab(args) -> None:
@@ -161,18 +161,23 @@ def freeze_ab(args) -> None:
 
 
 def gemm_ab(args) -> None:
-    """The frozen compiled step as the engine builds it (matmuls as inductor's C++ GEMM template
-    where it times faster than MKL's prepacked call) against the same step with freezing alone."""
+    """The frozen compiled step three ways: freezing alone (MKL's prepacked linear, kernels called
+    from Python); with matmuls as inductor's C++ GEMM template where it times faster than MKL's;
+    and with that and a C++ wrapper calling the kernels (the engine's, FROZEN_CPU_STEP)."""
+    from onegpu.infer.decode_step import FROZEN_CPU_STEP
     from onegpu.infer.engine import Engine
 
-    template, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    library = Engine(template.model, None, template.config)
-    library.stepper.inductor = {"freezing": True}
-    engines = {
-        "inductor's GEMM template, timed against MKL (the engine's)": template,
-        "MKL's prepacked linear (freezing alone)": library,
+    engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
+    variants = {
+        "freezing alone: MKL's prepacked linear, Python wrapper": {"freezing": True},
+        "+ inductor's GEMM template (timed against MKL)": dict(FROZEN_CPU_STEP, cpp_wrapper=False),
     }
-    ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "matmuls")
+    engines = {}
+    for name, settings in variants.items():
+        engines[name] = Engine(engine.model, None, engine.config)
+        engines[name].stepper.inductor = settings
+    engines["+ C++ wrapper (the engine's: FROZEN_CPU_STEP)"] = engine
+    ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "compiled step")
 
 
 def main(argv: list[str]) -> int:

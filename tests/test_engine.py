@@ -253,3 +253,30 @@ def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tin
     assert after != before
     assert live.generate(ids, full)[0].token_ids == after
     assert frozen.generate(ids, full)[0].token_ids != after
+
+
+def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tiny_tokenizer):
+    """Once a bucket has compiled and run, the step checks only the guards that tell compiled
+    entries apart: a change a full guard check would recompile for (a weight's requires_grad)
+    compiles nothing — unless the bucket is cold. Two engines over different models, compiled
+    and interleaved, each keep their own tokens; after a reset of Dynamo a warm bucket compiles
+    again instead of failing."""
+    ids, params = _ids(tiny_tokenizer), SamplingParams(max_new_tokens=10, ignore_eos=True)
+    config = EngineConfig(max_slots=3, max_len=64, compile="on", compile_backend="aot_eager")
+    models = [tiny_family_model(f, tiny_tokenizer).eval() for f in ("llama", "qwen2")]
+    eager = [Engine(m, None, EngineConfig(max_slots=3, max_len=64)) for m in models]
+    want = [[r.token_ids for r in e.generate(ids, params)] for e in eager]
+    engines = [Engine(m, None, config) for m in models]
+    for _ in range(2):
+        for engine, tokens in zip(engines, want, strict=True):
+            assert [r.token_ids for r in engine.generate(ids, params)] == tokens
+    assert engines[0].stepper.warm
+    counters.clear()
+    models[0].lm_head.weight.requires_grad_(False)
+    assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
+    assert counters["stats"]["unique_graphs"] == 0  # the warm bucket ran as compiled
+    engines[0].stepper.warm.clear()
+    assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
+    assert counters["stats"]["unique_graphs"] >= 1  # a full check: the change recompiles
+    torch._dynamo.reset()
+    assert [r.token_ids for r in engines[1].generate(ids, params)] == want[1]

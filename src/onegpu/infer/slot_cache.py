@@ -18,6 +18,8 @@ from typing import Optional, Union
 import torch
 from transformers.cache_utils import Cache
 
+from onegpu.infer import gqa_attention
+
 
 @dataclass
 class _Prefill:
@@ -133,7 +135,8 @@ def cache_kwarg(model) -> str:
 def masks(config, positions: torch.Tensor, kv_len: int, dtype, attn: str, query_len: int = 1):
     """The attention mask of each layer type for queries at ``positions`` (the last query of each
     row; earlier queries of a prefill are at the positions before it): causal, and windowed for
-    sliding-window layers. Bool for SDPA (True = attend), additive for eager kernels. A model whose
+    sliding-window layers. Bool for SDPA and the engine's GQA decode (True = attend), additive for
+    eager kernels. A model whose
     layers differ (``layer_types``) takes a dict by layer type; others one tensor."""
     kv = torch.arange(kv_len, device=positions.device)
     q = positions[:, None] - torch.arange(query_len - 1, -1, -1, device=positions.device)[None]
@@ -142,7 +145,7 @@ def masks(config, positions: torch.Tensor, kv_len: int, dtype, attn: str, query_
     def finish(window: Optional[int]):
         m = allowed if not window else allowed & (kv[None, None, :] > q[:, :, None] - window)
         m = m[:, None]
-        if attn == "sdpa":
+        if attn in ("sdpa", gqa_attention.NAME):
             return m
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(
             ~m, torch.finfo(dtype).min
