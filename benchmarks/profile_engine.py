@@ -4,7 +4,8 @@
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
     python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
-    python benchmarks/profile_engine.py --gemm-ab   # folded weights: MKL, GEMM template, C++ wrapper
+    python benchmarks/profile_engine.py --gemm-ab   # frozen: MKL, GEMM template, C++ wrapper
+    python benchmarks/profile_engine.py --argmax-ab --batch 16  # the step's argmax, two ways
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -180,6 +181,42 @@ def gemm_ab(args) -> None:
     ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "compiled step")
 
 
+def argmax_ab(args) -> None:
+    """The next-token argmax over [batch, 32000] fp32 logits, compiled (inductor) as
+    ``argmax(-1)`` and as sampling.first_argmax writes it in a compiled CPU step (the maximum,
+    then the first index holding it); µs per call, median of 200 calls, 5 interleaved rounds."""
+    import os
+
+    from onegpu.infer.sampling import first_argmax
+
+    logits = torch.randn(args.batch, 32000, generator=torch.Generator().manual_seed(0))
+    ways = {
+        "logits.argmax(-1)": torch.compile(lambda x: x.argmax(-1)),
+        "maximum, then its first index (first_argmax)": torch.compile(first_argmax),
+    }
+    assert len({tuple(f(logits).tolist()) for f in ways.values()}) == 1  # the same tokens
+
+    def us(f):
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            f(logits)
+            times.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(times)
+
+    rounds = {name: [] for name in ways}
+    for _ in range(5):
+        for name, f in ways.items():
+            rounds[name].append(us(f))
+    print(
+        f"compiled argmax over [{args.batch}, 32000] fp32 logits, {torch.get_num_threads()} "
+        f"threads, load {os.getloadavg()[0]:.2f}; 5 interleaved rounds of 200 calls\n"
+    )
+    print("| argmax | µs per call (the call's overhead included), median (range) |\n|---|---|")
+    for name, t in rounds.items():
+        print(f"| {name} | {statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f}) |")
+
+
 def main(argv: list[str]) -> int:
     import os
 
@@ -191,6 +228,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
     parser.add_argument("--freeze-ab", action="store_true", help="time folded vs live weights")
     parser.add_argument("--gemm-ab", action="store_true", help="time GEMM template vs MKL")
+    parser.add_argument("--argmax-ab", action="store_true", help="time the two argmaxes")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
@@ -200,6 +238,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.gemm_ab:
         gemm_ab(args)
+        return 0
+    if args.argmax_ab:
+        argmax_ab(args)
         return 0
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles

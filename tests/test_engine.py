@@ -280,3 +280,18 @@ def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tin
     assert counters["stats"]["unique_graphs"] >= 1  # a full check: the change recompiles
     torch._dynamo.reset()
     assert [r.token_ids for r in engines[1].generate(ids, params)] == want[1]
+
+
+def test_the_compiled_cpu_argmax_is_argmax_ties_included():
+    """sampling.first_argmax, as a compiled CPU step runs it: the first index of the maximum (a
+    tie goes to the lower token id, as argmax), and a row of NaN stays inside the vocabulary."""
+    from onegpu.infer.sampling import first_argmax
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    x[1, 7] = x[1, 250] = x[1].max() + 1  # a tie
+    x[2] = 3.0  # every token ties
+    compiled = torch.compile(first_argmax, backend="aot_eager")
+    assert torch.equal(compiled(x), x.argmax(-1))
+    assert compiled(x)[1] == 7 and compiled(x)[2] == 0
+    x[4] = float("nan")
+    assert 0 <= compiled(x)[4] < 300

@@ -165,8 +165,8 @@ _FROZEN = itertools.count(1)
 # generate each matmul as its own C++ GEMM over a weight it prepacks once, where that beats the
 # library's call; each matmul shape is timed once against MKL's (max_autotune_gemm, the winner
 # kept; ATen stays a choice so a matmul the template cannot take keeps MKL). The tiny preset's
-# output head at 16 rows: 2.3 against 5.5 ms. And the step's kernels are called from generated
-# C++ (cpp_wrapper), not Python: 0.3-0.5 ms less a step. Both timed in
+# output head at 16 rows: 2.2 against 5.4 ms a call. And the step's kernels are called from
+# generated C++ (cpp_wrapper), not Python: 0.3 ms less a step at batch 1. Both timed in
 # benchmarks/results/engine-gemm-template-cpu.md.
 FROZEN_CPU_STEP = dict(
     freezing=True,
