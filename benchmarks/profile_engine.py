@@ -6,6 +6,7 @@
     python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
     python benchmarks/profile_engine.py --gemm-ab   # frozen: MKL, GEMM template, C++ wrapper
     python benchmarks/profile_engine.py --argmax-ab --batch 16  # the step's argmax, two ways
+    python benchmarks/profile_engine.py --guards-ab # a warm bucket: Dynamo's guards skipped or not
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -181,6 +182,18 @@ def gemm_ab(args) -> None:
     ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "compiled step")
 
 
+def guards_ab(args) -> None:
+    """The compiled step of a warm bucket with Dynamo's full guard check skipped (the engine's:
+    only the guards telling its compiled entries apart) against the full check at every call."""
+    from onegpu.infer.engine import Engine
+
+    skipped, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
+    full = Engine(skipped.model, None, skipped.config)
+    full.stepper.skip_guards = False
+    engines = {"telling guards only (the engine's)": skipped, "every guard, every call": full}
+    ab(engines, prompts, args, "engine compiled (inductor)", "Dynamo's guards on a warm bucket")
+
+
 def argmax_ab(args) -> None:
     """The next-token argmax over [batch, 32000] fp32 logits, compiled (inductor) as
     ``argmax(-1)`` and as sampling.first_argmax writes it in a compiled CPU step (the maximum,
@@ -229,6 +242,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--freeze-ab", action="store_true", help="time folded vs live weights")
     parser.add_argument("--gemm-ab", action="store_true", help="time GEMM template vs MKL")
     parser.add_argument("--argmax-ab", action="store_true", help="time the two argmaxes")
+    parser.add_argument("--guards-ab", action="store_true", help="time skipped vs full guards")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
@@ -241,6 +255,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.argmax_ab:
         argmax_ab(args)
+        return 0
+    if args.guards_ab:
+        guards_ab(args)
         return 0
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, args.compile)
     decode_ms(engine, prompts, args.new_tokens)  # warm-up: compiles

@@ -198,6 +198,7 @@ class Stepper:
         # inductor's settings while a bucket compiles (profile_engine.py --gemm-ab times others)
         self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
         self.warm: set[tuple] = set()  # (rows, kv_len, flags) buckets compiled and run once
+        self.skip_guards = True  # on a warm bucket (profile_engine.py --guards-ab times False)
         # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
         self.experts = _moe_model(engine.model) if self.compiled is not None else None
         # the GQA model whose steps attend without repeat_kv (gqa_attention; None: not GQA/SDPA)
@@ -226,11 +227,11 @@ class Stepper:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
             return self.step(rows, kv_len, flags, adapters)
         bucket = (rows, kv_len, flags)
-        if bucket in self.warm:
+        if self.skip_guards and bucket in self.warm:
             # a bucket this stepper compiled: Dynamo checks only the guards that tell its
-            # compiled entries apart, not the ~1,600 of each (0.3 of 2.5 ms a step at batch 1 on
-            # the tiny preset); were the entry gone (a reset of Dynamo), it refuses to compile
-            # under this stance and the call below compiles again
+            # compiled entries apart, not the ~1,600 of each (benchmarks/results/
+            # engine-guards-cpu.md); were the entry gone (a reset of Dynamo), it refuses to
+            # compile under this stance and the call below compiles again
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     return self.compiled(rows, kv_len, flags, None, self.key)
