@@ -207,11 +207,11 @@ class Stepper:
         self.grouped = base if gqa_attention.applies(base) else None
 
     def settings(self, adapters) -> ExitStack:
-        """What the compiled calls run under (nothing for the eager ones): inductor's freezing and
-        GEMM templates (FROZEN_CPU_STEP, Engine's static_weights), which inductor reads from the
-        global config when a bucket compiles, not from torch.compile's options; and MoE experts
-        as ``batched_mm`` (batched_mm_experts). Every step, eager or compiled: a GQA model's
-        attention without repeat_kv's copy (gqa_attention)."""
+        """What the steps run under. Every step, eager or compiled: a GQA model's attention
+        without repeat_kv's copy (gqa_attention). The compiled calls also: inductor's freezing
+        and GEMM templates (FROZEN_CPU_STEP, Engine's static_weights), which inductor reads from
+        the global config when a bucket compiles, not from torch.compile's options; and MoE
+        experts as ``batched_mm`` (batched_mm_experts)."""
         stack = ExitStack()
         if self.grouped is not None:
             stack.enter_context(gqa_attention.grouped_decode(self.grouped))
