@@ -12,7 +12,7 @@ import torch
 
 from onegpu.infer import gqa_attention
 from onegpu.infer.sampling import RowParams, next_tokens
-from onegpu.infer.slot_cache import cache_kwarg, masks
+from onegpu.infer.slot_cache import base_model, cache_kwarg, masks
 
 
 @dataclass
@@ -191,20 +191,21 @@ class Stepper:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
-        self.freeze = freeze  # decided by the engine (engine._freeze): only for a compiled step
         # Dynamo would hand another engine over the same model this one's compiled step, weights
         # folded in as they were then; a number of its own, passed in, gives it a step of its own
         self.key = next(_FROZEN) if freeze else 0
-        # inductor's settings while a bucket compiles (profile_engine.py --gemm-ab times others)
+        # inductor's settings while a bucket compiles (freeze: decided by engine._freeze, only
+        # for a compiled step; profile_engine.py --gemm-ab times other settings)
         self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
         self.warm: set[tuple] = set()  # (rows, kv_len, flags) buckets compiled and run once
         self.skip_guards = True  # on a warm bucket (profile_engine.py --guards-ab times False)
         # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
         self.experts = _moe_model(engine.model) if self.compiled is not None else None
         # the GQA model whose steps attend without repeat_kv (gqa_attention; None: not GQA/SDPA)
-        base = engine.model.get_base_model() if hasattr(engine.model, "get_base_model") else None
-        base = base or engine.model
+        base = base_model(engine.model)
         self.grouped = base if gqa_attention.applies(base) else None
+        if self.grouped is not None:
+            gqa_attention.register()
 
     def settings(self, adapters) -> ExitStack:
         """What the steps run under. Every step, eager or compiled: a GQA model's attention
@@ -293,7 +294,7 @@ def batched_mm_experts(model):
 
 def _moe_model(model):
     """The (base) model if it has experts that transformers dispatches by implementation."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if getattr(base.config, "_experts_implementation", None) is None:
         return None
     has = any(getattr(m, "has_gate", None) is not None for m in base.modules())

@@ -66,9 +66,10 @@ def applies(model) -> bool:
     return grouped and getattr(config, "_attn_implementation", None) == "sdpa"
 
 
-def _register() -> None:
+def register() -> None:
     """The attention function, and transformers' SDPA mask maker under the same name (a model
-    that builds its own mask looks it up by the implementation's name)."""
+    that builds its own mask looks it up by the implementation's name): once, before
+    :func:`grouped_decode`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -78,8 +79,8 @@ def _register() -> None:
 
 @contextmanager
 def grouped_decode(model):
-    """The model's layers attend with :func:`attention_forward` inside the block; SDPA after."""
-    _register()
+    """The model's layers attend with :func:`attention_forward` inside the block (registered by
+    :func:`register`); SDPA after."""
     model.set_attn_implementation(NAME)
     try:
         yield

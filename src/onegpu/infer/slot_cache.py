@@ -122,13 +122,17 @@ def kv_dtype(model) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
+def base_model(model):
+    """The transformers model under a PEFT wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cache_kwarg(model) -> str:
     """transformers renamed the forward's ``past_key_values`` to ``cache`` (5.24; the old name
     warns); pass the name this version's model takes."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(base.forward).parameters
+    params = inspect.signature(base_model(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
