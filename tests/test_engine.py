@@ -282,8 +282,8 @@ def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tin
     assert [r.token_ids for r in engines[1].generate(ids, params)] == want[1]
 
 
-def test_the_compiled_cpu_argmax_is_argmax_ties_included():
-    """sampling.first_argmax, as a compiled CPU step runs it: the first index of the maximum (a
+def test_the_compiled_argmax_is_argmax_ties_included():
+    """sampling.first_argmax, as a compiled step runs it: the first index of the maximum (a
     tie goes to the lower token id, as argmax), and a row of NaN stays inside the vocabulary."""
     from onegpu.infer.sampling import first_argmax
 

@@ -195,8 +195,13 @@ class Stepper:
         # folded in as they were then; a number of its own, passed in, gives it a step of its own
         self.key = next(_FROZEN) if freeze else 0
         # inductor's settings while a bucket compiles (freeze: decided by engine._freeze, only
-        # for a compiled step; profile_engine.py --gemm-ab times other settings)
+        # for a compiled step; profile_engine.py --gemm-ab times other settings); on a GPU the
+        # small matmuls as reductions (small_gemv; profile_engine_gpu.py times it)
         self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
+        if self.compiled is not None and backend == "inductor" and engine.device.type == "cuda":
+            from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
+
+            self.inductor["post_grad_custom_pre_pass"] = SmallGemv()
         self.warm: set[tuple] = set()  # (rows, kv_len, flags) buckets compiled and run once
         self.skip_guards = True  # on a warm bucket (profile_engine.py --guards-ab times False)
         # the MoE model whose experts a compiled step switches (found once; None: nothing to do)

@@ -63,12 +63,14 @@ def next_tokens(
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)``: the first index of each row's maximum. Inside a compiled CPU step as the
+    """``x.argmax(-1)``: the first index of each row's maximum. Inside a compiled step as the
     maximum, then the first index that holds it: two reductions inductor compiles to faster code
-    than its argmax (296 against 439 µs a call over 16 x 32000 logits here,
-    benchmarks/results/engine-argmax-cpu.md). A row of NaN gives the last index, not one past the
-    end."""
-    if not (torch.compiler.is_compiling() and x.device.type == "cpu"):
+    than its argmax — on a CPU 296 against 439 µs a call over 16 x 32000 logits
+    (benchmarks/results/engine-argmax-cpu.md); on a GPU inductor splits each of them over many
+    programs, where it runs an argmax over a 128,256-token row as one (30 µs of a 1.6 ms step on
+    an H200, benchmarks/results/h200-20261126/). A row of NaN gives the last index, not one past
+    the end."""
+    if not torch.compiler.is_compiling():
         return x.argmax(-1)
     index = torch.arange(x.shape[-1], device=x.device)
     first = torch.where(x == x.amax(-1, keepdim=True), index, x.shape[-1]).amin(-1)

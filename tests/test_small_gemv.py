@@ -1,0 +1,97 @@
+"""small_gemv: a compiled decode step's small matmuls as inductor reductions (on a GPU; here the
+same pass pointed at the CPU, where inductor generates the reduction as C++ instead of Triton)."""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from families import tiny_family_model
+from onegpu.infer import decode_step
+from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.requests import SamplingParams
+from onegpu.infer.small_gemv import SmallGemv
+
+F = torch.nn.functional
+
+
+def _compiled(fn, gemv: SmallGemv, *args):
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=gemv, fx_graph_cache=False):
+        out, code = run_and_get_code(torch.compile(fn, dynamic=False), *args)
+    return out, "\n".join(code)
+
+
+def test_matmuls_with_few_outputs_become_reductions_and_wide_ones_stay_library_calls():
+    """3 rows times a [48, 64] and a [400, 64] weight, at most 48 outputs rewritten: the generated
+    code calls the library's mm once (the wide weight), and both products equal F.linear's."""
+    torch.manual_seed(0)
+    x, small, large = torch.randn(3, 64), torch.randn(48, 64), torch.randn(400, 64)
+    gemv = SmallGemv("cpu", max_rows=4, max_outputs=48)
+    (a, b), code = _compiled(lambda x: (F.linear(x, small), F.linear(x, large)), gemv, x)
+    assert gemv.rewritten == 1
+    assert code.count("extern_kernels.mm(") == 1
+    torch.testing.assert_close(a, F.linear(x, small), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b, F.linear(x, large))
+
+
+def test_more_rows_than_the_limit_keep_the_library_matmul():
+    """The default: one row only (at 8 rows the reduction lost to cuBLAS on every shape)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 64), torch.randn(48, 64)
+    gemv = SmallGemv("cpu")
+    out, code = _compiled(lambda x: F.linear(x, w), gemv, x)
+    assert gemv.rewritten == 0 and code.count("extern_kernels.mm(") == 1
+    torch.testing.assert_close(out, F.linear(x, w))
+
+
+def test_a_half_precision_product_accumulates_in_fp32_and_keeps_its_dtype():
+    """bf16 in, bf16 out, within one bf16 rounding of the fp32 product (a bf16 accumulation over
+    2,048 terms would be off by far more)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(64, 2048, dtype=torch.bfloat16)
+    gemv = SmallGemv("cpu")
+    out, _ = _compiled(lambda x: F.linear(x, w), gemv, x)
+    assert gemv.rewritten == 1 and out.dtype == torch.bfloat16
+    exact = x.float() @ w.float().t()
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
+
+
+def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_tokenizer):
+    """The engine's compiled decode step (inductor) with the pass on every matmul of the tiny
+    Llama's layers and head: the pass rewrote them and the greedy tokens are the eager engine's."""
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = [
+        r.token_ids
+        for r in Engine(model, None, EngineConfig(2, 64, compile="off")).generate(ids, params)
+    ]
+    engine = Engine(model, None, EngineConfig(2, 64, compile="on", static_weights=False))
+    gemv = SmallGemv("cpu", max_rows=2, max_outputs=10**9, max_inputs=10**9)
+    # fx_graph_cache off: a graph inductor cached from an earlier run would skip the pass
+    engine.stepper.inductor.update(post_grad_custom_pre_pass=gemv, fx_graph_cache=False)
+    engine.stepper.key = next(decode_step._FROZEN)  # a compiled step of its own
+    got = [r.token_ids for r in engine.generate(ids, params)]
+    assert gemv.rewritten >= 7 * model.config.num_hidden_layers  # q k v o gate up down, a layer
+    assert got == want
+
+
+def test_the_default_rewrites_only_the_shapes_measured_to_gain():
+    """One row times the 1b preset's layer weights: k/v [512, 2048] and q/o [2048, 2048] become
+    reductions; gate/up [8192, 2048] and down [2048, 8192] keep the library's kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2048)
+    kv, qo, up = (torch.randn(n, k) / 50 for n, k in ((512, 2048), (2048, 2048), (8192, 2048)))
+    down = torch.randn(2048, 8192) / 50
+
+    def layer(x):
+        h = F.linear(x, up)
+        return F.linear(x, kv), F.linear(x, qo), h, F.linear(h, down)
+
+    gemv = SmallGemv("cpu")
+    outs, code = _compiled(layer, gemv, x)
+    assert gemv.rewritten == 2
+    assert code.count("extern_kernels.mm(") == 2
+    for got, want in zip(outs, layer(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
