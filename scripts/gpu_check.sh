@@ -10,6 +10,7 @@
 #   infer     the generation engine's presets: onegpu bench infer --preset gpu -> infer.log, its results
 #             ($INFER_ARGS, if set, is appended: e.g. "--settings engine+bf16+compile --repeats 3")
 #   infer-quant  torchao int8/int4 under the compiled engine: bench infer --preset gpu-quant -> infer-quant.log
+#   profile   where the engine's GPU step goes: benchmarks/profile_engine_gpu.py -> profile.log, trace-b*.json.gz
 #   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
@@ -20,7 +21,7 @@
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
 # One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
-# "infer", "infer-quant", "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
+# "infer", "infer-quant", "profile", "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
 # there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
@@ -52,13 +53,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-quant infer-hf quick best dpo grpo simpeak)
+ALL=(versions dry tests offload engine infer infer-quant profile infer-hf quick best dpo grpo simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant) echo 540 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant) echo 540 ;; profile) echo 400 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -99,6 +100,8 @@ step_cmd() {
     infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ${INFER_ARGS:-} ;;
     infer-quant) "$PY" -m onegpu.cli.main bench infer --preset gpu-quant --out "$DIR" \
                    --name "infer-quant-cuda-$(date +%Y%m%d)" ;;
+    # the H200 took about 4 minutes (benchmarks/results/h200-20261126/)
+    profile) "$PY" benchmarks/profile_engine_gpu.py --out "$DIR" ;;
     # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
     # cache + compile), 2 repeats
     infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
@@ -114,7 +117,7 @@ step_cmd() {
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-quant|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|profile|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"
