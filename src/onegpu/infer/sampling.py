@@ -4,10 +4,13 @@ Each row has its own temperature, top-k, top-p, repetition penalty and seed as t
 kernel sequence serves a mixed batch and nothing is read back to the host. The order and the
 meaning of the filters are transformers' (repetition penalty, temperature, top-k, top-p).
 
-Randomness is counter-based: the noise of token t at a request's step s is a hash of (seed, s, t),
-and the token is the Gumbel-max ``argmax(logit / T + G)`` over the tokens the filters keep — an
-exact draw from the filtered softmax. A request's output therefore depends on its seed alone, not on
-which slot it sits in, what else is in the batch, or a generator's state.
+Randomness is counter-based: a request's step s draws one uniform number u, a hash of (seed, s),
+and the token is where u falls in the cumulative distribution of the tokens the filters keep (the
+inverse CDF) — an exact draw from the filtered softmax. A request's output therefore depends on its
+seed alone, not on which slot it sits in, what else is in the batch, or a generator's state. One
+number a row, not a noise value for each of the vocabulary's tokens: a Gumbel-max draw hashed each
+token's noise in 64-bit integers, which this CPU's AVX2 multiplies one at a time — 1.15 against
+0.40 ms a step over 16 rows of 4,096 tokens, compiled, one thread.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ def next_tokens(
     if not sampling:
         return greedy
     scaled = logits / p.temperature.clamp_min(1e-6)[:, None]
+    u = uniform(p.seed, p.step)
     if not filtering:
-        vocab = torch.arange(scaled.shape[-1], device=scaled.device)[None]
-        sampled = first_argmax(scaled + gumbel(p.seed, p.step, vocab))
+        sampled = draw((scaled - scaled.amax(-1, keepdim=True)).exp(), u, greedy)
         return torch.where(p.temperature == 0, greedy, sampled)
     ordered, order = scaled.sort(-1, descending=True)
     rank = torch.arange(ordered.shape[-1], device=ordered.device)[None]
@@ -57,9 +60,29 @@ def next_tokens(
     probs = ordered.softmax(-1)
     # top-p: keep a token while the mass before it is under top_p (the first always stays)
     keep = keep & (((probs.cumsum(-1) - probs) < p.top_p[:, None]) | (rank == 0))
-    noisy = ordered.masked_fill(~keep, float("-inf")) + gumbel(p.seed, p.step, order)
-    sampled = order.gather(-1, first_argmax(noisy)[:, None])[:, 0]
+    best = torch.zeros_like(greedy)  # the most likely kept token: the first of the order
+    sampled = order.gather(-1, draw(probs.masked_fill(~keep, 0.0), u, best)[:, None])[:, 0]
     return torch.where(p.temperature == 0, greedy, sampled)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Each row's index i with ``cum[i - 1] <= u * total < cum[i]`` over ``weights`` (>= 0, not all
+    0; ``cum`` their running sum): a draw from weights / total for u uniform in (0, 1). In two
+    levels — blocks of 64 tokens, then the tokens of the block that holds the target — so no running
+    sum spans the vocabulary: shorter sums round less, and a compiled step vectorises them. A token
+    of weight 0 is never drawn: where rounding would land on one (the block's own sum and the sum of
+    its tokens differing in the last bit), the row takes ``fallback``."""
+    rows, vocab = weights.shape
+    width = 64
+    w = torch.nn.functional.pad(weights, (0, -vocab % width)).view(rows, -1, width)
+    totals = w.sum(-1).cumsum(-1)  # [rows, blocks]: the mass up to each block's end
+    target = u[:, None] * totals[:, -1:]
+    block = (totals <= target).sum(-1).clamp_max(totals.shape[-1] - 1)
+    before = totals.gather(1, (block - 1).clamp_min(0)[:, None])[:, 0].where(block > 0, 0.0)
+    inner = w.gather(1, block[:, None, None].expand(rows, 1, width))[:, 0].cumsum(-1)
+    index = block * width + ((inner + before[:, None]) <= target).sum(-1).clamp_max(width - 1)
+    index = index.clamp_max(vocab - 1)
+    return torch.where(weights.gather(1, index[:, None])[:, 0] > 0, index, fallback)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -77,15 +100,19 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return first.clamp_max(x.shape[-1] - 1)
 
 
-def gumbel(seed: torch.Tensor, step: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise for each (row, token): -log(-log(u)), u from a hash of (seed, step,
-    token id). 32-bit mixing in int64, each product kept under 2**63 (31-bit multipliers)."""
-    s = ((seed ^ (seed >> 32)) & _M32)[:, None]
-    x = ((s * 0x7FEB352D) & _M32) ^ ((step[:, None] * 0x68E31DA5) & _M32)
-    x = (x + ((token * 0x1B56C4E9) & _M32)) & _M32
+def uniform(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """A uniform number in (0, 1) for each row from a hash of (seed, step): 32-bit mixing in
+    int64, each product kept under 2**63 (31-bit multipliers); 23 bits of it, so that the float32
+    number is never 0 or 1 (24 bits round their largest value up to 1.0)."""
+    s = (seed ^ (seed >> 32)) & _M32
+    x = ((s * 0x7FEB352D) & _M32) ^ ((step * 0x68E31DA5) & _M32)
     for mult in (0x6C8E9CF5, 0x2C1B3C6D):
         x = x ^ (x >> 16)
         x = (x * mult) & _M32
     x = x ^ (x >> 15)
-    u = ((x >> 8).float() + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    return unit(x)
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hash values -> float32 in (0, 1): the top 23 bits and a half, over 2**23."""
+    return ((x >> 9).float() + 0.5) / float(1 << 23)
