@@ -295,3 +295,22 @@ def test_the_compiled_argmax_is_argmax_ties_included():
     assert compiled(x)[1] == 7 and compiled(x)[2] == 0
     x[4] = float("nan")
     assert 0 <= compiled(x)[4] < 300
+
+
+def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(tiny_tokenizer):
+    """fixed_shape (GRPO's compiled sampler): requests of different lengths and budgets, rows
+    finishing at different steps, then a smaller batch — every step is the one (all slots, whole
+    cache) bucket, and the greedy tokens are the eager engine's."""
+    ids = _ids(tiny_tokenizer)
+    budgets = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 17, 9)]
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    eager = Engine(model, None, EngineConfig(max_slots=4, max_len=128))
+    config = EngineConfig(4, 128, compile="on", compile_backend="aot_eager", fixed_shape=True)
+    fixed = Engine(model, None, config)
+    bucketed = Engine(model, None, EngineConfig(4, 128, compile="on", compile_backend="aot_eager"))
+    for batch, params in ((ids, budgets), (ids[1:], budgets[:2])):
+        want = [r.token_ids for r in eager.generate(batch, params)]
+        assert [r.token_ids for r in fixed.generate(batch, params)] == want
+        assert [r.token_ids for r in bucketed.generate(batch, params)] == want
+    assert {(rows, kv_len) for rows, kv_len, _ in fixed.stepper.warm} == {(4, 128)}
+    assert len(bucketed.stepper.warm) > 1  # without it: a step per (rows, length) bucket

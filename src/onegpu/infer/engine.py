@@ -54,6 +54,11 @@ class EngineConfig:
     """The weights do not change while the engine lives. A compiled step on a CPU then folds them
     into its graph (inductor's freezing: matmul weights prepacked once, where the RAM holds a
     second copy). False for a sampler of weights being trained (GRPO): it reads them live."""
+    fixed_shape: bool = False
+    """Every decode step runs all max_slots rows over all max_len positions: one compiled step
+    (per sampling mode) whatever the requests' lengths and however many are still running, at the
+    price of attending over the whole cache. For callers whose requests are alike and who compile
+    (GRPO's rollouts): each other (rows, length) bucket would compile a step of its own."""
 
 
 @dataclass
@@ -167,6 +172,8 @@ class Engine:
         rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
         longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
         kv_len = _bucket(longest, self.max_len, start=64)
+        if self.config.fixed_shape:
+            rows, kv_len = self.max_slots, self.max_len
         steps = min(
             self.config.sync_every,
             max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
