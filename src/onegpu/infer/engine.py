@@ -169,11 +169,12 @@ class Engine:
         running = self._running()
         if not running:
             return updates
-        rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
-        longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
-        kv_len = _bucket(longest, self.max_len, start=64)
         if self.config.fixed_shape:
             rows, kv_len = self.max_slots, self.max_len
+        else:
+            rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
+            longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
+            kv_len = _bucket(longest, self.max_len, start=64)
         steps = min(
             self.config.sync_every,
             max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
