@@ -67,12 +67,20 @@ def test_a_compiled_run_compiles_its_rollouts_once_with_the_eager_tokens(tiny_to
 
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     chunk = [tiny_tokenizer("def f(x):")["input_ids"]] * 2
+    body = "".join(f"    x{i} = x + {i}\n" for i in range(8))
+    longer = [tiny_tokenizer(f"def f(x):\n{body}    return")["input_ids"]] * 2
+    assert len(longer[0]) > len(chunk[0]) and len(longer[0]) + 8 > 64  # past the first 64
     gcfg = GRPOConfig(max_completion_length=8, temperature=0.0)
     eager = engine_rollouts(model, chunk, gcfg, [-1])
+    eager_longer = engine_rollouts(model, longer, gcfg, [-1])
     counters.clear()
-    first = engine_rollouts(model, chunk, gcfg, [-1], compiled=True)
-    engine = rollout._ENGINES[model]
-    assert engine.stepper.compiled is not None and counters["stats"]["unique_graphs"] >= 1
-    again = engine_rollouts(model, chunk, gcfg, [-1], compiled=True)
-    assert rollout._ENGINES[model] is engine  # kept: the next rollout reuses the compiled step
-    assert first == again == eager
+    first = engine_rollouts(model, chunk, gcfg, [-1], compiled=True, max_prompt=len(longer[0]))
+    engine, _ = rollout._ENGINES[model]
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.stepper.compiled is not None and graphs >= 1
+    again = engine_rollouts(model, chunk, gcfg, [-1], compiled=True, max_prompt=len(longer[0]))
+    # a longer prompt, within the run's longest: the same engine, its step not compiled again
+    long_out = engine_rollouts(model, longer, gcfg, [-1], compiled=True, max_prompt=len(longer[0]))
+    assert rollout._ENGINES[model][0] is engine
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert first == again == eager and long_out == eager_longer

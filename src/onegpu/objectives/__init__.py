@@ -51,6 +51,7 @@ def make_objective(
             ref,
             cfg.data.pad_to_multiple,
             compiled,
+            max_prompt=cfg.data.seq_len,
         )
     from onegpu.objectives.preference import Preference
 

@@ -40,7 +40,8 @@ class Cycle:
 class GRPO(Objective):
     """training.objective grpo. ``rewards``: the resolved reward functions (rewards.resolve);
     ``tokenizer`` decodes completions for them; ``reference``: reference.AdapterReference or
-    CopyReference with beta > 0, else None; ``pad_multiple``: data.pad_to_multiple.
+    CopyReference with beta > 0, else None; ``pad_multiple``: data.pad_to_multiple; ``max_prompt``:
+    data.seq_len, the longest prompt a rollout can hold.
 
     Statistics follow Preference's pattern: a cycle's are pending until ``end_cycle`` commits
     them to the window (a cycle redone after an out-of-memory error counts once); an evaluation
@@ -57,6 +58,7 @@ class GRPO(Objective):
         reference=None,
         pad_multiple: int = 1,
         compiled: bool = False,
+        max_prompt: int = 0,
     ):
         self.g, self.tokens, self.rewards = gcfg, tokens, rewards
         self.tokenizer, self.prompt_field, self.reference = tokenizer, prompt_field, reference
@@ -65,6 +67,7 @@ class GRPO(Objective):
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_multiple = pad_multiple
         self.compiled = compiled  # the run compiles: so does the rollouts' decode step
+        self.max_prompt = max_prompt  # data.seq_len: sizes that step's cache once
         self.cycle: Cycle | None = None
         self.pending, self.window, self.eval = _Stats(), _Stats(), None
         self._trained_from = 0.0
@@ -172,6 +175,7 @@ class GRPO(Objective):
             device,
             rows=per_call or len(prompt_ids),
             compiled=self.compiled,
+            max_prompt=self.max_prompt,
         )
         texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
         prompts = rows[self.prompt_field]

@@ -52,11 +52,20 @@ def generation_model(model):
 
 @torch.no_grad()
 def sample(
-    model, prompt_ids: list[list[int]], gcfg, tokenizer, device, rows: int, compiled: bool = False
+    model,
+    prompt_ids: list[list[int]],
+    gcfg,
+    tokenizer,
+    device,
+    rows: int,
+    compiled: bool = False,
+    max_prompt: int = 0,
 ) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
     the decode engine, transformers' ``generate`` or its continuous batching. ``compiled``: the run
-    compiles, and so does the engine's decode step (kept across calls, so it compiles once)."""
+    compiles, and so does the engine's decode step (kept across calls, so it compiles once);
+    ``max_prompt``: the longest prompt the run can draw (data.seq_len), which sizes that engine's
+    cache once."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -84,7 +93,9 @@ def sample(
         with torch.compiler.set_stance("default" if compiled else "force_eager"):
             for start in range(0, len(prompt_ids), rows):
                 chunk = prompt_ids[start : start + rows]
-                completions += _sample_chunk(gen, chunk, config, gcfg, pad, device, compiled)
+                completions += _sample_chunk(
+                    gen, chunk, config, gcfg, pad, device, compiled, max_prompt
+                )
     finally:
         gen.train(was_training)
         torch.set_num_threads(threads)
@@ -94,9 +105,11 @@ def sample(
     return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0)
 
 
-def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled) -> list[list[int]]:
+def _sample_chunk(
+    gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt
+) -> list[list[int]]:
     if gcfg.sampler == "engine":
-        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled)
+        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled, max_prompt)
     if gcfg.sampler == "continuous":
         return continuous(gen, chunk, config, gcfg.max_completion_length)
     ids, mask = left_padded(chunk, pad, device)
@@ -105,22 +118,31 @@ def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled) -> list[
 
 
 def engine_rollouts(
-    gen, chunk: list[list[int]], gcfg, eos: list[int], compiled: bool = False
+    gen,
+    chunk: list[list[int]],
+    gcfg,
+    eos: list[int],
+    compiled: bool = False,
+    max_prompt: int = 0,
 ) -> list[list[int]]:
-    """The chunk's completions from one decode engine: a slot per completion, the cache sized to
-    the longest prompt + max_completion_length. Seeds come from torch's generator, so the run's
-    seed (and a resume, which restores it) fixes the rollouts. Eager, the engine lives for the
-    call; compiled, it is kept for the model (its cache too: a compiled step is bound to its
-    tensors) and rebuilt only for a longer prompt."""
+    """The chunk's completions from one decode engine: a slot per completion. Seeds come from
+    torch's generator, so the run's seed (and a resume, which restores it) fixes the rollouts.
+    Eager, the engine lives for the call, its cache sized to the chunk's longest prompt +
+    max_completion_length. Compiled, it is kept for the model (its cache too: a compiled step is
+    bound to its tensors), its cache sized once to ``max_prompt`` (the longest prompt the run can
+    draw) + max_completion_length, so its one step compiles once in the run, not again at the
+    first longer prompt; rebuilt only for more rows or a prompt past ``max_prompt``."""
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.requests import SamplingParams
 
     new = gcfg.max_completion_length
-    length = 64
-    while length < max(map(len, chunk)) + new:  # powers of two: few rebuilds for longer prompts
-        length *= 2
-    engine = _ENGINES.get(gen) if compiled else None
-    if engine is None or engine.max_slots < len(chunk) or engine.max_len < length:
+    longest = max(map(len, chunk))
+    if compiled:
+        longest = max(longest, max_prompt)
+    length = -(-(longest + new) // 64) * 64  # whole 64s: the step's shapes vectorise evenly
+    kept = _ENGINES.get(gen) if compiled else None
+    engine = kept[0] if kept is not None and kept[1] >= length else None
+    if engine is None or engine.max_slots < len(chunk):
         mode = "on" if compiled else "off"
         # nothing streams: read back every 32 steps (a finished row idles at most that long)
         config = EngineConfig(
@@ -134,7 +156,9 @@ def engine_rollouts(
         )
         engine = Engine(gen, None, config)
         if compiled:
-            _ENGINES[gen] = engine
+            # keyed by the length asked for: past the model's context the engine holds less,
+            # and comparing with what it holds would rebuild it at every call
+            _ENGINES[gen] = (engine, length)
     base = int(torch.randint(0, 2**62, (1,)).item())
     params = [
         SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i)
