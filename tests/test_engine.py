@@ -314,3 +314,28 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
         assert [r.token_ids for r in bucketed.generate(batch, params)] == want
     assert {(rows, kv_len) for rows, kv_len, _ in fixed.stepper.warm} == {(4, 128)}
     assert len(bucketed.stepper.warm) > 1  # without it: a step per (rows, length) bucket
+
+
+def test_an_eager_step_attends_over_the_positions_it_reaches_not_a_bucket(
+    llama, tiny_tokenizer, monkeypatch
+):
+    """Eager, a shape costs nothing: each engine step covers the slots in use and the positions its
+    decode steps write (in whole 64s), growing with the answer — not the power-of-two bucket of the
+    request's final length — and the tokens stay transformers' across every growth."""
+    from onegpu.infer import engine as engine_module
+
+    shapes = []
+    real = engine_module.decode_once
+
+    def spy(engine, rows, kv_len, *args, **kwargs):
+        shapes.append((rows, kv_len, int(engine.state.positions[:rows].max())))
+        return real(engine, rows, kv_len, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_once", spy)
+    row = _ids(tiny_tokenizer)[0]
+    engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=512, sync_every=8))
+    got = engine.generate([row], SamplingParams(max_new_tokens=150))[0].token_ids
+    assert got == _hf_greedy(llama, row, 150) and len(row) + len(got) > 128
+    assert shapes[0][:2] == (1, 64)  # the final length's bucket would be 256 positions of 3 slots
+    assert all(pos < kv_len for _, kv_len, pos in shapes)  # every write lands inside the view
+    assert sorted({kv_len for _, kv_len, _ in shapes}) == [64, 128, 192]

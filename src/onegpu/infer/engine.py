@@ -169,16 +169,23 @@ class Engine:
         running = self._running()
         if not running:
             return updates
-        if self.config.fixed_shape:
-            rows, kv_len = self.max_slots, self.max_len
-        else:
-            rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
-            longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
-            kv_len = _bucket(longest, self.max_len, start=64)
         steps = min(
             self.config.sync_every,
             max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
         )
+        if self.config.fixed_shape:
+            rows, kv_len = self.max_slots, self.max_len
+        elif self.stepper.compiled is None:
+            # eager: a shape costs nothing to change, so the steps cover the slots in use and the
+            # positions these steps reach (the last token read back, or the first, is written
+            # at prompt + generated - 1), not a bucket of each request's final length
+            rows = max(s.slot for s in running) + 1
+            reach = max(len(s.prompt) + max(s.generated - 1, 0) + steps for s in running)
+            kv_len = min(-(-reach // 64) * 64, self.max_len)
+        else:
+            rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
+            longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
+            kv_len = _bucket(longest, self.max_len, start=64)
         flags = (
             any(not s.params.greedy for s in running),
             any(s.params.repetition_penalty != 1.0 for s in running),
