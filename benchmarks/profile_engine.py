@@ -7,6 +7,7 @@
     python benchmarks/profile_engine.py --gemm-ab   # frozen: MKL, GEMM template, C++ wrapper
     python benchmarks/profile_engine.py --argmax-ab --batch 16  # the step's argmax, two ways
     python benchmarks/profile_engine.py --guards-ab # a warm bucket: Dynamo's guards skipped or not
+    python benchmarks/profile_engine.py --attention-ab --batch 16  # SDPA vs inductor loops
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
 builds it; prompts of 512 random tokens, 128 new tokens. The step time is measured without the
@@ -237,6 +238,26 @@ def argmax_ab(args) -> None:
         print(f"| {name} | {statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f}) |")
 
 
+def attention_ab(args) -> None:
+    """The compiled CPU step's decode attention three ways: SDPA's CPU kernel (transformers'
+    function); the softmax written out as inductor loops (cpu_attention) at inductor's default
+    realize threshold, which inlines the query (RoPE's sin and cos in it) into the loop over the
+    cache; and those loops with the query made a buffer first (the engine's)."""
+    from onegpu.infer.engine import Engine
+
+    engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
+    sdpa = Engine(engine.model, None, engine.config)
+    sdpa.stepper.grouped = None  # transformers' SDPA function in the steps
+    inlined = Engine(engine.model, None, engine.config)
+    del inlined.stepper.inductor["realize_opcount_threshold"]
+    engines = {
+        "SDPA's CPU kernel": sdpa,
+        "inductor loops, the query inlined into them": inlined,
+        "inductor loops, the query a buffer first (the engine's)": engine,
+    }
+    ab(engines, prompts, args, "engine compiled (inductor)", "decode attention")
+
+
 def main(argv: list[str]) -> int:
     import os
 
@@ -250,6 +271,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gemm-ab", action="store_true", help="time GEMM template vs MKL")
     parser.add_argument("--argmax-ab", action="store_true", help="time the two argmaxes")
     parser.add_argument("--guards-ab", action="store_true", help="time skipped vs full guards")
+    parser.add_argument("--attention-ab", action="store_true", help="time SDPA vs the loops")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
@@ -265,6 +287,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.guards_ab:
         guards_ab(args)
+        return 0
+    if args.attention_ab:
+        attention_ab(args)
         return 0
     # the compiled step's kernels as profiler events of their own (its C++ wrapper calls them
     # out of the Python profiler's sight otherwise); they add a little to the timed steps too

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from onegpu.infer import gqa_attention
+from onegpu.infer import cpu_attention, gqa_attention
 from onegpu.infer.sampling import RowParams, next_tokens
 from onegpu.infer.slot_cache import base_model, cache_kwarg, masks
 
@@ -206,21 +206,34 @@ class Stepper:
         self.skip_guards = True  # on a warm bucket (profile_engine.py --guards-ab times False)
         # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
         self.experts = _moe_model(engine.model) if self.compiled is not None else None
-        # the GQA model whose steps attend without repeat_kv (gqa_attention; None: not GQA/SDPA)
+        # the model whose decode steps attend with the engine's own function (None: transformers'
+        # as configured): an SDPA model's compiled CPU steps as inductor's loops (cpu_attention),
+        # a GQA model's other steps without repeat_kv (gqa_attention)
         base = base_model(engine.model)
-        self.grouped = base if gqa_attention.applies(base) else None
+        sdpa = getattr(base.config, "_attn_implementation", None) == "sdpa"
+        cpu_loops = self.compiled is not None and backend == "inductor" and sdpa
+        cpu_loops = cpu_loops and engine.device.type == "cpu"
+        self.attention = cpu_attention.NAME if cpu_loops else gqa_attention.NAME
+        if cpu_loops:
+            # the query (RoPE's sin and cos in it) becomes a buffer before the scores read it; at
+            # inductor's CPU default (50 ops) it is recomputed inside the loop over every cached
+            # position: 2.1 against 0.77 ms a layer at 16 rows (engine-cpu-attention.md)
+            self.inductor["realize_opcount_threshold"] = cpu_attention.REALIZE_OPS
+        self.grouped = base if cpu_loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
             gqa_attention.register()
+            cpu_attention.register()
 
     def settings(self, adapters) -> ExitStack:
-        """What the steps run under. Every step, eager or compiled: a GQA model's attention
-        without repeat_kv's copy (gqa_attention). The compiled calls also: inductor's freezing
+        """What the steps run under. Every step, eager or compiled: the engine's decode attention
+        (a GQA model's without repeat_kv's copy; a compiled CPU step's as inductor loops). The
+        compiled calls also: inductor's freezing
         and GEMM templates (FROZEN_CPU_STEP, Engine's static_weights), which inductor reads from
         the global config when a bucket compiles, not from torch.compile's options; and MoE
         experts as ``batched_mm`` (batched_mm_experts)."""
         stack = ExitStack()
         if self.grouped is not None:
-            stack.enter_context(gqa_attention.grouped_decode(self.grouped))
+            stack.enter_context(gqa_attention.grouped_decode(self.grouped, self.attention))
         if self.compiled is None or adapters is not None:
             return stack
         if self.inductor:

@@ -40,11 +40,9 @@ def attention_forward(
     ([B, 1, H, D], None)."""
     b, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
-    plain = not dropout and all(
-        kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias")
-    )
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-    if q_len != 1 or kv_heads == heads or heads % kv_heads or not plain or not shared_mask:
+    packs = q_len == 1 and kv_heads < heads and heads % kv_heads == 0
+    if not (packs and shared_mask and plain(dropout, kwargs)):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -55,6 +53,13 @@ def attention_forward(
         packed, key, value, attn_mask=attention_mask, scale=scaling
     )
     return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def plain(dropout: float, kwargs: dict) -> bool:
+    """No dropout, soft cap, attention sinks or position bias: SDPA's own arguments cover it."""
+    return not dropout and all(
+        kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias")
+    )
 
 
 def applies(model) -> bool:
@@ -78,10 +83,10 @@ def register() -> None:
 
 
 @contextmanager
-def grouped_decode(model):
-    """The model's layers attend with :func:`attention_forward` inside the block (registered by
-    :func:`register`); SDPA after."""
-    model.set_attn_implementation(NAME)
+def grouped_decode(model, name: str = NAME):
+    """The model's layers attend with the function registered as ``name`` inside the block
+    (:func:`attention_forward` by :func:`register`, or cpu_attention's); SDPA after."""
+    model.set_attn_implementation(name)
     try:
         yield
     finally:

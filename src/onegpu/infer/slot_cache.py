@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from transformers.cache_utils import Cache
 
-from onegpu.infer import gqa_attention
+from onegpu.infer import cpu_attention, gqa_attention
 
 
 @dataclass
@@ -139,9 +139,9 @@ def cache_kwarg(model) -> str:
 def masks(config, positions: torch.Tensor, kv_len: int, dtype, attn: str, query_len: int = 1):
     """The attention mask of each layer type for queries at ``positions`` (the last query of each
     row; earlier queries of a prefill are at the positions before it): causal, and windowed for
-    sliding-window layers. Bool for SDPA and the engine's GQA decode (True = attend), additive for
-    eager kernels. A model whose
-    layers differ (``layer_types``) takes a dict by layer type; others one tensor."""
+    sliding-window layers. Bool for SDPA and the engine's own decode attentions (True = attend),
+    additive for eager kernels. A model whose layers differ (``layer_types``) takes a dict by
+    layer type; others one tensor."""
     kv = torch.arange(kv_len, device=positions.device)
     q = positions[:, None] - torch.arange(query_len - 1, -1, -1, device=positions.device)[None]
     allowed = kv[None, None, :] <= q[:, :, None]  # [rows, query_len, kv_len]
@@ -149,7 +149,7 @@ def masks(config, positions: torch.Tensor, kv_len: int, dtype, attn: str, query_
     def finish(window: Optional[int]):
         m = allowed if not window else allowed & (kv[None, None, :] > q[:, :, None] - window)
         m = m[:, None]
-        if attn in ("sdpa", gqa_attention.NAME):
+        if attn in ("sdpa", gqa_attention.NAME, cpu_attention.NAME):
             return m
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(
             ~m, torch.finfo(dtype).min

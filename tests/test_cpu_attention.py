@@ -1,0 +1,92 @@
+"""A compiled CPU decode step's attention as inductor loops: SDPA's numbers, and the loops really
+run in the step (no SDPA call) with the eager tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from families import tiny_family_model
+from onegpu.infer import cpu_attention
+from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.requests import SamplingParams
+
+
+def _sdpa(q, k, v, mask, scale):
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def test_decode_is_sdpa_for_grouped_and_plain_heads_bool_and_additive_masks():
+    torch.manual_seed(0)
+    lengths = torch.tensor([40, 7, 23, 1])
+    allowed = (torch.arange(40)[None] < lengths[:, None])[:, None, None]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for heads, kv_heads in ((6, 2), (4, 4)):
+        q, k, v = (
+            torch.randn(4, heads, 1, 16),
+            torch.randn(4, kv_heads, 40, 16),
+            torch.randn(4, kv_heads, 40, 16),
+        )
+        want = _sdpa(q, k, v, allowed, 0.3)
+        for mask in (allowed, additive):
+            got = cpu_attention.decode(q, k, v, mask, 0.3)
+            assert got.shape == (4, 1, heads, 16)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        compiled = torch.compile(cpu_attention.decode, backend="inductor", dynamic=False)
+        torch.testing.assert_close(compiled(q, k, v, allowed, 0.3), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_with_nothing_to_attend_gets_zeros_and_a_bf16_cache_stays_bf16():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    allowed = torch.tensor([[True] * 5, [False] * 5])[:, None, None]
+    got = cpu_attention.decode(q, k, v, allowed, 0.5)
+    assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.isfinite(got).all()
+    half = cpu_attention.decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), allowed, 0.5)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half[0].float(), got[0], rtol=2e-2, atol=2e-2)
+
+
+def test_outside_a_compiled_step_the_call_goes_to_sdpa():
+    """Eagerly (a LoRA step through PEFT's hooks) the loops would build [rows, heads, positions,
+    head_dim] in memory: the function hands the call to SDPA instead."""
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 1
+        is_causal = True
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    allowed = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu_attention.attention_forward(Layer(), q, k, v, allowed, scaling=0.5)
+    assert any("scaled_dot_product" in e.name for e in prof.events())
+
+
+def test_a_compiled_cpu_step_attends_in_loops_with_the_eager_tokens(tiny_tokenizer):
+    """The compiled decode steps call no SDPA (the prefills do), their attention is an inductor
+    kernel with the softmax's exp in it, and the greedy tokens are the eager engine's (SDPA's).
+    (What the query made a buffer first saves is timed: profile_engine.py --attention-ab.)"""
+    model = tiny_family_model("llama", tiny_tokenizer).eval()  # GQA: 4 query heads over 2
+    ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64))
+    want = [r.token_ids for r in eager.generate(ids, params)]
+    compiled = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on"))
+    assert compiled.stepper.attention == cpu_attention.NAME
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        compiled.generate(ids, params)  # compiles, the kernels named in the profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        got = [r.token_ids for r in compiled.generate(ids, params)]
+    assert got == want
+    events = list(prof.events())
+    sdpa_rows = {e.input_shapes[0][0] for e in events if "scaled_dot_product" in e.name}
+    assert sdpa_rows == {1}  # the two prefills; no decode step of 2 rows
+    loops = [e.name for e in events if "cpp_fused" in e.name and "_exp_" in e.name]
+    assert loops
