@@ -69,24 +69,36 @@ def test_outside_a_compiled_step_the_call_goes_to_sdpa():
     assert any("scaled_dot_product" in e.name for e in prof.events())
 
 
-def test_a_compiled_cpu_step_attends_in_loops_with_the_eager_tokens(tiny_tokenizer):
-    """The compiled decode steps call no SDPA (the prefills do), their attention is an inductor
-    kernel with the softmax's exp in it, and the greedy tokens are the eager engine's (SDPA's).
-    (What the query made a buffer first saves is timed: profile_engine.py --attention-ab.)"""
-    model = tiny_family_model("llama", tiny_tokenizer).eval()  # GQA: 4 query heads over 2
+def _decode_sdpa_calls(engine, ids, params):
+    """The greedy tokens; the SDPA calls of the compiled decode steps (their generated C++ calls
+    the kernel as aoti_torch_cpu_*; the prefills run eagerly, as aten::*); the inductor kernels
+    with an exp in them (the loops')."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        tokens = [r.token_ids for r in engine.generate(ids, params)]
+    names = [e.name for e in prof.events()]
+    decode = [n for n in names if n.startswith("aoti_torch_cpu__scaled_dot_product")]
+    loops = [n for n in names if "cpp_fused" in n and "_exp_" in n]
+    return tokens, len(decode), loops
+
+
+def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_tokens(tiny_tokenizer):
+    """Steps of 2 rows call no SDPA and attend in an inductor kernel with the softmax's exp in it;
+    a step of one row keeps SDPA's kernel; the greedy tokens are the eager engine's (SDPA's)
+    either way. (What making the query a buffer first saves is timed: profile_engine.py
+    --attention-ab.)"""
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64))
     want = [r.token_ids for r in eager.generate(ids, params)]
+    alone = [r.token_ids for r in eager.generate(ids[:1], params)]
     compiled = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on"))
     assert compiled.stepper.attention == cpu_attention.NAME
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
-        compiled.generate(ids, params)  # compiles, the kernels named in the profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        got = [r.token_ids for r in compiled.generate(ids, params)]
-    assert got == want
-    events = list(prof.events())
-    sdpa_rows = {e.input_shapes[0][0] for e in events if "scaled_dot_product" in e.name}
-    assert sdpa_rows == {1}  # the two prefills; no decode step of 2 rows
-    loops = [e.name for e in events if "cpp_fused" in e.name and "_exp_" in e.name]
-    assert loops
+        compiled.generate(ids, params)  # compiles both buckets, the kernels named in the profile
+        compiled.generate(ids[:1], params)
+    got, sdpa, loops = _decode_sdpa_calls(compiled, ids, params)
+    assert got == want and sdpa == 0 and loops
+    got, sdpa, loops = _decode_sdpa_calls(compiled, ids[:1], params)
+    assert got == alone and sdpa > 0 and not loops

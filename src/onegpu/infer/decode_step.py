@@ -214,30 +214,37 @@ class Stepper:
         cpu_loops = self.compiled is not None and backend == "inductor" and sdpa
         cpu_loops = cpu_loops and engine.device.type == "cpu"
         self.attention = cpu_attention.NAME if cpu_loops else gqa_attention.NAME
-        if cpu_loops:
-            # the query (RoPE's sin and cos in it) becomes a buffer before the scores read it; at
-            # inductor's CPU default (50 ops) it is recomputed inside the loop over every cached
-            # position: 2.1 against 0.77 ms a layer at 16 rows (engine-cpu-attention.md)
-            self.inductor["realize_opcount_threshold"] = cpu_attention.REALIZE_OPS
+        # fewer rows keep SDPA's kernel: at one row it was as fast (engine-cpu-attention.md)
+        self.loops_from = cpu_attention.MIN_ROWS
+        # with the loops, the query (RoPE's sin and cos in it) becomes a buffer before the scores
+        # read it; at inductor's CPU default (50 ops) it is recomputed inside the loop over every
+        # cached position: 2.1 against 0.77 ms a layer at 16 rows (engine-cpu-attention.md)
+        self.realize_ops: Optional[int] = cpu_attention.REALIZE_OPS
         self.grouped = base if cpu_loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
             gqa_attention.register()
             cpu_attention.register()
 
-    def settings(self, adapters) -> ExitStack:
-        """What the steps run under. Every step, eager or compiled: the engine's decode attention
-        (a GQA model's without repeat_kv's copy; a compiled CPU step's as inductor loops). The
-        compiled calls also: inductor's freezing
-        and GEMM templates (FROZEN_CPU_STEP, Engine's static_weights), which inductor reads from
-        the global config when a bucket compiles, not from torch.compile's options; and MoE
-        experts as ``batched_mm`` (batched_mm_experts)."""
+    def settings(self, adapters, rows: int = 0) -> ExitStack:
+        """What the steps of ``rows`` rows run under. Every step, eager or compiled: the engine's
+        decode attention (a GQA model's without repeat_kv's copy; a compiled CPU step's of
+        ``loops_from`` rows or more as inductor loops). The compiled calls also: inductor's
+        freezing and GEMM templates (FROZEN_CPU_STEP, Engine's static_weights) and the loops'
+        realize threshold, which inductor reads from the global config when a bucket compiles,
+        not from torch.compile's options; and MoE experts as ``batched_mm``
+        (batched_mm_experts)."""
         stack = ExitStack()
+        loops = self.attention == cpu_attention.NAME and rows >= self.loops_from
         if self.grouped is not None:
-            stack.enter_context(gqa_attention.grouped_decode(self.grouped, self.attention))
+            name = self.attention if loops else gqa_attention.NAME
+            stack.enter_context(gqa_attention.grouped_decode(self.grouped, name))
         if self.compiled is None or adapters is not None:
             return stack
-        if self.inductor:
-            stack.enter_context(torch._inductor.config.patch(self.inductor))
+        inductor = dict(self.inductor)
+        if loops and self.realize_ops is not None:
+            inductor["realize_opcount_threshold"] = self.realize_ops
+        if inductor:
+            stack.enter_context(torch._inductor.config.patch(inductor))
         if self.experts is not None:
             stack.enter_context(batched_mm_experts(self.experts))
         return stack

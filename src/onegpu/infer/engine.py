@@ -192,7 +192,7 @@ class Engine:
             any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in running),
         )
         adapters = self._adapter_names(rows)
-        with torch.no_grad(), self.stepper.settings(adapters):
+        with torch.no_grad(), self.stepper.settings(adapters, rows):
             for j in range(steps):
                 decode_once(self, rows, kv_len, flags, adapters, column=j)
         return updates + self._read_back(running, rows, steps)
