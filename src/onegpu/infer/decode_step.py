@@ -214,7 +214,7 @@ class Stepper:
         cpu_loops = self.compiled is not None and backend == "inductor" and sdpa
         cpu_loops = cpu_loops and engine.device.type == "cpu"
         self.attention = cpu_attention.NAME if cpu_loops else gqa_attention.NAME
-        # fewer rows keep SDPA's kernel: at one row it was as fast (engine-cpu-attention.md)
+        # fewer rows keep SDPA's kernel: at one row it is as fast (engine-cpu-attention.md)
         self.loops_from = cpu_attention.MIN_ROWS
         # with the loops, the query (RoPE's sin and cos in it) becomes a buffer before the scores
         # read it; at inductor's CPU default (50 ops) it is recomputed inside the loop over every
