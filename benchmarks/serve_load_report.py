@@ -117,6 +117,7 @@ def summary(per_round: list[dict]) -> dict:
 
 def markdown(r: dict) -> str:
     s, c, ok = r["sequential"], r["concurrent"], r["check"]
+    first = r["rounds"]["sequential"][0]
     many = r["engine_alone_tokens_per_s"][f"{r['clients']}_slots"]
     one = r["engine_alone_tokens_per_s"]["1_slots"]
 
@@ -159,7 +160,7 @@ def markdown(r: dict) -> str:
             f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
             "",
             "Median over rounds (range in brackets), each phase "
-            f"{s['requests']} requests and {s['tokens']} output tokens a round:",
+            f"{first['requests']} requests and {first['tokens']} output tokens a round:",
             "",
             "| phase | tokens/s | TTFT p50 ms | TTFT p99 ms | latency p50 ms | latency p99 ms |",
             "|---|---|---|---|---|---|",
