@@ -35,8 +35,8 @@ def decode(
     """query [B, H, 1, D], key/value [B, KVH, L, D] (H a multiple of KVH), ``allowed`` None or a
     bool [B, 1, 1, L] (True = attend) or an additive float mask of that shape -> [B, 1, H, D].
 
-    The G query heads of a key head read that head's keys once (no repeat_kv). Computed in fp32
-    whatever the cache's dtype, as SDPA's CPU kernel accumulates."""
+    The G query heads of a key head read that head's keys where they are (no repeat_kv copy).
+    Computed in fp32 whatever the cache's dtype, as SDPA's CPU kernel accumulates."""
     b, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     q = query.float().reshape(b, kv_heads, heads // kv_heads, 1, dim)
