@@ -254,6 +254,8 @@ def main() -> int:
     ap.add_argument("--server_args", default="", help="more flags for the server")
     ap.add_argument("--server_threads", type=int, default=1, help="the server's torch threads")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     from openai import OpenAI
 
     before = uptime()

@@ -95,6 +95,11 @@ def write(out: Path, result: dict) -> None:
     out.with_suffix(".md").write_text(markdown(result))
 
 
+def _ms(seconds) -> str:
+    """A phase that answered nothing (all timed out) has no percentile."""
+    return "-" if seconds is None else f"{1000 * seconds:.0f}"
+
+
 def _spread(values: list) -> dict:
     values = [v for v in values if v is not None]
     if not values:
@@ -136,7 +141,7 @@ def markdown(r: dict) -> str:
     ]
     per_round = [
         f"| {k + 1} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} | {x:.2f}x | "
-        f"{1000 * a['latency_s']['p99']:.0f} | {1000 * b['latency_s']['p99']:.0f} | {y:.2f}x |"
+        f"{_ms(a['latency_s']['p99'])} | {_ms(b['latency_s']['p99'])} | {y:.2f}x |"
         for k, (a, b, x, y) in enumerate(
             zip(
                 r["rounds"]["sequential"],

@@ -102,3 +102,23 @@ def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_token
     assert got == want and sdpa == 0 and loops
     got, sdpa, loops = _decode_sdpa_calls(compiled, ids[:1], params)
     assert got == alone and sdpa > 0 and not loops
+
+
+def test_the_realize_threshold_is_set_while_a_step_of_the_loops_compiles(tiny_tokenizer):
+    """Inductor reads realize_opcount_threshold from its global config when a bucket compiles: the
+    stepper's settings set it for steps of the loops (2 rows up), and leave it alone for one row
+    (SDPA's kernel) and for eager steps."""
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    config = torch._inductor.config
+    default = config.realize_opcount_threshold
+    stepper = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on")).stepper
+    with stepper.settings(None, rows=2):
+        assert config.realize_opcount_threshold == cpu_attention.REALIZE_OPS
+        assert model.config._attn_implementation == cpu_attention.NAME
+    assert config.realize_opcount_threshold == default
+    with stepper.settings(None, rows=1):
+        assert config.realize_opcount_threshold == default
+        assert model.config._attn_implementation != cpu_attention.NAME
+    eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64)).stepper
+    with eager.settings(None, rows=2):
+        assert config.realize_opcount_threshold == default

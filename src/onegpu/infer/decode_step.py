@@ -210,9 +210,8 @@ class Stepper:
         # as configured): an SDPA model's compiled CPU steps as inductor's loops (cpu_attention),
         # a GQA model's other steps without repeat_kv (gqa_attention)
         base = base_model(engine.model)
-        sdpa = getattr(base.config, "_attn_implementation", None) == "sdpa"
-        cpu_loops = self.compiled is not None and backend == "inductor" and sdpa
-        cpu_loops = cpu_loops and engine.device.type == "cpu"
+        cpu_loops = self.compiled is not None and backend == "inductor"
+        cpu_loops = cpu_loops and engine.device.type == "cpu" and gqa_attention.sdpa(base)
         self.attention = cpu_attention.NAME if cpu_loops else gqa_attention.NAME
         # fewer rows keep SDPA's kernel: at one row it is as fast (engine-cpu-attention.md)
         self.loops_from = cpu_attention.MIN_ROWS

@@ -173,17 +173,18 @@ class Engine:
             self.config.sync_every,
             max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
         )
+        in_use = max(s.slot for s in running) + 1
         if self.config.fixed_shape:
             rows, kv_len = self.max_slots, self.max_len
         elif self.stepper.compiled is None:
             # eager: a shape costs nothing to change, so the steps cover the slots in use and the
             # positions these steps reach (the last token read back, or the first, is written
             # at prompt + generated - 1), not a bucket of each request's final length
-            rows = max(s.slot for s in running) + 1
+            rows = in_use
             reach = max(len(s.prompt) + max(s.generated - 1, 0) + steps for s in running)
             kv_len = min(-(-reach // 64) * 64, self.max_len)
         else:
-            rows = _bucket(max(s.slot for s in running) + 1, self.max_slots)
+            rows = _bucket(in_use, self.max_slots)
             longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
             kv_len = _bucket(longest, self.max_len, start=64)
         flags = (

@@ -68,7 +68,12 @@ def applies(model) -> bool:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None)
     grouped = isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads
-    return grouped and getattr(config, "_attn_implementation", None) == "sdpa"
+    return grouped and sdpa(model)
+
+
+def sdpa(model) -> bool:
+    """A model that attends with SDPA (transformers' function, which the engine's replace)."""
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"
 
 
 def register() -> None:
