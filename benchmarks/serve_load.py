@@ -264,6 +264,8 @@ def main() -> int:
         make_model(Path(tmp) / "tiny")
         port = free_port()
         proc = start_server(args.server, Path(tmp) / "tiny", port, args, Path(tmp) / "server.log")
+        said = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()
+        prefills = next((line for line in said if line.startswith("prefills: ")), "prefills: ?")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         deadline = time.monotonic() + args.time_limit
         rounds = []
@@ -280,6 +282,7 @@ def main() -> int:
             for n in (args.clients, 1)
         }
     result = report(args, jobs, rounds, before, exit_code)
+    result["server_prefills"] = prefills.removeprefix("prefills: ")
     result["engine_alone_tokens_per_s"] = ceiling
     write(ROOT / args.out, result)
     print((ROOT / args.out).with_suffix(".md").read_text())

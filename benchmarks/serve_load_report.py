@@ -159,7 +159,8 @@ def markdown(r: dict) -> str:
             "",
             f"{r['date']}; {r['workload']}; {len(r['rounds']['speedup'])} rounds, each the "
             "sequential phase then the concurrent one; server torch threads "
-            f"{r['server_threads']}; server exit code after SIGTERM: {r['server_exit']}.",
+            f"{r['server_threads']}, prefills {r.get('server_prefills', '?')}; server exit code "
+            f"after SIGTERM: {r['server_exit']}.",
             f"Machine: {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
             f"torch {r['machine']['torch']}, transformers {r['machine']['transformers']}.",
             f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
@@ -191,10 +192,11 @@ def markdown(r: dict) -> str:
             f"latency instead: {t['latency_ratio_vs_median']:.2f}x (the mix holds answers of 16 to "
             "128 tokens, so the p99 of either phase is a long answer).",
             "",
-            f"Why the two targets pull apart: with {r['clients']} requests decoding together each "
-            f"runs at (tokens/s ratio)/{r['clients']} of its speed alone, so a latency under 3x "
-            f"the single-request one needs more than {r['clients'] / 3:.1f}x the sequential "
-            f"tokens/s; the engine itself reaches {many / one:.2f}x on this machine.",
+            f"How the two targets relate: a request that decodes beside {r['clients'] - 1} others "
+            f"all its life runs at (tokens/s ratio)/{r['clients']} of its speed alone, here "
+            f"{r['clients'] / t['speedup']:.2f}x its time alone; the p99 request shares the batch "
+            "with fewer at the phase's start and end. The engine alone reaches "
+            f"{many / one:.2f}x on this machine.",
             "",
             f"Command: `{r['command']}`",
             "",

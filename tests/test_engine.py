@@ -339,3 +339,21 @@ def test_an_eager_step_attends_over_the_positions_it_reaches_not_a_bucket(
     assert shapes[0][:2] == (1, 64)  # the final length's bucket would be 256 positions of 3 slots
     assert all(pos < kv_len for _, kv_len, pos in shapes)  # every write lands inside the view
     assert sorted({kv_len for _, kv_len, _ in shapes}) == [64, 128, 192]
+
+
+def test_a_step_ends_where_a_budget_ends_and_when_interrupted(llama, tiny_tokenizer):
+    ids = _ids(tiny_tokenizer)
+    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=8, prefill_thread="off"))
+    short = engine.submit(ids[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    long_ = engine.submit(ids[1], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    # the prefill's token and two decode steps end the short request: the step stops there, not
+    # after sync_every, so its answer goes out and its slot frees at once
+    news = [(u.request_id, len(u.token_ids), u.finished) for u in engine.step()]
+    assert news == [(short, 3, True), (long_, 3, False)] and engine.free_slots() == 1
+    asked = []
+    news = engine.step(interrupt=lambda: asked.append(True) or True)  # say, a request arrived
+    assert [len(u.token_ids) for u in news] == [1] and asked == [True]
+    total = 3 + 1
+    while engine.has_work():
+        total += sum(len(u.token_ids) for u in engine.step())
+    assert total == 20  # nothing lost or repeated by the short steps

@@ -91,9 +91,10 @@ class DecodeState:
         self.first[slot] = -1
 
 
-def first_tokens(engine, seq, source) -> None:
+def first_tokens(engine, seq, source, logits: Optional[torch.Tensor] = None) -> None:
     """Start ``seq`` in its slot: prefill its prompt (or take the logits of ``source``, whose prompt
-    is the same and whose KV was copied in), sample its first token, set the slot's state."""
+    is the same and whose KV was copied in, or ``logits``, a prefill thread's), sample its first
+    token, set the slot's state."""
     st, row = engine.state, seq.slot
     p, n = seq.params, len(seq.prompt)
     st.temperature[row], st.top_k[row], st.top_p[row] = p.temperature, p.top_k, p.top_p
@@ -101,9 +102,11 @@ def first_tokens(engine, seq, source) -> None:
     st.budget[row], st.ignore_eos[row] = p.max_new_tokens, p.ignore_eos
     st.seen[row] = False
     st.seen[row, torch.tensor(seq.prompt).to(st.seen.device)] = True
-    if source is None:
+    if logits is not None:
+        seq.logits = logits
+    elif source is None:
         with torch.no_grad():
-            seq.logits = _prefill(engine, seq)
+            seq.logits = prefill(engine, seq)
     else:
         seq.logits = source.logits
     sl = slice(row, row + 1)
@@ -122,16 +125,21 @@ def first_tokens(engine, seq, source) -> None:
     st.live[sl] = ~(eos | (st.budget[sl] <= 1))
 
 
-def _prefill(engine, seq) -> torch.Tensor:
+def prefill(engine, seq, cache=None, routed: Optional[bool] = None) -> torch.Tensor:
+    """The prompt's forward into its slot of ``cache`` (the engine's; a prefill thread passes its
+    own over the same tensors); its last logits. ``routed``: name the request's adapter (default:
+    whether the engine routes adapters)."""
     n = len(seq.prompt)
+    cache = engine.cache if cache is None else cache
+    routed = engine.routing if routed is None else routed
     ids = torch.tensor([seq.prompt]).to(engine.device)  # built on the host, then moved
-    engine.cache.prefill(seq.slot, n)
-    kw = _adapter_kwargs(engine, [seq.adapter] if engine.routing else None)
+    cache.prefill(seq.slot, n)
+    kw = _adapter_kwargs(engine, [seq.adapter] if routed else None)
     out = engine.model(
         input_ids=ids,
         position_ids=torch.arange(n, device=engine.device)[None],
         attention_mask=_masks(engine, torch.full((1,), n - 1, device=engine.device), n, n),
-        **{cache_kwarg(engine.model): engine.cache},
+        **{cache_kwarg(engine.model): cache},
         use_cache=True,
         logits_to_keep=1,
         **kw,

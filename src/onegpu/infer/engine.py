@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -23,6 +24,7 @@ import torch
 
 from onegpu.errors import ConfigError
 from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
+from onegpu.infer.prefill_thread import prefill_thread
 from onegpu.infer.requests import Result, SamplingParams, Update
 from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
 from onegpu.infer.text import TextTracker
@@ -54,6 +56,9 @@ class EngineConfig:
     """The weights do not change while the engine lives. A compiled step on a CPU then folds them
     into its graph (inductor's freezing: matmul weights prepacked once, where the RAM holds a
     second copy). False for a sampler of weights being trained (GRPO): it reads them live."""
+    prefill_thread: Literal["auto", "on", "off"] = "auto"
+    """Prefill on a second thread while this one decodes, on a CPU with a spare core (auto; see
+    prefill_thread.py for where it is safe): a long prompt no longer stalls the running requests."""
     fixed_shape: bool = False
     """Every decode step runs all max_slots rows over all max_len positions: one compiled step
     (per sampling mode) whatever the requests' lengths and however many are still running, at the
@@ -79,6 +84,7 @@ class _Seq:
     slot: int = -1
     generated: int = 0
     cancelled: bool = False
+    prefilling: bool = False  # its slot is reserved, its prefill runs on the prefill thread
     logits: Optional[torch.Tensor] = None  # the prefill's last logits, during its admission
 
 
@@ -106,6 +112,7 @@ class Engine:
         self.compiled = _compile_mode(self.config, self.device)
         self.frozen = _freeze(self.config, self.compiled, self.device, model)
         self.stepper = Stepper(self, self.compiled, self.config.compile_backend, self.frozen)
+        self.prefills = prefill_thread(self.config.prefill_thread, self)
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
@@ -149,7 +156,7 @@ class Engine:
         return seq.id
 
     def cancel(self, request_id: int) -> None:
-        for seq in [*self._waiting, *self._running()]:
+        for seq in [*self._waiting, *self._holders()]:
             if seq.id == request_id:
                 seq.cancelled = True
 
@@ -157,21 +164,32 @@ class Engine:
         return bool(self._waiting) or any(s is not None for s in self._slots)
 
     def stats(self) -> EngineStats:
-        running = self._running()
+        running = self._holders()
         used = sum(len(s.prompt) + s.generated for s in running)
         return EngineStats(len(running), len(self._waiting), used, self.max_slots * self.max_len)
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[Update]:
-        """Admit, decode up to sync_every tokens, read back: the news of each request."""
+    def free_slots(self) -> int:
+        return self._slots.count(None)
+
+    def step(self, interrupt: Optional[Callable[[], bool]] = None) -> list[Update]:
+        """Admit, decode up to sync_every tokens, read back: the news of each request. The decode
+        steps stop early where a request's budget ends (its answer goes out, its slot frees),
+        where a prefill thread's prefill is done (its request joins), or where ``interrupt``,
+        asked between decode steps, says True (a server: a new request waits for a free slot)."""
         updates = self._drop_cancelled()
         admitted = self._admit()
+        if self.prefills is not None and self.prefills.pending():
+            # nothing running (no one to keep waiting) or adapters now routed (PEFT's routing
+            # hooks would reach a concurrent forward): every prefill is waited for
+            wait = self.routing or not self._running()
+            updates += self._drop(self.prefills.join(admitted, wait))
         running = self._running()
         if not running:
             return updates
         steps = min(
             self.config.sync_every,
-            max(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
+            min(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
         )
         in_use = max(s.slot for s in running) + 1
         if self.config.fixed_shape:
@@ -196,6 +214,10 @@ class Engine:
         with torch.no_grad(), self.stepper.settings(adapters, rows):
             for j in range(steps):
                 decode_once(self, rows, kv_len, flags, adapters, column=j)
+                joins = self.prefills is not None and self.prefills.ready()
+                if j + 1 < steps and (joins or (interrupt is not None and interrupt())):
+                    steps = j + 1
+                    break
         return updates + self._read_back(running, rows, steps)
 
     def generate(
@@ -223,13 +245,22 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------------
     def _running(self) -> list[_Seq]:
+        return [s for s in self._slots if s is not None and not s.prefilling]
+
+    def _holders(self) -> list[_Seq]:
+        """Every sequence in a slot: running, or being prefilled on the prefill thread."""
         return [s for s in self._slots if s is not None]
 
     def _drop_cancelled(self) -> list[Update]:
+        """Cancelled requests, waiting or running (one being prefilled goes when its prefill is
+        done: the thread writes into its slot until then)."""
         gone = [s for s in self._waiting if s.cancelled] + [
             s for s in self._running() if s.cancelled
         ]
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
+        return self._drop(gone)
+
+    def _drop(self, gone: list[_Seq]) -> list[Update]:
         for s in gone:
             self._free(s)
         return [
@@ -249,6 +280,11 @@ class Engine:
             seq.slot = self._slots.index(None)
             self._slots[seq.slot] = seq
             key = (tuple(seq.prompt), seq.adapter)
+            if self.prefills is not None and not self.routing:
+                seq.prefilling = True
+                self.prefills.start(seq, shared.get(key))
+                shared.setdefault(key, seq)
+                continue
             if key in shared:
                 self.cache.copy_slot(shared[key].slot, seq.slot, len(seq.prompt))
                 first_tokens(self, seq, source=shared[key])

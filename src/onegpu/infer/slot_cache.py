@@ -51,6 +51,13 @@ class SlotCache(Cache):
     def decode(self, rows: int, positions: torch.Tensor, kv_len: int) -> None:
         self.mode = _Decode(rows, positions, kv_len)
 
+    def sharing(self) -> SlotCache:
+        """Another cache over the same tensors (the same lists: a layer allocated through either
+        is the other's too) with a mode of its own, for a prefill on another thread."""
+        other = SlotCache(self.slots, self.max_len, self.dtype, self.device)
+        other.keys, other.values = self.keys, self.values
+        return other
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Give slot ``dst`` the first ``length`` positions of ``src`` (a shared prompt's KV)."""
         for k, v in zip(self.keys, self.values, strict=True):

@@ -38,6 +38,9 @@ class ServeConfig:
     """torch.compile the engine's decode step (auto: on a GPU)."""
     sync_every: int = 8
     """Tokens decoded per engine step before the host looks (new requests join between steps)."""
+    prefill_thread: Literal["auto", "off", "on"] = "auto"
+    """Prefill new requests on a second thread while the running ones decode (auto: on a CPU
+    with a core to spare beyond the torch threads, e.g. OMP_NUM_THREADS=1 on two cores)."""
     grace: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before it cancels them."""
 

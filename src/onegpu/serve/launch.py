@@ -21,6 +21,7 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
         max_len=plan.max_len,
         compile=cfg.compile,
         sync_every=cfg.sync_every,
+        prefill_thread=cfg.prefill_thread,
     )
     return Engine(model, tokenizer, config)
 
@@ -51,6 +52,8 @@ def serve(icfg, cfg: ServeConfig) -> int:
     )
     _say(plan.describe())
     engine = make_engine(model, loaded.tokenizer, plan, cfg)
+    thread = "on a second thread, beside the decode steps"
+    _say(f"prefills: {thread if engine.prefills is not None else 'inline, between decode steps'}")
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None

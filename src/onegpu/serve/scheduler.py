@@ -136,7 +136,7 @@ class Scheduler:
         while self._take_commands(block=not self.engine.has_work()):
             if self.engine.has_work():
                 try:
-                    updates = self.engine.step()
+                    updates = self.engine.step(interrupt=self._arrived)
                 except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
                     log.exception("engine step failed")
                     self._fail_all(exc)
@@ -144,6 +144,11 @@ class Scheduler:
                 self._deliver(updates)
             self._stats = self.engine.stats()
             self.metrics.engine_stats(self._stats)
+
+    def _arrived(self) -> bool:
+        """A command waits (a request, a cancel) and a slot is free: the engine ends its decode
+        steps early, so a new request starts without waiting for the rest of them."""
+        return not self._inbox.empty() and self.engine.free_slots() > 0
 
     def _take_commands(self, block: bool) -> bool:
         """Run what the inbox holds; False once told to stop."""
