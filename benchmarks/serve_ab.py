@@ -1,0 +1,183 @@
+"""Two `onegpu serve` settings side by side under the load test's workload, interleaved.
+
+    python benchmarks/serve_ab.py --a "--prefill_thread off" --b "--prefill_thread auto"
+
+Both servers run at once on 127.0.0.1 (the idle one waits on its inbox), on the same `tiny` model
+and the same 64 requests as benchmarks/serve_load.py. Each round runs A's two phases (sequential,
+then ``--clients`` at once), then B's, so a slow spell of a shared machine touches both. Reports
+per setting the median over rounds (and the range) of each phase's tokens/s and p99 latency and of
+the two ratios serve_load.py targets, and checks that every answer of B equals A's. Writes
+<out>.json and <out>.md with the machine, load, command and date."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from serve_load import free_port, make_jobs, make_model, run_phase, start_server, stop_server  # noqa: E402
+from serve_load_report import machine, percentiles, uptime  # noqa: E402
+
+
+def phases(client, jobs, clients: int, deadline: float) -> dict:
+    out = {}
+    for name, n in (("sequential", 1), ("concurrent", clients)):
+        phase = run_phase(client, jobs, n, deadline)
+        done = [a for a in phase.answers.values() if not a.error]
+        out[name] = {
+            "tokens_per_s": sum(a.tokens for a in done) / phase.wall,
+            "p99_s": percentiles([a.latency for a in done])["p99"],
+            "errors": len(phase.answers) - len(done) + len(jobs) - len(phase.answers),
+            "answers": {i: (a.text, a.finish, a.tokens) for i, a in phase.answers.items()},
+        }
+    s, c = out["sequential"], out["concurrent"]
+    out["speedup"] = c["tokens_per_s"] / s["tokens_per_s"]
+    out["latency_ratio"] = c["p99_s"] / s["p99_s"]
+    return out
+
+
+def _figures(r: dict) -> dict:
+    """A round's figures, without its answers."""
+    return {
+        k: {f: x for f, x in v.items() if f != "answers"} if isinstance(v, dict) else v
+        for k, v in r.items()
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", default="", help="server flags of setting A")
+    ap.add_argument("--b", default="", help="server flags of setting B")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--time_limit", type=float, default=1500, help="seconds for all rounds")
+    ap.add_argument("--server_threads", type=int, default=1, help="each server's torch threads")
+    ap.add_argument("--out", default="benchmarks/results/serve-ab-cpu")
+    args = ap.parse_args()
+    from openai import OpenAI
+
+    before, jobs = uptime(), make_jobs(args.requests)
+    settings = {"A": args.a, "B": args.b}
+    runs: dict[str, list] = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp) / "tiny")
+        servers = {}
+        try:
+            for name, flags in settings.items():
+                port = free_port()
+                opts = argparse.Namespace(**vars(args), server_args=flags)
+                log = Path(tmp) / f"server-{name}.log"
+                proc = start_server(
+                    f"{sys.executable} -m onegpu serve", Path(tmp) / "tiny", port, opts, log
+                )
+                client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+                servers[name] = (proc, client)
+                run_phase(client, jobs[:2], 2, time.monotonic() + 60)  # warm-up
+            deadline = time.monotonic() + args.time_limit
+            for _ in range(args.rounds):
+                for name, (_, client) in servers.items():
+                    runs[name].append(phases(client, jobs, args.clients, deadline))
+        finally:
+            exits = {name: stop_server(proc) for name, (proc, _) in servers.items()}
+    reference = runs["A"][0]["sequential"]["answers"]
+    differ = sorted(
+        {
+            i
+            for name in runs
+            for r in runs[name]
+            for phase in ("sequential", "concurrent")
+            for i, key in r[phase]["answers"].items()
+            if reference.get(i) != key
+        }
+    )
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "machine": machine(),
+        "uptime_before": before,
+        "uptime_after": uptime(),
+        "settings": settings,
+        "server_exit": exits,
+        "errors": sum(
+            r[p]["errors"] for n in runs for r in runs[n] for p in ("sequential", "concurrent")
+        ),
+        "differ": differ,
+        "summary": {
+            name: {
+                "sequential_tokens_per_s": spread([r["sequential"]["tokens_per_s"] for r in rs]),
+                "concurrent_tokens_per_s": spread([r["concurrent"]["tokens_per_s"] for r in rs]),
+                "sequential_p99_s": spread([r["sequential"]["p99_s"] for r in rs]),
+                "concurrent_p99_s": spread([r["concurrent"]["p99_s"] for r in rs]),
+                "speedup": spread([r["speedup"] for r in rs]),
+                "latency_ratio": spread([r["latency_ratio"] for r in rs]),
+            }
+            for name, rs in runs.items()
+        },
+        "rounds": {name: [_figures(r) for r in rs] for name, rs in runs.items()},
+    }
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result, args))
+    print(out.with_suffix(".md").read_text())
+    return 0 if not (result["errors"] or differ) else 1
+
+
+def markdown(r: dict, args) -> str:
+    def cell(x, scale=1.0, fmt="{:.0f}"):
+        low, mid, high = (fmt.format(scale * x[k]) for k in ("min", "median", "max"))
+        return f"{mid} ({low}-{high})"
+
+    rows = []
+    for name, s in r["summary"].items():
+        flags = r["settings"][name] or "(defaults)"
+        rows.append(
+            f"| {name}: `{flags}` | {cell(s['sequential_tokens_per_s'])} | "
+            f"{cell(s['concurrent_tokens_per_s'])} | {cell(s['speedup'], fmt='{:.2f}')}x | "
+            f"{cell(s['sequential_p99_s'], 1000)} | {cell(s['concurrent_p99_s'], 1000)} | "
+            f"{cell(s['latency_ratio'], fmt='{:.2f}')}x |"
+        )
+    m = r["machine"]
+    return "\n".join(
+        [
+            "# onegpu serve: two settings under load, interleaved (loopback, CPU)",
+            "",
+            f"{r['date']}; the load test's workload (`tiny` preset, random weights, fp32; "
+            f"{args.requests} greedy requests, mixed prompts and answers, streamed and not); "
+            f"{args.rounds} rounds, each A's phases (sequential, then {args.clients} clients) then "
+            f"B's; each server {args.server_threads} torch thread(s); exit codes after SIGTERM: "
+            f"{r['server_exit']}.",
+            f"Machine: {m['cpu']} ({m['cpus']} CPUs), torch {m['torch']}, transformers "
+            f"{m['transformers']}.",
+            f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
+            "",
+            "Median over rounds (range in brackets):",
+            "",
+            "| setting | sequential tokens/s | concurrent tokens/s | ratio | sequential p99 ms | "
+            "concurrent p99 ms | p99 ratio |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"Checks: {r['errors']} errors; {len(r['differ'])} answers differing from A's first "
+            "sequential answer (text, finish reason, token count) in any phase of either setting.",
+            "",
+            f"Command: `{r['command']}`",
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
