@@ -12,6 +12,7 @@ import torch
 
 from families import tiny_family_model
 from onegpu.errors import ConfigError
+from onegpu.infer import decode_step
 from onegpu.infer import prefill_thread as pt
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
@@ -43,7 +44,12 @@ class Gate:
                 assert self.open.wait(30), "the test never opened the gate"
             return out
 
+        def inline(engine, seq, cache=None, routed=None):
+            self.threads.append(threading.current_thread().name)
+            return real(engine, seq, cache, routed)
+
         monkeypatch.setattr(pt, "prefill", gated)
+        monkeypatch.setattr(decode_step, "prefill", inline)  # the engine thread's own
 
 
 def _alone(model, prompt, params):
@@ -194,4 +200,26 @@ def test_with_adapters_routed_prefills_run_inline(tiny_tokenizer, monkeypatch):
     engine = Engine(model, None, EngineConfig(max_slots=2, prefill_thread="on"))
     ids = [tiny_tokenizer(t)["input_ids"] for t in ("def f(x):", "import os")]
     out = engine.generate(ids, SamplingParams(max_new_tokens=4), adapters=["one", None])
-    assert len(out) == 2 and gate.threads == []  # the thread's prefill was never called
+    assert len(out) == 2 and gate.threads == ["MainThread"] * 2  # both inline, none on the thread
+
+
+def test_in_a_burst_the_engines_thread_prefills_too(llama, tiny_tokenizer, monkeypatch):
+    texts = ["def add(a, b):", "import os\nclass Foo:", "x = [1, 2", "The quick brown fox"]
+    prompts = [tiny_tokenizer(t)["input_ids"] for t in texts]
+    gate = Gate(monkeypatch, prompts[1])  # the thread's prefill of the second prompt is held
+    engine = Engine(llama, None, EngineConfig(max_slots=4, sync_every=4, prefill_thread="on"))
+    ids = [engine.submit(prompts[0], LONG)]
+    news = {}
+    _step(engine, news)  # one running
+    ids.append(engine.submit(prompts[1], LONG))
+    _step(engine, news)
+    assert gate.reached.wait(30)  # the thread is busy with it
+    ids += [engine.submit(p, LONG) for p in prompts[2:]]  # two arrive at once
+    del gate.threads[:]
+    _step(engine, news)
+    # two wait to start, one runs: the engine's thread prefilled the older of the two itself
+    assert gate.threads == ["MainThread"]
+    assert ids[2] in news and ids[1] not in news and ids[3] not in news
+    gate.open.set()
+    _drain(engine, news)
+    assert [news[i] for i in ids] == [_alone(llama, p, LONG).token_ids for p in prompts]

@@ -184,6 +184,7 @@ class Engine:
             # hooks would reach a concurrent forward): every prefill is waited for
             wait = self.routing or not self._running()
             updates += self._drop(self.prefills.join(admitted, wait))
+            self.prefills.help(admitted, len(self._running()))
         running = self._running()
         if not running:
             return updates

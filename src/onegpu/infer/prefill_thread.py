@@ -13,7 +13,9 @@ its own (``SlotCache.sharing``), the slot reserved for the request — into whic
 writes meanwhile: its row's position is parked at the last one, which no prompt fills and each
 sequence writes before it reads — and the prompt's last logits, which it hands back. Everything
 else (sampling the first token, the slot's state, the KV copied for a repeated prompt) stays on the
-engine's thread, between its steps. One prefill at a time, in the order admitted.
+engine's thread, between its steps. One prefill at a time on the thread, in the order admitted;
+in a burst of arrivals (more prefills waiting to start than sequences running) the engine's thread
+prefills one per step too.
 
 Only where it is safe and pays: a CPU, eager steps, a spare core for the thread's torch threads,
 no per-row adapters (PEFT routes them with hooks on the shared modules, which a concurrent forward
@@ -91,6 +93,27 @@ class PrefillThread:
             seq.logits = None
             admitted.add(seq.id)
         return gone
+
+    def help(self, admitted: set, running: int) -> None:
+        """More prefills wait to start than sequences run (a burst of arrivals: the prefills are
+        what holds the batch back): the engine's thread prefills the oldest one not started
+        itself, beside the thread's, and adds its id to ``admitted``. One per engine step, so the
+        running ones keep decoding; with the batch full, never. A prompt that another sequence
+        shares is left to the thread."""
+        waiting = [job for job in self.jobs if not (job[1].running() or job[1].done())]
+        if len(waiting) <= running:
+            return
+        sources = {id(source) for _, _, source in self.jobs if source is not None}
+        for job in waiting:
+            seq, future, source = job
+            if source is not None or id(seq) in sources or not future.cancel():
+                continue
+            self.jobs.remove(job)
+            seq.prefilling = False
+            first_tokens(self.engine, seq, None)  # its prefill, into the engine's own cache
+            seq.logits = None
+            admitted.add(seq.id)
+            return
 
 
 def prefill_thread(mode: Mode, engine) -> Optional[PrefillThread]:
