@@ -164,6 +164,31 @@ def _adapter_kwargs(engine, names: Optional[list]) -> dict:
     return kw
 
 
+# the engine's compile policy (``config``: its EngineConfig)
+def compile_mode(config, device) -> Optional[str]:
+    """None (eager) or the torch.compile mode of the decode step."""
+    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
+        return None
+    mode = config.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+    # reduce-overhead means CUDA graphs: nothing to capture elsewhere
+    return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
+
+
+def freeze(config, mode: Optional[str], device, model) -> bool:
+    """Fold the weights into the compiled CPU step: 3.47 against 4.33 ms per step at batch 1 on the
+    tiny preset, the same at batch 16 (benchmarks/results/engine-freezing-cpu.md). Inductor then
+    keeps its own prepacked copy of each matmul weight, so only where the RAM has room for a second
+    copy; never on a GPU (its memory is the scarce one) or for weights that change."""
+    if not config.static_weights or mode is None or device.type != "cpu":
+        return False
+    if config.compile_backend != "inductor":  # freezing is inductor's
+        return False
+    from onegpu.hardware import host_memory_available
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * weights < host_memory_available()
+
+
 # ``engine`` below is the Engine that owns this state (engine.py; not imported: it imports this)
 
 
@@ -202,7 +227,7 @@ class Stepper:
         # Dynamo would hand another engine over the same model this one's compiled step, weights
         # folded in as they were then; a number of its own, passed in, gives it a step of its own
         self.key = next(_FROZEN) if freeze else 0
-        # inductor's settings while a bucket compiles (freeze: decided by engine._freeze, only
+        # inductor's settings while a bucket compiles (freeze: decided by freeze() above, only
         # for a compiled step; profile_engine.py --gemm-ab times other settings); on a GPU the
         # small matmuls as reductions (small_gemv; profile_engine_gpu.py times it)
         self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}

@@ -23,7 +23,14 @@ from typing import Literal, Optional, Union
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer.decode_step import DecodeState, Stepper, decode_once, first_tokens
+from onegpu.infer.decode_step import (
+    DecodeState,
+    Stepper,
+    compile_mode,
+    decode_once,
+    first_tokens,
+    freeze,
+)
 from onegpu.infer.prefill_thread import prefill_thread
 from onegpu.infer.requests import Result, SamplingParams, Update
 from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
@@ -109,8 +116,8 @@ class Engine:
             self.config.eos_ids or _eos_ids(model, tokenizer),
             self.config.sync_every,
         )
-        self.compiled = _compile_mode(self.config, self.device)
-        self.frozen = _freeze(self.config, self.compiled, self.device, model)
+        self.compiled = compile_mode(self.config, self.device)
+        self.frozen = freeze(self.config, self.compiled, self.device, model)
         self.stepper = Stepper(self, self.compiled, self.config.compile_backend, self.frozen)
         self.prefills = prefill_thread(self.config.prefill_thread, self)
         # Once a request names an adapter, every forward names one per row ("__base__" for a
@@ -379,30 +386,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
     ):
         ids.insert(0, tokenizer.eos_token_id)
     return ids
-
-
-def _compile_mode(config: EngineConfig, device) -> Optional[str]:
-    """None (eager) or the torch.compile mode of the decode step."""
-    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
-        return None
-    mode = config.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
-    # reduce-overhead means CUDA graphs: nothing to capture elsewhere
-    return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
-
-
-def _freeze(config: EngineConfig, mode: Optional[str], device, model) -> bool:
-    """Fold the weights into the compiled CPU step: 3.47 against 4.33 ms per step at batch 1 on the
-    tiny preset, the same at batch 16 (benchmarks/results/engine-freezing-cpu.md). Inductor then
-    keeps its own prepacked copy of each matmul weight, so only where the RAM has room for a second
-    copy; never on a GPU (its memory is the scarce one) or for weights that change."""
-    if not config.static_weights or mode is None or device.type != "cpu":
-        return False
-    if config.compile_backend != "inductor":  # freezing is inductor's
-        return False
-    from onegpu.hardware import host_memory_available
-
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * weights < host_memory_available()
 
 
 def _check_adapter(model, adapter: Optional[str]) -> None:
