@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -23,36 +22,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from serve_load import free_port, make_jobs, make_model, run_phase, start_server, stop_server  # noqa: E402
-from serve_load_report import machine, percentiles, uptime  # noqa: E402
+from serve_load_report import check, figures, machine, spread, uptime  # noqa: E402
 
 
-def phases(client, jobs, clients: int, deadline: float) -> dict:
+def phases(client, jobs, clients: int, deadline: float) -> tuple:
+    """A round of one setting: its sequential and concurrent phases (serve_load.py's)."""
+    return tuple(run_phase(client, jobs, n, deadline) for n in (1, clients))
+
+
+def round_figures(pair: tuple, jobs) -> dict:
     out = {}
-    for name, n in (("sequential", 1), ("concurrent", clients)):
-        phase = run_phase(client, jobs, n, deadline)
-        done = [a for a in phase.answers.values() if not a.error]
+    for name, phase in zip(("sequential", "concurrent"), pair, strict=True):
+        f = figures(phase)
         out[name] = {
-            "tokens_per_s": sum(a.tokens for a in done) / phase.wall,
-            "p99_s": percentiles([a.latency for a in done])["p99"],
-            "errors": len(phase.answers) - len(done) + len(jobs) - len(phase.answers),
-            "answers": {i: (a.text, a.finish, a.tokens) for i, a in phase.answers.items()},
+            "tokens_per_s": f["tokens_per_s"],
+            "p99_s": f["latency_s"]["p99"],
+            "errors": len(jobs) - f["requests"],  # failed or unanswered
         }
     s, c = out["sequential"], out["concurrent"]
     out["speedup"] = c["tokens_per_s"] / s["tokens_per_s"]
     out["latency_ratio"] = c["p99_s"] / s["p99_s"]
     return out
-
-
-def _figures(r: dict) -> dict:
-    """A round's figures, without its answers."""
-    return {
-        k: {f: x for f, x in v.items() if f != "answers"} if isinstance(v, dict) else v
-        for k, v in r.items()
-    }
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -91,17 +81,8 @@ def main() -> int:
                     runs[name].append(phases(client, jobs, args.clients, deadline))
         finally:
             exits = {name: stop_server(proc) for name, (proc, _) in servers.items()}
-    reference = runs["A"][0]["sequential"]["answers"]
-    differ = sorted(
-        {
-            i
-            for name in runs
-            for r in runs[name]
-            for phase in ("sequential", "concurrent")
-            for i, key in r[phase]["answers"].items()
-            if reference.get(i) != key
-        }
-    )
+    ok = check(jobs, runs["A"] + runs["B"])  # against A's first sequential answers
+    rounds = {name: [round_figures(pair, jobs) for pair in pairs] for name, pairs in runs.items()}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -110,10 +91,8 @@ def main() -> int:
         "uptime_after": uptime(),
         "settings": settings,
         "server_exit": exits,
-        "errors": sum(
-            r[p]["errors"] for n in runs for r in runs[n] for p in ("sequential", "concurrent")
-        ),
-        "differ": differ,
+        "errors": ok["n_errors"] + len(ok["lost"]),
+        "differ": ok["differ"],
         "summary": {
             name: {
                 "sequential_tokens_per_s": spread([r["sequential"]["tokens_per_s"] for r in rs]),
@@ -123,16 +102,16 @@ def main() -> int:
                 "speedup": spread([r["speedup"] for r in rs]),
                 "latency_ratio": spread([r["latency_ratio"] for r in rs]),
             }
-            for name, rs in runs.items()
+            for name, rs in rounds.items()
         },
-        "rounds": {name: [_figures(r) for r in rs] for name, rs in runs.items()},
+        "rounds": rounds,
     }
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result, args))
     print(out.with_suffix(".md").read_text())
-    return 0 if not (result["errors"] or differ) else 1
+    return 0 if not (result["errors"] or result["differ"]) else 1
 
 
 def markdown(r: dict, args) -> str:

@@ -100,7 +100,7 @@ def _ms(seconds) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.0f}"
 
 
-def _spread(values: list) -> dict:
+def spread(values: list) -> dict:
     values = [v for v in values if v is not None]
     if not values:
         return {"median": None, "min": None, "max": None}
@@ -110,10 +110,10 @@ def _spread(values: list) -> dict:
 def summary(per_round: list[dict]) -> dict:
     """Median and range over rounds of each figure of a phase."""
     return {
-        "tokens_per_s": _spread([f["tokens_per_s"] for f in per_round]),
-        "wall_s": _spread([f["wall_s"] for f in per_round]),
+        "tokens_per_s": spread([f["tokens_per_s"] for f in per_round]),
+        "wall_s": spread([f["wall_s"] for f in per_round]),
         **{
-            f"{kind}_{q}": _spread([f[f"{kind}_s"][q] for f in per_round])
+            f"{kind}_{q}": spread([f[f"{kind}_s"][q] for f in per_round])
             for kind in ("ttft", "latency")
             for q in ("p50", "p99")
         },

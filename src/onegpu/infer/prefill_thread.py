@@ -90,10 +90,16 @@ class PrefillThread:
                 continue
             if source is not None:
                 self.engine.cache.copy_slot(source.slot, seq.slot, len(seq.prompt))
-            first_tokens(self.engine, seq, None, logits)
-            seq.logits = None
-            admitted.add(seq.id)
+            self._joins(seq, admitted, logits)
         return gone
+
+    def _joins(self, seq, admitted: set, logits: Optional[torch.Tensor] = None) -> None:
+        """``seq`` starts decoding: its first token and slot state (with no ``logits``, its
+        prefill first, here and into the engine's own cache)."""
+        seq.prefilling = False
+        first_tokens(self.engine, seq, None, logits)
+        seq.logits = None
+        admitted.add(seq.id)
 
     def help(self, admitted: set, running: int) -> None:
         """More prefills wait to start than sequences run (a burst of arrivals: the prefills are
@@ -110,10 +116,7 @@ class PrefillThread:
             if source is not None or id(seq) in sources or not future.cancel():
                 continue
             self.jobs.remove(job)
-            seq.prefilling = False
-            first_tokens(self.engine, seq, None)  # its prefill, into the engine's own cache
-            seq.logits = None
-            admitted.add(seq.id)
+            self._joins(seq, admitted)
             return
 
 
