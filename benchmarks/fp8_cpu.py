@@ -153,11 +153,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", default=f"fp8-cpu-{time.strftime('%Y%m%d')}")
     args = parser.parse_args(argv)
     load_before = list(os.getloadavg())
+    env = environment()  # the commit the snapshot below is taken from
     with tempfile.TemporaryDirectory(prefix="onegpu-fp8-cpu-") as tmp:
-        doc = run(args.steps, args.recipe, Path(tmp))
-    doc.update(
-        environment(), recipe=args.recipe, command="python benchmarks/fp8_cpu.py " + " ".join(argv)
-    )
+        shutil.copytree(ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("*.pyc"))
+        SNAPSHOT.append(str(Path(tmp) / "src"))
+        doc = run(args.steps, args.recipe, Path(tmp) / "runs")
+    doc.update(env, recipe=args.recipe, command="python benchmarks/fp8_cpu.py " + " ".join(argv))
     doc["load"] = {"before": load_before, "after": list(os.getloadavg())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))
