@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 # techniques.fp8 -> torchao's Float8LinearRecipeName value
 RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
 TC_MULTIPLE = 16  # both dimensions of an FP8 tensor-core matmul operand
-FP8_CAPABILITY = (8, 9)  # Ada; Hopper is 9.0
 
 
 def enabled(tcfg: TechniquesConfig) -> bool:
@@ -63,7 +62,7 @@ def check_device(tcfg: TechniquesConfig, device) -> None:
     """One clear error where FP8 is asked for on a device without FP8 tensor cores."""
     if not enabled(tcfg) or tcfg.fp8_emulate:
         return
-    if device.type == "cuda" and device.capability and device.capability >= FP8_CAPABILITY:
+    if device.fp8:
         return
     cap = ".".join(map(str, device.capability)) if device.capability else None
     what = f"{device.name} (compute capability {cap})" if cap else device.name
@@ -106,9 +105,9 @@ def float8_class() -> type:
         _, base = _float8()
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            kind = input.device.type
-            if kind != "cuda" and torch.is_autocast_enabled(kind):
-                input = input.to(torch.get_autocast_dtype(kind))
+            # CUDA's autocast is torchao's own case; meta (the planner's traces) has none
+            if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+                input = input.to(torch.get_autocast_dtype("cpu"))
             return base.forward(self, input)
 
         _CLASS.append(type("Float8Linear", (base,), {"forward": forward, "__module__": __name__}))
