@@ -19,7 +19,7 @@ Fp8Recipe = Literal["off", "auto", "tensorwise", "rowwise", "rowwise-gw-hp"]
 @dataclass
 class ModelConfig:
     name: str = "auto"
-    """Preset (tiny, small, 125m, 1b), Hub model id or local model directory. auto: tiny on CPU,
+    """Preset (tiny, small, 125m, 1b, 3b), Hub model id or local model directory. auto: tiny on CPU,
     125m on a GPU."""
     tokenizer: Optional[str] = None
     """Tokenizer id or directory. Default: the model's own; presets: a byte-level BPE trained on the
