@@ -198,6 +198,19 @@ def float8_params(shape: ModelShape, c: Candidate) -> int:
     return sum(k * n * count for _, k, n, count in float8_layers(shape, c.techniques.fp8_skip))
 
 
+def cast_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
+    """Bytes eager float8 layers hold beyond the rest while a block's backward runs: torchao casts
+    each layer's saved input to float8 again for its weight gradient, op by op (the input scaled,
+    then clamped, in its own dtype, then the float8 copy), the largest at the widest input.
+    Compiled code fuses the cast into one kernel: nothing of this size."""
+    from onegpu.plan.transients import act_bytes
+
+    if c.techniques.fp8 == "off" or c.techniques.compile != "off":
+        return 0.0
+    widest = max((k for _, k, _, _ in float8_layers(shape, c.techniques.fp8_skip)), default=0)
+    return (2 * act_bytes(c) + 1) * tokens * widest
+
+
 def _times(shape: ModelShape, c: Candidate, spec: GpuSpec, tokens: int, layer) -> LayerTimes:
     from onegpu.plan.transients import param_bytes
 

@@ -1,0 +1,178 @@
+"""Float8 weights from torchao's public configs, checked on this CPU before they become a setting:
+a LoRA run's frozen base, and the decode engine's weights. What a CPU can tell: whether they run,
+what they store, how far their numbers are from bf16's, and the CPU's own speed (not a card's).
+
+    flock /work/.bench.lock python benchmarks/fp8_weights_cpu.py
+
+On the `small` preset (random init, bf16): each Linear of the decoder in float8 with
+``Float8WeightOnlyConfig`` (e4m3 weights, a scale per row; the matmul in bf16 after dequantizing)
+against bf16 and torchao's int8 weight-only (``--quantization ao-int8``): weight bytes, the
+logits' relative error, greedy-token agreement over 8 tokens, ms per decoded token (5 rounds,
+interleaved; median); and a LoRA step on the float8 base: the loss and the adapters' gradients
+against the bf16 base's. ``Float8DynamicActivationFloat8WeightConfig`` (float8 matmuls: the one
+that could be faster) is tried too and its refusal recorded. Writes results/fp8-weights-cpu.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "fp8-weights-cpu"
+
+
+def small_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from onegpu.models import PRESETS
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**PRESETS["small"], vocab_size=4096, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def quantized(model, kind: str):
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
+    )
+
+    configs = {
+        "fp8-weight-only": Float8WeightOnlyConfig,
+        "fp8-dynamic": Float8DynamicActivationFloat8WeightConfig,
+        "ao-int8": Int8WeightOnlyConfig,
+    }
+    out = copy.deepcopy(model)
+    head = out.get_output_embeddings()
+    quantize_(
+        out,
+        configs[kind](),
+        filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m is not head,
+    )
+    return out
+
+
+def decode_ms(model, ids, new: int = 8) -> tuple[float, list[int]]:
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    return (time.perf_counter() - start) * 1000 / new, out[0, ids.shape[1] :].tolist()
+
+
+def lora_step(model) -> tuple[float, torch.Tensor]:
+    """One LoRA forward and backward (PEFT, r=16, all-linear) on a fixed batch: loss, grads."""
+    import peft
+
+    torch.manual_seed(2)  # the same adapters (PEFT draws lora_A at random) for every base
+    m = peft.get_peft_model(
+        copy.deepcopy(model), peft.LoraConfig(r=16, target_modules="all-linear")
+    )
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4096, (2, 128), generator=g)
+    loss = m(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = torch.cat(
+        [p.grad.float().flatten() for n, p in m.named_parameters() if p.grad is not None]
+    )
+    return float(loss), grads
+
+
+def main() -> int:
+    from onegpu.techniques.quantization import weight_bytes
+
+    load = {"before": list(os.getloadavg())}
+    base = small_model()
+    ids = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(0))
+    models, refused = {"bf16": base}, {}
+    for kind in ("fp8-weight-only", "ao-int8", "fp8-dynamic"):
+        try:
+            models[kind] = quantized(base, kind)
+            models[kind](ids)
+        except Exception as exc:  # noqa: BLE001 - the refusal itself is the finding
+            models.pop(kind, None)
+            refused[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    with torch.no_grad():
+        ref = base(ids).logits.float()
+        err = {
+            k: float((m(ids).logits.float() - ref).norm() / ref.norm()) for k, m in models.items()
+        }
+    times = {k: [] for k in models}
+    tokens = {}
+    for _ in range(5):  # interleaved rounds
+        for k, m in models.items():
+            ms, tokens[k] = decode_ms(m, ids)
+            times[k].append(ms)
+    agree = {
+        k: sum(a == b for a, b in zip(t, tokens["bf16"], strict=True)) / len(t)
+        for k, t in tokens.items()
+    }
+    loss_ref, grads_ref = lora_step(base)
+    loss8, grads8 = lora_step(models["fp8-weight-only"])
+    doc = {
+        "weight_mib": {k: weight_bytes(m) / 2**20 for k, m in models.items()},
+        "logits_rel_error": err,
+        "greedy_agreement": agree,
+        "ms_per_token": {k: statistics.median(v) for k, v in times.items()},
+        "ms_per_token_range": {k: [min(v), max(v)] for k, v in times.items()},
+        "refused": refused,
+        "lora": {
+            "loss_bf16_base": loss_ref,
+            "loss_fp8_base": loss8,
+            "adapter_grad_rel_diff": float((grads8 - grads_ref).norm() / grads_ref.norm()),
+        },
+        "load": {**load, "after": list(os.getloadavg())},
+        "versions": {
+            p: __import__(p).__version__ for p in ("torch", "torchao", "transformers", "peft")
+        },
+        "threads": torch.get_num_threads(),
+    }
+    OUT.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    OUT.with_suffix(".md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+def markdown(doc: dict) -> str:
+    rows = "\n".join(
+        f"| {k} | {doc['weight_mib'][k]:.1f} | {doc['logits_rel_error'][k]:.4f} | "
+        f"{doc['greedy_agreement'][k]:.2f} | {doc['ms_per_token'][k]:.0f} "
+        f"({doc['ms_per_token_range'][k][0]:.0f}-{doc['ms_per_token_range'][k][1]:.0f}) | "
+        f"{doc['ms_per_token'][k] / doc['ms_per_token']['bf16']:.2f}x |"
+        for k in doc["weight_mib"]
+    )
+    lora = doc["lora"]
+    refused = "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()) or "none"
+    return f"""# Float8 weights (torchao) on this CPU: a frozen LoRA base, the decode engine's
+
+`python benchmarks/fp8_weights_cpu.py` (`small` preset, random init, bf16; each decoder Linear
+quantized with torchao, the head kept; greedy decoding with transformers' `generate`, 8 new
+tokens after a 64-token prompt, 5 interleaved rounds, median and range; {doc["threads"]} threads;
+torch {doc["versions"]["torch"]}, torchao {doc["versions"]["torchao"]}, transformers
+{doc["versions"]["transformers"]}, peft {doc["versions"]["peft"]}; load (uptime) before
+{[round(x, 2) for x in doc["load"]["before"]]}, after {[round(x, 2) for x in doc["load"]["after"]]}:
+a shared machine, so the times are rough).
+
+| weights | MiB | logits' relative error | greedy tokens as bf16's | ms per token | vs bf16 |
+|---|--:|--:|--:|--:|--:|
+{rows}
+
+Refused here: {refused}.
+
+LoRA (PEFT, r=16, all linear layers, the same adapters) on the float8 weight-only base: loss
+{lora["loss_fp8_base"]:.4f} against {lora["loss_bf16_base"]:.4f} on the bf16 base; the adapters'
+gradients differ by {lora["adapter_grad_rel_diff"]:.3f} (relative norm). It trains.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
