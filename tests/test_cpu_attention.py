@@ -82,6 +82,7 @@ def _decode_sdpa_calls(engine, ids, params):
     return tokens, len(decode), loops
 
 
+@pytest.mark.slow
 def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_tokens(tiny_tokenizer):
     """Steps of 2 rows call no SDPA and attend in an inductor kernel with the softmax's exp in it;
     a step of one row keeps SDPA's kernel; the greedy tokens are the eager engine's (SDPA's)

@@ -281,6 +281,7 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
     assert "batched_mm" in seen and model.config._experts_implementation == before
 
 
+@pytest.mark.slow
 def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
     """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
     the weights after the compile does not reach the folded step, and inductor generated its own
@@ -309,6 +310,7 @@ def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tin
     assert frozen.generate(ids, full)[0].token_ids != after
 
 
+@pytest.mark.slow
 def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tiny_tokenizer):
     """Once a bucket has compiled and run, the step checks only the guards that tell compiled
     entries apart: a change a full guard check would recompile for (a weight's requires_grad)
@@ -351,6 +353,7 @@ def test_the_compiled_argmax_is_argmax_ties_included():
     assert 0 <= compiled(x)[4] < 300
 
 
+@pytest.mark.slow
 def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(tiny_tokenizer):
     """fixed_shape (GRPO's compiled sampler): requests of different lengths and budgets, rows
     finishing at different steps, then a smaller batch — every step is the one (all slots, whole
@@ -370,6 +373,7 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
     assert len(bucketed.stepper.warm) > 1  # without it: a step per (rows, length) bucket
 
 
+@pytest.mark.slow
 def test_an_eager_step_attends_over_the_positions_it_reaches_not_a_bucket(
     llama, tiny_tokenizer, monkeypatch
 ):

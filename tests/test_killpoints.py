@@ -22,7 +22,9 @@ from onegpu import train
 from onegpu.checkpoint import local as checkpoint
 from onegpu.checkpoint import resume
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+# serial: processes killed at chosen moments, waited for by the clock
+# tiny models run fastest single-threaded
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.serial]
 
 RANDOM_KILLS = 20
 SAVE_POINTS = checkpoint.SAVE_POINTS
@@ -111,6 +113,7 @@ def test_kill_inside_checkpoint_writes(ctx, tmp_path, tiny_tokenizer, tiny_model
         assert not list(tmp_path.glob(".*"))  # leftovers of the killed save were tidied away
 
 
+@pytest.mark.slow
 def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_dir, tiny_tokenizer):
     cfg = make_cfg(
         tmp_path,
