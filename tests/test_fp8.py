@@ -215,7 +215,7 @@ def test_a_device_without_fp8_tensor_cores_is_refused_by_name(device):
     resolve_precision(TechniquesConfig(fp8="tensorwise", fp8_emulate=True), device)  # allowed
 
 
-def test_fp8_capable_cards_pass_and_auto_trains_without_fp8():
+def test_fp8_capable_cards_pass_and_auto_trains_without_fp8(caplog):
     from onegpu.techniques.precision import resolve_precision
     from onegpu.techniques.prepare import resolved_techniques
 
@@ -224,6 +224,9 @@ def test_fp8_capable_cards_pass_and_auto_trains_without_fp8():
         assert resolve_precision(TechniquesConfig(fp8="rowwise"), device) == "bf16"
     assert resolved_techniques(Config(), "cuda").fp8 == "off"  # auto: the planner decides
     assert resolved_techniques(Config(techniques=EMULATED), "cpu").fp8 == "tensorwise"
+    off = Config(techniques=TechniquesConfig(fp8="off", fp8_emulate=True))
+    assert resolved_techniques(off, "cpu").fp8 == "off"
+    assert "fp8_emulate ignored: FP8 is off" in caplog.text  # an ignored setting says so
 
 
 def test_conflicting_settings_and_unknown_layer_names_are_errors(tiny_tokenizer):

@@ -48,14 +48,18 @@ def enabled(tcfg: TechniquesConfig) -> bool:
 def resolve_fp8(tcfg: TechniquesConfig, device_type: str) -> str:
     """techniques.fp8 for a run: auto is the planner's to decide, so a run it did not plan trains
     without FP8."""
-    if tcfg.fp8 != "auto":
-        return tcfg.fp8
-    if device_type == "cuda":
-        log.info(
-            "techniques.fp8=auto: training without FP8 (the planner decides it: onegpu plan, "
-            "train --plan auto; or set techniques.fp8=tensorwise)"
-        )
-    return "off"
+    fp8 = tcfg.fp8
+    if fp8 == "auto":
+        fp8 = "off"
+        if device_type == "cuda":
+            log.info(
+                "techniques.fp8=auto: training without FP8 (the planner decides it: onegpu plan, "
+                "train --plan auto; or set techniques.fp8=tensorwise)"
+            )
+    ignored = [k for k in ("fp8_skip", "fp8_emulate") if getattr(tcfg, k)]
+    if fp8 == "off" and ignored:
+        log.warning("%s ignored: FP8 is off (techniques.fp8=%s)", " and ".join(ignored), tcfg.fp8)
+    return fp8
 
 
 def check_device(tcfg: TechniquesConfig, device) -> None:
