@@ -150,7 +150,8 @@ def markdown(doc: dict) -> str:
         f"{doc['ms_per_token'][k] / doc['ms_per_token']['bf16']:.2f}x |"
         for k in doc["weight_mib"]
     )
-    lora = doc["lora"]
+    lora, w, e = doc["lora"], doc["weight_mib"], doc["logits_rel_error"]
+    t = {k: v / doc["ms_per_token"]["bf16"] for k, v in doc["ms_per_token"].items()}
     refused = "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()) or "none"
     return f"""# Float8 weights (torchao) on this CPU: a frozen LoRA base, the decode engine's
 
@@ -171,6 +172,29 @@ Refused here: {refused}.
 LoRA (PEFT, r=16, all linear layers, the same adapters) on the float8 weight-only base: loss
 {lora["loss_fp8_base"]:.4f} against {lora["loss_bf16_base"]:.4f} on the bf16 base; the adapters'
 gradients differ by {lora["adapter_grad_rel_diff"]:.3f} (relative norm). It trains.
+
+## Not made a setting, and why
+
+- Memory: float8 weight-only stores {w["fp8-weight-only"]:.1f} MiB where torchao's int8
+  weight-only stores {w["ao-int8"]:.1f} MiB: nothing beyond what `--quantization ao-int8` (the
+  decode engine) and `techniques.lora.quantize_base=int8` (LoRA's base) already give, and twice
+  what nf4 gives a LoRA base.
+- Numbers: its logits are {e["fp8-weight-only"] / e["ao-int8"]:.1f}x further from bf16's than int8's
+  ({e["fp8-weight-only"]:.4f} against {e["ao-int8"]:.4f}): e4m3 keeps 3 mantissa bits where a
+  per-row int8 scale keeps about 7.
+- Speed: it dequantizes the weight before each bf16 matmul, so a frozen base in float8 does more
+  work than in bf16, not less; here it decodes at {t["fp8-weight-only"]:.2f}x bf16's time per
+  token (int8: {t["ao-int8"]:.2f}x). A card's kernel may do better on a bandwidth-bound decode
+  step, but that cannot be measured here.
+- The one config that multiplies in float8 (and so could make a frozen base faster) refuses every
+  device below an Ada or Hopper card (above); PEFT's torchao LoRA layer accepts int8 weights only
+  (peft/tuners/lora/torchao.py: "only supports int8 weights for now"), so merging adapters into
+  such a base would fail.
+
+What FP8 gives LoRA instead is `techniques.fp8` with `techniques.lora.enabled`: the frozen base's
+matmuls in float8 (torchao's training layers), the adapters in high precision; tested in
+tests/test_fp8.py and modelled by the planner. The float8-matmul weight setting for the decode
+engine waits for a card to measure it on.
 """
 
 
