@@ -216,8 +216,8 @@ def _times(shape: ModelShape, c: Candidate, spec: GpuSpec, tokens: int, layer) -
 
     t = c.techniques
     _, k, n, _ = layer
-    frozen = bool(c.lora_rank)
-    weight_bytes = 2 if frozen and t.precision != "bf16-pure" else param_bytes(t.precision)
+    frozen = bool(c.lora_rank)  # LoRA's base: stored in the weights' dtype, as trained ones are
+    weight_bytes = param_bytes(t.precision)
     return layer_times(spec, t.fp8, tokens, k, n, weight_bytes, frozen, t.compile == "off")
 
 

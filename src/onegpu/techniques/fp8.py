@@ -56,7 +56,7 @@ def resolve_fp8(tcfg: TechniquesConfig, device_type: str) -> str:
                 "techniques.fp8=auto: training without FP8 (the planner decides it: onegpu plan, "
                 "train --plan auto; or set techniques.fp8=tensorwise)"
             )
-    ignored = [k for k in ("fp8_skip", "fp8_emulate") if getattr(tcfg, k)]
+    ignored = [k for k, v in (("fp8_skip", tcfg.fp8_skip), ("fp8_emulate", tcfg.fp8_emulate)) if v]
     if fp8 == "off" and ignored:
         log.warning("%s ignored: FP8 is off (techniques.fp8=%s)", " and ".join(ignored), tcfg.fp8)
     return fp8
@@ -64,9 +64,7 @@ def resolve_fp8(tcfg: TechniquesConfig, device_type: str) -> str:
 
 def check_device(tcfg: TechniquesConfig, device) -> None:
     """One clear error where FP8 is asked for on a device without FP8 tensor cores."""
-    if not enabled(tcfg) or tcfg.fp8_emulate:
-        return
-    if device.fp8:
+    if not enabled(tcfg) or tcfg.fp8_emulate or device.fp8:
         return
     cap = ".".join(map(str, device.capability)) if device.capability else None
     what = f"{device.name} (compute capability {cap})" if cap else device.name
