@@ -153,7 +153,7 @@ def markdown(doc: dict) -> str:
     lora, w, e = doc["lora"], doc["weight_mib"], doc["logits_rel_error"]
     t = {k: v / doc["ms_per_token"]["bf16"] for k, v in doc["ms_per_token"].items()}
     refused = "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()) or "none"
-    return f"""# Float8 weights (torchao) on this CPU: a frozen LoRA base, the decode engine's
+    return f"""# torchao's float8 weights on this CPU: for a frozen LoRA base and for decoding
 
 `python benchmarks/fp8_weights_cpu.py` (`small` preset, random init, bf16; each decoder Linear
 quantized with torchao, the head kept; greedy decoding with transformers' `generate`, 8 new
