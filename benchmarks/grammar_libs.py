@@ -1,7 +1,8 @@
 """Which grammar library constrains `onegpu serve`'s structured output: xgrammar, llguidance and
 outlines-core side by side, on the same byte-level BPE tokenizers and the same JSON schemas.
 
-    flock /work/.bench.lock python benchmarks/grammar_libs.py --out benchmarks/results/grammar-libs-cpu
+    flock /work/.bench.lock python benchmarks/grammar_libs.py \\
+        --out benchmarks/results/grammar-libs-cpu
 
 Per library and vocabulary (512, 32k and 128k tokens, BPEs trained here on local Python source):
 the tokenizer's one-time preparation, the compile of each schema (no cache: a new compiler or
@@ -195,7 +196,7 @@ def _bytes_to_unicode() -> dict:
             bs.append(b)
             cs.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def _allowed(mask, token: int) -> bool:
@@ -286,7 +287,8 @@ def write(out: Path, rows: list, before: str, after: str) -> None:
         "",
         *(f"- {k}: {v}" for k, v in meta.items()),
         "",
-        "| library | vocab | tokenizer prep s | schema | compile ms | fill median us | fill max us |",
+        "| library | vocab | tokenizer prep s | schema | compile ms | fill median us "
+        "| fill max us |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -1,7 +1,9 @@
 """Nothing lost, nobody let in: bad bodies and values out of range are 400s naming the field (an
-unknown field is ignored and named in a header, test_serve_api.py); an unknown model is a 404; a prompt over the context a 400 naming the limit; a wrong or
-missing key a 401; a full queue a 503 with Retry-After; a caller that leaves frees its slot; SIGTERM
-finishes what is in flight and exits 0. The server answers normally after each of these."""
+unknown field is ignored and named in a header, test_serve_api.py); an unknown model is a 404; a
+prompt over the context a 400 naming the limit; a wrong or missing key a 401; a full queue a 503
+with Retry-After; a caller that leaves frees its slot; SIGTERM finishes what is in flight and exits
+0, and a stream the grace period cuts ends with an error event and [DONE]. The server answers
+normally after each of these."""
 
 from __future__ import annotations
 

@@ -9,10 +9,9 @@ import threading
 
 import pytest
 
+from onegpu.serve.tools import HermesReader, Llama3Reader, parser_for
 from serve_fakes import LiveApp, make_service
 from test_serve_api import chat, error_of, post, sse
-
-from onegpu.serve.tools import HermesReader, Llama3Reader, parser_for
 
 HERMES_TEMPLATE = (
     "{% if tools %}<|system|>Tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
@@ -63,7 +62,8 @@ def test_hermes_calls_split_from_content_whatever_the_chunking():
 
 def test_llama3_json_calls_and_plain_answers():
     reader = Llama3Reader()
-    body = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"s": ";}"}}'
+    body = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+    body += '{"name": "b", "parameters": {"s": ";}"}}'
     assert reader.feed(body[:5]) == ("", []) and reader.feed(body[5:]) == ("", [])
     content, calls = reader.finish()
     assert content == "" and [c.name for c in calls] == ["a", "b"]
