@@ -243,7 +243,7 @@ def main() -> None:
         for lib in LIBS:
             rows.append(_one(lib, vocab, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
-    write(Path(args.out), rows, before, _uptime())
+    write(Path(args.out), rows, before, _uptime(), apply_cost())
 
 
 def _one(lib: str, vocab: int, timeout: float) -> dict:
@@ -258,6 +258,29 @@ def _one(lib: str, vocab: int, timeout: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def apply_cost(rows: int = 8, repeats: int = 21) -> list:
+    """The other half of a constrained step: logit_rules.apply_token_bitmask over a batch of
+    fp32 logits on this CPU (one thread), median of ``repeats`` calls, in microseconds."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from onegpu.infer.logit_rules import apply_token_bitmask
+
+    torch.set_num_threads(1)
+    out = []
+    for vocab in (32000, 128000):
+        logits = torch.randn(rows, vocab)
+        words = (vocab + 31) // 32
+        mask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32)
+        for label, args in (
+            (f"all {rows} rows", (logits, mask)),
+            (f"1 row of {rows}", (logits, mask[:1], torch.tensor([3]))),
+        ):
+            times = [_timed(lambda a: apply_token_bitmask(*a), args) for _ in range(repeats)]
+            out.append({"rows": label, "vocab": vocab, "median_us": statistics.median(times) * 1e6})
+    return out
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -269,7 +292,7 @@ def _versions() -> dict:
     return {n: version(n) for n in names}
 
 
-def write(out: Path, rows: list, before: str, after: str) -> None:
+def write(out: Path, rows: list, before: str, after: str, apply: list) -> None:
     meta = {
         "command": " ".join(sys.argv),
         "commit": subprocess.run(
@@ -281,7 +304,8 @@ def write(out: Path, rows: list, before: str, after: str) -> None:
         "uptime_before": before,
         "uptime_after": after,
     }
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    body = {"meta": meta, "rows": rows, "apply_token_bitmask": apply}
+    out.with_suffix(".json").write_text(json.dumps(body, indent=1))
     lines = [
         "# Grammar libraries for structured output (CPU, one thread)",
         "",
@@ -300,6 +324,8 @@ def write(out: Path, rows: list, before: str, after: str) -> None:
                 f"| {r['lib']} | {r['vocab']} | {r['prep_s']:.2f} | {name} | "
                 f"{s['compile_s'] * 1e3:.1f} | {s['fill_median_us']:.0f} | {s['fill_max_us']:.0f} |"
             )
+    lines += ["", "apply_token_bitmask (fp32 logits, CPU, one thread):", ""]
+    lines += [f"- {a['rows']}, vocab {a['vocab']}: {a['median_us']:.0f} us" for a in apply]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -79,3 +79,16 @@ def test_a_padded_embedding_masks_the_tokens_past_the_tokenizer():
     bitmask = torch.full((1, 1), -1, dtype=torch.int32)  # a 32-token tokenizer, all allowed
     out = apply_token_bitmask(torch.zeros(1, 40), bitmask)
     assert out[0, :32].isfinite().all() and out[0, 32:].isinf().all()
+
+
+def test_the_mask_of_the_constrained_rows_alone_leaves_the_others_untouched():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 64)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 1] = 1  # row 2 may only write token 32
+    out = apply_token_bitmask(logits, bitmask, rows=torch.tensor([2]))
+    assert out[2].isfinite().nonzero().flatten().tolist() == [32]
+    assert torch.equal(out[[0, 1, 3]], logits[[0, 1, 3]])
+    full = torch.full((4, 2), -1, dtype=torch.int32)
+    full[2] = bitmask[0]
+    assert torch.equal(apply_token_bitmask(logits, full), out)

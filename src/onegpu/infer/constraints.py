@@ -8,7 +8,8 @@ benchmarks/results/grammar-libs-cpu.md); it is an optional extra, ``pip install
 
 The seam with the decode step: each step, one int32 bitmask [rows, ceil(vocab / 32)] on the host,
 ``fill_bitmask`` writing the rows that have a matcher and leaving every other row all ones; the step
-moves it to the device and calls ``logit_rules.apply_token_bitmask`` before sampling, then hands
+moves it to the device and calls ``logit_rules.apply_token_bitmask`` before sampling (with
+``rows=``, the constrained rows' indices, the others are not touched), then hands
 each constrained row's sampled token to ``Matcher.accept``. A row whose matcher is ``terminated``
 has finished its grammar (its only allowed token then is EOS)."""
 
