@@ -221,6 +221,20 @@ def test_a_non_ascii_bearer_token_is_a_401_error_object(tiny_tokenizer):
         live.stop()
 
 
+@pytest.mark.parametrize(
+    "raw,words",
+    [
+        (b'{"prompt": "a\\ud800b"}', "surrogate"),  # no tokenizer takes half a character
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens"),
+        (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    ],
+)
+def test_bodies_that_would_break_the_parser_or_the_tokenizer_are_400s(app, raw, words):
+    response = httpx.post(f"{app.url}/v1/completions", content=raw, timeout=30)
+    assert words in error_of(response, 400)["message"]
+
+
 def test_unknown_routes_and_methods_answer_error_objects(app):
     assert (
         error_of(httpx.get(f"{app.url}/v1/nothing", timeout=10), 404)["type"] == "not_found_error"

@@ -156,18 +156,32 @@ class ChatRequest(_Sampling):
 
 def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
     """The request body as ``schema``, or a 400 naming the first field that is wrong."""
-    try:
-        data = json.loads(raw or b"")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object.", code="invalid_json")
+    data = _json(raw)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
         raise _field_error(exc) from None
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw or b"")
+        # "\ud800" parses to a lone surrogate no tokenizer takes: refused here, not a 500 there
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeEncodeError:
+        raise APIError(
+            400,
+            "the body has a lone UTF-16 surrogate escape (such as \\ud800) in a string; send "
+            "whole characters.",
+            code="invalid_json",
+        ) from None
     except RecursionError:  # a body nested thousands deep
         raise APIError(400, "the body is nested too deeply.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object.", code="invalid_json")
+    return data
 
 
 def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
