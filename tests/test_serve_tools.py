@@ -152,6 +152,8 @@ def test_forced_tool_choice_waits_for_the_engines_grammar_and_names_unknown_tool
             post(hermes_app, "/v1/chat/completions", chat(tools=[WEATHER], tool_choice=choice)), 400
         )
         assert err["param"] == "tool_choice" and err["code"] == "unsupported_parameter"
+    err = error_of(post(hermes_app, "/v1/chat/completions", chat(tool_choice="required")), 400)
+    assert err["param"] == "tool_choice" and "no 'tools'" in err["message"]
     other = {"type": "function", "function": {"name": "nope"}}
     err = error_of(
         post(hermes_app, "/v1/chat/completions", chat(tools=[WEATHER], tool_choice=other)), 400

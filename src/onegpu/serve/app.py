@@ -65,15 +65,15 @@ class Service:
                 log.warning("ignoring the request field '%s': this server does not know it", name)
         return {IGNORED_HEADER: ", ".join(names)} if names else {}
 
-    async def plan(self, make, *args) -> Plan:
-        """``make(*args)`` on the tokenizer thread, with the engine's features and the grammar
-        checked there too."""
+    async def plan(self, make, req, *args) -> Plan:
+        """``make(tokenizer, req, *args)`` on the tokenizer thread, with the grammar and the
+        engine's features checked there too."""
 
         def run() -> Plan:
-            plan = make(*args)
+            plan = make(self.tokenizer, req, *args)
             if plan.params.constraint is not None and self.check_constraint is not None:
-                _check(self.check_constraint, plan.params.constraint, args[1])
-            check_features(plan.params, self.features, args[1])
+                _check(self.check_constraint, plan.params.constraint, req)
+            check_features(plan.params, self.features, req)
             return plan
 
         return await asyncio.get_running_loop().run_in_executor(self.prep, run)
@@ -136,7 +136,7 @@ def _routes(app: FastAPI, s: Service) -> None:
         req = parse_body(await request.body(), CompletionRequest)
         headers = s.ignored(req)
         adapter = s.models.adapter_for(req.model)
-        plan = await s.plan(completion_plan, s.tokenizer, req, s.max_len)
+        plan = await s.plan(completion_plan, req, s.max_len)
         return await answer(s, request, req, plan, adapter, headers)
 
     @app.post("/v1/chat/completions", openapi_extra={"x-onegpu": "chat"})
@@ -145,7 +145,7 @@ def _routes(app: FastAPI, s: Service) -> None:
         req = parse_body(await request.body(), ChatRequest)
         headers = s.ignored(req)
         adapter = s.models.adapter_for(req.model)
-        plan = await s.plan(chat_plan, s.tokenizer, req, s.max_len, s.tool_format)
+        plan = await s.plan(chat_plan, req, s.max_len, s.tool_format)
         return await answer(s, request, req, plan, adapter, headers)
 
 

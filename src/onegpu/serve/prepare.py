@@ -49,6 +49,13 @@ def completion_plan(tokenizer, req: CompletionRequest, max_len: int) -> Plan:
 
 
 def chat_plan(tokenizer, req: ChatRequest, max_len: int, tool_format: Optional[str]) -> Plan:
+    if req.tool_choice not in (None, "none", "auto") and not req.tools:
+        raise APIError(
+            400,
+            "tool_choice asks for a tool call, but the request gives no 'tools'.",
+            param="tool_choice",
+            code="invalid_value",
+        )
     tools_on = bool(req.tools) and req.tool_choice != "none"
     if tools_on and tool_format is None:
         raise APIError(
