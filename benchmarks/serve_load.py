@@ -210,7 +210,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(command: str, model: Path, port: int, args, log: Path) -> subprocess.Popen:
+def start_server(
+    command: str, model: Path, port: int, args, log: Path, src: Path = ROOT / "src"
+) -> subprocess.Popen:
+    """``src``: the source tree the server runs (another checkout's, for an A/B of two commits)."""
     argv = shlex.split(command) + ["--model", str(model), "--served_name", "tiny"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--max_slots", str(args.clients)]
     argv += [
@@ -222,7 +225,7 @@ def start_server(command: str, model: Path, port: int, args, log: Path) -> subpr
     ]
     # torch's intra-op threads for the server: on a shared 2-core machine a decode step's small ops
     # split over 2 threads run many times slower than on 1 (benchmarks/results/grpo-rollouts-cpu.md)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS=str(args.server_threads))
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.server_threads))
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + 180
