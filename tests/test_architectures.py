@@ -22,6 +22,10 @@ MOE_ROUTER_LOSS = {"qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"}
 # Attention SDPA cannot express (logit soft-capping, attention sinks): attention=auto picks eager.
 EAGER_ONLY = {"gemma2", "gpt_oss"}
 
+# Every family trains in full in the fast tier; with adapters only these (a plain Llama, a MoE with
+# a router loss, an eager-only family, GPT-2's Conv1D layers): the rest in the slow tier.
+ADAPTER_FAMILIES_FAST = {"llama", "mixtral", "gemma2", "gpt2"}
+
 LORA = {"enabled": True, "r": 8, "alpha": 16}
 # techniques, learning rate, the least fall of the train loss over the 8 steps. The falls measured
 # here: over 2 nats for every family trained in full, 0.6 or more with adapters (a rank-8 update
@@ -35,11 +39,13 @@ MODES = {
 # A QLoRA run read back with its base requantized to nf4: the logits of the trained model within
 # this much (measured: equal for most families, 0.025 at most on olmo2's tiny model).
 NF4_RELOAD_ATOL = 0.05
-# Families whose tiny model loaded in 4 bits for inference fails inside bitsandbytes' CPU 4-bit
-# matmul ("N must be divisible by block_n" on the 4-expert router; a reshape to [64, 0]) though
-# training ran on its quantized layers: their QLoRA runs are checked on the default full-precision
-# reload only.
-NF4_RELOAD_REFUSED = {"qwen2_moe", "deepseek_v3"}
+# QLoRA runs checked on the default full-precision reload only:
+# - qwen2_moe, deepseek_v3: loaded in 4 bits for inference, their tiny models fail inside
+#   bitsandbytes' CPU 4-bit matmul ("N must be divisible by block_n" on the 4-expert router; a
+#   reshape to [64, 0]), though training ran on the quantized layers;
+# - the other MoE families: a requantization difference of the size olmo2 shows can flip a
+#   token's top-k experts, and the logits with them (mixtral: 1.9 on 15% of them, measured).
+NF4_RELOAD_REFUSED = {"qwen2_moe", "deepseek_v3", "mixtral", "qwen3_moe", "gpt_oss"}
 # (family, mode) that cannot run here, with the reason; an entry is an expected failure (strict).
 BROKEN: dict[tuple[str, str], str] = {
     (
@@ -55,6 +61,8 @@ def _matrix():
         for mode in MODES:
             reason = BROKEN.get((family, mode))
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            if mode != "full" and family not in ADAPTER_FAMILIES_FAST:
+                marks.append(pytest.mark.slow)
             yield pytest.param(family, mode, id=f"{family}-{mode}", marks=marks)
 
 

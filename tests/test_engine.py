@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
 
 from families import FAMILIES, tiny_family_model
 from onegpu.errors import ConfigError
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
-from onegpu.infer.slot_cache import kv_bytes_per_position
+from onegpu.infer.slot_cache import cache_kwarg, kv_bytes_per_position
 
 PROMPTS = ["def add(a, b):", "import os\nclass Foo:", "x = [1, 2"]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -82,13 +83,43 @@ def test_a_request_joining_mid_flight_changes_no_output(llama, tiny_tokenizer):
     assert [news[r] for r in [first, *later]] == [a.token_ids for a in alone]
 
 
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host (each one a device sync on a
+    GPU): tolist, item, cpu, numpy and the conversions to Python numbers and bools."""
+
+    READS = {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_tokens_are_read_back_once_per_sync_not_per_step(llama, tiny_tokenizer):
-    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5))
+    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5, prefill_thread="off"))
     for row in _ids(tiny_tokenizer)[:2]:
-        engine.submit(row, GREEDY)
-    first = engine.step()
-    # the prefill's token and five decode steps, all in one read-back
+        engine.submit(row, SamplingParams(max_new_tokens=20))
+    with _HostReads() as reads:
+        first = engine.step()
+    # the prefills' tokens and five decode steps of both rows, in one read-back
     assert [len(u.token_ids) for u in first] == [6, 6] and all(u.first_token for u in first)
+    assert len(reads.calls) == 1, reads.calls
+    with _HostReads() as reads:
+        second = engine.step()
+    assert [len(u.token_ids) for u in second] == [5, 5] and len(reads.calls) == 1, reads.calls
 
 
 def test_a_seed_fixes_a_sample_wherever_the_request_sits(llama, tiny_tokenizer):
@@ -159,14 +190,37 @@ def test_eos_and_stop_strings_end_a_request(llama, tiny_tokenizer):
     assert cut[0].finish_reason == "stop" and cut[0].text == text[: text.index(stop)]
 
 
-def test_the_cache_is_sized_to_the_request_not_the_context(llama):
-    engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=96))
-    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
-    assert engine.cache.bytes == 4 * 96 * kv_bytes_per_position(llama)
-    cfg = llama.config  # K and V, fp32, every layer
+def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
+    """``generate`` on the engine, with a model whose context is 4,096 positions: the cache its
+    decode steps read holds the longest prompt + new tokens (in 64s) per slot, not the context."""
+    from onegpu.infer import SamplingConfig, generate
+
+    model = tiny_family_model("llama", tiny_tokenizer, max_position_embeddings=4096).eval()
+    caches = []
+
+    def spy(module, args, kwargs):
+        cache = kwargs.get(cache_kwarg(module))
+        if cache is not None and not caches:
+            caches.append(cache)
+
+    hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+    try:
+        for prompts, positions in ((PROMPTS[:2], 64), ([" ".join(["x = 1"] * 20)], 128)):
+            caches.clear()
+            longest = max(len(tiny_tokenizer(p)["input_ids"]) for p in prompts)
+            assert longest + 12 <= positions < longest + 12 + 64
+            generate(
+                model, tiny_tokenizer, prompts, SamplingConfig(max_new_tokens=12, batch_size=2)
+            )
+            rows = len(prompts)
+            assert [tuple(k.shape[::2]) for k in caches[0].keys] == [(rows, positions)] * 2
+            assert caches[0].bytes == rows * positions * kv_bytes_per_position(model)
+    finally:
+        hook.remove()
+    cfg = model.config  # K and V, fp32, every layer
     head = cfg.hidden_size // cfg.num_attention_heads
     assert (
-        kv_bytes_per_position(llama)
+        kv_bytes_per_position(model)
         == 2 * 4 * cfg.num_key_value_heads * head * cfg.num_hidden_layers
     )
 
@@ -227,6 +281,7 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
     assert "batched_mm" in seen and model.config._experts_implementation == before
 
 
+@pytest.mark.slow
 def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
     """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
     the weights after the compile does not reach the folded step, and inductor generated its own
@@ -255,6 +310,7 @@ def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tin
     assert frozen.generate(ids, full)[0].token_ids != after
 
 
+@pytest.mark.slow
 def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tiny_tokenizer):
     """Once a bucket has compiled and run, the step checks only the guards that tell compiled
     entries apart: a change a full guard check would recompile for (a weight's requires_grad)
@@ -297,6 +353,7 @@ def test_the_compiled_argmax_is_argmax_ties_included():
     assert 0 <= compiled(x)[4] < 300
 
 
+@pytest.mark.slow
 def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(tiny_tokenizer):
     """fixed_shape (GRPO's compiled sampler): requests of different lengths and budgets, rows
     finishing at different steps, then a smaller batch — every step is the one (all slots, whole
@@ -316,6 +373,7 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
     assert len(bucketed.stepper.warm) > 1  # without it: a step per (rows, length) bucket
 
 
+@pytest.mark.slow
 def test_an_eager_step_attends_over_the_positions_it_reaches_not_a_bucket(
     llama, tiny_tokenizer, monkeypatch
 ):

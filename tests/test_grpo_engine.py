@@ -17,8 +17,25 @@ def _greedy(model, ids, new):
     return out[0, len(ids) :].tolist()
 
 
-def test_engine_is_the_default_sampler():
-    assert GRPOConfig().sampler == "engine"
+def test_engine_is_the_default_sampler(tiny_tokenizer):
+    """A GRPO run's sampling with the default settings goes through the decode engine: each
+    distinct prompt prefilled alone, once for its group (generate prefills the padded chunk)."""
+    from onegpu.objectives.rollout import sample
+
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    prefills = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: (
+            prefills.append(kw["input_ids"].shape) if kw["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in ("def f(x):", "class A:")]
+    chunk = [p for p in prompts for _ in range(4)]
+    gcfg = GRPOConfig(max_completion_length=4)
+    out = sample(model, chunk, gcfg, tiny_tokenizer, torch.device("cpu"), rows=8)
+    assert len(out.completion_ids) == 8
+    assert sorted(prefills) == sorted(torch.Size([1, len(p)]) for p in prompts)
 
 
 def test_each_prompt_is_prefilled_once_for_its_group(tiny_tokenizer):
