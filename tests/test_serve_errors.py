@@ -220,6 +220,7 @@ def _refused(srv: Server, timeout_s: float = 10):
 
 
 @pytest.mark.serial
+@pytest.mark.slow
 def test_a_stream_cut_by_the_grace_period_ends_with_an_error_event_and_done(
     tiny_model_dir, tmp_path
 ):
