@@ -41,6 +41,10 @@ class ServeConfig:
     prefill_thread: Literal["auto", "off", "on"] = "auto"
     """Prefill new requests on a second thread while the running ones decode (auto: on a CPU
     with a core to spare beyond the torch threads, e.g. OMP_NUM_THREADS=1 on two cores)."""
+    tool_parser: Literal["auto", "hermes", "llama3", "none"] = "auto"
+    """How the model writes tool calls, read back into OpenAI's tool_calls: hermes
+    (<tool_call>{json}</tool_call>, Qwen and Hermes models), llama3 (a JSON answer), none (tools
+    refused), auto (read from the chat template)."""
     grace: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before it cancels them."""
 
