@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from families import tiny_family_model
-from onegpu.infer import cpu_attention
+from onegpu.infer import cpu_attention, policy
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 
@@ -94,7 +94,7 @@ def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_token
     want = [r.token_ids for r in eager.generate(ids, params)]
     alone = [r.token_ids for r in eager.generate(ids[:1], params)]
     compiled = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on"))
-    assert compiled.stepper.attention == cpu_attention.NAME
+    assert compiled.decode_step.attention == cpu_attention.NAME
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         compiled.generate(ids, params)  # compiles both buckets, the kernels named in the profile
         compiled.generate(ids[:1], params)
@@ -106,19 +106,19 @@ def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_token
 
 def test_the_realize_threshold_is_set_while_a_step_of_the_loops_compiles(tiny_tokenizer):
     """Inductor reads realize_opcount_threshold from its global config when a bucket compiles: the
-    stepper's settings set it for steps of the loops (2 rows up), and leave it alone for one row
+    decode step's settings set it for steps of the loops (2 rows up), and leave it alone for one row
     (SDPA's kernel) and for eager steps."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     config = torch._inductor.config
     default = config.realize_opcount_threshold
-    stepper = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on")).stepper
-    with stepper.settings(None, rows=2):
-        assert config.realize_opcount_threshold == cpu_attention.REALIZE_OPS
+    step = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on")).decode_step
+    with step.settings(None, rows=2):
+        assert config.realize_opcount_threshold == policy.REALIZE_OPS
         assert model.config._attn_implementation == cpu_attention.NAME
     assert config.realize_opcount_threshold == default
-    with stepper.settings(None, rows=1):
+    with step.settings(None, rows=1):
         assert config.realize_opcount_threshold == default
         assert model.config._attn_implementation != cpu_attention.NAME
-    eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64)).stepper
+    eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64)).decode_step
     with eager.settings(None, rows=2):
         assert config.realize_opcount_threshold == default

@@ -19,9 +19,12 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
     config = EngineConfig(
         max_slots=plan.max_slots,
         max_len=plan.max_len,
+        num_blocks=plan.num_blocks,
+        block_size=plan.block_size,
+        prefix_caching=cfg.prefix_caching,
+        token_budget=cfg.token_budget,
         compile=cfg.compile,
         sync_every=cfg.sync_every,
-        prefill_thread=cfg.prefill_thread,
     )
     return Engine(model, tokenizer, config)
 
@@ -52,8 +55,7 @@ def serve(icfg, cfg: ServeConfig) -> int:
     )
     _say(plan.describe())
     engine = make_engine(model, loaded.tokenizer, plan, cfg)
-    thread = "on a second thread, beside the decode steps"
-    _say(f"prefills: {thread if engine.prefills is not None else 'inline, between decode steps'}")
+    _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None
