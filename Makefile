@@ -1,10 +1,12 @@
-# Two commands on a fresh machine: `make demo` (set up + default training run), `make test`.
+# Two commands on a fresh machine: `make demo` (set up + default training run), `make test` (the fast
+# tier, <= 10 min on 2 cores). `make test-all` runs every test (CI; <= 20 min). One file of a tier:
+# `make test ARGS=tests/test_engine.py` (ARGS go to pytest).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint test-gpu gpu-check clean
+.PHONY: setup demo test test-all lint test-gpu gpu-check clean
 
 setup: $(STAMP)
 
@@ -19,11 +21,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/onegpu train
 
-# ruff first: the formatter and the linter (pyproject.toml), then the suite
-test: setup
+# ruff: the formatter and the linter (pyproject.toml)
+lint: setup
 	$(BIN)/ruff format --check src tests benchmarks scripts
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/python -m pytest -q
+
+# The tiers (scripts/test_tier.sh): pytest-xdist on 2 workers, then the `serial` tests alone; a
+# test not marked `slow` that costs more than fast_tier_limit_s CPU seconds fails (tests/tier_guard.py).
+test: lint
+	PYTHON=$(BIN)/python bash scripts/test_tier.sh fast $(ARGS)
+
+test-all: lint
+	PYTHON=$(BIN)/python bash scripts/test_tier.sh all $(ARGS)
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

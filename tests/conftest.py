@@ -7,7 +7,18 @@ import os
 
 import pytest
 
-from helpers import CORPUS, make_tiny_llama
+# Under pytest-xdist (make test, make test-all) each of the workers runs on one torch thread: the
+# tiny models run fastest single-threaded, and two workers on two cores would fight over threads.
+# Set before torch is imported, so that the processes a test starts inherit it as well.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+from helpers import CORPUS, make_tiny_llama  # noqa: E402 - after the thread settings
+
+# the fast tier's limit (tests/tier_guard.py); pytester: the guard's own test (test_house.py)
+pytest_plugins = ["tier_guard", "pytester"]
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -25,6 +36,13 @@ def _cuda_available() -> bool:
 # nothing is set there. tests/test_distributed.py names "cpu" itself for its CPU-only subprocesses.
 if not _cuda_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

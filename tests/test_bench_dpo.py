@@ -74,6 +74,7 @@ def test_objectives_without_a_peer_are_refused():
     assert err.value.hint
 
 
+@pytest.mark.slow
 def test_every_dpo_arm_trains_on_the_same_pairs_and_reports_speed_and_memory(tmp_path):
     """Real children, 2 steps each: every arm counts the same real tokens (TRL tokenized the same
     records into the same ids), writes tokens/s and memory; the precomputed reference is reported

@@ -50,6 +50,7 @@ def test_dry_run_lists_the_grpo_arms(capsys, tmp_path, tiny_model_dir):
     assert "objective grpo" in out and not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_both_arms_sample_the_same_prompt_tokens_and_the_report_has_every_row(
     tmp_path, tiny_model_dir
 ):

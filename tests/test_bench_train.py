@@ -50,6 +50,7 @@ def tiny_bench(model_dir, data, tmp_path, **kw) -> BenchTrainConfig:
     return bench_config(**base)
 
 
+@pytest.mark.slow
 def test_two_arms_two_reps_end_to_end(tiny_model_dir, text_file, tmp_path):
     """Real children: our loop and HF Trainer, each twice, interleaved; json, md and png written."""
     b = tiny_bench(tiny_model_dir, text_file, tmp_path)
@@ -129,6 +130,7 @@ def chat_file(path):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["text", "chat"])
 def test_trl_arm_trains_on_the_same_tokens(data, tiny_model_dir, text_file, tmp_path):
     """TRL's SFTTrainer at its defaults, in a real child: the same examples in the same order as our

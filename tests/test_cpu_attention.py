@@ -3,6 +3,7 @@ run in the step (no SDPA call) with the eager tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -81,6 +82,7 @@ def _decode_sdpa_calls(engine, ids, params):
     return tokens, len(decode), loops
 
 
+@pytest.mark.slow
 def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_tokens(tiny_tokenizer):
     """Steps of 2 rows call no SDPA and attend in an inductor kernel with the softmax's exp in it;
     a step of one row keeps SDPA's kernel; the greedy tokens are the eager engine's (SDPA's)
@@ -104,21 +106,28 @@ def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_token
     assert got == alone and sdpa > 0 and not loops
 
 
-def test_the_realize_threshold_is_set_while_a_step_of_the_loops_compiles(tiny_tokenizer):
-    """Inductor reads realize_opcount_threshold from its global config when a bucket compiles: the
-    decode step's settings set it for steps of the loops (2 rows up), and leave it alone for one row
-    (SDPA's kernel) and for eager steps."""
+def _step_code(model, ids, realize_ops) -> str:
+    """The code inductor generates for an engine's compiled steps over ``ids``, with the decode
+    step's realize threshold ``realize_ops`` (None: inductor's own)."""
+    from torch._inductor.utils import run_and_get_code
+
+    engine = Engine(model, None, EngineConfig(max_slots=len(ids), max_len=64, compile="on"))
+    engine.decode_step.realize_ops = realize_ops
+    engine.decode_step.inductor.update(fx_graph_cache=False)  # compile here, not from a cache
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    return "\n".join(run_and_get_code(lambda: engine.generate(ids, params))[1])
+
+
+@pytest.mark.slow
+def test_the_realize_threshold_shapes_the_code_of_a_step_of_the_loops(tiny_tokenizer):
+    """Inductor reads realize_opcount_threshold from its global config when a bucket compiles:
+    with the decode step's threshold, a step of the loops (2 rows) compiles to other code, with more
+    buffers (values made once instead of inlined into each reader); a one-row step (SDPA's
+    kernel) compiles to the same code either way."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
-    config = torch._inductor.config
-    default = config.realize_opcount_threshold
-    step = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on")).decode_step
-    with step.settings(None, rows=2):
-        assert config.realize_opcount_threshold == policy.REALIZE_OPS
-        assert model.config._attn_implementation == cpu_attention.NAME
-    assert config.realize_opcount_threshold == default
-    with step.settings(None, rows=1):
-        assert config.realize_opcount_threshold == default
-        assert model.config._attn_implementation != cpu_attention.NAME
-    eager = Engine(model, None, EngineConfig(max_slots=2, max_len=64)).decode_step
-    with eager.settings(None, rows=2):
-        assert config.realize_opcount_threshold == default
+    ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
+    realized = _step_code(model, ids, policy.REALIZE_OPS)
+    inlined = _step_code(model, ids, None)
+    assert realized.count("buf") > inlined.count("buf")
+    one, plain = (_step_code(model, ids[:1], n) for n in (policy.REALIZE_OPS, None))
+    assert one.count("buf") == plain.count("buf")

@@ -253,6 +253,8 @@ def reference(base):
     return ref
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, reference, tmp_path):
     ckpt = Path(base["output"]["dir"]) / "ref" / "checkpoint-00000002"
     _launch(tmp_path, [_cfg(base, "ddp"), _cfg(base, "ddp-resumed", resume=ckpt)])
@@ -262,6 +264,8 @@ def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, refe
     _assert_same(resumed, reference, [3, 4])
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference, tmp_path):
     from onegpu import train
 
@@ -273,6 +277,7 @@ def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference
     _assert_same(_losses(base, "fsdp2-to-1"), reference, [3, 4])
 
 
+@pytest.mark.serial
 def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_dir):
     """Hybrid sharding builds a 2-D (replicate, shard) mesh; the bf16 policy computes in bf16 while
     the sharded master weights stay fp32."""
@@ -302,6 +307,7 @@ def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_
     assert info["master_dtype"] == "torch.float32" and info["logits_dtype"] == "torch.bfloat16"
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     _launch(tmp_path, [_cfg(base, "zero2", distributed={"strategy": "deepspeed", "zero_stage": 2})])
@@ -326,6 +332,7 @@ def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     ]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_path):
     zero3 = {"offload": "zero3-cpu"}
@@ -336,6 +343,7 @@ def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_pa
     _assert_same(_losses(base, "zero3-resumed"), reference, [3, 4])
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_one_process_zero2_cpu_offload_from_the_cli(base, reference, tmp_path):
     """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
 
 from families import FAMILIES, tiny_family_model
 from onegpu.errors import ConfigError
 from onegpu.infer.engine import Engine, EngineConfig
-from onegpu.infer.paged_cache import kv_bytes_per_position
+from onegpu.infer.paged_cache import cache_kwarg, kv_bytes_per_position
 from onegpu.infer.requests import SamplingParams
 
 PROMPTS = ["def add(a, b):", "import os\nclass Foo:", "x = [1, 2"]
@@ -83,30 +84,47 @@ def test_a_request_joining_mid_flight_changes_no_output(llama, tiny_tokenizer):
     assert [news[r] for r in [first, *later]] == [a.token_ids for a in alone]
 
 
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host (each one a device sync on a
+    GPU): tolist, item, cpu, numpy and the conversions to Python numbers and bools."""
+
+    READS = {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_first_token_goes_out_at_admission_then_sync_every_in_one_read_back(
-    llama, tiny_tokenizer, monkeypatch
+    llama, tiny_tokenizer
 ):
     """A prompt's first token goes out with the step that computed the prompt (its time to first
     token is its prefill, not the prefill and sync_every decode steps); then sync_every decode
-    steps run on the device and their tokens come back in one device-to-host copy."""
-    from onegpu.infer.step_io import StepIO
-
-    copies = []
-    real = StepIO.read_back
-
-    def counted(self, *args):
-        copies.append(True)
-        return real(self, *args)
-
-    monkeypatch.setattr(StepIO, "read_back", counted)
+    steps of both rows run on the device; each step copies values to the host once."""
     engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5))
     for row in _ids(tiny_tokenizer)[:2]:
-        engine.submit(row, GREEDY)
-    first = engine.step()
+        engine.submit(row, SamplingParams(max_new_tokens=20))
+    with _HostReads() as reads:
+        first = engine.step()
     assert [len(u.token_ids) for u in first] == [1, 1] and all(u.first_token for u in first)
-    second = engine.step()
-    assert [len(u.token_ids) for u in second] == [5, 5] and not any(u.first_token for u in second)
-    assert len(copies) == 2  # one read-back a step
+    assert len(reads.calls) == 1, reads.calls
+    with _HostReads() as reads:
+        second = engine.step()
+    assert [len(u.token_ids) for u in second] == [5, 5] and len(reads.calls) == 1, reads.calls
 
 
 def test_a_seed_fixes_a_sample_wherever_the_request_sits(llama, tiny_tokenizer):
@@ -179,8 +197,7 @@ def test_eos_and_stop_strings_end_a_request(llama, tiny_tokenizer):
 
 def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
     """By default the pool holds every row's worst case (max_slots x max_len, in whole blocks, and
-    the reserved null block); num_blocks sizes it otherwise. A position's bytes are K and V of
-    every layer."""
+    the reserved null block); num_blocks sizes it otherwise."""
     engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=96))
     engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     per_position = kv_bytes_per_position(llama)
@@ -188,11 +205,45 @@ def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
     small = Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=8))
     small.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     assert small.cache.bytes == 8 * 16 * per_position
-    cfg = llama.config  # K and V, fp32, every layer
-    head = cfg.hidden_size // cfg.num_attention_heads
-    assert per_position == 2 * 4 * cfg.num_key_value_heads * head * cfg.num_hidden_layers
     with pytest.raises(ConfigError, match="hold less than one sequence of max_len 96"):
         Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=6))
+
+
+def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
+    """``generate`` on the engine, with a model whose context is 4,096 positions: the pool its
+    steps read holds the longest prompt + new tokens (in 64s) per row, in blocks of 16 and the
+    null block — not the context."""
+    from onegpu.infer import SamplingConfig, generate
+
+    model = tiny_family_model("llama", tiny_tokenizer, max_position_embeddings=4096).eval()
+    caches = []
+
+    def spy(module, args, kwargs):
+        cache = kwargs.get(cache_kwarg(module))
+        if cache is not None and not caches:
+            caches.append(cache)
+
+    hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+    try:
+        for prompts, positions in ((PROMPTS[:2], 64), ([" ".join(["x = 1"] * 20)], 128)):
+            caches.clear()
+            longest = max(len(tiny_tokenizer(p)["input_ids"]) for p in prompts)
+            assert longest + 12 <= positions < longest + 12 + 64
+            generate(
+                model, tiny_tokenizer, prompts, SamplingConfig(max_new_tokens=12, batch_size=2)
+            )
+            rows = len(prompts)
+            pool = (rows * positions // 16 + 1) * 16
+            assert [k.shape[0] for k in caches[0].keys] == [pool] * 2
+            assert caches[0].bytes == pool * kv_bytes_per_position(model)
+    finally:
+        hook.remove()
+    cfg = model.config  # K and V, fp32, every layer
+    head = cfg.hidden_size // cfg.num_attention_heads
+    assert (
+        kv_bytes_per_position(model)
+        == 2 * 4 * cfg.num_key_value_heads * head * cfg.num_hidden_layers
+    )
 
 
 def test_cancel_frees_the_slot_for_the_next_request(llama, tiny_tokenizer):
@@ -251,6 +302,7 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
     assert "batched_mm" in seen and model.config._experts_implementation == before
 
 
+@pytest.mark.slow
 def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
     """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
     the weights after the compile does not reach the folded step, and inductor generated its own
@@ -279,6 +331,7 @@ def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tin
     assert frozen.generate(ids, full)[0].token_ids != after
 
 
+@pytest.mark.slow
 def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tiny_tokenizer):
     """Once a bucket has compiled and run, the step checks only the guards that tell compiled
     entries apart: a change a full guard check would recompile for (a weight's requires_grad)
@@ -321,6 +374,7 @@ def test_the_compiled_argmax_is_argmax_ties_included():
     assert 0 <= compiled(x)[4] < 300
 
 
+@pytest.mark.slow
 def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(tiny_tokenizer):
     """fixed_shape (GRPO's compiled sampler): requests of different lengths and budgets, rows
     finishing at different steps, then a smaller batch — every step is the one (all slots, whole
@@ -340,7 +394,7 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
     assert len(bucketed.decode_step.warm) > 1  # without it: a step per (rows, length) bucket
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_step_attends_over_the_positions_it_reaches_not_the_requests_final_length(
     llama, tiny_tokenizer, monkeypatch, compiled
 ):

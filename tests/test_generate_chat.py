@@ -117,14 +117,18 @@ def test_chat_auto_is_on_only_for_a_run_trained_on_chat_data(tmp_path, tiny_mode
 
 
 def test_cli_chat_flag_reaches_generation(tmp_path, tiny_model_dir, monkeypatch):
-    seen = {}
+    """Each call's settings reach the run: --chat as given (auto when not), the model under
+    generate's name and under train's, and the prompt."""
+    calls = []
     monkeypatch.setattr(
         "onegpu.cli.generate.run",
-        lambda icfg, scfg, *rest: seen.setdefault("chat", scfg.chat) and 0,
+        lambda icfg, scfg, prompts, *rest: calls.append((icfg.model, scfg.chat, prompts)) or 0,
     )
-    cli(["--model", str(tiny_model_dir), "--chat", "true", "hello"])
-    cli(["--model.name", str(tiny_model_dir), "hello"])  # train's name for the model works too
-    assert seen["chat"] is True
+    assert cli(["--model", str(tiny_model_dir), "--chat", "true", "hello"]) == 0
+    assert cli(["--model.name", str(tiny_model_dir), "hi"]) == 0  # train's name for the model
+    assert cli(["--model", str(tiny_model_dir), "--chat", "false", "yo"]) == 0
+    model = str(tiny_model_dir)
+    assert calls == [(model, True, ["hello"]), (model, "auto", ["hi"]), (model, False, ["yo"])]
 
 
 def test_chat_without_a_template_is_a_clear_error(tiny, monkeypatch):

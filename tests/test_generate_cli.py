@@ -116,27 +116,46 @@ def test_cli_generates_from_args_file_and_stdin(tmp_path, tiny_model_dir, monkey
     assert records[0]["prompt"] + records[0]["text"] in capsys.readouterr().out
 
 
-def test_cli_streams_a_single_prompt(tiny_model_dir, capsys):
-    assert (
-        cli(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--greedy",
-                "true",
-                "--max_new_tokens",
-                "6",
-                "--stream",
-                "true",
-                "def f(",
-            ]
+class _Stdout(io.StringIO):
+    """sys.stdout that notes, at each write, how many forwards the model had run by then."""
+
+    def __init__(self, forwards: list):
+        super().__init__()
+        self.forwards, self.writes = forwards, []
+
+    def write(self, text):
+        self.writes.append((text, len(self.forwards)))
+        return super().write(text)
+
+    def isatty(self):
+        return False
+
+
+def test_cli_streams_a_single_prompt(tiny_model_dir, monkeypatch):
+    """--stream prints the text as it is made: pieces written while the model still runs forwards,
+    together the greedy completion."""
+    import torch
+
+    forwards = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: (
+            forwards.append(1) if type(m).__name__.endswith("ForCausalLM") else None
         )
-        == 0
     )
-    streamed = capsys.readouterr().out
+    out = _Stdout(forwards)
+    monkeypatch.setattr("sys.stdout", out)
+    argv = ["--model", str(tiny_model_dir), "--greedy", "true", "--max_new_tokens", "24"]
+    try:
+        assert cli([*argv, "--stream", "true", "def f("]) == 0
+    finally:
+        hook.remove()
+    done = len(forwards)
     tiny = load(InferConfig(model=str(tiny_model_dir)))
-    text = generate(tiny.model, tiny.tokenizer, ["def f("], greedy(6))[0].text
-    assert streamed.strip() == ("def f(" + text).strip()
+    text = generate(tiny.model, tiny.tokenizer, ["def f("], greedy(24))[0].text
+    pieces = [(t, n) for t, n in out.writes if t not in ("", "\n")]
+    assert pieces[0][0] == "def f(" and "".join(t for t, _ in pieces[1:]) == text
+    early = [t for t, n in pieces[1:] if n < done]  # text out before the last forward ran
+    assert early and len(pieces) > 2, out.writes
 
 
 def test_cli_errors_are_clear(tmp_path, tiny_model_dir, capsys):

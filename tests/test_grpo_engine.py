@@ -18,8 +18,30 @@ def _greedy(model, ids, new):
     return out[0, len(ids) :].tolist()
 
 
-def test_engine_is_the_default_sampler():
-    assert GRPOConfig().sampler == "engine"
+def test_engine_is_the_default_sampler(tiny_tokenizer):
+    """A GRPO run's sampling with the default settings goes through the decode engine: each
+    distinct prompt's full blocks computed once for its group, each other completion computing
+    only its last block, every forward a row per completion at most (generate would prefill the
+    whole padded chunk, 8 rows of the longest prompt)."""
+    from onegpu.objectives.rollout import sample
+
+    model = tiny_family_model("llama", tiny_tokenizer).eval()
+    prefills = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: (
+            prefills.append(kw["input_ids"].shape) if kw["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    texts = ("def f(x):\n    return x + 1\n" * 3, "class A:\n    pass\n" * 4)
+    prompts = [tiny_tokenizer(p)["input_ids"] for p in texts]
+    chunk = [p for p in prompts for _ in range(4)]
+    gcfg = GRPOConfig(max_completion_length=4)
+    out = sample(model, chunk, gcfg, tiny_tokenizer, torch.device("cpu"), rows=8)
+    assert len(out.completion_ids) == 8
+    tails = [len(p) - (len(p) - 1) // 16 * 16 for p in prompts]
+    computed = sum(rows * length for rows, length in prefills)
+    assert computed == sum(len(p) + 3 * t for p, t in zip(prompts, tails, strict=True))
 
 
 def test_a_group_computes_its_prompt_once_and_each_completion_only_its_last_block(tiny_tokenizer):

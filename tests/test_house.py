@@ -1,5 +1,5 @@
 """Rules of the house, checked on the source: no import cycles (module-level or inside functions),
-no module over ~400 lines, one pipeline applying the methods."""
+no module over ~400 lines, one pipeline applying the methods; and the fast test tier's guard."""
 
 from __future__ import annotations
 
@@ -189,3 +189,49 @@ def test_no_getattr_probing_of_the_objective():
         text = (SRC / "training" / f"{name}.py").read_text(encoding="utf-8")
         assert "getattr(objective" not in text and "getattr(run.objective" not in text
         assert "loss_fn" not in text, name
+
+
+COSTLY = """
+import time
+
+import pytest
+
+
+def _burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_unmarked():
+    _burn(0.6)
+
+
+@pytest.mark.slow
+def test_marked():
+    _burn(0.6)
+
+
+def test_cheap():
+    pass
+"""
+
+
+def test_the_tier_guard_fails_a_slow_test_left_in_the_fast_tier(pytester):
+    """tests/tier_guard.py, at a limit of 0.3 CPU seconds: a test that burns 0.6 fails unless it is
+    marked slow; without --tier-guard nothing is judged."""
+    pytester.makeini("[pytest]\nfast_tier_limit_s = 0.3\nmarkers =\n    slow: slow\n")
+    pytester.makepyfile(test_costly=COSTLY)
+    guarded = pytester.runpytest("-p", "tier_guard", "--tier-guard")
+    guarded.assert_outcomes(passed=2, failed=1)
+    guarded.stdout.fnmatch_lines(["*test_unmarked took * CPU seconds, over the fast tier's 0.3*"])
+    pytester.runpytest("-p", "tier_guard").assert_outcomes(passed=3)
+
+
+def test_the_tier_guard_backs_cpu_time_with_the_wall_clock():
+    """A test that waits on work it does not pay for (a live server's) costs wall time only."""
+    from tier_guard import WALL_FACTOR, over_limit
+
+    assert over_limit(5.0, 30.0, 20.0) is None
+    assert "CPU seconds" in over_limit(21.0, 22.0, 20.0)
+    assert "wall clock" in over_limit(1.0, WALL_FACTOR * 20.0 + 1, 20.0)

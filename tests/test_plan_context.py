@@ -157,6 +157,7 @@ def test_unsloths_figures_are_matched_to_the_same_model_method_and_card():
     assert published.published_context(llama8b, 79.2, cfg.techniques.lora) is None
 
 
+@pytest.mark.slow
 def test_llama_8b_full_fine_tune_on_a_4090_is_found_within_10_percent_of_torchtune():
     """torchtune: 18.9 GiB peak, bf16 weights, paged 8-bit AdamW with the step in backward,
     activation checkpointing, chunked cross-entropy; batch 2 x 2048 on one RTX 4090."""
@@ -189,6 +190,7 @@ EIGHT_BIT_GAP = (
         "qlora",
     ],
 )
+@pytest.mark.slow
 def test_torchtune_3b_ladder_rows_within_10_percent(key):
     row = benchmark_script("plan_vs_published").predict([key])["rows"][0]
     assert row["predicted_gib"] == pytest.approx(row["published_gib"], rel=0.10), row

@@ -39,6 +39,7 @@ def _cfg(tiny_model_dir, text_file, tmp_path, **training):
     )
 
 
+@pytest.mark.slow
 def test_train_plan_auto_probes_then_trains(tiny_model_dir, text_file, tmp_path, caplog):
     from onegpu import train
 

@@ -7,6 +7,7 @@ openai client."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -171,13 +172,21 @@ def test_concurrent_requests_each_get_their_own_answer(client, tiny_model_dir):
 def test_metrics_count_requests_tokens_and_latency(client, server):
     before = server.metric("onegpu_requests_total", 'route="/v1/completions",status="200"')
     tokens = server.metric("onegpu_generation_tokens_total")
+    names = ("onegpu_time_to_first_token_seconds", "onegpu_e2e_request_latency_seconds")
+    was = {f"{n}_{k}": server.metric(f"{n}_{k}") for n in names for k in ("count", "sum")}
+    started = time.perf_counter()
     reply = complete(client, "beta", PROMPTS[2])
+    elapsed = time.perf_counter() - started  # the client's own clock around the request
     after = server.metric("onegpu_requests_total", 'route="/v1/completions",status="200"')
     assert after == before + 1
     assert server.metric("onegpu_generation_tokens_total") == tokens + reply.usage.completion_tokens
     assert server.metric("onegpu_prompt_tokens_total") >= reply.usage.prompt_tokens
-    assert server.metric("onegpu_time_to_first_token_seconds_count") >= 1
-    assert server.metric("onegpu_e2e_request_latency_seconds_count") >= 1
+    grew = {k: server.metric(k) - v for k, v in was.items()}
+    ttft, e2e = names
+    # one observation each for this request, the first token before the whole answer, both
+    # inside what the client waited
+    assert grew[f"{ttft}_count"] == grew[f"{e2e}_count"] == 1
+    assert 0 < grew[f"{ttft}_sum"] <= grew[f"{e2e}_sum"] <= elapsed
     # the pool is the budget's, in blocks: at least one sequence of max_len (and more rows' worth
     # at their real lengths); what is held by the running requests is back to 0 after them
     assert server.metric("onegpu_kv_positions_total") == server.health()["kv_positions_total"]

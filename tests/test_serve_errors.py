@@ -181,6 +181,8 @@ def test_a_client_that_leaves_frees_its_slot(server, client):
     still_serves(client)
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model_dir, tmp_path):
     args = ["--model", str(tiny_model_dir), "--served_name", "tiny", "--sync_every", "2"]
     srv = Server(args, tmp_path / "server.log")

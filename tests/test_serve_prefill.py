@@ -6,6 +6,7 @@ for a request that arrives while a row is free."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -87,19 +88,52 @@ def test_a_kv_budget_far_too_small_preempts_and_every_answer_is_the_one_alone(
         srv.stop()
 
 
+class _Delivered:
+    """Stands in for a request's event loop: records each item the engine loop hands over, in
+    the order the engine loop hands them, across requests."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def call_soon_threadsafe(self, put, item):
+        self.log.append((self.name, item[1]))
+
+
+def _wait(log, done, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not done(log):
+        assert time.monotonic() < end, log
+        time.sleep(0.005)
+
+
 def test_a_command_waiting_with_a_row_free_ends_the_engines_decode_run(tiny_model_dir):
+    """The engine loop running for real, runs of 64 decode steps: a request that arrives while
+    another decodes and a row is free starts at the next step. The running request's run ends
+    short (under 64 tokens) before the newcomer's first token; its tokens are unchanged."""
     from onegpu.infer import InferConfig, load
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.requests import SamplingParams
     from onegpu.serve.metrics import Metrics
-    from onegpu.serve.scheduler import Scheduler
+    from onegpu.serve.scheduler import Scheduler, Ticket
 
     loaded = load(InferConfig(model=str(tiny_model_dir)))
-    engine = Engine(loaded.model, None, EngineConfig(max_slots=1))
+    config = EngineConfig(max_slots=2, max_len=256, sync_every=64)
+    engine = Engine(loaded.model, None, config)
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    alone = engine.generate([[1, 2, 3]], long)[0].token_ids
     scheduler = Scheduler(engine, queue_size=2, metrics=Metrics())
-    assert not scheduler._arrived()  # nothing waits
-    scheduler._inbox.put(("cancel", None))
-    assert scheduler._arrived()  # a command waits, the row is free
-    engine.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
-    engine.step()
-    assert not scheduler._arrived()  # the one row is taken: nothing would start
+    scheduler.start()
+    log: list = []
+    try:
+        scheduler.submit(Ticket([([1, 2, 3], long)], None, _Delivered("a", log)))
+        _wait(log, lambda log: len(log) > 1)  # a's first token, then its first run: it is in
+        # its second run of 64 now
+        time.sleep(0.02)  # well inside that run of 64 steps, not between two
+        scheduler.submit(Ticket([([4, 5], long)], None, _Delivered("b", log)))
+        _wait(log, lambda log: sum(u.finished for _, u in log) == 2)
+    finally:
+        scheduler.stop()
+    b_first = next(i for i, (name, _) in enumerate(log) if name == "b")
+    before = [len(u.token_ids) for name, u in log[1:b_first] if name == "a"]
+    assert any(n < 64 for n in before), [(name, len(u.token_ids)) for name, u in log]
+    assert [t for name, u in log if name == "a" for t in u.token_ids] == alone

@@ -18,7 +18,9 @@ from onegpu.checkpoint import local as checkpoint
 from onegpu.cli.main import main
 from onegpu.report import read_metrics
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
+# serial: signals to training processes, waited for by the clock
+# tiny models run fastest single-threaded
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.serial]
 
 LAUNCH = "import sys; from onegpu.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
@@ -107,6 +109,7 @@ def wait_training(run_dir, proc, timeout=180.0) -> None:
     pytest.fail("training did not start")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_checkpoint_and_prints_resume_command(procs, tiny_model_dir):
     tmp, started = procs
     proc, run_dir = started["term"], tmp / "runs" / "term"

@@ -108,3 +108,27 @@ def test_device_map_auto_with_gpu_budget_spills_to_cpu(tiny_model_dir, bf16):
         spilled.model, spilled.tokenizer, PROMPTS[:1], SamplingConfig(max_new_tokens=4, greedy=True)
     )
     assert out[0].new_tokens == 4
+
+
+def test_the_benchs_memory_breakdown_matches_the_allocator(tmp_path):
+    """`onegpu bench infer`'s figures against what is independently known on the card: weights =
+    the parameters' bytes (to the allocator's 512-byte rounding per tensor), KV = the cache sized
+    to the request, and a setting's peak within the process's own peak."""
+    import json
+
+    from onegpu.cli.main import main
+
+    torch.cuda.reset_peak_memory_stats()
+    argv = ["bench", "infer", "--model", "tiny", "--vocab_size", "512", "--dtype", "fp32"]
+    argv += ["--settings", "engine+fp32", "--batch_size", "2", "--prompt_len", "8"]
+    argv += ["--new_tokens", "4", "--sync_every", "2", "--repeats", "1", "--device", "cuda"]
+    assert main([*argv, "--out", str(tmp_path), "--name", "m"]) == 0
+    process_peak = torch.cuda.max_memory_allocated() / 2**20
+    result = json.loads((tmp_path / "m.json").read_text())
+    for row in result["results"]:
+        mem = row["memory_mb"]
+        assert abs(mem["weights"] - row["weight_mb"]) < 1  # allocated by loading vs counted
+        assert 0 <= mem["kv"] and mem["workspace"] >= 0
+        assert mem["weights"] + mem["kv"] <= mem["peak"] <= process_peak
+    engine = next(r for r in result["results"] if r["path"] == "engine")
+    assert engine["memory_mb"]["kv"] * 2**20 == 2 * 12 * engine["kv_bytes_per_position"]

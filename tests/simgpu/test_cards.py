@@ -19,7 +19,15 @@ CHECKS = [
 ]
 
 
-@pytest.mark.parametrize("card", list(cards.CARDS))
+# The H100 runs the training loop and the engine, the T4 the refusals: a minute each, so they are in
+# the slow tier; the RTX 4090 and the A100 run the card decisions and the step in the fast tier.
+SLOW_CARDS = {"H100", "T4"}
+
+
+@pytest.mark.parametrize(
+    "card",
+    [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CARDS else []) for c in cards.CARDS],
+)
 def test_card(card, shim):
     """Every card-dependent decision, the training step and (H100) the loop, on a simulated card."""
     done = cards.run_card(card, shim, CHECKS)

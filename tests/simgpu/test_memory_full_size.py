@@ -20,6 +20,7 @@ def _fresh_accelerator():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", CHEAP, ids=lambda s: s.candidate.label())
 def test_planner_peak_within_5_percent_of_tracked_peak(setup):
     r = row(setup)
