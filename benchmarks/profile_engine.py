@@ -246,7 +246,7 @@ def attention_ab(args) -> None:
     from onegpu.infer.engine import Engine
 
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    engine.decode_step.loops_from = 1  # the engine keeps SDPA's kernel at one row: the loops here too
+    engine.decode_step.loops_from = 1  # the engine keeps SDPA at one row: the loops here too
     sdpa = Engine(engine.model, None, engine.config)
     sdpa.decode_step.grouped = None  # transformers' SDPA function in the steps
     inlined = Engine(engine.model, None, engine.config)

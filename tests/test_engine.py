@@ -234,7 +234,7 @@ def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
             )
             rows = len(prompts)
             pool = (rows * positions // 16 + 1) * 16
-            assert [k.shape[0] for k in caches[0].keys] == [pool] * 2
+            assert [k.shape[1] for k in caches[0].keys] == [pool] * 2
             assert caches[0].bytes == pool * kv_bytes_per_position(model)
     finally:
         hook.remove()

@@ -185,7 +185,7 @@ def test_blocks_are_zeroed_at_their_first_use_not_at_start(llama):
     used = engine.cache.clean * engine.cache.block_size
     assert 1 < engine.cache.clean < 40
     for pool in engine.cache.keys + engine.cache.values:
-        pool[used:] = float("nan")
+        pool[:, used:] = float("nan")
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == want
 
 

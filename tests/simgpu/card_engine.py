@@ -60,5 +60,5 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
     assert nxt.is_cuda and nxt.shape == (2,)
     blocks = engine.pool.num_blocks * engine.pool.block_size
-    assert all(k.is_cuda and k.shape[0] == blocks for k in engine.cache.keys)
+    assert all(k.is_cuda and k.shape[1] == blocks for k in engine.cache.keys)
     assert engine.rows.tables.is_cuda and engine.sampler.seen.shape == (2, VOCAB)

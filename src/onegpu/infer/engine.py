@@ -18,6 +18,7 @@ not thread-safe (drive it from one thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -247,12 +248,20 @@ class Engine:
                 if s.row < rows:
                     adapters[s.row] = s.adapter or "__base__"
         steps = plan.steps
-        with self.decode_step.settings(adapters, rows):
+        with self._window(adapters, rows, kv_len), self.decode_step.settings(adapters, rows):
             for j in range(steps):
                 self.rows.out[:rows, j] = self.decode_step(rows, kv_len, needs, adapters)
                 if j + 1 < steps and interrupt is not None and interrupt():
                     return rows, j + 1
         return rows, steps
+
+    def _window(self, adapters, rows: int, kv_len: int):
+        """Eager decode steps read a copy of the rows' blocks gathered once a run (a policy
+        row); compiled ones read the blocks where they lie."""
+        eager = self.decode_step.compiled is None or adapters is not None
+        if not (eager and self.policy.eager_window):
+            return contextlib.nullcontext()
+        return self.runner.decode_window(self.rows.tables[:rows, : kv_len // self.pool.block_size])
 
     def _buckets(self) -> int:
         """The compiled steps this engine can ask for: (rows, kv_len) buckets x 8 needs."""

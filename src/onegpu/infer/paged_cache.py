@@ -1,14 +1,16 @@
 """The engine's KV cache on the device: one pool of fixed-size blocks per layer, and the view of it
 that one forward reads and writes.
 
-Each layer's keys (and values) are one tensor of ``num_blocks * block_size`` positions, token
-major — ``[positions, kv_heads, head_dim]``, a block a run of ``block_size`` rows — allocated at
+Each layer's keys (and values) are one tensor of ``num_blocks * block_size`` positions, head
+major — ``[kv_heads, positions, head_dim]``, a block a run of ``block_size`` positions of each
+head, as torch's FlexAttention paged attention lays out its pages — allocated at
 the layer's first write (heads and head sizes differ between the layers of some families) and
 only written in place, so its address never changes (a CUDA graph replays on fixed addresses).
 Which positions belong to which sequence is the block tables' business (``kv_blocks.py``); a
 forward is told where its new tokens go and what each of its rows reads (``PagedView``).
 
-A forward's rows read their blocks as one gathered view ``[rows, kv_heads, kv_len, head_dim]``:
+A forward's rows read their blocks as one gathered view ``[rows, kv_heads, kv_len, head_dim]``
+(each row's head a contiguous ``[kv_len, head_dim]``, as SDPA's kernels read it):
 the model's own attention (SDPA, eager, a soft cap, sinks, a sliding window — every family as
 transformers writes it) then runs over it with the engine's 4D mask (``masks``). Eagerly the
 gather is a copy of whole blocks; inside a compiled step inductor reads the blocks where they
@@ -35,6 +37,24 @@ class PagedView:
 
     write: torch.Tensor
     tables: Optional[torch.Tensor] = None
+    window: Optional[Window] = None  # an eager decode run's gathered copy, and where it writes
+
+
+@dataclass
+class Window:
+    """An eager decode run's copy of its rows' blocks, gathered at its first step (a layer at a
+    time) and kept up to date by its steps — each writes its rows' new token into the pool and
+    into the copy — so the run's later steps read the copy instead of gathering again: one
+    gather a run instead of one a step. ``positions`` ``[rows]``: where the step writes in each
+    row (a row that does not decode writes at 0 of its own row of the copy, which nobody reads)."""
+
+    tables: torch.Tensor
+    positions: Optional[torch.Tensor] = None
+    keys: list = None
+    values: list = None
+
+    def __post_init__(self):
+        self.keys, self.values = [], []
 
 
 class PagedCache(Cache):
@@ -63,7 +83,7 @@ class PagedCache(Cache):
             return
         start, end = self.clean * self.block_size, blocks * self.block_size
         for pool in self.keys + self.values:
-            pool[start:end].zero_()
+            pool[:, start:end].zero_()
         self.clean = blocks
 
     def set_view(self, view: PagedView) -> None:
@@ -75,20 +95,33 @@ class PagedCache(Cache):
         view = self.view
         assert view is not None, "PagedCache: the runner sets the view before a forward"
         k, v = self._layer(layer_idx, key_states, value_states)
-        k.index_put_((view.write,), _tokens(key_states, k.dtype))
-        v.index_put_((view.write,), _tokens(value_states, v.dtype))
+        k.index_copy_(1, view.write, _tokens(key_states, k.dtype))
+        v.index_copy_(1, view.write, _tokens(value_states, v.dtype))
+        if view.window is not None:
+            return self._through(view.window, layer_idx, k, v, key_states, value_states)
         if view.tables is None:
             return key_states, value_states
         return self.gather(k, view.tables), self.gather(v, view.tables)
 
+    def _through(self, window: Window, layer_idx: int, k, v, key_states, value_states):
+        """An eager decode step inside a window: the new tokens into the copy too; the copy."""
+        if len(window.keys) <= layer_idx:  # the run's first step: gather this layer once
+            window.keys.append(self.gather(k, window.tables))
+            window.values.append(self.gather(v, window.tables))
+        wk, wv = window.keys[layer_idx], window.values[layer_idx]
+        rows = torch.arange(wk.shape[0], device=wk.device)
+        wk[rows, :, window.positions] = key_states[:, :, 0].to(wk.dtype)
+        wv[rows, :, window.positions] = value_states[:, :, 0].to(wv.dtype)
+        return wk, wv
+
     def gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """The blocks of each row, in order: ``[rows, kv_heads, blocks * block_size, dim]`` (a
-        view of the gathered ``[rows, positions, kv_heads, dim]``)."""
+        view of the gathered ``[kv_heads, rows, positions, dim]``)."""
         rows, blocks = tables.shape
-        heads, dim = pool.shape[1:]
-        by_block = pool.view(self.num_blocks, self.block_size * heads * dim)
-        out = by_block.index_select(0, tables.reshape(-1))
-        return out.view(rows, blocks * self.block_size, heads, dim).transpose(1, 2)
+        heads, dim = pool.shape[0], pool.shape[-1]
+        by_block = pool.view(heads, self.num_blocks, self.block_size, dim)
+        out = by_block.index_select(1, tables.reshape(-1))
+        return out.view(heads, rows, blocks * self.block_size, dim).transpose(0, 1)
 
     def _layer(self, layer_idx: int, key_states, value_states):
         while len(self.keys) <= layer_idx:  # layers are written in order on the first forward
@@ -98,9 +131,9 @@ class PagedCache(Cache):
             # the blocks in use so far zeroed (reserve)
             positions, device = self.num_blocks * self.block_size, key_states.device
             for store, states in ((self.keys, key_states), (self.values, value_states)):
-                shape = (positions, states.shape[1], states.shape[-1])
+                shape = (states.shape[1], positions, states.shape[-1])
                 store.append(torch.empty(shape, dtype=self.dtype, device=device))
-                store[-1][: self.clean * self.block_size].zero_()
+                store[-1][:, : self.clean * self.block_size].zero_()
                 if device.type == "cuda":  # fixed addresses: CUDA graphs replay without copies
                     torch._dynamo.mark_static_address(store[-1])
         return self.keys[layer_idx], self.values[layer_idx]
@@ -117,9 +150,9 @@ class PagedCache(Cache):
 
 
 def _tokens(states: torch.Tensor, dtype) -> torch.Tensor:
-    """``[rows, heads, query_len, dim]`` -> ``[rows * query_len, heads, dim]`` in the pool's
+    """``[rows, heads, query_len, dim]`` -> ``[heads, rows * query_len, dim]`` in the pool's
     dtype (a quantized model's activations may differ from the cache's)."""
-    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1]).to(dtype)
+    return states.transpose(0, 1).reshape(states.shape[1], -1, states.shape[-1]).to(dtype)
 
 
 def positions_in_pool(tables: torch.Tensor, positions: torch.Tensor, block_size: int):

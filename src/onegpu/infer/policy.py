@@ -51,6 +51,13 @@ RULES: dict[str, Rule] = {
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
     ),
+    "eager_window": Rule(
+        "cpu",
+        "an eager decode run reads a copy of its rows' blocks, gathered at its first step and "
+        "kept up to date by each (paged_cache.Window), not a gather at every step",
+        "benchmarks/results/engine-policy-cpu.md",
+        ("tiny", "125m"),
+    ),
     "small_gemv": Rule(
         "cuda",
         "a compiled GPU step's one-row matmuls with at most 2048 outputs and inputs as inductor "
@@ -73,6 +80,7 @@ class Policy:
     realize_query: bool = False
     frozen_step: bool = False
     skip_guards: bool = False
+    eager_window: bool = False
     small_gemv: bool = False
 
     @classmethod

@@ -6,6 +6,7 @@ scheduling or sampling.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,7 @@ import torch
 from onegpu.infer.paged_cache import (
     PagedCache,
     PagedView,
+    Window,
     base_model,
     cache_kwarg,
     masks,
@@ -44,6 +46,17 @@ class ModelRunner:
         # a model trained with an MoE router loss keeps output_router_logits in its config, and
         # that loss would read the attention mask as a 2D padding mask
         self.no_router_loss = bool(getattr(model.config, "output_router_logits", False))
+        self.window: Optional[Window] = None
+
+    @contextmanager
+    def decode_window(self, tables: torch.Tensor):
+        """Eager decode steps inside the block read a copy of the rows' blocks ``tables`` (those
+        of their whole run), gathered at the first step (paged_cache.Window)."""
+        self.window = Window(tables)
+        try:
+            yield
+        finally:
+            self.window = None
 
     def prefill(self, pieces: Pieces) -> torch.Tensor:
         """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32)."""
@@ -78,7 +91,10 @@ class ModelRunner:
         safe = torch.where(live, positions, 0)
         where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
         where = torch.where(live, where, positions % self.block_size)
-        self.cache.set_view(PagedView(where, tables))
+        window = self.window
+        if window is not None:
+            window.positions = safe
+        self.cache.set_view(PagedView(where, tables, window))
         kv_len = tables.shape[1] * self.block_size
         return self._forward(tokens[:, None], positions[:, None], positions, kv_len, 1, adapters)
 
