@@ -67,8 +67,10 @@ ARMS = {
 }
 
 
-def run_arm(workload: str, arm: tuple, args) -> dict:
+def run_arm(workload: str, arm: tuple, args, first: bool) -> dict:
     label, engine, config, extra = arm
+    if first and args.alone and engine == "paged":  # once: every answer against it alone
+        extra = [*extra, "--alone"]
     src = Path(args.baseline if engine == "slot" else args.paged) / "src"
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_workloads.py"), workload]
@@ -122,6 +124,14 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _answers(runs: list) -> str:
+    """The digests of an arm's answers over its rounds (one: the same every round), and whether
+    they equal each request's answer alone where that was checked."""
+    text = ", ".join(sorted({str(r.get("answers", "-")) for r in runs}))
+    checked = [r["alone_equal"] for r in runs if "alone_equal" in r]
+    return text + (f"; each equal to it alone: {all(checked)}" if checked else "")
+
+
 def _cell(s: dict) -> str:
     fmt = (lambda v: f"{v:.4g}") if isinstance(s["median"], float) else str
     return f"{fmt(s['median'])} ({fmt(s['min'])}-{fmt(s['max'])})"
@@ -139,6 +149,7 @@ def main() -> int:
     ap.add_argument("--arms", default="", help="comma-separated arm labels (default: all)")
     ap.add_argument("--timeout", type=float, default=3000, help="seconds per arm run")
     ap.add_argument("--out", default="")
+    ap.add_argument("--alone", action="store_true", help="capacity: check each answer alone")
     args = ap.parse_args()
     arms = [a for a in ARMS[args.workload] if not args.arms or a[0] in args.arms.split(",")]
     if any(a[1] == "slot" for a in arms) and not args.baseline:
@@ -146,7 +157,7 @@ def main() -> int:
     before, runs = uptime(), {a[0]: [] for a in arms}
     for rnd in range(args.rounds):
         for arm in arms:
-            runs[arm[0]].append(run_arm(args.workload, arm, args))
+            runs[arm[0]].append(run_arm(args.workload, arm, args, rnd == 0))
             print(f"round {rnd + 1}: {arm[0]}: {figures(args.workload, runs[arm[0]][-1])}")
     result = report(args, runs, before)
     out = ROOT / (args.out or f"benchmarks/results/engine-{args.workload}-cpu")

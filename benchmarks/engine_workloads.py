@@ -175,6 +175,8 @@ def chat(args, config: dict) -> dict:
     count = Counter(model)
     eng = engine(model, {"max_len": 2048, **config})
     rng = random.Random(args.seed)
+    eng.generate([tokens(rng, 40)], params(4))  # warm-up, another prompt
+    count.tokens = 0
     ttft, answers = [], []
     for _ in range(args.conversations):
         history = tokens(rng, 512 + 64)

@@ -208,7 +208,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(command: str, model: Path, port: int, args, log: Path) -> subprocess.Popen:
+def start_server(
+    command: str, model: Path, port: int, args, log: Path, src: Path = ROOT / "src"
+) -> subprocess.Popen:
     argv = shlex.split(command) + ["--model", str(model), "--served_name", "tiny"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--max_slots", str(args.clients)]
     argv += [
@@ -220,7 +222,7 @@ def start_server(command: str, model: Path, port: int, args, log: Path) -> subpr
     ]
     # torch's intra-op threads for the server: on a shared 2-core machine a decode step's small ops
     # split over 2 threads run many times slower than on 1 (benchmarks/results/grpo-rollouts-cpu.md)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS=str(args.server_threads))
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.server_threads))
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + 180
@@ -265,7 +267,8 @@ def main() -> int:
         port = free_port()
         proc = start_server(args.server, Path(tmp) / "tiny", port, args, Path(tmp) / "server.log")
         said = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()
-        prefills = next((line for line in said if line.startswith("prefills: ")), "prefills: ?")
+        caching = "prefix caching: "
+        prefills = next((line for line in said if line.startswith(caching)), caching + "?")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         deadline = time.monotonic() + args.time_limit
         rounds = []
@@ -282,7 +285,7 @@ def main() -> int:
             for n in (args.clients, 1)
         }
     result = report(args, jobs, rounds, before, exit_code)
-    result["server_prefills"] = prefills.removeprefix("prefills: ")
+    result["server_prefix_caching"] = prefills.removeprefix(caching)
     result["engine_alone_tokens_per_s"] = ceiling
     write(ROOT / args.out, result)
     print((ROOT / args.out).with_suffix(".md").read_text())

@@ -159,8 +159,8 @@ def markdown(r: dict) -> str:
             "",
             f"{r['date']}; {r['workload']}; {len(r['rounds']['speedup'])} rounds, each the "
             "sequential phase then the concurrent one; server torch threads "
-            f"{r['server_threads']}, prefills {r.get('server_prefills', '?')}; server exit code "
-            f"after SIGTERM: {r['server_exit']}.",
+            f"{r['server_threads']}, prefix caching {r.get('server_prefix_caching', '?')}; "
+            f"server exit code after SIGTERM: {r['server_exit']}.",
             f"Machine: {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
             f"torch {r['machine']['torch']}, transformers {r['machine']['transformers']}.",
             f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
