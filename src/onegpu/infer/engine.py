@@ -261,7 +261,8 @@ class Engine:
         eager = self.decode_step.compiled is None or adapters is not None
         if not (eager and self.policy.eager_window):
             return contextlib.nullcontext()
-        return self.runner.decode_window(self.rows.tables[:rows, : kv_len // self.pool.block_size])
+        tables = self.rows.tables[:rows, : kv_len // self.pool.block_size]
+        return self.runner.decode_window(tables, self.rows.positions[:rows])
 
     def _buckets(self) -> int:
         """The compiled steps this engine can ask for: (rows, kv_len) buckets x 8 needs."""

@@ -1,5 +1,5 @@
-"""``generate`` on the decode engine: the prompts become requests of one engine whose KV pool is sized
-to them (``batch_size`` rows of the longest prompt + new tokens, in 64-token steps), decoded
+"""``generate`` on the decode engine: the prompts become requests of one engine whose KV pool is
+sized to them (``batch_size`` rows of the longest prompt + new tokens, in 64-token steps), decoded
 together; a prompt takes the next free row as soon as one finishes (continuous batching), and
 prompts that share a prefix compute it once (the prefix cache)."""
 

@@ -49,14 +49,17 @@ class ModelRunner:
         self.window: Optional[Window] = None
 
     @contextmanager
-    def decode_window(self, tables: torch.Tensor):
-        """Eager decode steps inside the block read a copy of the rows' blocks ``tables`` (those
-        of their whole run), gathered at the first step (paged_cache.Window)."""
-        self.window = Window(tables)
+    def decode_window(self, tables: torch.Tensor, positions: torch.Tensor):
+        """Eager decode steps inside the block read and write a copy of the rows' blocks
+        ``tables`` (those of their whole run), gathered at the first step; at the end the run's
+        tokens go into the pool, each row's from where it stood (``positions`` [rows], the rows'
+        positions, which the steps advance) up to where it stands then (paged_cache.Window)."""
+        self.window = Window(tables, positions.clone())
         try:
             yield
         finally:
-            self.window = None
+            window, self.window = self.window, None
+            self.cache.flush(window, positions)
 
     def prefill(self, pieces: Pieces) -> torch.Tensor:
         """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32)."""
@@ -89,12 +92,14 @@ class ModelRunner:
         # a row that does not decode may sit anywhere (a prompt being computed in pieces, a
         # finished sequence's last position): it reads its table at 0 and writes into block 0
         safe = torch.where(live, positions, 0)
-        where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
-        where = torch.where(live, where, positions % self.block_size)
         window = self.window
-        if window is not None:
-            window.positions = safe
-        self.cache.set_view(PagedView(where, tables, window))
+        if window is not None:  # the step writes into the run's copy only
+            window.positions, window.steps = safe, window.steps + 1
+            self.cache.set_view(PagedView(None, tables, window))
+        else:
+            where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
+            where = torch.where(live, where, positions % self.block_size)
+            self.cache.set_view(PagedView(where, tables))
         kv_len = tables.shape[1] * self.block_size
         return self._forward(tokens[:, None], positions[:, None], positions, kv_len, 1, adapters)
 
