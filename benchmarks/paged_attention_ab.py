@@ -1,4 +1,5 @@
-"""A decode step's attention over the paged KV pool, three ways, at the kernel level: the engine's
+"""A decode step's attention over the paged KV pool, three ways, at the kernel level, and over a
+contiguous cache (the slot engine's layout, the reference paging gives up): the engine's
 gather of each row's blocks into a view and SDPA over it (eager); the same gather inside a compiled
 function feeding cpu_attention's softmax written out (on a CPU inductor reads the blocks where they
 lie in its loops; on a GPU its reductions); torch's FlexAttention over the pool with a block mask
@@ -88,7 +89,12 @@ def make_arms(inputs, device) -> dict:
     q, pool, tables, blocks = inputs
     mask = block_mask(tables, blocks, device)
     wide = [p[None] for p in pool]
+    # the slot cache's layout: each row's positions already side by side (what paging gives up)
+    flat = [gather(p, tables, blocks).contiguous() for p in pool]
     return {
+        "contiguous cache + SDPA (no gather)": lambda: (
+            torch.nn.functional.scaled_dot_product_attention(q, flat[0], flat[1], enable_gqa=True)
+        ),
         "gather + SDPA (eager)": lambda: eager_sdpa(q, pool, tables, blocks),
         "gather + softmax loops (compiled)": lambda: LOOPS(q, pool, tables, blocks),
         "FlexAttention paged (compiled)": lambda: FLEX(
@@ -122,7 +128,7 @@ def main() -> int:
     before, results = uptime(), {}
     shapes = ["tiny", "125m"] if args.device == "cpu" else ["125m", "1b"]
     for name in shapes:
-        for rows in (1, 16):
+        for rows in (1, 8, 16) if args.device == "cuda" else (1, 16):
             arms = make_arms(case(*SHAPES[name], rows, args.device, dtype), args.device)
             ref = arms["gather + SDPA (eager)"]().float()
             diff = {
