@@ -33,6 +33,7 @@ class Rows:
     tables: torch.Tensor
     out: torch.Tensor
     eos: torch.Tensor
+    host_tables: Optional[torch.Tensor] = None  # the tables as the host writes them
 
     @classmethod
     def empty(cls, rows: int, blocks: int, eos_ids: list[int], sync_every: int, device) -> Rows:
@@ -50,9 +51,13 @@ class Rows:
             out=z(torch.long, rows, sync_every, fill=-1),
             eos=torch.tensor(eos_ids or [-2], dtype=torch.long).to(device),
         )
-        if torch.device(device).type == "cuda":  # CUDA graphs replay on fixed addresses
+        cuda = torch.device(device).type == "cuda"
+        if cuda:  # CUDA graphs replay on fixed addresses
             for f in fields(cls):
-                torch._dynamo.mark_static_address(getattr(state, f.name))
+                if getattr(state, f.name) is not None:
+                    torch._dynamo.mark_static_address(getattr(state, f.name))
+        # on a CPU the host's tables are the device's
+        state.host_tables = torch.zeros_like(state.tables, device="cpu") if cuda else state.tables
         return state
 
     def start(self, row: int, token: torch.Tensor, position: int, generated: int, params) -> None:
@@ -68,7 +73,21 @@ class Rows:
 
     def retire(self, row: int) -> None:
         self.live[row], self.positions[row] = False, 0
-        self.tables[row] = 0  # the null block: the row's writes land where nobody reads
+        self.set_table(row, [])  # the null block: the row's writes land where nobody reads
+
+    def set_table(self, row: int, blocks: list[int]) -> None:
+        """Row ``row``'s block table, written on the host (``upload`` takes it to the device)."""
+        host = self.host_tables
+        host[row, : len(blocks)] = torch.tensor(blocks, dtype=host.dtype)
+        host[row, len(blocks) :] = 0
+
+    def upload(self) -> None:
+        if self.host_tables is not self.tables:  # on a CPU they are one tensor
+            self.tables.copy_(self.host_tables, non_blocking=True)
+
+    def record(self, column: int, rows: int, tokens: torch.Tensor) -> None:
+        """A decode step's tokens, kept on the device until the step's read-back."""
+        self.out[:rows, column] = tokens
 
     def read_back(self, rows: int, steps: int) -> list[list[int]]:
         return self.out[:rows, :steps].tolist()

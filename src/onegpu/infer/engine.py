@@ -250,7 +250,7 @@ class Engine:
         steps = plan.steps
         with self._window(adapters, rows, kv_len), self.decode_step.settings(adapters, rows):
             for j in range(steps):
-                self.rows.out[:rows, j] = self.decode_step(rows, kv_len, needs, adapters)
+                self.rows.record(j, rows, self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():
                     return rows, j + 1
         return rows, steps
@@ -287,8 +287,7 @@ class Engine:
                 self.scheduler.computed(piece.seq, piece.end)
         for seq, new in [*table.items(), *first_tokens.items()]:
             first = seq.generated == 0
-            seq.tokens += new
-            self.scheduler.computed(seq, len(seq.tokens) - 1)
+            self.scheduler.extend(seq, new)
             output = self._outputs[seq.id]
             output.add(new)
             reason = self._finish_reason(seq, output, new)

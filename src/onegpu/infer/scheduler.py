@@ -233,6 +233,11 @@ class Scheduler:
             seq.state = DECODE
         self.pool.register(seq.table, seq.tokens[:upto], seq.cache_key)
 
+    def extend(self, seq: Sequence, tokens: list[int]) -> None:
+        """``seq`` made ``tokens``: its KV holds every token before the last."""
+        seq.tokens += tokens
+        self.computed(seq, len(seq.tokens) - 1)
+
     def finish(self, seq: Sequence) -> None:
         """``seq`` ended (or was cancelled): its row and blocks go back."""
         if seq in self.running:

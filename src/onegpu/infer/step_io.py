@@ -17,16 +17,12 @@ from onegpu.infer.scheduler import Piece, Sequence
 class StepIO:
     def __init__(self, rows: Rows, device):
         self.rows, self.device = rows, device
-        # the tables as the host last wrote them; on a CPU they are the device's
-        cpu = device.type == "cpu"
-        self.host = rows.tables if cpu else torch.zeros_like(rows.tables, device="cpu")
         self.written: dict[int, list[int]] = {}  # row -> the blocks its table holds
 
     def release(self, row: int) -> None:
         """``row`` holds no sequence any more: it stops decoding, its table points at the null
         block."""
         self.rows.retire(row)
-        self.host[row] = 0
         self.written.pop(row, None)
 
     def upload(self, seqs: list[Sequence]) -> None:
@@ -34,12 +30,11 @@ class StepIO:
         for seq in seqs:
             blocks = seq.table.blocks
             if self.written.get(seq.row) != blocks:
-                self.host[seq.row, : len(blocks)] = torch.tensor(blocks)
-                self.host[seq.row, len(blocks) :] = 0
+                self.rows.set_table(seq.row, blocks)
                 self.written[seq.row] = list(blocks)
                 dirty = True
-        if dirty and self.host is not self.rows.tables:
-            self.rows.tables.copy_(self.host, non_blocking=True)
+        if dirty:
+            self.rows.upload()
 
     def prefill(self, runner: ModelRunner, sampler: Sampler, pieces: list[Piece], adapters):
         """Run the pieces — neighbours of one length as one forward, in the plan's order (a piece
