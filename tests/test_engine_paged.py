@@ -174,6 +174,36 @@ def test_a_prefix_cached_under_one_adapter_is_not_found_under_another(tiny_token
     assert engine.stats().prefix_hits == 32
 
 
+def test_an_eager_window_gathers_a_sequences_blocks_once_not_at_every_step(llama, monkeypatch):
+    """Eager decode steps read a copy of their rows' KV gathered when a sequence starts decoding
+    and kept up to date from run to run (the policy row eager_window); without it every step
+    gathers its rows' blocks. The tokens are the same either way."""
+    from onegpu.infer.paged_cache import PagedCache
+
+    gathers = []
+    real = PagedCache.gather
+
+    def counted(self, pool, tables):
+        gathers.append(tables.shape[0])
+        return real(self, pool, tables)
+
+    monkeypatch.setattr(PagedCache, "gather", counted)
+    prompts = [list(range(20, 40)), list(range(50, 75))]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    runs = {}
+    for off in ([], ["eager_window"]):
+        gathers.clear()
+        config = EngineConfig(max_slots=2, max_len=96, sync_every=4, policy_off=off)
+        runs[bool(off)] = [
+            r.token_ids for r in Engine(llama, None, config).generate(prompts, params)
+        ]
+        runs[f"{bool(off)} gathers"] = list(gathers)
+    layers = llama.config.num_hidden_layers
+    assert runs[False] == runs[True]
+    assert runs["False gathers"] == [2] * 2 * layers  # K and V of each layer, both rows, once
+    assert len(runs["True gathers"]) == 2 * layers * 39  # every decode step
+
+
 def test_blocks_are_zeroed_at_their_first_use_not_at_start(llama):
     """The pool is allocated empty (a budget of gigabytes is not written at start): a block is
     zeroed when first handed out, so what a masked position holds is finite — memory left as NaN

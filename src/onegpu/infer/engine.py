@@ -116,6 +116,7 @@ class Engine:
         self.routing = False
         self._seqs: dict[int, Sequence] = {}
         self._outputs: dict[int, Output] = {}
+        self._copied: dict[int, tuple] = {}  # row -> whose KV its eager-window copy holds
         self._next_id = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -248,21 +249,28 @@ class Engine:
                 if s.row < rows:
                     adapters[s.row] = s.adapter or "__base__"
         steps = plan.steps
-        with self._window(adapters, rows, kv_len), self.decode_step.settings(adapters, rows):
+        window = self._window(plan, adapters, rows, kv_len)
+        with window, self.decode_step.settings(adapters, rows):
             for j in range(steps):
                 self.rows.record(j, rows, self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():
                     return rows, j + 1
         return rows, steps
 
-    def _window(self, adapters, rows: int, kv_len: int):
-        """Eager decode steps read a copy of the rows' blocks gathered once a run (a policy
-        row); compiled ones read the blocks where they lie."""
+    def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
+        """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
+        compiled ones read the blocks where they lie. A row holding a sequence its copy does not
+        (a new one, or one recomputed after preemption) has its copy gathered first."""
         eager = self.decode_step.compiled is None or adapters is not None
         if not (eager and self.policy.eager_window):
             return contextlib.nullcontext()
+        # only the decoding rows: a row whose prompt is still being computed gets its copy when
+        # it starts decoding, with the whole prompt in the pool
+        holders = {s.row: (s.id, s.preemptions) for s in plan.decode}
+        fresh = [r for r, who in holders.items() if self._copied.get(r) != who]
+        self._copied.update(holders)
         tables = self.rows.tables[:rows, : kv_len // self.pool.block_size]
-        return self.runner.decode_window(tables, self.rows.positions[:rows])
+        return self.runner.decode_window(tables, self.rows.positions[:rows], fresh)
 
     def _buckets(self) -> int:
         """The compiled steps this engine can ask for: (rows, kv_len) buckets x 8 needs."""

@@ -20,7 +20,7 @@ keys and values are handed on as the forward made them, with no gather.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,27 +35,9 @@ class PagedView:
     ``[rows * query_len]`` in row order; ``tables``: each row's blocks ``[rows, kv_len /
     block_size]`` (None: the rows read only their own new tokens, a prompt's first piece)."""
 
-    write: Optional[torch.Tensor]  # None inside a Window: the run's copy takes the writes
+    write: Optional[torch.Tensor]  # None inside a DecodeWindow: the run's copy takes the writes
     tables: Optional[torch.Tensor] = None
-    window: Optional[Window] = None  # an eager decode run's gathered copy, and where it writes
-
-
-@dataclass
-class Window:
-    """An eager decode run's copy of its rows' blocks ``tables``, gathered at its first step (a
-    layer at a time). Its steps write their new tokens into the copy only, and read it: no gather
-    and no second write a step, as the slot cache's steps did. The run's tokens go into the pool
-    when it ends (``PagedCache.flush``) — before anything else reads them: only decode steps run
-    inside a run, and they read the copy. ``start`` ``[rows]``: each row's position at the run's
-    start; ``positions``: where the current step writes (a row that does not decode writes at 0
-    of its own row of the copy, which nobody reads); ``steps``: the steps run so far."""
-
-    tables: torch.Tensor
-    start: torch.Tensor
-    positions: Optional[torch.Tensor] = None
-    steps: int = 0
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
+    window: object = None  # an eager decode run's DecodeWindow (decode_window.py: it imports this)
 
 
 class PagedCache(Cache):
@@ -96,44 +78,13 @@ class PagedCache(Cache):
         view = self.view
         assert view is not None, "PagedCache: the runner sets the view before a forward"
         k, v = self._layer(layer_idx, key_states, value_states)
-        if view.window is not None:
-            return self._through(view.window, layer_idx, k, v, key_states, value_states)
+        if view.window is not None:  # the run's copy takes the writes
+            return view.window.layer(layer_idx, key_states, value_states)
         k.index_copy_(1, view.write, _tokens(key_states, k.dtype))
         v.index_copy_(1, view.write, _tokens(value_states, v.dtype))
         if view.tables is None:
             return key_states, value_states
         return self.gather(k, view.tables), self.gather(v, view.tables)
-
-    def _through(self, window: Window, layer_idx: int, k, v, key_states, value_states):
-        """An eager decode step inside a window: the new tokens into the copy too; the copy."""
-        if len(window.keys) <= layer_idx:  # the run's first step: gather this layer once
-            window.keys.append(self.gather(k, window.tables))
-            window.values.append(self.gather(v, window.tables))
-        wk, wv = window.keys[layer_idx], window.values[layer_idx]
-        rows = torch.arange(wk.shape[0], device=wk.device)
-        wk[rows, :, window.positions] = _as(key_states[:, :, 0], wk.dtype)
-        wv[rows, :, window.positions] = _as(value_states[:, :, 0], wv.dtype)
-        return wk, wv
-
-    def flush(self, window: Window, end: torch.Tensor) -> None:
-        """The run's tokens from the copy into the pool: each row's positions ``[start, end)``
-        (``end`` ``[rows]``: where each row stands after the run; a row that did not decode has
-        end = start); what lies past a row's end goes to the null block."""
-        if not window.keys or window.steps == 0:
-            return
-        offsets = torch.arange(window.steps, device=end.device)
-        at = window.start[:, None] + offsets[None]  # [rows, steps]
-        valid = at < end[:, None]
-        length = window.keys[0].shape[2]
-        at = torch.where(valid, at, 0).clamp_max(length - 1)
-        where = positions_in_pool(window.tables, at, self.block_size)
-        where = torch.where(valid, where, at % self.block_size).reshape(-1)
-        rows = torch.arange(at.shape[0], device=at.device)[:, None]
-        for pool, copy in zip(self.keys + self.values, window.keys + window.values, strict=True):
-            tokens = copy[rows, :, at]  # [rows, steps, heads, dim]
-            pool.index_copy_(
-                1, where, tokens.permute(2, 0, 1, 3).reshape(pool.shape[0], -1, pool.shape[-1])
-            )
 
     def gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """The blocks of each row, in order: ``[rows, kv_heads, blocks * block_size, dim]`` (a

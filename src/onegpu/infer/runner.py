@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
+from onegpu.infer.decode_window import DecodeWindow
 from onegpu.infer.paged_cache import (
     PagedCache,
     PagedView,
-    Window,
     base_model,
     cache_kwarg,
     masks,
@@ -46,20 +46,22 @@ class ModelRunner:
         # a model trained with an MoE router loss keeps output_router_logits in its config, and
         # that loss would read the attention mask as a 2D padding mask
         self.no_router_loss = bool(getattr(model.config, "output_router_logits", False))
-        self.window: Optional[Window] = None
+        self.window = DecodeWindow(cache)
+        self.windowed = False  # inside decode_window
 
     @contextmanager
-    def decode_window(self, tables: torch.Tensor, positions: torch.Tensor):
-        """Eager decode steps inside the block read and write a copy of the rows' blocks
-        ``tables`` (those of their whole run), gathered at the first step; at the end the run's
-        tokens go into the pool, each row's from where it stood (``positions`` [rows], the rows'
-        positions, which the steps advance) up to where it stands then (paged_cache.Window)."""
-        self.window = Window(tables, positions.clone())
+    def decode_window(self, tables: torch.Tensor, positions: torch.Tensor, fresh: list[int]):
+        """Eager decode steps inside the block read and write the rows' copy of their KV
+        (decode_window.py) over ``tables``' positions; ``fresh``: rows whose copy is gathered
+        first; ``positions``: the rows' positions, which the steps advance. At the end the run's
+        tokens go into the pool."""
+        self.window.begin(tables, positions, fresh)
+        self.windowed = True
         try:
             yield
         finally:
-            window, self.window = self.window, None
-            self.cache.flush(window, positions)
+            self.windowed = False
+            self.window.end(positions)
 
     def prefill(self, pieces: Pieces) -> torch.Tensor:
         """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32)."""
@@ -92,10 +94,9 @@ class ModelRunner:
         # a row that does not decode may sit anywhere (a prompt being computed in pieces, a
         # finished sequence's last position): it reads its table at 0 and writes into block 0
         safe = torch.where(live, positions, 0)
-        window = self.window
-        if window is not None:  # the step writes into the run's copy only
-            window.positions, window.steps = safe, window.steps + 1
-            self.cache.set_view(PagedView(None, tables, window))
+        if self.windowed:  # the step writes into the run's copy only
+            self.window.step(safe)
+            self.cache.set_view(PagedView(None, tables, self.window))
         else:
             where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
             where = torch.where(live, where, positions % self.block_size)
