@@ -91,10 +91,10 @@ class Engine:
         self.eos_set = frozenset(eos)
         self.rows = Rows.empty(self.max_slots, per_seq, eos, cfg.sync_every, self.device)
         self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
-        self.frozen = freeze(
+        self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
+        self.frozen = self.policy.frozen_step and freeze(
             cfg.static_weights, self.compiled, cfg.compile_backend, self.device, model
         )
-        self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
         self.decode_step = DecodeStep(
             self.runner,
             self.sampler,
