@@ -32,10 +32,11 @@ from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode, freeze
 from onegpu.infer.engine_config import (
     TOKEN_BUDGET,
     EngineConfig,
-    bucket,
+    Shapes,
     check_adapter,
     context_of,
     eos_ids_of,
+    pool_blocks,
 )
 from onegpu.infer.kv_blocks import BlockPool
 from onegpu.infer.output import Output, update
@@ -73,15 +74,8 @@ class Engine:
         if self.max_len < 2:
             raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
         self.device = model.get_input_embeddings().weight.device
+        blocks, per_seq = pool_blocks(cfg, self.max_len)
         size = cfg.block_size
-        per_seq = -(-self.max_len // size)
-        blocks = cfg.num_blocks or self.max_slots * per_seq + 1
-        if blocks - 1 < per_seq:
-            raise ConfigError(
-                f"engine: {blocks} KV blocks of {size} positions hold less than one sequence of "
-                f"max_len {self.max_len} ({per_seq} blocks and the reserved one).",
-                hint=f"num_blocks >= {per_seq + 1}, or a lower max_len",
-            )
         self.pool = BlockPool(blocks, size, cfg.prefix_caching)
         self.cache = PagedCache(blocks, size, kv_dtype(model), self.device)
         self.runner = ModelRunner(model, self.cache)
@@ -95,6 +89,9 @@ class Engine:
         self.frozen = self.policy.frozen_step and freeze(
             cfg.static_weights, self.compiled, cfg.compile_backend, self.device, model
         )
+        self.shapes = Shapes(
+            self.max_slots, per_seq * size, size, cfg.fixed_shape, self.compiled is not None
+        )
         self.decode_step = DecodeStep(
             self.runner,
             self.sampler,
@@ -103,7 +100,7 @@ class Engine:
             cfg.compile_backend,
             self.policy,
             self.frozen,
-            self._buckets(),
+            self.shapes.count(),
         )
         budget = cfg.token_budget or TOKEN_BUDGET.get(self.device.type, TOKEN_BUDGET["cuda"])
         self.scheduler = Scheduler(
@@ -231,16 +228,7 @@ class Engine:
         """Up to ``plan.steps`` decode steps of the decode rows; the rows and steps run."""
         in_use = max(s.row for s in plan.decode) + 1
         reach = max(s.computed for s in plan.decode) + plan.steps
-        size = self.pool.block_size
-        whole = -(-self.max_len // size) * size
-        if self.config.fixed_shape:
-            rows, kv_len = self.max_slots, whole
-        elif self.decode_step.compiled is None:
-            # eager: a shape costs nothing to change, so the steps cover the rows in use and the
-            # positions these steps reach, in whole 64s
-            rows, kv_len = in_use, min(-(-reach // max(64, size)) * max(64, size), whole)
-        else:  # a few buckets of the positions reached (not of the requests' final lengths)
-            rows, kv_len = bucket(in_use, self.max_slots), bucket(reach, whole, max(64, size))
+        rows, kv_len = self.shapes.of(in_use, reach)
         needs = Needs.of([s.params for s in plan.decode])
         adapters = None
         if self.routing:  # by row: a row that holds no sequence runs on the base model
@@ -271,16 +259,6 @@ class Engine:
         self._copied.update(holders)
         tables = self.rows.tables[:rows, : kv_len // self.pool.block_size]
         return self.runner.decode_window(tables, self.rows.positions[:rows], fresh)
-
-    def _buckets(self) -> int:
-        """The compiled steps this engine can ask for: (rows, kv_len) buckets x 8 needs."""
-        if self.config.fixed_shape:
-            return 8
-        size = self.pool.block_size
-        whole = -(-self.max_len // size) * size
-        rows = {bucket(n, self.max_slots) for n in _powers(self.max_slots)}
-        kv = {bucket(n, whole, max(64, size)) for n in _powers(whole)}
-        return len(rows) * len(kv) * 8
 
     def _names(self, seqs: list[Sequence]) -> Optional[list[str]]:
         """PEFT's per-row adapter names once a request names an adapter (a mixed batch); then a
@@ -334,12 +312,3 @@ class Engine:
         self.scheduler.finish(seq)
         del self._seqs[seq.id]
         self._outputs.pop(seq.id)
-
-
-def _powers(cap: int) -> list[int]:
-    """1, 2, 4, ... and cap: one count in each power-of-two bucket up to cap."""
-    out, n = [cap], 1
-    while n < cap:
-        out.append(n)
-        n *= 2
-    return out

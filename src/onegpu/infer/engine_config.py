@@ -112,6 +112,61 @@ def check_adapter(model, adapter: Optional[str]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """The (rows, kv_len) a decode run of an engine runs over: ``rows`` decode rows at most, each
+    of at most ``whole`` positions (max_len in whole blocks of ``block``)."""
+
+    rows: int
+    whole: int
+    block: int
+    fixed: bool  # EngineConfig.fixed_shape: always every row over every position
+    compiled: bool
+
+    def of(self, in_use: int, reach: int) -> tuple[int, int]:
+        """For rows ``[0, in_use)`` whose steps reach ``reach`` positions: eager, the rows in use
+        and the positions reached in whole 64s (a shape costs nothing to change); compiled, a
+        few buckets of both (not of the requests' final lengths)."""
+        grain = max(64, self.block)
+        if self.fixed:
+            return self.rows, self.whole
+        if not self.compiled:
+            return in_use, min(-(-reach // grain) * grain, self.whole)
+        return bucket(in_use, self.rows), bucket(reach, self.whole, grain)
+
+    def count(self) -> int:
+        """The compiled steps an engine can ask for: (rows, kv_len) buckets x 8 needs."""
+        if self.fixed:
+            return 8
+        rows = {bucket(n, self.rows) for n in _powers(self.rows)}
+        kv = {bucket(n, self.whole, max(64, self.block)) for n in _powers(self.whole)}
+        return len(rows) * len(kv) * 8
+
+
+def pool_blocks(config: EngineConfig, max_len: int) -> tuple[int, int]:
+    """The pool's blocks (config.num_blocks, else every row's worst case and the null block) and
+    a sequence's most; a pool that cannot hold one sequence of max_len is refused."""
+    size = config.block_size
+    per_seq = -(-max_len // size)
+    blocks = config.num_blocks or config.max_slots * per_seq + 1
+    if blocks - 1 < per_seq:
+        raise ConfigError(
+            f"engine: {blocks} KV blocks of {size} positions hold less than one sequence of "
+            f"max_len {max_len} ({per_seq} blocks and the reserved one).",
+            hint=f"num_blocks >= {per_seq + 1}, or a lower max_len",
+        )
+    return blocks, per_seq
+
+
+def _powers(cap: int) -> list[int]:
+    """1, 2, 4, ... and cap: one count in each power-of-two bucket up to cap."""
+    out, n = [cap], 1
+    while n < cap:
+        out.append(n)
+        n *= 2
+    return out
+
+
 def bucket(n: int, cap: int, start: int = 1) -> int:
     """The smallest power-of-two multiple of ``start`` that holds ``n``, at most ``cap``: a few
     fixed shapes, so a compiled step is reused instead of recompiled for every count."""
