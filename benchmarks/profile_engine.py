@@ -246,11 +246,11 @@ def attention_ab(args) -> None:
     from onegpu.infer.engine import Engine
 
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    engine.decode_step.loops_from = 1  # the engine keeps SDPA at one row: the loops here too
+    # (the engine takes the loops at every row count)
     sdpa = Engine(engine.model, None, engine.config)
     sdpa.decode_step.grouped = None  # transformers' SDPA function in the steps
     inlined = Engine(engine.model, None, engine.config)
-    inlined.decode_step.loops_from, inlined.decode_step.realize_ops = 1, None
+    inlined.decode_step.realize_ops = None
     engines = {
         "SDPA's CPU kernel": sdpa,
         "inductor loops, the query inlined into them": inlined,

@@ -140,7 +140,6 @@ class DecodeStep:
         loops = self.compiled is not None and backend == "inductor" and not cuda
         loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
         self.attention = cpu_attention.NAME if loops else gqa_attention.NAME
-        self.loops_from = policy.LOOPS_FROM_ROWS
         self.realize_ops = policy.REALIZE_OPS if rules.realize_query else None
         self.grouped = base if loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
@@ -149,11 +148,10 @@ class DecodeStep:
 
     def settings(self, adapters, rows: int = 0) -> ExitStack:
         """What the steps of ``rows`` rows run under: the engine's decode attention (a GQA
-        model's without repeat_kv's copy; a compiled CPU step's of ``loops_from`` rows or more as
-        inductor loops); for a compiled call also inductor's settings (read from the global
+        model's without repeat_kv's copy; a compiled CPU step's as inductor loops); for a compiled call also inductor's settings (read from the global
         config when a bucket compiles) and MoE experts as ``batched_mm``."""
         stack = ExitStack()
-        loops = self.attention == cpu_attention.NAME and rows >= self.loops_from
+        loops = self.attention == cpu_attention.NAME
         if self.grouped is not None:
             name = self.attention if loops else gqa_attention.NAME
             stack.enter_context(gqa_attention.grouped_decode(self.grouped, name))

@@ -26,8 +26,9 @@ class Rule:
 RULES: dict[str, Rule] = {
     "cpu_attention_loops": Rule(
         "cpu",
-        "a compiled decode step of at least `loops_from_rows` rows attends in inductor's loops "
-        "over the blocks where they are (cpu_attention.py), not SDPA's kernel over a gathered copy",
+        "a compiled decode step attends in inductor's loops over the blocks where they lie "
+        "(cpu_attention.py), not SDPA's kernel over a gathered copy (at every row count: from 2 "
+        "rows over the slot cache's views, from 1 over the paged pool)",
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
     ),
@@ -68,7 +69,6 @@ RULES: dict[str, Rule] = {
 }
 
 # the settings of the rows above (not switches: what a row does when it is on)
-LOOPS_FROM_ROWS = 2
 REALIZE_OPS = 8
 
 
