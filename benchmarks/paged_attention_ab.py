@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,6 +151,9 @@ def main() -> int:
     out = ROOT / (args.out or f"benchmarks/results/paged-attention-{args.device}")
     result = {
         "command": " ".join(["python", *sys.argv]),
+        "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -163,7 +167,9 @@ def main() -> int:
     lines = [
         f"# A decode step's attention over the paged pool ({result['device']}, {args.dtype})",
         "",
-        f"`{result['command']}` — {result['date']}, torch {result['machine']['torch']}, "
+        f"`{result['command']}` — {result['date']}, commit {result['commit']}, "
+        f"{result['machine']['cpu']} ({result['machine']['cpus']} cores), torch "
+        f"{result['machine']['torch']}, transformers {result['machine']['transformers']}, "
         f"{args.threads} thread(s). Load before: {before}; after: {result['uptime_after']}. "
         f"{LENGTH} positions a row in blocks of {B}; {args.rounds} interleaved rounds of 20 calls; "
         "ms a call (one layer), median (min-max); the largest difference from the eager "
