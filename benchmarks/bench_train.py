@@ -34,7 +34,12 @@ and every arm of every preset loads it from there. Each preset fits one 10-minut
     gpu-dpo         lora, trl-dpo, trl-dpo-lora: DPO vs TRL DPOTrainer   7.3
 
 `gpu-methods` runs gpu-memory .. gpu-offload (each method of the guide's table alone); `gpu` runs
-all ten. The minutes are estimates (see ARM_SECONDS), not measurements. `gpu-grpo` (not in `gpu`)
+all ten. FP8 has two presets of its own (not in `gpu`; scripts/gpu_check.sh fp8 and fp8-3b):
+`gpu-fp8`, the 1b preset in bf16 compiled (the baseline), FP8 compiled and HF Trainer with the
+guide's flags, interleaved (~6 minutes on an H100, from the per-arm times of its 2026-11-25 run);
+`gpu-fp8-3b`, a model of Llama-3.2-3B's shape (the `3b` preset), bf16 compiled against FP8
+compiled (~7 minutes: a 12 GB model written once and loaded by every arm). The minutes are
+estimates (see ARM_SECONDS), not measurements. `gpu-grpo` (not in `gpu`)
 is cpu-grpo's comparison on the card: the default job's model (trained there first), 2 rounds.
 
 On a GPU every onegpu arm compiles as a default run of 50+ steps does (bench/settle.py), so the
@@ -63,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the presets' flags, beside this script
 
-from train_flags import CPU, CPU_DPO, CPU_GRPO, GPU, HEADLINE  # noqa: E402
+from train_flags import CPU, CPU_DPO, CPU_GRPO, GPU, GPU_3B, HEADLINE  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Preset:
     gpu: bool = False  # trains the saved Llama ~1B
     chat: bool = False  # on the chat data set (variable lengths) instead of packed text
     sft_model: bool = False  # starts from the default job's trained model (GRPO)
+    saved: str = ""  # a preset model written once and trained (gpu=True: the 1b), e.g. "3b"
 
     def argv(self) -> list[str]:
         return list(self.args) + (
@@ -103,6 +109,10 @@ PRESETS = {
         Preset("gpu-offload", GPU, ("offload", "preload"), gpu=True),
         Preset("gpu-peft", GPU, ("lora", "qlora", "plain-loss"), gpu=True),
         Preset("gpu-chat", GPU, ("padding-free", "hf-trainer", "trl-sft"), gpu=True, chat=True),
+        # FP8 (not in `gpu`: scripts/gpu_check.sh fp8 / fp8-3b): bf16 compiled (the baseline),
+        # FP8 compiled and HF Trainer with the guide's flags, interleaved; then the 3B shape
+        Preset("gpu-fp8", GPU, ("fp8", "hf-trainer-tuned"), saved="1b"),
+        Preset("gpu-fp8-3b", GPU_3B, ("fp8",), saved="3b"),
         # DPO on the corpus pairs (short: seq_len is only the cap); ref-copy left out to fit 10
         # minutes
         Preset(
@@ -148,6 +158,7 @@ ARM_SECONDS = {
     "lora": 45,
     "qlora": 55,
     "padding-free": 45,
+    "fp8": 110,  # compiles, as the baseline does on a GPU
     "best": 110,
     "hf-trainer": 60,
     "hf-trainer-tuned": 100,
@@ -274,12 +285,13 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
     """The preset's flags, with the saved model and chat data it trains on (their paths only, in a
     dry run)."""
     argv = preset.argv()
-    if preset.gpu:
-        model = workdir / "llama-1b"
+    if preset.gpu or preset.saved:
+        kind = preset.saved or "1b"
+        model = workdir / f"llama-{kind}"
         max_bytes = int(argv[argv.index("--data.max_bytes") + 1])
         argv += [
             "--model.name",
-            str(model if dry_run else saved_model(model, max_bytes=max_bytes)),
+            str(model if dry_run else saved_model(model, kind, max_bytes=max_bytes)),
             "--model.from_scratch",
             "false",
         ]

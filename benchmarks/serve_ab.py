@@ -1,6 +1,7 @@
 """Two `onegpu serve` settings side by side under the load test's workload, interleaved.
 
     python benchmarks/serve_ab.py --a "--prefill_thread auto" --a_src /tmp/slot-engine/src --b ""
+    python benchmarks/serve_ab.py --a_src ../other-checkout/src     # two commits, same flags
 
 Both servers run at once on 127.0.0.1 (the idle one waits on its inbox), on the same `tiny` model
 and the same 64 requests as benchmarks/serve_load.py. Each round runs A's two phases (sequential,
@@ -49,8 +50,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", default="", help="server flags of setting A")
     ap.add_argument("--b", default="", help="server flags of setting B")
-    ap.add_argument("--a_src", default=str(ROOT / "src"), help="the source tree setting A runs")
-    ap.add_argument("--b_src", default=str(ROOT / "src"), help="the source tree setting B runs")
+    ap.add_argument("--a_src", type=Path, default=ROOT / "src", help="the source A runs")
+    ap.add_argument("--b_src", type=Path, default=ROOT / "src", help="the source B runs")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
@@ -71,9 +72,10 @@ def main() -> int:
                 port = free_port()
                 opts = argparse.Namespace(**vars(args), server_args=flags)
                 log = Path(tmp) / f"server-{name}.log"
-                src = Path(args.a_src if name == "A" else args.b_src)
-                command = f"{sys.executable} -m onegpu serve"
-                proc = start_server(command, Path(tmp) / "tiny", port, opts, log, src)
+                src = args.a_src if name == "A" else args.b_src
+                proc = start_server(
+                    f"{sys.executable} -m onegpu serve", Path(tmp) / "tiny", port, opts, log, src
+                )
                 client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
                 servers[name] = (proc, client)
                 run_phase(client, jobs[:2], 2, time.monotonic() + 60)  # warm-up
@@ -92,7 +94,7 @@ def main() -> int:
         "uptime_before": before,
         "uptime_after": uptime(),
         "settings": settings,
-        "sources": {"A": args.a_src, "B": args.b_src},
+        "sources": {"A": str(args.a_src), "B": str(args.b_src)},
         "server_exit": exits,
         "errors": ok["n_errors"] + len(ok["lost"]),
         "differ": ok["differ"],
@@ -125,8 +127,8 @@ def markdown(r: dict, args) -> str:
     rows = []
     for name, s in r["summary"].items():
         flags = r["settings"][name] or "(defaults)"
-        where = r.get("sources", {}).get(name)
-        flags += f"` (from {where})`" if where and Path(where) != ROOT / "src" else ""
+        if r["sources"]["A"] != r["sources"]["B"]:
+            flags += f"` from `{r['sources'][name]}"
         rows.append(
             f"| {name}: `{flags}` | {cell(s['sequential_tokens_per_s'])} | "
             f"{cell(s['concurrent_tokens_per_s'])} | {cell(s['speedup'], fmt='{:.2f}')}x | "

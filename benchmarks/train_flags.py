@@ -130,3 +130,27 @@ GPU = (
     "--data.max_bytes",
     "3000000",
 )
+# FP8's 3B shape (the `3b` preset, Llama-3.2-3B's layers; bench_train.py gpu-fp8-3b): the 1b
+# presets' 16 x 2048 tokens a step as 2 x 8 (the planner puts 4 x 2048 of a 3B model in bf16 with
+# fp32 master weights and AdamW above 80 GB), 8 steps (2 untimed): the arms compile, load and save
+# a 12 GB model, so fewer steps keep two rounds of two arms in one 10-minute command.
+GPU_3B = (
+    "--data.seq_len",
+    "2048",
+    "--training.micro_batch_size",
+    "2",
+    "--training.grad_accum",
+    "8",
+    "--training.max_steps",
+    "8",
+    "--bench.warmup_steps",
+    "2",
+    "--bench.reps",
+    "2",
+    "--bench.max_seconds",
+    "240",
+    "--techniques.precision",
+    "bf16",
+    "--data.max_bytes",
+    "3000000",
+)

@@ -21,12 +21,17 @@
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
 #   dpo       benchmarks/bench_train.py gpu-dpo (DPO vs TRL's DPOTrainer)   -> dpo.log, train-gpu-dpo-*
 #   grpo      benchmarks/bench_train.py gpu-grpo (GRPO vs TRL's GRPOTrainer) -> grpo.log, train-gpu-grpo-*
+#   fp8       FP8 training: torchao's float8 API here, then bench_train.py gpu-fp8 (the 1b preset, bf16
+#             compiled vs FP8 compiled vs HF Trainer tuned) and the planner's predicted ratio
+#             -> fp8.log, train-gpu-fp8-*, fp8-gpu-1b.md
+#   fp8-3b    the same on Llama-3.2-3B's shape (bench_train.py gpu-fp8-3b)  -> fp8-3b.log, fp8-gpu-3b.md
 #   simpeak   scripts/simgpu_vs_real.py: simulated peak vs real max_memory_allocated -> simpeak.log
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
 # One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
-# "infer", "infer-quant", "profile", "paged", "quick", "best", "dpo" or "grpo" (see benchmarks/README.md).
+# "infer", "infer-quant", "profile", "paged", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
+# benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
 # there lists each step: PASS, FAIL (exit code), TIMEOUT or SKIP, its seconds and its log.
@@ -58,14 +63,14 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-quant profile paged infer-hf quick best dpo grpo simpeak)
+ALL=(versions dry tests offload engine infer infer-quant profile paged infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
     versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged) echo 540 ;; profile) echo 400 ;;
-    infer-hf) echo 240 ;; quick|best|dpo|grpo) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
+    infer-hf) echo 240 ;; quick|best|dpo|grpo|fp8|fp8-3b) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
 
@@ -92,7 +97,7 @@ PYEOF
 step_cmd() {
   case $1 in
     versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
-    dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo cpu-grpo gpu gpu-grpo --dry-run \
+    dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo cpu-grpo gpu gpu-grpo gpu-fp8 gpu-fp8-3b --dry-run \
            && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py \
              --ignore=tests/gpu/test_gpu_engine.py --junitxml="$DIR/tests.xml" ;;
@@ -118,13 +123,17 @@ step_cmd() {
     dpo) "$PY" benchmarks/bench_train.py gpu-dpo --bench.out "$DIR" ;;
     # GRPO vs TRL's GRPOTrainer; trains the default job's model first on a fresh machine (~1.5 min)
     grpo) "$PY" benchmarks/bench_train.py gpu-grpo --bench.out "$DIR" ;;
+    # FP8: torchao's float8 training API checked first (it fails here, not after minutes of
+    # training), the arms interleaved, then measured against the planner's prediction
+    fp8) "$PY" benchmarks/fp8_gpu_report.py --run gpu-fp8 --dir "$DIR" ;;
+    fp8-3b) "$PY" benchmarks/fp8_gpu_report.py --run gpu-fp8-3b --dir "$DIR" ;;
     # the simulated tier's memory (fake tensors, MemTracker) against the card's allocator
     simpeak) "$PY" scripts/simgpu_vs_real.py ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-quant|profile|paged|infer-hf|quick|best|dpo|grpo|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|profile|paged|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"

@@ -15,8 +15,9 @@ def read(paths: list[str]) -> dict[str, float]:
     for path in paths:
         try:
             root = ET.parse(path).getroot()
-        except (OSError, ET.ParseError):
-            continue  # a pass that selected nothing or was interrupted wrote none
+        except (OSError, ET.ParseError) as exc:  # a pass interrupted before it wrote its file
+            print(f"test_report: {path} not read ({exc})")
+            continue
         for case in root.iter("testcase"):
             module = case.get("classname", "").replace(".", "/")
             times[f"{module}.py::{case.get('name')}"] = float(case.get("time", 0))

@@ -1,7 +1,9 @@
-"""Nothing lost, nobody let in: bad bodies, unknown fields and values out of range are 400s naming
-the field; an unknown model is a 404; a prompt over the context a 400 naming the limit; a wrong or
-missing key a 401; a full queue a 503 with Retry-After; a caller that leaves frees its slot; SIGTERM
-finishes what is in flight and exits 0. The server answers normally after each of these."""
+"""Nothing lost, nobody let in: bad bodies and values out of range are 400s naming the field (an
+unknown field is ignored and named in a header, test_serve_api.py); an unknown model is a 404; a
+prompt over the context a 400 naming the limit; a wrong or missing key a 401; a full queue a 503
+with Retry-After; a caller that leaves frees its slot; SIGTERM finishes what is in flight and exits
+0, and a stream the grace period cuts ends with an error event and [DONE]. The server answers
+normally after each of these."""
 
 from __future__ import annotations
 
@@ -67,14 +69,14 @@ def test_malformed_json_is_a_400(server, client):
 @pytest.mark.parametrize(
     "path,extra,param",
     [
-        ("/v1/completions", {"max_token": 5}, "max_token"),  # a typo is refused, not ignored
         ("/v1/completions", {"temperature": 2.5}, "temperature"),
         ("/v1/completions", {"top_p": 0}, "top_p"),
         ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
         ("/v1/completions", {"stop": ["a", ""]}, "stop"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
-        ("/v1/completions", {"seed": -1}, "seed"),
+        ("/v1/completions", {"seed": 2**63}, "seed"),
+        ("/v1/completions", {"max_tokens": 4.5}, "max_tokens"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "wizard", "content": "x"}]},
@@ -215,3 +217,33 @@ def _refused(srv: Server, timeout_s: float = 10):
             return time.monotonic()
         time.sleep(0.05)
     return None
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+def test_a_stream_cut_by_the_grace_period_ends_with_an_error_event_and_done(
+    tiny_model_dir, tmp_path
+):
+    args = ["--model", str(tiny_model_dir), "--served_name", "tiny", "--grace", "0"]
+    srv = Server([*args, "--sync_every", "1"], tmp_path / "server.log")
+    try:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 240,  # longer than the grace period of 0 s
+            "stream": True,
+            "ignore_eos": True,
+        }
+        events = []
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 2:
+                        srv.terminate()
+        assert srv.proc.wait(timeout=60) == 0, srv.text()
+    finally:
+        srv.stop()
+    assert events[-1] == "[DONE]"
+    assert '"code": "shutting_down"' in events[-2] and "grace period (0 s)" in events[-2]
+    assert "Traceback" not in srv.text() and "CancelledError" not in srv.text()

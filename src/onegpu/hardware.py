@@ -26,6 +26,12 @@ class DeviceInfo:
     def tf32(self) -> bool:
         return self.type == "cuda" and self.capability is not None and self.capability >= (8, 0)
 
+    @property
+    def fp8(self) -> bool:
+        """FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer; the catalog's cards with an fp8
+        peak are exactly these."""
+        return self.type == "cuda" and self.capability is not None and self.capability >= (8, 9)
+
 
 def detect() -> DeviceInfo:
     import torch

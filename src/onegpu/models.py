@@ -47,6 +47,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         rope_theta=500000.0,
     ),
+    # Llama-3.2-3B's shape (its config.json: 28 layers, d=3072, GQA 24/8, head_dim 128), with the
+    # presets' own vocabulary: the larger shape FP8's GPU check measures (bench_train.py gpu-fp8-3b)
+    "3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    ),
 }
 
 

@@ -16,6 +16,7 @@ CHECKS = [
     "tests/simgpu/card_offload.py",
     "tests/simgpu/card_plan_moe.py",
     "tests/simgpu/card_engine.py",
+    "tests/simgpu/card_fp8.py",
 ]
 
 

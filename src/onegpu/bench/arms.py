@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from onegpu.bench.fp8 import fp8_card, planned_overrides
 from onegpu.bench.settings import BenchTrainConfig
 from onegpu.bench.settle import baseline_compiles
 from onegpu.errors import ConfigError
@@ -221,6 +222,8 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
             {"techniques.compile": "off"},
             needs=_compiled_baseline,
         ),
+        # the planner's layers on this card (bench/fp8.py); compiled, as every onegpu arm on a GPU
+        Arm("fp8", "FP8 training (torchao float8, tensorwise)", {}, needs=fp8_card),
         Arm(
             "plain-loss",
             "Plain cross-entropy (full logits, not fused)",
@@ -323,6 +326,8 @@ def select_arms(b: BenchTrainConfig, device, fmt: str = "text") -> list[Arm]:
     for arm in chosen:
         if arm.name == "best":
             arm.overrides = best_overrides(b, device, arms, fmt)
+        if arm.name == "fp8":
+            arm.overrides = planned_overrides(b, device)
     return chosen
 
 

@@ -214,6 +214,7 @@ def evidence(run) -> dict:
             for m in model.modules()
         ),
         "peft": type(model).__module__.startswith("peft"),
+        "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
         "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
         "reference": _reference_kind(run),
     }

@@ -31,7 +31,7 @@ GUIDE = {
 
 # Arms compared with the peer trainers in the headline. Trainer's default optimizer is fused
 # AdamW (torch >= 2.8), so "adamw-fused" is our loop with the same settings.
-VS_HF = ("baseline", "adamw-fused", "best")
+VS_HF = ("baseline", "adamw-fused", "best", "fp8")
 # The peers: document key -> (peer arm, how the headline names it, our arms compared with it).
 PEERS = {
     "vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
@@ -58,6 +58,7 @@ ACTIVE = {
         "8-bit optimizer state",
     ),
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
+    "fp8": ("float8_layers", lambda v: bool(v), "float8 Linear layers"),
     "lora": ("peft", lambda v: v is True, "a PEFT model"),
     "qlora": ("peft", lambda v: v is True, "a PEFT model"),
     "ref-copy": ("reference", lambda v: v == "CopyReference", "a frozen-copy reference"),

@@ -139,13 +139,17 @@ def print_plan(plan, recommended, top: int) -> None:
         f"gpu   {plan.gpu.name}: {plan.gpu.memory_gib:.1f} GB, seq_len {plan.seq_len}, effective "
         f"batch {plan.batch}\n"
     )
-    print(f"{'#':>2}  {'plan':<52} {'peak GB':>8} {'tokens/s' + tag:>24}  why")
+    width = max([52] + [len(r.candidate.label()) for r in plan.rows[:top]])
+    print(f"{'#':>2}  {'plan':<{width}} {'peak GB':>8} {'tokens/s' + tag:>24}  why")
     for i, r in enumerate(plan.rows[:top], 1):
         mark = "" if r.fits else "x"
         print(
-            f"{mark or i:>2}  {r.candidate.label():<52} {r.memory.peak / 2**30:>8.2f} "
+            f"{mark or i:>2}  {r.candidate.label():<{width}} {r.memory.peak / 2**30:>8.2f} "
             f"{r.speed.tokens_per_s:>24,.0f}  {r.why}"
         )
+    from onegpu.plan.fp8 import gain, gain_line
+
+    print("\n" + gain_line(gain(plan.rows, plan.gpu, plan.shape), plan.gpu))
     assumed = sorted({a for r in plan.rows[:top] for a in r.speed.assumptions})
     if assumed:
         print("\nassumed, not measured: " + "; ".join(assumed))
@@ -162,6 +166,8 @@ def print_plan(plan, recommended, top: int) -> None:
 
 
 def plan_json(plan, recommended) -> dict:
+    from onegpu.plan.fp8 import gain
+
     rows = [
         {
             "plan": r.candidate.label(),
@@ -186,6 +192,7 @@ def plan_json(plan, recommended) -> dict:
         "seq_len": plan.seq_len,
         "batch": plan.batch,
         "rows": rows,
+        "fp8": gain(plan.rows, plan.gpu, plan.shape),
         "recommended": to_dict(recommended) if recommended is not None else None,
     }
 

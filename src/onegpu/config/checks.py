@@ -111,6 +111,8 @@ def _check_conflicts(cfg: Config) -> None:
         )
     if tech.optimizer_in_backward:
         _check_optimizer_in_backward(cfg)
+    if tech.fp8 not in ("off", "auto"):
+        _check_fp8(cfg)
     if out.resume and out.overwrite:
         raise ConfigError(
             "output.resume and output.overwrite contradict each other (continue the run vs "
@@ -195,3 +197,23 @@ def _get(d: dict, dotted: str) -> Any:
     for part in dotted.split("."):
         d = d[part]
     return d
+
+
+def _check_fp8(cfg: Config) -> None:
+    """What FP8 training (techniques/fp8.py) cannot be combined with."""
+    tech = cfg.techniques
+    if tech.lora.quantize_base != "none":
+        raise ConfigError(
+            f"techniques.fp8={tech.fp8} cannot be combined with techniques.lora.quantize_base="
+            f"{tech.lora.quantize_base}: a bitsandbytes base has no Linear weights to cast to "
+            "float8.",
+            hint="set techniques.lora.quantize_base=none (float8 matmuls on the bf16 base), or "
+            "techniques.fp8=off",
+        )
+    if tech.offload != "none":
+        raise ConfigError(
+            f"techniques.fp8={tech.fp8} cannot be combined with techniques.offload={tech.offload}: "
+            "an offloaded step is bound by host traffic, not by matmuls, and DeepSpeed's engine "
+            "with torchao's float8 layers is untested here.",
+            hint="set techniques.offload=none, or techniques.fp8=off",
+        )

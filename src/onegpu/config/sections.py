@@ -11,11 +11,15 @@ from typing import Literal, Optional, Union
 from onegpu.config.grpo import GRPOConfig
 from onegpu.errors import ConfigError
 
+# FP8 training's settings (techniques.fp8): off, auto (the planner decides), or torchao.float8's
+# recipe. One type, so a recipe cannot be asked for with FP8 switched off.
+Fp8Recipe = Literal["off", "auto", "tensorwise", "rowwise", "rowwise-gw-hp"]
+
 
 @dataclass
 class ModelConfig:
     name: str = "auto"
-    """Preset (tiny, small, 125m, 1b), Hub model id or local model directory. auto: tiny on CPU,
+    """Preset (tiny, small, 125m, 1b, 3b), Hub model id or local model directory. auto: tiny on CPU,
     125m on a GPU."""
     tokenizer: Optional[str] = None
     """Tokenizer id or directory. Default: the model's own; presets: a byte-level BPE trained on the
@@ -224,6 +228,20 @@ class TechniquesConfig:
     tiled_mlp_tile_tokens: int = 0
     """Tokens per MLP tile (0 = the model's hidden size: a tile's intermediate is then about the
     size of one MLP weight matrix)."""
+    fp8: Fp8Recipe = "auto"
+    """FP8 training (torchao.float8): the Linear layers' matmuls run in float8 with dynamic scales
+    on the FP8 tensor cores of Ada, Hopper and newer GPUs; weights, gradients and checkpoints stay
+    in their own dtype. tensorwise: one scale per tensor (fastest); rowwise: one per row (more
+    accurate); rowwise-gw-hp: rowwise, the weight gradient in high precision (most accurate). The
+    output head and Linears with a dimension not a multiple of 16 stay in high precision. auto: the
+    planner (onegpu plan, train --plan auto) turns it on where it predicts a gain and chooses the
+    layers; a run without the planner trains without it."""
+    fp8_skip: str = ""
+    """Linear layers kept in high precision besides the rule's (comma-separated names, e.g.
+    "k_proj,v_proj"); the planner writes here the layers whose float8 matmuls would be slower."""
+    fp8_emulate: bool = False
+    """Cast and scale to float8 exactly as on a card but multiply in high precision (torchao's
+    emulate): FP8's numerics on a CPU or a GPU without FP8 tensor cores, to check them; no gain."""
 
 
 @dataclass

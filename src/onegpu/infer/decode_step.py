@@ -148,8 +148,9 @@ class DecodeStep:
 
     def settings(self, adapters, rows: int = 0) -> ExitStack:
         """What the steps of ``rows`` rows run under: the engine's decode attention (a GQA
-        model's without repeat_kv's copy; a compiled CPU step's as inductor loops); for a compiled call also inductor's settings (read from the global
-        config when a bucket compiles) and MoE experts as ``batched_mm``."""
+        model's without repeat_kv's copy; a compiled CPU step's as inductor loops); for a compiled
+        call also inductor's settings (read from the global config when a bucket compiles) and MoE
+        experts as ``batched_mm``."""
         stack = ExitStack()
         loops = self.attention == cpu_attention.NAME
         if self.grouped is not None:

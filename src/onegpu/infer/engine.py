@@ -41,7 +41,7 @@ from onegpu.infer.engine_config import (
 from onegpu.infer.kv_blocks import BlockPool
 from onegpu.infer.output import Output, update
 from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
-from onegpu.infer.requests import Result, SamplingParams, Update
+from onegpu.infer.requests import EngineFeatures, Result, SamplingParams, Update
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs, Sampler
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
@@ -108,6 +108,9 @@ class Engine:
             SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
         )
         self.io = StepIO(self.rows, self.device)
+        # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and
+        # stop strings (docs/serve-engine-seams.md): none yet, so a server refuses those fields
+        self.features = EngineFeatures()
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False

@@ -8,7 +8,35 @@ from typing import Literal, Optional
 
 from onegpu.errors import ConfigError
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the request's tokens must follow (``infer.constraints`` compiles it with the
+    tokenizer). ``kind``: json_schema (``value``: the schema as JSON text; "" for any JSON object),
+    regex, or choice (``value``: a JSON list of strings, one of which is the answer). ``before`` /
+    ``after``: literal text around the JSON (a tool call's tags)."""
+
+    kind: Literal["json_schema", "regex", "choice"]
+    value: str
+    before: str = ""
+    after: str = ""
+
+
+@dataclass(frozen=True)
+class EngineFeatures:
+    """What an engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
+    strings. A server refuses a request that asks for more, naming the field, rather than answer
+    as if it had been applied."""
+
+    penalties: bool = False
+    """presence_penalty and frequency_penalty (``infer.logit_rules.apply_penalties``)."""
+    logprobs: bool = False
+    """Update.logprobs for requests with ``logprobs`` set (``infer.logit_rules.token_logprobs``)."""
+    constraints: bool = False
+    """Token masks from a request's Constraint (``infer.constraints``)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +53,12 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings, cut from the text
     ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
+    # OpenAI's: subtract presence_penalty once and frequency_penalty per earlier occurrence from
+    # the logit of each token the request has generated (not its prompt's), both 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k likeliest
+    constraint: Optional[Constraint] = None
 
     def check(self, field_prefix: str = "") -> None:
         """One clear error naming the bad field (``field_prefix`` + name: "--top_p", "top_p")."""
@@ -35,13 +69,17 @@ class SamplingParams:
             "top_p": 0 < self.top_p <= 1,
             "repetition_penalty": self.repetition_penalty > 0,
             "seed": 0 <= self.seed < 2**63,
+            "presence_penalty": -2 <= self.presence_penalty <= 2,
+            "frequency_penalty": -2 <= self.frequency_penalty <= 2,
+            "logprobs": self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(
                     f"{field_prefix}{name} has an invalid value: {getattr(self, name)}.",
                     hint="max_new_tokens >= 1; temperature, top_k >= 0; 0 < top_p <= 1; "
-                    "repetition_penalty > 0; 0 <= seed < 2**63",
+                    "repetition_penalty > 0; 0 <= seed < 2**63; -2 <= presence_penalty, "
+                    f"frequency_penalty <= 2; 0 <= logprobs <= {MAX_LOGPROBS}",
                 )
         if any(not s for s in self.stop):
             raise ConfigError(
@@ -68,6 +106,20 @@ class Update:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # so far, in all
     first_token: bool = False  # this update carries the request's first token
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token_ids entry, when asked for
+    error: Optional[str] = (
+        None  # this request alone failed (finished, reason "error"); others go on
+    )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the ``k`` likeliest tokens of
+    that step with theirs (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import asdict, astuple
 
 from onegpu.paths import cache_dir
 from onegpu.plan.activation_model import ActivationModel, Fit
+from onegpu.plan.saved_tensors import _Tracker  # noqa: F401 - measured here, re-exported for tests
 
 log = logging.getLogger(__name__)
 
@@ -37,128 +38,6 @@ POINTS = (
     (2, 64),
     (4, 24),
 )  # (batch, length) probes for the fit
-MATMULS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default")
-# Ops compiled code recomputes in backward rather than saving their outputs, beside every op tagged
-# pointwise: casts, copies and concatenations (inductor fuses them into their consumers).
-RECOMPUTED = {"_to_copy", "clone", "cat", "stack", "copy", "_unsafe_view", "repeat", "expand_copy"}
-# ...except a tensor a matmul or attention kernel reads: its backward needs it materialized, so the
-# partitioner saves it (torch/_functorch/partitioners.py, "materialized in backward").
-HEAVY = {"mm", "addmm", "bmm", "baddbmm"}
-
-
-class _Tracker:
-    """Records every storage an op creates, to sum those still alive later."""
-
-    def __init__(self, skip_matmul: bool, exclude: frozenset = frozenset()):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = tracker._run(func, args, kwargs) if skip_matmul else func(*args, **kwargs)
-                tracker._record(out, func, (args, kwargs))
-                return out
-
-        self.mode = Mode()
-        self.refs: dict = {}  # storage key -> (weak ref, bytes)
-        # Storage keys are addresses and get reused once freed, so each new storage gets a serial:
-        # serial -> (recomputed by compiled code?, serials of the op's inputs, bytes).
-        self.serial: dict = {}
-        self.made: dict = {}
-        self.exclude = exclude  # weights, buffers and inputs: there before forward, never counted
-        self.read_by_heavy: set = set()  # serials a matmul or attention kernel took as input
-
-    def _run(self, func, args, kwargs):
-        import torch
-        from torch.utils import _pytree as pytree
-
-        if (
-            func.__name__ == "_to_copy.default"
-            and args[0].is_floating_point()
-            and not kwargs.get("device")
-        ):
-            # dtype casts (autocast's weight copies): allocate, don't convert; values never matter
-            dtype = kwargs.get("dtype") or args[0].dtype
-            if dtype.is_floating_point:
-                return torch.empty_strided(
-                    args[0].shape, args[0].stride(), dtype=dtype, device=args[0].device
-                )
-        if func.__name__ not in MATMULS:
-            return func(*args, **kwargs)
-        # Same output shape, dtype and strides as the real kernel, without the FLOPs: the values
-        # never matter for how many bytes are kept.
-        meta = func(
-            *pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
-            **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs),
-        )
-        return torch.empty_strided(
-            meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device
-        )
-
-    def _record(self, out, func=None, inputs=()) -> None:
-        import torch
-        from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils import _pytree as pytree
-
-        def storages(tree):
-            return [
-                t.untyped_storage()
-                for t in pytree.tree_leaves(tree)
-                if isinstance(t, torch.Tensor) and t.device.type != "meta"
-            ]
-
-        ins = {self.serial[st._cdata] for st in storages(inputs) if st._cdata in self.serial}
-        recomputed = func is not None and _recomputed(func)
-        if func is not None and _heavy(func):
-            self.read_by_heavy |= ins
-        for st in storages(out):
-            key = st._cdata
-            if key in self.exclude:  # a view of a weight or an input
-                continue
-            if key not in self.refs or self.refs[key][0].expired():  # a new storage, not a view
-                self.serial[key] = len(self.made)
-                self.made[len(self.made)] = (recomputed, ins - {self.serial[key]}, st.nbytes())
-            self.refs[key] = (StorageWeakRef(st), st.nbytes())
-
-    def alive(self, exclude: set) -> int:
-        return sum(
-            n for key, (ref, n) in self.refs.items() if key not in exclude and not ref.expired()
-        )
-
-    def compiled_alive(self, exclude: set) -> int:
-        """Bytes compiled code would keep instead: each alive tensor an elementwise op made is
-        replaced by the heavy outputs it can be recomputed from (through chains of such ops);
-        weights and inputs are there anyway and cost nothing."""
-        todo = [
-            self.serial[k]
-            for k, (ref, _) in self.refs.items()
-            if k not in exclude and not ref.expired()
-        ]
-        seen, kept = set(), 0
-        while todo:
-            s = todo.pop()
-            if s in seen or s not in self.made:
-                continue
-            seen.add(s)
-            recomputed, ins, nbytes = self.made[s]
-            if recomputed and ins and s not in self.read_by_heavy:
-                todo.extend(ins)
-            else:
-                kept += nbytes
-        return kept
-
-
-def _heavy(func) -> bool:
-    name = func.__name__.split(".")[0]
-    return name in HEAVY or "attention" in name
-
-
-def _recomputed(func) -> bool:
-    import torch
-
-    return torch.Tag.pointwise in func.tags or func.__name__.split(".")[0] in RECOMPUTED
 
 
 def retained_after_forward(
@@ -199,11 +78,14 @@ def prepare_like_training(
     lora_rank: int = 0,
     lora_targets: str = "all-linear",
     lora_dtype: str = "auto",
+    fp8: str = "off",
+    fp8_skip: str = "",
 ):
     """Training's own assembly (training/assemble.assemble, and so techniques/prepare.py) of a built
-    model, with the settings that change what forward keeps: MoE router loss, LoRA adapters,
-    checkpointing. Compile stays off: on CPU with matmuls skipped it would measure nothing real. No
-    optimizer and no accelerator: only a forward is measured."""
+    model, with the settings that change what forward keeps: MoE router loss, LoRA adapters, FP8's
+    float8 layers (emulated: the same casts, and what they save, as on a card), checkpointing.
+    Compile stays off: on CPU with matmuls skipped it would measure nothing real. No optimizer and
+    no accelerator: only a forward is measured."""
     import logging
 
     from onegpu.config import Config, LoraConfig, TechniquesConfig
@@ -219,6 +101,9 @@ def prepare_like_training(
             lora=LoraConfig(
                 enabled=bool(lora_rank), r=lora_rank or 16, targets=lora_targets, dtype=lora_dtype
             ),
+            fp8=fp8,
+            fp8_skip=fp8_skip,
+            fp8_emulate=True,
         )
     )
     cpu = DeviceInfo("cpu", "cpu", 0)
@@ -237,10 +122,21 @@ def prepare_like_training(
 def activation_model(config, techniques=None, attention: str = "sdpa") -> ActivationModel:
     """Measured activation model for an architecture (cached on disk by config and settings) under a
     setup's settled TechniquesConfig (default: fp32, no adapters, the plain loss). Only what changes
-    what forward keeps is read: precision, the LoRA adapters and the fused loss's chunk."""
+    what forward keeps is read: precision, the LoRA adapters, the fused loss's chunk and FP8's
+    float8 layers."""
+    import dataclasses
+
     from onegpu.config import TechniquesConfig
 
     t = techniques or TechniquesConfig(precision="fp32", compile="off", loss="plain")
+    if t.fp8 == "rowwise-gw-hp":
+        # Eager, every recipe keeps the same (the layer input in high precision, the weight); but
+        # here the weight gradient's matmul reads that input in high precision, so compiled code
+        # must keep it as it keeps a plain Linear's input (measured on CPU with the card's
+        # kernel: the compiled block of the plain model and of this recipe kept the same bytes).
+        fp8 = activation_model(config, dataclasses.replace(t, fp8="rowwise"), attention)
+        plain = activation_model(config, dataclasses.replace(t, fp8="off"), attention)
+        return dataclasses.replace(fp8, block_compiled=plain.block_compiled)
     key = _cache_key(config, attention, *measured_settings(t))
     path = cache_dir() / "activations" / f"{key}.json"
     if path.is_file():
@@ -259,21 +155,26 @@ def activation_model(config, techniques=None, attention: str = "sdpa") -> Activa
     return model
 
 
-def measured_settings(t) -> tuple[str, int, int, str, str]:
-    """(activation precision, LoRA rank, fused-loss chunk, LoRA targets, settled adapter dtype) of
-    a TechniquesConfig: the settings an activation model is measured under. fp16 keeps the same
-    bytes as bf16; without adapters their targets and dtype do not matter."""
+def measured_settings(t) -> tuple[str, int, int, str, str, str, str]:
+    """(activation precision, LoRA rank, fused-loss chunk, LoRA targets, settled adapter dtype,
+    FP8 recipe, FP8's skipped layers) of a TechniquesConfig: the settings an activation model is
+    measured under. fp16 keeps the same bytes as bf16; without adapters their targets and dtype do
+    not matter; tensorwise and rowwise float8 layers keep the same tensors (their inputs and
+    weights in high precision: the casts are made again in backward), so both measure as one."""
+    from onegpu.techniques.fp8 import enabled
     from onegpu.techniques.lora import adapter_dtype
 
     precision = "bf16" if t.precision == "fp16" else t.precision
+    fp8 = ("tensorwise", t.fp8_skip) if enabled(t) else ("off", "")
     if not t.lora.enabled:
-        return precision, 0, t.loss_chunk_size, "all-linear", "fp32"
+        return precision, 0, t.loss_chunk_size, "all-linear", "fp32", *fp8
     return (
         precision,
         t.lora.r,
         t.loss_chunk_size,
         t.lora.targets,
         adapter_dtype(t.lora.dtype, t.precision),
+        *fp8,
     )
 
 
@@ -282,8 +183,10 @@ def _fit(config, layers: int, mode: str, techniques, attention: str) -> tuple[Fi
     with ``layers`` blocks checkpointed per ``mode``."""
     import numpy as np
 
-    precision, rank, chunk, targets, lora_dtype = measured_settings(techniques)
-    model = build_probe_model(config, layers, precision, rank, attention, mode, targets, lora_dtype)
+    precision, rank, chunk, targets, lora_dtype, fp8, skip = measured_settings(techniques)
+    model = build_probe_model(
+        config, layers, precision, rank, attention, mode, targets, lora_dtype, fp8, skip
+    )
     rows, ys = [], []
     for b, s in POINTS:
         rows.append([b * s, b * s * s, b, s, 1.0])
@@ -335,6 +238,8 @@ def build_probe_model(
     mode: str = "off",
     lora_targets: str = "all-linear",
     lora_dtype: str = "fp32",
+    fp8: str = "off",
+    fp8_skip: str = "",
 ):
     """The architecture with ``layers`` decoder layers at full width, on CPU, weights uninitialised,
     prepared as training prepares it."""
@@ -352,7 +257,9 @@ def build_probe_model(
     model.train()
     from onegpu.plan.moe_probe import route_round_robin
 
-    model = prepare_like_training(model, mode, 2, lora_rank, lora_targets, lora_dtype)
+    model = prepare_like_training(
+        model, mode, 2, lora_rank, lora_targets, lora_dtype, fp8, fp8_skip
+    )
     route_round_robin(model)  # MoE: the same experts, all of them, at every point (moe_probe.py)
     return model
 
@@ -366,7 +273,7 @@ def _scale(a: Fit, k: float) -> Fit:
 
 
 def _cache_key(
-    config, attention, precision, lora_rank, chunk_size, lora_targets, lora_dtype
+    config, attention, precision, lora_rank, chunk_size, lora_targets, lora_dtype, fp8, fp8_skip
 ) -> str:
     text = (
         config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
@@ -382,6 +289,7 @@ def _cache_key(
         attention,
         lora_targets,
         lora_dtype,
+        *((fp8, fp8_skip) if fp8 != "off" else ()),  # keys made before FP8 stay valid
         "compiled-v2",
         repr(POINTS),
         "experts-round-robin-v1",  # MoE probes: fixed routing, the GPU run's experts kernel

@@ -36,6 +36,9 @@ class ModelShape:
         default_factory=dict
     )  # "q_proj" -> sum of (in + out) over such layers
     intermediate: int = 0  # the dense MLP's width (what a tiled MLP never holds whole); 0 = unknown
+    # The decoder layers' Linear layers by shape: (name, in_features, out_features, count), the
+    # output head left out; what FP8's rule and the planner's per-layer estimate read (plan/fp8.py)
+    linears: tuple = ()
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
         """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated
@@ -147,13 +150,16 @@ def _shape_of(name: str, config) -> ModelShape:
         embed += head.weight.numel()
     from transformers.pytorch_utils import Conv1D  # GPT-2's transposed Linear
 
-    linear, per_rank, by_name = 0, 0, {}
+    linear, per_rank, by_name, shapes = 0, 0, {}, {}
     for module_name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head:
             linear += mod.weight.numel()
             per_rank += sum(mod.weight.shape)
             short = module_name.rsplit(".", 1)[-1]
             by_name[short] = by_name.get(short, 0) + sum(mod.weight.shape)
+            if type(mod) is torch.nn.Linear:  # what float8 can replace (techniques/fp8.rule)
+                key = (short, mod.in_features, mod.out_features)
+                shapes[key] = shapes.get(key, 0) + 1
     experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
     expert_params = (
         sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) if experts else 0
@@ -183,6 +189,7 @@ def _shape_of(name: str, config) -> ModelShape:
         lookups,
         by_name,
         int(getattr(text, "intermediate_size", 0) or 0),
+        tuple((*key, n) for key, n in shapes.items()),
     )
 
 

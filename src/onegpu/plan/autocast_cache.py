@@ -18,8 +18,10 @@ with ``torch.set_autocast_cache_enabled(False)`` 13.38 GiB. An H100 measured 14.
 same run (``/work/shared/gpu/h100-20261125``, ``docs/planner.md``).
 
 Not cached, so not counted: frozen weights (LoRA's base: no ``requires_grad``), 16-bit weights
-(``bf16-pure``: no cast) and compiled blocks, whose casts are ops of the traced graph that run
-without autocast's dispatch, kept or freed as the partitioner decides.
+(``bf16-pure``: no cast), FP8's float8 layers (torchao casts their weights to float8 itself, a
+copy freed after each matmul: checked on the simulated card, tests/simgpu) and compiled blocks,
+whose casts are ops of the traced graph that run without autocast's dispatch, kept or freed as
+the partitioner decides.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from onegpu.plan.activation_model import checkpointed_layers
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate
+from onegpu.plan.fp8 import float8_params
 
 
 def cached_cast_bytes(shape: ModelShape, c: Candidate, adapter_params: int = 0) -> float:
@@ -42,7 +45,7 @@ def cached_cast_bytes(shape: ModelShape, c: Candidate, adapter_params: int = 0) 
     if c.lora_rank:
         trained = adapter_params if c.adapter_dtype != "bf16" else 0
     else:
-        trained = shape.linear_params
+        trained = shape.linear_params - float8_params(shape, c)
     return n_ckpt * trained / shape.layers * 2
 
 

@@ -3,7 +3,7 @@
 A candidate is a set of overrides on the real configs, not a parallel vocabulary: it holds the
 ``TrainingConfig`` (batch split, objective), ``TechniquesConfig`` and ``PreferenceConfig`` a run
 would train with, and the memory, speed and activation models read their fields. Settled means
-what training resolves is resolved: ``precision`` and ``compile`` are never ``auto``, and
+what training resolves is resolved: ``precision``, ``compile`` and ``fp8`` are never ``auto``, and
 ``loss_chunk_size`` is the fused loss's chunk (0 with ``loss=plain``).
 """
 
@@ -101,6 +101,9 @@ class Candidate:
             parts.append(f"fused-loss{t.loss_chunk_size}")
         if t.compile != "off":
             parts.append("compile")
+        if t.fp8 != "off":  # tensorwise unless named; the layers kept in bf16 after a minus
+            recipe = "" if t.fp8 == "tensorwise" else f"-{t.fp8}"
+            parts.append(f"fp8{recipe}" + (f"[-{t.fp8_skip}]" if t.fp8_skip else ""))
         if self.lora_rank:
             quant = "q" + self.quantize_base + "-" if self.quantize_base != "none" else ""
             targets = "" if t.lora.targets == "all-linear" else f"[{t.lora.targets}]"
@@ -134,9 +137,9 @@ def setup(
 
     ``techniques`` are TechniquesConfig fields; ``lora`` may be a dict of LoraConfig fields, which
     trains adapters (enabled=True unless given). Unsettled values are settled as the planner does
-    by default: precision fp32, compile off, loss fused exactly when loss_chunk_size > 0, and the
-    step in backward without gradient clipping (it has no global norm). tiled_mlp stays as given:
-    auto tiles from tiled_mlp_min_seq tokens, as training does."""
+    by default: precision fp32, compile and fp8 off, loss fused exactly when loss_chunk_size > 0,
+    and the step in backward without gradient clipping (it has no global norm). tiled_mlp stays as
+    given: auto tiles from tiled_mlp_min_seq tokens, as training does."""
     base = base or Config()
     lora = techniques.pop("lora", None)
     if isinstance(lora, dict):
@@ -149,6 +152,7 @@ def setup(
         t,
         precision="fp32" if t.precision == "auto" else t.precision,
         compile="off" if t.compile == "auto" else t.compile,
+        fp8="off" if t.fp8 == "auto" else t.fp8,
         loss="plain" if not chunk else ("fused" if t.loss == "plain" else t.loss),
     )
     tr = dataclasses.replace(

@@ -15,6 +15,7 @@ from onegpu.plan.activations import activation_model
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.autocast_cache import forward_end_bytes
 from onegpu.plan.candidate import Candidate
+from onegpu.plan.fp8 import cast_transient_bytes
 from onegpu.plan.transients import act_bytes, loss_transient_bytes, param_bytes, rollout_bytes
 
 GIB = 2**30
@@ -181,6 +182,7 @@ def activations(
     # forward) before backward reaches the blocks, where a recomputed or reloaded block peaks.
     loss = loss_transient_bytes(shape, c, rows * seq_len)
     transient = acts.recompute_peak(rows, seq_len, mode, compiled, not_kept)
+    transient += cast_transient_bytes(shape, c, rows * seq_len)  # eager float8 layers' backward
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     first = first_block_bytes(shape, c, rows, seq_len, acts, compiled, not_kept, tiled)

@@ -113,13 +113,14 @@ def tier_candidates(
         [t.activation_offload] if t.activation_offload or not on_gpu or tier == 4 else [False, True]
     )
     out = []
-    for mb, (prec, opt, in_bwd), ck, comp, off, act in itertools.product(
+    for mb, (prec, opt, in_bwd), ck, comp, off, act, fp8 in itertools.product(
         micro_batches(batch, spec.tc_multiple),
         _numerics(tier, spec, t),
         ckpts,
         compiles,
         offloads,
         act_offloads,
+        fp8_recipes(spec, t),
     ):
         if in_bwd and (mb != batch or off != "none"):
             # an update inside backward needs the whole batch in one micro-batch, and no offload
@@ -128,24 +129,65 @@ def tier_candidates(
             # both would send the checkpointed inputs to the host (config/checks.py refuses it)
             continue
         for tiled in _tiling(t, shape, mb, seq_len):
-            out.append(
-                setup(
-                    mb,
-                    batch // mb,
-                    cfg,
-                    precision=prec,
-                    checkpointing=ck,
-                    optimizer=opt,
-                    loss_chunk_size=chunks[off],
-                    compile=comp,
-                    offload=off,
-                    optimizer_in_backward=in_bwd,
-                    activation_offload=act,
-                    tiled_mlp=tiled,
-                    **lora,
-                )
+            c = setup(
+                mb,
+                batch // mb,
+                cfg,
+                precision=prec,
+                checkpointing=ck,
+                optimizer=opt,
+                loss_chunk_size=chunks[off],
+                compile=comp,
+                offload=off,
+                optimizer_in_backward=in_bwd,
+                activation_offload=act,
+                tiled_mlp=tiled,
+                fp8=fp8,
+                **lora,
             )
+            c = with_fp8_layers(c, shape, spec, seq_len or cfg.data.seq_len, t.fp8_skip)
+            if c is not None:
+                out.append(c)
     return out
+
+
+def fp8_recipes(spec: GpuSpec, t) -> list[str]:
+    """FP8 settings to try: off and tensorwise (torchao's fastest recipe) on a card with FP8
+    tensor cores when left to auto; a recipe the user fixed, where it can run; off otherwise."""
+    if t.fp8 == "auto":
+        return ["off", "tensorwise"] if spec.fp8 and spec.key != "CPU" else ["off"]
+    if t.fp8 != "off" and not spec.fp8 and not t.fp8_emulate:
+        raise ConfigError(
+            f"techniques.fp8={t.fp8}: {spec.name} has no FP8 tensor cores.",
+            hint="plan for an Ada or Hopper card (--gpu L40S, --gpu H100), or set "
+            "techniques.fp8=off",
+        )
+    return [t.fp8]
+
+
+def with_fp8_layers(c: Candidate, shape: ModelShape, spec: GpuSpec, seq_len: int, skip: str):
+    """A float8 candidate with its layers chosen: those the user left in high precision
+    (techniques.fp8_skip), else every layer whose float8 time the roofline puts below bf16's
+    (plan/fp8.choose_skip; emulated float8 gains nothing anywhere, so there the rule's layers
+    all stay float8). None for a setup FP8 cannot be part of (a bitsandbytes base, DeepSpeed
+    offload: refused by config/checks.py; fp32 or fp16 compute on a card) or with no float8 layer
+    left."""
+    import dataclasses
+
+    from onegpu.plan.fp8 import choose_skip, float8_layers
+
+    t = c.techniques
+    if t.fp8 == "off":
+        return c
+    if c.quantize_base != "none" or t.offload != "none":
+        return None
+    if spec.key != "CPU" and t.precision not in ("bf16", "bf16-pure"):
+        return None
+    if not skip and spec.fp8 and not t.fp8_emulate:
+        tokens = c.training.micro_batch_size * c.rows_per_example * c.sequence_tokens(seq_len)
+        skip = choose_skip(shape, c, spec, tokens)
+    c = dataclasses.replace(c, techniques=dataclasses.replace(t, fp8_skip=skip))
+    return c if float8_layers(shape, skip) else None
 
 
 def _tiling(t, shape: ModelShape, micro_batch: int, seq_len: int | None) -> list[str]:

@@ -157,6 +157,15 @@ def method_factor(c: Candidate) -> float:
     return factor * (QLORA_SLOWDOWN if c.quantize_base != "none" else 1.0)
 
 
+def fp8_factor(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec) -> float:
+    """FP8's compute speed-up for this setup (plan/fp8.speedup: its float8 layers' roofline)."""
+    if c.techniques.fp8 == "off":
+        return 1.0
+    from onegpu.plan.fp8 import speedup
+
+    return speedup(shape, c, spec, _micro_tokens(c, seq_len))
+
+
 def compute_efficiency(
     shape: ModelShape,
     c: Candidate,
@@ -176,7 +185,8 @@ def compute_efficiency(
     compute = max(step - optimizer_seconds(shape, c, spec) - rollout, 0.05 * step)
     peak = spec.peak_tflops(c.techniques.precision, tf32) * 1e12
     used = tokens * flops_per_token(shape, c, seq_len) / (peak * compute)
-    return used / (_fill(spec, _micro_tokens(c, seq_len)) * method_factor(c))
+    fill = _fill(spec, _micro_tokens(c, seq_len))
+    return used / (fill * method_factor(c) * fp8_factor(shape, c, seq_len, spec))
 
 
 def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...]:
@@ -199,6 +209,10 @@ def assumptions(c: Candidate, spec: GpuSpec, calibrated: bool) -> tuple[str, ...
         )
     if t.tiled_mlp != "off":
         out.append("tiled MLP: its forward once more per step (gate, up and down projections)")
+    if t.fp8 != "off":
+        from onegpu.plan.fp8 import ASSUMED
+
+        out.append(ASSUMED)
     if c.training.objective == "grpo":
         out.append(
             f"GRPO sampling: decode at {DECODE_BANDWIDTH_SHARE:.0%} of the memory bandwidth, "
@@ -248,6 +262,7 @@ def estimate(
     seq_len = c.sequence_tokens(seq_len)  # GRPO: a row is a prompt and its completion
     eff, calibrated = base_efficiency(spec, precision)
     eff *= _fill(spec, _micro_tokens(c, seq_len)) * method_factor(c)
+    eff *= fp8_factor(shape, c, seq_len, spec)
     fpt = flops_per_token(shape, c, seq_len)
     tokens = c.effective_batch * c.rows_per_example * seq_len  # a preference pair is two sequences
     compute = tokens * fpt / (spec.peak_tflops(precision, tf32) * 1e12 * eff)

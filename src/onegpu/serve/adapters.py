@@ -87,12 +87,12 @@ class ServedModels:
     def names(self) -> list[str]:
         return [self.base, *self.adapters]
 
-    def adapter_for(self, name: str) -> Optional[str]:
+    def adapter_for(self, name: Optional[str]) -> Optional[str]:
         """The engine's adapter for a requested model name. The base is named too once adapters
         are loaded: a PeftModel applies its active adapter to a request that names none (until
         some request in the engine's life has named one), so the base gets PEFT's own name for
-        "no adapter on this row"."""
-        if name == self.base:
+        "no adapter on this row". No name (vLLM lets ``model`` out) is the base."""
+        if name is None or name == self.base:
             return BASE_ROW if self.adapters else None
         if name in self.adapters:
             return name

@@ -1,29 +1,42 @@
 """The HTTP routes (FastAPI): OpenAI's schemas in, engine requests out.
 
 /v1/models, /v1/completions, /v1/chat/completions (stream or not), /health, /metrics. Every refusal
-is an OpenAI-style error body naming the field; a caller that goes away cancels its sequences, so
-their slots are free for the next step."""
+and every failure is an OpenAI-style error body (a stream's, as its last event before [DONE]); a
+caller that goes away cancels its sequences, so their slots are free for the next step. Prompts are
+templated and tokenized on a thread of their own, never on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import random
-from dataclasses import asdict, dataclass
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from onegpu.errors import OnegpuError
-from onegpu.infer.requests import SamplingParams
+from onegpu.infer.requests import EngineFeatures
 from onegpu.serve.adapters import ServedModels
 from onegpu.serve.metrics import Metrics
-from onegpu.serve.responses import CHAT, DONE, TEXT, Reply, Tally, event
+from onegpu.serve.openapi import describe
+from onegpu.serve.prepare import Plan, chat_plan, check_features, completion_plan, constraint_field
+from onegpu.serve.responses import DONE, Reply, Tally, event
 from onegpu.serve.scheduler import Scheduler, Ticket
-from onegpu.serve.schemas import APIError, ChatRequest, CompletionRequest, parse_body
+from onegpu.serve.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ignored_fields,
+    parse_body,
+)
+from onegpu.serve.tools import reader
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+log = logging.getLogger(__name__)
+IGNORED_HEADER = "X-Onegpu-Ignored-Fields"
 
 
 @dataclass
@@ -34,6 +47,48 @@ class Service:
     metrics: Metrics
     max_len: int
     api_key: Optional[str] = None
+    features: EngineFeatures = field(default_factory=EngineFeatures)
+    tool_format: Optional[str] = None  # tools.parser_for: how the model writes tool calls
+    check_constraint: Optional[Callable] = None  # compiles a Constraint; raises on a bad one
+    warned: set = field(default_factory=set)  # ignored field names already logged
+    # one thread: the tokenizer is not safe to use from several at once, and order is kept
+    prep: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    )
+
+    def ignored(self, req) -> dict:
+        """The response header naming the fields ignored; each name logged once."""
+        names = ignored_fields(req)
+        for name in names:
+            if name not in self.warned:
+                self.warned.add(name)
+                log.warning("ignoring the request field '%s': this server does not know it", name)
+        return {IGNORED_HEADER: ", ".join(names)} if names else {}
+
+    async def plan(self, make, req, *args) -> Plan:
+        """``make(tokenizer, req, *args)`` on the tokenizer thread, with the grammar and the
+        engine's features checked there too."""
+
+        def run() -> Plan:
+            plan = make(self.tokenizer, req, *args)
+            if plan.params.constraint is not None and self.check_constraint is not None:
+                _check(self.check_constraint, plan.params.constraint, req)
+            check_features(plan.params, self.features, req)
+            return plan
+
+        return await asyncio.get_running_loop().run_in_executor(self.prep, run)
+
+
+def _check(check: Callable, constraint, req) -> None:
+    """A grammar that does not compile is this request's 400, naming the field that asked."""
+    from onegpu.infer.constraints import ConstraintError
+
+    try:
+        check(constraint)
+    except ConstraintError as exc:
+        raise APIError(
+            400, exc.message, param=constraint_field(req), code="invalid_grammar"
+        ) from None
 
 
 def build_app(service: Service) -> FastAPI:
@@ -44,16 +99,20 @@ def build_app(service: Service) -> FastAPI:
         service.scheduler.start()
         yield
         service.scheduler.stop()  # after the server has drained: in-flight requests are done
+        service.prep.shutdown(wait=False)
 
     app = FastAPI(title="onegpu", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(CountRequests, metrics=service.metrics)
     _routes(app, service)
+    describe(app)
     return app
 
 
 def _routes(app: FastAPI, s: Service) -> None:
-    @app.get("/health")
+    @app.get("/health", openapi_extra={"x-onegpu": "health"})
     async def health():
         h = s.scheduler.health()
         return JSONResponse(
@@ -61,35 +120,33 @@ def _routes(app: FastAPI, s: Service) -> None:
             status_code=200 if h.accepting else 503,
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not JSON
     async def metrics():
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra={"x-onegpu": "models"})
     async def models(request: Request):
         _authorize(request, s.api_key)
         data = [{"id": n, "object": "model", "owned_by": "onegpu"} for n in s.models.names()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra={"x-onegpu": "completions"})
     async def completions(request: Request):
         _authorize(request, s.api_key)
         req = parse_body(await request.body(), CompletionRequest)
+        headers = s.ignored(req)
         adapter = s.models.adapter_for(req.model)
-        prompts = completion_prompts(s.tokenizer, req.prompt)
-        limit = req.max_tokens or DEFAULT_COMPLETION_TOKENS
-        check_context(prompts, limit, s.max_len, "prompt")
-        return await answer(s, request, req, prompts, limit, adapter, TEXT)
+        plan = await s.plan(completion_plan, req, s.max_len)
+        return await answer(s, request, req, plan, adapter, headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra={"x-onegpu": "chat"})
     async def chat(request: Request):
         _authorize(request, s.api_key)
         req = parse_body(await request.body(), ChatRequest)
+        headers = s.ignored(req)
         adapter = s.models.adapter_for(req.model)
-        ids = chat_prompt(s.tokenizer, req)
-        limit = req.limit() or max(1, s.max_len - len(ids))  # OpenAI: up to the context
-        check_context([ids], limit, s.max_len, "messages")
-        return await answer(s, request, req, [ids], limit, adapter, CHAT)
+        plan = await s.plan(chat_plan, req, s.max_len, s.tool_format)
+        return await answer(s, request, req, plan, adapter, headers)
 
 
 def _authorize(request: Request, key: Optional[str]) -> None:
@@ -97,7 +154,10 @@ def _authorize(request: Request, key: Optional[str]) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+    # bytes, not str: compare_digest refuses a str with characters outside ASCII
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8")
+    ):
         raise APIError(
             401,
             "missing or wrong API key: send 'Authorization: Bearer <key>' with the server's "
@@ -111,90 +171,34 @@ async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-# ---------------------------------------------------------------------------- prompts
-def completion_prompts(tokenizer, prompt) -> list[list[int]]:
-    from onegpu.infer.generation import prompt_ids
-
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        if max(prompt) >= len(tokenizer):
-            raise APIError(
-                400,
-                f"token id {max(prompt)} is not in the vocabulary (size {len(tokenizer)}).",
-                param="prompt",
-                code="invalid_value",
-            )
-        return [list(prompt)]
-    texts = [prompt] if isinstance(prompt, str) else list(prompt)
-    return [list(ids) for ids in prompt_ids(tokenizer, texts, chat=False)]  # as `generate` does
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    error = APIError(exc.status_code, str(exc.detail), kind=kind, code=str(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-def chat_prompt(tokenizer, req: ChatRequest) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            400,
-            "this model's tokenizer has no chat template, so chat messages cannot be encoded.",
-            param="messages",
-            code="no_chat_template",
-        )
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in 5.x
-
-
-def check_context(prompts: list[list[int]], limit: int, max_len: int, prompt_field: str) -> None:
-    for ids in prompts:
-        if len(ids) >= max_len:
-            raise APIError(
-                400,
-                f"the prompt is {len(ids)} tokens; this server's context is {max_len} tokens "
-                "(its --max_len). Shorten the prompt.",
-                param=prompt_field,
-                code="context_length_exceeded",
-            )
-        if len(ids) + limit > max_len:
-            raise APIError(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({limit}) = {len(ids) + limit} is over "
-                f"this server's context of {max_len} tokens; ask for at most "
-                f"{max_len - len(ids)} tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-
-
-def sequences(req, prompts: list[list[int]], limit: int) -> list[tuple[list[int], SamplingParams]]:
-    """Each prompt n times; choice j samples with seed + j, so n sampled choices differ while a
-    seeded request repeats exactly."""
-    seed = req.seed if req.seed is not None else random.randrange(2**62)
-    out = []
-    for ids in prompts:
-        for j in range(req.n):
-            params = SamplingParams(
-                max_new_tokens=limit,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=(seed + j) % 2**63,
-                stop=req.stops(),
-                ignore_eos=req.ignore_eos,
-            )
-            try:
-                params.check()
-            except OnegpuError as exc:
-                raise APIError(400, exc.message, code="invalid_value") from None
-            out.append((ids, params))
-    return out
+async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    error = APIError(500, f"internal error: {type(exc).__name__}", kind="server_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 # ---------------------------------------------------------------------------- answers
-async def answer(s: Service, request: Request, req, prompts, limit, adapter, kind: str):
-    ticket = Ticket(sequences(req, prompts, limit), adapter, asyncio.get_running_loop())
+async def answer(s: Service, request: Request, req, plan: Plan, adapter, headers: dict):
+    n = req.choices()
+    ticket = Ticket(plan.sequences(n), adapter, asyncio.get_running_loop())
     s.scheduler.submit(ticket)  # 503 when full: nothing was queued
-    tally, reply = Tally(len(ticket.sequences), req.n), Reply(kind, req.model)
+    lengths = [len(ids) for ids, _ in ticket.sequences]
+    readers = [reader(plan.tool_format) for _ in lengths] if plan.tool_format else None
+    tally = Tally(lengths, n, readers)
+    final_usage, every_usage = req.usage_options()
+    echo = [text for text in plan.echo for _ in range(n)] if plan.echo else None
+    name = req.model or s.models.base
+    reply = Reply(plan.kind, name, _token_text(s.tokenizer), echo, every_usage)
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            _events(s, ticket, tally, reply, usage), media_type="text/event-stream"
-        )
+        stream = _events(s, ticket, tally, reply, final_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     gather = asyncio.ensure_future(_gather(s, ticket, tally))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -207,7 +211,11 @@ async def answer(s: Service, request: Request, req, prompts, limit, adapter, kin
     if not gather.done() or gather.cancelled():
         return Response(status_code=499)  # nobody reads it; the code says why in the access log
     gather.result()
-    return reply.full(tally)
+    return JSONResponse(reply.full(tally), headers=headers)
+
+
+def _token_text(tokenizer) -> Callable[[int], str]:
+    return lambda token_id: tokenizer.decode([token_id])
 
 
 async def _gather(s: Service, ticket: Ticket, tally: Tally) -> None:
@@ -218,19 +226,25 @@ async def _gather(s: Service, ticket: Ticket, tally: Tally) -> None:
 
 async def _events(s: Service, ticket: Ticket, tally: Tally, reply: Reply, usage: bool):
     try:
-        if reply.kind == CHAT:
-            for i in range(tally.choices):
-                yield reply.chunk(i, "", None, role=True)
+        for i in range(tally.choices):
+            opening = reply.opening(tally, i)
+            if opening:
+                yield opening
         while not tally.done():
             index, update = await ticket.next()
-            tally.add(index, update)
-            if update.text or update.finished:
-                yield reply.chunk(index, update.text, update.finish_reason)
+            news = tally.add(index, update)
+            if not news.empty():
+                yield reply.chunk(tally, index, news)
         _observe(s.metrics, tally)
         if usage:
             yield reply.usage_chunk(tally)
     except APIError as exc:  # the status line is sent: the error goes in the stream, as OpenAI's
         yield event(exc.body())
+    except Exception as exc:  # noqa: BLE001 - a bug in one stream ends it, with its error event
+        log.exception("stream failed")
+        yield event(
+            APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").body()
+        )
     finally:
         if not tally.done():  # the client went away (Starlette cancels this generator)
             s.scheduler.cancel(ticket)

@@ -48,6 +48,10 @@ class ServeConfig:
     """Tokens one engine step computes: the running requests' next tokens plus pieces of new
     prompts; a longer prompt is computed in pieces over several steps, so the running streams keep
     their pace (default: 256 on a CPU, 2048 on a GPU)."""
+    tool_parser: Literal["auto", "hermes", "llama3", "none"] = "auto"
+    """How the model writes tool calls, read back into OpenAI's tool_calls: hermes
+    (<tool_call>{json}</tool_call>, Qwen and Hermes models), llama3 (a JSON answer), none (tools
+    refused), auto (read from the chat template)."""
     grace: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before it cancels them."""
 

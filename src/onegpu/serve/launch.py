@@ -59,9 +59,30 @@ def serve(icfg, cfg: ServeConfig) -> int:
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None
-    service = Service(scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key)
+    service = Service(
+        scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key, engine.features
+    )
+    add_request_features(service, loaded.tokenizer, cfg)
     _say(f"serving {', '.join(models.names())} on http://{cfg.host}:{cfg.port}/v1")
     return run_server(build_app(service), scheduler, cfg.host, cfg.port, cfg.grace)
+
+
+def add_request_features(service, tokenizer, cfg: ServeConfig) -> None:
+    """Tool calls (the format read from the chat template or --tool_parser) and the grammar check
+    of structured-output requests (when llguidance is installed). What the engine applies of
+    penalties, logprobs and grammars is its ``features`` (Service.features): a request for one it
+    does not apply is refused by name."""
+    from onegpu.errors import UnavailableError
+    from onegpu.serve.tools import parser_for
+
+    service.tool_format = parser_for(tokenizer.chat_template, cfg.tool_parser)
+    _say(f"tool calls: {service.tool_format or 'off (the chat template shows no format)'}")
+    try:
+        from onegpu.infer.constraints import Grammars
+
+        service.check_constraint = Grammars(tokenizer).check
+    except UnavailableError:
+        _say("structured output: grammars not checked (pip install 'onegpu[structured]')")
 
 
 def _say(line: str) -> None:

@@ -1,12 +1,14 @@
 """What goes back to the caller, in OpenAI's formats: a finished completion or chat completion, or
 its stream of server-sent-event chunks ending with ``data: [DONE]``. ``Tally`` gathers the engine's
-updates for the choices of one request (text, finish reasons, token counts, first-token time)."""
+updates for the choices of one request (text, tool calls, logprobs, finish reasons, token counts,
+first-token time); ``Reply`` writes them out."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,34 +16,62 @@ CHAT, TEXT = "chat", "text"
 
 
 @dataclass
+class News:
+    """What one update adds to one choice, ready to send."""
+
+    text: str = ""
+    calls: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: Optional[str] = None
+
+    def empty(self) -> bool:
+        return not (self.text or self.calls or self.logprobs or self.finish)
+
+
+@dataclass
 class Tally:
-    choices: int
+    prompt_lengths: list  # tokens of each choice's prompt
     n: int  # choices per prompt: prompt tokens are counted once per prompt, as OpenAI does
+    readers: Optional[list] = None  # per choice: tools.HermesReader / Llama3Reader, or None
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
-    text: list = field(default_factory=list)
-    finish: list = field(default_factory=list)
-    generated: list = field(default_factory=list)
-    prompt: list = field(default_factory=list)
 
     def __post_init__(self):
-        k = self.choices
-        self.text, self.finish, self.generated, self.prompt = [""] * k, [None] * k, [0] * k, [0] * k
+        k = len(self.prompt_lengths)
+        self.text, self.finish, self.generated = [""] * k, [None] * k, [0] * k
+        self.calls: list[list] = [[] for _ in range(k)]
+        self.logprobs: list[list] = [[] for _ in range(k)]
 
-    def add(self, index: int, update) -> None:
-        self.text[index] += update.text
+    @property
+    def choices(self) -> int:
+        return len(self.prompt_lengths)
+
+    def add(self, index: int, update) -> News:
+        text, calls = update.text, []
+        reader = self.readers[index] if self.readers else None
+        if reader is not None:
+            text, calls = reader.feed(text)
+            if update.finished:
+                rest, more = reader.finish()
+                text, calls = text + rest, calls + more
+        news = News(text, calls, list(update.logprobs or []))
+        self.text[index] += text
+        self.calls[index] += calls
+        self.logprobs[index] += news.logprobs
         self.generated[index] = update.generated_tokens
         if update.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if update.finished:
-            self.finish[index] = update.finish_reason
-            self.prompt[index] = update.prompt_tokens
+            reason = update.finish_reason
+            self.finish[index] = "tool_calls" if self.calls[index] and reason == "stop" else reason
+            news.finish = self.finish[index]
+        return news
 
     def done(self) -> bool:
         return all(reason is not None for reason in self.finish)
 
     def usage(self) -> dict:
-        prompt = sum(self.prompt[:: self.n])
+        prompt = sum(self.prompt_lengths[:: self.n])
         generated = sum(self.generated)
         return {
             "prompt_tokens": prompt,
@@ -51,10 +81,20 @@ class Tally:
 
 
 class Reply:
-    """The fixed parts of one answer (its id, creation time, model name and kind)."""
+    """The fixed parts of one answer (its id, creation time, model name and kind).
+    ``token_text``: a token id's text (for logprobs); ``echo``: each choice's prompt text, put
+    before its answer (completions' echo)."""
 
-    def __init__(self, kind: str, model: str):
-        self.kind, self.model = kind, model
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        token_text: Callable[[int], str] = str,
+        echo: Optional[list] = None,
+        continuous_usage: bool = False,
+    ):
+        self.kind, self.model, self.token_text, self.echo = kind, model, token_text, echo
+        self.continuous_usage = continuous_usage
         prefix = "chatcmpl" if kind == CHAT else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -64,37 +104,90 @@ class Reply:
 
     def full(self, tally: Tally) -> dict:
         """The whole answer, for stream=false."""
-        if self.kind == CHAT:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                }
-                for i, (text, reason) in enumerate(zip(tally.text, tally.finish, strict=True))
-            ]
-            return {**self._head("chat.completion"), "choices": choices, "usage": tally.usage()}
-        choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(zip(tally.text, tally.finish, strict=True))
-        ]
-        return {**self._head("text_completion"), "choices": choices, "usage": tally.usage()}
+        choices = [self._choice(tally, i) for i in range(tally.choices)]
+        obj = "chat.completion" if self.kind == CHAT else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": tally.usage()}
 
-    def chunk(self, index: int, text: str, finish: Optional[str], role: bool = False) -> str:
-        """One server-sent event with one choice's news (``role``: the chat stream's opening)."""
+    def _choice(self, tally: Tally, i: int) -> dict:
+        logprobs = self.logprobs(tally.logprobs[i]) if tally.logprobs[i] else None
         if self.kind == CHAT:
-            delta = {"role": "assistant", "content": ""} if role else {"content": text}
-            if finish and not text:
-                delta = {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return event({**self._head("chat.completion.chunk"), "choices": [choice]})
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return event({**self._head("text_completion"), "choices": [choice]})
+            calls = tally.calls[i]
+            message = {
+                "role": "assistant",
+                "content": tally.text[i] if tally.text[i] or not calls else None,
+            }
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            return {
+                "index": i,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": tally.finish[i],
+            }
+        text = (self.echo[i] if self.echo else "") + tally.text[i]
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": tally.finish[i]}
+
+    def opening(self, tally: Tally, index: int) -> Optional[str]:
+        """The first event of a choice: the chat's role, or the echoed prompt."""
+        if self.kind == CHAT:
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}}
+            return self._event(tally, {**choice, "logprobs": None, "finish_reason": None})
+        if self.echo:
+            choice = {"index": index, "text": self.echo[index], "logprobs": None}
+            return self._event(tally, {**choice, "finish_reason": None})
+        return None
+
+    def chunk(self, tally: Tally, index: int, news: News) -> str:
+        """One server-sent event with one choice's news."""
+        logprobs = self.logprobs(news.logprobs) if news.logprobs else None
+        if self.kind == CHAT:
+            delta: dict = {"content": news.text} if news.text else {}
+            if news.calls:
+                delta["tool_calls"] = [
+                    {"index": k, **c.openai()}
+                    for k, c in enumerate(news.calls, len(tally.calls[index]) - len(news.calls))
+                ]
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": news.text, "logprobs": logprobs}
+        return self._event(tally, {**choice, "finish_reason": news.finish})
+
+    def _event(self, tally: Tally, choice: dict) -> str:
+        obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
+        body = {**self._head(obj), "choices": [choice]}
+        if self.continuous_usage:
+            body["usage"] = tally.usage()
+        return event(body)
 
     def usage_chunk(self, tally: Tally) -> str:
         obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
         return event({**self._head(obj), "choices": [], "usage": tally.usage()})
+
+    def logprobs(self, items: list) -> dict:
+        """Engine TokenLogprobs in the endpoint's format."""
+        if self.kind == CHAT:
+            return {"content": [self._chat_logprob(t) for t in items]}
+        return {
+            "tokens": [self.token_text(t.token_id) for t in items],
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items],
+            "text_offset": _offsets([self.token_text(t.token_id) for t in items]),
+        }
+
+    def _chat_logprob(self, t) -> dict:
+        def one(token_id: int, lp: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {**one(t.token_id, t.logprob), "top_logprobs": [one(i, lp) for i, lp in t.top]}
+
+
+def _offsets(tokens: list) -> list:
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
 
 
 def event(data: dict) -> str:

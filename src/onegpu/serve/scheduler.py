@@ -107,6 +107,13 @@ class Scheduler:
     def cancel(self, ticket: Ticket) -> None:
         self._inbox.put(("cancel", ticket))
 
+    def cut(self, message: str) -> None:
+        """Fail every request still in flight with a 503 naming ``message`` (the drain's grace
+        period ran out): each stream ends with its error event and [DONE], not a cut
+        connection. Thread-safe."""
+        error = APIError(503, message, kind="server_error", code="shutting_down")
+        self._inbox.put(("cut", error))
+
     def close(self) -> None:
         """Stop taking requests; those accepted run to the end."""
         with self._lock:
@@ -139,7 +146,7 @@ class Scheduler:
                     updates = self.engine.step(interrupt=self._arrived)
                 except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
                     log.exception("engine step failed")
-                    self._fail_all(exc)
+                    self._fail_all(APIError(500, f"the engine failed: {exc}", kind="server_error"))
                     continue
                 self._deliver(updates)
             self._stats = self.engine.stats()
@@ -157,10 +164,10 @@ class Scheduler:
         except queue.Empty:
             return True
         while True:
-            kind, ticket = command
+            kind, item = command
             if kind == "stop":
                 return False
-            self._admit(ticket) if kind == "submit" else self._cancel(ticket)
+            {"submit": self._admit, "cancel": self._cancel, "cut": self._fail_all}[kind](item)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
@@ -193,6 +200,9 @@ class Scheduler:
             if owner is None:
                 continue
             ticket, index = owner
+            if update.error is not None:  # this request alone failed in the engine
+                self._fail_one(ticket, index, update)
+                continue
             self.metrics.generated_tokens.inc(len(update.token_ids))
             if update.finished:
                 del self._owners[update.request_id]
@@ -201,10 +211,20 @@ class Scheduler:
                 self._release(1)
             ticket.post(index, update)
 
-    def _fail_all(self, exc: Exception) -> None:
-        """Every running request gets a 500 and is let go (its slot is freed by the cancel): a
+    def _fail_one(self, ticket: Ticket, index: int, update) -> None:
+        """A request the engine failed alone (Update.error): its caller gets a 500, its other
+        choices are cancelled, everyone else goes on."""
+        del self._owners[update.request_id]
+        self.metrics.finished.labels("error").inc()
+        self._release(1)
+        ticket.post(
+            index, APIError(500, f"this request failed: {update.error}", kind="server_error")
+        )
+        self._cancel(ticket)
+
+    def _fail_all(self, error: APIError) -> None:
+        """Every running request gets ``error`` and is let go (its slot is freed by the cancel): a
         request that cannot finish must not hold its caller, or its place in the count."""
-        error = APIError(500, f"the engine failed: {exc}", kind="server_error")
         for rid, (ticket, index) in list(self._owners.items()):
             ticket.post(index, error)
             del self._owners[rid]

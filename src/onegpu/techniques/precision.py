@@ -14,7 +14,11 @@ log = logging.getLogger(__name__)
 
 def resolve_precision(tcfg: TechniquesConfig, device: DeviceInfo) -> str:
     """'auto' -> bf16 where the GPU has it, fp16 on older GPUs, fp32 on CPU (where bf16/fp16 math
-    is emulated and many times slower)."""
+    is emulated and many times slower). FP8 (techniques.fp8, its matmuls' precision) is checked
+    here too: one clear error where the device has no FP8 tensor cores."""
+    from onegpu.techniques.fp8 import check_device
+
+    check_device(tcfg, device)
     p = tcfg.precision
     if p == "auto":
         if device.type == "cuda":

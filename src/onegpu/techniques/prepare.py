@@ -6,14 +6,21 @@ The order, and why:
    when ``from_pretrained`` builds the model;
 2. MoE router loss: a config switch on the loaded model, before anything wraps it;
 3. LoRA / QLoRA: adapters replace the Linear layers that the later steps must see;
-4. tiled MLP: each MLP's forward runs over sequence tiles; after LoRA, whose adapted Linear
+4. FP8: the Linear layers left to train or to carry adapters become float8 ones. After LoRA, so
+   PEFT wraps plain Linear layers and its adapters, found by name inside the wrappers, stay in
+   high precision (rank-r matmuls gain nothing in float8), while each adapted base layer still
+   runs in float8; before tiled MLP, checkpointing and compile, which call, recompute and trace
+   whatever layers the blocks hold by then (compile must see the float8 casts to fuse them);
+5. tiled MLP: each MLP's forward runs over sequence tiles; after LoRA, whose adapted Linear
    layers the tiles must call, and before compile, so the compiled blocks hold the tiling;
-5. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute;
-6. compile: over the final module structure;
-7. activation offload: saved-tensor hooks the outermost module enters for its forward, so they
+6. checkpointing: wraps the final layers, before compile so the compiled graph holds the recompute
+   (with FP8, a checkpointed block recomputes its float8 casts instead of keeping them);
+7. compile: over the final module structure;
+8. activation offload: saved-tensor hooks the outermost module enters for its forward, so they
    see what autograd saves wherever it is saved: inside compiled code, and with checkpointing
    the checkpointed blocks' inputs (the recompute inside a block saves through its own hooks);
-8. FSDP2: shards the finished module tree, before the optimizer sees the parameters.
+9. FSDP2: shards the finished module tree, before the optimizer sees the parameters (the float8
+   layers keep their parameters, so the optimizer and the step in backward see the same ones).
 The optimizer comes last (``training.assemble.build_optimizer``; DeepSpeed offload brings its own).
 
 Global switches (TF32, dynamo's error fallback) are process-wide, so they are set in one place,
@@ -62,18 +69,20 @@ def build_kwargs(cfg: Config, device: DeviceInfo, precision: str, config) -> dic
 def prepare_model(
     model, tcfg: TechniquesConfig, device_type: str, shard=None, seq_len: int | None = None
 ):
-    """Steps 2-8 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
+    """Steps 2-9 on a loaded model. ``tcfg.compile`` must be settled (see ``resolved_techniques``);
     ``shard`` is the FSDP2 step (``distributed.apply_fsdp2`` bound to the run), None for one
     process; ``seq_len``: the run's longest sequence, for the start-up lines (None: not known)."""
     from onegpu.techniques.activation_offload import apply_activation_offload
     from onegpu.techniques.checkpointing import apply_checkpointing
     from onegpu.techniques.compile import apply_compile
+    from onegpu.techniques.fp8 import apply_fp8
     from onegpu.techniques.lora import apply_lora
     from onegpu.techniques.moe import apply_moe_aux_loss
     from onegpu.techniques.tiled_mlp import apply_tiled_mlp
 
     apply_moe_aux_loss(model, device_type)
     model = apply_lora(model, tcfg)
+    model = apply_fp8(model, tcfg, device_type)
     model = apply_tiled_mlp(model, tcfg, seq_len)
     model = apply_checkpointing(model, tcfg, device_type)
     model = apply_compile(model, tcfg, device_type)
@@ -82,10 +91,15 @@ def prepare_model(
 
 
 def resolved_techniques(cfg: Config, device_type: str) -> TechniquesConfig:
-    """cfg.techniques with compile=auto settled for this run."""
+    """cfg.techniques with compile=auto and fp8=auto settled for this run."""
     from onegpu.techniques.compile import resolve_compile
+    from onegpu.techniques.fp8 import resolve_fp8
 
-    return dataclasses.replace(cfg.techniques, compile=resolve_compile(cfg, device_type))
+    return dataclasses.replace(
+        cfg.techniques,
+        compile=resolve_compile(cfg, device_type),
+        fp8=resolve_fp8(cfg.techniques, device_type),
+    )
 
 
 @contextlib.contextmanager

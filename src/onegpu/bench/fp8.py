@@ -1,0 +1,96 @@
+"""The `fp8` arm of `onegpu bench train`, and the planner's prediction it is checked against.
+
+The arm trains as `train --plan auto` would with FP8 on: torchao's tensorwise recipe on the layers
+the planner keeps in float8 at this run's shape and card (plan/fp8.choose_skip; the rest go to
+``techniques.fp8_skip``), compiled like every onegpu arm on a GPU (bench/settle.py). A device
+without FP8 tensor cores skips it with the reason (FP8's numerics on a CPU:
+benchmarks/fp8_cpu.py). ``predicted`` is the planner's FP8/bf16 tokens/s ratio for the same run,
+the figure a card's measurement is held to (benchmarks/fp8_gpu_report.py).
+"""
+
+from __future__ import annotations
+
+RECIPE = "tensorwise"  # what the planner picks when FP8 is left to it (plan/search.fp8_recipes)
+
+
+def fp8_card(dev, b, fmt) -> str | None:
+    """Why the fp8 arm cannot run here (None: it can)."""
+    if dev.fp8:
+        return None
+    return (
+        f"FP8 training needs FP8 tensor cores (an Ada or Hopper GPU); {dev.name} has none "
+        "(FP8's numerics on a CPU: benchmarks/fp8_cpu.py)"
+    )
+
+
+def _candidates(config, spec, fp8: str):
+    """(model shape, seq_len, the run as a planner candidate with fp8 set; its layers chosen)."""
+    from onegpu import models
+    from onegpu.config import from_dict, to_dict
+    from onegpu.plan.arch import cached_shape
+    from onegpu.plan.candidate import setup
+    from onegpu.plan.search import with_fp8_layers
+    from onegpu.techniques.fused_loss import fused_chunk
+
+    cfg = config if not isinstance(config, dict) else from_dict(config)
+    cfg = from_dict({k: v for k, v in to_dict(cfg).items() if k != "bench"})
+    name = models.resolve_name(cfg.model, True)
+    shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
+    t, tr, seq = cfg.techniques, cfg.training, cfg.data.seq_len
+    c = setup(
+        tr.micro_batch_size,
+        tr.grad_accum,
+        cfg,
+        precision="bf16" if t.precision == "auto" else t.precision,
+        compile="default" if t.compile == "auto" else t.compile,
+        loss_chunk_size=fused_chunk(t, shape.vocab, True, sharded=False),
+        fp8=fp8,
+        fp8_skip="",
+    )
+    return shape, seq, with_fp8_layers(c, shape, spec, seq, "")
+
+
+def planned_overrides(b, device) -> dict:
+    """The fp8 arm's settings on ``device``: the recipe, and the layers the planner keeps in bf16
+    (none off a catalogued FP8 card, where the arm is skipped anyway)."""
+    from onegpu import hardware
+    from onegpu.errors import ModelError
+
+    out = {"techniques.fp8": RECIPE}
+    spec = hardware.match_device(device)
+    if spec is None or not spec.fp8:
+        return out
+    try:
+        _, _, c = _candidates(b, spec, RECIPE)
+    except ModelError:  # a dry run lists the arms before the model is written: the rule's layers
+        return out
+    if c is not None and c.techniques.fp8_skip:
+        out["techniques.fp8_skip"] = c.techniques.fp8_skip
+    return out
+
+
+def predicted(config, spec, skip: str | None = None) -> dict:
+    """The planner's FP8 and bf16 predictions for a run ``config`` (its dict in a results file) on
+    ``spec``: tokens/s of each, their ratio, peak memory of each, the float8 layers (``skip``: the
+    layers the measured arm kept in bf16; None: the planner's choice)."""
+    import dataclasses
+
+    from onegpu.plan import memory, speed
+
+    shape, seq, fp8 = _candidates(config, spec, RECIPE)
+    if fp8 is None:
+        return {}
+    if skip is not None:  # predict the layers the arm really ran
+        fp8 = dataclasses.replace(
+            fp8, techniques=dataclasses.replace(fp8.techniques, fp8_skip=skip)
+        )
+    bf16 = _candidates(config, spec, "off")[2]
+    est = {name: speed.estimate(shape, c, seq, spec) for name, c in (("fp8", fp8), ("bf16", bf16))}
+    mem = {name: memory.estimate(shape, c, seq).peak for name, c in (("fp8", fp8), ("bf16", bf16))}
+    return {
+        "ratio": est["fp8"].tokens_per_s / est["bf16"].tokens_per_s,
+        "tokens_per_s": {k: v.tokens_per_s for k, v in est.items()},
+        "peak_gib": {k: v / 2**30 for k, v in mem.items()},
+        "fp8_skip": fp8.techniques.fp8_skip,
+        "label": fp8.label(),
+    }
