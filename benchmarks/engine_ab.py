@@ -10,7 +10,7 @@ Workloads and their arms (what each measures: engine_workloads.py):
 - decode: the slot engine and the paged one, eager and compiled, at batch 1 and 16;
 - capacity: the slot engine at 8 slots of 2,048 positions against the paged engine at the same
   KV memory (1,024 blocks of 16, the null block included) and 64 rows;
-- chat, shared: the paged engine with its prefix cache on and off;
+- chat, shared: the paged engine with its prefix cache on and off, and the slot engine;
 - stall: the slot engine with its prefill thread off and on, and the paged engine, each with a
   long prompt arriving and without.
 
@@ -50,10 +50,12 @@ ARMS = {
     "chat": [
         ("prefix caching on", "paged", {"max_slots": 4}, []),
         ("prefix caching off", "paged", {"max_slots": 4, "prefix_caching": False}, []),
+        ("slot engine", "slot", {"max_slots": 4}, []),
     ],
     "shared": [
         ("prefix caching on", "paged", {"max_slots": 64}, []),
         ("prefix caching off", "paged", {"max_slots": 64, "prefix_caching": False}, []),
+        ("slot engine", "slot", {"max_slots": 64}, []),
     ],
     "stall": [
         (f"{label}{', long prompt' if not alone else ''}", engine, cfg, ["--no_long"] * alone)
@@ -100,7 +102,12 @@ def figures(workload: str, run: dict) -> dict:
             out["ttft_p50_later_turns_s"] = statistics.median([t for turn, t in ttft if turn])
         return out
     gaps = run["gaps_s"]
-    return {"gap_p99_s": percentiles(gaps)["p99"], "gap_max_s": max(gaps)}
+    return {
+        "gap_p99_s": percentiles(gaps)["p99"],
+        "gap_max_s": max(gaps),
+        "gap_p50_s": percentiles(gaps)["p50"],
+        "stream_tokens_per_s": run["stream_tokens_per_s"],
+    }
 
 
 def markdown(r: dict) -> str:

@@ -17,7 +17,10 @@ Workloads (the model is built here at random, seeded, so every process has the s
 - shared: --requests requests of one 512-token system prompt and a 32-token message each, at once:
   times to first token and the prompt tokens computed;
 - stall: 4 streams (64-token prompts) decoding, then a prompt 16 times longer arrives (or none,
-  --no_long): the gaps between a running stream's updates.
+  --no_long): the gaps between a running stream's updates (what a streaming client waits for its
+  next text, vLLM's inter-token latency), and the streams' tokens/s from the long prompt's arrival
+  to its first token (their pace while it is computed; without it, over the same number of
+  steps from the same point).
 
 Prompt tokens computed are counted at the model: the tokens of every forward of more than one
 token a row (a prompt's or a piece's), for any engine.
@@ -217,19 +220,27 @@ def stall(args, config: dict) -> dict:
     eng.generate([tokens(rng, 64)], params(8))  # warm-up
     streams = {eng.submit(tokens(rng, 64), params(256)): i for i in range(4)}
     log = {rid: [] for rid in streams}
-    long_at = None
+    made = []  # (time, tokens the streams got in an update)
+    long_at = long_id = long_first = None
     while eng.has_work():
         updates = eng.step()
         now = time.perf_counter()
         for u in updates:
             if u.request_id in log and u.token_ids:
                 log[u.request_id].append(now)
+                made.append((now, len(u.token_ids)))
+            if u.request_id == long_id and u.token_ids and long_first is None:
+                long_first = now
         decoding = min(len(v) for v in log.values()) >= 4
-        if long_at is None and not args.no_long and decoding:  # the streams are decoding now
-            eng.submit(tokens(rng, 1024), params(16))
+        if long_at is None and decoding:  # the streams are decoding now
             long_at = now
+            long_id = None if args.no_long else eng.submit(tokens(rng, 1024), params(16))
     gaps = [b - a for times in log.values() for a, b in itertools.pairwise(times)]
-    return {"gaps_s": gaps}
+    # without the long prompt: the streams' pace over the first 0.5 s from the same point
+    end = long_first if long_first is not None else long_at + 0.5
+    got = sum(n for t, n in made if long_at < t <= end)
+    last = max((t for t, _ in made if long_at < t <= end), default=end)
+    return {"gaps_s": gaps, "stream_tokens_per_s": got / max(last - long_at, 1e-9)}
 
 
 WORKLOADS = {"decode": decode, "capacity": capacity, "chat": chat, "shared": shared, "stall": stall}

@@ -181,6 +181,8 @@ def markdown(r: dict) -> str:
             f"HTTP, once after the rounds): "
             f"{many:.0f} tokens/s with {r['clients']} slots, {one:.0f} with 1 ({many / one:.2f}x).",
             "",
+            _counters(r.get("server_counters") or {}),
+            "",
             f"Checks: {ok['n_errors']} errors, {len(ok['lost'])} lost, {len(ok['differ'])} answers "
             "differing from their single-request answer of the first round (text, finish reason, "
             "token count), over every phase of every round.",
@@ -254,3 +256,17 @@ def report(args, jobs, rounds, before: str, exit_code: int) -> dict:
             for k, (single, together) in enumerate(rounds)
         },
     }
+
+
+def _counters(c: dict) -> str:
+    """The engine's counters from /metrics, as a sentence."""
+    if not c:
+        return "The server's /metrics held no prefix-cache or preemption counters."
+    queries = c.get("onegpu_prefix_cache_queries", 0.0)
+    hits = c.get("onegpu_prefix_cache_hits", 0.0)
+    share = f" ({hits / queries:.1%})" if queries else ""
+    return (
+        f"The server's /metrics at the end (every round and the warm-up): prefix cache "
+        f"{hits:.0f} of {queries:.0f} prompt tokens found{share}; "
+        f"{c.get('onegpu_num_preemptions', 0.0):.0f} sequences preempted."
+    )
