@@ -12,7 +12,9 @@ Workloads and their arms (what each measures: engine_workloads.py):
   KV memory (1,024 blocks of 16, the null block included) and 64 rows;
 - chat, shared: the paged engine with its prefix cache on and off, and the slot engine;
 - stall: the slot engine with its prefill thread off and on, and the paged engine, each with a
-  long prompt arriving and without.
+  long prompt arriving and without;
+- budget: the stall workload on the paged engine at token budgets of 64 to 1,024 (the CPU's
+  default is 256): the streams' gaps against the long prompt's time to its first token.
 
 Writes <out>.json and <out>.md: the machine, library versions, commit, command, date and the
 1-minute load before and after.
@@ -66,6 +68,12 @@ ARMS = {
         )
         for alone in (True, False)
     ],
+    # the CPU's default token budget (engine_config.TOKEN_BUDGET) against others, on the stall
+    # workload: the running streams' gaps against the long prompt's time to its first token
+    "budget": [
+        (f"token budget {n}", "paged", {"max_slots": 8, "token_budget": n}, [])
+        for n in (64, 128, 256, 512, 1024)
+    ],
 }
 
 
@@ -102,6 +110,12 @@ def figures(workload: str, run: dict) -> dict:
             out["ttft_p50_later_turns_s"] = statistics.median([t for turn, t in ttft if turn])
         return out
     gaps = run["gaps_s"]
+    if workload == "budget":
+        return {
+            "gap_p99_s": percentiles(gaps)["p99"],
+            "gap_p50_s": percentiles(gaps)["p50"],
+            "long_ttft_s": run["long_ttft_s"],
+        }
     return {
         "gap_p99_s": percentiles(gaps)["p99"],
         "gap_max_s": max(gaps),
@@ -167,7 +181,8 @@ def main() -> int:
             runs[arm[0]].append(run_arm(args.workload, arm, args, rnd == 0))
             print(f"round {rnd + 1}: {arm[0]}: {figures(args.workload, runs[arm[0]][-1])}")
     result = report(args, runs, before)
-    out = ROOT / (args.out or f"benchmarks/results/engine-{args.workload}-cpu")
+    name = args.workload + ("" if args.preset == "tiny" else f"-{args.preset}")
+    out = ROOT / (args.out or f"benchmarks/results/engine-{name}-cpu")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     print(out.with_suffix(".md").read_text())

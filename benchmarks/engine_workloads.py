@@ -240,10 +240,21 @@ def stall(args, config: dict) -> dict:
     end = long_first if long_first is not None else long_at + 0.5
     got = sum(n for t, n in made if long_at < t <= end)
     last = max((t for t, _ in made if long_at < t <= end), default=end)
-    return {"gaps_s": gaps, "stream_tokens_per_s": got / max(last - long_at, 1e-9)}
+    return {
+        "gaps_s": gaps,
+        "stream_tokens_per_s": got / max(last - long_at, 1e-9),
+        "long_ttft_s": None if long_first is None else long_first - long_at,
+    }
 
 
-WORKLOADS = {"decode": decode, "capacity": capacity, "chat": chat, "shared": shared, "stall": stall}
+WORKLOADS = {
+    "decode": decode,
+    "capacity": capacity,
+    "chat": chat,
+    "shared": shared,
+    "stall": stall,
+    "budget": stall,  # the stall workload at several token budgets (engine_ab.py)
+}
 
 
 def main() -> int:
