@@ -24,18 +24,26 @@ def test_stdlib_source_is_deterministic_and_split_by_file():
 
 
 def test_text_is_packed_with_eos_between_documents(tiny_tokenizer, tmp_path):
+    """The blocks are the documents' tokens end to end, each document followed by its EOS, cut
+    into seq_len blocks (only the last, partial block is left out); every token is a target; the
+    position ids count from 0 within each document, across block boundaries (for padding-free
+    attention)."""
     import datasets
 
     cfg = DataConfig(seq_len=16, num_proc=1)
-    ds = datasets.Dataset.from_dict({"text": ["def f(x):\n    return x\n", "import os\n"] * 10})
+    docs = ["def f(x):\n    return x\n", "import os\n"] * 10
+    ds = datasets.Dataset.from_dict({"text": docs})
     out = batches.tokenize_counted(ds, "text", tiny_tokenizer, cfg)[0]
     assert len(out) > 0 and all(len(r) == 16 for r in out["input_ids"])
-    flat = sum(out["input_ids"], [])
-    assert tiny_tokenizer.eos_token_id in flat
+    stream, positions = [], []
+    for doc in docs:
+        ids = tiny_tokenizer(doc, add_special_tokens=False)["input_ids"]
+        stream += ids + [tiny_tokenizer.eos_token_id]
+        positions += range(len(ids) + 1)
+    kept = len(stream) // 16 * 16
+    assert sum(out["input_ids"], []) == stream[:kept] and len(out) == kept // 16
     assert out["labels"] == out["input_ids"]  # EOS is trained on, never masked
-    # position ids restart at each document boundary (for padding-free attention)
-    pos = sum(out["position_ids"], [])
-    assert pos.count(0) >= 2
+    assert sum(out["position_ids"], []) == positions[:kept]
 
 
 def test_prompt_completion_masks_prompt_and_ends_with_eos(tiny_tokenizer):

@@ -278,6 +278,7 @@ def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference
 
 
 @pytest.mark.serial
+@pytest.mark.slow
 def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_dir):
     """Hybrid sharding builds a 2-D (replicate, shard) mesh; the bf16 policy computes in bf16 while
     the sharded master weights stay fp32."""

@@ -202,13 +202,32 @@ def test_chat_prompts_reach_the_rewards_as_messages(tmp_path, tiny_model_dir, mo
     assert metrics(result.run_dir)[0]["reward"] == 1.0
 
 
-def test_continuous_batching_sampler_trains_too(tmp_path, tiny_model_dir):
-    """grpo.sampler=continuous: transformers' continuous batching samples (or an error)."""
+def test_continuous_batching_sampler_trains_too(tmp_path, tiny_model_dir, monkeypatch):
+    """grpo.sampler=continuous: every rollout comes from transformers' continuous batching
+    (generate_batch, never generate), the step's 8 completions among them, and the step trains on
+    what it returned."""
+    from transformers import GenerationMixin
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    batches, real = [], ContinuousMixin.generate_batch
+
+    def generate_batch(self, inputs, *args, **kwargs):
+        out = real(self, inputs, *args, **kwargs)
+        batches.append([len(r.generated_tokens) for r in out.values()])
+        return out
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("grpo.sampler=continuous sampled with generate")
+
+    monkeypatch.setattr(ContinuousMixin, "generate_batch", generate_batch)
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
     cfg = grpo_cfg(tmp_path, tiny_model_dir, max_steps=1, save_every=0, eval_every=0,
                    grpo={"sampler": "continuous"})  # fmt: skip
     result = onegpu.train(cfg)
     rec = metrics(result.run_dir)[0]
-    assert rec["completion_length"] > 0 and rec["gen_tokens_per_s"] > 0
+    (step,) = [lengths for lengths in batches if len(lengths) == 8]  # the others: validation's 4s
+    assert result.state.step == 1 and rec["gen_tokens_per_s"] > 0
+    assert rec["completion_length"] == sum(step) / 8 and rec["completion_length_max"] == max(step)
 
 
 def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_dir, monkeypatch):

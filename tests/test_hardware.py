@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
 from onegpu import hardware
@@ -86,8 +89,28 @@ def test_cpu_throughput_is_measured_once_and_cached(monkeypatch):
 
 
 def test_detect_keeps_its_fields():
+    """What detect() reports is this machine: a CUDA GPU's own properties where torch sees one,
+    else the CPU with the host's total RAM (read here from /proc/meminfo), and never bf16 or TF32
+    off a CUDA GPU."""
+    import torch
+
     dev = hardware.detect()
-    assert dev.type in ("cpu", "cuda", "mps") and dev.total_memory > 0
-    assert (
-        isinstance(dev.is_gpu, bool) and isinstance(dev.bf16, bool) and isinstance(dev.tf32, bool)
-    )
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        assert (dev.type, dev.name, dev.total_memory, dev.capability) == (
+            "cuda",
+            props.name,
+            props.total_memory,
+            (props.major, props.minor),
+        )
+        assert dev.bf16 == dev.tf32 == (dev.capability >= (8, 0)) and dev.is_gpu
+        return
+    if torch.backends.mps.is_available():
+        pytest.skip("an Apple GPU: its memory is the host's, read by psutil alone")
+    meminfo = open("/proc/meminfo").read() if os.path.exists("/proc/meminfo") else ""
+    total = re.search(r"^MemTotal:\s+(\d+) kB$", meminfo, re.M)
+    if total is None:
+        pytest.skip("no /proc/meminfo to read the host's RAM from")
+    assert (dev.type, dev.name, dev.capability) == ("cpu", "CPU", None)
+    assert dev.total_memory == int(total.group(1)) * 1024
+    assert not dev.is_gpu and not dev.bf16 and not dev.tf32

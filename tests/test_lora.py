@@ -130,9 +130,16 @@ def test_qlora_base_is_4bit_on_cpu_and_adapters_train(tiny_model_dir, tiny_token
 
     full = AutoModelForCausalLM.from_pretrained(merged)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    mq, bq = full.model.layers[0].self_attn.q_proj, base.model.layers[0].self_attn.q_proj
-    assert type(mq) is torch.nn.Linear and mq.weight.dtype == torch.float32
-    assert not torch.equal(mq.weight, bq.weight)  # the adapter is folded in, at full precision
+    # every adapted Linear is the full-precision base weight plus its trained scale x B @ A
+    adapted = [(n, m) for n, m in model.get_base_model().named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 2 * len(LINEARS)
+    for name, layer in adapted:
+        merged, plain = full.get_submodule(name), base.get_submodule(name)
+        assert type(merged) is torch.nn.Linear and merged.weight.dtype == torch.float32
+        delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        assert delta.abs().max() > 0, name  # trained: B left its zero start
+        expected = plain.weight + layer.scaling["default"] * delta
+        torch.testing.assert_close(merged.weight, expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_quantize_base_needs_lora_and_pretrained_weights(tiny_model_dir):

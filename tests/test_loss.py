@@ -227,29 +227,44 @@ def test_loss_setting_resolution():
 
 
 def test_default_training_uses_the_fused_loss(tmp_path, tiny_model_dir, text_file):
-    from onegpu import hardware
-    from onegpu.config import from_dict
-    from onegpu.training import assemble
-    from onegpu.training.data import build_data
+    """A default run's steps compute the fused loss: the model's forward returns logits of the
+    last position only (the plain loss has it return every position's), the output head sees one
+    auto-sized chunk of rows at a time, and the objective is still fused when the run ends
+    (loss=auto falls back to plain at the first step where fused cannot serve)."""
+    from onegpu import train
+    from onegpu.training.state import Callback
 
-    cfg = from_dict(
-        {
-            "model": {"name": str(tiny_model_dir)},
-            "data": {"path": str(text_file), "seq_len": 32},
-            "output": {"dir": str(tmp_path)},
-        }
-    )
-    data = build_data(cfg, str(tiny_model_dir))
-    parts = assemble.assemble(
-        cfg,
-        hardware.detect(),
-        "fp32",
-        str(tiny_model_dir),
-        tokenizer=data.tokenizer,
-        optimizer=False,
-    )
-    tokens = parts.objective.tokens
-    assert tokens.fused and tokens.chunk_size == auto_chunk(len(data.tokenizer), False)
+    class Seen(Callback):
+        def __init__(self):
+            self.positions, self.rows = [], []
+
+        def on_train_begin(self, run, state):
+            def positions(module, args, out):
+                if module.training:
+                    self.positions.append(out.logits.shape[1])
+
+            def rows(module, args, out):
+                if module.training:
+                    self.rows.append(out.shape[:-1].numel())
+
+            run.model.register_forward_hook(positions)
+            run.model.lm_head.register_forward_hook(rows)
+            self.vocab = len(run.tokenizer)
+
+        def on_train_end(self, run, state):
+            self.fused, self.chunk = run.objective.tokens.fused, run.objective.tokens.chunk_size
+
+    seen = Seen()
+    cfg = {
+        "model": {"name": str(tiny_model_dir)},
+        "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+        "training": {"micro_batch_size": 4, "max_steps": 2, "eval_every": 0, "eval_batches": 1},
+        "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
+    }
+    assert train(cfg, callbacks=[seen]).state.step == 2
+    assert seen.fused and seen.chunk == auto_chunk(seen.vocab, False)
+    assert seen.positions == [1, 1]  # one forward a step, no (tokens x vocab) logits
+    assert seen.rows and max(seen.rows) <= seen.chunk
 
 
 def test_target_positions_from_the_host_select_the_same_rows(tiny_tokenizer):

@@ -115,38 +115,62 @@ def test_dense_models_are_left_alone(tiny_tokenizer):
 
 
 def test_moe_model_trains_through_the_loop(tmp_path, tiny_tokenizer, text_file):
+    """The loop trains a Mixtral with its router loss: two runs from the same weights and data,
+    the model's router_aux_loss_coef 0.5 and 0, log first losses that differ by exactly 0.5 x the
+    router loss of that step's forward; both train the routers."""
     from accelerate.state import AcceleratorState
 
     from onegpu import train
+    from onegpu.report import read_metrics
+    from onegpu.training.state import Callback
+
+    class RouterLoss(Callback):  # the aux loss of each training forward
+        def __init__(self):
+            self.seen = []
+
+        def on_train_begin(self, run, state):
+            def keep(module, args, kwargs, out):
+                if module.training and out.aux_loss is not None:
+                    self.seen.append(float(out.aux_loss))
+
+            run.model.register_forward_hook(keep, with_kwargs=True)
 
     torch.manual_seed(0)
-    model_dir = tmp_path / "tiny-mixtral"
     start = _mixtral(tiny_tokenizer)
-    start.save_pretrained(str(model_dir))
-    tiny_tokenizer.save_pretrained(str(model_dir))
-    AcceleratorState._reset_state()
-    r = train(
-        {
-            "model": {"name": str(model_dir)},
-            "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
-            "training": {
-                "micro_batch_size": 4,
-                "max_steps": 2,
-                "eval_every": 0,
-                "eval_batches": 1,
-                "warmup_steps": 1,
-                "log_every": 1,
+    runs = {}
+    for coef in (0.5, 0.0):
+        model_dir = tmp_path / f"tiny-mixtral-{coef}"
+        start.config.router_aux_loss_coef = coef
+        start.save_pretrained(str(model_dir))
+        tiny_tokenizer.save_pretrained(str(model_dir))
+        AcceleratorState._reset_state()
+        aux = RouterLoss()
+        r = train(
+            {
+                "model": {"name": str(model_dir)},
+                "data": {"path": str(text_file), "seq_len": 32, "num_proc": 1},
+                "training": {
+                    "micro_batch_size": 4,
+                    "max_steps": 2,
+                    "eval_every": 0,
+                    "eval_batches": 1,
+                    "warmup_steps": 1,
+                    "log_every": 1,
+                },
+                "output": {"dir": str(tmp_path), "name": f"run-{coef}", "report_to": "none"},
             },
-            "output": {"dir": str(tmp_path), "name": "run", "report_to": "none"},
-        }
-    )
-    from onegpu.report import read_metrics
-
-    assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0
-    losses = [x["loss"] for x in read_metrics(r.run_dir / "metrics.jsonl") if x["split"] == "train"]
-    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+            callbacks=[aux],
+        )
+        assert r.state.step == 2 and getattr(r.state, "skipped_steps", 0) == 0
+        recs = read_metrics(r.run_dir / "metrics.jsonl")
+        losses = [x["loss"] for x in recs if x["split"] == "train"]
+        assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+        runs[coef] = losses, aux.seen, r.final_dir
+    (with_aux, seen, final), (without, seen_0, _) = runs[0.5], runs[0.0]
+    assert len(seen) == len(seen_0) == 2 and seen[0] == pytest.approx(seen_0[0], rel=1e-5)
+    assert with_aux[0] - without[0] == pytest.approx(0.5 * seen[0], rel=1e-3)
     from transformers import AutoModelForCausalLM
 
-    trained = AutoModelForCausalLM.from_pretrained(str(r.final_dir))
+    trained = AutoModelForCausalLM.from_pretrained(str(final))
     before, after = _router_weights(start), _router_weights(trained)
     assert before and all(not torch.equal(before[n], after[n]) for n in before)

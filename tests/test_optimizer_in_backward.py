@@ -86,8 +86,14 @@ def test_full_gradients_never_coexist(tiny_tokenizer):
 
 
 def test_state_round_trips_and_is_counted(tiny_tokenizer):
+    """The facade's state is every inner optimizer's, each parameter once: the bytes counted are
+    those of a normal AdamW's state after the same steps (two fp32 moments and a step a weight)."""
     _, opt = _train(tiny_tokenizer, True, "adamw", steps=2)
-    assert state_bytes(opt) > 0 and len(opt.state) == len(opt.inner)
+    _, plain = _train(tiny_tokenizer, False, "adamw", steps=2)
+    assert len(opt.state) == len(opt.inner) == len(plain.state)
+    assert state_bytes(opt) == state_bytes(plain)
+    weights = sum(p.numel() for p in plain.state)
+    assert state_bytes(plain) == 2 * 4 * weights + 4 * len(plain.state)
     model2 = make_tiny_llama(tiny_tokenizer)
     opt2 = build_optimizer(
         model2, TechniquesConfig(optimizer_in_backward=True), TrainingConfig(max_grad_norm=0.0)

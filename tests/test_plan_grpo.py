@@ -73,7 +73,14 @@ def test_kv_cache_formula_equals_what_generate_keeps(tiny_tokenizer):
     assert kept == pytest.approx(predicted * (prompt + new - 1) / (prompt + new), rel=1e-6)
 
 
-def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_path):
+def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_path, caplog):
+    """Every probed GRPO setup runs its steps (a GRPO step trains on the completions its cycle
+    sampled, so a measured step is a step with real rollouts) and is measured; the run takes the
+    fastest measured one, its effective batch and GRPO settings unchanged (not the first
+    prediction that a run falls back to when every probe fails)."""
+    import logging
+    import re
+
     from onegpu.config import from_dict
     from onegpu.plan import probe
     from test_grpo_inputs import write_prompts
@@ -87,7 +94,17 @@ def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_pat
         "output": {"dir": str(tmp_path / "runs"), "report_to": "none"},
         "plan": "auto",
     })  # fmt: skip
-    out = probe.auto_plan(cfg)
+    with caplog.at_level(logging.INFO, logger="onegpu.plan.probe"):
+        out = probe.auto_plan(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "onegpu.plan.probe"]
+    table = lines[lines.index("plan: probed setups, predicted vs measured") + 2 :][: probe.TOP]
+    rows = [re.fullmatch(r" {2}(\S.*?) +[\d,]+ +(failed: .*|([\d,]+) .*)", x) for x in table]
+    assert len(rows) == probe.TOP and all(rows), table
+    assert not any(m.group(2).startswith("failed") for m in rows), table
+    measured = {m.group(1): float(m.group(3).replace(",", "")) for m in rows}
+    chosen = re.fullmatch(r"plan: training with (.+) \(([\d,]+) tokens/s measured\)", lines[-1])
+    assert chosen, lines
+    assert measured[chosen.group(1)] == max(measured.values()) > 0, (chosen, measured)
     assert out.training.objective == "grpo" and out.plan == "off"
     assert out.training.micro_batch_size * out.training.grad_accum == 8
     assert out.grpo.group_size == 4 and out.grpo.rewards == ["length"]

@@ -15,8 +15,10 @@ import torch
 from helpers import CORPUS
 from onegpu import train
 from onegpu.errors import DataError
+from onegpu.objectives.tokens import IGNORE
 from onegpu.report import read_metrics
 from onegpu.training import assemble
+from onegpu.training.state import Callback
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest single-threaded
 
@@ -179,10 +181,43 @@ def test_reference_free_objectives_learn(tmp_path, tiny_model_dir, objective):
     assert not (result.run_dir / "reference_logps.safetensors").exists()
 
 
+class _RunData(Callback):
+    """Keeps the run's data (tokenized splits and collator) as the loop receives it."""
+
+    def on_train_begin(self, run, state):
+        self.data = run.data
+
+
 def test_dpo_on_chat_pairs_trains_on_the_responses(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """Chat pairs through the tokenizer's chat template: every sequence the loop trains on is the
+    whole conversation, its unlabelled part exactly the user's turn with the assistant header, its
+    targets exactly the reply (chosen in the first half of a batch, rejected in the second) and the
+    turn's end; and the run steps."""
     write_pairs(tmp_path / "pairs.jsonl", chat=True)
-    result = train(cfg_for(tmp_path, tiny_model_dir, max_steps=2, eval_every=0))
+    seen = _RunData()
+    result = train(cfg_for(tmp_path, tiny_model_dir, max_steps=2, eval_every=0), callbacks=[seen])
     assert result.state.step == 2 and result.run_dir.joinpath("final").is_dir()
+    records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    render = tiny_tokenizer.apply_chat_template
+    expected = set()  # (prompt, whole chosen conversation, whole rejected one) of each record
+    for r in records:
+        prompt = render(r["prompt"], tokenize=False, add_generation_prompt=True)
+        whole = [render(r["prompt"] + r[k], tokenize=False) for k in ("chosen", "rejected")]
+        expected.add((prompt, *whole))
+    data = seen.data
+    pairs = len(data.train_ds)
+    batch = data.collator([data.train_ds[i] for i in range(pairs)])
+    text = tiny_tokenizer.decode
+    for i in range(pairs):
+        rows = []
+        for row in (i, pairs + i):  # the pair's chosen and rejected sequences
+            ids, labels = batch["input_ids"][row], batch["labels"][row]
+            real = batch["attention_mask"][row].bool()
+            prompt, target = ids[real & (labels == IGNORE)], ids[real & (labels != IGNORE)]
+            rows.append((text(prompt.tolist()), text(ids[real].tolist()), text(target.tolist())))
+        (prompt, chosen, chosen_target), (prompt_r, rejected, rejected_target) = rows
+        assert prompt == prompt_r and (prompt, chosen, rejected) in expected
+        assert chosen_target == chosen[len(prompt) :] and rejected_target == rejected[len(prompt) :]
 
 
 def test_accumulation_and_oom_retry_keep_the_pair_batch(tmp_path, tiny_model_dir, monkeypatch):
@@ -291,6 +326,80 @@ def test_sft_on_pair_data_and_dpo_on_text_are_clear_errors(tmp_path, tiny_model_
         train(cfg)
 
 
+class _Evidence(Callback):
+    """What a method did to the run, read from the model and optimizer the loop trains (hooks on
+    them; nothing the run reports about itself): decoder-layer forwards with gradients, and those
+    run again inside backward (checkpointing's recompute); graphs dynamo compiled; the dtype an MLP
+    projection computes in; the inputs the model's forward receives; the 4-bit layers; each
+    parameter's optimizer state."""
+
+    def __init__(self):
+        self.forwards = self.recomputed = 0
+        self.dtypes, self.inputs = set(), set()
+
+    def on_train_begin(self, run, state):
+        from torch._dynamo.utils import counters
+
+        from onegpu.techniques.checkpointing import decoder_layers
+
+        self.graphs = counters["stats"]["unique_graphs"]
+        model = run.model
+        self.four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+        self.trained = [n for n, p in model.named_parameters() if p.requires_grad]
+        compiled = any(m._compiled_call_impl is not None for m in model.modules())
+        if compiled:  # a hook inside a compiled block would change the graph it counts
+            return
+        for layer in decoder_layers(model):  # its first module: the recompute calls the layer's
+            layer.input_layernorm.register_forward_pre_hook(self._layer)  # forward, not the layer
+        up = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.up_proj"))
+        up.register_forward_hook(lambda m, args, out: self.dtypes.add(out.dtype))
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+
+    def _layer(self, module, args):
+        if torch.is_grad_enabled():
+            inside_backward = torch._C._current_graph_task_id() != -1
+            self.recomputed += inside_backward
+            self.forwards += not inside_backward
+
+    def _inputs(self, module, args, kwargs):
+        given = frozenset(k for k, v in kwargs.items() if torch.is_tensor(v))
+        self.inputs.add((given, kwargs["input_ids"].shape[0]))
+
+    def on_train_end(self, run, state):
+        from torch._dynamo.utils import counters
+
+        self.graphs = counters["stats"]["unique_graphs"] - self.graphs
+        opt = getattr(run.optimizer, "optimizer", run.optimizer)
+        self.state = [(p.numel(), s) for p, s in opt.state.items()]
+
+
+def _is_active(method: str, seen: _Evidence) -> bool:
+    """Whether the run shows ``method`` at work."""
+    if method == "checkpointing":  # every layer forward that saves for backward runs again in it
+        return seen.recomputed == seen.forwards > 0
+    if method == "compile":
+        return seen.graphs > 0
+    if method == "bf16":
+        return seen.dtypes == {torch.bfloat16}
+    if method == "adamw-8bit":  # bitsandbytes quantizes the state of tensors of 4,096+ values
+        big = [s for n, s in seen.state if n >= 4096]
+        codes = [(s.get("state1"), s.get("state2")) for s in big]
+        return bool(big) and all(
+            a is not None and a.dtype == b.dtype == torch.uint8 for a, b in codes
+        )
+    if method == "padding-free":  # one packed row, documents told apart by position ids
+        return all(
+            "position_ids" in k and "attention_mask" not in k and n == 1 for k, n in seen.inputs
+        )
+    if method == "qlora":
+        return (
+            bool(seen.four_bit)
+            and all(m.weight.dtype == torch.uint8 for m in seen.four_bit)
+            and all("lora_" in n for n in seen.trained)
+        )
+    raise AssertionError(method)
+
+
 @pytest.mark.parametrize(
     "techniques, tol",
     [
@@ -303,17 +412,22 @@ def test_sft_on_pair_data_and_dpo_on_text_are_clear_errors(tmp_path, tiny_model_
     ],
     ids=["checkpointing", "compile", "bf16", "adamw-8bit", "padding-free", "qlora"],
 )
-def test_dpo_runs_with_each_method(tmp_path, tiny_model_dir, techniques, tol):
-    """Checkpointing and compile leave the math as it was; bf16 autocast and an 8-bit optimizer
+def test_dpo_runs_with_each_method(request, tmp_path, tiny_model_dir, techniques, tol):
+    """Each method is at work in the DPO run (and not in the plain one beside it); checkpointing,
+    compile and padding-free leave the math as it was; bf16 autocast, an 8-bit optimizer and QLoRA
     train."""
     if techniques.get("optimizer") == "adamw-8bit" or "lora" in techniques:
         pytest.importorskip("bitsandbytes")
+    method = request.node.callspec.id
+    plain, used = _Evidence(), _Evidence()
     base = train(
-        cfg_for(tmp_path, tiny_model_dir, name="base", max_steps=6, eval_every=0, log_every=1)
+        cfg_for(tmp_path, tiny_model_dir, name="base", max_steps=6, eval_every=0, log_every=1),
+        callbacks=[plain],
     )
     cfg = cfg_for(tmp_path, tiny_model_dir, name="method", max_steps=6, eval_every=0, log_every=1)
     cfg["techniques"].update(techniques)
-    other = train(cfg)
+    other = train(cfg, callbacks=[used])
+    assert _is_active(method, used) and not _is_active(method, plain), method
     a = [r[k] for r in train_records(base.run_dir) for k in ("loss", "reward_margin")]
     b = [r[k] for r in train_records(other.run_dir) for k in ("loss", "reward_margin")]
     if tol is not None:

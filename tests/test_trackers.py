@@ -312,10 +312,22 @@ def test_bad_report_to_on_the_command_line_is_one_clear_error():
         parse(make_parser("onegpu train", "", Config), ["--output.report_to", "tensorbord"], Config)
 
 
-def test_benchmarks_report_to_no_tracker():
+def test_benchmarks_report_to_no_tracker(tmp_path, tiny_model_dir, text_file):
+    """An arm's run, from the config every benchmark arm starts from (bench.train.base_config),
+    writes its metrics and no tracker's files: no TensorBoard folder, no trackers.json."""
     from onegpu.bench.settings import BenchTrainConfig
+    from onegpu.bench.train import base_config
+    from onegpu.bench.train_child import run_onegpu
 
-    assert BenchTrainConfig().output.report_to == "none"
+    b = BenchTrainConfig()
+    b.model.name, b.model.from_scratch = str(tiny_model_dir), False
+    b.data.path, b.data.seq_len = str(text_file), 32
+    b.training.micro_batch_size, b.training.max_steps, b.bench.warmup_steps = 2, 2, 1
+    cfg = base_config(b, str(tmp_path / "arm"))
+    out = run_onegpu({"config": cfg, "warmup_steps": 1})
+    (run_dir,) = (tmp_path / "arm").iterdir()
+    assert out["steps_done"] == 2 and read_metrics(run_dir / "metrics.jsonl")
+    assert not (run_dir / "tensorboard").exists() and not (run_dir / "trackers.json").exists()
 
 
 def test_all_means_the_installed_trackers(monkeypatch):

@@ -74,6 +74,10 @@ def pytest_runtest_makereport(item, call):
         return
     cost = getattr(item, "_tier_cost", None)
     limit = float(item.config.getini("fast_tier_limit_s"))
+    if cost is not None:
+        # into the JUnit file (with the teardown report): the tier's report lists the fast tests
+        # nearest the limit
+        item.user_properties.append(("cpu_s", f"{cost.cpu:.2f}"))
     verdict = over_limit(cost.cpu, cost.wall, limit) if cost is not None else None
     if verdict:
         report.outcome = "failed"

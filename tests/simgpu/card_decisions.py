@@ -213,7 +213,10 @@ def test_matmul_peak_is_measured_in_bf16_on_the_card(card):
 
     from onegpu.hardware import measure_matmul_flops
 
+    n = 8192
     with cards.fake_cuda():
+        cards.MEMORY.reset_peak()
+        held = cards.MEMORY.allocated()
         assert measure_matmul_flops("cuda", seconds=0.01) > 0
-        # the 8192 x 8192 bf16 operands lived on the card
-        assert cards.MEMORY.peak >= 2 * 8192 * 8192 * 2
+        # on the card, in bf16: the two n x n operands and one product at a time, 2 bytes each
+        assert cards.MEMORY.peak - held == 3 * n * n * torch.bfloat16.itemsize
