@@ -2,7 +2,7 @@
 arm a fresh process (benchmarks/engine_workloads.py) with its engine's source tree on PYTHONPATH,
 the arms interleaved round by round, medians and ranges over the rounds.
 
-    git -C . archive 3df78c9 | tar -x -C /tmp/slot-engine     # the slot engine's commit
+    git worktree add --detach /tmp/slot-engine 3df78c9     # the slot engine's commit
     python benchmarks/engine_ab.py capacity --baseline /tmp/slot-engine --rounds 5
 
 Workloads and their arms (what each measures: engine_workloads.py):
@@ -44,6 +44,17 @@ ARMS = {
         for batch in (1, 16)
         for mode in ("off", "on")
         for engine in ("slot", "paged")
+    ]
+    # the compiled paged engine without the CPU policy rows whose gain did not hold on the 125m
+    # shape (engine-policy-cpu.md)
+    + [
+        (
+            f"paged on b{batch}, frozen_step and skip_guards off",
+            "paged",
+            {"compile": "on", "policy_off": ["frozen_step", "skip_guards"]},
+            ["--batch", str(batch)],
+        )
+        for batch in (1, 16)
     ],
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
