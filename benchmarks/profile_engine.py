@@ -185,7 +185,7 @@ def gemm_ab(args) -> None:
     engines = {}
     for name, settings in variants.items():
         engines[name] = Engine(engine.model, None, engine.config)
-        engines[name].stepper.inductor = settings
+        engines[name].decode_step.inductor = settings
     engines["+ C++ wrapper (the engine's: FROZEN_CPU_STEP)"] = engine
     ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "compiled step")
 
@@ -197,7 +197,7 @@ def guards_ab(args) -> None:
 
     skipped, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
     full = Engine(skipped.model, None, skipped.config)
-    full.stepper.skip_guards = False
+    full.decode_step.skip_guards = False
     engines = {"telling guards only (the engine's)": skipped, "every guard, every call": full}
     ab(engines, prompts, args, "engine compiled (inductor)", "Dynamo's guards on a warm bucket")
 
@@ -246,11 +246,11 @@ def attention_ab(args) -> None:
     from onegpu.infer.engine import Engine
 
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    engine.stepper.loops_from = 1  # the engine keeps SDPA's kernel at one row: the loops here too
+    # (the engine takes the loops at every row count)
     sdpa = Engine(engine.model, None, engine.config)
-    sdpa.stepper.grouped = None  # transformers' SDPA function in the steps
+    sdpa.decode_step.grouped = None  # transformers' SDPA function in the steps
     inlined = Engine(engine.model, None, engine.config)
-    inlined.stepper.loops_from, inlined.stepper.realize_ops = 1, None
+    inlined.decode_step.realize_ops = None
     engines = {
         "SDPA's CPU kernel": sdpa,
         "inductor loops, the query inlined into them": inlined,

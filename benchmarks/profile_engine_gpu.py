@@ -270,12 +270,12 @@ def variant(engine, name: str):
     from onegpu.infer import decode_step
 
     if name != "reductions":
-        engine.stepper.inductor.pop("post_grad_custom_pre_pass", None)
-        engine.stepper.key = next(decode_step._FROZEN)
+        engine.decode_step.inductor.pop("post_grad_custom_pre_pass", None)
+        engine.decode_step.key = next(decode_step._KEYS)
     if name == "repeat_kv":
-        engine.stepper.grouped = None
+        engine.decode_step.grouped = None
     if name == "autotune":
-        engine.stepper.inductor.update(
+        engine.decode_step.inductor.update(
             max_autotune_gemm=True, max_autotune_gemm_backends="ATEN,TRITON"
         )
     return engine

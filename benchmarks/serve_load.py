@@ -239,6 +239,22 @@ def start_server(
     sys.exit(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
 
 
+COUNTERS = ("onegpu_prefix_cache_queries", "onegpu_prefix_cache_hits", "onegpu_num_preemptions")
+
+
+def server_counters(port: int) -> dict:
+    """The engine's counters in the server's /metrics after the rounds (warm-up included): prompt
+    tokens looked up in the prefix cache and found there, sequences preempted. A server without
+    them (the slot engine's) gives an empty dict."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removesuffix("_total") in COUNTERS:
+            found[name.removesuffix("_total")] = float(value)
+    return found
+
+
 def stop_server(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -276,7 +292,8 @@ def main() -> int:
         port = free_port()
         proc = start_server(args.server, Path(tmp) / "tiny", port, args, Path(tmp) / "server.log")
         said = (Path(tmp) / "server.log").read_text(errors="replace").splitlines()
-        prefills = next((line for line in said if line.startswith("prefills: ")), "prefills: ?")
+        caching = "prefix caching: "
+        prefills = next((line for line in said if line.startswith(caching)), caching + "?")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         deadline = time.monotonic() + args.time_limit
         rounds = []
@@ -286,6 +303,7 @@ def main() -> int:
                 single = run_phase(client, jobs, 1, deadline)
                 together = run_phase(client, jobs, args.clients, deadline)
                 rounds.append((single, together))
+            counters = server_counters(port)
         finally:
             exit_code = stop_server(proc)
         ceiling = {
@@ -293,8 +311,9 @@ def main() -> int:
             for n in (args.clients, 1)
         }
     result = report(args, jobs, rounds, before, exit_code)
-    result["server_prefills"] = prefills.removeprefix("prefills: ")
+    result["server_prefix_caching"] = prefills.removeprefix(caching)
     result["engine_alone_tokens_per_s"] = ceiling
+    result["server_counters"] = counters
     write(ROOT / args.out, result)
     print((ROOT / args.out).with_suffix(".md").read_text())
     ok = result["check"]

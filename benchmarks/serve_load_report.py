@@ -159,8 +159,8 @@ def markdown(r: dict) -> str:
             "",
             f"{r['date']}; {r['workload']}; {len(r['rounds']['speedup'])} rounds, each the "
             "sequential phase then the concurrent one; server torch threads "
-            f"{r['server_threads']}, prefills {r.get('server_prefills', '?')}; server exit code "
-            f"after SIGTERM: {r['server_exit']}.",
+            f"{r['server_threads']}, prefix caching {r.get('server_prefix_caching', '?')}; "
+            f"server exit code after SIGTERM: {r['server_exit']}.",
             f"Machine: {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
             f"torch {r['machine']['torch']}, transformers {r['machine']['transformers']}.",
             f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
@@ -180,6 +180,8 @@ def markdown(r: dict) -> str:
             "The engine alone (in this process, the same requests all submitted at once, no "
             f"HTTP, once after the rounds): "
             f"{many:.0f} tokens/s with {r['clients']} slots, {one:.0f} with 1 ({many / one:.2f}x).",
+            "",
+            _counters(r.get("server_counters") or {}),
             "",
             f"Checks: {ok['n_errors']} errors, {len(ok['lost'])} lost, {len(ok['differ'])} answers "
             "differing from their single-request answer of the first round (text, finish reason, "
@@ -254,3 +256,17 @@ def report(args, jobs, rounds, before: str, exit_code: int) -> dict:
             for k, (single, together) in enumerate(rounds)
         },
     }
+
+
+def _counters(c: dict) -> str:
+    """The engine's counters from /metrics, as a sentence."""
+    if not c:
+        return "The server's /metrics held no prefix-cache or preemption counters."
+    queries = c.get("onegpu_prefix_cache_queries", 0.0)
+    hits = c.get("onegpu_prefix_cache_hits", 0.0)
+    share = f" ({hits / queries:.1%})" if queries else ""
+    return (
+        f"The server's /metrics at the end (every round and the warm-up): prefix cache "
+        f"{hits:.0f} of {queries:.0f} prompt tokens found{share}; "
+        f"{c.get('onegpu_num_preemptions', 0.0):.0f} sequences preempted."
+    )

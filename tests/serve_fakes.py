@@ -1,7 +1,8 @@
 """An engine that answers from a script, for the server's in-process tests: each request's answer is
 ``script(prompt_text, params)`` tokenized with the real tokenizer and handed back one token a step,
-through the real TextTracker (stop strings, held-back text). A script answer of ``FAIL`` fails that
-request alone (Update.error); ``CRASH`` makes the step raise (an engine-wide fault). It implements
+through the engine's real Output (incremental detokenization, stop strings, held-back text). A
+script answer of ``FAIL`` fails that request alone (Update.error); ``CRASH`` makes the step raise
+(an engine-wide fault). It implements
 the engine's side of the serve scheduler (submit, cancel, step, has_work, stats, free_slots) and,
 unlike today's engine, logprobs, so the server's rendering of them is tested before the engine
 offers them. The server runs under uvicorn on a thread, on 127.0.0.1 and a free port."""
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onegpu.infer.engine import EngineStats
+from onegpu.infer.output import Output
 from onegpu.infer.requests import EngineFeatures, TokenLogprob, Update
-from onegpu.infer.text import TextTracker
 from serve_support import free_port
 
 FAIL, CRASH = "<<fail>>", "<<crash>>"
@@ -28,7 +29,7 @@ class _Seq:
     prompt: list
     params: object
     answer: list
-    tracker: TextTracker
+    tracker: Output
     fail: bool = False
     generated: int = 0
     cancelled: bool = False
@@ -53,9 +54,7 @@ class ScriptedEngine:
         self.seen.append((text, params))
         answer = self.script(text, params)
         ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        seq = _Seq(
-            self._next, list(prompt_ids), params, ids, TextTracker(self.tokenizer, params.stop)
-        )
+        seq = _Seq(self._next, list(prompt_ids), params, ids, Output(self.tokenizer, params.stop))
         seq.fail = answer == FAIL
         self._next += 1
         self._seqs.append(seq)

@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from families import tiny_family_model
-from onegpu.infer import cpu_attention
+from onegpu.infer import cpu_attention, policy
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 
@@ -83,11 +83,11 @@ def _decode_sdpa_calls(engine, ids, params):
 
 
 @pytest.mark.slow
-def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_tokens(tiny_tokenizer):
-    """Steps of 2 rows call no SDPA and attend in an inductor kernel with the softmax's exp in it;
-    a step of one row keeps SDPA's kernel; the greedy tokens are the eager engine's (SDPA's)
-    either way. (What making the query a buffer first saves is timed: profile_engine.py
-    --attention-ab.)"""
+def test_a_compiled_cpu_step_attends_in_loops_with_the_eager_tokens(tiny_tokenizer):
+    """Compiled steps of 2 rows and of 1 call no SDPA and attend in an inductor kernel with the
+    softmax's exp in it (over the paged pool the loops read the blocks where they lie, where SDPA
+    would need them gathered first: benchmarks/results/paged-attention-cpu.md); with the policy
+    row off, SDPA's kernel; the greedy tokens are the eager engine's either way."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
@@ -96,24 +96,30 @@ def test_a_compiled_cpu_step_attends_in_loops_from_two_rows_with_the_eager_token
     want = [r.token_ids for r in eager.generate(ids, params)]
     alone = [r.token_ids for r in eager.generate(ids[:1], params)]
     compiled = Engine(model, None, EngineConfig(max_slots=2, max_len=64, compile="on"))
-    assert compiled.stepper.attention == cpu_attention.NAME
+    sdpa_step = EngineConfig(max_slots=1, max_len=64, compile="on")
+    sdpa_step.policy_off = ["cpu_attention_loops"]
+    plain = Engine(model, None, sdpa_step)
+    assert compiled.decode_step.attention == cpu_attention.NAME
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         compiled.generate(ids, params)  # compiles both buckets, the kernels named in the profile
         compiled.generate(ids[:1], params)
-    got, sdpa, loops = _decode_sdpa_calls(compiled, ids, params)
-    assert got == want and sdpa == 0 and loops
-    got, sdpa, loops = _decode_sdpa_calls(compiled, ids[:1], params)
+        plain.generate(ids[:1], params)
+    for batch, ref in ((ids, want), (ids[:1], alone)):
+        got, sdpa, loops = _decode_sdpa_calls(compiled, batch, params)
+        assert got == ref and sdpa == 0 and loops
+    got, sdpa, loops = _decode_sdpa_calls(plain, ids[:1], params)
     assert got == alone and sdpa > 0 and not loops
 
 
-def _step_code(model, ids, realize_ops) -> str:
-    """The code inductor generates for an engine's compiled steps over ``ids``, with the stepper's
-    realize threshold ``realize_ops`` (None: inductor's own)."""
+def _step_code(model, ids, realize_ops, off=()) -> str:
+    """The code inductor generates for an engine's compiled steps over ``ids``, with the decode
+    step's realize threshold ``realize_ops`` (None: inductor's own)."""
     from torch._inductor.utils import run_and_get_code
 
-    engine = Engine(model, None, EngineConfig(max_slots=len(ids), max_len=64, compile="on"))
-    engine.stepper.realize_ops = realize_ops
-    engine.stepper.inductor.update(fx_graph_cache=False)  # compile here, not from a cache
+    config = EngineConfig(max_slots=len(ids), max_len=64, compile="on", policy_off=list(off))
+    engine = Engine(model, None, config)
+    engine.decode_step.realize_ops = realize_ops
+    engine.decode_step.inductor.update(fx_graph_cache=False)  # compile here, not from a cache
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     return "\n".join(run_and_get_code(lambda: engine.generate(ids, params))[1])
 
@@ -121,13 +127,14 @@ def _step_code(model, ids, realize_ops) -> str:
 @pytest.mark.slow
 def test_the_realize_threshold_shapes_the_code_of_a_step_of_the_loops(tiny_tokenizer):
     """Inductor reads realize_opcount_threshold from its global config when a bucket compiles:
-    with the stepper's threshold, a step of the loops (2 rows) compiles to other code, with more
-    buffers (values made once instead of inlined into each reader); a one-row step (SDPA's
-    kernel) compiles to the same code either way."""
+    with the decode step's threshold, a step of the loops compiles to other code, with more
+    buffers (values made once instead of inlined into each reader); a step with the loops off
+    (SDPA's kernel) compiles to the same code either way."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
-    realized = _step_code(model, ids, cpu_attention.REALIZE_OPS)
+    realized = _step_code(model, ids, policy.REALIZE_OPS)
     inlined = _step_code(model, ids, None)
     assert realized.count("buf") > inlined.count("buf")
-    one, plain = (_step_code(model, ids[:1], n) for n in (cpu_attention.REALIZE_OPS, None))
+    off = ["cpu_attention_loops"]
+    one, plain = (_step_code(model, ids[:1], n, off) for n in (policy.REALIZE_OPS, None))
     assert one.count("buf") == plain.count("buf")

@@ -1,6 +1,7 @@
 """The decode engine: the same tokens as transformers' generate (every family, with a LoRA adapter,
 in fp32), continuous batching that changes no request's output, sampling that a seed alone fixes,
-and one clear error for a request it cannot take."""
+and one clear error for a request it cannot take. The paged cache's own behaviour (prefix
+caching, chunked prompts, preemption) is tests/test_engine_paged.py's."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from torch.overrides import TorchFunctionMode
 from families import FAMILIES, tiny_family_model
 from onegpu.errors import ConfigError
 from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.paged_cache import cache_kwarg, kv_bytes_per_position
 from onegpu.infer.requests import SamplingParams
-from onegpu.infer.slot_cache import cache_kwarg, kv_bytes_per_position
 
 PROMPTS = ["def add(a, b):", "import os\nclass Foo:", "x = [1, 2"]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -108,14 +109,18 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_tokens_are_read_back_once_per_sync_not_per_step(llama, tiny_tokenizer):
-    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5, prefill_thread="off"))
+def test_the_first_token_goes_out_at_admission_then_sync_every_in_one_read_back(
+    llama, tiny_tokenizer
+):
+    """A prompt's first token goes out with the step that computed the prompt (its time to first
+    token is its prefill, not the prefill and sync_every decode steps); then sync_every decode
+    steps of both rows run on the device; each step copies values to the host once."""
+    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5))
     for row in _ids(tiny_tokenizer)[:2]:
         engine.submit(row, SamplingParams(max_new_tokens=20))
     with _HostReads() as reads:
         first = engine.step()
-    # the prefills' tokens and five decode steps of both rows, in one read-back
-    assert [len(u.token_ids) for u in first] == [6, 6] and all(u.first_token for u in first)
+    assert [len(u.token_ids) for u in first] == [1, 1] and all(u.first_token for u in first)
     assert len(reads.calls) == 1, reads.calls
     with _HostReads() as reads:
         second = engine.step()
@@ -190,9 +195,24 @@ def test_eos_and_stop_strings_end_a_request(llama, tiny_tokenizer):
     assert cut[0].finish_reason == "stop" and cut[0].text == text[: text.index(stop)]
 
 
+def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
+    """By default the pool holds every row's worst case (max_slots x max_len, in whole blocks, and
+    the reserved null block); num_blocks sizes it otherwise."""
+    engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=96))
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    per_position = kv_bytes_per_position(llama)
+    assert engine.cache.bytes == (4 * 96 // 16 + 1) * 16 * per_position
+    small = Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=8))
+    small.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    assert small.cache.bytes == 8 * 16 * per_position
+    with pytest.raises(ConfigError, match="hold less than one sequence of max_len 96"):
+        Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=6))
+
+
 def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
-    """``generate`` on the engine, with a model whose context is 4,096 positions: the cache its
-    decode steps read holds the longest prompt + new tokens (in 64s) per slot, not the context."""
+    """``generate`` on the engine, with a model whose context is 4,096 positions: the pool its
+    steps read holds the longest prompt + new tokens (in 64s) per row, in blocks of 16 and the
+    null block — not the context."""
     from onegpu.infer import SamplingConfig, generate
 
     model = tiny_family_model("llama", tiny_tokenizer, max_position_embeddings=4096).eval()
@@ -213,8 +233,9 @@ def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
                 model, tiny_tokenizer, prompts, SamplingConfig(max_new_tokens=12, batch_size=2)
             )
             rows = len(prompts)
-            assert [tuple(k.shape[::2]) for k in caches[0].keys] == [(rows, positions)] * 2
-            assert caches[0].bytes == rows * positions * kv_bytes_per_position(model)
+            pool = (rows * positions // 16 + 1) * 16
+            assert [k.shape[1] for k in caches[0].keys] == [pool] * 2
+            assert caches[0].bytes == pool * kv_bytes_per_position(model)
     finally:
         hook.remove()
     cfg = model.config  # K and V, fp32, every layer
@@ -326,12 +347,12 @@ def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tin
     for _ in range(2):
         for engine, tokens in zip(engines, want, strict=True):
             assert [r.token_ids for r in engine.generate(ids, params)] == tokens
-    assert engines[0].stepper.warm
+    assert engines[0].decode_step.warm
     counters.clear()
     models[0].lm_head.weight.requires_grad_(False)
     assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
     assert counters["stats"]["unique_graphs"] == 0  # the warm bucket ran as compiled
-    engines[0].stepper.warm.clear()
+    engines[0].decode_step.warm.clear()
     assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
     assert counters["stats"]["unique_graphs"] >= 1  # a full check: the change recompiles
     torch._dynamo.reset()
@@ -369,45 +390,50 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
         want = [r.token_ids for r in eager.generate(batch, params)]
         assert [r.token_ids for r in fixed.generate(batch, params)] == want
         assert [r.token_ids for r in bucketed.generate(batch, params)] == want
-    assert {(rows, kv_len) for rows, kv_len, _ in fixed.stepper.warm} == {(4, 128)}
-    assert len(bucketed.stepper.warm) > 1  # without it: a step per (rows, length) bucket
+    assert {(rows, kv_len) for rows, kv_len, _ in fixed.decode_step.warm} == {(4, 128)}
+    assert len(bucketed.decode_step.warm) > 1  # without it: a step per (rows, length) bucket
 
 
-@pytest.mark.slow
-def test_an_eager_step_attends_over_the_positions_it_reaches_not_a_bucket(
-    llama, tiny_tokenizer, monkeypatch
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_step_attends_over_the_positions_it_reaches_not_the_requests_final_length(
+    llama, tiny_tokenizer, monkeypatch, compiled
 ):
-    """Eager, a shape costs nothing: each engine step covers the slots in use and the positions its
-    decode steps write (in whole 64s), growing with the answer — not the power-of-two bucket of the
-    request's final length — and the tokens stay transformers' across every growth."""
-    from onegpu.infer import engine as engine_module
+    """Each decode step covers the rows in use and the positions its steps reach, growing with the
+    answer — eager in whole 64s, compiled in power-of-two buckets of that reach — not a bucket of
+    the request's final length (a chat without max_tokens would attend over the whole cache at
+    every step); the tokens stay transformers' across every growth."""
+    from onegpu.infer.decode_step import DecodeStep
 
     shapes = []
-    real = engine_module.decode_once
+    real = DecodeStep.__call__
 
-    def spy(engine, rows, kv_len, *args, **kwargs):
-        shapes.append((rows, kv_len, int(engine.state.positions[:rows].max())))
-        return real(engine, rows, kv_len, *args, **kwargs)
+    def spy(self, rows, kv_len, *args):
+        shapes.append((rows, kv_len, int(self.rows.positions[:rows].max())))
+        return real(self, rows, kv_len, *args)
 
-    monkeypatch.setattr(engine_module, "decode_once", spy)
+    monkeypatch.setattr(DecodeStep, "__call__", spy)
     row = _ids(tiny_tokenizer)[0]
-    engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=512, sync_every=8))
+    extra = dict(compile="on", compile_backend="aot_eager") if compiled else {}
+    engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=512, sync_every=8, **extra))
     got = engine.generate([row], SamplingParams(max_new_tokens=150))[0].token_ids
     assert got == _hf_greedy(llama, row, 150) and len(row) + len(got) > 128
-    assert shapes[0][:2] == (1, 64)  # the final length's bucket would be 256 positions of 3 slots
+    assert shapes[0][:2] == (1, 64)  # the final length's bucket would be 256 positions of 3 rows
     assert all(pos < kv_len for _, kv_len, pos in shapes)  # every write lands inside the view
-    assert sorted({kv_len for _, kv_len, _ in shapes}) == [64, 128, 192]
+    want = [64, 128, 256] if compiled else [64, 128, 192]
+    assert sorted({kv_len for _, kv_len, _ in shapes}) == want
 
 
 def test_a_step_ends_where_a_budget_ends_and_when_interrupted(llama, tiny_tokenizer):
     ids = _ids(tiny_tokenizer)
-    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=8, prefill_thread="off"))
+    engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=8))
     short = engine.submit(ids[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
     long_ = engine.submit(ids[1], SamplingParams(max_new_tokens=20, ignore_eos=True))
-    # the prefill's token and two decode steps end the short request: the step stops there, not
-    # after sync_every, so its answer goes out and its slot frees at once
     news = [(u.request_id, len(u.token_ids), u.finished) for u in engine.step()]
-    assert news == [(short, 3, True), (long_, 3, False)] and engine.free_slots() == 1
+    assert news == [(short, 1, False), (long_, 1, False)]  # the first tokens, at admission
+    # two decode steps end the short request: the step stops there, not after sync_every, so
+    # its answer goes out and its row frees at once
+    news = [(u.request_id, len(u.token_ids), u.finished) for u in engine.step()]
+    assert news == [(short, 2, True), (long_, 2, False)] and engine.free_slots() == 1
     asked = []
     news = engine.step(interrupt=lambda: asked.append(True) or True)  # say, a request arrived
     assert [len(u.token_ids) for u in news] == [1] and asked == [True]

@@ -1,5 +1,5 @@
-"""`onegpu serve`'s settings before any model is loaded: the KV-cache plan (how many sequences of
-what length fit the budget) and bad flags, each refused with one error naming the flag."""
+"""`onegpu serve`'s settings before any model is loaded: the KV-cache plan (the budget's pool of
+blocks, and what it holds) and bad flags, each refused with one error naming the flag."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from onegpu.serve.budget import GiB, plan_kv
 KIB = 1024
 
 
-def test_the_plan_lowers_the_slots_to_what_the_budget_holds():
-    # 1 KiB a position, 1024 positions a sequence = 1 MiB each; a 3.5 MiB budget holds 3
+def test_the_pool_is_the_budget_in_blocks():
+    # 1 KiB a position, 16 positions a block = 16 KiB a block; a 3.5 MiB budget holds 224 blocks:
+    # 223 and the null block, 3 sequences of 1024 positions at worst (64 blocks each)
     plan = plan_kv(KIB, 2048, "cpu", max_len=1024, max_slots=8, kv_memory_gib=3.5 * 2**20 / GiB)
-    assert (plan.max_len, plan.fits, plan.max_slots) == (1024, 3, 3)
-    assert "holds 3" in plan.describe() and "serving 3 at once" in plan.describe()
-    roomy = plan_kv(KIB, 2048, "cpu", max_len=1024, max_slots=2, kv_memory_gib=1)
-    assert (roomy.fits, roomy.max_slots) == (1024, 2)  # never more than asked for
+    assert (plan.max_len, plan.num_blocks, plan.block_size, plan.fits) == (1024, 224, 16, 3)
+    assert plan.max_slots == 8  # rows are not lowered: short sequences take fewer blocks
+    said = plan.describe()
+    assert "holds 223 blocks of 16 positions" in said and "3 sequences of 1024 at worst" in said
 
 
 def test_the_default_length_is_the_context_up_to_4096():
@@ -29,7 +30,7 @@ def test_the_default_length_is_the_context_up_to_4096():
 def test_a_sequence_that_does_not_fit_names_max_len_and_the_length_that_would():
     with pytest.raises(ConfigError) as raised:
         plan_kv(KIB, 8192, "cpu", max_len=4096, kv_memory_gib=2 * 2**20 / GiB)
-    assert "--max_len 4096" in str(raised.value) and "--max_len to 2048 or less" in str(
+    assert "--max_len 4096" in str(raised.value) and "--max_len to 2032 or less" in str(
         raised.value
     )
     with pytest.raises(ConfigError, match="over the model's context of 256"):

@@ -134,3 +134,20 @@ def test_torchao_int8_weights_decode_through_the_graphs(tiny_model_dir):
     got = engine.generate(ids, FULL)
     assert all(len(r.token_ids) == FULL.max_new_tokens for r in got)
     assert _graph_launches(engine, ids) >= FULL.max_new_tokens - 1
+
+
+def test_prefix_caching_and_preemption_change_no_answer_on_the_card(llama, tiny_tokenizer):
+    """The paged pool on the card: a repeated prompt found in the prefix cache, and a pool far too
+    small for the load preempting and recomputing, give the answers the requests get alone, the
+    decode steps still replayed as CUDA graphs."""
+    ids = [row * 4 for row in _ids(tiny_tokenizer)] * 2  # past a block of 16: prefixes to share
+    alone = [
+        Engine(llama, None, EngineConfig(max_slots=1, max_len=64)).generate([r], FULL)[0].token_ids
+        for r in ids
+    ]
+    tight = Engine(llama, None, EngineConfig(max_slots=4, max_len=64, num_blocks=6, sync_every=4))
+    assert [r.token_ids for r in tight.generate(ids, FULL)] == alone
+    assert tight.stats().preemptions > 0
+    roomy = Engine(llama, None, EngineConfig(max_slots=4, max_len=64))
+    assert [r.token_ids for r in roomy.generate(ids, FULL)] == alone
+    assert roomy.stats().prefix_hits > 0

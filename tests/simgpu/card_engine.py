@@ -1,10 +1,12 @@
 """The decode engine on the card's fake "cuda" tensors: the CUDA branches a GPU run takes (the KV
-cache and the slots' state at fixed addresses, the step compiled as CUDA graphs), a prefill into
-each slot and a decode step of all slots. Runs inside a card's process.
+pool, the rows' state and the sampler's at fixed addresses, the block tables copied up from the
+host, the step compiled as CUDA graphs), prompt pieces written into the pool — a later one reading
+the blocks of a cached prefix through its block table — and the paged decode step of every row.
+Runs inside a card's process.
 
 What cannot run here, and why: the CUDA-graph capture itself (torch.compile's reduce-overhead under
 fake tensors: nothing to record) and the read-back of tokens (a fake tensor has no values) — both
-run on a real card in `scripts/gpu_check.sh`'s infer step."""
+run on a real card in `scripts/gpu_check.sh`'s engine and infer steps."""
 
 from __future__ import annotations
 
@@ -15,22 +17,48 @@ from card_step import VOCAB, _model
 
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
+from onegpu.infer.sampling import Needs
 
 
-def test_the_engine_prefills_and_steps_every_slot_on_the_card(card):
+def _run_pieces(engine):
+    """One engine step up to its read-back: the plan, the pool's blocks zeroed, the rows' state
+    and tables up, the pieces through the runner and their first tokens through the sampler."""
+    plan = engine.scheduler.schedule()
+    engine.cache.reserve(engine.pool.high_water)
+    for seq in plan.started:
+        engine.sampler.start(seq.row, seq.params, seq.tokens)
+    engine.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
+    firsts = engine.io.prefill(engine.runner, engine.sampler, plan.pieces, engine._names)
+    for piece in plan.pieces:  # what the read-back would tell the scheduler
+        if piece.last:  # a fake tensor has no value: the first token read back as token 0
+            piece.seq.tokens.append(0)
+        engine.scheduler.computed(piece.seq, len(piece.seq.tokens) - 1 if piece.last else piece.end)
+    return plan, firsts
+
+
+def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
     if card.key != "H100":
         pytest.skip("the engine does not branch on which card runs it: the H100 runs it")
     model = _model()
+    prefix = list(range(3, 35))  # two full blocks, cached by the first request
     with cards.fake_cuda():
         cards.on_card(model).eval()
-        engine = Engine(model, None, EngineConfig(max_slots=2, max_len=32))
+        engine = Engine(model, None, EngineConfig(max_slots=2, max_len=64, token_budget=24))
         assert engine.compiled == "reduce-overhead"  # compile=auto on a GPU: CUDA graphs
         sample = SamplingParams(max_new_tokens=4, temperature=0.7, top_k=8, top_p=0.9, seed=1)
-        engine.submit([1, 2, 3], sample)
-        engine.submit([4, 5], SamplingParams(max_new_tokens=4, repetition_penalty=1.2))
+        engine.submit(prefix + [40], sample)
         with torch.no_grad():
-            engine._admit()  # a prefill into each slot and its first token, on the card
-            nxt = engine.stepper.step(2, 32, (True, True, True), None)  # the eager twin
+            first, _ = _run_pieces(engine)  # 24 of its 33 tokens: a piece that ends a chunk
+            second, firsts = _run_pieces(engine)  # the rest; its first token sampled
+            engine.submit(
+                prefix + [41, 42], SamplingParams(max_new_tokens=4, repetition_penalty=1.2)
+            )
+            third, more = _run_pieces(engine)  # reads the cached prefix through its table
+            nxt = engine.decode_step.step(2, 64, Needs(True, True, True), None)  # the eager twin
+    assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
+    assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
+    assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
     assert nxt.is_cuda and nxt.shape == (2,)
-    assert all(k.is_cuda and k.shape[:3] == (2, 2, 32) for k in engine.cache.keys)
-    assert engine.state.seen.shape == (2, VOCAB) and engine.state.positions.is_cuda
+    blocks = engine.pool.num_blocks * engine.pool.block_size
+    assert all(k.is_cuda and k.shape[1] == blocks for k in engine.cache.keys)
+    assert engine.rows.tables.is_cuda and engine.sampler.seen.shape == (2, VOCAB)

@@ -137,7 +137,7 @@ class _Bench:
         import torch
 
         from onegpu.infer import generation_kwargs, load
-        from onegpu.infer.slot_cache import kv_bytes_per_position
+        from onegpu.infer.paged_cache import kv_bytes_per_position
         from onegpu.techniques.quantization import weight_bytes
 
         self.cfg, self.batches = cfg, batch_sizes(cfg.batch_size)

@@ -112,9 +112,9 @@ def _notes(result: dict, bw: dict) -> list[str]:
         "- **ms / step**: one decode step = one new token for every row; decode tok/s = batch ÷ "
         "step time, over the steps after the first token. The ratio to hf-default pairs the "
         "calls of each round.",
-        "- **TTFT** of the engine is the end of the engine step that admits the requests: their "
-        f"prefills and then {result['config']['sync_every']} decode steps before the first read-"
-        "back (EngineConfig.sync_every); generate's is stamped right after its prefill.",
+        "- **TTFT** of the engine is the end of the engine step that computes the last piece of "
+        "a request's prompt (prompts are computed in pieces of the token budget, several steps "
+        "for a batch of long ones); generate's is stamped right after its prefill.",
     ]
     if cuda:
         lines.append(

@@ -102,9 +102,9 @@ def time_engine(engine, prompts: list[list[int]], new_tokens: int, device: str) 
     """One batch through the decode engine, every request exactly ``new_tokens`` long (EOS
     ignored): its timings, and the new tokens [batch, new].
 
-    The first token of a request arrives with the engine step that admitted it, after its prefill
-    and that step's decode steps (EngineConfig.sync_every): that is its time to first token, as a
-    streaming client sees it. The decode time is the time after that step."""
+    The first token of a request arrives with the engine step that computed the last piece of its
+    prompt: that is its time to first token, as a streaming client sees it. The decode time is the
+    time after every request's first token arrived."""
     import torch
 
     from onegpu.infer.requests import SamplingParams

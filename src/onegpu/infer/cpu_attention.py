@@ -8,7 +8,10 @@ is — scores as a sum over the head dimension, the row's maximum, exponentials,
 weighted sum of the values — inductor fuses it into a few C++ loops over the cache that read each
 key and value once. Only inside a compiled step: eagerly the same ops would build a [rows, heads,
 positions, head_dim] product in memory, so an eager call (a step with LoRA adapters routes
-through PEFT's hooks eagerly) goes to SDPA. Timed in benchmarks/results/engine-cpu-attention.md.
+through PEFT's hooks eagerly) goes to SDPA. Timed in benchmarks/results/engine-cpu-attention.md;
+when it is used is a row of the engine's policy table (policy.py). Over the paged cache its keys
+and values are the rows' gathered blocks, which inductor reads where they lie in the pool
+(paged_cache.py): the gather is a load of the loop, not a copy.
 """
 
 from __future__ import annotations
@@ -18,15 +21,6 @@ from typing import Optional
 import torch
 
 NAME = "onegpu_cpu_decode"
-
-# inductor's realize_opcount_threshold in a step that uses this: a pointwise value of more ops
-# than this becomes a buffer instead of being inlined into each reader
-REALIZE_OPS = 8
-
-# the rows from which a compiled step takes these loops (Stepper.loops_from): at 4 and 16 rows of
-# the tiny preset they take 6-8% off a step; at one row the two are within noise (3 runs), and
-# SDPA's kernel stays
-MIN_ROWS = 2
 
 
 def decode(

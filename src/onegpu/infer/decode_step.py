@@ -1,5 +1,7 @@
-"""The engine's device side: each slot's state as tensors, the prefill that starts a request,
-and the one-token decode step (compiled) that advances every slot at once, reading nothing back."""
+"""The one-token decode step of every decode row at once, on the device: the runner's forward,
+the sampler's choice and each row's bookkeeping (its next token and position, whether it still
+decodes), reading nothing back — compiled once per (rows, kv_len, needs) bucket, on a GPU replayed
+as a CUDA graph. ``Rows`` is each row's state as tensors at fixed addresses."""
 
 from __future__ import annotations
 
@@ -10,263 +12,147 @@ from typing import Optional
 
 import torch
 
-from onegpu.infer import cpu_attention, gqa_attention
-from onegpu.infer.sampling import RowParams, next_tokens
-from onegpu.infer.slot_cache import base_model, cache_kwarg, masks
+from onegpu.infer import cpu_attention, gqa_attention, policy
+from onegpu.infer.paged_cache import base_model
+from onegpu.infer.runner import ModelRunner
+from onegpu.infer.sampling import Needs, Sampler
 
 
 @dataclass
-class DecodeState:
-    """Per slot: the token to feed next, where it goes, whether the slot still decodes, its budget
-    and sampling settings; ``out`` collects the tokens of the steps since the last read-back."""
+class Rows:
+    """Per decode row: the token to feed next and its position, whether the row decodes, its
+    request's token budget and the tokens it has generated, its block table ``tables [rows,
+    blocks]``; ``out`` collects the tokens of the steps since the last read-back."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     live: torch.Tensor
     budget: torch.Tensor
+    generated: torch.Tensor
     ignore_eos: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    penalty: torch.Tensor
-    seed: torch.Tensor
-    step: torch.Tensor
-    seen: torch.Tensor
-    first: torch.Tensor  # a newly admitted slot's first token until it is read back, else -1
+    tables: torch.Tensor
     out: torch.Tensor
     eos: torch.Tensor
-    eos_set: frozenset
+    host_tables: Optional[torch.Tensor] = None  # the tables as the host writes them
 
     @classmethod
-    def empty(cls, model, slots: int, eos_ids: list[int], sync_every: int = 64) -> DecodeState:
-        device = model.get_input_embeddings().weight.device
-        vocab = model.get_output_embeddings().weight.shape[0]
-
+    def empty(cls, rows: int, blocks: int, eos_ids: list[int], sync_every: int, device) -> Rows:
         def z(dtype, *shape, fill=0):
-            return torch.full(shape or (slots,), fill, dtype=dtype, device=device)
+            return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
 
         state = cls(
             tokens=z(torch.long),
             positions=z(torch.long),
             live=z(torch.bool),
             budget=z(torch.long),
+            generated=z(torch.long),
             ignore_eos=z(torch.bool),
-            temperature=z(torch.float),
-            top_k=z(torch.long),
-            top_p=z(torch.float, fill=1.0),
-            penalty=z(torch.float, fill=1.0),
-            seed=z(torch.long),
-            step=z(torch.long),
-            seen=z(torch.bool, slots, vocab),
-            first=z(torch.long, fill=-1),
-            out=z(torch.long, slots, sync_every, fill=-1),
+            tables=z(torch.long, rows, blocks),
+            out=z(torch.long, rows, sync_every, fill=-1),
             eos=torch.tensor(eos_ids or [-2], dtype=torch.long).to(device),
-            eos_set=frozenset(eos_ids),
         )
-        if device.type == "cuda":  # CUDA graphs replay on fixed addresses
+        cuda = torch.device(device).type == "cuda"
+        if cuda:  # CUDA graphs replay on fixed addresses
             for f in fields(cls):
-                value = getattr(state, f.name)
-                if isinstance(value, torch.Tensor):
-                    torch._dynamo.mark_static_address(value)
+                if getattr(state, f.name) is not None:
+                    torch._dynamo.mark_static_address(getattr(state, f.name))
+        # on a CPU the host's tables are the device's
+        state.host_tables = torch.zeros_like(state.tables, device="cpu") if cuda else state.tables
         return state
 
-    def params(self, rows: slice) -> RowParams:
-        return RowParams(
-            self.temperature[rows],
-            self.top_k[rows],
-            self.top_p[rows],
-            self.penalty[rows],
-            self.seed[rows],
-            self.step[rows],
-            self.seen[rows],
+    def start(self, row: int, token: torch.Tensor, position: int, generated: int, params) -> None:
+        """Row ``row`` decodes from ``token`` (on the device: the first token of its answer, or
+        the next one after a recompute) at ``position``."""
+        self.tokens[row : row + 1] = token
+        self.positions[row], self.generated[row] = position, generated
+        self.budget[row], self.ignore_eos[row] = params.max_new_tokens, params.ignore_eos
+        ended = (torch.isin(token, self.eos) & ~self.ignore_eos[row]) | (
+            self.generated[row] >= self.budget[row]
         )
+        self.live[row : row + 1] = ~ended
+
+    def retire(self, row: int) -> None:
+        self.live[row], self.positions[row] = False, 0
+        self.set_table(row, [])  # the null block: the row's writes land where nobody reads
+
+    def set_table(self, row: int, blocks: list[int]) -> None:
+        """Row ``row``'s block table, written on the host (``upload`` takes it to the device)."""
+        host = self.host_tables
+        host[row, : len(blocks)] = torch.tensor(blocks, dtype=host.dtype)
+        host[row, len(blocks) :] = 0
+
+    def upload(self) -> None:
+        if self.host_tables is not self.tables:  # on a CPU they are one tensor
+            self.tables.copy_(self.host_tables, non_blocking=True)
+
+    def record(self, column: int, rows: int, tokens: torch.Tensor) -> None:
+        """A decode step's tokens, kept on the device until the step's read-back."""
+        self.out[:rows, column] = tokens
 
     def read_back(self, rows: int, steps: int) -> list[list[int]]:
-        table = torch.cat([self.first[:rows, None], self.out[:rows, :steps]], 1).tolist()
-        self.first[:rows] = -1
-        return table
-
-    def retire(self, slot: int) -> None:
-        self.live[slot] = False
-        self.first[slot] = -1
+        return self.out[:rows, :steps].tolist()
 
 
-def first_tokens(engine, seq, source, logits: Optional[torch.Tensor] = None) -> None:
-    """Start ``seq`` in its slot: prefill its prompt (or take the logits of ``source``, whose prompt
-    is the same and whose KV was copied in, or ``logits``, a prefill thread's), sample its first
-    token, set the slot's state."""
-    st, row = engine.state, seq.slot
-    p, n = seq.params, len(seq.prompt)
-    st.temperature[row], st.top_k[row], st.top_p[row] = p.temperature, p.top_k, p.top_p
-    st.penalty[row], st.seed[row], st.step[row] = p.repetition_penalty, p.seed, 0
-    st.budget[row], st.ignore_eos[row] = p.max_new_tokens, p.ignore_eos
-    st.seen[row] = False
-    st.seen[row, torch.tensor(seq.prompt).to(st.seen.device)] = True
-    if logits is not None:
-        seq.logits = logits
-    elif source is None:
-        with torch.no_grad():
-            seq.logits = prefill(engine, seq)
-    else:
-        seq.logits = source.logits
-    sl = slice(row, row + 1)
-    with torch.no_grad():
-        tok = next_tokens(
-            seq.logits,
-            st.params(sl),
-            not p.greedy,
-            p.repetition_penalty != 1.0,
-            p.top_k > 0 or p.top_p < 1.0,
-        )
-    st.tokens[sl], st.positions[row], st.step[row] = tok, n, 1
-    st.first[sl] = tok
-    st.seen[row, tok] = True
-    eos = torch.isin(tok, st.eos) & ~st.ignore_eos[sl]
-    st.live[sl] = ~(eos | (st.budget[sl] <= 1))
+_KEYS = itertools.count(1)
+# Dynamo keeps the compiled buckets of every engine on the one code object of DecodeStep.step;
+# each compiled step adds how many buckets it can compile, and its calls run with Dynamo's limits
+# at least at the total (past its default of 8 a bucket would silently run eagerly)
+_ENTRIES = [0]
 
 
-def prefill(engine, seq, cache=None, routed: Optional[bool] = None) -> torch.Tensor:
-    """The prompt's forward into its slot of ``cache`` (the engine's; a prefill thread passes its
-    own over the same tensors); its last logits. ``routed``: name the request's adapter (default:
-    whether the engine routes adapters)."""
-    n = len(seq.prompt)
-    cache = engine.cache if cache is None else cache
-    routed = engine.routing if routed is None else routed
-    ids = torch.tensor([seq.prompt]).to(engine.device)  # built on the host, then moved
-    cache.prefill(seq.slot, n)
-    kw = _adapter_kwargs(engine, [seq.adapter] if routed else None)
-    out = engine.model(
-        input_ids=ids,
-        position_ids=torch.arange(n, device=engine.device)[None],
-        attention_mask=_masks(engine, torch.full((1,), n - 1, device=engine.device), n, n),
-        **{cache_kwarg(engine.model): cache},
-        use_cache=True,
-        logits_to_keep=1,
-        **kw,
-    )
-    return out.logits[:, -1].float()
+class DecodeStep:
+    """The decode step of the first ``rows`` rows over the first ``kv_len`` positions of their
+    tables, as a function of (rows, kv_len, needs) only — everything else is tensors with fixed
+    addresses — so torch.compile specialises it once per bucket."""
 
-
-def _masks(engine, positions, kv_len: int, query_len: int = 1):
-    config = engine.model.config
-    return masks(
-        config, positions, kv_len, engine.cache.dtype, config._attn_implementation, query_len
-    )
-
-
-def _adapter_kwargs(engine, names: Optional[list]) -> dict:
-    """Extra forward arguments: PEFT's per-row adapters; and no MoE router loss (a model trained
-    with it keeps output_router_logits in its config, and that loss would read the attention mask
-    as a 2D padding mask)."""
-    kw = {} if names is None else {"adapter_names": [n or "__base__" for n in names]}
-    if getattr(engine.model.config, "output_router_logits", False):
-        kw["output_router_logits"] = False
-    return kw
-
-
-# the engine's compile policy (``config``: its EngineConfig)
-def compile_mode(config, device) -> Optional[str]:
-    """None (eager) or the torch.compile mode of the decode step."""
-    if config.compile == "off" or (config.compile == "auto" and device.type != "cuda"):
-        return None
-    mode = config.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
-    # reduce-overhead means CUDA graphs: nothing to capture elsewhere
-    return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
-
-
-def freeze(config, mode: Optional[str], device, model) -> bool:
-    """Fold the weights into the compiled CPU step: 3.47 against 4.33 ms per step at batch 1 on the
-    tiny preset, the same at batch 16 (benchmarks/results/engine-freezing-cpu.md). Inductor then
-    keeps its own prepacked copy of each matmul weight, so only where the RAM has room for a second
-    copy; never on a GPU (its memory is the scarce one) or for weights that change."""
-    if not config.static_weights or mode is None or device.type != "cpu":
-        return False
-    if config.compile_backend != "inductor":  # freezing is inductor's
-        return False
-    from onegpu.hardware import host_memory_available
-
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * weights < host_memory_available()
-
-
-# ``engine`` below is the Engine that owns this state (engine.py; not imported: it imports this)
-
-
-_FROZEN = itertools.count(1)
-
-# A frozen CPU step: the weights are constants of the graph (freezing), so inductor can also
-# generate each matmul as its own C++ GEMM over a weight it prepacks once, where that beats the
-# library's call; each matmul shape is timed once against MKL's (max_autotune_gemm, the winner
-# kept; ATen stays a choice so a matmul the template cannot take keeps MKL). The tiny preset's
-# output head at 16 rows: 2.2 against 5.4 ms a call. And the step's kernels are called from
-# generated C++ (cpp_wrapper), not Python: 0.3 ms less a step at batch 1. Both timed in
-# benchmarks/results/engine-gemm-template-cpu.md.
-FROZEN_CPU_STEP = dict(
-    freezing=True,
-    max_autotune_gemm=True,
-    max_autotune_gemm_backends="CPP,ATEN",
-    cpp_wrapper=True,
-)
-
-
-class Stepper:
-    """The one-token step of all slots, as a function of (rows, kv_len, sampling, penalty) only —
-    everything else is tensors with fixed addresses — so torch.compile specialises it once per
-    bucket and, on a GPU, replays it as a CUDA graph."""
-
-    def __init__(self, engine, mode: Optional[str], backend: str = "inductor", freeze=False):
-        self.engine = engine
-        self.kwarg = cache_kwarg(engine.model)
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        rows: Rows,
+        mode: Optional[str],
+        backend: str,
+        rules: policy.Policy,
+        freeze: bool,
+        buckets: int = 1,
+    ):
+        self.runner, self.sampler, self.rows = runner, sampler, rows
         self.compiled = None
         if mode:
-            # one compiled entry per (rows, kv_len, flags) bucket: past dynamo's default limit of
-            # 8 the later buckets would silently run eager
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
             self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
-        # Dynamo would hand another engine over the same model this one's compiled step, weights
-        # folded in as they were then; a number of its own, passed in, gives it a step of its own
-        self.key = next(_FROZEN) if freeze else 0
-        # inductor's settings while a bucket compiles (freeze: decided by freeze() above, only
-        # for a compiled step; profile_engine.py --gemm-ab times other settings); on a GPU the
-        # small matmuls as reductions (small_gemv; profile_engine_gpu.py times it)
+            _ENTRIES[0] += buckets
+        # Dynamo would hand this step another engine's compiled entry — one over the same model
+        # (weights folded in as they were then), or one whose objects sat at the addresses this
+        # engine's now hold (its guards match ids) — compiled under that engine's settings; a
+        # number of its own, passed in, gives each engine steps of its own
+        self.key = next(_KEYS)
         self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
-        if self.compiled is not None and backend == "inductor" and engine.device.type == "cuda":
+        cuda = runner.device.type == "cuda"
+        if self.compiled is not None and backend == "inductor" and cuda and rules.small_gemv:
             from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
 
             self.inductor["post_grad_custom_pre_pass"] = SmallGemv()
-        self.warm: set[tuple] = set()  # (rows, kv_len, flags) buckets compiled and run once
-        self.skip_guards = True  # on a warm bucket (profile_engine.py --guards-ab times False)
-        # the MoE model whose experts a compiled step switches (found once; None: nothing to do)
-        self.experts = _moe_model(engine.model) if self.compiled is not None else None
-        # the model whose decode steps attend with the engine's own function (None: transformers'
-        # as configured): an SDPA model's compiled CPU steps as inductor's loops (cpu_attention),
-        # a GQA model's other steps without repeat_kv (gqa_attention)
-        base = base_model(engine.model)
-        cpu_loops = self.compiled is not None and backend == "inductor"
-        cpu_loops = cpu_loops and engine.device.type == "cpu" and gqa_attention.sdpa(base)
-        self.attention = cpu_attention.NAME if cpu_loops else gqa_attention.NAME
-        # fewer rows keep SDPA's kernel: at one row it is as fast (engine-cpu-attention.md)
-        self.loops_from = cpu_attention.MIN_ROWS
-        # with the loops, the query (RoPE's sin and cos in it) becomes a buffer before the scores
-        # read it; at inductor's CPU default (50 ops) it is recomputed inside the loop over every
-        # cached position: 2.1 against 0.77 ms a layer at 16 rows (engine-cpu-attention.md)
-        self.realize_ops: Optional[int] = cpu_attention.REALIZE_OPS
-        self.grouped = base if cpu_loops or gqa_attention.applies(base) else None
+        self.warm: set[tuple] = set()  # buckets compiled and run once
+        self.skip_guards = rules.skip_guards
+        self.experts = _moe_model(runner.model) if self.compiled is not None else None
+        base = base_model(runner.model)
+        loops = self.compiled is not None and backend == "inductor" and not cuda
+        loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
+        self.attention = cpu_attention.NAME if loops else gqa_attention.NAME
+        self.realize_ops = policy.REALIZE_OPS if rules.realize_query else None
+        self.grouped = base if loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
             gqa_attention.register()
             cpu_attention.register()
 
     def settings(self, adapters, rows: int = 0) -> ExitStack:
-        """What the steps of ``rows`` rows run under. Every step, eager or compiled: the engine's
-        decode attention (a GQA model's without repeat_kv's copy; a compiled CPU step's of
-        ``loops_from`` rows or more as inductor loops). The compiled calls also: inductor's
-        freezing and GEMM templates (FROZEN_CPU_STEP, Engine's static_weights) and the loops'
-        realize threshold, which inductor reads from the global config when a bucket compiles,
-        not from torch.compile's options; and MoE experts as ``batched_mm``
-        (batched_mm_experts)."""
+        """What the steps of ``rows`` rows run under: the engine's decode attention (a GQA
+        model's without repeat_kv's copy; a compiled CPU step's as inductor loops); for a compiled
+        call also inductor's settings (read from the global config when a bucket compiles) and MoE
+        experts as ``batched_mm``."""
         stack = ExitStack()
-        loops = self.attention == cpu_attention.NAME and rows >= self.loops_from
+        loops = self.attention == cpu_attention.NAME
         if self.grouped is not None:
             name = self.attention if loops else gqa_attention.NAME
             stack.enter_context(gqa_attention.grouped_decode(self.grouped, name))
@@ -281,53 +167,84 @@ class Stepper:
             stack.enter_context(batched_mm_experts(self.experts))
         return stack
 
-    def __call__(self, rows, kv_len, flags: tuple, adapters) -> torch.Tensor:
+    def __call__(self, rows: int, kv_len: int, needs: Needs, adapters) -> torch.Tensor:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
-            return self.step(rows, kv_len, flags, adapters)
-        bucket = (rows, kv_len, flags)
+            return self.step(rows, kv_len, needs, adapters)
+        config = torch._dynamo.config
+        limits = dict(
+            recompile_limit=max(config.recompile_limit, _ENTRIES[0]),
+            accumulated_recompile_limit=max(config.accumulated_recompile_limit, _ENTRIES[0]),
+        )
+        with config.patch(limits):
+            return self._compiled(rows, kv_len, needs)
+
+    def _compiled(self, rows: int, kv_len: int, needs: Needs) -> torch.Tensor:
+        bucket = (rows, kv_len, needs)
         if self.skip_guards and bucket in self.warm:
-            # a bucket this stepper compiled: Dynamo checks only the guards that tell its
-            # compiled entries apart, not the ~1,600 of each (benchmarks/results/
-            # engine-guards-cpu.md); were the entry gone (a reset of Dynamo), it refuses to
-            # compile under this stance and the call below compiles again
+            # a bucket this step compiled: Dynamo checks only the guards that tell its compiled
+            # entries apart (benchmarks/results/engine-guards-cpu.md); were the entry gone (a
+            # reset of Dynamo), it refuses to compile under this stance and the call below
+            # compiles again
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.compiled(rows, kv_len, flags, None, self.key)
+                    return self.compiled(rows, kv_len, needs, None, self.key)
             except RuntimeError as err:
                 if "skip_guard_eval_unsafe" not in str(err):
                     raise
-        out = self.compiled(rows, kv_len, flags, None, self.key)
+        out = self.compiled(rows, kv_len, needs, None, self.key)
         self.warm.add(bucket)
         return out
 
-    def step(self, rows: int, kv_len: int, flags: tuple, adapters, key: int = 0):
-        """``flags``: (sampling, penalty, filtering) of the running requests."""
-        engine, st = self.engine, self.engine.state
+    def step(self, rows: int, kv_len: int, needs: Needs, adapters, key: int = 0):
+        st = self.rows
         if key < 0:  # never: the test makes Dynamo guard on the key (unread, it would not)
             raise ValueError(key)
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
-        engine.cache.decode(rows, pos, kv_len)
-        logits = engine.model(
-            input_ids=st.tokens[:rows, None],
-            position_ids=pos[:, None],
-            attention_mask=_masks(engine, pos, kv_len),
-            **{self.kwarg: engine.cache},
-            use_cache=True,
-            logits_to_keep=1,
-            **_adapter_kwargs(engine, adapters),
-        ).logits[:, -1]
-        nxt = next_tokens(logits, st.params(slice(0, rows)), *flags)
-        penalty = flags[1]
-        step = st.step[:rows] + 1
-        ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (step >= st.budget[:rows])
+        tables = st.tables[:rows, : kv_len // self.runner.block_size]
+        logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters)
+        generated = st.generated[:rows]
+        nxt = self.sampler.sample(logits, slice(0, rows), generated, needs)
+        count = generated + 1
+        ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (count >= st.budget[:rows])
         st.tokens[:rows] = torch.where(live, nxt, st.tokens[:rows])
         st.positions[:rows] = pos + live.long()
-        st.step[:rows] = torch.where(live, step, st.step[:rows])
-        if penalty:
-            idx = torch.arange(rows, device=nxt.device)
-            st.seen[idx, nxt] = st.seen[idx, nxt] | live
+        st.generated[:rows] = torch.where(live, count, generated)
+        self.sampler.observe(torch.arange(rows, device=nxt.device), nxt, live, needs)
         st.live[:rows] = live & ~ended
         return torch.where(live, nxt, -1)
+
+
+# A frozen CPU step: the weights are constants of the graph (freezing), so inductor can also
+# generate each matmul as its own C++ GEMM over a weight it prepacks once, where that beats the
+# library's call; each matmul shape is timed once against MKL's (max_autotune_gemm, the winner
+# kept). And the step's kernels are called from generated C++ (cpp_wrapper), not Python.
+FROZEN_CPU_STEP = dict(
+    freezing=True,
+    max_autotune_gemm=True,
+    max_autotune_gemm_backends="CPP,ATEN",
+    cpp_wrapper=True,
+)
+
+
+def compile_mode(compile_: str, mode: Optional[str], device) -> Optional[str]:
+    """None (eager) or the torch.compile mode of the decode step (compile_: EngineConfig's)."""
+    if compile_ == "off" or (compile_ == "auto" and device.type != "cuda"):
+        return None
+    mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
+    # reduce-overhead means CUDA graphs: nothing to capture elsewhere
+    return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
+
+
+def freeze(static_weights: bool, mode: Optional[str], backend: str, device, model) -> bool:
+    """Fold the weights into the compiled CPU step — only where the RAM has room for inductor's
+    second, prepacked copy; never on a GPU (its memory is the scarce one) or for weights that
+    change."""
+    if not static_weights or mode is None or device.type != "cpu" or backend != "inductor":
+        return False
+    from onegpu.hardware import host_memory_available
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * weights < host_memory_available()
 
 
 @contextmanager
@@ -356,7 +273,3 @@ def _moe_model(model):
         return None
     has = any(getattr(m, "has_gate", None) is not None for m in base.modules())
     return base if has else None
-
-
-def decode_once(engine, rows, kv_len, flags: tuple, adapters, column: int) -> None:
-    engine.state.out[:rows, column] = engine.stepper(rows, kv_len, flags, adapters)

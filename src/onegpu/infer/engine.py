@@ -1,40 +1,51 @@
 """The decode engine: what ``onegpu generate``, ``onegpu bench infer``, GRPO's rollouts and
 ``onegpu serve`` generate with.
 
-Requests wait in a queue; each engine ``step`` admits waiting ones into free slots of the KV cache
-(a prefill each; requests with the same prompt share one prefill), then runs up to ``sync_every``
-decode steps for every running sequence together, then reads the new tokens back to the host once.
-A decode step is one forward of one token per slot, on-device sampling and the slots' bookkeeping,
-with fixed shapes — compiled, and on a GPU captured as a CUDA graph by ``torch.compile``'s
-``reduce-overhead`` mode — so the host neither syncs nor launches per token. EOS and the token
-budget are checked on the device; stop strings on the host at each read-back.
+Each ``step`` is one pass of a one-way flow:
 
-The engine knows nothing of HTTP or GRPO; it is not thread-safe (drive it from one thread).
+    scheduler (which sequences run, under a token budget, in which KV blocks)
+      -> runner (the model's forwards over the paged KV: prompt pieces, decode steps)
+      -> sampler (the next tokens, on the device)
+      -> output (one read-back; text decoded incrementally, stop strings, the callers' updates)
+
+A step that computes prompt pieces runs one decode step for the running sequences beside them, and
+a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
+compute runs up to ``sync_every`` decode steps on the device before the host looks. A decode step
+— one forward of one token per row, the sampling and each row's bookkeeping, with fixed shapes —
+is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP or GRPO; it is
+not thread-safe (drive it from one thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer.decode_step import (
-    DecodeState,
-    Stepper,
-    compile_mode,
-    decode_once,
-    first_tokens,
-    freeze,
+from onegpu.infer import policy
+from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode, freeze
+from onegpu.infer.engine_config import (
+    TOKEN_BUDGET,
+    EngineConfig,
+    Shapes,
+    check_adapter,
+    context_of,
+    eos_ids_of,
+    pool_blocks,
 )
-from onegpu.infer.prefill_thread import prefill_thread
-from onegpu.infer.requests import Result, SamplingParams, Update
-from onegpu.infer.slot_cache import SlotCache, kv_bytes_per_position, kv_dtype
-from onegpu.infer.text import TextTracker
+from onegpu.infer.kv_blocks import BlockPool
+from onegpu.infer.output import Output, update
+from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
+from onegpu.infer.requests import EngineFeatures, Result, SamplingParams, Update
+from onegpu.infer.runner import ModelRunner
+from onegpu.infer.sampling import Needs, Sampler
+from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
+from onegpu.infer.step_io import StepIO
 
 log = logging.getLogger(__name__)
 
@@ -42,89 +53,70 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 
 
 @dataclass
-class EngineConfig:
-    max_slots: int = 8
-    """Sequences decoded together (the KV cache holds this many)."""
-    max_len: Optional[int] = None
-    """KV positions per sequence: prompt + new tokens must fit. Default: the model's context."""
-    compile: Literal["auto", "off", "on"] = "auto"
-    """Compile the decode step (auto: on a GPU, as CUDA graphs; off on a CPU, where compiling
-    costs a minute of start-up)."""
-    compile_mode: Optional[str] = None
-    """torch.compile mode (default: reduce-overhead on a GPU — CUDA graphs — default elsewhere)."""
-    compile_backend: str = "inductor"
-    """torch.compile backend."""
-    sync_every: int = 8
-    """Decode steps between read-backs to the host (stop strings, streaming, new requests)."""
-    eos_ids: Optional[list[int]] = None
-    """Tokens that end a sequence. Default: the model's generation config's, and the
-    tokenizer's."""
-    static_weights: bool = True
-    """The weights do not change while the engine lives. A compiled step on a CPU then folds them
-    into its graph (inductor's freezing: matmul weights prepacked once, where the RAM holds a
-    second copy). False for a sampler of weights being trained (GRPO): it reads them live."""
-    prefill_thread: Literal["auto", "on", "off"] = "auto"
-    """Prefill on a second thread while this one decodes, on a CPU with a spare core (auto; see
-    prefill_thread.py for where it is safe): a long prompt no longer stalls the running requests."""
-    fixed_shape: bool = False
-    """Every decode step runs all max_slots rows over all max_len positions: one compiled step
-    (per sampling mode) whatever the requests' lengths and however many are still running, at the
-    price of attending over the whole cache. For callers whose requests are alike and who compile
-    (GRPO's rollouts): each other (rows, length) bucket would compile a step of its own."""
-
-
-@dataclass
 class EngineStats:
     running: int
     waiting: int
-    kv_positions_used: int
+    kv_positions_used: int  # positions of the blocks held by sequences
     kv_positions_total: int
-
-
-@dataclass
-class _Seq:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    adapter: Optional[str]
-    tracker: TextTracker
-    slot: int = -1
-    generated: int = 0
-    cancelled: bool = False
-    prefilling: bool = False  # its slot is reserved, its prefill runs on the prefill thread
-    logits: Optional[torch.Tensor] = None  # the prefill's last logits, during its admission
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, in all
+    prefix_hits: int = 0  # of them found there
+    preemptions: int = 0  # sequences preempted (recomputed later), in all
 
 
 class Engine:
     def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None):
         self.model, self.tokenizer = model, tokenizer
-        self.config = config or EngineConfig()
-        context = _context(model)
-        self.max_len = min(self.config.max_len or context, context)
-        self.max_slots = self.config.max_slots
-        if self.max_slots < 1 or self.max_len < 2 or self.config.sync_every < 1:
-            raise ConfigError(
-                f"engine: max_slots {self.max_slots}, max_len {self.max_len}, sync_every "
-                f"{self.config.sync_every}",
-                hint="max_slots >= 1, max_len >= 2, sync_every >= 1",
-            )
+        self.config = cfg = config or EngineConfig()
+        cfg.check()
+        context = context_of(model)
+        self.max_len = min(cfg.max_len or context, context)
+        self.max_slots = cfg.max_slots
+        if self.max_len < 2:
+            raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
         self.device = model.get_input_embeddings().weight.device
-        self.cache = SlotCache(self.max_slots, self.max_len, kv_dtype(model), self.device)
-        self.state = DecodeState.empty(
-            model,
-            self.max_slots,
-            self.config.eos_ids or _eos_ids(model, tokenizer),
-            self.config.sync_every,
+        blocks, per_seq = pool_blocks(cfg, self.max_len)
+        size = cfg.block_size
+        self.pool = BlockPool(blocks, size, cfg.prefix_caching)
+        self.cache = PagedCache(blocks, size, kv_dtype(model), self.device)
+        self.runner = ModelRunner(model, self.cache)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.sampler = Sampler(self.max_slots, vocab, self.device)
+        eos = cfg.eos_ids or eos_ids_of(model, tokenizer)
+        self.eos_set = frozenset(eos)
+        self.rows = Rows.empty(self.max_slots, per_seq, eos, cfg.sync_every, self.device)
+        self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
+        self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
+        self.frozen = self.policy.frozen_step and freeze(
+            cfg.static_weights, self.compiled, cfg.compile_backend, self.device, model
         )
-        self.compiled = compile_mode(self.config, self.device)
-        self.frozen = freeze(self.config, self.compiled, self.device, model)
-        self.stepper = Stepper(self, self.compiled, self.config.compile_backend, self.frozen)
-        self.prefills = prefill_thread(self.config.prefill_thread, self)
+        self.shapes = Shapes(
+            self.max_slots, per_seq * size, size, cfg.fixed_shape, self.compiled is not None
+        )
+        self.decode_step = DecodeStep(
+            self.runner,
+            self.sampler,
+            self.rows,
+            self.compiled,
+            cfg.compile_backend,
+            self.policy,
+            self.frozen,
+            self.shapes.count(),
+        )
+        budget = cfg.token_budget or TOKEN_BUDGET.get(self.device.type, TOKEN_BUDGET["cuda"])
+        self.scheduler = Scheduler(
+            self.pool,
+            SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
+        )
+        self.io = StepIO(self.rows, self.device)
+        # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and
+        # stop strings (docs/serve-engine-seams.md): none yet, so a server refuses those fields
+        self.features = EngineFeatures()
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
-        self._waiting: deque[_Seq] = deque()
-        self._slots: list[Optional[_Seq]] = [None] * self.max_slots
+        self._seqs: dict[int, Sequence] = {}
+        self._outputs: dict[int, Output] = {}
+        self._copied: dict[int, tuple] = {}  # row -> whose KV its eager-window copy holds
         self._next_id = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -147,86 +139,69 @@ class Engine:
                 hint="shorten the prompt or lower max_new_tokens to "
                 f"{self.max_len - len(prompt_ids)}",
             )
-        _check_adapter(self.model, adapter)
+        check_adapter(self.model, adapter)
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer.", hint="give the engine one")
         self.routing = self.routing or adapter is not None
-        seq = _Seq(
-            self._next_id,
-            list(prompt_ids),
-            params,
-            adapter,
-            TextTracker(self.tokenizer, params.stop),
-        )
+        key = adapter or ("__base__" if self.routing else None)  # the weights its KV comes from
+        seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key)
         self._next_id += 1
-        self._waiting.append(seq)
+        self._seqs[seq.id] = seq
+        self._outputs[seq.id] = Output(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
         return seq.id
 
     def cancel(self, request_id: int) -> None:
-        for seq in [*self._waiting, *self._holders()]:
-            if seq.id == request_id:
-                seq.cancelled = True
+        if request_id in self._seqs:
+            self._seqs[request_id].cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or any(s is not None for s in self._slots)
+        return self.scheduler.has_work()
+
+    def free_slots(self) -> int:
+        return len(self.scheduler.free_rows)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes (the weights changed, GRPO's next rollout)."""
+        self.pool.reset_cache()
 
     def stats(self) -> EngineStats:
-        running = self._holders()
-        used = sum(len(s.prompt) + s.generated for s in running)
-        return EngineStats(len(running), len(self._waiting), used, self.max_slots * self.max_len)
+        pool, s = self.pool, self.scheduler
+        used = (pool.usable - pool.free_count()) * pool.block_size
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            used,
+            pool.usable * pool.block_size,
+            pool.stats.queries,
+            pool.stats.hits,
+            s.preemptions,
+        )
 
     # -- the loop ------------------------------------------------------------------------------
-    def free_slots(self) -> int:
-        return self._slots.count(None)
-
     def step(self, interrupt: Optional[Callable[[], bool]] = None) -> list[Update]:
-        """Admit, decode up to sync_every tokens, read back: the news of each request. The decode
-        steps stop early where a request's budget ends (its answer goes out, its slot frees),
-        where a prefill thread's prefill is done (its request joins), or where ``interrupt``,
-        asked between decode steps, says True (a server: a new request waits for a free slot)."""
+        """Schedule, run, sample, read back once: the news of each request. The decode steps stop
+        early where ``interrupt``, asked between them, says True (a server: a request arrived and
+        a row is free for it)."""
         updates = self._drop_cancelled()
-        admitted = self._admit()
-        if self.prefills is not None and self.prefills.pending():
-            # nothing running (no one to keep waiting) or adapters now routed (PEFT's routing
-            # hooks would reach a concurrent forward): every prefill is waited for
-            wait = self.routing or not self._running()
-            updates += self._drop(self.prefills.join(admitted, wait))
-            self.prefills.help(admitted, len(self._running()))
-        running = self._running()
-        if not running:
-            return updates
-        steps = min(
-            self.config.sync_every,
-            min(s.params.max_new_tokens - s.generated - (s.id in admitted) for s in running),
-        )
-        in_use = max(s.slot for s in running) + 1
-        if self.config.fixed_shape:
-            rows, kv_len = self.max_slots, self.max_len
-        elif self.stepper.compiled is None:
-            # eager: a shape costs nothing to change, so the steps cover the slots in use and the
-            # positions these steps reach (the last token read back, or the first, is written
-            # at prompt + generated - 1), not a bucket of each request's final length
-            rows = in_use
-            reach = max(len(s.prompt) + max(s.generated - 1, 0) + steps for s in running)
-            kv_len = min(-(-reach // 64) * 64, self.max_len)
-        else:
-            rows = _bucket(in_use, self.max_slots)
-            longest = max(len(s.prompt) + s.params.max_new_tokens for s in running)
-            kv_len = _bucket(longest, self.max_len, start=64)
-        flags = (
-            any(not s.params.greedy for s in running),
-            any(s.params.repetition_penalty != 1.0 for s in running),
-            any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in running),
-        )
-        adapters = self._adapter_names(rows)
-        with torch.no_grad(), self.stepper.settings(adapters, rows):
-            for j in range(steps):
-                decode_once(self, rows, kv_len, flags, adapters, column=j)
-                joins = self.prefills is not None and self.prefills.ready()
-                if j + 1 < steps and (joins or (interrupt is not None and interrupt())):
-                    steps = j + 1
-                    break
-        return updates + self._read_back(running, rows, steps)
+        plan = self.scheduler.schedule()
+        self.cache.reserve(self.pool.high_water)
+        for row in plan.freed:
+            self.io.release(row)
+        for seq in plan.started:
+            self.sampler.start(seq.row, seq.params, seq.tokens)
+        self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
+        try:
+            with torch.no_grad():
+                rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
+                firsts = self.io.prefill(self.runner, self.sampler, plan.pieces, self._names)
+            table, first_tokens = self.io.read_back(rows, steps, plan.decode, firsts)
+        except BaseException:
+            # the blocks this step was to fill were registered when it was planned: a failed
+            # step must not leave them to be found
+            self.pool.reset_cache()
+            raise
+        return updates + self._process(plan, table, first_tokens)
 
     def generate(
         self,
@@ -252,148 +227,91 @@ class Engine:
         return [done[i] for i in ids]
 
     # -- internals -----------------------------------------------------------------------------
-    def _running(self) -> list[_Seq]:
-        return [s for s in self._slots if s is not None and not s.prefilling]
+    def _decode(self, plan: Plan, interrupt) -> tuple[int, int]:
+        """Up to ``plan.steps`` decode steps of the decode rows; the rows and steps run."""
+        in_use = max(s.row for s in plan.decode) + 1
+        reach = max(s.computed for s in plan.decode) + plan.steps
+        rows, kv_len = self.shapes.of(in_use, reach)
+        needs = Needs.of([s.params for s in plan.decode])
+        adapters = None
+        if self.routing:  # by row: a row that holds no sequence runs on the base model
+            adapters = ["__base__"] * rows
+            for s in self.scheduler.running:
+                if s.row < rows:
+                    adapters[s.row] = s.adapter or "__base__"
+        steps = plan.steps
+        window = self._window(plan, adapters, rows, kv_len)
+        with window, self.decode_step.settings(adapters, rows):
+            for j in range(steps):
+                self.rows.record(j, rows, self.decode_step(rows, kv_len, needs, adapters))
+                if j + 1 < steps and interrupt is not None and interrupt():
+                    return rows, j + 1
+        return rows, steps
 
-    def _holders(self) -> list[_Seq]:
-        """Every sequence in a slot: running, or being prefilled on the prefill thread."""
-        return [s for s in self._slots if s is not None]
+    def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
+        """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
+        compiled ones read the blocks where they lie. A row holding a sequence its copy does not
+        (a new one, or one recomputed after preemption) has its copy gathered first."""
+        eager = self.decode_step.compiled is None or adapters is not None
+        if not (eager and self.policy.eager_window):
+            return contextlib.nullcontext()
+        # only the decoding rows: a row whose prompt is still being computed gets its copy when
+        # it starts decoding, with the whole prompt in the pool
+        holders = {s.row: (s.id, s.preemptions) for s in plan.decode}
+        fresh = [r for r, who in holders.items() if self._copied.get(r) != who]
+        self._copied.update(holders)
+        tables = self.rows.tables[:rows, : kv_len // self.pool.block_size]
+        return self.runner.decode_window(tables, self.rows.positions[:rows], fresh)
 
-    def _drop_cancelled(self) -> list[Update]:
-        """Cancelled requests, waiting or running (one being prefilled goes when its prefill is
-        done: the thread writes into its slot until then)."""
-        gone = [s for s in self._waiting if s.cancelled] + [
-            s for s in self._running() if s.cancelled
-        ]
-        self._waiting = deque(s for s in self._waiting if not s.cancelled)
-        return self._drop(gone)
+    def _names(self, seqs: list[Sequence]) -> Optional[list[str]]:
+        """PEFT's per-row adapter names once a request names an adapter (a mixed batch); then a
+        request without one runs on the base model ("__base__")."""
+        return [s.adapter or "__base__" for s in seqs] if self.routing else None
 
-    def _drop(self, gone: list[_Seq]) -> list[Update]:
-        for s in gone:
-            self._free(s)
-        return [
-            Update(
-                s.id, [], s.tracker.take(final=True), True, "cancelled", len(s.prompt), s.generated
-            )
-            for s in gone
-        ]
-
-    def _admit(self) -> set:
-        """Prefill waiting requests into free slots, lowest first (a decode step covers slots up to
-        the highest in use). A prompt already prefilled in this round is copied, not recomputed."""
-        admitted: list[_Seq] = []
-        shared: dict[tuple, _Seq] = {}
-        while self._waiting and None in self._slots:
-            seq = self._waiting.popleft()
-            seq.slot = self._slots.index(None)
-            self._slots[seq.slot] = seq
-            key = (tuple(seq.prompt), seq.adapter)
-            if self.prefills is not None and not self.routing:
-                seq.prefilling = True
-                self.prefills.start(seq, shared.get(key))
-                shared.setdefault(key, seq)
-                continue
-            if key in shared:
-                self.cache.copy_slot(shared[key].slot, seq.slot, len(seq.prompt))
-                first_tokens(self, seq, source=shared[key])
-            else:
-                first_tokens(self, seq, source=None)
-                shared[key] = seq
-            admitted.append(seq)
-        for seq in admitted:
-            seq.logits = None
-        return {seq.id for seq in admitted}
-
-    def _adapter_names(self, rows: int) -> Optional[list[str]]:
-        """PEFT's per-row adapter names when a running request names an adapter (a mixed batch);
-        then a request without one runs on the base model ("__base__")."""
-        if not self.routing:
-            return None
-        names = ["__base__"] * rows
-        for s in self._running():
-            names[s.slot] = s.adapter or "__base__"
-        return names
-
-    def _read_back(self, running: list[_Seq], rows: int, steps: int) -> list[Update]:
-        """One device-to-host copy for all the new tokens; finish what ended."""
-        table = self.state.read_back(rows, steps)
+    def _process(self, plan: Plan, table: dict, first_tokens: dict) -> list[Update]:
+        """Each sequence's new tokens: the cache's bookkeeping, its text, its end."""
         updates = []
-        for seq in running:
-            row = [t for t in table[seq.slot] if t >= 0]
+        for piece in plan.pieces:
+            if not piece.last:
+                self.scheduler.computed(piece.seq, piece.end)
+        for seq, new in [*table.items(), *first_tokens.items()]:
             first = seq.generated == 0
-            seq.generated += len(row)
-            seq.tracker.add(row)
-            ended = self._finish_reason(seq, row)
-            if ended is not None:
-                self._free(seq)
+            self.scheduler.extend(seq, new)
+            output = self._outputs[seq.id]
+            output.add(new)
+            reason = self._finish_reason(seq, output, new)
+            if reason is not None:
+                self._end(seq)
             updates.append(
-                Update(
-                    seq.id,
-                    row,
-                    seq.tracker.take(final=ended is not None),
-                    ended is not None,
-                    ended,
-                    len(seq.prompt),
-                    seq.generated,
-                    first and bool(row),
+                update(
+                    seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
                 )
             )
         return updates
 
-    def _finish_reason(self, seq: _Seq, row: list[int]) -> Optional[str]:
-        if seq.tracker.stopped:
+    def _finish_reason(self, seq: Sequence, output: Output, new: list[int]):
+        if output.stopped:
             return "stop"
-        if row and row[-1] in self.state.eos_set and not seq.params.ignore_eos:
+        if new and new[-1] in self.eos_set and not seq.params.ignore_eos:
             return "stop"
         if seq.generated >= seq.params.max_new_tokens:
             return "length"
         return None
 
-    def _free(self, seq: _Seq) -> None:
-        if seq.slot >= 0 and self._slots[seq.slot] is seq:
-            self._slots[seq.slot] = None
-            self.state.retire(seq.slot)
+    def _drop_cancelled(self) -> list[Update]:
+        gone = [s for s in self._seqs.values() if s.cancelled]
+        updates = []
+        for seq in gone:
+            out = self._outputs[seq.id]
+            updates.append(
+                update(seq.id, out, [], "cancelled", len(seq.prompt), seq.generated, False)
+            )
+            self._end(seq)
+        return updates
 
-
-def _bucket(n: int, cap: int, start: int = 1) -> int:
-    """The smallest power-of-two multiple of ``start`` that holds ``n``, at most ``cap``: a few
-    fixed shapes, so a compiled step is reused instead of recompiled for every count."""
-    size = start
-    while size < n:
-        size *= 2
-    return min(size, cap)
-
-
-def _context(model) -> int:
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ConfigError(
-        f"{type(model).__name__}: its config names no context length.",
-        hint="pass the engine's max_len",
-    )
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if (
-        tokenizer is not None
-        and tokenizer.eos_token_id is not None
-        and tokenizer.eos_token_id not in ids
-    ):
-        ids.insert(0, tokenizer.eos_token_id)
-    return ids
-
-
-def _check_adapter(model, adapter: Optional[str]) -> None:
-    if adapter is None or adapter == "__base__":
-        return
-    known = list(getattr(model, "peft_config", {}) or {})
-    if adapter not in known:
-        raise ConfigError(
-            f"adapter '{adapter}' is not loaded.",
-            hint=f"use one of: {', '.join(known) or '(none: the model has no adapters)'}",
-        )
+    def _end(self, seq: Sequence) -> None:
+        if seq.row >= 0:
+            self.io.release(seq.row)
+        self.scheduler.finish(seq)
+        del self._seqs[seq.id]
+        self._outputs.pop(seq.id)

@@ -1,6 +1,7 @@
-"""``generate`` on the decode engine: the prompts become requests of one engine whose cache is sized
-to them (longest prompt + new tokens, in 64-token steps), ``batch_size`` slots decoded together; a
-prompt takes the next free slot as soon as one finishes (continuous batching)."""
+"""``generate`` on the decode engine: the prompts become requests of one engine whose KV pool is
+sized to them (``batch_size`` rows of the longest prompt + new tokens, in 64-token steps), decoded
+together; a prompt takes the next free row as soon as one finishes (continuous batching), and
+prompts that share a prefix compute it once (the prefix cache)."""
 
 from __future__ import annotations
 

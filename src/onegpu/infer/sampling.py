@@ -24,6 +24,29 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What the rows of a step ask for beyond the most likely token, known on the host: it keys a
+    compiled step, so a greedy batch pays for no noise, an unpenalised one for no lookup of the
+    tokens seen, an unfiltered one (GRPO's) for no sort of the vocabulary. A new per-row feature
+    (presence/frequency penalties, log-probabilities of the chosen tokens, a grammar's allowed
+    tokens) is one more field here, one more per-row tensor in ``Sampler`` and one more stage in
+    ``next_tokens``: the step's shape does not change."""
+
+    sampling: bool = False
+    penalty: bool = False
+    filtering: bool = False
+
+    @classmethod
+    def of(cls, params) -> Needs:
+        """The needs of a batch of requests' SamplingParams."""
+        return cls(
+            any(not p.greedy for p in params),
+            any(p.repetition_penalty != 1.0 for p in params),
+            any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
+
+
 @dataclass
 class RowParams:
     """Per-row sampling settings on the device, [rows] each (``seen``: [rows, vocab])."""
@@ -118,3 +141,53 @@ def uniform(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 def unit(x: torch.Tensor) -> torch.Tensor:
     """32-bit hash values -> float32 in (0, 1): the top 23 bits and a half, over 2**23."""
     return ((x >> 9).float() + 0.5) / float(1 << 23)
+
+
+class Sampler:
+    """Each decode row's sampling settings on the device, written when a request takes the row
+    and read by every step: ``[rows]`` tensors, and the tokens each row has seen ``[rows,
+    vocab]`` (prompt and output: the repetition penalty). What a token's draw counts from (the
+    request's tokens so far) is the caller's, passed in."""
+
+    def __init__(self, rows: int, vocab: int, device):
+        def z(dtype, *shape, fill=0):
+            return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
+
+        self.temperature = z(torch.float)
+        self.top_k = z(torch.long)
+        self.top_p = z(torch.float, fill=1.0)
+        self.penalty = z(torch.float, fill=1.0)
+        self.seed = z(torch.long)
+        self.seen = z(torch.bool, rows, vocab)
+        if torch.device(device).type == "cuda":  # CUDA graphs replay on fixed addresses
+            for name in ("temperature", "top_k", "top_p", "penalty", "seed", "seen"):
+                torch._dynamo.mark_static_address(getattr(self, name))
+
+    def start(self, row: int, params, tokens: list[int]) -> None:
+        """Row ``row`` now samples for a request with ``params`` whose tokens so far are
+        ``tokens`` (its prompt, or prompt and output when it is recomputed after preemption)."""
+        self.temperature[row], self.top_k[row] = params.temperature, params.top_k
+        self.top_p[row], self.penalty[row] = params.top_p, params.repetition_penalty
+        self.seed[row] = params.seed
+        self.seen[row] = False
+        if params.repetition_penalty != 1.0:
+            self.seen[row, torch.tensor(tokens).to(self.seen.device)] = True
+
+    def sample(self, logits: torch.Tensor, rows, counter: torch.Tensor, needs: Needs):
+        """The next token of each of ``rows`` (a slice, or row indices) from its ``logits``;
+        ``counter``: each row's tokens generated so far (its noise's counter)."""
+        p = RowParams(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.penalty[rows],
+            self.seed[rows],
+            counter,
+            self.seen[rows],
+        )
+        return next_tokens(logits, p, needs.sampling, needs.penalty, needs.filtering)
+
+    def observe(self, rows: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor, needs: Needs):
+        """Rows ``rows`` (indices) chose ``tokens`` (where ``live``): the penalty sees them."""
+        if needs.penalty:
+            self.seen[rows, tokens] = self.seen[rows, tokens] | live

@@ -68,6 +68,7 @@ class GRPO(Objective):
         self.pad_multiple = pad_multiple
         self.compiled = compiled  # the run compiles: so does the rollouts' decode step
         self.max_prompt = max_prompt  # data.seq_len: sizes that step's cache once
+        self.kept = rollout.KeptEngine()  # the compiled rollouts' engine, for this run only
         self.cycle: Cycle | None = None
         self.pending, self.window, self.eval = _Stats(), _Stats(), None
         self._trained_from = 0.0
@@ -176,6 +177,7 @@ class GRPO(Objective):
             rows=per_call or len(prompt_ids),
             compiled=self.compiled,
             max_prompt=self.max_prompt,
+            kept=self.kept,
         )
         texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
         prompts = rows[self.prompt_field]

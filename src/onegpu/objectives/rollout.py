@@ -3,7 +3,8 @@ training memory (no second engine), and they become training rows.
 
 Sampling runs on the prepared model itself (LoRA: the adapted model; the live training weights,
 no copy), under no_grad, in eval mode, through onegpu's decode engine (grpo.sampler=engine, the
-default: each prompt prefilled once and its KV copied to its group's other slots, all completions
+default: a group's completions share their prompt's KV blocks through the engine's prefix cache —
+the prompt is computed once, each completion only its last, partial block — all completions
 decoded together, sampling on the device), transformers' ``generate`` or its continuous batching.
 Compiled blocks run eagerly on the eager paths (a compiled block would recompile for every decode
 shape). The KV cache lives only inside the call: it is freed when sampling returns, before any
@@ -17,21 +18,28 @@ grpo.mask_truncated_completions). The completion ends at its first EOS, which it
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from onegpu.objectives.tokens import IGNORE
-
-# A compiled engine per model, kept across rollouts (engine_rollouts).
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
 # the threads' synchronisation costs more than they save, many times more on a shared machine
 # (`benchmarks/grpo_rollouts.py` runs each path at 1 and 2 threads; the 2026-11-24 run of it, in
 # git history, found 2 threads slower for every path, by 1.05x to 16x, on a 2-core machine).
 ONE_THREAD_PARAMS = 100_000_000
+
+
+@dataclass
+class KeptEngine:
+    """A compiled run's rollout engine, kept across its rollouts (its step compiles once) by the
+    objective that samples with it, and gone with it: ``engine`` holds the model, so a table keyed
+    by the model would keep both alive for the process's life."""
+
+    engine: object = None
+    length: int = 0  # the positions it was asked to hold (past the context it holds less)
 
 
 @dataclass
@@ -60,12 +68,13 @@ def sample(
     rows: int,
     compiled: bool = False,
     max_prompt: int = 0,
+    kept: Optional[KeptEngine] = None,
 ) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
     the decode engine, transformers' ``generate`` or its continuous batching. ``compiled``: the run
     compiles, and so does the engine's decode step (kept across calls, so it compiles once);
     ``max_prompt``: the longest prompt the run can draw (data.seq_len), which sizes that engine's
-    cache once."""
+    cache once; ``kept``: where that engine is kept between calls."""
     from transformers import GenerationConfig
 
     eos = _eos_ids(tokenizer, model)
@@ -94,7 +103,7 @@ def sample(
             for start in range(0, len(prompt_ids), rows):
                 chunk = prompt_ids[start : start + rows]
                 completions += _sample_chunk(
-                    gen, chunk, config, gcfg, pad, device, compiled, max_prompt
+                    gen, chunk, config, gcfg, pad, device, compiled, max_prompt, kept
                 )
     finally:
         gen.train(was_training)
@@ -106,10 +115,10 @@ def sample(
 
 
 def _sample_chunk(
-    gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt
+    gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt, kept
 ) -> list[list[int]]:
     if gcfg.sampler == "engine":
-        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled, max_prompt)
+        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled, max_prompt, kept)
     if gcfg.sampler == "continuous":
         return continuous(gen, chunk, config, gcfg.max_completion_length)
     ids, mask = left_padded(chunk, pad, device)
@@ -124,14 +133,16 @@ def engine_rollouts(
     eos: list[int],
     compiled: bool = False,
     max_prompt: int = 0,
+    kept: Optional[KeptEngine] = None,
 ) -> list[list[int]]:
-    """The chunk's completions from one decode engine: a slot per completion. Seeds come from
+    """The chunk's completions from one decode engine: a row per completion. Seeds come from
     torch's generator, so the run's seed (and a resume, which restores it) fixes the rollouts.
     Eager, the engine lives for the call, its cache sized to the chunk's longest prompt +
-    max_completion_length. Compiled, it is kept for the model (its cache too: a compiled step is
+    max_completion_length. Compiled, it is kept in ``kept`` (its cache too: a compiled step is
     bound to its tensors), its cache sized once to ``max_prompt`` (the longest prompt the run can
     draw) + max_completion_length, so its one step compiles once in the run, not again at the
-    first longer prompt; rebuilt only for more rows or a prompt past ``max_prompt``."""
+    first longer prompt; rebuilt only for more rows or a prompt past ``max_prompt``. The weights
+    change between rollouts: a kept engine forgets its cached prefixes at each call."""
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.requests import SamplingParams
 
@@ -140,25 +151,24 @@ def engine_rollouts(
     if compiled:
         longest = max(longest, max_prompt)
     length = -(-(longest + new) // 64) * 64  # whole 64s: the step's shapes vectorise evenly
-    kept = _ENGINES.get(gen) if compiled else None
-    engine = kept[0] if kept is not None and kept[1] >= length else None
+    kept = kept if compiled and kept is not None else KeptEngine()
+    engine = kept.engine if kept.length >= length else None
     if engine is None or engine.max_slots < len(chunk):
-        mode = "on" if compiled else "off"
         # nothing streams: read back every 32 steps (a finished row idles at most that long)
         config = EngineConfig(
             max_slots=len(chunk),
             max_len=length,
-            compile=mode,
+            compile="on" if compiled else "off",
             eos_ids=eos,
             sync_every=32,
             static_weights=False,  # the policy being trained: each rollout reads its weights now
             fixed_shape=compiled,  # one compiled step, not one per (rows, length) bucket
         )
         engine = Engine(gen, None, config)
-        if compiled:
-            # keyed by the length asked for: past the model's context the engine holds less,
-            # and comparing with what it holds would rebuild it at every call
-            _ENGINES[gen] = (engine, length)
+        # keyed by the length asked for: past the model's context the engine holds less, and
+        # comparing with what it holds would rebuild it at every call
+        kept.engine, kept.length = engine, length
+    engine.reset_prefix_cache()
     base = int(torch.randint(0, 2**62, (1,)).item())
     params = [
         SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i)

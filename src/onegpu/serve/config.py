@@ -27,20 +27,27 @@ class ServeConfig:
     max_len: Optional[int] = None
     """KV positions per sequence: prompt + max_tokens must fit (default: the model's context, at
     most 4096)."""
-    max_slots: int = 8
-    """Sequences decoded together; lowered to what the KV-cache budget holds."""
+    max_slots: int = 64
+    """Sequences decoded together at most. How many fit at once is the KV pool's to say: its
+    blocks are shared, each sequence holding what its real length needs."""
     queue_size: int = 64
     """Sequences that may wait for a slot; a request past that gets 503 with Retry-After."""
     kv_memory: Optional[float] = None
     """Upper bound for the KV cache in GiB (default: 90% of free GPU memory, or half the available
     RAM up to 8 GiB on CPU)."""
+    prefix_caching: bool = True
+    """Keep the KV of finished requests' full blocks and reuse it for a later request that starts
+    with the same tokens (a chat's next turn, a shared system prompt): only the rest of its
+    prompt is computed."""
     compile: Literal["auto", "off", "on"] = "auto"
     """torch.compile the engine's decode step (auto: on a GPU)."""
     sync_every: int = 8
-    """Tokens decoded per engine step before the host looks (new requests join between steps)."""
-    prefill_thread: Literal["auto", "off", "on"] = "auto"
-    """Prefill new requests on a second thread while the running ones decode (auto: on a CPU
-    with a core to spare beyond the torch threads, e.g. OMP_NUM_THREADS=1 on two cores)."""
+    """Tokens decoded per engine step before the host looks, when no prompt is being computed
+    (new requests join between steps)."""
+    token_budget: Optional[int] = None
+    """Tokens one engine step computes: the running requests' next tokens plus pieces of new
+    prompts; a longer prompt is computed in pieces over several steps, so the running streams keep
+    their pace (default: 256 on a CPU, 2048 on a GPU)."""
     tool_parser: Literal["auto", "hermes", "llama3", "none"] = "auto"
     """How the model writes tool calls, read back into OpenAI's tool_calls: hermes
     (<tool_call>{json}</tool_call>, Qwen and Hermes models), llama3 (a JSON answer), none (tools
@@ -56,14 +63,15 @@ class ServeConfig:
             "queue_size": self.queue_size >= 0,
             "kv_memory": self.kv_memory is None or self.kv_memory > 0,
             "sync_every": self.sync_every >= 1,
+            "token_budget": self.token_budget is None or self.token_budget >= 1,
             "grace": self.grace >= 0,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(
                     f"--{name} has an invalid value: {getattr(self, name)}.",
-                    hint="port 0-65535; max_len >= 2; max_slots, sync_every >= 1; queue_size, "
-                    "grace >= 0; kv_memory > 0 (GiB)",
+                    hint="port 0-65535; max_len >= 2; max_slots, sync_every, token_budget >= 1; "
+                    "queue_size, grace >= 0; kv_memory > 0 (GiB)",
                 )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key is empty.", hint="give a key, or drop --api_key")

@@ -19,9 +19,12 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
     config = EngineConfig(
         max_slots=plan.max_slots,
         max_len=plan.max_len,
+        num_blocks=plan.num_blocks,
+        block_size=plan.block_size,
+        prefix_caching=cfg.prefix_caching,
+        token_budget=cfg.token_budget,
         compile=cfg.compile,
         sync_every=cfg.sync_every,
-        prefill_thread=cfg.prefill_thread,
     )
     return Engine(model, tokenizer, config)
 
@@ -52,12 +55,13 @@ def serve(icfg, cfg: ServeConfig) -> int:
     )
     _say(plan.describe())
     engine = make_engine(model, loaded.tokenizer, plan, cfg)
-    thread = "on a second thread, beside the decode steps"
-    _say(f"prefills: {thread if engine.prefills is not None else 'inline, between decode steps'}")
+    _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None
-    service = Service(scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key)
+    service = Service(
+        scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key, engine.features
+    )
     add_request_features(service, loaded.tokenizer, cfg)
     _say(f"serving {', '.join(models.names())} on http://{cfg.host}:{cfg.port}/v1")
     return run_server(build_app(service), scheduler, cfg.host, cfg.port, cfg.grace)
@@ -65,9 +69,9 @@ def serve(icfg, cfg: ServeConfig) -> int:
 
 def add_request_features(service, tokenizer, cfg: ServeConfig) -> None:
     """Tool calls (the format read from the chat template or --tool_parser) and the grammar check
-    of structured-output requests (when llguidance is installed). Today's engine applies no
-    penalties, logprobs or grammars (EngineFeatures() all off): requests for them are refused by
-    name until the engine declares them."""
+    of structured-output requests (when llguidance is installed). What the engine applies of
+    penalties, logprobs and grammars is its ``features`` (Service.features): a request for one it
+    does not apply is refused by name."""
     from onegpu.errors import UnavailableError
     from onegpu.serve.tools import parser_for
 

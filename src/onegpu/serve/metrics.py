@@ -38,6 +38,20 @@ class Metrics:
         self.kv_used = Gauge("onegpu_kv_positions_used", "KV-cache positions in use", registry=r)
         self.kv_total = Gauge("onegpu_kv_positions_total", "KV-cache positions in all", registry=r)
         self.kv_usage = Gauge("onegpu_kv_cache_usage_ratio", "KV-cache use, 0 to 1", registry=r)
+        self.prefix_queries = Counter(
+            "onegpu_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "onegpu_prefix_cache_hits", "prompt tokens found in the prefix cache", registry=r
+        )
+        self.preemptions = Counter(
+            "onegpu_num_preemptions",
+            "sequences preempted for lack of KV blocks (recomputed later)",
+            registry=r,
+        )
+        self._seen = (0, 0, 0)  # the engine's running totals at the last look
         self.ttft = Histogram(
             "onegpu_time_to_first_token_seconds",
             "arrival to first generated token",
@@ -59,6 +73,15 @@ class Metrics:
         self.kv_used.set(stats.kv_positions_used)
         self.kv_total.set(stats.kv_positions_total)
         self.kv_usage.set(stats.kv_positions_used / max(1, stats.kv_positions_total))
+        totals = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        for counter, now, before in zip(
+            (self.prefix_queries, self.prefix_hits, self.preemptions),
+            totals,
+            self._seen,
+            strict=True,
+        ):
+            counter.inc(now - before)
+        self._seen = totals
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

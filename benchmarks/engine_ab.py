@@ -1,0 +1,234 @@
+"""The paged engine against the slot engine it replaced, and its switches against each other: each
+arm a fresh process (benchmarks/engine_workloads.py) with its engine's source tree on PYTHONPATH,
+the arms interleaved round by round, medians and ranges over the rounds.
+
+    git worktree add --detach /tmp/slot-engine 3df78c9     # the slot engine's commit
+    python benchmarks/engine_ab.py capacity --baseline /tmp/slot-engine --rounds 5
+
+Workloads and their arms (what each measures: engine_workloads.py):
+
+- decode: the slot engine and the paged one, eager and compiled, at batch 1 and 16;
+- capacity: the slot engine at 8 slots of 2,048 positions against the paged engine at the same
+  KV memory (1,024 blocks of 16, the null block included) and 64 rows;
+- chat, shared: the paged engine with its prefix cache on and off, and the slot engine;
+- stall: the slot engine with its prefill thread off and on, and the paged engine, each with a
+  long prompt arriving and without;
+- budget: the stall workload on the paged engine at token budgets of 64 to 1,024 (the CPU's
+  default is 256): the streams' gaps against the long prompt's time to its first token.
+
+Writes <out>.json and <out>.md: the machine, library versions, commit, command, date and the
+1-minute load before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_load_report import machine, percentiles, spread, uptime  # noqa: E402
+
+NEW_CAPACITY = {"max_slots": 64, "num_blocks": 1024}
+
+ARMS = {
+    "decode": [
+        (f"{engine} {mode} b{batch}", engine, {"compile": mode}, ["--batch", str(batch)])
+        for batch in (1, 16)
+        for mode in ("off", "on")
+        for engine in ("slot", "paged")
+    ]
+    # the compiled paged engine without the CPU policy rows whose gain did not hold on the 125m
+    # shape (engine-policy-cpu.md)
+    + [
+        (
+            f"paged on b{batch}, frozen_step and skip_guards off",
+            "paged",
+            {"compile": "on", "policy_off": ["frozen_step", "skip_guards"]},
+            ["--batch", str(batch)],
+        )
+        for batch in (1, 16)
+    ],
+    "capacity": [
+        ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
+        ("paged engine, 64 rows", "paged", NEW_CAPACITY, []),
+    ],
+    "chat": [
+        ("prefix caching on", "paged", {"max_slots": 4}, []),
+        ("prefix caching off", "paged", {"max_slots": 4, "prefix_caching": False}, []),
+        ("slot engine", "slot", {"max_slots": 4}, []),
+    ],
+    "shared": [
+        ("prefix caching on", "paged", {"max_slots": 64}, []),
+        ("prefix caching off", "paged", {"max_slots": 64, "prefix_caching": False}, []),
+        ("slot engine", "slot", {"max_slots": 64}, []),
+    ],
+    "stall": [
+        (f"{label}{', long prompt' if not alone else ''}", engine, cfg, ["--no_long"] * alone)
+        for label, engine, cfg in (
+            ("slot engine, prefill thread off", "slot", {"max_slots": 8, "prefill_thread": "off"}),
+            ("slot engine, prefill thread on", "slot", {"max_slots": 8, "prefill_thread": "on"}),
+            ("paged engine", "paged", {"max_slots": 8}),
+        )
+        for alone in (True, False)
+    ],
+    # the CPU's default token budget (engine_config.TOKEN_BUDGET) against others, on the stall
+    # workload: the running streams' gaps against the long prompt's time to its first token
+    "budget": [
+        (f"token budget {n}", "paged", {"max_slots": 8, "token_budget": n}, [])
+        for n in (64, 128, 256, 512, 1024)
+    ],
+}
+
+
+def run_arm(workload: str, arm: tuple, args, first: bool) -> dict:
+    label, engine, config, extra = arm
+    if first and args.alone and engine == "paged":  # once: every answer against it alone
+        extra = [*extra, "--alone"]
+    src = Path(args.baseline if engine == "slot" else args.paged) / "src"
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_workloads.py"), workload]
+    cmd += ["--engine", json.dumps(config), "--threads", str(args.threads), *extra]
+    cmd += ["--requests", str(args.requests), "--preset", args.preset]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise SystemExit(f"{label}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT ")) | {"load1": os.getloadavg()[0]}
+
+
+def figures(workload: str, run: dict) -> dict:
+    """The figures a run is compared by."""
+    if workload == "decode":
+        return {"ms_per_step": run["ms_per_step"]}
+    if workload == "capacity":
+        return {k: run[k] for k in ("tokens_per_s", "peak_running", "wall_s")}
+    if workload in ("chat", "shared"):
+        ttft = run["ttft_s"]
+        values = [t for _, t in ttft] if workload == "chat" else ttft
+        out = {
+            "ttft_p50_s": statistics.median(values),
+            "prompt_tokens": run["prompt_tokens_computed"],
+        }
+        if workload == "chat":
+            out["ttft_p50_later_turns_s"] = statistics.median([t for turn, t in ttft if turn])
+        return out
+    gaps = run["gaps_s"]
+    if workload == "budget":
+        return {
+            "gap_p99_s": percentiles(gaps)["p99"],
+            "gap_p50_s": percentiles(gaps)["p50"],
+            "long_ttft_s": run["long_ttft_s"],
+        }
+    return {
+        "gap_p99_s": percentiles(gaps)["p99"],
+        "gap_max_s": max(gaps),
+        "gap_p50_s": percentiles(gaps)["p50"],
+        "stream_tokens_per_s": run["stream_tokens_per_s"],
+    }
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# Engine A/B: {r['workload']} ({r['preset']}, {r['threads']} torch thread(s))",
+        "",
+        f"`{r['command']}`",
+        "",
+        f"{r['date']}, commit {r['commit']} (slot engine: {r['baseline_commit']}), "
+        f"{r['machine']['cpu']} ({r['machine']['cpus']} cores), torch {r['machine']['torch']}, "
+        f"transformers {r['machine']['transformers']}. Load before: {r['uptime_before']}; after: "
+        f"{r['uptime_after']}. {r['rounds']} interleaved rounds, each arm a fresh process; "
+        "median (min-max) over rounds.",
+        "",
+    ]
+    names = list(next(iter(r["summary"].values())))
+    lines += ["| arm | " + " | ".join(names) + " | answers |", "|---" * (len(names) + 2) + "|"]
+    for label, figs in r["summary"].items():
+        cells = [_cell(figs[n]) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {r['answers'][label]} |")
+    return "\n".join(lines) + "\n"
+
+
+def _answers(runs: list) -> str:
+    """The digests of an arm's answers over its rounds (one: the same every round), and whether
+    they equal each request's answer alone where that was checked."""
+    text = ", ".join(sorted({str(r.get("answers", "-")) for r in runs}))
+    checked = [r["alone_equal"] for r in runs if "alone_equal" in r]
+    return text + (f"; each equal to it alone: {all(checked)}" if checked else "")
+
+
+def _cell(s: dict) -> str:
+    fmt = (lambda v: f"{v:.4g}") if isinstance(s["median"], float) else str
+    return f"{fmt(s['median'])} ({fmt(s['min'])}-{fmt(s['max'])})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", choices=ARMS)
+    ap.add_argument("--baseline", default="", help="a checkout of the slot engine's commit")
+    ap.add_argument("--paged", default=str(ROOT), help="a checkout of the paged engine's commit")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each arm")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--arms", default="", help="comma-separated arm labels (default: all)")
+    ap.add_argument("--timeout", type=float, default=3000, help="seconds per arm run")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--alone", action="store_true", help="capacity: check each answer alone")
+    args = ap.parse_args()
+    arms = [a for a in ARMS[args.workload] if not args.arms or a[0] in args.arms.split(",")]
+    if any(a[1] == "slot" for a in arms) and not args.baseline:
+        ap.error("--baseline: a checkout of the slot engine's commit")
+    before, runs = uptime(), {a[0]: [] for a in arms}
+    for rnd in range(args.rounds):
+        for arm in arms:
+            runs[arm[0]].append(run_arm(args.workload, arm, args, rnd == 0))
+            print(f"round {rnd + 1}: {arm[0]}: {figures(args.workload, runs[arm[0]][-1])}")
+    result = report(args, runs, before)
+    name = args.workload + ("" if args.preset == "tiny" else f"-{args.preset}")
+    out = ROOT / (args.out or f"benchmarks/results/engine-{name}-cpu")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+def report(args, runs: dict, before: str) -> dict:
+    def commit(path: Path) -> str:
+        git = ["git", "-C", str(path), "rev-parse", "--short", "HEAD"]
+        done = subprocess.run(git, capture_output=True, text=True)
+        return done.stdout.strip() or "(not a git checkout)"
+
+    summary = {}
+    for label, rs in runs.items():
+        figs = [figures(args.workload, r) for r in rs]
+        summary[label] = {k: spread([f[k] for f in figs]) for k in figs[0]}
+    return {
+        "workload": args.workload,
+        "preset": args.preset,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit(Path(args.paged)),
+        "baseline_commit": commit(Path(args.baseline)) if args.baseline else "-",
+        "machine": machine(),
+        "uptime_before": before,
+        "uptime_after": uptime(),
+        "answers": {
+            k: ", ".join(sorted({str(r.get("answers", "-")) for r in v})) for k, v in runs.items()
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The decode engine's settings, and the facts about a model it starts from (context length, end
+tokens, adapters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from onegpu.errors import ConfigError
+
+# A step's tokens when EngineConfig.token_budget is not given: on a CPU a step of 256 prompt
+# tokens of the tiny preset costs about 8 decode steps (benchmarks/results/engine-chunked-
+# prefill-cpu.md), so a long prompt's piece delays the running streams no more than one
+# read-back of theirs; a GPU runs 2,048 tokens in about a decode step's time.
+TOKEN_BUDGET = {"cpu": 256, "cuda": 2048}
+
+
+@dataclass
+class EngineConfig:
+    max_slots: int = 8
+    """Sequences decoded together at most (decode rows). How many fit is the KV pool's to say:
+    num_blocks."""
+    max_len: Optional[int] = None
+    """KV positions per sequence: prompt + new tokens must fit. Default: the model's context."""
+    num_blocks: Optional[int] = None
+    """Blocks in the KV pool (block 0 is reserved). Default: every row's worst case, max_slots
+    x max_len positions; `onegpu serve` sizes it from the memory budget."""
+    block_size: int = 16
+    """Positions per block (a power of two): the unit of allocation and of prefix sharing."""
+    prefix_caching: bool = True
+    """Keep finished sequences' full blocks, found again by a later request with the same
+    prefix (and adapter), which then computes only the rest of its prompt."""
+    token_budget: Optional[int] = None
+    """Tokens one engine step computes: decode rows plus prompt pieces (default: 256 on a CPU,
+    2048 on a GPU)."""
+    chunk: Optional[int] = None
+    """The longest prompt piece; a prompt is computed in pieces ending at multiples of it, one or
+    more per step. Default: the token budget."""
+    compile: Literal["auto", "off", "on"] = "auto"
+    """Compile the decode step (auto: on a GPU, as CUDA graphs; off on a CPU, where compiling
+    costs a minute of start-up)."""
+    compile_mode: Optional[str] = None
+    """torch.compile mode (default: reduce-overhead on a GPU — CUDA graphs — default elsewhere)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend."""
+    sync_every: int = 8
+    """Decode steps between read-backs to the host when no prompt is being computed (stop
+    strings, streaming, new requests)."""
+    eos_ids: Optional[list[int]] = None
+    """Tokens that end a sequence. Default: the model's generation config's, and the
+    tokenizer's."""
+    static_weights: bool = True
+    """The weights do not change while the engine lives. A compiled step on a CPU then folds them
+    into its graph (inductor's freezing). False for a sampler of weights being trained (GRPO): it
+    reads them live, and calls reset_prefix_cache when they change."""
+    fixed_shape: bool = False
+    """Every decode step runs all max_slots rows over all max_len positions: one compiled step
+    (per sampling mode) whatever the requests' lengths, at the price of attending over the whole
+    table. For callers whose requests are alike and who compile (GRPO's rollouts)."""
+    policy_off: list[str] = field(default_factory=list)
+    """Rows of the device policy table (infer/policy.py) to switch off."""
+
+    def check(self) -> None:
+        ok = {
+            "max_slots": self.max_slots >= 1,
+            "sync_every": self.sync_every >= 1,
+            "block_size": self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "token_budget": self.token_budget is None or self.token_budget >= 1,
+            "chunk": self.chunk is None or self.chunk >= 1,
+        }
+        for name, good in ok.items():
+            if not good:
+                raise ConfigError(
+                    f"engine {name} has an invalid value: {getattr(self, name)}.",
+                    hint="max_slots, sync_every, token_budget, chunk >= 1; block_size a power "
+                    "of two",
+                )
+
+
+def context_of(model) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(
+        f"{type(model).__name__}: its config names no context length.",
+        hint="pass the engine's max_len",
+    )
+
+
+def eos_ids_of(model, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if (
+        tokenizer is not None
+        and tokenizer.eos_token_id is not None
+        and tokenizer.eos_token_id not in ids
+    ):
+        ids.insert(0, tokenizer.eos_token_id)
+    return ids
+
+
+def check_adapter(model, adapter: Optional[str]) -> None:
+    if adapter is None or adapter == "__base__":
+        return
+    known = list(getattr(model, "peft_config", {}) or {})
+    if adapter not in known:
+        raise ConfigError(
+            f"adapter '{adapter}' is not loaded.",
+            hint=f"use one of: {', '.join(known) or '(none: the model has no adapters)'}",
+        )
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The (rows, kv_len) a decode run of an engine runs over: ``rows`` decode rows at most, each
+    of at most ``whole`` positions (max_len in whole blocks of ``block``)."""
+
+    rows: int
+    whole: int
+    block: int
+    fixed: bool  # EngineConfig.fixed_shape: always every row over every position
+    compiled: bool
+
+    def of(self, in_use: int, reach: int) -> tuple[int, int]:
+        """For rows ``[0, in_use)`` whose steps reach ``reach`` positions: eager, the rows in use
+        and the positions reached in whole 64s (a shape costs nothing to change); compiled, a
+        few buckets of both (not of the requests' final lengths)."""
+        grain = max(64, self.block)
+        if self.fixed:
+            return self.rows, self.whole
+        if not self.compiled:
+            return in_use, min(-(-reach // grain) * grain, self.whole)
+        return bucket(in_use, self.rows), bucket(reach, self.whole, grain)
+
+    def count(self) -> int:
+        """The compiled steps an engine can ask for: (rows, kv_len) buckets x 8 needs."""
+        if self.fixed:
+            return 8
+        rows = {bucket(n, self.rows) for n in _powers(self.rows)}
+        kv = {bucket(n, self.whole, max(64, self.block)) for n in _powers(self.whole)}
+        return len(rows) * len(kv) * 8
+
+
+def pool_blocks(config: EngineConfig, max_len: int) -> tuple[int, int]:
+    """The pool's blocks (config.num_blocks, else every row's worst case and the null block) and
+    a sequence's most; a pool that cannot hold one sequence of max_len is refused."""
+    size = config.block_size
+    per_seq = -(-max_len // size)
+    blocks = config.num_blocks or config.max_slots * per_seq + 1
+    if blocks - 1 < per_seq:
+        raise ConfigError(
+            f"engine: {blocks} KV blocks of {size} positions hold less than one sequence of "
+            f"max_len {max_len} ({per_seq} blocks and the reserved one).",
+            hint=f"num_blocks >= {per_seq + 1}, or a lower max_len",
+        )
+    return blocks, per_seq
+
+
+def _powers(cap: int) -> list[int]:
+    """1, 2, 4, ... and cap: one count in each power-of-two bucket up to cap."""
+    out, n = [cap], 1
+    while n < cap:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def bucket(n: int, cap: int, start: int = 1) -> int:
+    """The smallest power-of-two multiple of ``start`` that holds ``n``, at most ``cap``: a few
+    fixed shapes, so a compiled step is reused instead of recompiled for every count."""
+    size = start
+    while size < n:
+        size *= 2
+    return min(size, cap)

@@ -1,0 +1,118 @@
+"""A request's output as its tokens arrive: text decoded incrementally (each token once, not the
+whole answer again at every read-back), stop strings found across token boundaries, and only text
+that is final handed out (not half a UTF-8 character, not the start of a stop string). The last
+stage of the engine's flow: it turns the tokens of a step into the callers' ``Update``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from onegpu.infer.requests import FinishReason, Update
+
+
+class Detokenizer:
+    """Token ids -> text, one token at a time. With a fast tokenizer, ``tokenizers``'
+    ``DecodeStream`` (it holds a token back while it ends in half a character); otherwise the
+    window of tokens since the last whitespace is decoded again (transformers' TextStreamer)."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=True) if self.backend else None
+        self.pending: list[int] = []  # tokens since the last text came out
+        self.window: list[int] = []  # the slow path's tokens since its last whitespace
+        self.window_text = ""
+
+    def add(self, token: int) -> str:
+        if self.stream is not None:
+            piece = self.stream.step(self.backend, token)
+            self.pending = [] if piece else self.pending + [token]
+            return piece or ""
+        self.window.append(token)
+        text = self.tokenizer.decode(self.window, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # half a character: wait for the rest
+            return ""
+        new, self.window_text = text[len(self.window_text) :], text
+        if text.endswith((" ", "\n")):
+            self.window, self.window_text = [], ""
+        return new
+
+    def flush(self) -> str:
+        """At the end: what is held back (bytes that never completed a character) as the full
+        decode would show it."""
+        if self.stream is None:
+            text = self.tokenizer.decode(self.window, skip_special_tokens=True)
+            return text[len(self.window_text) :]
+        held, self.pending = self.pending, []
+        return self.tokenizer.decode(held, skip_special_tokens=True) if held else ""
+
+
+class Output:
+    """One request's text. ``tokenizer`` None: the caller wants token ids only; no text is
+    made."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.stops = stops
+        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.shown = 0  # characters of ``text`` handed out so far
+        self.stopped = False
+
+    def add(self, ids: list[int]) -> None:
+        """Take new tokens; after a stop string the text ends before it, and later tokens are
+        ignored."""
+        if self.stopped or self.detok is None:
+            return
+        for token in ids:
+            self.text += self.detok.add(token)
+            cut = self._stop_at()
+            if cut is not None:
+                self.text, self.stopped = self.text[:cut], True
+                return
+
+    def _stop_at(self) -> Optional[int]:
+        if not self.stops:
+            return None
+        start = max(0, self.shown - self.hold)  # a stop string may begin in text not yet shown
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def take(self, final: bool) -> str:
+        """Text not handed out before that is final (all of it when the request has ended)."""
+        if final and not self.stopped and self.detok is not None:
+            self.text += self.detok.flush()
+            cut = self._stop_at()
+            if cut is not None:
+                self.text, self.stopped = self.text[:cut], True
+        end = len(self.text)
+        if not final:
+            end -= self.hold
+        if end <= self.shown:
+            return ""
+        out, self.shown = self.text[self.shown : end], end
+        return out
+
+
+def update(
+    request_id: int,
+    output: Output,
+    tokens: list[int],
+    reason: Optional[FinishReason],
+    prompt_tokens: int,
+    generated: int,
+    first: bool,
+) -> Update:
+    """The news of one request after a step: its new tokens, the text now final, its end."""
+    return Update(
+        request_id,
+        tokens,
+        output.take(final=reason is not None),
+        reason is not None,
+        reason,
+        prompt_tokens,
+        generated,
+        first,
+    )

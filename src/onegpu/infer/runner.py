@@ -1,0 +1,126 @@
+"""The model runner: tensors in, logits out. A forward of some rows over the paged KV cache — a
+decode step (one token a row) or prompt pieces (several tokens a row) — and the logits of each
+row's last token. It owns the model's cache view and masks; it knows nothing of requests,
+scheduling or sampling.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from onegpu.infer.decode_window import DecodeWindow
+from onegpu.infer.paged_cache import (
+    PagedCache,
+    PagedView,
+    base_model,
+    cache_kwarg,
+    masks,
+    positions_in_pool,
+)
+
+
+@dataclass
+class Pieces:
+    """Prompt pieces of equal length, one a row: ``ids [rows, length]``, starting at ``starts``
+    (host ints, the positions of each row's first token) with each row's block table ``tables
+    [rows, blocks]`` covering its piece's end; ``adapters`` PEFT's per-row names or None."""
+
+    ids: torch.Tensor
+    starts: list[int]
+    tables: torch.Tensor
+    adapters: Optional[list[str]] = None
+
+
+class ModelRunner:
+    """Forwards of ``model`` over ``cache`` (the engine's pool)."""
+
+    def __init__(self, model, cache: PagedCache):
+        self.model, self.cache = model, cache
+        self.device = model.get_input_embeddings().weight.device
+        self.kwarg = cache_kwarg(model)
+        self.block_size = cache.block_size
+        # a model trained with an MoE router loss keeps output_router_logits in its config, and
+        # that loss would read the attention mask as a 2D padding mask
+        self.no_router_loss = bool(getattr(model.config, "output_router_logits", False))
+        self.window = DecodeWindow(cache)
+        self.windowed = False  # inside decode_window
+
+    @contextmanager
+    def decode_window(self, tables: torch.Tensor, positions: torch.Tensor, fresh: list[int]):
+        """Eager decode steps inside the block read and write the rows' copy of their KV
+        (decode_window.py) over ``tables``' positions; ``fresh``: rows whose copy is gathered
+        first; ``positions``: the rows' positions, which the steps advance. At the end the run's
+        tokens go into the pool."""
+        self.window.begin(tables, positions, fresh)
+        self.windowed = True
+        try:
+            yield
+        finally:
+            self.windowed = False
+            self.window.end(positions)
+
+    def prefill(self, pieces: Pieces) -> torch.Tensor:
+        """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32)."""
+        rows, length = pieces.ids.shape
+        starts = torch.tensor(pieces.starts).to(self.device)  # built on the host, then moved
+        positions = starts[:, None] + torch.arange(length, device=self.device)[None]
+        end = max(pieces.starts) + length
+        fresh = max(pieces.starts) == 0  # nothing older to read: no gather
+        tables = None if fresh else pieces.tables[:, : -(-end // self.block_size)]
+        where = positions_in_pool(pieces.tables, positions, self.block_size)
+        self.cache.set_view(PagedView(where.reshape(-1), tables))
+        kv_len = length if fresh else tables.shape[1] * self.block_size
+        logits = self._forward(
+            pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters
+        )
+        return logits.float()
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        live: torch.Tensor,
+        tables: torch.Tensor,
+        adapters: Optional[list[str]] = None,
+    ) -> torch.Tensor:
+        """One token a row: ``tokens``, ``positions``, ``live`` ``[rows]``, ``tables [rows,
+        kv_len / block_size]`` -> logits ``[rows, vocab]``. A row that is not live writes into
+        the null block (its table's first entry is 0 when it holds no sequence; a finished
+        sequence's own blocks are not touched either)."""
+        # a row that does not decode may sit anywhere (a prompt being computed in pieces, a
+        # finished sequence's last position): it reads its table at 0 and writes into block 0
+        safe = torch.where(live, positions, 0)
+        if self.windowed:  # the step writes into the run's copy only
+            self.window.step(safe)
+            self.cache.set_view(PagedView(None, tables, self.window))
+        else:
+            where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
+            where = torch.where(live, where, positions % self.block_size)
+            self.cache.set_view(PagedView(where, tables))
+        kv_len = tables.shape[1] * self.block_size
+        return self._forward(tokens[:, None], positions[:, None], positions, kv_len, 1, adapters)
+
+    def _forward(self, ids, positions, last, kv_len: int, query_len: int, adapters):
+        config = self.model.config
+        mask = masks(config, last, kv_len, self.cache.dtype, config._attn_implementation, query_len)
+        kw = {} if adapters is None else {"adapter_names": adapters}
+        if self.no_router_loss:
+            kw["output_router_logits"] = False
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            **{self.kwarg: self.cache},
+            use_cache=True,
+            logits_to_keep=1,
+            **kw,
+        )
+        return out.logits[:, -1]
+
+    @property
+    def base(self):
+        return base_model(self.model)

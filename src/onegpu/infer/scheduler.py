@@ -1,0 +1,250 @@
+"""Which sequences run in the next engine step, under a token budget: the decode rows (one token
+each) and pieces of prompts (several tokens each), and how many decode steps run before the host
+looks again.
+
+- Admission counts free blocks, not worst-case sequences: a request is admitted when a decode row
+  is free and the blocks its prompt still needs (after its longest cached prefix) are free, with
+  one block left over for each running sequence's next growth.
+- A prompt is computed in pieces that end at multiples of ``chunk`` positions of its own, one or
+  more per step as the budget allows, so a long prompt never stalls the running streams for its
+  whole prefill and its pieces are the same whatever else runs.
+- When a running sequence cannot grow (no free block), the youngest running sequence is
+  preempted: its blocks are released (their hashes stay: much of it is found in the cache when it
+  comes back) and it waits at the head of the queue to be computed again from its prompt and the
+  tokens it had made (vLLM's recompute). A lone sequence always fits the pool (the engine checks
+  it at start), so no request ever fails for lack of blocks.
+
+Sequences are served first come, first served: the oldest waiting one is admitted first, and the
+youngest running one gives way first. The oldest waiting one waits while the next block of its
+prompt is one a running sequence is still computing (many requests with one system prompt
+arriving at once): admitted a step later, it finds that block in the cache instead of computing
+it again.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from onegpu.infer.kv_blocks import BlockPool, BlockTable
+from onegpu.infer.requests import SamplingParams
+
+WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"
+
+
+@dataclass(eq=False)  # one object per request: compared (and hashed) by identity
+class Sequence:
+    """One request as the engine runs it. ``tokens``: prompt and output so far; ``computed``:
+    the tokens whose KV is in the cache; ``cache_key``: what its blocks' hashes name besides the
+    tokens (the adapter whose weights computed them)."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    adapter: Optional[str]
+    cache_key: Optional[str]
+    tokens: list[int] = field(default_factory=list)
+    table: BlockTable = field(default_factory=BlockTable)
+    computed: int = 0
+    row: int = -1
+    state: str = WAITING
+    cancelled: bool = False
+    preemptions: int = 0
+    computing: list[int] = field(default_factory=list)  # its prompt's block hashes, in PREFILL
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+
+@dataclass
+class Piece:
+    """Tokens ``[start, end)`` of ``seq.tokens`` to compute; ``last``: they end its prefill (the
+    step samples its next token from the last one's logits)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.seq.tokens)
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence] = field(default_factory=list)
+    steps: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # took a row this step
+    freed: list[int] = field(default_factory=list)  # rows given back by preempted sequences
+
+
+@dataclass
+class SchedulerConfig:
+    rows: int
+    """Sequences running at once at most (decode rows)."""
+    token_budget: int
+    """Tokens computed in one engine step (decode rows + prompt pieces)."""
+    chunk: int
+    """The longest prompt piece; pieces end at multiples of it."""
+    sync_every: int
+    """Decode steps in an engine step that computes no prompt piece."""
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, config: SchedulerConfig):
+        self.pool, self.config = pool, config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # by id: the oldest first
+        self.free_rows = list(range(config.rows))
+        self.preemptions = 0
+        self.computing: Counter = Counter()  # hashes of the prompt blocks being computed
+
+    def add(self, seq: Sequence) -> None:
+        seq.tokens = list(seq.prompt)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> Plan:
+        plan = Plan()
+        decoding = [s for s in self.running if s.state == DECODE]
+        # a prompt to compute (one running, or one waiting with a row free for it): one decode
+        # step beside its piece; else sync_every before the host looks again
+        prefill_work = any(s.state == PREFILL for s in self.running)
+        prefill_work = prefill_work or bool(self.waiting and self.free_rows)
+        steps = 1 if prefill_work else self.config.sync_every
+        if decoding:
+            left = min(s.params.max_new_tokens - s.generated for s in decoding)
+            steps = max(1, min(steps, left))
+        for seq in decoding:
+            if seq.state == DECODE and self._grow(seq, seq.computed + steps, plan):
+                plan.decode.append(seq)
+        plan.steps = steps if plan.decode else 0
+        budget = self.config.token_budget - len(plan.decode)
+        for seq in [s for s in self.running if s.state == PREFILL]:
+            budget = self._piece(seq, budget, plan)
+        while budget > 0 and self.waiting and self.free_rows and self._admit(self.waiting[0], plan):
+            budget = self._piece(self.waiting.popleft(), budget, plan)
+        return plan
+
+    def _piece(self, seq: Sequence, budget: int, plan: Plan) -> int:
+        """Schedule ``seq``'s next piece if the budget holds it (the first piece of a step always
+        goes, so a prompt always advances); the budget left."""
+        if seq.state != PREFILL:
+            return budget
+        chunk = self.config.chunk
+        end = min(len(seq.tokens), (seq.computed // chunk + 1) * chunk)
+        if end - seq.computed > budget and plan.pieces:
+            return budget
+        plan.pieces.append(Piece(seq, seq.computed, end))
+        # its blocks are found from now on: a piece later in this step that reads them runs
+        # after this one has written them (the runner keeps the plan's order)
+        self.pool.register(seq.table, seq.tokens[:end], seq.cache_key)
+        return budget - (end - seq.computed)
+
+    def _admit(self, seq: Sequence, plan: Plan) -> bool:
+        """Give ``seq`` a row and the blocks of its whole prompt (its cached prefix taken from the
+        cache), if free; False leaves it waiting."""
+        pool = self.pool
+        # the last token is always computed: its logits choose the next one
+        cached = pool.match(seq.tokens, seq.cache_key, len(seq.tokens) - 1)
+        if self._being_computed(seq, len(cached)):
+            return False
+        reviving = sum(1 for b in cached if pool.ref(b) == 0)  # cached but free: they count
+        fresh = pool.blocks_for(len(seq.tokens)) - len(cached)
+        if fresh + reviving + len(self.running) > pool.free_count():
+            return False
+        pool.count_query(len(seq.tokens), len(cached) * pool.block_size)
+        pool.acquire(cached)
+        seq.table.blocks = cached + pool.allocate(fresh)
+        seq.computed = len(cached) * pool.block_size
+        pool.register(seq.table, seq.tokens[: seq.computed], seq.cache_key)
+        seq.row, seq.state = self.free_rows.pop(0), PREFILL
+        self._computes(seq, +1)
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.id)
+        plan.started.append(seq)
+        return True
+
+    def _being_computed(self, seq: Sequence, found: int) -> bool:
+        """Whether the block after the ``found`` cached ones is one a running sequence is
+        computing (it would be found in the cache a step or two from now)."""
+        size = self.pool.block_size
+        if not self.computing or (found + 1) * size > len(seq.tokens) - 1:
+            return False
+        return self.pool.chain(seq.tokens, seq.cache_key, found + 1)[-1] in self.computing
+
+    def _computes(self, seq: Sequence, sign: int) -> None:
+        """Count (+1, at admission) or uncount (-1, when it leaves PREFILL) the hashes of
+        ``seq``'s prompt blocks while it is computed."""
+        if sign > 0 and self.pool.caching:
+            full = (len(seq.tokens) - 1) // self.pool.block_size
+            seq.computing = self.pool.chain(seq.tokens, seq.cache_key, full)
+        for digest in seq.computing:
+            self.computing[digest] += sign
+            if self.computing[digest] <= 0:
+                del self.computing[digest]
+        if sign < 0:
+            seq.computing = []
+
+    def _grow(self, seq: Sequence, positions: int, plan: Plan) -> bool:
+        """Blocks for ``positions`` of ``seq``, preempting the youngest running sequences while
+        none are free; False when ``seq`` itself was the one preempted."""
+        need = self.pool.blocks_for(positions) - len(seq.table.blocks)
+        while need > self.pool.free_count():
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.table.blocks += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        if seq.state == PREFILL:
+            self._computes(seq, -1)
+        self.pool.release(seq.table)
+        plan.freed.append(seq.row)
+        self._leave(seq)
+        seq.computed, seq.state = 0, WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_rows.append(seq.row)
+        self.free_rows.sort()
+        seq.row = -1
+
+    # ------------------------------------------------------------------ after a step
+    def computed(self, seq: Sequence, upto: int) -> None:
+        """``seq``'s KV now holds its first ``upto`` tokens: hash its newly full blocks."""
+        seq.computed = upto
+        if seq.state == PREFILL and upto == len(seq.tokens) - 1:
+            self._computes(seq, -1)
+            seq.state = DECODE
+        self.pool.register(seq.table, seq.tokens[:upto], seq.cache_key)
+
+    def extend(self, seq: Sequence, tokens: list[int]) -> None:
+        """``seq`` made ``tokens``: its KV holds every token before the last."""
+        seq.tokens += tokens
+        self.computed(seq, len(seq.tokens) - 1)
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` ended (or was cancelled): its row and blocks go back."""
+        if seq in self.running:
+            if seq.state == PREFILL:
+                self._computes(seq, -1)
+            self.pool.release(seq.table)
+            self._leave(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.state = WAITING
