@@ -44,17 +44,6 @@ ARMS = {
         for batch in (1, 16)
         for mode in ("off", "on")
         for engine in ("slot", "paged")
-    ]
-    # the compiled paged engine without the CPU policy rows whose gain did not hold on the 125m
-    # shape (engine-policy-cpu.md)
-    + [
-        (
-            f"paged on b{batch}, frozen_step and skip_guards off",
-            "paged",
-            {"compile": "on", "policy_off": ["frozen_step", "skip_guards"]},
-            ["--batch", str(batch)],
-        )
-        for batch in (1, 16)
     ],
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from engine_workloads import drive, engine, make_model, params, tokens  # noqa: E402
 from serve_load_report import machine, spread, uptime  # noqa: E402
 
-COMPILED_ROWS = ("cpu_attention_loops", "realize_query", "frozen_step", "skip_guards")
+COMPILED_ROWS = ("cpu_attention_loops",)
 VARIANTS = [("compiled, every row", "on", [])]
 VARIANTS += [(f"compiled, {row} off", "on", [row]) for row in COMPILED_ROWS]
 VARIANTS += [("eager, every row", "off", []), ("eager, eager_window off", "off", ["eager_window"])]

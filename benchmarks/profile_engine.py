@@ -3,10 +3,7 @@
     python benchmarks/profile_engine.py                      # tiny preset, batch 1, compiled
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
-    python benchmarks/profile_engine.py --freeze-ab # weights folded into the step or read live
-    python benchmarks/profile_engine.py --gemm-ab   # frozen: MKL, GEMM template, C++ wrapper
     python benchmarks/profile_engine.py --argmax-ab --batch 16  # the step's argmax, two ways
-    python benchmarks/profile_engine.py --guards-ab # a warm bucket: Dynamo's guards skipped or not
     python benchmarks/profile_engine.py --attention-ab --batch 16  # SDPA vs inductor loops
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
@@ -25,7 +22,6 @@ and whether the greedy tokens stay the same.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -34,8 +30,7 @@ import torch
 
 # each profiler event counts in the first group it matches, in this order
 GROUPS = {
-    # frozen weights (EngineConfig.static_weights) run as inductor's C++ GEMMs (graph_N_gemm_*,
-    # some with a fused epilogue) or MKL's prepacked linear
+    # inductor's C++ GEMMs (graph_N_gemm_*) where a step was compiled with them, MKL's linear
     "matmuls (inductor's GEMMs, aten::mm/addmm, mkl::_mkl_linear)": (
         "_gemm_",
         "aten::mm",
@@ -155,53 +150,6 @@ def head_ab(args) -> None:
     ab(engines, prompts, args, f"engine, compile {args.compile}", "output head")
 
 
-def freeze_ab(args) -> None:
-    """The compiled step with the weights folded in (EngineConfig.static_weights, the default:
-    inductor's freezing) against the same step reading them live (static_weights=False, GRPO's)."""
-    from onegpu.infer.engine import Engine
-
-    frozen, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    live = Engine(frozen.model, None, dataclasses.replace(frozen.config, static_weights=False))
-    assert frozen.frozen and not live.frozen
-    engines = {
-        "weights folded in (static_weights=True)": frozen,
-        "weights read live (static_weights=False)": live,
-    }
-    ab(engines, prompts, args, "engine compiled (inductor)", "weights")
-
-
-def gemm_ab(args) -> None:
-    """The frozen compiled step three ways: freezing alone (MKL's prepacked linear, kernels called
-    from Python); with matmuls as inductor's C++ GEMM template where it times faster than MKL's;
-    and with that and a C++ wrapper calling the kernels (the engine's, FROZEN_CPU_STEP)."""
-    from onegpu.infer.decode_step import FROZEN_CPU_STEP
-    from onegpu.infer.engine import Engine
-
-    engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    variants = {
-        "freezing alone: MKL's prepacked linear, Python wrapper": {"freezing": True},
-        "+ inductor's GEMM template (timed against MKL)": dict(FROZEN_CPU_STEP, cpp_wrapper=False),
-    }
-    engines = {}
-    for name, settings in variants.items():
-        engines[name] = Engine(engine.model, None, engine.config)
-        engines[name].decode_step.inductor = settings
-    engines["+ C++ wrapper (the engine's: FROZEN_CPU_STEP)"] = engine
-    ab(engines, prompts, args, "engine compiled (inductor), weights folded in", "compiled step")
-
-
-def guards_ab(args) -> None:
-    """The compiled step of a warm bucket with Dynamo's full guard check skipped (the engine's:
-    only the guards telling its compiled entries apart) against the full check at every call."""
-    from onegpu.infer.engine import Engine
-
-    skipped, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
-    full = Engine(skipped.model, None, skipped.config)
-    full.decode_step.skip_guards = False
-    engines = {"telling guards only (the engine's)": skipped, "every guard, every call": full}
-    ab(engines, prompts, args, "engine compiled (inductor)", "Dynamo's guards on a warm bucket")
-
-
 def argmax_ab(args) -> None:
     """The next-token argmax over [batch, 32000] fp32 logits, compiled (inductor) as
     ``argmax(-1)`` and as sampling.first_argmax writes it in a compiled CPU step (the maximum,
@@ -239,23 +187,16 @@ def argmax_ab(args) -> None:
 
 
 def attention_ab(args) -> None:
-    """The compiled CPU step's decode attention three ways: SDPA's CPU kernel (transformers'
-    function); the softmax written out as inductor loops (cpu_attention) at inductor's default
-    realize threshold, which inlines the query (RoPE's sin and cos in it) into the loop over the
-    cache; and those loops with the query made a buffer first (the engine's)."""
+    """The compiled CPU step's decode attention two ways: SDPA's CPU kernel (transformers'
+    function) and the softmax written out as inductor loops over the blocks (cpu_attention, the
+    engine's)."""
     from onegpu.infer.engine import Engine
 
     engine, prompts = build(args.batch, args.new_tokens, args.prompt_len, "on")
     # (the engine takes the loops at every row count)
     sdpa = Engine(engine.model, None, engine.config)
     sdpa.decode_step.grouped = None  # transformers' SDPA function in the steps
-    inlined = Engine(engine.model, None, engine.config)
-    inlined.decode_step.realize_ops = None
-    engines = {
-        "SDPA's CPU kernel": sdpa,
-        "inductor loops, the query inlined into them": inlined,
-        "inductor loops, the query a buffer first (the engine's from 2 rows)": engine,
-    }
+    engines = {"SDPA's CPU kernel": sdpa, "inductor loops (the engine's)": engine}
     ab(engines, prompts, args, "engine compiled (inductor)", "decode attention")
 
 
@@ -268,26 +209,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_len", type=int, default=512)
     parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
-    parser.add_argument("--freeze-ab", action="store_true", help="time folded vs live weights")
-    parser.add_argument("--gemm-ab", action="store_true", help="time GEMM template vs MKL")
     parser.add_argument("--argmax-ab", action="store_true", help="time the two argmaxes")
-    parser.add_argument("--guards-ab", action="store_true", help="time skipped vs full guards")
     parser.add_argument("--attention-ab", action="store_true", help="time SDPA vs the loops")
     args = parser.parse_args(argv)
     if args.head_ab:
         head_ab(args)
         return 0
-    if args.freeze_ab:
-        freeze_ab(args)
-        return 0
-    if args.gemm_ab:
-        gemm_ab(args)
-        return 0
     if args.argmax_ab:
         argmax_ab(args)
-        return 0
-    if args.guards_ab:
-        guards_ab(args)
         return 0
     if args.attention_ab:
         attention_ab(args)

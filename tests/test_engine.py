@@ -303,41 +303,27 @@ def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokeni
 
 
 @pytest.mark.slow
-def test_static_weights_fold_into_the_compiled_cpu_step_and_live_ones_do_not(tiny_tokenizer):
-    """Freezing (static_weights, the default) gives the same tokens; it is really on — a change of
-    the weights after the compile does not reach the folded step, and inductor generated its own
-    GEMMs over the folded weights — and GRPO's live setting reads the weights as they are at each
-    step."""
+def test_a_compiled_step_reads_the_weights_as_they_are_now(tiny_tokenizer):
+    """The compiled CPU step takes the weights as inputs, not constants folded in at its compile:
+    GRPO's sampler decodes with the policy as it is after each optimizer step."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     ids, full = _ids(tiny_tokenizer)[:1], SamplingParams(max_new_tokens=12, ignore_eos=True)
-    frozen = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="on"))
-    live = Engine(
-        model, None, EngineConfig(max_slots=1, max_len=64, compile="on", static_weights=False)
-    )
-    assert frozen.frozen and not live.frozen
+    compiled = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="on"))
     eager = Engine(model, None, EngineConfig(max_slots=1, max_len=64, compile="off"))
     before = eager.generate(ids, full)[0].token_ids
-    counters.clear()
-    assert frozen.generate(ids, full)[0].token_ids == before
-    assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # a matmul took the template
-    counters.clear()
-    assert live.generate(ids, full)[0].token_ids == before
-    assert counters["inductor"]["cpp_templated_kernel_counter"] == 0
+    assert compiled.generate(ids, full)[0].token_ids == before
     with torch.no_grad():
         model.lm_head.weight.neg_()  # a training step, as far as the engines can tell
     after = eager.generate(ids, full)[0].token_ids
     assert after != before
-    assert live.generate(ids, full)[0].token_ids == after
-    assert frozen.generate(ids, full)[0].token_ids != after
+    assert compiled.generate(ids, full)[0].token_ids == after
 
 
 @pytest.mark.slow
-def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tiny_tokenizer):
-    """Once a bucket has compiled and run, the step checks only the guards that tell compiled
-    entries apart: a change a full guard check would recompile for (a weight's requires_grad)
-    compiles nothing — unless the bucket is cold. Two engines over different models, compiled
-    and interleaved, each keep their own tokens; after a reset of Dynamo a warm bucket compiles
-    again instead of failing."""
+def test_engines_over_different_models_keep_their_own_compiled_steps(tiny_tokenizer):
+    """Two engines over different models, compiled and interleaved, each keep their own tokens
+    (Dynamo would otherwise hand one the other's compiled entry); after a reset of Dynamo a
+    warm engine compiles again."""
     ids, params = _ids(tiny_tokenizer), SamplingParams(max_new_tokens=10, ignore_eos=True)
     config = EngineConfig(max_slots=3, max_len=64, compile="on", compile_backend="aot_eager")
     models = [tiny_family_model(f, tiny_tokenizer).eval() for f in ("llama", "qwen2")]
@@ -347,16 +333,10 @@ def test_a_warm_bucket_skips_dynamos_guards_and_engines_keep_their_own_steps(tin
     for _ in range(2):
         for engine, tokens in zip(engines, want, strict=True):
             assert [r.token_ids for r in engine.generate(ids, params)] == tokens
-    assert engines[0].decode_step.warm
-    counters.clear()
-    models[0].lm_head.weight.requires_grad_(False)
-    assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
-    assert counters["stats"]["unique_graphs"] == 0  # the warm bucket ran as compiled
-    engines[0].decode_step.warm.clear()
-    assert [r.token_ids for r in engines[0].generate(ids, params)] == want[0]
-    assert counters["stats"]["unique_graphs"] >= 1  # a full check: the change recompiles
     torch._dynamo.reset()
+    counters.clear()
     assert [r.token_ids for r in engines[1].generate(ids, params)] == want[1]
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled again, not failed
 
 
 def test_the_compiled_argmax_is_argmax_ties_included():

@@ -67,7 +67,7 @@ def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_
         r.token_ids
         for r in Engine(model, None, EngineConfig(2, 64, compile="off")).generate(ids, params)
     ]
-    engine = Engine(model, None, EngineConfig(2, 64, compile="on", static_weights=False))
+    engine = Engine(model, None, EngineConfig(2, 64, compile="on"))
     gemv = SmallGemv("cpu", max_rows=2, max_outputs=10**9, max_inputs=10**9)
     # fx_graph_cache off: a graph inductor cached from an earlier run would skip the pass
     engine.decode_step.inductor.update(post_grad_custom_pre_pass=gemv, fx_graph_cache=False)

@@ -113,7 +113,6 @@ class DecodeStep:
         mode: Optional[str],
         backend: str,
         rules: policy.Policy,
-        freeze: bool,
         buckets: int = 1,
     ):
         self.runner, self.sampler, self.rows = runner, sampler, rows
@@ -127,20 +126,18 @@ class DecodeStep:
         # engine's now hold (its guards match ids) — compiled under that engine's settings; a
         # number of its own, passed in, gives each engine steps of its own
         self.key = next(_KEYS)
-        self.inductor = dict(FROZEN_CPU_STEP) if freeze else {}
+        self.inductor = {}
+        self.warm: set[tuple] = set()  # the buckets (rows, kv_len, needs) compiled and run
         cuda = runner.device.type == "cuda"
         if self.compiled is not None and backend == "inductor" and cuda and rules.small_gemv:
             from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
 
             self.inductor["post_grad_custom_pre_pass"] = SmallGemv()
-        self.warm: set[tuple] = set()  # buckets compiled and run once
-        self.skip_guards = rules.skip_guards
         self.experts = _moe_model(runner.model) if self.compiled is not None else None
         base = base_model(runner.model)
         loops = self.compiled is not None and backend == "inductor" and not cuda
         loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
         self.attention = cpu_attention.NAME if loops else gqa_attention.NAME
-        self.realize_ops = policy.REALIZE_OPS if rules.realize_query else None
         self.grouped = base if loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
             gqa_attention.register()
@@ -158,11 +155,8 @@ class DecodeStep:
             stack.enter_context(gqa_attention.grouped_decode(self.grouped, name))
         if self.compiled is None or adapters is not None:
             return stack
-        inductor = dict(self.inductor)
-        if loops and self.realize_ops is not None:
-            inductor["realize_opcount_threshold"] = self.realize_ops
-        if inductor:
-            stack.enter_context(torch._inductor.config.patch(inductor))
+        if self.inductor:
+            stack.enter_context(torch._inductor.config.patch(self.inductor))
         if self.experts is not None:
             stack.enter_context(batched_mm_experts(self.experts))
         return stack
@@ -179,20 +173,8 @@ class DecodeStep:
             return self._compiled(rows, kv_len, needs)
 
     def _compiled(self, rows: int, kv_len: int, needs: Needs) -> torch.Tensor:
-        bucket = (rows, kv_len, needs)
-        if self.skip_guards and bucket in self.warm:
-            # a bucket this step compiled: Dynamo checks only the guards that tell its compiled
-            # entries apart (benchmarks/results/engine-guards-cpu.md); were the entry gone (a
-            # reset of Dynamo), it refuses to compile under this stance and the call below
-            # compiles again
-            try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.compiled(rows, kv_len, needs, None, self.key)
-            except RuntimeError as err:
-                if "skip_guard_eval_unsafe" not in str(err):
-                    raise
         out = self.compiled(rows, kv_len, needs, None, self.key)
-        self.warm.add(bucket)
+        self.warm.add((rows, kv_len, needs))
         return out
 
     def step(self, rows: int, kv_len: int, needs: Needs, adapters, key: int = 0):
@@ -214,18 +196,6 @@ class DecodeStep:
         return torch.where(live, nxt, -1)
 
 
-# A frozen CPU step: the weights are constants of the graph (freezing), so inductor can also
-# generate each matmul as its own C++ GEMM over a weight it prepacks once, where that beats the
-# library's call; each matmul shape is timed once against MKL's (max_autotune_gemm, the winner
-# kept). And the step's kernels are called from generated C++ (cpp_wrapper), not Python.
-FROZEN_CPU_STEP = dict(
-    freezing=True,
-    max_autotune_gemm=True,
-    max_autotune_gemm_backends="CPP,ATEN",
-    cpp_wrapper=True,
-)
-
-
 def compile_mode(compile_: str, mode: Optional[str], device) -> Optional[str]:
     """None (eager) or the torch.compile mode of the decode step (compile_: EngineConfig's)."""
     if compile_ == "off" or (compile_ == "auto" and device.type != "cuda"):
@@ -233,18 +203,6 @@ def compile_mode(compile_: str, mode: Optional[str], device) -> Optional[str]:
     mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
     # reduce-overhead means CUDA graphs: nothing to capture elsewhere
     return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
-
-
-def freeze(static_weights: bool, mode: Optional[str], backend: str, device, model) -> bool:
-    """Fold the weights into the compiled CPU step — only where the RAM has room for inductor's
-    second, prepacked copy; never on a GPU (its memory is the scarce one) or for weights that
-    change."""
-    if not static_weights or mode is None or device.type != "cpu" or backend != "inductor":
-        return False
-    from onegpu.hardware import host_memory_available
-
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * weights < host_memory_available()
 
 
 @contextmanager

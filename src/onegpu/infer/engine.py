@@ -28,7 +28,7 @@ import torch
 
 from onegpu.errors import ConfigError
 from onegpu.infer import policy
-from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode, freeze
+from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode
 from onegpu.infer.engine_config import (
     TOKEN_BUDGET,
     EngineConfig,
@@ -86,9 +86,6 @@ class Engine:
         self.rows = Rows.empty(self.max_slots, per_seq, eos, cfg.sync_every, self.device)
         self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
         self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
-        self.frozen = self.policy.frozen_step and freeze(
-            cfg.static_weights, self.compiled, cfg.compile_backend, self.device, model
-        )
         self.shapes = Shapes(
             self.max_slots, per_seq * size, size, cfg.fixed_shape, self.compiled is not None
         )
@@ -99,7 +96,6 @@ class Engine:
             self.compiled,
             cfg.compile_backend,
             self.policy,
-            self.frozen,
             self.shapes.count(),
         )
         budget = cfg.token_budget or TOKEN_BUDGET.get(self.device.type, TOKEN_BUDGET["cuda"])

@@ -49,10 +49,6 @@ class EngineConfig:
     eos_ids: Optional[list[int]] = None
     """Tokens that end a sequence. Default: the model's generation config's, and the
     tokenizer's."""
-    static_weights: bool = True
-    """The weights do not change while the engine lives. A compiled step on a CPU then folds them
-    into its graph (inductor's freezing). False for a sampler of weights being trained (GRPO): it
-    reads them live, and calls reset_prefix_cache when they change."""
     fixed_shape: bool = False
     """Every decode step runs all max_slots rows over all max_len positions: one compiled step
     (per sampling mode) whatever the requests' lengths, at the price of attending over the whole

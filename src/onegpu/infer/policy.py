@@ -6,7 +6,10 @@ hold on a second shape is not in the table.
 The CPU rows were measured on the ``tiny`` and ``125m`` presets
 (``benchmarks/results/engine-policy-cpu.md``, ``benchmarks/policy_ab.py``); the CUDA rows on
 the ``1b`` preset on an H200, and are to be measured on an 8B shape on the next card
-(``scripts/gpu_check.sh policy``).
+(``scripts/gpu_check.sh policy``). Three CPU rows timed on ``tiny`` alone before went when the
+``125m`` shape did not gain from them (the same file): inductor's realize threshold for the
+query, the frozen step (weights folded in, C++ GEMM templates, a C++ wrapper: 8% slower at
+``125m``) and skipping a warm bucket's guards.
 """
 
 from __future__ import annotations
@@ -32,26 +35,6 @@ RULES: dict[str, Rule] = {
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
     ),
-    "realize_query": Rule(
-        "cpu",
-        "while a step of those loops compiles, inductor's realize threshold is `realize_ops`: "
-        "the query (RoPE in it) becomes a buffer instead of being recomputed at every position",
-        "benchmarks/results/engine-policy-cpu.md",
-        ("tiny", "125m"),
-    ),
-    "frozen_step": Rule(
-        "cpu",
-        "a compiled step over weights that do not change folds them in (inductor's freezing), "
-        "with C++ GEMM templates where they beat MKL and a C++ wrapper (FROZEN_CPU_STEP)",
-        "benchmarks/results/engine-policy-cpu.md",
-        ("tiny", "125m"),
-    ),
-    "skip_guards": Rule(
-        "cpu",
-        "a warm compiled bucket checks only the guards that tell its entries apart",
-        "benchmarks/results/engine-policy-cpu.md",
-        ("tiny", "125m"),
-    ),
     "eager_window": Rule(
         "cpu",
         "an eager decode run reads a copy of its rows' blocks, gathered at its first step and "
@@ -68,18 +51,12 @@ RULES: dict[str, Rule] = {
     ),
 }
 
-# the settings of the rows above (not switches: what a row does when it is on)
-REALIZE_OPS = 8
-
 
 @dataclass(frozen=True)
 class Policy:
     """Which rows of ``RULES`` an engine applies (a row of another device is always False)."""
 
     cpu_attention_loops: bool = False
-    realize_query: bool = False
-    frozen_step: bool = False
-    skip_guards: bool = False
     eager_window: bool = False
     small_gemv: bool = False
 

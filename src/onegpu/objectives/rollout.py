@@ -161,7 +161,6 @@ def engine_rollouts(
             compile="on" if compiled else "off",
             eos_ids=eos,
             sync_every=32,
-            static_weights=False,  # the policy being trained: each rollout reads its weights now
             fixed_shape=compiled,  # one compiled step, not one per (rows, length) bucket
         )
         engine = Engine(gen, None, config)
