@@ -228,6 +228,7 @@ def test_a_graph_dropped_before_backward_frees_what_stayed(tiny_tokenizer, batch
     assert [r for r in made if r not in anyway and not r.expired()] == []
 
 
+@pytest.mark.slow  # inductor compiles the blocks: 17-33 CPU s from a cold cache
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
 def test_compiled_blocks_same_loss_and_gradients_and_their_saves_move(
     tiny_tokenizer, batch, checkpointing

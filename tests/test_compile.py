@@ -118,6 +118,7 @@ def test_every_block_shares_one_graph_through_the_pipeline(tiny_tokenizer, switc
     assert len(COMPILED_FRAMES) == 1
 
 
+@pytest.mark.slow  # an inductor compile: 12-15 CPU s from a cold cache, near the fast tier's limit
 def test_inductor_compiles_a_block(tiny_tokenizer):
     """The default backend (inductor) compiles the block's forward and its backward, in one graph,
     and the compiled block gives the eager loss."""

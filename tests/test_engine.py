@@ -281,6 +281,7 @@ def test_compiled_step_gives_the_eager_tokens(llama, tiny_tokenizer):
     assert counters["stats"]["unique_graphs"] >= 1  # the step really went through torch.compile
 
 
+@pytest.mark.slow  # an inductor compile of each MoE family's step: 26-31 CPU s from a cold cache
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_a_compiled_step_runs_moe_experts_without_host_reads(family, tiny_tokenizer):
     """A CUDA graph refuses a host read of the routing (the card found transformers' grouped_mm
