@@ -34,6 +34,18 @@ def pytest_addoption(parser):
     parser.addini("fast_tier_limit_s", "CPU seconds a test of the fast tier may take", default="20")
 
 
+def pytest_sessionstart(session):
+    """With the guard on, each process (an xdist worker included) pays inductor's one-time start —
+    its imports, the C++ toolchain's checks, a first kernel built — here, before any test: charged
+    to a test, it went to whichever compiling test a worker happened to run first (8 CPU seconds
+    and more from a cold cache), not to the test's own work."""
+    if not session.config.getoption("--tier-guard"):
+        return
+    import torch
+
+    torch.compile(lambda x: x * 2 + 1, backend="inductor")(torch.ones(8))
+
+
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system

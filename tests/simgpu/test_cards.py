@@ -7,17 +7,17 @@ import pytest
 
 pytestmark = pytest.mark.simgpu
 
-# Each card's checks in two processes (training; planning, refusals and the engine), so that each
-# test of a fast card stays well under the fast tier's CPU limit on a fresh machine, where every
-# compile is a cold one.
+# Each card's checks in two processes (the training step; offload, planning, refusals and the
+# engine), so that each test of a fast card stays well under the fast tier's CPU limit on a fresh
+# machine, where every compile is a cold one.
 CHECKS = {
     "training": [
         "tests/simgpu/card_decisions.py",
         "tests/simgpu/card_step.py",
         "tests/simgpu/card_risks.py",
-        "tests/simgpu/card_offload.py",
     ],
     "plan-engine": [
+        "tests/simgpu/card_offload.py",
         "tests/simgpu/card_fit.py",
         "tests/simgpu/card_refusals.py",
         "tests/simgpu/card_plan_moe.py",
