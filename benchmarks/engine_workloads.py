@@ -38,27 +38,18 @@ import time
 
 import torch
 
-PRESETS = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, heads=4, tie=True),
-    "125m": dict(
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, heads=12, tie=False
-    ),
-}
+PRESETS = ("tiny", "125m")  # onegpu.models.PRESETS' shapes, as onegpu train builds them
 
 
 def make_model(preset: str, context: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    p = PRESETS[preset]
+    from onegpu.models import PRESETS as SHAPES  # the engine's own tree: both engines have them
+
     config = LlamaConfig(
+        **dict(SHAPES[preset], max_position_embeddings=context),
         vocab_size=32000,
-        hidden_size=p["hidden_size"],
-        intermediate_size=p["intermediate_size"],
-        num_hidden_layers=p["num_hidden_layers"],
-        num_attention_heads=p["heads"],
-        num_key_value_heads=p["heads"],
-        max_position_embeddings=context,
-        tie_word_embeddings=p["tie"],
+        tie_word_embeddings=preset in ("tiny", "small"),
         bos_token_id=1,
         eos_token_id=2,
     )
