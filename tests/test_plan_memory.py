@@ -312,3 +312,49 @@ def test_the_gpu_buffer_scripts_torchao_step_is_torchaos(bits):
     assert torch.equal(args[0], p.detach())
     assert torch.equal(args[2], state["exp_avg"].codes)
     assert torch.equal(args[4], state["exp_avg_sq"].codes)
+
+
+@pytest.mark.parametrize("fp8", ["off", "tensorwise"])
+def test_ops_on_large_tensors_run_from_shapes_alone_and_keep_the_same_bytes(monkeypatch, fp8):
+    """Above SKIP_NUMEL elements every op is made from its shapes (the fused loss's weight-sized
+    gradient buffer, FP8's scales of the weights): a forward keeps the same bytes, eager and as
+    compiled code would, as when every op but the matmuls runs."""
+    from transformers import LlamaConfig
+
+    from onegpu.plan import saved_tensors
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    )
+    model = acts.build_probe_model(config, 2, "bf16", fp8=fp8)
+    skip, names = saved_tensors._skip_large, []
+
+    def counted(func, args, kwargs):
+        out = skip(func, args, kwargs)
+        if out is not None:
+            names.append(func.__name__.split(".")[0])
+        return out
+
+    monkeypatch.setattr(saved_tensors, "_skip_large", counted)
+    monkeypatch.setattr(saved_tensors, "SKIP_NUMEL", 1 << 62)  # nothing is that large: all run
+    every_op = [
+        acts.measure(model, b, s, "bf16", 32, skip_matmul=True, both=True)
+        for b, s in ((1, 48), (2, 64))
+    ]
+    assert names == []
+    monkeypatch.setattr(saved_tensors, "SKIP_NUMEL", 4096)  # the head and MLP weights are large
+    shapes_only = [
+        acts.measure(model, b, s, "bf16", 32, skip_matmul=True, both=True)
+        for b, s in ((1, 48), (2, 64))
+    ]
+    assert shapes_only == every_op
+    # the fused loss: its weight-gradient buffer (zeroed, accumulated) and the chunk's log-softmax
+    assert {"zeros_like", "add_", "_log_softmax"} <= set(names), names
+    if fp8 != "off":
+        assert "abs" in names, names  # the weights' float8 scales

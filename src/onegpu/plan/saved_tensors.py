@@ -11,6 +11,12 @@ bytes; a matmul of such tensors is skipped like any other, its output made from 
 from __future__ import annotations
 
 MATMULS = ("mm.default", "addmm.default", "bmm.default", "baddbmm.default")
+# Any other op on a floating tensor this large is made from shapes alone too: at full width the
+# fused loss's weight-sized gradient buffer (zeroed, accumulated, cast back), FP8's scales of the
+# weights and a log-softmax over a 128k vocabulary cost seconds each on a CPU, and their values,
+# like the uninitialised weights they come from, never matter. Below it, running the op is cheaper
+# than its meta round trip; the bytes kept are the same either way (tests/test_plan_activations.py).
+SKIP_NUMEL = 1 << 20
 # Ops compiled code recomputes in backward rather than saving their outputs, beside every op tagged
 # pointwise: casts, copies and concatenations (inductor fuses them into their consumers).
 RECOMPUTED = {"_to_copy", "clone", "cat", "stack", "copy", "_unsafe_view", "repeat", "expand_copy"}
@@ -42,6 +48,7 @@ class _Tracker:
         self.made: dict = {}
         self.exclude = exclude  # weights, buffers and inputs: there before forward, never counted
         self.read_by_heavy: set = set()  # serials a matmul or attention kernel took as input
+        self.skipped = 0  # ops beside the matmuls made from shapes alone (_skip_large)
 
     def _run(self, func, args, kwargs):
         import torch
@@ -50,25 +57,30 @@ class _Tracker:
         if (
             func.__name__ == "_to_copy.default"
             and args[0].is_floating_point()
-            and not kwargs.get("device")
+            and kwargs.get("device") in (None, args[0].device)
         ):
-            # dtype casts (autocast's weight copies): allocate, don't convert; values never matter
+            # dtype casts (autocast's weight copies, a gradient cast back to its weight's dtype,
+            # which names the device it stays on): allocate, don't convert; values never matter
             dtype = kwargs.get("dtype") or args[0].dtype
             if dtype.is_floating_point:
                 return torch.empty_strided(
                     args[0].shape, args[0].stride(), dtype=dtype, device=args[0].device
                 )
-        if func.__name__ not in MATMULS:
+        if func.__name__ in MATMULS:
+            # Same output shape, dtype and strides as the real kernel, without the FLOPs: the
+            # values never matter for how many bytes are kept.
+            meta = func(
+                *pytree.tree_map_only(torch.Tensor, _on_meta, args),
+                **pytree.tree_map_only(torch.Tensor, _on_meta, kwargs),
+            )
+            return torch.empty_strided(
+                meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device
+            )
+        skipped = _skip_large(func, args, kwargs)
+        if skipped is None:
             return func(*args, **kwargs)
-        # Same output shape, dtype and strides as the real kernel, without the FLOPs: the values
-        # never matter for how many bytes are kept.
-        meta = func(
-            *pytree.tree_map_only(torch.Tensor, _on_meta, args),
-            **pytree.tree_map_only(torch.Tensor, _on_meta, kwargs),
-        )
-        return torch.empty_strided(
-            meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device
-        )
+        self.skipped += 1
+        return skipped[0]
 
     def _record(self, out, func=None, inputs=()) -> None:
         import torch
@@ -123,6 +135,54 @@ class _Tracker:
             else:
                 kept += nbytes
         return kept
+
+
+def _skip_large(func, args, kwargs):
+    """(the op's result made from shapes alone,) for an op on a floating tensor of at least
+    SKIP_NUMEL elements, else None (run it). An in-place op returns its target untouched; an op
+    that makes new tensors gets empty ones of the shapes, strides and dtypes it computes on the
+    meta device. Views (their bytes are their base's), ops on wrapper subclasses (FP8's tensors
+    keep their own structure), ops that take a device and ops the meta device cannot run (sizes
+    that depend on values) run for real."""
+    import torch
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not any(t.is_floating_point() and t.numel() >= SKIP_NUMEL for t in leaves):
+        return None
+    if "device" in kwargs or any(is_traceable_wrapper_subclass(t) for t in leaves):
+        return None
+    schema = func._schema
+    writes = [r.alias_info for r in schema.returns if r.alias_info is not None]
+    if writes:
+        first = schema.arguments[0] if schema.arguments else None
+        inplace = (
+            len(schema.returns) == 1
+            and writes[0].is_write
+            and first is not None
+            and first.alias_info is not None
+            and first.alias_info.is_write
+            and not first.kwarg_only
+            and args
+            and args[0].is_floating_point()
+        )
+        return (args[0],) if inplace else None  # a view or an out= variant: run it
+    try:
+        meta = func(
+            *pytree.tree_map_only(torch.Tensor, _on_meta, args),
+            **pytree.tree_map_only(torch.Tensor, _on_meta, kwargs),
+        )
+    except Exception:  # noqa: BLE001 - a size that depends on values, or no meta kernel
+        return None
+    device = leaves[0].device
+    return (
+        pytree.tree_map_only(
+            torch.Tensor,
+            lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device),
+            meta,
+        ),
+    )
 
 
 def _on_meta(t):
