@@ -185,7 +185,7 @@ class Engine:
         for row in plan.freed:
             self.io.release(row)
         for seq in plan.started:
-            self.sampler.start(seq.row, seq.params, seq.tokens)
+            self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
         self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
         try:
             with torch.no_grad():
