@@ -54,7 +54,7 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
                 prefix + [41, 42], SamplingParams(max_new_tokens=4, repetition_penalty=1.2)
             )
             third, more = _run_pieces(engine)  # reads the cached prefix through its table
-            nxt = engine.decode_step.step(2, 64, Needs(True, True, True), None)  # the eager twin
+            nxt, _ = engine.decode_step.step(2, 64, Needs(True, True, True), None)  # the eager twin
     assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
     assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1

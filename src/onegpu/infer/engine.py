@@ -83,7 +83,9 @@ class Engine:
         self.sampler = Sampler(self.max_slots, vocab, self.device)
         eos = cfg.eos_ids or eos_ids_of(model, tokenizer)
         self.eos_set = frozenset(eos)
-        self.rows = Rows.empty(self.max_slots, per_seq, eos, cfg.sync_every, self.device)
+        self.rows = Rows.empty(
+            self.max_slots, per_seq, eos, cfg.sync_every, self.device, self.sampler.top
+        )
         self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
         self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
         self.shapes = Shapes(
@@ -191,13 +193,13 @@ class Engine:
             with torch.no_grad():
                 rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
                 firsts = self.io.prefill(self.runner, self.sampler, plan.pieces, self._names)
-            table, first_tokens = self.io.read_back(rows, steps, plan.decode, firsts)
+            table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
             # step must not leave them to be found
             self.pool.reset_cache()
             raise
-        return updates + self._process(plan, table, first_tokens)
+        return updates + self._process(plan, table, first_tokens, logprobs)
 
     def generate(
         self,
@@ -239,7 +241,7 @@ class Engine:
         window = self._window(plan, adapters, rows, kv_len)
         with window, self.decode_step.settings(adapters, rows):
             for j in range(steps):
-                self.rows.record(j, rows, self.decode_step(rows, kv_len, needs, adapters))
+                self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():
                     return rows, j + 1
         return rows, steps
@@ -264,8 +266,9 @@ class Engine:
         request without one runs on the base model ("__base__")."""
         return [s.adapter or "__base__" for s in seqs] if self.routing else None
 
-    def _process(self, plan: Plan, table: dict, first_tokens: dict) -> list[Update]:
-        """Each sequence's new tokens: the cache's bookkeeping, its text, its end."""
+    def _process(self, plan: Plan, table: dict, first_tokens: dict, logprobs: dict) -> list[Update]:
+        """Each sequence's new tokens (and their logprobs, for a request that asked): the cache's
+        bookkeeping, its text, its end."""
         updates = []
         for piece in plan.pieces:
             if not piece.last:
@@ -278,11 +281,11 @@ class Engine:
             reason = self._finish_reason(seq, output, new)
             if reason is not None:
                 self._end(seq)
-            updates.append(
-                update(
-                    seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
-                )
+            news = update(
+                seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
             )
+            news.logprobs = logprobs.get(seq)
+            updates.append(news)
         return updates
 
     def _finish_reason(self, seq: Sequence, output: Output, new: list[int]):

@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from onegpu.infer.logit_rules import apply_penalties, count_tokens
+from onegpu.infer.logit_rules import apply_penalties, count_tokens, token_logprobs
+from onegpu.infer.requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
 
@@ -40,6 +41,7 @@ class Needs:
     penalty: bool = False  # transformers' repetition penalty
     filtering: bool = False
     penalties: bool = False  # OpenAI's presence/frequency penalties: counts of generated tokens
+    logprobs: bool = False  # the chosen tokens' logprobs and the MAX_LOGPROBS likeliest
 
     @classmethod
     def of(cls, params) -> Needs:
@@ -49,6 +51,7 @@ class Needs:
             any(p.repetition_penalty != 1.0 for p in params),
             any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
+            any(p.logprobs is not None for p in params),
         )
 
 
@@ -182,6 +185,7 @@ class Sampler:
         self.presence = z(torch.float)
         self.frequency = z(torch.float)
         self.counts = z(torch.int32, rows, vocab)
+        self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
         if torch.device(device).type == "cuda":  # CUDA graphs replay on fixed addresses
             for name in self._STATE:
                 torch._dynamo.mark_static_address(getattr(self, name))
@@ -225,6 +229,15 @@ class Sampler:
         return next_tokens(
             logits, p, needs.sampling, needs.penalty, needs.filtering, needs.penalties
         )
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, needs: Needs):
+        """The logprob of each row's chosen token under the model's own ``logits`` (before any
+        penalty, temperature or filter: vLLM's default) and the ``top`` likeliest tokens with
+        theirs: ([rows], [rows, top], [rows, top]); None when no row asks. ``top`` is fixed (the
+        most a request may ask for), so one compiled step serves every request's k."""
+        if not needs.logprobs:
+            return None
+        return token_logprobs(logits, tokens, self.top)
 
     def observe(self, rows: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor, needs: Needs):
         """Rows ``rows`` (indices) chose ``tokens`` (where ``live``): the penalties see them. The
