@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 
+# what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
+# strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name
+FEATURES = EngineFeatures(penalties=True, logprobs=True)
+
 
 @dataclass
 class EngineStats:
@@ -106,9 +110,7 @@ class Engine:
             SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
         )
         self.io = StepIO(self.rows, self.device)
-        # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and
-        # stop strings (docs/serve-engine-seams.md): none yet, so a server refuses those fields
-        self.features = EngineFeatures()
+        self.features = FEATURES
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
