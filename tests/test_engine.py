@@ -267,6 +267,9 @@ def test_bad_requests_are_one_clear_error(llama):
         engine.submit([1, 2], SamplingParams(top_p=0))
     with pytest.raises(ConfigError, match="adapter 'nope' is not loaded"):
         engine.submit([1, 2], SamplingParams(max_new_tokens=4), adapter="nope")
+    for bad in ([1, 10**6], [-1, 2]):
+        with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+            engine.submit(bad, SamplingParams(max_new_tokens=4))
     assert not engine.has_work()  # nothing half-queued
 
 

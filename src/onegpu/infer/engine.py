@@ -78,6 +78,7 @@ class Engine:
         if self.max_len < 2:
             raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
         self.device = model.get_input_embeddings().weight.device
+        self.vocab = model.get_input_embeddings().weight.shape[0]  # the ids a prompt may hold
         blocks, per_seq = pool_blocks(cfg, self.max_len)
         size = cfg.block_size
         self.pool = BlockPool(blocks, size, cfg.prefix_caching)
@@ -130,6 +131,12 @@ class Engine:
         params.check()
         if not prompt_ids:
             raise ConfigError("the prompt is empty.", hint="give at least one token")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab:
+            raise ConfigError(
+                f"the prompt holds token ids outside the model's vocabulary (0-{self.vocab - 1}):"
+                f" {sorted({t for t in prompt_ids if not 0 <= t < self.vocab})[:5]}.",
+                hint="encode the prompt with the model's own tokenizer",
+            )
         need = len(prompt_ids) + params.max_new_tokens
         if need > self.max_len:
             raise ConfigError(
@@ -188,20 +195,27 @@ class Engine:
         self.cache.reserve(self.pool.high_water)
         for row in plan.freed:
             self.io.release(row)
+        failed: dict[Sequence, BaseException] = {}  # requests this step ends with an error
         for seq in plan.started:
-            self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
+            try:
+                self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
+            except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
+                failed[seq] = exc
         self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
         try:
             with torch.no_grad():
                 rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
-                firsts = self.io.prefill(self.runner, self.sampler, plan.pieces, self._names)
+                firsts = self.io.prefill(
+                    self.runner, self.sampler, plan.pieces, self._names, failed
+                )
             table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
             # step must not leave them to be found
             self.pool.reset_cache()
             raise
-        return updates + self._process(plan, table, first_tokens, logprobs)
+        news = self._process(plan, table, first_tokens, logprobs, failed)
+        return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
         self,
@@ -268,27 +282,48 @@ class Engine:
         request without one runs on the base model ("__base__")."""
         return [s.adapter or "__base__" for s in seqs] if self.routing else None
 
-    def _process(self, plan: Plan, table: dict, first_tokens: dict, logprobs: dict) -> list[Update]:
+    def _process(
+        self, plan: Plan, table: dict, first_tokens: dict, logprobs: dict, failed: dict
+    ) -> list[Update]:
         """Each sequence's new tokens (and their logprobs, for a request that asked): the cache's
-        bookkeeping, its text, its end."""
+        bookkeeping, its text, its end. A sequence whose own bookkeeping raises (its text, its
+        stop strings) joins ``failed``."""
         updates = []
         for piece in plan.pieces:
-            if not piece.last:
+            if not piece.last and piece.seq not in failed:
                 self.scheduler.computed(piece.seq, piece.end)
         for seq, new in [*table.items(), *first_tokens.items()]:
-            first = seq.generated == 0
-            self.scheduler.extend(seq, new)
-            output = self._outputs[seq.id]
-            output.add(new)
-            reason = self._finish_reason(seq, output, new)
-            if reason is not None:
-                self._end(seq)
-            news = update(
-                seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
-            )
-            news.logprobs = logprobs.get(seq)
-            updates.append(news)
+            try:
+                updates.append(self._news(seq, new, logprobs.get(seq)))
+            except Exception as exc:  # noqa: BLE001 - this request's alone: the others go on
+                failed[seq] = exc
         return updates
+
+    def _news(self, seq: Sequence, new: list[int], logprobs) -> Update:
+        first = seq.generated == 0
+        self.scheduler.extend(seq, new)
+        output = self._outputs[seq.id]
+        output.add(new)
+        reason = self._finish_reason(seq, output, new)
+        if reason is not None:
+            self._end(seq)
+        news = update(
+            seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
+        )
+        news.logprobs = logprobs
+        return news
+
+    def _fail(self, seq: Sequence, exc: BaseException, plan: Plan) -> Update:
+        """``seq`` failed alone: its caller gets the error, its row and blocks go back, the
+        blocks its prompt piece was to fill of this step are no longer found in the cache."""
+        log.error("request %d failed: %s: %s", seq.id, type(exc).__name__, exc, exc_info=exc)
+        for piece in plan.pieces:
+            if piece.seq is seq:
+                self.pool.forget(piece.writes(self.pool.block_size))
+        if seq.id in self._seqs:  # not already ended (its end came before the failure)
+            self._end(seq)
+        error = f"{type(exc).__name__}: {exc}"
+        return Update(seq.id, [], "", True, "error", len(seq.prompt), seq.generated, error=error)
 
     def _finish_reason(self, seq: Sequence, output: Output, new: list[int]):
         if output.stopped:

@@ -39,29 +39,62 @@ class StepIO:
         if dirty:
             self.rows.upload()
 
-    def prefill(self, runner: ModelRunner, sampler: Sampler, pieces: list[Piece], adapters):
+    def prefill(
+        self, runner: ModelRunner, sampler: Sampler, pieces: list[Piece], adapters, failed: dict
+    ) -> list[First]:
         """Run the pieces — neighbours of one length as one forward, in the plan's order (a piece
         may read blocks an earlier one of this step writes) — and sample the first token of each
-        prompt they finish; ``[(sequence, token on the device)]``."""
-        firsts = []
+        prompt they finish. A piece that raises fails its sequence alone (into ``failed``, a
+        sequence -> its error, which may hold some already): a forward of several that raises is
+        run again a piece at a time to find which; a later piece that reads a block a failed one
+        was to write fails with it (a prompt shared within the step)."""
+        firsts: list[First] = []
+        poisoned: set[int] = set()  # blocks a failed piece was to write
+        size = runner.block_size
         for _, run in groupby(pieces, key=lambda p: p.end - p.start):
-            group = list(run)
-            seqs = [p.seq for p in group]
-            rows = torch.tensor([s.row for s in seqs]).to(self.device)
-            ids = torch.tensor([p.seq.tokens[p.start : p.end] for p in group])
-            logits = runner.prefill(
-                Pieces(
-                    ids.to(self.device),
-                    [p.start for p in group],
-                    self.rows.tables.index_select(0, rows),
-                    adapters(seqs),
-                )
-            )
-            last = [i for i, p in enumerate(group) if p.last]
-            if last:
-                at = torch.tensor(last).to(self.device)
-                firsts += self._first(sampler, logits[at], [group[i] for i in last], rows[at])
+            group = []
+            for p in run:
+                if p.seq not in failed and poisoned.intersection(p.seq.table.blocks):
+                    failed[p.seq] = RuntimeError("a prompt block it shares failed to compute")
+                if p.seq in failed:
+                    poisoned.update(p.writes(size))
+                else:
+                    group.append(p)
+            if not group:
+                continue
+            try:
+                firsts += self._forward(runner, sampler, group, adapters)
+                continue
+            except Exception as exc:  # noqa: BLE001 - whose it is decides who fails
+                if len(group) == 1:
+                    failed[group[0].seq] = exc
+                    poisoned.update(group[0].writes(size))
+                    continue
+            for piece in group:
+                try:
+                    firsts += self._forward(runner, sampler, [piece], adapters)
+                except Exception as exc:  # noqa: BLE001 - this sequence's alone
+                    failed[piece.seq] = exc
+                    poisoned.update(piece.writes(size))
         return firsts
+
+    def _forward(self, runner: ModelRunner, sampler: Sampler, group: list[Piece], adapters):
+        seqs = [p.seq for p in group]
+        rows = torch.tensor([s.row for s in seqs]).to(self.device)
+        ids = torch.tensor([p.seq.tokens[p.start : p.end] for p in group])
+        logits = runner.prefill(
+            Pieces(
+                ids.to(self.device),
+                [p.start for p in group],
+                self.rows.tables.index_select(0, rows),
+                adapters(seqs),
+            )
+        )
+        last = [i for i, p in enumerate(group) if p.last]
+        if not last:
+            return []
+        at = torch.tensor(last).to(self.device)
+        return self._first(sampler, logits[at], [group[i] for i in last], rows[at])
 
     def _first(self, sampler: Sampler, logits, pieces: list[Piece], rows: torch.Tensor):
         seqs = [p.seq for p in pieces]
