@@ -32,9 +32,9 @@ _M32 = 0xFFFFFFFF
 class Needs:
     """What the rows of a step ask for beyond the most likely token, known on the host: it keys a
     compiled step, so a greedy batch pays for no noise, an unpenalised one for no lookup of the
-    tokens seen, an unfiltered one (GRPO's) for no sort of the vocabulary. A new per-row feature
-    (presence/frequency penalties, log-probabilities of the chosen tokens, a grammar's allowed
-    tokens) is one more field here, one more per-row tensor in ``Sampler`` and one more stage in
+    tokens seen or counted, an unfiltered one (GRPO's) for no sort of the vocabulary, one that
+    asks for no logprobs for no log-softmax. A new per-row feature (a grammar's allowed tokens) is
+    one more field here, one more per-row tensor in ``Sampler`` and one more stage in
     ``next_tokens``: the step's shape does not change."""
 
     sampling: bool = False
