@@ -133,3 +133,18 @@ def test_a_batch_without_logprobs_reads_back_as_before(llama, ids):
     got = run(engine, ids[:2], [SamplingParams(max_new_tokens=NEW, ignore_eos=True)] * 2)
     assert all(u.logprobs is None for us in got.values() for u in us)
     assert torch.all(engine.rows.chosen == 0)  # never written
+
+
+def test_a_step_with_logprobs_still_copies_to_the_host_once(llama, ids):
+    """The logprobs ride in the tokens' one copy: the step that computes the prompts (their first
+    tokens) and the sync_every decode steps after it each read the device once."""
+    from helpers import HostReads
+
+    engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=64, sync_every=4))
+    for prompt, k in zip(ids[:2], (2, None), strict=True):
+        engine.submit(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=k))
+    for expect in (1, 4):
+        with HostReads() as reads:
+            news = engine.step()
+        assert len(reads.calls) == 1, reads.calls
+        assert [len(u.logprobs or []) for u in news] == [expect, 0]

@@ -100,12 +100,26 @@ def test_a_compiled_step_applies_the_penalties_as_the_eager_one(llama, ids):
     assert any(needs.penalties for _, _, needs in compiled.decode_step.warm)
 
 
-@pytest.mark.slow  # an inductor compile of the penalised step
-def test_an_inductor_compiled_step_applies_the_penalties(llama, ids):
+@pytest.mark.slow  # an inductor compile of the penalised step with logprobs: ~20 CPU s
+def test_an_inductor_compiled_step_applies_the_penalties_and_gives_the_logprobs(llama, ids):
+    """The step as a GPU server compiles it (inductor): penalties, counts and the log-softmax and
+    top-k of the logprobs inside one compiled graph."""
+    settings = params(presence=1.0, frequency=1.0, logprobs=3)
     config = EngineConfig(max_slots=2, max_len=64, sync_every=4, compile="on")
-    got = Engine(llama, None, config).generate(ids, params(presence=1.0, frequency=1.0))
-    for prompt, res in zip(ids, got, strict=True):
-        assert res.token_ids == reference(llama, prompt, NEW, 1.0, 1.0)
+    compiled = Engine(llama, None, config)
+    eager = Engine(llama, None, EngineConfig(max_slots=2, max_len=64, sync_every=4))
+    got, want = ({}, {})
+    for engine, out in ((compiled, got), (eager, want)):
+        rids = [engine.submit(p, settings) for p in ids]
+        while engine.has_work():
+            for u in engine.step():
+                out.setdefault(rids.index(u.request_id), []).extend(u.logprobs)
+    assert any(needs.logprobs and needs.penalties for _, _, needs in compiled.decode_step.warm)
+    for i, prompt in enumerate(ids):
+        assert [lp.token_id for lp in got[i]] == reference(llama, prompt, NEW, 1.0, 1.0)
+        for a, b in zip(got[i], want[i], strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_the_prompts_tokens_are_not_counted_and_preemption_rebuilds_the_counts(
