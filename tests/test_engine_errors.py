@@ -2,7 +2,7 @@
 sampling set up, or its text made) ends that request with ``Update(finished=True,
 finish_reason="error", error=...)``, gives back its row and blocks and forgets the prefix blocks
 it was to fill; every other request, decoding or computing its prompt in the same forward, gets
-the tokens it gets alone."""
+the tokens it gets alone — through the HTTP server too, where the failed caller gets a 500."""
 
 from __future__ import annotations
 
@@ -147,3 +147,46 @@ def test_a_request_reading_a_failed_prompts_blocks_in_the_same_step_fails_with_i
     assert got[2].token_ids == alone(llama, third)
     assert engine.generate([second], GREEDY)[0].token_ids == alone(llama, second)
     assert engine.pool.free_count() == engine.pool.usable
+
+
+def test_through_the_server_the_failed_request_gets_a_500_and_the_others_their_answers(
+    llama, tiny_tokenizer, monkeypatch
+):
+    """The decode engine behind the HTTP server (in-process): the caller whose prompt fails gets
+    OpenAI's error with the engine's reason, the callers sharing its steps their answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from onegpu.serve.adapters import ServedModels
+    from onegpu.serve.app import Service
+    from onegpu.serve.metrics import Metrics
+    from onegpu.serve.scheduler import Scheduler
+    from serve_fakes import LiveApp
+
+    engine = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=4, max_len=64, sync_every=2))
+    fail_forwards_with(engine, monkeypatch, lambda rows: any(MARK in r for r in rows))
+    metrics = Metrics()
+    service = Service(
+        Scheduler(engine, 8, metrics), tiny_tokenizer, ServedModels("tiny"), metrics, 64
+    )
+    prompts = [[30, MARK, 31, 32], [40, 41, 42, 43], [50, 51, 52, 53]]
+    live = LiveApp(service)
+    try:
+
+        def ask(prompt):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            return httpx.post(f"{live.url}/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(ask, prompts))
+    finally:
+        live.stop()
+    assert (
+        replies[0].status_code == 500 and "injected fault" in replies[0].json()["error"]["message"]
+    )
+    reference = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=1, max_len=64))
+    for prompt, reply in zip(prompts[1:], replies[1:], strict=True):
+        assert reply.status_code == 200, reply.text
+        want = reference.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert reply.json()["choices"][0]["text"] == want[0].text
