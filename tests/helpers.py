@@ -7,6 +7,7 @@ import json
 import shutil
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -304,3 +305,28 @@ def benchmark_script(name: str, folder: str = "benchmarks"):
     sys.modules[name] = module  # dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host (each one a device sync on a
+    GPU): tolist, item, cpu, numpy and the conversions to Python numbers and bools."""
+
+    READS = {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -3,9 +3,10 @@
 through the engine's real Output (incremental detokenization, stop strings, held-back text). A
 script answer of ``FAIL`` fails that request alone (Update.error); ``CRASH`` makes the step raise
 (an engine-wide fault). It implements
-the engine's side of the serve scheduler (submit, cancel, step, has_work, stats, free_slots) and,
-unlike today's engine, logprobs, so the server's rendering of them is tested before the engine
-offers them. The server runs under uvicorn on a thread, on 127.0.0.1 and a free port."""
+the engine's side of the serve scheduler (submit, cancel, step, has_work, stats, free_slots) and
+logprobs of fixed values, so the server's rendering of them is tested apart from the engine's
+(tests/test_serve.py checks the real engine's). The server runs under uvicorn on a thread, on
+127.0.0.1 and a free port."""
 
 from __future__ import annotations
 

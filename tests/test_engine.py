@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.overrides import TorchFunctionMode
 
 from families import FAMILIES, tiny_family_model
+from helpers import HostReads
 from onegpu.errors import ConfigError
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.paged_cache import cache_kwarg, kv_bytes_per_position
@@ -84,31 +84,6 @@ def test_a_request_joining_mid_flight_changes_no_output(llama, tiny_tokenizer):
     assert [news[r] for r in [first, *later]] == [a.token_ids for a in alone]
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the calls that copy a tensor's values to the host (each one a device sync on a
-    GPU): tolist, item, cpu, numpy and the conversions to Python numbers and bools."""
-
-    READS = {
-        torch.Tensor.tolist,
-        torch.Tensor.item,
-        torch.Tensor.cpu,
-        torch.Tensor.numpy,
-        torch.Tensor.__bool__,
-        torch.Tensor.__int__,
-        torch.Tensor.__float__,
-        torch.Tensor.__index__,
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.calls.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_first_token_goes_out_at_admission_then_sync_every_in_one_read_back(
     llama, tiny_tokenizer
 ):
@@ -118,11 +93,11 @@ def test_the_first_token_goes_out_at_admission_then_sync_every_in_one_read_back(
     engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=5))
     for row in _ids(tiny_tokenizer)[:2]:
         engine.submit(row, SamplingParams(max_new_tokens=20))
-    with _HostReads() as reads:
+    with HostReads() as reads:
         first = engine.step()
     assert [len(u.token_ids) for u in first] == [1, 1] and all(u.first_token for u in first)
     assert len(reads.calls) == 1, reads.calls
-    with _HostReads() as reads:
+    with HostReads() as reads:
         second = engine.step()
     assert [len(u.token_ids) for u in second] == [5, 5] and len(reads.calls) == 1, reads.calls
 
@@ -267,6 +242,9 @@ def test_bad_requests_are_one_clear_error(llama):
         engine.submit([1, 2], SamplingParams(top_p=0))
     with pytest.raises(ConfigError, match="adapter 'nope' is not loaded"):
         engine.submit([1, 2], SamplingParams(max_new_tokens=4), adapter="nope")
+    for bad in ([1, 10**6], [-1, 2]):
+        with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+            engine.submit(bad, SamplingParams(max_new_tokens=4))
     assert not engine.has_work()  # nothing half-queued
 
 

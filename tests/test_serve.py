@@ -193,3 +193,99 @@ def test_metrics_count_requests_tokens_and_latency(client, server):
     assert server.metric("onegpu_kv_positions_total") >= 256
     assert server.metric("onegpu_kv_positions_used") == 0
     assert server.metric("onegpu_num_requests_running") == 0
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{server.url}{path}", headers=headers, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    lines = [
+        line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")
+    ]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _penalised_reference(model_dir, prompt: list[int], new: int, presence, frequency):
+    """Greedy tokens under OpenAI's penalties from full forwards of the saved model, and the
+    model's own log-softmax before each: (tokens, [new, vocab])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokens, rows = [], []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            rows.append(torch.log_softmax(logits, -1))
+            for t in set(tokens):
+                logits[t] -= tokens.count(t) * frequency + presence
+            tokens.append(int(logits.argmax()))
+    return tokens, torch.stack(rows)
+
+
+def test_completions_carry_the_models_logprobs_and_apply_the_penalties(
+    server, tiny_model_dir, tiny_tokenizer
+):
+    """OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs, text_offset): the
+    model's log-softmax at each greedy, penalised token, the same streamed as whole."""
+    import torch
+
+    body = {"model": str(tiny_model_dir), "prompt": PROMPTS[0], "max_tokens": 8}
+    body.update(temperature=0, logprobs=3, frequency_penalty=1.0, presence_penalty=0.5)
+    body["ignore_eos"] = True
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    prompt = tiny_tokenizer(PROMPTS[0])["input_ids"]
+    tokens, ref = _penalised_reference(tiny_model_dir, prompt, 8, 0.5, 1.0)
+    assert tokens != _penalised_reference(tiny_model_dir, prompt, 8, 0.0, 0.0)[0]  # they act
+    texts = [tiny_tokenizer.decode([t]) for t in tokens]
+    assert whole["tokens"] == texts
+    want = ref[torch.arange(8), torch.tensor(tokens)]
+    torch.testing.assert_close(torch.tensor(whole["token_logprobs"]), want, atol=1e-4, rtol=0)
+    for j, top in enumerate(whole["top_logprobs"]):
+        values, ids = torch.topk(ref[j], 3)
+        want_top: dict = {}  # two ids of one text: the likelier one's logprob
+        for i, v in zip(ids.tolist(), values.tolist(), strict=True):
+            want_top.setdefault(tiny_tokenizer.decode([i]), v)
+        assert set(top) == set(want_top)
+        assert all(abs(top[t] - want_top[t]) < 1e-4 for t in top)
+    assert whole["text_offset"] == [sum(len(t) for t in texts[:j]) for j in range(8)]
+    chunks = _events(_post(server, "/v1/completions", {**body, "stream": True}))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in streamed for x in lp[key]] == whole[key], key
+
+
+def test_chat_logprobs_have_openais_shape_streamed_and_whole(client, server, tiny_model_dir):
+    body = {"model": str(tiny_model_dir), "messages": [{"role": "user", "content": "hi"}]}
+    body.update(max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    whole = _post(server, "/v1/chat/completions", body).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] > 0
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 2
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+        first, second = entry["top_logprobs"]
+        # greedy: the chosen token is the likeliest one
+        assert (first["token"], first["logprob"]) == (entry["token"], entry["logprob"])
+        assert second["logprob"] <= first["logprob"]
+    chunks = _events(_post(server, "/v1/chat/completions", {**body, "stream": True}))
+    streamed = [
+        t
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for t in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == content
+    # the openai client reads them as its own types
+    kw = {k: v for k, v in body.items() if k != "model"}
+    parsed = client.chat.completions.create(model=str(tiny_model_dir), **kw)
+    assert parsed.choices[0].logprobs.content[0].top_logprobs[1].logprob == pytest.approx(
+        content[0]["top_logprobs"][1]["logprob"]
+    )

@@ -149,6 +149,17 @@ def test_penalties_and_logprobs_reach_the_engines_sampling_params(tiny_tokenizer
         lp = text["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
         assert lp["text_offset"][0] == 0 and all(len(t) == 3 for t in lp["top_logprobs"])
+        # streamed, each token's offset counts on from the earlier chunks' (and the echo's)
+        echoed = {"prompt": "x", "logprobs": 1, "max_tokens": 3, "echo": True}
+        offsets = post(live, "/v1/completions", echoed).json()["choices"][0]["logprobs"]
+        chunks = sse(post(live, "/v1/completions", {**echoed, "stream": True}))[:-1]
+        streamed = [
+            o
+            for c in chunks
+            if c["choices"][0]["logprobs"]
+            for o in c["choices"][0]["logprobs"]["text_offset"]
+        ]
+        assert streamed == offsets["text_offset"] and offsets["text_offset"][0] == 1
         streamed = sse(post(live, "/v1/chat/completions", {**body, "stream": True}))
         got = [
             t
@@ -162,22 +173,38 @@ def test_penalties_and_logprobs_reach_the_engines_sampling_params(tiny_tokenizer
 
 
 @pytest.mark.parametrize(
-    "extra,param",
+    "extra,param,applied",
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 1}, "frequency_penalty"),
-        ({"logprobs": True}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"presence_penalty": 0.5}, "presence_penalty", True),
+        ({"frequency_penalty": 1}, "frequency_penalty", True),
+        ({"logprobs": True}, "logprobs", True),
+        ({"response_format": {"type": "json_object"}}, "response_format", False),
+        ({"guided_choice": ["a", "b"]}, "guided_choice", False),
     ],
 )
-def test_what_the_engine_does_not_apply_yet_is_refused_by_name(app, extra, param):
+def test_what_the_engine_does_not_apply_is_refused_by_name(
+    app, tiny_tokenizer, extra, param, applied
+):
+    """An engine that declares nothing refuses each field by name; the decode engine's own
+    declaration (penalties and logprobs applied, grammars not yet) lets those through."""
+    from onegpu.infer.engine import FEATURES
+
     err = error_of(post(app, "/v1/chat/completions", chat(**extra)), 400)
     assert err["param"] == param and err["code"] == "unsupported_parameter"
     assert (
         post(app, "/v1/chat/completions", chat(presence_penalty=0, logprobs=False)).status_code
         == 200
     )
+    service, _ = make_service(tiny_tokenizer, hello, features=FEATURES)
+    live = LiveApp(service)
+    try:
+        response = post(live, "/v1/chat/completions", chat(**extra))
+        if applied:
+            assert response.status_code == 200, response.text
+        else:
+            assert error_of(response, 400)["code"] == "unsupported_parameter"
+    finally:
+        live.stop()
 
 
 def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(app):

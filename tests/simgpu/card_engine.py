@@ -26,9 +26,9 @@ def _run_pieces(engine):
     plan = engine.scheduler.schedule()
     engine.cache.reserve(engine.pool.high_water)
     for seq in plan.started:
-        engine.sampler.start(seq.row, seq.params, seq.tokens)
+        engine.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
     engine.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
-    firsts = engine.io.prefill(engine.runner, engine.sampler, plan.pieces, engine._names)
+    firsts = engine.io.prefill(engine.runner, engine.sampler, plan.pieces, engine._names, {})
     for piece in plan.pieces:  # what the read-back would tell the scheduler
         if piece.last:  # a fake tensor has no value: the first token read back as token 0
             piece.seq.tokens.append(0)
@@ -51,14 +51,20 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
             first, _ = _run_pieces(engine)  # 24 of its 33 tokens: a piece that ends a chunk
             second, firsts = _run_pieces(engine)  # the rest; its first token sampled
             engine.submit(
-                prefix + [41, 42], SamplingParams(max_new_tokens=4, repetition_penalty=1.2)
+                prefix + [41, 42],
+                SamplingParams(
+                    max_new_tokens=4, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=2
+                ),
             )
             third, more = _run_pieces(engine)  # reads the cached prefix through its table
-            nxt = engine.decode_step.step(2, 64, Needs(True, True, True), None)  # the eager twin
+            every = Needs(True, True, True, penalties=True, logprobs=True)
+            nxt, logprobs = engine.decode_step.step(2, 64, every, None)  # the eager twin
     assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
     assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
     assert nxt.is_cuda and nxt.shape == (2,)
+    assert all(t.is_cuda for t in logprobs) and logprobs[1].shape == (2, engine.sampler.top)
+    assert engine.sampler.counts.is_cuda and engine.rows.top_ids.is_cuda
     blocks = engine.pool.num_blocks * engine.pool.block_size
     assert all(k.is_cuda and k.shape[1] == blocks for k in engine.cache.keys)
     assert engine.rows.tables.is_cuda and engine.sampler.seen.shape == (2, VOCAB)

@@ -22,7 +22,10 @@ from onegpu.infer.sampling import Needs, Sampler
 class Rows:
     """Per decode row: the token to feed next and its position, whether the row decodes, its
     request's token budget and the tokens it has generated, its block table ``tables [rows,
-    blocks]``; ``out`` collects the tokens of the steps since the last read-back."""
+    blocks]``; ``out`` collects the tokens of the steps since the last read-back, and beside it
+    ``chosen [rows, steps]``, ``top_ids``/``top_logprobs [rows, steps, top]`` their logprobs and
+    each step's likeliest tokens (written by the steps that compute them: a row asking for
+    logprobs ran in them)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -33,10 +36,15 @@ class Rows:
     tables: torch.Tensor
     out: torch.Tensor
     eos: torch.Tensor
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
     host_tables: Optional[torch.Tensor] = None  # the tables as the host writes them
 
     @classmethod
-    def empty(cls, rows: int, blocks: int, eos_ids: list[int], sync_every: int, device) -> Rows:
+    def empty(
+        cls, rows: int, blocks: int, eos_ids: list[int], sync_every: int, device, top: int = 0
+    ) -> Rows:
         def z(dtype, *shape, fill=0):
             return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
 
@@ -50,6 +58,9 @@ class Rows:
             tables=z(torch.long, rows, blocks),
             out=z(torch.long, rows, sync_every, fill=-1),
             eos=torch.tensor(eos_ids or [-2], dtype=torch.long).to(device),
+            chosen=z(torch.float, rows, sync_every),
+            top_ids=z(torch.long, rows, sync_every, top),
+            top_logprobs=z(torch.float, rows, sync_every, top),
         )
         cuda = torch.device(device).type == "cuda"
         if cuda:  # CUDA graphs replay on fixed addresses
@@ -85,9 +96,16 @@ class Rows:
         if self.host_tables is not self.tables:  # on a CPU they are one tensor
             self.tables.copy_(self.host_tables, non_blocking=True)
 
-    def record(self, column: int, rows: int, tokens: torch.Tensor) -> None:
-        """A decode step's tokens, kept on the device until the step's read-back."""
+    def record(self, column: int, rows: int, tokens: torch.Tensor, logprobs=None) -> None:
+        """A decode step's tokens (and their logprobs, when the step computed them: the
+        sampler's ``(chosen, top ids, top logprobs)``), kept on the device until the step's
+        read-back."""
         self.out[:rows, column] = tokens
+        if logprobs is not None:
+            chosen, ids, values = logprobs
+            self.chosen[:rows, column] = chosen
+            self.top_ids[:rows, column] = ids
+            self.top_logprobs[:rows, column] = values
 
     def read_back(self, rows: int, steps: int) -> list[list[int]]:
         return self.out[:rows, :steps].tolist()
@@ -161,7 +179,7 @@ class DecodeStep:
             stack.enter_context(batched_mm_experts(self.experts))
         return stack
 
-    def __call__(self, rows: int, kv_len: int, needs: Needs, adapters) -> torch.Tensor:
+    def __call__(self, rows: int, kv_len: int, needs: Needs, adapters) -> tuple:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
             return self.step(rows, kv_len, needs, adapters)
         config = torch._dynamo.config
@@ -172,12 +190,14 @@ class DecodeStep:
         with config.patch(limits):
             return self._compiled(rows, kv_len, needs)
 
-    def _compiled(self, rows: int, kv_len: int, needs: Needs) -> torch.Tensor:
+    def _compiled(self, rows: int, kv_len: int, needs: Needs) -> tuple:
         out = self.compiled(rows, kv_len, needs, None, self.key)
         self.warm.add((rows, kv_len, needs))
         return out
 
     def step(self, rows: int, kv_len: int, needs: Needs, adapters, key: int = 0):
+        """Each row's next token (-1 where it does not decode) and, where ``needs.logprobs``, the
+        sampler's logprobs of the step (else None)."""
         st = self.rows
         if key < 0:  # never: the test makes Dynamo guard on the key (unread, it would not)
             raise ValueError(key)
@@ -186,6 +206,7 @@ class DecodeStep:
         logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters)
         generated = st.generated[:rows]
         nxt = self.sampler.sample(logits, slice(0, rows), generated, needs)
+        logprobs = self.sampler.logprobs(logits, nxt, needs)  # the model's own: before any rule
         count = generated + 1
         ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (count >= st.budget[:rows])
         st.tokens[:rows] = torch.where(live, nxt, st.tokens[:rows])
@@ -193,7 +214,7 @@ class DecodeStep:
         st.generated[:rows] = torch.where(live, count, generated)
         self.sampler.observe(torch.arange(rows, device=nxt.device), nxt, live, needs)
         st.live[:rows] = live & ~ended
-        return torch.where(live, nxt, -1)
+        return torch.where(live, nxt, -1), logprobs
 
 
 def compile_mode(compile_: str, mode: Optional[str], device) -> Optional[str]:

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 
+# what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
+# strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name
+FEATURES = EngineFeatures(penalties=True, logprobs=True)
+
 
 @dataclass
 class EngineStats:
@@ -74,6 +78,7 @@ class Engine:
         if self.max_len < 2:
             raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
         self.device = model.get_input_embeddings().weight.device
+        self.vocab = model.get_input_embeddings().weight.shape[0]  # the ids a prompt may hold
         blocks, per_seq = pool_blocks(cfg, self.max_len)
         size = cfg.block_size
         self.pool = BlockPool(blocks, size, cfg.prefix_caching)
@@ -83,7 +88,9 @@ class Engine:
         self.sampler = Sampler(self.max_slots, vocab, self.device)
         eos = cfg.eos_ids or eos_ids_of(model, tokenizer)
         self.eos_set = frozenset(eos)
-        self.rows = Rows.empty(self.max_slots, per_seq, eos, cfg.sync_every, self.device)
+        self.rows = Rows.empty(
+            self.max_slots, per_seq, eos, cfg.sync_every, self.device, self.sampler.top
+        )
         self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
         self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
         self.shapes = Shapes(
@@ -104,9 +111,7 @@ class Engine:
             SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
         )
         self.io = StepIO(self.rows, self.device)
-        # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and
-        # stop strings (docs/serve-engine-seams.md): none yet, so a server refuses those fields
-        self.features = EngineFeatures()
+        self.features = FEATURES
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
@@ -126,6 +131,12 @@ class Engine:
         params.check()
         if not prompt_ids:
             raise ConfigError("the prompt is empty.", hint="give at least one token")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab:
+            raise ConfigError(
+                f"the prompt holds token ids outside the model's vocabulary (0-{self.vocab - 1}):"
+                f" {sorted({t for t in prompt_ids if not 0 <= t < self.vocab})[:5]}.",
+                hint="encode the prompt with the model's own tokenizer",
+            )
         need = len(prompt_ids) + params.max_new_tokens
         if need > self.max_len:
             raise ConfigError(
@@ -184,20 +195,27 @@ class Engine:
         self.cache.reserve(self.pool.high_water)
         for row in plan.freed:
             self.io.release(row)
+        failed: dict[Sequence, BaseException] = {}  # requests this step ends with an error
         for seq in plan.started:
-            self.sampler.start(seq.row, seq.params, seq.tokens)
+            try:
+                self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
+            except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
+                failed[seq] = exc
         self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
         try:
             with torch.no_grad():
                 rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
-                firsts = self.io.prefill(self.runner, self.sampler, plan.pieces, self._names)
-            table, first_tokens = self.io.read_back(rows, steps, plan.decode, firsts)
+                firsts = self.io.prefill(
+                    self.runner, self.sampler, plan.pieces, self._names, failed
+                )
+            table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
             # step must not leave them to be found
             self.pool.reset_cache()
             raise
-        return updates + self._process(plan, table, first_tokens)
+        news = self._process(plan, table, first_tokens, logprobs, failed)
+        return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
         self,
@@ -239,7 +257,7 @@ class Engine:
         window = self._window(plan, adapters, rows, kv_len)
         with window, self.decode_step.settings(adapters, rows):
             for j in range(steps):
-                self.rows.record(j, rows, self.decode_step(rows, kv_len, needs, adapters))
+                self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():
                     return rows, j + 1
         return rows, steps
@@ -264,26 +282,48 @@ class Engine:
         request without one runs on the base model ("__base__")."""
         return [s.adapter or "__base__" for s in seqs] if self.routing else None
 
-    def _process(self, plan: Plan, table: dict, first_tokens: dict) -> list[Update]:
-        """Each sequence's new tokens: the cache's bookkeeping, its text, its end."""
+    def _process(
+        self, plan: Plan, table: dict, first_tokens: dict, logprobs: dict, failed: dict
+    ) -> list[Update]:
+        """Each sequence's new tokens (and their logprobs, for a request that asked): the cache's
+        bookkeeping, its text, its end. A sequence whose own bookkeeping raises (its text, its
+        stop strings) joins ``failed``."""
         updates = []
         for piece in plan.pieces:
-            if not piece.last:
+            if not piece.last and piece.seq not in failed:
                 self.scheduler.computed(piece.seq, piece.end)
         for seq, new in [*table.items(), *first_tokens.items()]:
-            first = seq.generated == 0
-            self.scheduler.extend(seq, new)
-            output = self._outputs[seq.id]
-            output.add(new)
-            reason = self._finish_reason(seq, output, new)
-            if reason is not None:
-                self._end(seq)
-            updates.append(
-                update(
-                    seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
-                )
-            )
+            try:
+                updates.append(self._news(seq, new, logprobs.get(seq)))
+            except Exception as exc:  # noqa: BLE001 - this request's alone: the others go on
+                failed[seq] = exc
         return updates
+
+    def _news(self, seq: Sequence, new: list[int], logprobs) -> Update:
+        first = seq.generated == 0
+        self.scheduler.extend(seq, new)
+        output = self._outputs[seq.id]
+        output.add(new)
+        reason = self._finish_reason(seq, output, new)
+        if reason is not None:
+            self._end(seq)
+        news = update(
+            seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
+        )
+        news.logprobs = logprobs
+        return news
+
+    def _fail(self, seq: Sequence, exc: BaseException, plan: Plan) -> Update:
+        """``seq`` failed alone: its caller gets the error, its row and blocks go back, the
+        blocks its prompt piece was to fill of this step are no longer found in the cache."""
+        log.error("request %d failed: %s: %s", seq.id, type(exc).__name__, exc, exc_info=exc)
+        for piece in plan.pieces:
+            if piece.seq is seq:
+                self.pool.forget(piece.writes(self.pool.block_size))
+        if seq.id in self._seqs:  # not already ended (its end came before the failure)
+            self._end(seq)
+        error = f"{type(exc).__name__}: {exc}"
+        return Update(seq.id, [], "", True, "error", len(seq.prompt), seq.generated, error=error)
 
     def _finish_reason(self, seq: Sequence, output: Output, new: list[int]):
         if output.stopped:

@@ -131,6 +131,15 @@ class BlockPool:
                 self._by_hash.setdefault(digest, table.blocks[i])
             table.hashes.append(digest)
 
+    def forget(self, blocks: list[int]) -> None:
+        """Forget the hashes of ``blocks`` (a failed computation left them without their KV):
+        no later request finds them; their holders keep them."""
+        for b in blocks:
+            block = self._blocks[b]
+            if block.hash is not None and self._by_hash.get(block.hash) == b:
+                del self._by_hash[block.hash]
+            block.hash = block.key = None
+
     def reset_cache(self) -> None:
         """Forget every hash (the weights changed: a cached block no longer holds their KV).
         Blocks in use stay with their sequences; they are simply no longer found."""

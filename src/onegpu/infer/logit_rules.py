@@ -16,10 +16,17 @@ from typing import Optional
 import torch
 
 
-def count_tokens(counts: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+def count_tokens(
+    counts: torch.Tensor,
+    tokens: torch.Tensor,
+    live: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``counts`` [rows, vocab] (any integer or float dtype) plus one at each row's new token,
-    for the rows where ``live`` [rows] (bool) is set; in place, and returned."""
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    for the rows where ``live`` [rows] (bool) is set; in place, and returned. ``rows``: the rows of
+    ``counts`` the tokens are for (distinct indices), when not the first ``len(tokens)``."""
+    if rows is None:
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
     counts.index_put_((rows, tokens), live.to(counts.dtype), accumulate=True)
     return counts
 

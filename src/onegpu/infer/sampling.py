@@ -18,8 +18,12 @@ same command).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from onegpu.infer.logit_rules import apply_penalties, count_tokens, token_logprobs
+from onegpu.infer.requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
 
@@ -28,14 +32,16 @@ _M32 = 0xFFFFFFFF
 class Needs:
     """What the rows of a step ask for beyond the most likely token, known on the host: it keys a
     compiled step, so a greedy batch pays for no noise, an unpenalised one for no lookup of the
-    tokens seen, an unfiltered one (GRPO's) for no sort of the vocabulary. A new per-row feature
-    (presence/frequency penalties, log-probabilities of the chosen tokens, a grammar's allowed
-    tokens) is one more field here, one more per-row tensor in ``Sampler`` and one more stage in
+    tokens seen or counted, an unfiltered one (GRPO's) for no sort of the vocabulary, one that
+    asks for no logprobs for no log-softmax. A new per-row feature (a grammar's allowed tokens) is
+    one more field here, one more per-row tensor in ``Sampler`` and one more stage in
     ``next_tokens``: the step's shape does not change."""
 
     sampling: bool = False
-    penalty: bool = False
+    penalty: bool = False  # transformers' repetition penalty
     filtering: bool = False
+    penalties: bool = False  # OpenAI's presence/frequency penalties: counts of generated tokens
+    logprobs: bool = False  # the chosen tokens' logprobs and the MAX_LOGPROBS likeliest
 
     @classmethod
     def of(cls, params) -> Needs:
@@ -44,6 +50,8 @@ class Needs:
             any(not p.greedy for p in params),
             any(p.repetition_penalty != 1.0 for p in params),
             any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
+            any(p.logprobs is not None for p in params),
         )
 
 
@@ -58,18 +66,32 @@ class RowParams:
     seed: torch.Tensor
     step: torch.Tensor  # tokens the request generated so far: the noise's counter
     seen: torch.Tensor  # tokens of the prompt and the output so far (repetition penalty)
+    # OpenAI's penalties ([rows]) and the counts of the tokens each request generated [rows, vocab]
+    presence: Optional[torch.Tensor] = None
+    frequency: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None
 
 
 def next_tokens(
-    logits: torch.Tensor, p: RowParams, sampling: bool, penalty: bool, filtering: bool = True
+    logits: torch.Tensor,
+    p: RowParams,
+    sampling: bool,
+    penalty: bool,
+    filtering: bool = True,
+    penalties: bool = False,
 ) -> torch.Tensor:
-    """The next token of each row. ``sampling``/``penalty``/``filtering``: whether any row samples,
-    penalises, or uses top-k/top-p (known on the host), so a greedy batch pays for no noise and an
-    unfiltered one (GRPO's) for no sort of the vocabulary."""
+    """The next token of each row. ``sampling``/``penalty``/``filtering``/``penalties``: whether
+    any row samples, applies the repetition penalty, uses top-k/top-p, or OpenAI's presence and
+    frequency penalties (known on the host), so a greedy batch pays for no noise, an unfiltered one
+    (GRPO's) for no sort of the vocabulary and an unpenalised one for no pass over the counts. The
+    penalties come before temperature and the filters, the repetition penalty first (vLLM's
+    order)."""
     logits = logits.float()
     if penalty:
         pen = p.penalty[:, None]
         logits = torch.where(p.seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+    if penalties:  # a row with both 0 subtracts 0: its logits stay bit for bit what they were
+        logits = apply_penalties(logits, p.counts, p.presence, p.frequency)
     greedy = first_argmax(logits)
     if not sampling:
         return greedy
@@ -145,8 +167,9 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     """Each decode row's sampling settings on the device, written when a request takes the row
-    and read by every step: ``[rows]`` tensors, and the tokens each row has seen ``[rows,
-    vocab]`` (prompt and output: the repetition penalty). What a token's draw counts from (the
+    and read by every step: ``[rows]`` tensors, the tokens each row has seen ``[rows, vocab]``
+    (prompt and output: the repetition penalty) and how often it generated each ``[rows, vocab]``
+    (int32: OpenAI's presence and frequency penalties). What a token's draw counts from (the
     request's tokens so far) is the caller's, passed in."""
 
     def __init__(self, rows: int, vocab: int, device):
@@ -159,19 +182,34 @@ class Sampler:
         self.penalty = z(torch.float, fill=1.0)
         self.seed = z(torch.long)
         self.seen = z(torch.bool, rows, vocab)
+        self.presence = z(torch.float)
+        self.frequency = z(torch.float)
+        self.counts = z(torch.int32, rows, vocab)
+        self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
         if torch.device(device).type == "cuda":  # CUDA graphs replay on fixed addresses
-            for name in ("temperature", "top_k", "top_p", "penalty", "seed", "seen"):
+            for name in self._STATE:
                 torch._dynamo.mark_static_address(getattr(self, name))
 
-    def start(self, row: int, params, tokens: list[int]) -> None:
+    _STATE = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
+    _STATE += ("presence", "frequency", "counts")
+
+    def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
         """Row ``row`` now samples for a request with ``params`` whose tokens so far are
-        ``tokens`` (its prompt, or prompt and output when it is recomputed after preemption)."""
+        ``tokens`` (its prompt, or prompt and output when it is recomputed after preemption), the
+        last ``generated`` of them its output (what the presence/frequency penalties count)."""
         self.temperature[row], self.top_k[row] = params.temperature, params.top_k
         self.top_p[row], self.penalty[row] = params.top_p, params.repetition_penalty
         self.seed[row] = params.seed
+        self.presence[row], self.frequency[row] = params.presence_penalty, params.frequency_penalty
         self.seen[row] = False
         if params.repetition_penalty != 1.0:
             self.seen[row, torch.tensor(tokens).to(self.seen.device)] = True
+        self.counts[row] = 0
+        if generated and (params.presence_penalty != 0 or params.frequency_penalty != 0):
+            out = torch.tensor(tokens[len(tokens) - generated :])
+            self.counts[row] = torch.bincount(out, minlength=self.counts.shape[1]).to(
+                self.counts.device, torch.int32
+            )
 
     def sample(self, logits: torch.Tensor, rows, counter: torch.Tensor, needs: Needs):
         """The next token of each of ``rows`` (a slice, or row indices) from its ``logits``;
@@ -184,10 +222,28 @@ class Sampler:
             self.seed[rows],
             counter,
             self.seen[rows],
+            self.presence[rows],
+            self.frequency[rows],
+            self.counts[rows] if needs.penalties else None,
         )
-        return next_tokens(logits, p, needs.sampling, needs.penalty, needs.filtering)
+        return next_tokens(
+            logits, p, needs.sampling, needs.penalty, needs.filtering, needs.penalties
+        )
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, needs: Needs):
+        """The logprob of each row's chosen token under the model's own ``logits`` (before any
+        penalty, temperature or filter: vLLM's default) and the ``top`` likeliest tokens with
+        theirs: ([rows], [rows, top], [rows, top]); None when no row asks. ``top`` is fixed (the
+        most a request may ask for), so one compiled step serves every request's k."""
+        if not needs.logprobs:
+            return None
+        return token_logprobs(logits, tokens, self.top)
 
     def observe(self, rows: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor, needs: Needs):
-        """Rows ``rows`` (indices) chose ``tokens`` (where ``live``): the penalty sees them."""
+        """Rows ``rows`` (indices) chose ``tokens`` (where ``live``): the penalties see them. The
+        counts are only kept while a penalising row runs: a row that does not penalise multiplies
+        its (stale) counts by 0, and a row that does has them kept at every step it runs."""
         if needs.penalty:
             self.seen[rows, tokens] = self.seen[rows, tokens] | live
+        if needs.penalties:
+            count_tokens(self.counts, tokens, live, rows)

@@ -71,6 +71,10 @@ class Piece:
     def last(self) -> bool:
         return self.end == len(self.seq.tokens)
 
+    def writes(self, block_size: int) -> list[int]:
+        """The blocks of ``seq``'s table this piece writes KV into."""
+        return self.seq.table.blocks[self.start // block_size : -(-self.end // block_size)]
+
 
 @dataclass
 class Plan:

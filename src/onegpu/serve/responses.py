@@ -95,6 +95,7 @@ class Reply:
     ):
         self.kind, self.model, self.token_text, self.echo = kind, model, token_text, echo
         self.continuous_usage = continuous_usage
+        self.offsets: dict[int, int] = {}  # per choice: the text_offset of its next token
         prefix = "chatcmpl" if kind == CHAT else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -109,7 +110,7 @@ class Reply:
         return {**self._head(obj), "choices": choices, "usage": tally.usage()}
 
     def _choice(self, tally: Tally, i: int) -> dict:
-        logprobs = self.logprobs(tally.logprobs[i]) if tally.logprobs[i] else None
+        logprobs = self.logprobs(tally.logprobs[i], i) if tally.logprobs[i] else None
         if self.kind == CHAT:
             calls = tally.calls[i]
             message = {
@@ -139,7 +140,7 @@ class Reply:
 
     def chunk(self, tally: Tally, index: int, news: News) -> str:
         """One server-sent event with one choice's news."""
-        logprobs = self.logprobs(news.logprobs) if news.logprobs else None
+        logprobs = self.logprobs(news.logprobs, index) if news.logprobs else None
         if self.kind == CHAT:
             delta: dict = {"content": news.text} if news.text else {}
             if news.calls:
@@ -163,16 +164,30 @@ class Reply:
         obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
         return event({**self._head(obj), "choices": [], "usage": tally.usage()})
 
-    def logprobs(self, items: list) -> dict:
-        """Engine TokenLogprobs in the endpoint's format."""
+    def logprobs(self, items: list, index: int) -> dict:
+        """Engine TokenLogprobs of choice ``index`` in the endpoint's format. A completion's
+        ``text_offset`` counts on from the choice's earlier tokens (after its echoed prompt), in
+        a stream too: each token's place in the choice's whole text, as vLLM reports it."""
         if self.kind == CHAT:
             return {"content": [self._chat_logprob(t) for t in items]}
+        tokens = [self.token_text(t.token_id) for t in items]
+        start = self.offsets.get(index, len(self.echo[index]) if self.echo else 0)
+        offsets = _offsets(tokens, start)
+        self.offsets[index] = start + sum(len(t) for t in tokens)
         return {
-            "tokens": [self.token_text(t.token_id) for t in items],
+            "tokens": tokens,
             "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items],
-            "text_offset": _offsets([self.token_text(t.token_id) for t in items]),
+            "top_logprobs": [self._top_by_text(t.top) for t in items],
+            "text_offset": offsets,
         }
+
+    def _top_by_text(self, top) -> dict:
+        """Completions' top_logprobs map a token's text to its logprob: two tokens of one text
+        (a tokenizer's byte fallbacks decode alike) keep the likelier, not the last one."""
+        out: dict = {}
+        for token_id, lp in top:
+            out.setdefault(self.token_text(token_id), lp)
+        return out
 
     def _chat_logprob(self, t) -> dict:
         def one(token_id: int, lp: float) -> dict:
@@ -182,8 +197,8 @@ class Reply:
         return {**one(t.token_id, t.logprob), "top_logprobs": [one(i, lp) for i, lp in t.top]}
 
 
-def _offsets(tokens: list) -> list:
-    out, at = [], 0
+def _offsets(tokens: list, at: int = 0) -> list:
+    out = []
     for t in tokens:
         out.append(at)
         at += len(t)
