@@ -115,9 +115,9 @@ def _routes(app: FastAPI, s: Service) -> None:
     @app.get("/health", openapi_extra={"x-onegpu": "health"})
     async def health():
         h = s.scheduler.health()
+        status = "failed" if h.error else "ok" if h.accepting else "draining"
         return JSONResponse(
-            {"status": "ok" if h.accepting else "draining", **asdict(h)},
-            status_code=200 if h.accepting else 503,
+            {"status": status, **asdict(h)}, status_code=200 if h.accepting else 503
         )
 
     @app.get("/metrics", include_in_schema=False)  # Prometheus text, not JSON

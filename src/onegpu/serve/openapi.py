@@ -98,7 +98,7 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "draining"]
+    status: Literal["ok", "draining", "failed"]
     running: int
     waiting: int
     in_flight: int
@@ -106,6 +106,7 @@ class Health(BaseModel):
     kv_positions_used: int
     kv_positions_total: int
     accepting: bool
+    error: Optional[str] = None
 
 
 MODELS = [CompletionRequest, ChatRequest, Completion, ChatCompletion, ModelList, Health]

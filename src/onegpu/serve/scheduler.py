@@ -5,7 +5,13 @@ it through a thread-safe inbox (submit, cancel), it calls ``engine.step()`` whil
 hands each update back to the request's event loop with ``call_soon_threadsafe``. A new request thus
 joins the running batch at the next step. Admission is counted in sequences (a request with ``n``
 choices is ``n``): at most ``max_slots`` run and ``queue_size`` wait; past that a request is refused
-with 503 and Retry-After at once, instead of queueing without bound."""
+with 503 and Retry-After at once, instead of queueing without bound.
+
+A step that raises is an engine-wide fault (what one request causes comes back as that request's
+``Update.error``): the engine's state can no longer be trusted, so the loop stops, every request in
+flight or queued gets a 500, admission closes, ``/health`` answers 503 with the error, and the
+server is told to stop (``on_failure``) and exits non-zero, for a supervisor to restart it, as
+vLLM's server does when its engine dies."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,6 +67,7 @@ class Health:
     kv_positions_used: int
     kv_positions_total: int
     accepting: bool
+    error: Optional[str] = None  # the engine failed: the server is stopping
 
 
 class Scheduler:
@@ -72,6 +80,8 @@ class Scheduler:
         self._in_flight = 0  # sequences accepted and not finished
         self._accepting = True
         self._owners: dict[int, tuple[Ticket, int]] = {}  # engine rid -> (ticket, index)
+        self.failure: Optional[str] = None  # the engine-wide fault that stopped the loop
+        self.on_failure: Optional[Callable[[], None]] = None  # called once it has stopped
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -90,6 +100,8 @@ class Scheduler:
                 code="too_many_sequences",
             )
         with self._lock:
+            if self.failure is not None:
+                raise self._failed()
             if not self._accepting:
                 raise APIError(503, "the server is shutting down.", kind="server_error")
             if self._in_flight + n > self.capacity:
@@ -102,7 +114,8 @@ class Scheduler:
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
             self._in_flight += n
-        self._inbox.put(("submit", ticket))
+            # under the lock: a fault stops the loop after it has failed what the inbox holds
+            self._inbox.put(("submit", ticket))
 
     def cancel(self, ticket: Ticket) -> None:
         self._inbox.put(("cancel", ticket))
@@ -136,6 +149,7 @@ class Scheduler:
             s.kv_positions_used,
             s.kv_positions_total,
             accepting,
+            self.failure,
         )
 
     # ------------------------------------------------------------------ the engine-loop thread
@@ -144,10 +158,10 @@ class Scheduler:
             if self.engine.has_work():
                 try:
                     updates = self.engine.step(interrupt=self._arrived)
-                except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
-                    log.exception("engine step failed")
-                    self._fail_all(APIError(500, f"the engine failed: {exc}", kind="server_error"))
-                    continue
+                except Exception as exc:  # noqa: BLE001 - answered, then the server stops
+                    log.exception("engine step failed: the engine is stopped")
+                    self._stop_failed(exc)
+                    return
                 self._deliver(updates)
             self._stats = self.engine.stats()
             self.metrics.engine_stats(self._stats)
@@ -221,6 +235,34 @@ class Scheduler:
             index, APIError(500, f"this request failed: {update.error}", kind="server_error")
         )
         self._cancel(ticket)
+
+    def _failed(self) -> APIError:
+        return APIError(
+            500,
+            f"the engine failed ({self.failure}); the server is stopping.",
+            kind="server_error",
+            code="engine_failed",
+        )
+
+    def _stop_failed(self, exc: Exception) -> None:
+        """An engine-wide fault: close admission, fail every request in flight and every one
+        still in the inbox, then tell the server (on_failure)."""
+        with self._lock:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._accepting = False
+        error = self._failed()
+        self._fail_all(error)
+        while True:  # submitted before admission closed, not yet admitted
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                for index in range(len(item.sequences)):
+                    item.post(index, error)
+                self._release(len(item.sequences))
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _fail_all(self, error: APIError) -> None:
         """Every running request gets ``error`` and is let go (its slot is freed by the cancel): a

@@ -1,7 +1,8 @@
 """Running the app under uvicorn with a drain: SIGTERM stops new connections and new requests,
 lets the accepted ones finish within ``grace`` seconds, stops the engine loop, and exits 0. What is
 still running when the grace period ends is failed with a 503 (a stream gets its error event and
-[DONE]); uvicorn waits ``CUT_MARGIN_S`` more for those last events before it cancels anything."""
+[DONE]); uvicorn waits ``CUT_MARGIN_S`` more for those last events before it cancels anything. An
+engine that failed stops the server the same way, its requests already answered, and it exits 1."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ class DrainingServer(uvicorn.Server):
             self._cut.start()
         super().handle_exit(sig, frame)
 
+    def stop_failed(self) -> None:
+        """From the engine-loop thread, once every request has its error: stop (uvicorn's main
+        loop reads the flag), giving the streams ``CUT_MARGIN_S`` to send their last events."""
+        self.config.timeout_graceful_shutdown = CUT_MARGIN_S
+        self.should_exit = True
+
 
 def run_server(app, scheduler, host: str, port: int, grace: float) -> int:
     config = uvicorn.Config(
@@ -47,6 +54,8 @@ def run_server(app, scheduler, host: str, port: int, grace: float) -> int:
         access_log=False,
     )
     server = DrainingServer(config, scheduler, grace)
+    # The engine failed (serve/scheduler.py): every request has its 500; stop serving, exit 1.
+    scheduler.on_failure = server.stop_failed
     # uvicorn raises the signal again once it has shut down; with the default SIGTERM handler that
     # would end the process by the signal after a clean drain. A drained stop is a success: exit 0.
     previous = signal.signal(signal.SIGTERM, _drained)
@@ -54,6 +63,9 @@ def run_server(app, scheduler, host: str, port: int, grace: float) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if scheduler.failure is not None:
+        log.error("the engine failed (%s): exiting 1", scheduler.failure)
+        return 1
     return 0
 
 
