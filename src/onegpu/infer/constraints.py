@@ -48,6 +48,13 @@ class ConstraintError(ConfigError):
     """A request's grammar that does not compile: the caller's 400, naming the reason."""
 
 
+def available() -> bool:
+    """Whether llguidance is installed (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llguidance") is not None
+
+
 def _llguidance():
     try:
         import llguidance
