@@ -44,10 +44,11 @@ class Guides:
     def fill(self, seqs: list[Sequence], failed: dict) -> None:
         """The masks of the constrained ``seqs`` (the rows this step samples) on the device, every
         other row all ones. A matcher that raises fails its request (into ``failed``)."""
-        host = self.sampler.host_bitmask
+        host, marks = self.sampler.host_bitmask, self.sampler.host_masked
         touched = set(self.masked)
         for row in self.masked:
             host[row].fill_(-1)
+            marks[row] = False
         self.masked = set()
         for seq in seqs:
             matcher = self.matchers.get(seq.id)
@@ -59,6 +60,7 @@ class Guides:
                 failed[seq] = exc
                 host[seq.row].fill_(-1)
                 continue
+            marks[seq.row] = True
             self.masked.add(seq.row)
             touched.add(seq.row)
         if touched:

@@ -78,8 +78,10 @@ class RowParams:
     presence: Optional[torch.Tensor] = None
     frequency: Optional[torch.Tensor] = None
     counts: Optional[torch.Tensor] = None
-    # each row's allowed tokens [rows, bitmask_words(vocab)] int32 (all ones: every token)
+    # each row's allowed tokens [rows, bitmask_words(vocab)] int32 (all ones: every token), and
+    # which rows hold a grammar's mask [rows] (bool)
     bitmask: Optional[torch.Tensor] = None
+    masked: Optional[torch.Tensor] = None
 
 
 def next_tokens(
@@ -105,10 +107,7 @@ def next_tokens(
     if penalties:  # a row with both 0 subtracts 0: its logits stay bit for bit what they were
         logits = apply_penalties(logits, p.counts, p.presence, p.frequency)
     if constraints:
-        # the whole [rows, vocab] at once (fixed shapes: one compiled step whatever the number
-        # of constrained rows); a row without a grammar is all ones, and torch.where keeps each
-        # of its logits bit for bit
-        logits = apply_token_bitmask(logits, p.bitmask)
+        logits = mask_rows(logits, p.bitmask, p.masked)
     greedy = first_argmax(logits)
     if not sampling:
         return greedy
@@ -127,6 +126,18 @@ def next_tokens(
     best = torch.zeros_like(greedy)  # the most likely kept token: the first of the order
     sampled = order.gather(-1, draw(probs.masked_fill(~keep, 0.0), u, best)[:, None])[:, 0]
     return torch.where(p.temperature == 0, greedy, sampled)
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the tokens each row's grammar does not allow at -inf. Compiled, every row
+    at once: fixed shapes, one step whatever the number of constrained rows (a row without a
+    grammar is all ones, and torch.where keeps each of its logits bit for bit). Eager, only the
+    rows ``masked`` marks, the others not touched: on a CPU one row of a 32k vocabulary
+    unpacked and applied, not eight (benchmarks/results/constraint-cost-cpu.md)."""
+    if torch.compiler.is_compiling():
+        return apply_token_bitmask(logits, bitmask)
+    rows = masked.nonzero()[:, 0]
+    return apply_token_bitmask(logits, bitmask[rows], rows=rows)
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -187,9 +198,10 @@ class Sampler:
     and read by every step: ``[rows]`` tensors, the tokens each row has seen ``[rows, vocab]``
     (prompt and output: the repetition penalty) and how often it generated each ``[rows, vocab]``
     (int32: OpenAI's presence and frequency penalties), and the tokens each row's grammar allows
-    next ``bitmask [rows, ceil(vocab / 32)]`` (int32, all ones for a row without one; the engine
-    writes ``host_bitmask`` and ``upload_bitmask`` takes it to the device). What a token's draw
-    counts from (the request's tokens so far) is the caller's, passed in."""
+    next ``bitmask [rows, ceil(vocab / 32)]`` (int32, all ones for a row without one) with
+    ``masked [rows]`` marking the rows that hold one (the engine writes ``host_bitmask`` and
+    ``host_masked``, ``upload_bitmask`` takes them to the device). What a token's draw counts
+    from (the request's tokens so far) is the caller's, passed in."""
 
     def __init__(self, rows: int, vocab: int, device):
         def z(dtype, *shape, fill=0):
@@ -205,16 +217,18 @@ class Sampler:
         self.frequency = z(torch.float)
         self.counts = z(torch.int32, rows, vocab)
         self.bitmask = z(torch.int32, rows, bitmask_words(vocab), fill=-1)
+        self.masked = z(torch.bool)
         cuda = torch.device(device).type == "cuda"
-        # the host's copy (on a CPU the device's own): a few KB a row, copied as the tables are
+        # the host's copies (on a CPU the device's own): a few KB a row, copied as the tables are
         self.host_bitmask = self.bitmask.cpu() if cuda else self.bitmask
+        self.host_masked = self.masked.cpu() if cuda else self.masked
         self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
         if cuda:  # CUDA graphs replay on fixed addresses
             for name in self._STATE:
                 torch._dynamo.mark_static_address(getattr(self, name))
 
     _STATE = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _STATE += ("presence", "frequency", "counts", "bitmask")
+    _STATE += ("presence", "frequency", "counts", "bitmask", "masked")
 
     def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
         """Row ``row`` now samples for a request with ``params`` whose tokens so far are
@@ -249,6 +263,7 @@ class Sampler:
             self.frequency[rows],
             self.counts[rows] if needs.penalties else None,
             self.bitmask[rows] if needs.constraints else None,
+            self.masked[rows] if needs.constraints else None,
         )
         return next_tokens(
             logits,
@@ -261,9 +276,11 @@ class Sampler:
         )
 
     def upload_bitmask(self, rows: int) -> None:
-        """The first ``rows`` rows of ``host_bitmask`` to the device (the step reads them)."""
+        """The first ``rows`` rows of ``host_bitmask`` and ``host_masked`` to the device (the
+        step reads them)."""
         if self.host_bitmask is not self.bitmask:
             self.bitmask[:rows].copy_(self.host_bitmask[:rows], non_blocking=True)
+            self.masked[:rows].copy_(self.host_masked[:rows], non_blocking=True)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, needs: Needs):
         """The logprob of each row's chosen token under the model's own ``logits`` (before any
