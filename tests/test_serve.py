@@ -392,7 +392,7 @@ def test_response_format_json_schema_answers_validate_whole_and_streamed(
     assert (err["param"], err["code"]) == ("response_format", "invalid_grammar")
 
 
-def test_guided_regex_and_choice_answers_match(client, tiny_model_dir):
+def test_guided_regex_choice_and_json_answers_match(client, tiny_model_dir):
     pytest.importorskip("llguidance")
     regex, choices = r"[a-c]{2,4}-[0-9]{3}", ["yes", "no", "maybe not"]
     for seed in (0, 1):
@@ -401,6 +401,9 @@ def test_guided_regex_and_choice_answers_match(client, tiny_model_dir):
         assert re.fullmatch(regex, text.choices[0].text), text.choices[0].text
         pick = client.completions.create(**kw, extra_body={"guided_choice": choices})
         assert pick.choices[0].text in choices and pick.choices[0].finish_reason == "stop"
+        tags = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}
+        listed = client.completions.create(**kw, extra_body={"guided_json": tags})
+        assert set(json.loads(listed.choices[0].text)) <= {"a", "b"}
 
 
 def test_a_forced_tool_call_comes_back_as_tool_calls_whole_and_streamed(server, tiny_model_dir):
