@@ -1,6 +1,6 @@
 """What structured output costs the decode engine per token, on this CPU with one torch thread.
 
-    python benchmarks/constraint_cost.py --rounds 5 --out benchmarks/results/constraint-cost-cpu
+    python benchmarks/constraint_cost.py --rounds 7 --out benchmarks/results/constraint-cost-cpu
 
 A batch of 8 rows of the `tiny` preset (random weights, fp32, a 32k-token byte-level BPE trained
 here on the standard library's source), the engine eager (its default off a GPU), greedy, 64 new
