@@ -140,6 +140,29 @@ def test_a_forced_tool_call_parses_as_a_call_with_valid_arguments(grammars, tiny
             jsonschema.validate(json.loads(calls[0].arguments), params)
 
 
+def test_json_inside_literal_text_is_as_compact_as_json_alone(grammars, tiny_tokenizer):
+    """A forced call's JSON sits inside its tags: no whitespace where compact JSON has none
+    (any whitespace there lets a weak model write newlines until its limit)."""
+    from onegpu.infer.logit_rules import unpack_bitmask
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    bitmask = allocate_bitmask(1, len(tiny_tokenizer))
+    spaces = [
+        i for i in range(len(tiny_tokenizer)) if tiny_tokenizer.decode([i]) in (" ", "\n", "\t")
+    ]
+    assert spaces
+    for constraint, text in (
+        (Constraint("json_schema", schema), "{"),
+        (Constraint("json_schema", schema, "<tool_call>\n", "\n</tool_call>"), "<tool_call>\n{"),
+    ):
+        matcher = grammars.matcher(constraint)
+        for t in tiny_tokenizer(text, add_special_tokens=False)["input_ids"]:
+            assert matcher.accept(t)
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, len(tiny_tokenizer))[0]
+        assert not allowed[spaces].any(), text
+
+
 def test_rollback_returns_to_the_same_mask(grammars, tiny_tokenizer):
     matcher = grammars.matcher(Constraint("json_schema", json.dumps({"type": "object"})))
     ids = tiny_tokenizer('{"a": [1, 2', add_special_tokens=False)["input_ids"]

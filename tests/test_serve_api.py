@@ -178,15 +178,16 @@ def test_penalties_and_logprobs_reach_the_engines_sampling_params(tiny_tokenizer
         ({"presence_penalty": 0.5}, "presence_penalty", True),
         ({"frequency_penalty": 1}, "frequency_penalty", True),
         ({"logprobs": True}, "logprobs", True),
-        ({"response_format": {"type": "json_object"}}, "response_format", False),
-        ({"guided_choice": ["a", "b"]}, "guided_choice", False),
+        ({"response_format": {"type": "json_object"}}, "response_format", True),
+        ({"guided_choice": ["a", "b"]}, "guided_choice", True),
+        ({"guided_regex": "[ab]+"}, "guided_regex", True),
     ],
 )
 def test_what_the_engine_does_not_apply_is_refused_by_name(
     app, tiny_tokenizer, extra, param, applied
 ):
     """An engine that declares nothing refuses each field by name; the decode engine's own
-    declaration (penalties and logprobs applied, grammars not yet) lets those through."""
+    declaration (penalties, logprobs and grammars applied) lets them through."""
     from onegpu.infer.engine import FEATURES
 
     err = error_of(post(app, "/v1/chat/completions", chat(**extra)), 400)

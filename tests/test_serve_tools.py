@@ -145,7 +145,9 @@ def test_tool_choice_none_keeps_tools_out_and_reads_no_calls(hermes_app):
     assert reply.json()["choices"][0]["message"]["content"] == "It is sunny."
 
 
-def test_forced_tool_choice_waits_for_the_engines_grammar_and_names_unknown_tools(hermes_app):
+def test_forced_tool_choice_needs_an_engine_with_grammars_and_names_unknown_tools(hermes_app):
+    """An engine that declares no grammars refuses a forced call by name (the decode engine
+    declares them: tests/test_serve.py runs forced calls end to end)."""
     named = {"type": "function", "function": {"name": "weather"}}
     for choice in ("required", named):
         err = error_of(

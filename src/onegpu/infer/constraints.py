@@ -48,6 +48,13 @@ class ConstraintError(ConfigError):
     """A request's grammar that does not compile: the caller's 400, naming the reason."""
 
 
+def available() -> bool:
+    """Whether llguidance is installed (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llguidance") is not None
+
+
 def _llguidance():
     try:
         import llguidance
@@ -103,7 +110,11 @@ class Grammars:
             body = ll.LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_OPTIONS))
             if not (c.before or c.after):
                 return body
-            inner = json.dumps(schema)
+            # inside a Lark grammar the JSON's options ride in the schema (as the schema's own
+            # x-guidance would, over the defaults): without them %json takes any whitespace, and
+            # a weak model writes newlines for ever
+            options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
+            inner = json.dumps({**schema, "x-guidance": options})
             return f"start: {_lit(c.before)} answer {_lit(c.after)}\nanswer: %json {inner}\n"
         if c.kind == "regex":
             return ll.LLMatcher.grammar_from_regex(c.value)

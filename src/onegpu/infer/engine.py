@@ -10,10 +10,11 @@ Each ``step`` is one pass of a one-way flow:
 
 A step that computes prompt pieces runs one decode step for the running sequences beside them, and
 a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
-compute runs up to ``sync_every`` decode steps on the device before the host looks. A decode step
-— one forward of one token per row, the sampling and each row's bookkeeping, with fixed shapes —
-is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP or GRPO; it is
-not thread-safe (drive it from one thread).
+compute runs up to ``sync_every`` decode steps on the device before the host looks (one while a
+request with a grammar runs: the host advances its matcher and masks its next token, guided.py).
+A decode step — one forward of one token per row, the sampling and each row's bookkeeping, with
+fixed shapes — is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP
+or GRPO; it is not thread-safe (drive it from one thread).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer import policy
+from onegpu.infer import constraints, policy
 from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode
 from onegpu.infer.engine_config import (
     TOKEN_BUDGET,
@@ -38,6 +39,7 @@ from onegpu.infer.engine_config import (
     eos_ids_of,
     pool_blocks,
 )
+from onegpu.infer.guided import Guides
 from onegpu.infer.kv_blocks import BlockPool
 from onegpu.infer.output import Output, update
 from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
@@ -52,8 +54,9 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 
 # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
-# strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name
-FEATURES = EngineFeatures(penalties=True, logprobs=True)
+# strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name.
+# Grammars need llguidance, an optional extra: without it an engine declares none
+FEATURES = EngineFeatures(penalties=True, logprobs=True, constraints=True)
 
 
 @dataclass
@@ -111,7 +114,9 @@ class Engine:
             SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
         )
         self.io = StepIO(self.rows, self.device)
-        self.features = FEATURES
+        self.guides = Guides(tokenizer, vocab, self.sampler)
+        grammars = constraints.available() and tokenizer is not None
+        self.features = FEATURES if grammars else replace(FEATURES, constraints=False)
         # Once a request names an adapter, every forward names one per row ("__base__" for a
         # request without): PEFT would otherwise apply its active adapter to those.
         self.routing = False
@@ -149,6 +154,11 @@ class Engine:
         check_adapter(self.model, adapter)
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer.", hint="give the engine one")
+        if params.constraint is not None and not self.features.constraints:
+            raise ConfigError(
+                "structured output needs a tokenizer and llguidance.",
+                hint="give the engine a tokenizer; pip install 'onegpu[structured]'",
+            )
         self.routing = self.routing or adapter is not None
         key = adapter or ("__base__" if self.routing else None)  # the weights its KV comes from
         seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key)
@@ -199,8 +209,11 @@ class Engine:
         for seq in plan.started:
             try:
                 self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
+                self.guides.start(seq)
             except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
                 failed[seq] = exc
+        # the rows this step samples: the decode rows and the prompts it finishes
+        self.guides.fill([*plan.decode, *(p.seq for p in plan.pieces if p.last)], failed)
         self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
         try:
             with torch.no_grad():
@@ -293,6 +306,8 @@ class Engine:
             if not piece.last and piece.seq not in failed:
                 self.scheduler.computed(piece.seq, piece.end)
         for seq, new in [*table.items(), *first_tokens.items()]:
+            if seq in failed:  # its grammar's mask failed: the tokens its row made are dropped
+                continue
             try:
                 updates.append(self._news(seq, new, logprobs.get(seq)))
             except Exception as exc:  # noqa: BLE001 - this request's alone: the others go on
@@ -301,10 +316,11 @@ class Engine:
 
     def _news(self, seq: Sequence, new: list[int], logprobs) -> Update:
         first = seq.generated == 0
+        complete = self.guides.accept(seq, new)  # a token its grammar refuses fails it here
         self.scheduler.extend(seq, new)
         output = self._outputs[seq.id]
         output.add(new)
-        reason = self._finish_reason(seq, output, new)
+        reason = self._finish_reason(seq, output, new, complete)
         if reason is not None:
             self._end(seq)
         news = update(
@@ -325,8 +341,10 @@ class Engine:
         error = f"{type(exc).__name__}: {exc}"
         return Update(seq.id, [], "", True, "error", len(seq.prompt), seq.generated, error=error)
 
-    def _finish_reason(self, seq: Sequence, output: Output, new: list[int]):
-        if output.stopped:
+    def _finish_reason(self, seq: Sequence, output: Output, new: list[int], complete: bool):
+        """``complete``: the request's grammar is complete (only EOS may follow: it ends now,
+        a step early, and ``ignore_eos`` cannot hold it in a mask of EOS alone)."""
+        if output.stopped or complete:
             return "stop"
         if new and new[-1] in self.eos_set and not seq.params.ignore_eos:
             return "stop"
@@ -349,5 +367,6 @@ class Engine:
         if seq.row >= 0:
             self.io.release(seq.row)
         self.scheduler.finish(seq)
+        self.guides.drop(seq)
         del self._seqs[seq.id]
         self._outputs.pop(seq.id)

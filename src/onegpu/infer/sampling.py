@@ -22,7 +22,13 @@ from typing import Optional
 
 import torch
 
-from onegpu.infer.logit_rules import apply_penalties, count_tokens, token_logprobs
+from onegpu.infer.logit_rules import (
+    apply_penalties,
+    apply_token_bitmask,
+    bitmask_words,
+    count_tokens,
+    token_logprobs,
+)
 from onegpu.infer.requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
@@ -33,15 +39,16 @@ class Needs:
     """What the rows of a step ask for beyond the most likely token, known on the host: it keys a
     compiled step, so a greedy batch pays for no noise, an unpenalised one for no lookup of the
     tokens seen or counted, an unfiltered one (GRPO's) for no sort of the vocabulary, one that
-    asks for no logprobs for no log-softmax. A new per-row feature (a grammar's allowed tokens) is
-    one more field here, one more per-row tensor in ``Sampler`` and one more stage in
-    ``next_tokens``: the step's shape does not change."""
+    asks for no logprobs for no log-softmax, one without a grammar for no token mask. A new
+    per-row feature is one more field here, one more per-row tensor in ``Sampler`` and one more
+    stage in ``next_tokens``: the step's shape does not change."""
 
     sampling: bool = False
     penalty: bool = False  # transformers' repetition penalty
     filtering: bool = False
     penalties: bool = False  # OpenAI's presence/frequency penalties: counts of generated tokens
     logprobs: bool = False  # the chosen tokens' logprobs and the MAX_LOGPROBS likeliest
+    constraints: bool = False  # a grammar's allowed tokens: Sampler.bitmask
 
     @classmethod
     def of(cls, params) -> Needs:
@@ -52,6 +59,7 @@ class Needs:
             any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
             any(p.logprobs is not None for p in params),
+            any(p.constraint is not None for p in params),
         )
 
 
@@ -70,6 +78,10 @@ class RowParams:
     presence: Optional[torch.Tensor] = None
     frequency: Optional[torch.Tensor] = None
     counts: Optional[torch.Tensor] = None
+    # each row's allowed tokens [rows, bitmask_words(vocab)] int32 (all ones: every token), and
+    # which rows hold a grammar's mask [rows] (bool)
+    bitmask: Optional[torch.Tensor] = None
+    masked: Optional[torch.Tensor] = None
 
 
 def next_tokens(
@@ -79,19 +91,23 @@ def next_tokens(
     penalty: bool,
     filtering: bool = True,
     penalties: bool = False,
+    constraints: bool = False,
 ) -> torch.Tensor:
-    """The next token of each row. ``sampling``/``penalty``/``filtering``/``penalties``: whether
-    any row samples, applies the repetition penalty, uses top-k/top-p, or OpenAI's presence and
-    frequency penalties (known on the host), so a greedy batch pays for no noise, an unfiltered one
-    (GRPO's) for no sort of the vocabulary and an unpenalised one for no pass over the counts. The
-    penalties come before temperature and the filters, the repetition penalty first (vLLM's
-    order)."""
+    """The next token of each row. ``sampling``/``penalty``/``filtering``/``penalties``/
+    ``constraints``: whether any row samples, applies the repetition penalty, uses top-k/top-p,
+    OpenAI's presence and frequency penalties, or a grammar's token mask (known on the host), so a
+    greedy batch pays for no noise, an unfiltered one (GRPO's) for no sort of the vocabulary, an
+    unpenalised one for no pass over the counts and an unconstrained one for no mask. The
+    penalties come before the mask and the mask before temperature and the filters, the repetition
+    penalty first (vLLM's order)."""
     logits = logits.float()
     if penalty:
         pen = p.penalty[:, None]
         logits = torch.where(p.seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
     if penalties:  # a row with both 0 subtracts 0: its logits stay bit for bit what they were
         logits = apply_penalties(logits, p.counts, p.presence, p.frequency)
+    if constraints:
+        logits = mask_rows(logits, p.bitmask, p.masked)
     greedy = first_argmax(logits)
     if not sampling:
         return greedy
@@ -110,6 +126,18 @@ def next_tokens(
     best = torch.zeros_like(greedy)  # the most likely kept token: the first of the order
     sampled = order.gather(-1, draw(probs.masked_fill(~keep, 0.0), u, best)[:, None])[:, 0]
     return torch.where(p.temperature == 0, greedy, sampled)
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the tokens each row's grammar does not allow at -inf. Compiled, every row
+    at once: fixed shapes, one step whatever the number of constrained rows (a row without a
+    grammar is all ones, and torch.where keeps each of its logits bit for bit). Eager, only the
+    rows ``masked`` marks, the others not touched: on a CPU one row of a 32k vocabulary
+    unpacked and applied, not eight (benchmarks/results/constraint-cost-cpu.md)."""
+    if torch.compiler.is_compiling():
+        return apply_token_bitmask(logits, bitmask)
+    rows = masked.nonzero()[:, 0]
+    return apply_token_bitmask(logits, bitmask[rows], rows=rows)
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -169,8 +197,11 @@ class Sampler:
     """Each decode row's sampling settings on the device, written when a request takes the row
     and read by every step: ``[rows]`` tensors, the tokens each row has seen ``[rows, vocab]``
     (prompt and output: the repetition penalty) and how often it generated each ``[rows, vocab]``
-    (int32: OpenAI's presence and frequency penalties). What a token's draw counts from (the
-    request's tokens so far) is the caller's, passed in."""
+    (int32: OpenAI's presence and frequency penalties), and the tokens each row's grammar allows
+    next ``bitmask [rows, ceil(vocab / 32)]`` (int32, all ones for a row without one) with
+    ``masked [rows]`` marking the rows that hold one (the engine writes ``host_bitmask`` and
+    ``host_masked``, ``upload_bitmask`` takes them to the device). What a token's draw counts
+    from (the request's tokens so far) is the caller's, passed in."""
 
     def __init__(self, rows: int, vocab: int, device):
         def z(dtype, *shape, fill=0):
@@ -185,13 +216,19 @@ class Sampler:
         self.presence = z(torch.float)
         self.frequency = z(torch.float)
         self.counts = z(torch.int32, rows, vocab)
+        self.bitmask = z(torch.int32, rows, bitmask_words(vocab), fill=-1)
+        self.masked = z(torch.bool)
+        cuda = torch.device(device).type == "cuda"
+        # the host's copies (on a CPU the device's own): a few KB a row, copied as the tables are
+        self.host_bitmask = self.bitmask.cpu() if cuda else self.bitmask
+        self.host_masked = self.masked.cpu() if cuda else self.masked
         self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
-        if torch.device(device).type == "cuda":  # CUDA graphs replay on fixed addresses
+        if cuda:  # CUDA graphs replay on fixed addresses
             for name in self._STATE:
                 torch._dynamo.mark_static_address(getattr(self, name))
 
     _STATE = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _STATE += ("presence", "frequency", "counts")
+    _STATE += ("presence", "frequency", "counts", "bitmask", "masked")
 
     def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
         """Row ``row`` now samples for a request with ``params`` whose tokens so far are
@@ -225,10 +262,25 @@ class Sampler:
             self.presence[rows],
             self.frequency[rows],
             self.counts[rows] if needs.penalties else None,
+            self.bitmask[rows] if needs.constraints else None,
+            self.masked[rows] if needs.constraints else None,
         )
         return next_tokens(
-            logits, p, needs.sampling, needs.penalty, needs.filtering, needs.penalties
+            logits,
+            p,
+            needs.sampling,
+            needs.penalty,
+            needs.filtering,
+            needs.penalties,
+            needs.constraints,
         )
+
+    def upload_bitmask(self, rows: int) -> None:
+        """The first ``rows`` rows of ``host_bitmask`` and ``host_masked`` to the device (the
+        step reads them)."""
+        if self.host_bitmask is not self.bitmask:
+            self.bitmask[:rows].copy_(self.host_bitmask[:rows], non_blocking=True)
+            self.masked[:rows].copy_(self.host_masked[:rows], non_blocking=True)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, needs: Needs):
         """The logprob of each row's chosen token under the model's own ``logits`` (before any

@@ -118,10 +118,12 @@ class Scheduler:
         plan = Plan()
         decoding = [s for s in self.running if s.state == DECODE]
         # a prompt to compute (one running, or one waiting with a row free for it): one decode
-        # step beside its piece; else sync_every before the host looks again
+        # step beside its piece; a request with a grammar: one step, so the host advances its
+        # matcher before the next token's mask; else sync_every before the host looks again
         prefill_work = any(s.state == PREFILL for s in self.running)
         prefill_work = prefill_work or bool(self.waiting and self.free_rows)
-        steps = 1 if prefill_work else self.config.sync_every
+        guided = any(s.params.constraint is not None for s in self.running)
+        steps = 1 if prefill_work or guided else self.config.sync_every
         if decoding:
             left = min(s.params.max_new_tokens - s.generated for s in decoding)
             steps = max(1, min(steps, left))
