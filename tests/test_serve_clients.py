@@ -1,7 +1,8 @@
 """The clients people call servers with, live on loopback against the server's HTTP layer (a
 scripted engine behind it, so each answer is known): the openai SDK, LangChain's ChatOpenAI and
-LiteLLM, each for a chat, a stream and a tool call. JSON-schema answers need the engine's grammar
-mask (not in today's engine): each client gets the server's clear 400 naming response_format."""
+LiteLLM, each for a chat, a stream and a tool call. The scripted engine applies no grammar mask
+(it declares none), so here each client gets the server's clear 400 naming response_format; the
+same clients' JSON-schema answers from the real engine: test_serve_structured.py."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_openai_sdk_chat_stream_and_tool_call(server):
         "city": "Paris"
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "sky", "schema": SCHEMA}}
-    with pytest.raises(BadRequestError) as refused:  # waits for the engine's grammar mask
+    with pytest.raises(BadRequestError) as refused:  # an engine that declares no grammar mask
         client.chat.completions.create(model="tiny", messages=msgs, response_format=fmt)
     assert refused.value.body["param"] == "response_format"
 
