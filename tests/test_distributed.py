@@ -152,6 +152,12 @@ def test_cpu_adam_only_where_the_optimizer_leaves_the_gpu():
 
 
 # ------------------------------------------------------------------------------- multi-process
+# Two processes each (torch.distributed.run): one after another on one worker of the parallel pass
+# (an xdist group), beside the other worker's tests. Nothing in them is timed by the clock (each
+# launch waits for its processes, up to 300 s), so a busy core slows them and breaks nothing.
+DISTRIBUTED = pytest.mark.xdist_group("distributed")
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
     from helpers import CORPUS
@@ -253,7 +259,7 @@ def reference(base):
     return ref
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, reference, tmp_path):
     ckpt = Path(base["output"]["dir"]) / "ref" / "checkpoint-00000002"
@@ -264,7 +270,7 @@ def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, refe
     _assert_same(resumed, reference, [3, 4])
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference, tmp_path):
     from onegpu import train
@@ -277,7 +283,7 @@ def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference
     _assert_same(_losses(base, "fsdp2-to-1"), reference, [3, 4])
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_dir):
     """Hybrid sharding builds a 2-D (replicate, shard) mesh; the bf16 policy computes in bf16 while
@@ -308,7 +314,7 @@ def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_
     assert info["master_dtype"] == "torch.float32" and info["logits_dtype"] == "torch.bfloat16"
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     _launch(tmp_path, [_cfg(base, "zero2", distributed={"strategy": "deepspeed", "zero_stage": 2})])
@@ -333,7 +339,7 @@ def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     ]
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_path):
     zero3 = {"offload": "zero3-cpu"}
@@ -344,7 +350,7 @@ def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_pa
     _assert_same(_losses(base, "zero3-resumed"), reference, [3, 4])
 
 
-@pytest.mark.serial
+@DISTRIBUTED
 @pytest.mark.slow
 def test_one_process_zero2_cpu_offload_from_the_cli(base, reference, tmp_path):
     """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one
