@@ -39,6 +39,10 @@ def round_figures(pair: tuple, jobs) -> dict:
             "tokens_per_s": f["tokens_per_s"],
             "p99_s": f["latency_s"]["p99"],
             "errors": len(jobs) - f["requests"],  # failed or unanswered
+            # the streamed answers: guidellm's inter-token latency, tokens per event, event gaps
+            "itl_p50_s": f["itl_s"]["p50"],
+            "tokens_per_event": f["tokens_per_event"],
+            "event_gap_p99_s": f["event_gap_s"]["p99"],
         }
     s, c = out["sequential"], out["concurrent"]
     out["speedup"] = c["tokens_per_s"] / s["tokens_per_s"]
@@ -106,6 +110,11 @@ def main() -> int:
                 "concurrent_p99_s": spread([r["concurrent"]["p99_s"] for r in rs]),
                 "speedup": spread([r["speedup"] for r in rs]),
                 "latency_ratio": spread([r["latency_ratio"] for r in rs]),
+                **{
+                    f"{phase}_{key}": spread([r[phase][key] for r in rs])
+                    for phase in ("sequential", "concurrent")
+                    for key in ("itl_p50_s", "tokens_per_event", "event_gap_p99_s")
+                },
             }
             for name, rs in rounds.items()
         },
@@ -135,6 +144,15 @@ def markdown(r: dict, args) -> str:
             f"{cell(s['sequential_p99_s'], 1000)} | {cell(s['concurrent_p99_s'], 1000)} | "
             f"{cell(s['latency_ratio'], fmt='{:.2f}')}x |"
         )
+    streams = []
+    for name, s in r["summary"].items():
+        cells = [
+            f"{cell(s[f'{phase}_itl_p50_s'], 1000, '{:.1f}')} | "
+            f"{cell(s[f'{phase}_tokens_per_event'], fmt='{:.2f}')} | "
+            f"{cell(s[f'{phase}_event_gap_p99_s'], 1000)}"
+            for phase in ("sequential", "concurrent")
+        ]
+        streams.append(f"| {name} | {' | '.join(cells)} |")
     m = r["machine"]
     return "\n".join(
         [
@@ -155,6 +173,15 @@ def markdown(r: dict, args) -> str:
             "concurrent p99 ms | p99 ratio |",
             "|---|---|---|---|---|---|---|",
             *rows,
+            "",
+            "The streamed answers (half the requests): inter-token latency as guidellm reports it "
+            "(a request's time after its first token over its other tokens; p50 over requests), "
+            "tokens per server-sent event, and the p99 gap between a stream's events:",
+            "",
+            "| setting | sequential ITL p50 ms | tokens/event | event gap p99 ms | concurrent ITL "
+            "p50 ms | tokens/event | event gap p99 ms |",
+            "|---|---|---|---|---|---|---|",
+            *streams,
             "",
             f"Checks: {r['errors']} errors; {len(r['differ'])} answers differing from A's first "
             "sequential answer (text, finish reason, token count) in any phase of either setting.",

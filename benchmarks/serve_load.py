@@ -60,6 +60,9 @@ class Answer:
     ttft: float = 0.0
     latency: float = 0.0
     error: str = ""
+    events: int = 0  # streamed: the events that carried text
+    gaps: list = field(default_factory=list)  # streamed: seconds between those events
+    last: float = 0.0  # streamed: when the last of them came (seconds from the start)
 
 
 @dataclass
@@ -141,8 +144,12 @@ def _take_chunk(answer: Answer, chunk, chat: bool, start: float) -> None:
         return
     choice = chunk.choices[0]
     piece = (choice.delta.content or "") if chat else choice.text
-    if piece and not answer.ttft:
-        answer.ttft = time.perf_counter() - start
+    if piece:
+        now = time.perf_counter() - start
+        if answer.events:
+            answer.gaps.append(now - answer.last)
+        answer.ttft = answer.ttft or now
+        answer.last, answer.events = now, answer.events + 1
     answer.text += piece
     answer.finish = choice.finish_reason or answer.finish
 

@@ -58,6 +58,20 @@ def figures(phase) -> dict:
         "tokens_per_s": tokens / phase.wall if phase.wall else 0.0,
         "ttft_s": percentiles([a.ttft for a in done]),
         "latency_s": percentiles([a.latency for a in done]),
+        **streaming(done),
+    }
+
+
+def streaming(done: list) -> dict:
+    """Of the streamed answers: inter-token latency as guidellm reports it (a request's time after
+    its first token over its other tokens), tokens per event, and the gaps between events."""
+    streamed = [a for a in done if a.events and a.tokens > 1]
+    if not streamed:
+        return {}
+    return {
+        "itl_s": percentiles([(a.latency - a.ttft) / (a.tokens - 1) for a in streamed]),
+        "tokens_per_event": sum(a.tokens for a in streamed) / sum(a.events for a in streamed),
+        "event_gap_s": percentiles([g for a in streamed for g in a.gaps]),
     }
 
 
@@ -250,12 +264,17 @@ def report(args, jobs, rounds, before: str, exit_code: int) -> dict:
         "server_exit": exit_code,
         "answers": {
             f"round_{k + 1}": {
-                "single": [asdict(a) for a in single.answers.values()],
-                "concurrent": [asdict(a) for a in together.answers.values()],
+                "single": [_answer(a) for a in single.answers.values()],
+                "concurrent": [_answer(a) for a in together.answers.values()],
             }
             for k, (single, together) in enumerate(rounds)
         },
     }
+
+
+def _answer(a) -> dict:
+    """An answer as the JSON keeps it: its event gaps are in the phase's figures, not listed."""
+    return {k: v for k, v in asdict(a).items() if k not in ("gaps", "last")}
 
 
 def _counters(c: dict) -> str:
