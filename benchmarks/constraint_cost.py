@@ -41,17 +41,10 @@ from onegpu.infer.guided import Guides
 from onegpu.infer.requests import Constraint, SamplingParams
 from onegpu.models import preset_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grammar_libs import PERSON  # noqa: E402 - the schema the grammar libraries were compared on
+
 ROWS, VOCAB = 8, 32000
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
 SCHEMA = {
     "type": "object",
     "properties": {"people": {"type": "array", "items": PERSON, "minItems": 100}},
