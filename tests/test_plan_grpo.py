@@ -73,6 +73,8 @@ def test_kv_cache_formula_equals_what_generate_keeps(tiny_tokenizer):
     assert kept == pytest.approx(predicted * (prompt + new - 1) / (prompt + new), rel=1e-6)
 
 
+# slow: real rollouts in each probe: 6.3 CPU s quiet, 15-24 on a busy machine (guard limit: 20)
+@pytest.mark.slow
 def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_path, caplog):
     """Every probed GRPO setup runs its steps (a GRPO step trains on the completions its cycle
     sampled, so a measured step is a step with real rollouts) and is measured; the run takes the
