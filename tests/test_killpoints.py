@@ -127,6 +127,10 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
         log_every=1,
     )
     cfg["output"]["keep_last"] = 2
+    # Eager: at 150 steps compile=auto would compile, and every restarted child would trace and
+    # compile again (4 of its 5.5 s to the first new checkpoint). What is under test is the
+    # checkpoint's atomicity and resume; a compiled run's resume is test_signals.py's.
+    cfg["techniques"]["compile"] = "off"
     run_dir = tmp_path / "runs" / "killed"
     rng = random.Random(20261122)
     kills, last_step, mid_write = 0, 0, 0
@@ -163,6 +167,7 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
         grad_accum=1,
         log_every=1,
     )
+    ref_cfg["techniques"]["compile"] = "off"
     straight = train(ref_cfg)
     train_only = lambda d: [r for r in losses(d) if r[0] == "train"]  # noqa: E731
     assert train_only(finished.run_dir) == train_only(straight.run_dir)

@@ -56,6 +56,20 @@ def test_resume_is_exact_for_each_optimizer(tmp_path, tiny_model_dir, tiny_token
     assert_same_weights(a, b)
 
 
+# 31.7 CPU s from a cold inductor cache (the compile's workers included): slow tier
+@pytest.mark.slow
+def test_a_compiled_run_resumes_exactly(tmp_path, tiny_model_dir):
+    """Inductor-compiled blocks (as compile=auto gives a run of 50+ steps on a CPU with g++): the
+    resumed half ends bitwise equal to the straight run. The random-kill test runs eagerly."""
+    from onegpu.techniques.compile import has_cpu_compiler
+
+    if not has_cpu_compiler():
+        pytest.skip("no C++ compiler for inductor's CPU kernels")
+    expected, got, a, b = straight_then_resumed(tmp_path, tiny_model_dir, {"compile": "default"})
+    assert got == expected and len([r for r in got if r[0] == "train"]) == 6
+    assert_same_weights(a, b)
+
+
 def test_resume_latest_after_oom_switch_keeps_smaller_micro_batch(
     tmp_path, tiny_model_dir, monkeypatch
 ):

@@ -263,6 +263,7 @@ def test_out_of_memory_shrinks_the_micro_batch(tmp_path, tiny_model_dir, caplog)
     logged, peak = fits.logged[-1]
     gc.collect()
     assert cards.MEMORY.allocated() == held  # the first run gave all of its memory back
+    assert held == sum(cards.MEMORY.live.values())  # the running count is the live storages' sum
     watch = Watch()
     cards.MEMORY.limit = peak
     try:

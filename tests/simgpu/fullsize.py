@@ -45,11 +45,12 @@ import contextlib
 import gc
 import time
 from collections import OrderedDict
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -295,7 +296,8 @@ class ModulesInModel(ModTracker):
 
 
 class Tracker(MemTracker):
-    """MemTracker with the two adjustments the module docstring names."""
+    """MemTracker with the two adjustments the module docstring names, keeping only the step's
+    peak (the per-module peaks are never read here)."""
 
     def __init__(self, model):
         super().__init__()
@@ -304,6 +306,14 @@ class Tracker(MemTracker):
         for p in model.parameters():
             if not p.requires_grad:  # never gets a gradient; a hook on it raises
                 self._param_to_grad_hook_handles[p] = (RemovableHandle(none), RemovableHandle(none))
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # MemTracker's own walks every tracked module at every op to keep per-module peaks: 57 of
+        # a 1B LoRA step's 90 s on 2 cores. The step's peak, as MemTracker keeps it:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
 
 _LIBRARIES: list = []

@@ -27,6 +27,8 @@ STAGE = {"zero2-cpu": 2, "zero3-cpu": 3, "zero3-nvme": 3}
 # Optimizers whose state DeepSpeed can partition and move: plain tensors per parameter. 8/4-bit
 # optimizers keep quantized state DeepSpeed cannot flatten; Adafactor's factored state neither.
 COMPATIBLE_OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "sgd")
+# DeepSpeed's name for its CPU shared-memory all-reduce op (op_builder.cpu.ShareMemCommBuilder.NAME)
+SHM_ALLREDUCE_OP = "deepspeed_shm_comm"
 
 
 def require_deepspeed():
@@ -39,6 +41,17 @@ def require_deepspeed():
             hint="pip install 'onegpu[deepspeed]'",
         ) from None
     return deepspeed
+
+
+def skip_cpu_shm_allreduce() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce (C++, JIT) when its process group
+    starts: 70-90 s on 2 cores on a fresh machine, and an error where there is no compiler. Only
+    its inference path calls it (TorchBackend.inference_all_reduce); training reduces through
+    torch.distributed. Marking the op incompatible skips the build, as DeepSpeed itself does on a
+    platform without it (deepspeed.comm.torch.build_shm_op)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_ALLREDUCE_OP] = False
 
 
 def zero_stage(cfg: Config) -> int:
@@ -133,6 +146,8 @@ def accelerate_plugin(cfg: Config, precision: str, world_size: int, local_accum:
     if not on_gpu:
         # DeepSpeed picks its accelerator at import; without CUDA it must be its CPU backend.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("DS_ACCELERATOR") == "cpu":  # also the simulated card's
+        skip_cpu_shm_allreduce()
     from accelerate.utils import DeepSpeedPlugin
 
     config = ds_config(cfg, precision, world_size, local_accum, on_gpu)
