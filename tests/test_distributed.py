@@ -342,10 +342,15 @@ def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_path):
     zero3 = {"offload": "zero3-cpu"}
-    _launch(tmp_path, [_cfg(base, "zero3", techniques=zero3)])
+    ckpt = Path(base["output"]["dir"]) / "zero3" / "checkpoint-00000002"  # the first run's
+    _launch(
+        tmp_path,
+        [
+            _cfg(base, "zero3", techniques=zero3),
+            _cfg(base, "zero3-resumed", resume=ckpt, techniques=zero3),
+        ],
+    )
     _assert_same(_losses(base, "zero3"), reference, [1, 2, 3, 4])
-    ckpt = Path(base["output"]["dir"]) / "zero3" / "checkpoint-00000002"
-    _launch(tmp_path, [_cfg(base, "zero3-resumed", resume=ckpt, techniques=zero3)])
     _assert_same(_losses(base, "zero3-resumed"), reference, [3, 4])
 
 
