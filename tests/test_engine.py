@@ -102,6 +102,37 @@ def test_the_first_token_goes_out_at_admission_then_sync_every_in_one_read_back(
     assert [len(u.token_ids) for u in second] == [5, 5] and len(reads.calls) == 1, reads.calls
 
 
+def test_flush_ms_runs_fewer_steps_between_read_backs_where_the_steps_are_slow(
+    llama, tiny_tokenizer
+):
+    """flush_ms caps the decode steps between read-backs at what fits in it at the measured pace:
+    a bound below any step's time sends each token as it comes once a read-back was timed, a
+    bound of a second leaves sync_every; the tokens are the same either way."""
+    from onegpu.errors import ConfigError
+
+    ids = _ids(tiny_tokenizer)[:2]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+    def per_read_back(flush_ms):
+        engine = Engine(llama, None, EngineConfig(max_slots=2, sync_every=8, flush_ms=flush_ms))
+        for row in ids:
+            engine.submit(row, params)
+        sizes, tokens = [], {}
+        while engine.has_work():
+            news = engine.step()
+            sizes.append(max(len(u.token_ids) for u in news))
+            for u in news:
+                tokens.setdefault(u.request_id, []).extend(u.token_ids)
+        return sizes, list(tokens.values())
+
+    each, tokens = per_read_back(1e-6)
+    assert each[:2] == [1, 8] and set(each[2:]) == {1}  # the first decode read-back is timed
+    whole, same = per_read_back(1000.0)
+    assert whole[:4] == [1, 8, 8, 8] and same == tokens
+    with pytest.raises(ConfigError, match="flush_ms"):
+        Engine(llama, None, EngineConfig(flush_ms=0))
+
+
 def test_a_seed_fixes_a_sample_wherever_the_request_sits(llama, tiny_tokenizer):
     ids = _ids(tiny_tokenizer)
     sample = [

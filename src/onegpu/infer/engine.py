@@ -11,7 +11,8 @@ Each ``step`` is one pass of a one-way flow:
 A step that computes prompt pieces runs one decode step for the running sequences beside them, and
 a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
 compute runs up to ``sync_every`` decode steps on the device before the host looks (one while a
-request with a grammar runs: the host advances its matcher and masks its next token, guided.py).
+request with a grammar runs: the host advances its matcher and masks its next token, guided.py;
+with ``flush_ms``, no more than fit in it at the steps' measured pace).
 A decode step — one forward of one token per row, the sampling and each row's bookkeeping, with
 fixed shapes — is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP
 or GRPO; it is not thread-safe (drive it from one thread).
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Optional, Union
@@ -124,6 +127,7 @@ class Engine:
         self._outputs: dict[int, Output] = {}
         self._copied: dict[int, tuple] = {}  # row -> whose KV its eager-window copy holds
         self._next_id = 0
+        self._step_s: deque = deque(maxlen=4)  # seconds per decode step, the last read-backs
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -201,7 +205,7 @@ class Engine:
         early where ``interrupt``, asked between them, says True (a server: a request arrived and
         a row is free for it)."""
         updates = self._drop_cancelled()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._flush_steps())
         self.cache.reserve(self.pool.high_water)
         for row in plan.freed:
             self.io.release(row)
@@ -216,12 +220,15 @@ class Engine:
         self.guides.fill([*plan.decode, *(p.seq for p in plan.pieces if p.last)], failed)
         self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
         try:
+            start = time.perf_counter()
             with torch.no_grad():
                 rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
                 firsts = self.io.prefill(
                     self.runner, self.sampler, plan.pieces, self._names, failed
                 )
             table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
+            if steps and not plan.pieces:  # decode steps alone: their pace, for flush_ms
+                self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
             # step must not leave them to be found
@@ -254,6 +261,16 @@ class Engine:
         return [done[i] for i in ids]
 
     # -- internals -----------------------------------------------------------------------------
+    def _flush_steps(self) -> Optional[int]:
+        """With flush_ms: the decode steps that fit in it at the recent steps' pace (the slowest
+        of the last four read-backs: a step slows as rows join and the KV grows, and a bound kept
+        at the median was overrun; one slow outlier costs four read-backs of fewer steps); None
+        before any was timed or without flush_ms."""
+        if self.config.flush_ms is None or not self._step_s:
+            return None
+        pace = max(self._step_s)
+        return max(1, int(self.config.flush_ms / 1000 / max(pace, 1e-9)))
+
     def _decode(self, plan: Plan, interrupt) -> tuple[int, int]:
         """Up to ``plan.steps`` decode steps of the decode rows; the rows and steps run."""
         in_use = max(s.row for s in plan.decode) + 1

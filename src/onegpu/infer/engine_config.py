@@ -46,6 +46,10 @@ class EngineConfig:
     sync_every: int = 8
     """Decode steps between read-backs to the host when no prompt is being computed (stop
     strings, streaming, new requests)."""
+    flush_ms: Optional[float] = None
+    """A read-back at least this often while decoding: fewer than sync_every decode steps run
+    between read-backs where the steps are slow (measured as they run), so a stream's events come
+    at least every flush_ms. None: sync_every steps always."""
     eos_ids: Optional[list[int]] = None
     """Tokens that end a sequence. Default: the model's generation config's, and the
     tokenizer's."""
@@ -60,6 +64,7 @@ class EngineConfig:
         ok = {
             "max_slots": self.max_slots >= 1,
             "sync_every": self.sync_every >= 1,
+            "flush_ms": self.flush_ms is None or self.flush_ms > 0,
             "block_size": self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             "token_budget": self.token_budget is None or self.token_budget >= 1,
             "chunk": self.chunk is None or self.chunk >= 1,
@@ -68,8 +73,8 @@ class EngineConfig:
             if not good:
                 raise ConfigError(
                     f"engine {name} has an invalid value: {getattr(self, name)}.",
-                    hint="max_slots, sync_every, token_budget, chunk >= 1; block_size a power "
-                    "of two",
+                    hint="max_slots, sync_every, token_budget, chunk >= 1; flush_ms > 0; "
+                    "block_size a power of two",
                 )
 
 

@@ -114,7 +114,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> Plan:
+    def schedule(self, most_steps: Optional[int] = None) -> Plan:
+        """This step's work. ``most_steps`` caps the decode steps of a step with no prompt to
+        compute below sync_every (the engine's flush_ms)."""
         plan = Plan()
         decoding = [s for s in self.running if s.state == DECODE]
         # a prompt to compute (one running, or one waiting with a row free for it): one decode
@@ -124,6 +126,8 @@ class Scheduler:
         prefill_work = prefill_work or bool(self.waiting and self.free_rows)
         guided = any(s.params.constraint is not None for s in self.running)
         steps = 1 if prefill_work or guided else self.config.sync_every
+        if most_steps is not None:
+            steps = max(1, min(steps, most_steps))
         if decoding:
             left = min(s.params.max_new_tokens - s.generated for s in decoding)
             steps = max(1, min(steps, left))

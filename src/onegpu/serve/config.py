@@ -44,6 +44,10 @@ class ServeConfig:
     sync_every: int = 8
     """Tokens decoded per engine step before the host looks, when no prompt is being computed
     (new requests join between steps)."""
+    flush_ms: Optional[float] = 25.0
+    """A stream's tokens are sent at least this often: where decode steps are slow (a large model,
+    a full batch) fewer than sync_every run before the host looks, down to one token per event.
+    --sync_every 1: one token per event always; --flush_ms null: sync_every steps always."""
     token_budget: Optional[int] = None
     """Tokens one engine step computes: the running requests' next tokens plus pieces of new
     prompts; a longer prompt is computed in pieces over several steps, so the running streams keep
@@ -63,6 +67,7 @@ class ServeConfig:
             "queue_size": self.queue_size >= 0,
             "kv_memory": self.kv_memory is None or self.kv_memory > 0,
             "sync_every": self.sync_every >= 1,
+            "flush_ms": self.flush_ms is None or self.flush_ms > 0,
             "token_budget": self.token_budget is None or self.token_budget >= 1,
             "grace": self.grace >= 0,
         }
@@ -71,7 +76,7 @@ class ServeConfig:
                 raise ConfigError(
                     f"--{name} has an invalid value: {getattr(self, name)}.",
                     hint="port 0-65535; max_len >= 2; max_slots, sync_every, token_budget >= 1; "
-                    "queue_size, grace >= 0; kv_memory > 0 (GiB)",
+                    "queue_size, grace >= 0; kv_memory > 0 (GiB); flush_ms > 0",
                 )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key is empty.", hint="give a key, or drop --api_key")

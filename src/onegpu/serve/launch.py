@@ -25,6 +25,7 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
         token_budget=cfg.token_budget,
         compile=cfg.compile,
         sync_every=cfg.sync_every,
+        flush_ms=cfg.flush_ms,
     )
     return Engine(model, tokenizer, config)
 
