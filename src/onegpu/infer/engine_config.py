@@ -3,7 +3,7 @@ tokens, adapters)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 from onegpu.errors import ConfigError
@@ -136,12 +136,16 @@ class Shapes:
         return bucket(in_use, self.rows), bucket(reach, self.whole, grain)
 
     def count(self) -> int:
-        """The compiled steps an engine can ask for: (rows, kv_len) buckets x 8 needs."""
+        """The compiled steps an engine can ask for: (rows, kv_len) buckets x every kind of
+        sampling.Needs (each of its fields on or off), the recompile limit it needs."""
+        from onegpu.infer.sampling import Needs  # torch's import: only once an engine is built
+
+        kinds = 2 ** len(fields(Needs))
         if self.fixed:
-            return 8
+            return kinds
         rows = {bucket(n, self.rows) for n in _powers(self.rows)}
         kv = {bucket(n, self.whole, max(64, self.block)) for n in _powers(self.whole)}
-        return len(rows) * len(kv) * 8
+        return len(rows) * len(kv) * kinds
 
 
 def pool_blocks(config: EngineConfig, max_len: int) -> tuple[int, int]:
