@@ -237,3 +237,22 @@ def test_text_is_decoded_one_token_at_a_time_and_equals_the_whole_decode(tiny_to
         del tiny_tokenizer.decode
     assert shown == real(ids, skip_special_tokens=True)
     assert all(len(a[0]) < 8 for a in calls)  # never the whole answer again (only a held tail)
+
+
+@pytest.mark.parametrize("rows, whole", [(1, 64), (6, 512), (64, 4096)])
+def test_the_recompile_allowance_covers_every_step_a_compiled_engine_can_ask_for(rows, whole):
+    """Every (rows, kv_len) a compiled engine's decode runs over (Shapes.of, for every row count
+    and reach) with every kind of sampling needs (each Needs field on or off) fits in
+    Shapes.count(), the recompile limit the engine sets: past it dynamo would run a bucket
+    eagerly."""
+    import itertools
+    from dataclasses import fields
+
+    from onegpu.infer.engine_config import Shapes
+    from onegpu.infer.sampling import Needs
+
+    shapes = Shapes(rows, whole, 16, fixed=False, compiled=True)
+    kinds = {Needs(*on) for on in itertools.product([False, True], repeat=len(fields(Needs)))}
+    steps = {shapes.of(n, reach) for n in range(1, rows + 1) for reach in range(1, whole + 1)}
+    assert len(steps) * len(kinds) <= shapes.count()
+    assert Shapes(rows, whole, 16, fixed=True, compiled=True).count() >= len(kinds)
