@@ -152,9 +152,8 @@ def test_cpu_adam_only_where_the_optimizer_leaves_the_gpu():
 
 
 # ------------------------------------------------------------------------------- multi-process
-# serial: two processes each (torch.distributed.run). In the parallel pass, beside the other
+# `serial`: two processes each (torch.distributed.run). In the parallel pass, beside the other
 # worker, they made that pass 26 min and raised its tests' CPU seconds past the tier guard's limit.
-DISTRIBUTED = pytest.mark.serial
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +257,7 @@ def reference(base):
     return ref
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, reference, tmp_path):
     ckpt = Path(base["output"]["dir"]) / "ref" / "checkpoint-00000002"
@@ -269,7 +268,7 @@ def test_ddp_matches_one_process_and_resumes_a_one_process_checkpoint(base, refe
     _assert_same(resumed, reference, [3, 4])
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference, tmp_path):
     from onegpu import train
@@ -282,7 +281,7 @@ def test_fsdp2_matches_and_its_checkpoint_resumes_in_one_process(base, reference
     _assert_same(_losses(base, "fsdp2-to-1"), reference, [3, 4])
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_dir):
     """Hybrid sharding builds a 2-D (replicate, shard) mesh; the bf16 policy computes in bf16 while
@@ -313,7 +312,7 @@ def test_fsdp2_hybrid_sharding_and_mixed_precision_policy_are_active(tiny_model_
     assert info["master_dtype"] == "torch.float32" and info["logits_dtype"] == "torch.bfloat16"
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     _launch(tmp_path, [_cfg(base, "zero2", distributed={"strategy": "deepspeed", "zero_stage": 2})])
@@ -338,7 +337,7 @@ def test_deepspeed_zero2_matches_one_process(base, reference, tmp_path):
     ]
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_path):
     zero3 = {"offload": "zero3-cpu"}
@@ -354,7 +353,7 @@ def test_deepspeed_zero3_cpu_offload_matches_and_resumes(base, reference, tmp_pa
     _assert_same(_losses(base, "zero3-resumed"), reference, [3, 4])
 
 
-@DISTRIBUTED
+@pytest.mark.serial
 @pytest.mark.slow
 def test_one_process_zero2_cpu_offload_from_the_cli(base, reference, tmp_path):
     """`onegpu train --techniques.offload zero2-cpu` without a launcher: DeepSpeed in one

@@ -129,7 +129,8 @@ def test_random_kills_during_training_resume_exactly(ctx, tmp_path, tiny_model_d
     cfg["output"]["keep_last"] = 2
     # Eager: at 150 steps compile=auto would compile, and every restarted child would trace and
     # compile again (4 of its 5.5 s to the first new checkpoint). What is under test is the
-    # checkpoint's atomicity and resume; a compiled run's resume is test_signals.py's.
+    # checkpoint's atomicity and resume; a compiled run's exact resume is
+    # test_resume.py::test_a_compiled_run_resumes_exactly.
     cfg["techniques"]["compile"] = "off"
     run_dir = tmp_path / "runs" / "killed"
     rng = random.Random(20261122)

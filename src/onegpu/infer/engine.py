@@ -227,7 +227,7 @@ class Engine:
                     self.runner, self.sampler, plan.pieces, self._names, failed
                 )
             table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
-            if steps and not plan.pieces:  # decode steps alone: their pace, for flush_ms
+            if self.config.flush_ms and steps and not plan.pieces:  # decode steps alone: their pace
                 self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
