@@ -6,6 +6,7 @@ as a CUDA graph. ``Rows`` is each row's state as tensors at fixed addresses."""
 from __future__ import annotations
 
 import itertools
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -146,6 +147,11 @@ class DecodeStep:
         self.key = next(_KEYS)
         self.inductor = {}
         self.warm: set[tuple] = set()  # the buckets (rows, kv_len, needs) compiled and run
+        # the buckets compiled, and their first calls' seconds (compiling, and one step): during
+        # a warm-up and after it (what a server's load pays for, 0 once every shape is warm)
+        self.compiles = {"warmup": 0, "serving": 0}
+        self.compile_s = {"warmup": 0.0, "serving": 0.0}
+        self._phase = "serving"
         cuda = runner.device.type == "cuda"
         if self.compiled is not None and backend == "inductor" and cuda and rules.small_gemv:
             from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
@@ -191,9 +197,41 @@ class DecodeStep:
             return self._compiled(rows, kv_len, needs)
 
     def _compiled(self, rows: int, kv_len: int, needs: Needs) -> tuple:
+        if (rows, kv_len, needs) in self.warm:
+            return self.compiled(rows, kv_len, needs, None, self.key)
+        start = time.perf_counter()
         out = self.compiled(rows, kv_len, needs, None, self.key)
+        self.compiles[self._phase] += 1
+        self.compile_s[self._phase] += time.perf_counter() - start
         self.warm.add((rows, kv_len, needs))
         return out
+
+    def warm_up(self, buckets: list[tuple[int, int]], kinds: list[Needs]) -> int:
+        """Compile (on a GPU also capture) the step of each (rows, kv_len) bucket for each kind of
+        ``kinds`` by running it once while no row decodes: every row writes into the null block
+        and keeps its state. The buckets compiled."""
+        if self.compiled is None:
+            return 0
+        if bool(self.rows.live.any()):
+            raise RuntimeError("a decode step warms up before any row decodes")
+        before = self.compiles["warmup"]
+        if not self.runner.cache.keys:  # the pool's layers are made by a first forward: eager,
+            # so that no compiled step guards on their absence
+            with torch.no_grad(), self.settings(None, 1):
+                self.step(1, buckets[0][1], kinds[0], None)
+        # CUDA graph trees run a new graph once and record it at its next call
+        calls = 2 if self.runner.device.type == "cuda" else 1
+        self._phase = "warmup"
+        try:
+            for needs in kinds:
+                for rows, kv_len in buckets:
+                    # the engine's steps run under no_grad, which Dynamo guards on
+                    with torch.no_grad(), self.settings(None, rows):
+                        for _ in range(calls):
+                            self(rows, kv_len, needs, None)
+        finally:
+            self._phase = "serving"
+        return self.compiles["warmup"] - before
 
     def step(self, rows: int, kv_len: int, needs: Needs, adapters, key: int = 0):
         """Each row's next token (-1 where it does not decode) and, where ``needs.logprobs``, the

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
@@ -46,7 +46,7 @@ from onegpu.infer.guided import Guides
 from onegpu.infer.kv_blocks import BlockPool
 from onegpu.infer.output import Output, update
 from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
-from onegpu.infer.requests import EngineFeatures, Result, SamplingParams, Update
+from onegpu.infer.requests import EngineFeatures, EngineStats, Result, SamplingParams, Update
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs, Sampler
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
@@ -60,17 +60,9 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 # strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name.
 # Grammars need llguidance, an optional extra: without it an engine declares none
 FEATURES = EngineFeatures(penalties=True, logprobs=True, constraints=True)
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_positions_used: int  # positions of the blocks held by sequences
-    kv_positions_total: int
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, in all
-    prefix_hits: int = 0  # of them found there
-    preemptions: int = 0  # sequences preempted (recomputed later), in all
+# What a warm-up compiles by default: a plain request's steps, greedy and sampled (OpenAI's
+# temperature 1); penalties, top-k/top-p, logprobs and grammars compile when first asked for
+WARM_KINDS = (Needs(), Needs(sampling=True))
 
 
 class Engine:
@@ -186,8 +178,13 @@ class Engine:
         """Forget the cached prefixes (the weights changed, GRPO's next rollout)."""
         self.pool.reset_cache()
 
+    def warmup(self, kinds: tuple[Needs, ...] = WARM_KINDS) -> int:
+        """Compile the decode step of every (rows, kv_len) bucket for each kind of request in
+        ``kinds`` before the first request (with compiling off: nothing); the shapes compiled."""
+        return self.decode_step.warm_up(self.shapes.buckets(), list(kinds))
+
     def stats(self) -> EngineStats:
-        pool, s = self.pool, self.scheduler
+        pool, s, step = self.pool, self.scheduler, self.decode_step
         used = (pool.usable - pool.free_count()) * pool.block_size
         return EngineStats(
             len(s.running),
@@ -197,6 +194,8 @@ class Engine:
             pool.stats.queries,
             pool.stats.hits,
             s.preemptions,
+            step.compiles["serving"],
+            step.compile_s["serving"],
         )
 
     # -- the loop ------------------------------------------------------------------------------

@@ -140,12 +140,16 @@ class Shapes:
         sampling.Needs (each of its fields on or off), the recompile limit it needs."""
         from onegpu.infer.sampling import Needs  # torch's import: only once an engine is built
 
-        kinds = 2 ** len(fields(Needs))
+        return len(self.buckets()) * 2 ** len(fields(Needs))
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, kv_len) a compiled decode run can ask for, smallest first (a warm-up
+        compiles each before the first request)."""
         if self.fixed:
-            return kinds
-        rows = {bucket(n, self.rows) for n in _powers(self.rows)}
-        kv = {bucket(n, self.whole, max(64, self.block)) for n in _powers(self.whole)}
-        return len(rows) * len(kv) * kinds
+            return [(self.rows, self.whole)]
+        rows = sorted({bucket(n, self.rows) for n in _powers(self.rows)})
+        kv = sorted({bucket(n, self.whole, max(64, self.block)) for n in _powers(self.whole)})
+        return [(r, k) for r in rows for k in kv]
 
 
 def pool_blocks(config: EngineConfig, max_len: int) -> tuple[int, int]:

@@ -130,3 +130,18 @@ class Result:
     text: str  # the generated text, without special tokens, cut before a stop string
     finish_reason: FinishReason
     prompt_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """The engine's load and totals after a step (the server's metrics)."""
+
+    running: int
+    waiting: int
+    kv_positions_used: int  # positions of the blocks held by sequences
+    kv_positions_total: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, in all
+    prefix_hits: int = 0  # of them found there
+    preemptions: int = 0  # sequences preempted (recomputed later), in all
+    compiles: int = 0  # decode-step shapes compiled after the warm-up (each stalls every stream)
+    compile_s: float = 0.0  # their seconds

@@ -41,6 +41,15 @@ class ServeConfig:
     prompt is computed."""
     compile: Literal["auto", "off", "on"] = "auto"
     """torch.compile the engine's decode step (auto: on a GPU)."""
+    warmup: Literal["auto", "off", "on"] = "auto"
+    """Compile the decode step of every batch and KV-length bucket, for greedy and sampled
+    requests, before listening, so that no request waits for a compile (auto: whenever the step
+    compiles). Other kinds (penalties, top-k/top-p, logprobs, grammars) compile when first asked
+    for; /metrics counts every compile after the warm-up."""
+    compile_cache: Optional[str] = "~/.cache/onegpu/compile"
+    """Folder where torch keeps compiled steps (inductor's and AOTAutograd's caches): a second
+    start of the same model and settings loads them instead of compiling. TORCHINDUCTOR_CACHE_DIR,
+    when set, wins; null: torch's default (a folder under /tmp)."""
     sync_every: int = 8
     """Tokens decoded per engine step before the host looks, when no prompt is being computed
     (new requests join between steps)."""

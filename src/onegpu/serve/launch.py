@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from onegpu.serve.config import ServeConfig
 
@@ -30,6 +31,28 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
     return Engine(model, tokenizer, config)
 
 
+def warm_up(engine, cfg: ServeConfig) -> None:
+    """Compile every decode shape the server can ask for before it listens (--warmup); the
+    compiled steps are kept in --compile_cache (set in serve) for the next start."""
+    if engine.compiled is None or cfg.warmup == "off":
+        if cfg.warmup == "on":
+            _say("warm-up: nothing to compile (the decode step runs eagerly: --compile on)")
+        return
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
+    buckets = len(engine.shapes.buckets())
+    _say(f"warm-up: compiling the decode step for {buckets} shapes (compile cache: {cache})")
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["inductor"])
+    start = time.perf_counter()
+    done = engine.warmup()
+    took = time.perf_counter() - start
+    keys = ("fxgraph_cache_hit", "fxgraph_cache_miss")
+    hits, misses = (counters["inductor"][k] - before.get(k, 0) for k in keys)
+    found = f"; inductor's graphs: {hits} from the cache, {misses} built" if hits + misses else ""
+    _say(f"warm-up: {done} steps compiled in {took:.1f} s{found}")
+
+
 def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
     from onegpu.infer.engine import kv_bytes_per_position
@@ -41,6 +64,9 @@ def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.serve.server import run_server
 
     cfg.check()
+    if cfg.compile_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # before anything of torch asks for it: inductor sets its default there once asked
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expanduser(cfg.compile_cache)
     adapters = parse_adapters(cfg.adapter)  # before loading: a typo should not cost a model load
     models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
     loaded = load(icfg)
@@ -57,6 +83,7 @@ def serve(icfg, cfg: ServeConfig) -> int:
     _say(plan.describe())
     engine = make_engine(model, loaded.tokenizer, plan, cfg)
     _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
+    warm_up(engine, cfg)
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)
     api_key = cfg.api_key or os.environ.get("ONEGPU_API_KEY") or None

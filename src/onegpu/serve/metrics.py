@@ -51,7 +51,15 @@ class Metrics:
             "sequences preempted for lack of KV blocks (recomputed later)",
             registry=r,
         )
-        self._seen = (0, 0, 0)  # the engine's running totals at the last look
+        self.compiles = Counter(
+            "onegpu_decode_compiles",
+            "decode-step shapes compiled after the warm-up (each one stalls every stream)",
+            registry=r,
+        )
+        self.compile_seconds = Counter(
+            "onegpu_decode_compile_seconds", "seconds those compiles took", registry=r
+        )
+        self._seen = (0, 0, 0, 0, 0.0)  # the engine's running totals at the last look
         self.ttft = Histogram(
             "onegpu_time_to_first_token_seconds",
             "arrival to first generated token",
@@ -73,9 +81,22 @@ class Metrics:
         self.kv_used.set(stats.kv_positions_used)
         self.kv_total.set(stats.kv_positions_total)
         self.kv_usage.set(stats.kv_positions_used / max(1, stats.kv_positions_total))
-        totals = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        totals = (
+            stats.prefix_queries,
+            stats.prefix_hits,
+            stats.preemptions,
+            stats.compiles,
+            stats.compile_s,
+        )
+        counters = (
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.compiles,
+            self.compile_seconds,
+        )
         for counter, now, before in zip(
-            (self.prefix_queries, self.prefix_hits, self.preemptions),
+            counters,
             totals,
             self._seen,
             strict=True,
