@@ -48,6 +48,9 @@ ARMS = {
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
         ("paged engine, 64 rows", "paged", NEW_CAPACITY, []),
+        # the same prompts, one new token each: the prompts' share of each engine's wall time
+        ("slot engine, 8 slots, prompts only", "slot", {"max_slots": 8}, ["--prompts_only"]),
+        ("paged engine, 64 rows, prompts only", "paged", NEW_CAPACITY, ["--prompts_only"]),
     ],
     "chat": [
         ("prefix caching on", "paged", {"max_slots": 4}, []),
@@ -98,7 +101,8 @@ def figures(workload: str, run: dict) -> dict:
     if workload == "decode":
         return {"ms_per_step": run["ms_per_step"]}
     if workload == "capacity":
-        return {k: run[k] for k in ("tokens_per_s", "peak_running", "wall_s")}
+        keys = ("tokens_per_s", "peak_running", "wall_s", "peak_tokens")
+        return {k: run[k] for k in keys if k in run}
     if workload in ("chat", "shared"):
         ttft = run["ttft_s"]
         values = [t for _, t in ttft] if workload == "chat" else ttft
@@ -142,7 +146,39 @@ def markdown(r: dict) -> str:
     for label, figs in r["summary"].items():
         cells = [_cell(figs[n]) for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {r['answers'][label]} |")
+    if r["workload"] == "capacity" and len(r["summary"]) == 4:
+        lines += ["", _decode_share(r["summary"])]
     return "\n".join(lines) + "\n"
+
+
+def _decode_share(summary: dict) -> str:
+    """What the answers' decoding costs each engine beyond computing the prompts (medians), and
+    the most the paged engine's tokens/s could gain over the slot engine's if its decoding cost
+    nothing."""
+    wall = {label: figs["wall_s"]["median"] for label, figs in summary.items()}
+    slot, paged, slot_p, paged_p = wall.values()
+    return (
+        f"The prompts alone (one new token each) take {slot_p:.2f} s (slot) and {paged_p:.2f} s "
+        f"(paged) of the {slot:.2f} and {paged:.2f} s: decoding the answers costs the slot engine "
+        f"{slot - slot_p:.2f} s and the paged one {paged - paged_p:.2f} s "
+        f"({(slot - slot_p) / max(paged - paged_p, 1e-9):.2f}x). Were the paged engine's decoding "
+        f"free, its tokens/s would be at most {slot / paged_p:.2f}x the slot engine's."
+        + _peak_bound(summary["paged engine, 64 rows"])
+    )
+
+
+def _peak_bound(figs: dict) -> str:
+    """The peak the pool allows sequences as long as those running at the paged engine's peak."""
+    if "peak_tokens" not in figs:
+        return ""
+    running, held = figs["peak_running"]["median"], figs["peak_tokens"]["median"]
+    pool = (NEW_CAPACITY["num_blocks"] - 1) * 16  # the null block holds no sequence
+    each = held / running
+    return (
+        f" At its peak the paged engine's {running} sequences held {held} tokens ({each:.0f} "
+        f"each): the pool's {pool} positions hold {pool / each:.1f} sequences of that length, "
+        f"{pool / each / 8:.2f}x the slot engine's 8."
+    )
 
 
 def _answers(runs: list) -> str:

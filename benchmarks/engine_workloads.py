@@ -10,7 +10,8 @@ Workloads (the model is built here at random, seeded, so every process has the s
   --batch rows of 512-token prompts, 128 new tokens — ms per decode step after every first token
   arrived (as bench infer's time_engine);
 - capacity: --requests requests with prompts of 16-1,024 tokens and 16-256 new tokens (seeded),
-  max_len 2,048, submitted at once: tokens/s, the peak of sequences running at once, each answer;
+  max_len 2,048, submitted at once: tokens/s, the peak of sequences running at once, each answer
+  (--prompts_only: the same prompts with one new token each, what computing them costs);
 - chat: --conversations chats of 4 turns, each turn resending the history (a 512-token system
   prompt and a 64-token message, 128-token answers, 64-token messages after): each turn's time to
   first token and the prompt tokens computed;
@@ -141,10 +142,16 @@ def capacity(args, config: dict) -> dict:
     jobs = [
         (tokens(rng, rng.randint(16, 1024)), rng.randint(16, 256)) for _ in range(args.requests)
     ]
-    peak = [0]
+    if args.prompts_only:  # the same prompts, one token each: what computing them costs
+        jobs = [(p, 1) for p, _ in jobs]
+    peak = [0, 0, 0]  # sequences running at once; at that step, their tokens and blocks' positions
 
     def watch(e):
-        peak[0] = max(peak[0], e.stats().running)
+        stats = e.stats()
+        if stats.running > peak[0]:
+            running = getattr(getattr(e, "scheduler", None), "running", None)  # the paged engine's
+            held = sum(len(s.tokens) for s in running) if running is not None else 0
+            peak[:] = [stats.running, held, stats.kv_positions_used]
 
     start = time.perf_counter()
     ids = {eng.submit(p, params(n)): i for i, (p, n) in enumerate(jobs)}
@@ -155,6 +162,8 @@ def capacity(args, config: dict) -> dict:
         "tokens_per_s": sum(map(len, answers)) / wall,
         "wall_s": wall,
         "peak_running": peak[0],
+        "peak_tokens": peak[1],
+        "peak_positions_used": peak[2],
         "answers": digest(answers),
     }
     if args.alone:  # each request alone, through an engine of its own
@@ -259,6 +268,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--alone", action="store_true")
+    ap.add_argument("--prompts_only", action="store_true", help="capacity: one new token each")
     ap.add_argument("--no_long", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

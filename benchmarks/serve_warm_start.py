@@ -102,6 +102,12 @@ def load(port: int, args) -> dict:
     )
 
 
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+
+
 def warm_line(log: Path) -> str:
     lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("warm-up: ")]
     return lines[-1] if lines else ""
@@ -138,7 +144,7 @@ def main() -> int:
         commit=subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
-        machine=machine(),
+        machine=machine() | {"gpu": gpu_name()},
         uptime_before=before,
         uptime_after=uptime(),
         settings=vars(args) | {"out": str(args.out)},
@@ -151,8 +157,9 @@ def main() -> int:
     return 0
 
 
-def _med(values) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+def _med(values, digits: int = 1) -> str:
+    m, lo, hi = statistics.median(values), min(values), max(values)
+    return f"{m:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def markdown(res: dict) -> str:
@@ -164,7 +171,7 @@ def markdown(res: dict) -> str:
         "no_warmup": "--warmup off (empty cache)",
     }
     lines = [
-        "# `onegpu serve --compile on`: warm start (CPU)",
+        f"# `onegpu serve --compile on`: warm start ({m.get('gpu') or 'CPU'})",
         "",
         f"`{res['command']}`",
         "",
@@ -194,7 +201,7 @@ def markdown(res: dict) -> str:
     errors = sum(r[a]["errors"] for r in runs for a in arms)
     lines += [
         "",
-        f"Second start / first start (ready, per round): {_med(ratio)} "
+        f"Second start / first start (ready, per round): {_med(ratio, 2)} "
         f"(target: at most 0.33). Errors: {errors}. Server exit codes: "
         f"{sorted({r[a]['exit'] for r in runs for a in arms})}.",
         "",

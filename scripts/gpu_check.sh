@@ -16,6 +16,8 @@
 #             the 1b and an 8B shape, bf16, batch 1 and 8, each policy row on and off, and int8
 #             weight-only (benchmarks/engine_gpu_shapes.py) -> paged.log, paged-attention-cuda.*,
 #             engine-gpu-shapes.json
+#   warmstart `onegpu serve`'s warm-up: first start, second from the compile cache, a load without
+#             it (benchmarks/serve_warm_start.py) -> warmstart.log, serve-warm-start-cuda.{json,md}
 #   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
@@ -30,7 +32,7 @@
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
 # One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
-# "infer", "infer-quant", "profile", "paged", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
+# "infer", "infer-quant", "profile", "paged", "warmstart", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
 # benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
@@ -63,13 +65,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-quant profile paged infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
+ALL=(versions dry tests offload engine infer infer-quant profile paged warmstart infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged) echo 540 ;; profile) echo 400 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged|warmstart) echo 540 ;; profile) echo 400 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo|fp8|fp8-3b) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -114,6 +116,10 @@ step_cmd() {
     profile) "$PY" benchmarks/profile_engine_gpu.py --out "$DIR" ;;
     paged) "$PY" benchmarks/paged_attention_ab.py --device cuda --dtype bf16 \
              --out "$DIR/paged-attention-cuda" && "$PY" benchmarks/engine_gpu_shapes.py --out "$DIR" ;;
+    # `onegpu serve`'s warm-up (CUDA graphs captured before it listens): first start, second from
+    # the compile cache, and a load without it (18 steps: 3 batch x 3 KV-length buckets x 2)
+    warmstart) "$PY" benchmarks/serve_warm_start.py --rounds 1 --max_slots 4 --max_len 256 \
+             --out "$DIR/serve-warm-start-cuda" ;;
     # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
     # cache + compile), 2 repeats
     infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
@@ -133,7 +139,7 @@ step_cmd() {
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-quant|profile|paged|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|profile|paged|warmstart|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"
