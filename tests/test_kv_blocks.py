@@ -90,3 +90,30 @@ def test_no_prefix_is_found_with_caching_off_or_after_a_reset():
     assert pool.match(TOKENS, None, 39) == []
     pool.release(held)  # blocks in use when the cache was reset go back as usual
     assert pool.free_count() == 9
+
+
+def test_a_request_the_pool_cannot_hold_yet_does_not_hold_the_decode_to_one_step():
+    """A waiting request whose prompt the pool cannot hold yet is no prompt work: the running
+    sequences decode sync_every steps between read-backs (one each would read back at every
+    token until a sequence ends); one that fits is admitted, with one decode step beside it."""
+    from onegpu.infer.requests import SamplingParams
+    from onegpu.infer.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    def seq(i: int, length: int) -> Sequence:
+        prompt = list(range(100 * i, 100 * i + length))  # no prefix shared with another
+        return Sequence(i, prompt, SamplingParams(max_new_tokens=64), None, None)
+
+    sched = Scheduler(BlockPool(7, 16), SchedulerConfig(4, 256, 256, 8))  # 6 usable blocks
+    first = seq(0, 40)  # 3 blocks
+    sched.add(first)
+    assert sched.schedule().pieces[0].seq is first
+    sched.computed(first, 39)  # its prompt computed: it decodes
+    sched.add(seq(1, 40))  # 3 blocks and 1 for the running one to grow: 2 free after its growth
+    plan = sched.schedule()
+    assert plan.steps == 8 and plan.decode == [first] and not plan.pieces
+    assert len(sched.waiting) == 1
+    small = seq(2, 10)  # 1 block: it fits, and goes ahead of nothing (the queue is in order)
+    small.tokens = list(small.prompt)  # as add() sets them
+    sched.waiting.appendleft(small)
+    plan = sched.schedule()
+    assert plan.steps == 1 and [p.seq for p in plan.pieces] == [small]

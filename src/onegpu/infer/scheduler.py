@@ -122,8 +122,12 @@ class Scheduler:
         # a prompt to compute (one running, or one waiting with a row free for it): one decode
         # step beside its piece; a request with a grammar: one step, so the host advances its
         # matcher before the next token's mask; else sync_every before the host looks again
+        # a waiting request counts only where the pool has its blocks: one that must wait for a
+        # sequence to end would otherwise hold every step to one decode step, read back each
         prefill_work = any(s.state == PREFILL for s in self.running)
-        prefill_work = prefill_work or bool(self.waiting and self.free_rows)
+        prefill_work = prefill_work or bool(
+            self.waiting and self.free_rows and self._fits(self.waiting[0]) is not None
+        )
         guided = any(s.params.constraint is not None for s in self.running)
         steps = 1 if prefill_work or guided else self.config.sync_every
         if most_steps is not None:
@@ -157,18 +161,26 @@ class Scheduler:
         self.pool.register(seq.table, seq.tokens[:end], seq.cache_key)
         return budget - (end - seq.computed)
 
-    def _admit(self, seq: Sequence, plan: Plan) -> bool:
-        """Give ``seq`` a row and the blocks of its whole prompt (its cached prefix taken from the
-        cache), if free; False leaves it waiting."""
+    def _fits(self, seq: Sequence) -> Optional[list[int]]:
+        """The cached blocks of ``seq``'s prompt if the pool holds the rest of it (one block
+        kept free for each running sequence to grow), else None."""
         pool = self.pool
         # the last token is always computed: its logits choose the next one
         cached = pool.match(seq.tokens, seq.cache_key, len(seq.tokens) - 1)
         if self._being_computed(seq, len(cached)):
-            return False
+            return None
         reviving = sum(1 for b in cached if pool.ref(b) == 0)  # cached but free: they count
         fresh = pool.blocks_for(len(seq.tokens)) - len(cached)
-        if fresh + reviving + len(self.running) > pool.free_count():
+        return cached if fresh + reviving + len(self.running) <= pool.free_count() else None
+
+    def _admit(self, seq: Sequence, plan: Plan) -> bool:
+        """Give ``seq`` a row and the blocks of its whole prompt (its cached prefix taken from the
+        cache), if free; False leaves it waiting."""
+        pool = self.pool
+        cached = self._fits(seq)
+        if cached is None:
             return False
+        fresh = pool.blocks_for(len(seq.tokens)) - len(cached)
         pool.count_query(len(seq.tokens), len(cached) * pool.block_size)
         pool.acquire(cached)
         seq.table.blocks = cached + pool.allocate(fresh)
