@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from onegpu.infer import cpu_attention, gqa_attention, policy
+from onegpu.infer.batched_lora import BASE, BatchedLora
 from onegpu.infer.paged_cache import base_model
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs, Sampler
@@ -23,7 +24,8 @@ from onegpu.infer.sampling import Needs, Sampler
 class Rows:
     """Per decode row: the token to feed next and its position, whether the row decodes, its
     request's token budget and the tokens it has generated, its block table ``tables [rows,
-    blocks]``; ``out`` collects the tokens of the steps since the last read-back, and beside it
+    blocks]``, its LoRA adapter ``lora`` (an index in batched_lora's stacks, 0 the base model);
+    ``out`` collects the tokens of the steps since the last read-back, and beside it
     ``chosen [rows, steps]``, ``top_ids``/``top_logprobs [rows, steps, top]`` their logprobs and
     each step's likeliest tokens (written by the steps that compute them: a row asking for
     logprobs ran in them)."""
@@ -40,6 +42,7 @@ class Rows:
     chosen: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    lora: torch.Tensor
     host_tables: Optional[torch.Tensor] = None  # the tables as the host writes them
 
     @classmethod
@@ -62,6 +65,7 @@ class Rows:
             chosen=z(torch.float, rows, sync_every),
             top_ids=z(torch.long, rows, sync_every, top),
             top_logprobs=z(torch.float, rows, sync_every, top),
+            lora=z(torch.long),
         )
         cuda = torch.device(device).type == "cuda"
         if cuda:  # CUDA graphs replay on fixed addresses
@@ -84,7 +88,7 @@ class Rows:
         self.live[row : row + 1] = ~ended
 
     def retire(self, row: int) -> None:
-        self.live[row], self.positions[row] = False, 0
+        self.live[row], self.positions[row], self.lora[row] = False, 0, 0
         self.set_table(row, [])  # the null block: the row's writes land where nobody reads
 
     def set_table(self, row: int, blocks: list[int]) -> None:
@@ -158,6 +162,11 @@ class DecodeStep:
 
             self.inductor["post_grad_custom_pre_pass"] = SmallGemv()
         self.experts = _moe_model(runner.model) if self.compiled is not None else None
+        # a PeftModel's adapters by row as indices (batched_lora.py, a policy row)
+        self.lora = BatchedLora.of(runner.model, rows.lora) if rules.batched_lora else None
+        self.by_index = False  # this run's rows take their adapters from rows.lora
+        if self.compiled is not None and self.lora is not None:
+            _ENTRIES[0] += buckets  # each bucket's step with batched LoRA on, and with it off
         base = base_model(runner.model)
         loops = self.compiled is not None and backend == "inductor" and not cuda
         loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
@@ -167,12 +176,26 @@ class DecodeStep:
             gqa_attention.register()
             cpu_attention.register()
 
+    def route(self, names: Optional[list[str]]) -> Optional[list[str]]:
+        """The adapters of the next decode run's rows (PEFT's names a row, or None: the model as
+        it is): None where batched LoRA takes them (written into ``rows.lora``), so the run
+        passes PEFT no names and its steps may be compiled; else ``names``, for PEFT."""
+        self.by_index = names is not None and self.lora is not None and self.lora.route(names)
+        return None if self.by_index else names
+
+    def weights_changed(self) -> None:
+        """The model's weights changed: batched LoRA's stacks copy its adapters again."""
+        if self.lora is not None:
+            self.lora.reload()
+
     def settings(self, adapters, rows: int = 0) -> ExitStack:
         """What the steps of ``rows`` rows run under: the engine's decode attention (a GQA
-        model's without repeat_kv's copy; a compiled CPU step's as inductor loops); for a compiled
-        call also inductor's settings (read from the global config when a bucket compiles) and MoE
-        experts as ``batched_mm``."""
+        model's without repeat_kv's copy; a compiled CPU step's as inductor loops), the batched
+        LoRA of a run whose rows ``route`` took; for a compiled call also inductor's settings
+        (read from the global config when a bucket compiles) and MoE experts as ``batched_mm``."""
         stack = ExitStack()
+        if self.by_index and adapters is None:
+            stack.enter_context(self.lora.applied())
         loops = self.attention == cpu_attention.NAME
         if self.grouped is not None:
             name = self.attention if loops else gqa_attention.NAME
@@ -215,6 +238,9 @@ class DecodeStep:
         if bool(self.rows.live.any()):
             raise RuntimeError("a decode step warms up before any row decodes")
         before = self.compiles["warmup"]
+        # a model with adapters decodes with batched LoRA once a request names one (a server's
+        # every request): its steps are the ones to warm
+        self.route([BASE] * self.rows.lora.shape[0] if self.lora is not None else None)
         if not self.runner.cache.keys:  # the pool's layers are made by a first forward: eager,
             # so that no compiled step guards on their absence
             with torch.no_grad(), self.settings(None, 1):

@@ -177,6 +177,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes (the weights changed, GRPO's next rollout)."""
         self.pool.reset_cache()
+        self.decode_step.weights_changed()
 
     def warmup(self, kinds: tuple[Needs, ...] = WARM_KINDS) -> int:
         """Compile the decode step of every (rows, kv_len) bucket for each kind of request in
@@ -282,6 +283,7 @@ class Engine:
             for s in self.scheduler.running:
                 if s.row < rows:
                     adapters[s.row] = s.adapter or "__base__"
+        adapters = self.decode_step.route(adapters)  # None: batched LoRA routes them by index
         steps = plan.steps
         window = self._window(plan, adapters, rows, kv_len)
         with window, self.decode_step.settings(adapters, rows):

@@ -9,7 +9,9 @@ the ``1b`` preset on an H200, and are to be measured on an 8B shape on the next 
 (``scripts/gpu_check.sh policy``). Three CPU rows timed on ``tiny`` alone before went when the
 ``125m`` shape did not gain from them (the same file): inductor's realize threshold for the
 query, the frozen step (weights folded in, C++ GEMM templates, a C++ wrapper: 8% slower at
-``125m``) and skipping a warm bucket's guards.
+``125m``) and skipping a warm bucket's guards. A row of device "any" applies on every device:
+``batched_lora`` (a compiled step with adapters at all, a CUDA graph on a GPU) was measured on
+the CPU shapes (``benchmarks/lora_batched.py``) and is to be timed on the next card.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ RULES: dict[str, Rule] = {
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
     ),
+    "batched_lora": Rule(
+        "any",
+        "a decode run whose rows name LoRA adapters adds each row's adapter as batched matmuls "
+        "over the adapters' stacked weights, indexed by row (batched_lora.py), not PEFT's "
+        "per-row hooks: the step stays compiled (a CUDA graph on a GPU) whatever the mix",
+        "benchmarks/results/lora-batched-cpu.md",
+        ("tiny", "125m"),
+    ),
     "small_gemv": Rule(
         "cuda",
         "a compiled GPU step's one-row matmuls with at most 2048 outputs and inputs as inductor "
@@ -54,10 +64,12 @@ RULES: dict[str, Rule] = {
 
 @dataclass(frozen=True)
 class Policy:
-    """Which rows of ``RULES`` an engine applies (a row of another device is always False)."""
+    """Which rows of ``RULES`` an engine applies (a row of another device is always False; a
+    row of device "any" applies on every device)."""
 
     cpu_attention_loops: bool = False
     eager_window: bool = False
+    batched_lora: bool = False
     small_gemv: bool = False
 
     @classmethod
@@ -71,7 +83,7 @@ class Policy:
                 f"engine policy_off: unknown rows {sorted(unknown)}.",
                 hint=f"rows: {', '.join(RULES)}",
             )
-        on = {n for n, r in RULES.items() if r.device == device_type and n not in off}
+        on = {n for n, r in RULES.items() if r.device in (device_type, "any") and n not in off}
         return cls(**{f.name: f.name in on for f in fields(cls)})
 
 

@@ -1,0 +1,190 @@
+"""Several LoRA adapters in one decode step, each row its own (batched LoRA, as vLLM's punica
+kernels and S-LoRA do): each LoRA layer's adapters stacked once — ``a [adapters + 1, r_max, in]``,
+``b [adapters + 1, r_max, out]`` (B transposed) with PEFT's scaling folded into ``b``, index 0 the
+base model (zeros), lower ranks padded with zeros — and each row's delta a pair of matmuls over
+the A and B its index picks (``LayerStack``).
+
+PEFT's own per-row routing (``adapter_names``) registers hooks at every forward and splits the
+batch by name on the host, which a compiled step cannot hold: with it a server that loads any
+adapter decoded eagerly. Here a row's adapter is an index in a tensor at a fixed address
+(``Rows.lora``), so the compiled step (a CUDA graph on a GPU) is the same whatever mix of adapters
+its rows hold. Only the decode steps switch (``applied``); prompts keep PEFT's routing.
+
+What it does not handle — a LoRA variant (DoRA, aLoRA), a target that is not a linear layer, a
+LoRA bias, merged weights, PEFT's ``modules_to_save`` or trainable tokens, a non-LoRA adapter —
+leaves the model to PEFT's routing (``refusal`` says why)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BASE = "__base__"  # PEFT's name for a row without an adapter (serve/adapters.py BASE_ROW)
+
+
+@dataclass
+class LayerStack:
+    """One LoRA layer's adapters stacked, and the forward hook that adds each row's delta to the
+    layer's output: ``x [rows, q, in]`` -> ``(x @ a[k].T) @ b[k]`` for a row of adapter ``k``.
+
+    Two ways to the same sum, chosen by shape (fixed in a compiled step): with no more adapters
+    than rows, every adapter's A and B once as two matmuls, each row's ``x @ A.T`` masked to its
+    own adapter's ranks — each weight read once, as a decode step (bound by memory) wants; with
+    more, each row's own A and B gathered (vLLM's BGMV), which reads a row's adapter per row."""
+
+    a: torch.Tensor  # [adapters + 1, r_max, in]
+    b: torch.Tensor  # [adapters + 1, r_max, out], scaling folded in: B transposed, so that the
+    # adapters' B are one [adapters * r_max, out] matrix for the first way
+    index: torch.Tensor  # [max rows] long: each row's adapter (Rows.lora)
+    slots: torch.Tensor  # [adapters]: 1..adapters
+
+    def __call__(self, module, args, output):
+        x = args[0]
+        rows, width = x.shape[0], x.shape[-1]
+        adapters, rank = self.slots.shape[0], self.a.shape[1]
+        at = self.index[:rows]
+        x = x.reshape(rows, -1, width).to(self.a.dtype)  # PEFT's cast to the adapter's dtype
+        if adapters <= rows:
+            h = x @ self.a[1:].reshape(-1, width).T  # [rows, q, adapters * r_max]
+            own = (at[:, None] == self.slots).to(h.dtype)  # [rows, adapters]; none: the base
+            h = (h.unflatten(-1, (adapters, rank)) * own[:, None, :, None]).flatten(-2)
+            delta = h @ self.b[1:].reshape(adapters * rank, -1)
+        else:
+            delta = torch.bmm(torch.bmm(x, self.a[at].transpose(1, 2)), self.b[at])
+        return output + delta.reshape(output.shape).to(output.dtype)
+
+
+def refusal(model) -> Optional[str]:
+    """Why batched LoRA cannot stand in for PEFT's routing of ``model`` (None: it can)."""
+    from peft.tuners.lora import Linear, LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    other = [n for n, c in model.peft_config.items() if getattr(c, "peft_type", None) != "LORA"]
+    if other:
+        return f"adapters other than LoRA ({', '.join(other)})"
+    for name, module in model.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            return f"{name}: modules_to_save or trainable tokens"
+        if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLayer):
+            return f"{name}: {type(module).__name__}"
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is not Linear:  # embeddings, convolutions, quantised layers
+            return f"{name}: a {type(module).__name__} target (only linear layers)"
+        if module.lora_variant:
+            return f"{name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA)"
+        if module.merged:
+            return f"{name}: an adapter merged into the weights"
+        if not isinstance(getattr(module, "_disable_adapters", None), bool):
+            return f"{name}: this PEFT's layers keep no _disable_adapters flag to switch"
+        for adapter in module.lora_A:
+            a, b = module.lora_A[adapter], module.lora_B[adapter]
+            if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
+                return f"{name}: adapter {adapter}'s A/B are not linear layers"
+            if a.bias is not None or b.bias is not None:
+                return f"{name}: adapter {adapter} has a LoRA bias"
+    return None
+
+
+class BatchedLora:
+    """The stacks of a PeftModel's LoRA layers; ``index`` holds each decode row's adapter (0 the
+    base model, ``k`` the k-th of ``names``)."""
+
+    def __init__(self, model, index: torch.Tensor):
+        self.model, self.index = model, index
+        self.names: Optional[tuple[str, ...]] = None  # the adapters the stacks hold
+        self.layers: list[tuple[torch.nn.Module, LayerStack]] = []
+        self.refused: Optional[str] = None
+
+    @classmethod
+    def of(cls, model, index: torch.Tensor) -> Optional[BatchedLora]:
+        """For a PeftModel (its LoRA layers found when the first rows are routed); None else."""
+        if not getattr(model, "peft_config", None):
+            return None
+        return cls(model, index)
+
+    def route(self, names: list[str]) -> bool:
+        """Write row ``i``'s adapter ``names[i]`` (or BASE) into ``index``; False where batched
+        LoRA cannot route them (the model's adapters are ones it refuses, PEFT's layers are off
+        — inside ``model.disable_adapter()`` — or merged): PEFT routes them."""
+        current = tuple(self.model.peft_config)
+        if current != self.names:  # adapters were loaded (or deleted) since the stacks were built
+            self._build(current)
+        if self.refused is not None:
+            return False
+        if any(m.disable_adapters or m.merged for m, _ in self.layers):
+            return False
+        at = {name: k + 1 for k, name in enumerate(self.names)}
+        ids = [at.get(n, 0) for n in names]
+        self.index[: len(ids)].copy_(torch.tensor(ids, dtype=self.index.dtype))
+        return True
+
+    def reload(self) -> None:
+        """The adapters' weights changed (a training step): copy them into the stacks again (in
+        place: a compiled step holds the stacks)."""
+        if self.refused is None and self.names is not None:
+            self._fill()
+
+    @contextmanager
+    def applied(self):
+        """PEFT's LoRA layers off and each layer's batched delta on, for the decode steps inside;
+        on exit PEFT's layers as they were and the hooks gone. The flag PEFT's forward reads is
+        set itself: PEFT's public switch (``enable_adapters``) also sets which adapters require
+        grad and makes the active ones trainable when it switches back — not the state it found
+        — and costs more than the steps of a small model (2.3 ms a run of 28 layers)."""
+        for module, _ in self.layers:
+            module._disable_adapters = True
+        # the same hook objects at every switch: a compiled step does not see new ones
+        handles = [module.register_forward_hook(stack) for module, stack in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, _ in self.layers:  # route() ran only with every layer on
+                module._disable_adapters = False
+
+    def _build(self, names: tuple[str, ...]) -> None:
+        self.names, self.layers = names, []
+        self.refused = refusal(self.model)
+        if self.refused is not None:
+            log.info("batched LoRA off, PEFT routes adapters by row: %s", self.refused)
+            return
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.model.modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            held = [n for n in names if n in module.lora_A]
+            if not held:
+                continue
+            rank = max(module.lora_A[n].out_features for n in held)
+            like = module.lora_A[held[0]].weight  # the adapters' dtype and device
+            kw = {"dtype": like.dtype, "device": like.device}
+            a = torch.zeros(len(names) + 1, rank, module.in_features, **kw)
+            b = torch.zeros(len(names) + 1, rank, module.out_features, **kw)
+            slots = torch.arange(1, len(names) + 1, device=like.device)
+            if self.index.device.type == "cuda":  # a CUDA graph reads them where they lie
+                for t in (a, b, slots):
+                    torch._dynamo.mark_static_address(t)
+            self.layers.append((module, LayerStack(a, b, self.index, slots)))
+        self._fill()
+
+    def _fill(self) -> None:
+        with torch.no_grad():
+            for module, stack in self.layers:
+                stack.a.zero_()
+                stack.b.zero_()
+                for k, name in enumerate(self.names, start=1):
+                    if name not in module.lora_A:  # this adapter leaves the layer alone
+                        continue
+                    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                    stack.a[k, : a.shape[0]] = a
+                    stack.b[k, : b.shape[1]] = b.T * module.scaling[name]
