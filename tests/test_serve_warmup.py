@@ -14,7 +14,7 @@ from onegpu.serve.launch import warm_up
 from onegpu.serve.metrics import Metrics
 from serve_support import Server
 
-COMPILED = dict(max_slots=1, max_len=64, compile="on", compile_backend="aot_eager")
+COMPILED = dict(max_slots=2, max_len=64, compile="on", compile_backend="aot_eager")
 
 
 def test_the_server_warms_every_shape_when_the_step_compiles(tiny_tokenizer, capsys):
