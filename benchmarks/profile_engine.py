@@ -4,6 +4,7 @@
     python benchmarks/profile_engine.py --batch 16 --compile off
     python benchmarks/profile_engine.py --head-ab   # the output head as stored vs transposed
     python benchmarks/profile_engine.py --argmax-ab --batch 16  # the step's argmax, two ways
+    python benchmarks/profile_engine.py --argmax-ab --compile off --vocab 128256  # eagerly
     python benchmarks/profile_engine.py --attention-ab --batch 16  # SDPA vs inductor loops
 
 The model is the `tiny` preset (vocab 32000, fp32, random init) as `onegpu bench infer --preset cpu`
@@ -151,18 +152,28 @@ def head_ab(args) -> None:
 
 
 def argmax_ab(args) -> None:
-    """The next-token argmax over [batch, 32000] fp32 logits, compiled (inductor) as
-    ``argmax(-1)`` and as sampling.first_argmax writes it in a compiled CPU step (the maximum,
-    then the first index holding it); µs per call, median of 200 calls, 5 interleaved rounds."""
+    """The next-token argmax over [batch, vocab] fp32 logits two ways; µs per call, median of
+    200 calls, 5 interleaved rounds. Compiled (inductor, --compile on): ``argmax(-1)`` against
+    sampling.first_argmax as a compiled CPU step writes it (the maximum, then the first index
+    holding it); eager (--compile off): ``argmax(-1)`` against ``max(-1).indices``, as
+    first_argmax runs eagerly."""
     import os
 
     from onegpu.infer.sampling import first_argmax
 
-    logits = torch.randn(args.batch, 32000, generator=torch.Generator().manual_seed(0))
-    ways = {
-        "logits.argmax(-1)": torch.compile(lambda x: x.argmax(-1)),
-        "maximum, then its first index (first_argmax)": torch.compile(first_argmax),
-    }
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.batch, args.vocab, generator=gen)
+    logits[:, 7] = logits[:, 11] = 100.0  # a tie: both ways give the first
+    if args.compile == "on":
+        ways = {
+            "logits.argmax(-1)": torch.compile(lambda x: x.argmax(-1)),
+            "maximum, then its first index (first_argmax)": torch.compile(first_argmax),
+        }
+    else:
+        ways = {
+            "logits.argmax(-1)": lambda x: x.argmax(-1),
+            "logits.max(-1).indices (first_argmax)": first_argmax,
+        }
     assert len({tuple(f(logits).tolist()) for f in ways.values()}) == 1  # the same tokens
 
     def us(f):
@@ -177,8 +188,9 @@ def argmax_ab(args) -> None:
     for _ in range(5):
         for name, f in ways.items():
             rounds[name].append(us(f))
+    how = "compiled" if args.compile == "on" else "eager"
     print(
-        f"compiled argmax over [{args.batch}, 32000] fp32 logits, {torch.get_num_threads()} "
+        f"{how} argmax over [{args.batch}, {args.vocab}] fp32 logits, {torch.get_num_threads()} "
         f"threads, load {os.getloadavg()[0]:.2f}; 5 interleaved rounds of 200 calls\n"
     )
     print("| argmax | µs per call (the call's overhead included), median (range) |\n|---|---|")
@@ -207,6 +219,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--compile", choices=["on", "off"], default="on")
     parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000, help="--argmax-ab's logits' width")
     parser.add_argument("--prompt_len", type=int, default=512)
     parser.add_argument("--head-ab", action="store_true", help="time the head's two layouts")
     parser.add_argument("--argmax-ab", action="store_true", help="time the two argmaxes")

@@ -87,6 +87,14 @@ class Rows:
         )
         self.live[row : row + 1] = ~ended
 
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s sequence decodes in row ``dst`` from now on (the scheduler compacts the
+        rows); ``src`` holds nothing. Its table goes with it when the caller sets ``dst``'s."""
+        for t in (self.tokens, self.positions, self.live, self.budget, self.generated):
+            t[dst] = t[src]
+        self.ignore_eos[dst], self.lora[dst] = self.ignore_eos[src], self.lora[src]
+        self.retire(src)
+
     def retire(self, row: int) -> None:
         self.live[row], self.positions[row], self.lora[row] = False, 0, 0
         self.set_table(row, [])  # the null block: the row's writes land where nobody reads

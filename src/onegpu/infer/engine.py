@@ -106,7 +106,9 @@ class Engine:
         budget = cfg.token_budget or TOKEN_BUDGET.get(self.device.type, TOKEN_BUDGET["cuda"])
         self.scheduler = Scheduler(
             self.pool,
-            SchedulerConfig(self.max_slots, budget, cfg.chunk or budget, cfg.sync_every),
+            SchedulerConfig(
+                self.max_slots, budget, cfg.chunk or budget, cfg.sync_every, cfg.compact_rows
+            ),
         )
         self.io = StepIO(self.rows, self.device)
         self.guides = Guides(tokenizer, vocab, self.sampler)
@@ -207,6 +209,11 @@ class Engine:
         updates = self._drop_cancelled()
         plan = self.scheduler.schedule(self._flush_steps())
         self.cache.reserve(self.pool.high_water)
+        # a moved sequence's row state goes with it (an eager window finds its new row holding
+        # another sequence than its copy did, and gathers the copy anew)
+        for src, dst in plan.moved:
+            self.io.move(src, dst)
+            self.sampler.move(src, dst)
         for row in plan.freed:
             self.io.release(row)
         failed: dict[Sequence, BaseException] = {}  # requests this step ends with an error

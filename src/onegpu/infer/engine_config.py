@@ -30,6 +30,10 @@ class EngineConfig:
     prefix_caching: bool = True
     """Keep finished sequences' full blocks, found again by a later request with the same
     prefix (and adapter), which then computes only the rest of its prompt."""
+    compact_rows: bool = True
+    """Keep the running sequences in the lowest rows: one that ends below another gives its row
+    to the sequence of the highest row, so a decode step computes no empty row between live
+    ones (off: sequences keep the row they were admitted to)."""
     token_budget: Optional[int] = None
     """Tokens one engine step computes: decode rows plus prompt pieces (default: 256 on a CPU,
     2048 on a GPU)."""

@@ -8,6 +8,10 @@ looks again.
 - A prompt is computed in pieces that end at multiples of ``chunk`` positions of its own, one or
   more per step as the budget allows, so a long prompt never stalls the running streams for its
   whole prefill and its pieces are the same whatever else runs.
+- Running sequences hold the lowest rows: when one ends below another, the one in the highest row
+  moves down into its row (``Plan.moved``), so a decode step's first rows are all live — a row
+  left empty below a running one would be computed for nothing at every step (vLLM builds each
+  step's batch of the running sequences alone).
 - When a running sequence cannot grow (no free block), the youngest running sequence is
   preempted: its blocks are released (their hashes stay: much of it is found in the cache when it
   comes back) and it waits at the head of the queue to be computed again from its prompt and the
@@ -83,6 +87,7 @@ class Plan:
     pieces: list[Piece] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)  # took a row this step
     freed: list[int] = field(default_factory=list)  # rows given back by preempted sequences
+    moved: list[tuple[int, int]] = field(default_factory=list)  # (from, to): applied first
 
 
 @dataclass
@@ -95,6 +100,8 @@ class SchedulerConfig:
     """The longest prompt piece; pieces end at multiples of it."""
     sync_every: int
     """Decode steps in an engine step that computes no prompt piece."""
+    compact: bool = True
+    """Move running sequences down into the rows ended ones left below them."""
 
 
 class Scheduler:
@@ -118,6 +125,8 @@ class Scheduler:
         """This step's work. ``most_steps`` caps the decode steps of a step with no prompt to
         compute below sync_every (the engine's flush_ms)."""
         plan = Plan()
+        if self.config.compact:
+            self._compact(plan)
         decoding = [s for s in self.running if s.state == DECODE]
         # a prompt to compute (one running, or one waiting with a row free for it): one decode
         # step beside its piece; a request with a grammar: one step, so the host advances its
@@ -145,6 +154,20 @@ class Scheduler:
         while budget > 0 and self.waiting and self.free_rows and self._admit(self.waiting[0], plan):
             budget = self._piece(self.waiting.popleft(), budget, plan)
         return plan
+
+    def _compact(self, plan: Plan) -> None:
+        """While a row below a running sequence's is free, the sequence of the highest row
+        moves into the lowest free row (before anything else is planned: admissions then take
+        the rows above the running ones). Moving the highest each time, no row moves twice."""
+        while self.free_rows and self.running:
+            top = max(self.running, key=lambda s: s.row)
+            if self.free_rows[0] > top.row:
+                return
+            hole = self.free_rows.pop(0)
+            self.free_rows.append(top.row)
+            self.free_rows.sort()
+            plan.moved.append((top.row, hole))
+            top.row = hole
 
     def _piece(self, seq: Sequence, budget: int, plan: Plan) -> int:
         """Schedule ``seq``'s next piece if the budget holds it (the first piece of a step always

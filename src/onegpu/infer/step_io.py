@@ -28,6 +28,13 @@ class StepIO:
         self.rows.retire(row)
         self.written.pop(row, None)
 
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src``'s sequence now decodes in ``dst`` (its table goes up with the next
+        ``upload``); ``src`` holds nothing."""
+        self.rows.move(src, dst)
+        self.written.pop(src, None)
+        self.written.pop(dst, None)
+
     def upload(self, seqs: list[Sequence]) -> None:
         dirty = False
         for seq in seqs:
