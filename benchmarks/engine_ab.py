@@ -48,6 +48,13 @@ ARMS = {
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
         ("paged engine, 64 rows", "paged", NEW_CAPACITY, []),
+        # the rows as admitted: an ended sequence's row stays empty below the running ones
+        (
+            "paged engine, 64 rows, rows not compacted",
+            "paged",
+            {**NEW_CAPACITY, "compact_rows": False},
+            [],
+        ),
         # the same prompts, one new token each: the prompts' share of each engine's wall time
         ("slot engine, 8 slots, prompts only", "slot", {"max_slots": 8}, ["--prompts_only"]),
         ("paged engine, 64 rows, prompts only", "paged", NEW_CAPACITY, ["--prompts_only"]),

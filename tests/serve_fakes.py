@@ -103,6 +103,13 @@ class ScriptedEngine:
         if s.params.logprobs is not None:
             top = tuple((token + k, -0.25 * (k + 1)) for k in range(s.params.logprobs))
             logprobs = [TokenLogprob(token, -0.25, top)]
+        prompt_logprobs = None
+        if s.params.prompt_logprobs is not None and s.generated == 1:  # each prompt token -0.5
+            k = s.params.prompt_logprobs
+            prompt_logprobs = [None] + [
+                TokenLogprob(t, -0.5, tuple((t + j, -0.5 * (j + 1)) for j in range(k)))
+                for t in s.prompt[1:]
+            ]
         return Update(
             s.id,
             [token],
@@ -113,6 +120,7 @@ class ScriptedEngine:
             s.generated,
             s.generated == 1,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

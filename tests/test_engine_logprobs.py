@@ -148,3 +148,28 @@ def test_a_step_with_logprobs_still_copies_to_the_host_once(llama, ids):
             news = engine.step()
         assert len(reads.calls) == 1, reads.calls
         assert [len(u.logprobs or []) for u in news] == [expect, 0]
+
+
+def test_a_prompts_logprobs_are_the_models_over_the_whole_prompt_cached_or_not(llama, ids):
+    """prompt_logprobs (completions' echo): one per prompt token, the first None, each the
+    log-softmax of the logits before it; computed in pieces (chunk 4) and again for a second
+    request whose prompt is in the prefix cache (which it does not take)."""
+    prompt = ids[1] * 3  # long enough for several pieces and a full block
+    asked = SamplingParams(max_new_tokens=2, prompt_logprobs=3)
+    engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=96, chunk=4, block_size=4))
+    plain = run(engine, [prompt], [SamplingParams(max_new_tokens=2)])[0]
+    assert plain[0].prompt_logprobs is None  # not asked for
+    for _ in range(2):  # the second finds the prompt cached and computes it all the same
+        first = run(engine, [prompt], [asked])[0][0]
+        got = first.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        want = reference(llama, prompt[:1], prompt[1:])
+        assert [t.token_id for t in got[1:]] == prompt[1:]
+        assert [t.logprob for t in got[1:]] == pytest.approx(
+            want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4
+        )
+        top = want.topk(3, -1)
+        assert [[i for i, _ in t.top] for t in got[1:]] == top.indices.tolist()
+    assert engine.stats().prefix_hits == 0  # the prompt was cached, and not taken
+    run(engine, [prompt], [SamplingParams(max_new_tokens=2)])
+    assert engine.stats().prefix_hits > 0  # as a plain request takes it

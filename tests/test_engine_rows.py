@@ -49,7 +49,9 @@ def test_a_sequence_that_ends_gives_its_row_to_the_highest_running_one(llama, ro
     assert rows_run[-20:] == [4] * 20  # without compaction the empty rows 0 and 1 are computed
     assert compact == kept
     alone = [Engine(llama, None, EngineConfig(max_slots=1, max_len=96)) for _ in PROMPTS]
-    assert compact == [e.generate([p], s)[0].token_ids for e, p, s in zip(alone, PROMPTS, params, strict=True)]
+    assert compact == [
+        e.generate([p], s)[0].token_ids for e, p, s in zip(alone, PROMPTS, params, strict=True)
+    ]
 
 
 def test_a_moved_row_keeps_its_sampling_its_penalties_and_its_logprobs(llama):

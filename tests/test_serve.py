@@ -290,3 +290,26 @@ def test_chat_logprobs_have_openais_shape_streamed_and_whole(client, server, tin
     assert parsed.choices[0].logprobs.content[0].top_logprobs[1].logprob == pytest.approx(
         content[0]["top_logprobs"][1]["logprob"]
     )
+
+
+def test_an_evaluation_scores_a_prompt_with_echo_and_logprobs(
+    client, tiny_model_dir, tiny_tokenizer
+):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1,
+    temperature 0): each prompt token's logprob is the model's, the first has none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = PROMPTS[0] + " and then"
+    kw = {"echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    lp = client.completions.create(model=str(tiny_model_dir), prompt=text, **kw).choices[0].logprobs
+    ids = tiny_tokenizer(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.tokens[: len(ids)] == [tiny_tokenizer.decode([t]) for t in ids]
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(lp.token_logprobs[1 : len(ids)])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert lp.token_logprobs[-1] == pytest.approx(float(ref[-1].max()), abs=1e-4)  # greedy

@@ -149,17 +149,25 @@ def test_penalties_and_logprobs_reach_the_engines_sampling_params(tiny_tokenizer
         lp = text["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
         assert lp["text_offset"][0] == 0 and all(len(t) == 3 for t in lp["top_logprobs"])
-        # streamed, each token's offset counts on from the earlier chunks' (and the echo's)
-        echoed = {"prompt": "x", "logprobs": 1, "max_tokens": 3, "echo": True}
-        offsets = post(live, "/v1/completions", echoed).json()["choices"][0]["logprobs"]
+        # echoed: the prompt's tokens first (the first without a logprob), then the answer's;
+        # streamed, the prompt's come with the echo and each offset counts on from the earlier
+        echoed = {"prompt": "x y", "logprobs": 1, "max_tokens": 3, "echo": True}
+        reply = post(live, "/v1/completions", echoed).json()
+        whole, n = reply["choices"][0]["logprobs"], reply["usage"]["prompt_tokens"]
+        assert engine.seen[-1][1].prompt_logprobs == 1 and n >= 2
+        assert "".join(whole["tokens"][:n]).strip() == "x y"
+        assert whole["token_logprobs"] == [None] + [-0.5] * (n - 1) + [-0.25] * 3
+        assert whole["top_logprobs"][0] is None and len(whole["top_logprobs"][1]) == 1
+        assert whole["text_offset"][0] == 0 and whole["text_offset"][n] == len("x y")
         chunks = sse(post(live, "/v1/completions", {**echoed, "stream": True}))[:-1]
+        assert chunks[0]["choices"][0]["text"] == "x y"
         streamed = [
             o
             for c in chunks
             if c["choices"][0]["logprobs"]
             for o in c["choices"][0]["logprobs"]["text_offset"]
         ]
-        assert streamed == offsets["text_offset"] and offsets["text_offset"][0] == 1
+        assert streamed == whole["text_offset"]
         streamed = sse(post(live, "/v1/chat/completions", {**body, "stream": True}))
         got = [
             t

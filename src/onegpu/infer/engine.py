@@ -352,6 +352,8 @@ class Engine:
             seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
         )
         news.logprobs = logprobs
+        if first and seq.params.prompt_logprobs is not None:
+            news.prompt_logprobs = list(seq.prompt_logprobs or [None])
         return news
 
     def _fail(self, seq: Sequence, exc: BaseException, plan: Plan) -> Update:

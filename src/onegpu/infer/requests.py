@@ -58,6 +58,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None  # None: none; k: each token's logprob and the k likeliest
+    # None: none; k: each prompt token's logprob and the k likeliest there (completions' echo;
+    # the whole prompt is computed, none of it taken from the prefix cache)
+    prompt_logprobs: Optional[int] = None
     constraint: Optional[Constraint] = None
 
     def check(self, field_prefix: str = "") -> None:
@@ -72,6 +75,8 @@ class SamplingParams:
             "presence_penalty": -2 <= self.presence_penalty <= 2,
             "frequency_penalty": -2 <= self.frequency_penalty <= 2,
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs": self.prompt_logprobs is None
+            or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
         }
         for name, ok in checks.items():
             if not ok:
@@ -79,7 +84,7 @@ class SamplingParams:
                     f"{field_prefix}{name} has an invalid value: {getattr(self, name)}.",
                     hint="max_new_tokens >= 1; temperature, top_k >= 0; 0 < top_p <= 1; "
                     "repetition_penalty > 0; 0 <= seed < 2**63; -2 <= presence_penalty, "
-                    f"frequency_penalty <= 2; 0 <= logprobs <= {MAX_LOGPROBS}",
+                    f"frequency_penalty <= 2; 0 <= logprobs, prompt_logprobs <= {MAX_LOGPROBS}",
                 )
         if any(not s for s in self.stop):
             raise ConfigError(
@@ -107,6 +112,9 @@ class Update:
     generated_tokens: int = 0  # so far, in all
     first_token: bool = False  # this update carries the request's first token
     logprobs: Optional[list[TokenLogprob]] = None  # one per token_ids entry, when asked for
+    # with the first token, when asked for: one per prompt token (the first None: nothing
+    # precedes it)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     error: Optional[str] = (
         None  # this request alone failed (finished, reason "error"); others go on
     )

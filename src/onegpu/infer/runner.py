@@ -63,8 +63,9 @@ class ModelRunner:
             self.windowed = False
             self.window.end(positions)
 
-    def prefill(self, pieces: Pieces) -> torch.Tensor:
-        """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32)."""
+    def prefill(self, pieces: Pieces, every: bool = False) -> torch.Tensor:
+        """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32), or
+        with ``every`` of each of its tokens ``[rows, length, vocab]`` (a prompt's logprobs)."""
         rows, length = pieces.ids.shape
         starts = torch.tensor(pieces.starts).to(self.device)  # built on the host, then moved
         positions = starts[:, None] + torch.arange(length, device=self.device)[None]
@@ -75,7 +76,7 @@ class ModelRunner:
         self.cache.set_view(PagedView(where.reshape(-1), tables))
         kv_len = length if fresh else tables.shape[1] * self.block_size
         logits = self._forward(
-            pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters
+            pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters, every
         )
         return logits.float()
 
@@ -104,7 +105,7 @@ class ModelRunner:
         kv_len = tables.shape[1] * self.block_size
         return self._forward(tokens[:, None], positions[:, None], positions, kv_len, 1, adapters)
 
-    def _forward(self, ids, positions, last, kv_len: int, query_len: int, adapters):
+    def _forward(self, ids, positions, last, kv_len: int, query_len: int, adapters, every=False):
         config = self.model.config
         mask = masks(config, last, kv_len, self.cache.dtype, config._attn_implementation, query_len)
         kw = {} if adapters is None else {"adapter_names": adapters}
@@ -116,10 +117,10 @@ class ModelRunner:
             attention_mask=mask,
             **{self.kwarg: self.cache},
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every else 1,
             **kw,
         )
-        return out.logits[:, -1]
+        return out.logits if every else out.logits[:, -1]
 
     @property
     def base(self):

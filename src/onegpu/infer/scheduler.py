@@ -56,6 +56,8 @@ class Sequence:
     cancelled: bool = False
     preemptions: int = 0
     computing: list[int] = field(default_factory=list)  # its prompt's block hashes, in PREFILL
+    # its prompt tokens' logprobs so far, when asked for (the first None: nothing precedes it)
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -188,9 +190,11 @@ class Scheduler:
         """The cached blocks of ``seq``'s prompt if the pool holds the rest of it (one block
         kept free for each running sequence to grow), else None."""
         pool = self.pool
-        # the last token is always computed: its logits choose the next one
-        cached = pool.match(seq.tokens, seq.cache_key, len(seq.tokens) - 1)
-        if self._being_computed(seq, len(cached)):
+        # the last token is always computed: its logits choose the next one; a request that
+        # asks for its prompt's logprobs computes all of it (a cached block kept no logits)
+        every = seq.params.prompt_logprobs is not None
+        cached = [] if every else pool.match(seq.tokens, seq.cache_key, len(seq.tokens) - 1)
+        if not every and self._being_computed(seq, len(cached)):
             return None
         reviving = sum(1 for b in cached if pool.ref(b) == 0)  # cached but free: they count
         fresh = pool.blocks_for(len(seq.tokens)) - len(cached)

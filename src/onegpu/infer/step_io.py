@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from onegpu.infer.decode_step import Rows
+from onegpu.infer.logit_rules import token_logprobs
 from onegpu.infer.requests import TokenLogprob
 from onegpu.infer.runner import ModelRunner, Pieces
 from onegpu.infer.sampling import Needs, Sampler
@@ -58,7 +59,9 @@ class StepIO:
         firsts: list[First] = []
         poisoned: set[int] = set()  # blocks a failed piece was to write
         size = runner.block_size
-        for _, run in groupby(pieces, key=lambda p: p.end - p.start):
+        # neighbours of one length, and apart those whose prompt's logprobs are asked for (their
+        # forward keeps every token's logits)
+        for _, run in groupby(pieces, key=lambda p: (p.end - p.start, _every(p))):
             group = []
             for p in run:
                 if p.seq not in failed and poisoned.intersection(p.seq.table.blocks):
@@ -89,14 +92,20 @@ class StepIO:
         seqs = [p.seq for p in group]
         rows = torch.tensor([s.row for s in seqs]).to(self.device)
         ids = torch.tensor([p.seq.tokens[p.start : p.end] for p in group])
+        every = _every(group[0])
         logits = runner.prefill(
             Pieces(
                 ids.to(self.device),
                 [p.start for p in group],
                 self.rows.tables.index_select(0, rows),
                 adapters(seqs),
-            )
+            ),
+            every,
         )
+        if every:
+            for k, piece in enumerate(group):
+                prompt_logprobs(piece, logits[k])
+            logits = logits[:, -1]
         last = [i for i, p in enumerate(group) if p.last]
         if not last:
             return []
@@ -172,6 +181,31 @@ class First:
     seq: Sequence
     token: torch.Tensor
     logprobs: Optional[tuple] = None
+
+
+def _every(piece: Piece) -> bool:
+    return piece.seq.params.prompt_logprobs is not None
+
+
+def prompt_logprobs(piece: Piece, logits: torch.Tensor) -> None:
+    """The logprobs of the prompt tokens that ``piece``'s logits ``[length, vocab]`` predict (the
+    token after each of its positions, up to the prompt's last), onto its sequence's list; those
+    it holds already (a prompt computed again after preemption) are not repeated. Read back here,
+    a copy of its own: few requests ask for them (completions' echo, an evaluation's scoring)."""
+    seq, k = piece.seq, piece.seq.params.prompt_logprobs
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first token: nothing precedes it
+    first = max(piece.start + 1, len(seq.prompt_logprobs))
+    last = min(piece.end, len(seq.prompt) - 1)  # the prompt's last predicts the answer's first
+    if first > last:
+        return
+    at = logits[first - 1 - piece.start : last - piece.start]
+    targets = torch.tensor(seq.tokens[first : last + 1]).to(at.device)
+    chosen, ids, values = (t.tolist() for t in token_logprobs(at, targets, k))
+    seq.prompt_logprobs += [
+        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(targets.tolist(), chosen, ids, values, strict=True)
+    ]
 
 
 def unpack_logprobs(values: list[float], top: int, rows: list[tuple]) -> dict:

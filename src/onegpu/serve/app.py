@@ -195,7 +195,9 @@ async def answer(s: Service, request: Request, req, plan: Plan, adapter, headers
     final_usage, every_usage = req.usage_options()
     echo = [text for text in plan.echo for _ in range(n)] if plan.echo else None
     name = req.model or s.models.base
-    reply = Reply(plan.kind, name, _token_text(s.tokenizer), echo, every_usage)
+    asked = plan.params.prompt_logprobs is not None  # the echoed prompt's logprobs
+    prompts = [ids for ids, _ in ticket.sequences] if asked else None
+    reply = Reply(plan.kind, name, _token_text(s.tokenizer), echo, every_usage, prompts)
     if req.stream:
         stream = _events(s, ticket, tally, reply, final_usage)
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -226,13 +228,21 @@ async def _gather(s: Service, ticket: Ticket, tally: Tally) -> None:
 
 async def _events(s: Service, ticket: Ticket, tally: Tally, reply: Reply, usage: bool):
     try:
-        for i in range(tally.choices):
+        # a choice opens at once, or with its first update where that brings the echoed
+        # prompt's logprobs
+        opened = set(range(tally.choices)) if reply.prompts is None else set()
+        for i in opened:
             opening = reply.opening(tally, i)
             if opening:
                 yield opening
         while not tally.done():
             index, update = await ticket.next()
             news = tally.add(index, update)
+            if index not in opened:
+                opened.add(index)
+                opening = reply.opening(tally, index, news.prompt_logprobs)
+                if opening:
+                    yield opening
             if not news.empty():
                 yield reply.chunk(tally, index, news)
         _observe(s.metrics, tally)

@@ -45,6 +45,8 @@ def completion_plan(tokenizer, req: CompletionRequest, max_len: int) -> Plan:
         [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts] if req.echo else None
     )
     params = sampling(req, limit, request_constraint(req))
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens come with theirs
+        params = replace(params, prompt_logprobs=req.logprobs)
     return Plan(TEXT, prompts, params, echo=echo)
 
 

@@ -23,6 +23,7 @@ class News:
     calls: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish: Optional[str] = None
+    prompt_logprobs: Optional[list] = None  # with a choice's first token, when asked for
 
     def empty(self) -> bool:
         return not (self.text or self.calls or self.logprobs or self.finish)
@@ -41,6 +42,7 @@ class Tally:
         self.text, self.finish, self.generated = [""] * k, [None] * k, [0] * k
         self.calls: list[list] = [[] for _ in range(k)]
         self.logprobs: list[list] = [[] for _ in range(k)]
+        self.prompt_logprobs: list[Optional[list]] = [None] * k
 
     @property
     def choices(self) -> int:
@@ -55,6 +57,8 @@ class Tally:
                 rest, more = reader.finish()
                 text, calls = text + rest, calls + more
         news = News(text, calls, list(update.logprobs or []))
+        if update.prompt_logprobs is not None:
+            news.prompt_logprobs = self.prompt_logprobs[index] = update.prompt_logprobs
         self.text[index] += text
         self.calls[index] += calls
         self.logprobs[index] += news.logprobs
@@ -83,7 +87,8 @@ class Tally:
 class Reply:
     """The fixed parts of one answer (its id, creation time, model name and kind).
     ``token_text``: a token id's text (for logprobs); ``echo``: each choice's prompt text, put
-    before its answer (completions' echo)."""
+    before its answer (completions' echo); ``prompts``: each choice's prompt ids when the echoed
+    prompt's logprobs were asked for (its first event then waits for them)."""
 
     def __init__(
         self,
@@ -92,9 +97,10 @@ class Reply:
         token_text: Callable[[int], str] = str,
         echo: Optional[list] = None,
         continuous_usage: bool = False,
+        prompts: Optional[list] = None,
     ):
         self.kind, self.model, self.token_text, self.echo = kind, model, token_text, echo
-        self.continuous_usage = continuous_usage
+        self.continuous_usage, self.prompts = continuous_usage, prompts
         self.offsets: dict[int, int] = {}  # per choice: the text_offset of its next token
         prefix = "chatcmpl" if kind == CHAT else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -111,6 +117,8 @@ class Reply:
 
     def _choice(self, tally: Tally, i: int) -> dict:
         logprobs = self.logprobs(tally.logprobs[i], i) if tally.logprobs[i] else None
+        if self.prompts and tally.prompt_logprobs[i] is not None:
+            logprobs = _joined(self.prompt_part(tally.prompt_logprobs[i], i), logprobs)
         if self.kind == CHAT:
             calls = tally.calls[i]
             message = {
@@ -128,15 +136,28 @@ class Reply:
         text = (self.echo[i] if self.echo else "") + tally.text[i]
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": tally.finish[i]}
 
-    def opening(self, tally: Tally, index: int) -> Optional[str]:
-        """The first event of a choice: the chat's role, or the echoed prompt."""
+    def opening(self, tally: Tally, index: int, prompt_logprobs=None) -> Optional[str]:
+        """The first event of a choice: the chat's role, or the echoed prompt (with its tokens'
+        logprobs when asked for: the caller waits for them, ``prompt_logprobs``)."""
         if self.kind == CHAT:
             choice = {"index": index, "delta": {"role": "assistant", "content": ""}}
             return self._event(tally, {**choice, "logprobs": None, "finish_reason": None})
         if self.echo:
-            choice = {"index": index, "text": self.echo[index], "logprobs": None}
+            part = self.prompt_part(prompt_logprobs, index) if prompt_logprobs else None
+            choice = {"index": index, "text": self.echo[index], "logprobs": part}
             return self._event(tally, {**choice, "finish_reason": None})
         return None
+
+    def prompt_part(self, items: list, index: int) -> dict:
+        """The echoed prompt's tokens in a completion's logprobs: the first has none (nothing
+        precedes it), as OpenAI's and vLLM's; offsets from the start of the text."""
+        tokens = [self.token_text(t) for t in self.prompts[index]]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [t.logprob for t in items[1:]],
+            "top_logprobs": [None] + [self._top_by_text(t.top) for t in items[1:]],
+            "text_offset": _offsets(tokens),
+        }
 
     def chunk(self, tally: Tally, index: int, news: News) -> str:
         """One server-sent event with one choice's news."""
@@ -195,6 +216,11 @@ class Reply:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
         return {**one(t.token_id, t.logprob), "top_logprobs": [one(i, lp) for i, lp in t.top]}
+
+
+def _joined(prompt: dict, answer: Optional[dict]) -> dict:
+    """A completion's logprobs: the echoed prompt's, then the answer's."""
+    return {k: v + (answer[k] if answer else []) for k, v in prompt.items()}
 
 
 def _offsets(tokens: list, at: int = 0) -> list:
