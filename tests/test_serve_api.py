@@ -373,3 +373,16 @@ def test_openapi_publishes_bodies_and_errors_and_not_metrics(app):
     err = chat_op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
     assert err.endswith("/ErrorResponse")
     assert set(chat_op["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+def test_a_prompt_of_token_ids_or_a_batch_of_them_is_accepted(app, tiny_tokenizer):
+    """OpenAI's four prompt forms; lm-evaluation-harness sends a batch of token-id lists."""
+    ids = [tiny_tokenizer("def f")["input_ids"], tiny_tokenizer("x = 1")["input_ids"]]
+    one = post(app, "/v1/completions", {"prompt": ids[0], "max_tokens": 2}).json()
+    assert len(one["choices"]) == 1 and HELLO.startswith(one["choices"][0]["text"])
+    batch = post(app, "/v1/completions", {"prompt": ids, "max_tokens": 2}).json()
+    assert len(batch["choices"]) == 2
+    assert [text for text, _ in app.engine.seen[-2:]] == [tiny_tokenizer.decode(i) for i in ids]
+    assert batch["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    for bad in ([ids[0], []], [[0, 10**6]], [[1, -3]]):
+        assert error_of(post(app, "/v1/completions", {"prompt": bad}), 400)["param"] == "prompt"

@@ -179,14 +179,17 @@ def completion_prompts(tokenizer, prompt) -> list[list[int]]:
     from onegpu.infer.generation import prompt_ids
 
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        if max(prompt) >= len(tokenizer):
+        prompt = [prompt]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):  # token ids
+        top = max(max(ids) for ids in prompt)
+        if top >= len(tokenizer):
             raise APIError(
                 400,
-                f"token id {max(prompt)} is not in the vocabulary (size {len(tokenizer)}).",
+                f"token id {top} is not in the vocabulary (size {len(tokenizer)}).",
                 param="prompt",
                 code="invalid_value",
             )
-        return [list(prompt)]
+        return [list(ids) for ids in prompt]
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     return [list(ids) for ids in prompt_ids(tokenizer, texts, chat=False)]  # as `generate` does
 

@@ -112,7 +112,8 @@ class _Sampling(Lenient):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[WholeInt]]
+    # a text, texts, token ids, or a batch of token ids (what lm-evaluation-harness sends)
+    prompt: Union[str, list[str], list[WholeInt], list[list[WholeInt]]]
     echo: Optional[bool] = False  # the prompt's text before each choice's
     logprobs: Optional[WholeInt] = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -121,10 +122,12 @@ class CompletionRequest(_Sampling):
     def _prompt(cls, value):
         if (isinstance(value, str) and not value) or (isinstance(value, list) and not value):
             raise ValueError("the prompt is empty")
-        if isinstance(value, list) and any(isinstance(p, str) and not p for p in value):
+        if isinstance(value, list) and any(isinstance(p, (str, list)) and not p for p in value):
             raise ValueError("one of the prompts is empty")
-        if isinstance(value, list) and any(isinstance(t, int) and t < 0 for t in value):
-            raise ValueError("token ids are >= 0")
+        if isinstance(value, list):
+            ids = [t for p in value for t in (p if isinstance(p, list) else [p])]
+            if any(isinstance(t, int) and t < 0 for t in ids):
+                raise ValueError("token ids are >= 0")
         return value
 
     def top_logprobs_asked(self) -> Optional[int]:
