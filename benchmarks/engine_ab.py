@@ -14,7 +14,9 @@ Workloads and their arms (what each measures: engine_workloads.py):
 - stall: the slot engine with its prefill thread off and on, and the paged engine, each with a
   long prompt arriving and without;
 - budget: the stall workload on the paged engine at token budgets of 64 to 1,024 (the CPU's
-  default is 256): the streams' gaps against the long prompt's time to its first token.
+  default is 256): the streams' gaps against the long prompt's time to its first token;
+- rows: the decode workload on the paged engine, eager, at 8, 16 and 24 rows: what a row costs
+  above 8 (the capacity workload runs up to 23).
 
 Writes <out>.json and <out>.md: the machine, library versions, commit, command, date and the
 1-minute load before and after.
@@ -84,6 +86,7 @@ ARMS = {
         (f"token budget {n}", "paged", {"max_slots": 8, "token_budget": n}, [])
         for n in (64, 128, 256, 512, 1024)
     ],
+    "rows": [(f"paged b{n}", "paged", {"compile": "off"}, ["--batch", str(n)]) for n in (8, 16, 24)],
 }
 
 
@@ -105,7 +108,7 @@ def run_arm(workload: str, arm: tuple, args, first: bool) -> dict:
 
 def figures(workload: str, run: dict) -> dict:
     """The figures a run is compared by."""
-    if workload == "decode":
+    if workload in ("decode", "rows"):
         return {"ms_per_step": run["ms_per_step"]}
     if workload == "capacity":
         keys = ("tokens_per_s", "peak_running", "wall_s", "peak_tokens")

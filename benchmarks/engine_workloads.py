@@ -254,6 +254,7 @@ WORKLOADS = {
     "shared": shared,
     "stall": stall,
     "budget": stall,  # the stall workload at several token budgets (engine_ab.py)
+    "rows": decode,  # the decode workload at several row counts (engine_ab.py)
 }
 
 

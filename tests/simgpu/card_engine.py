@@ -5,8 +5,10 @@ the blocks of a cached prefix through its block table — and the paged decode s
 Runs inside a card's process.
 
 What cannot run here, and why: the CUDA-graph capture itself (torch.compile's reduce-overhead under
-fake tensors: nothing to record) and the read-back of tokens (a fake tensor has no values) — both
-run on a real card in `scripts/gpu_check.sh`'s engine and infer steps."""
+fake tensors: nothing to record), with it the server's warm-up on a GPU (``DecodeStep.warm_up``
+runs each bucket twice there, as cudagraph trees record a graph at its second call), and the
+read-back of tokens (a fake tensor has no values) — they run on a real card in
+`scripts/gpu_check.sh`'s engine, infer and warmstart steps."""
 
 from __future__ import annotations
 
