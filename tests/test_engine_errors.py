@@ -34,12 +34,12 @@ def fail_forwards_with(engine: Engine, monkeypatch, fails) -> list:
     fault of one request's own prompt, as a bad input or an out-of-memory would be)."""
     real, calls = engine.runner.prefill, []
 
-    def prefill(pieces):
+    def prefill(pieces, *args):
         rows = pieces.ids.tolist()
         calls.append(len(rows))
         if fails(rows):
             raise RuntimeError("injected fault")
-        return real(pieces)
+        return real(pieces, *args)
 
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     return calls

@@ -30,9 +30,9 @@ def computed(monkeypatch):
     seen = []
     real = ModelRunner.prefill
 
-    def counting(self, pieces):
+    def counting(self, pieces, *args):
         seen.append(pieces.ids.numel())
-        return real(self, pieces)
+        return real(self, pieces, *args)
 
     monkeypatch.setattr(ModelRunner, "prefill", counting)
     return seen

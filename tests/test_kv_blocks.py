@@ -108,7 +108,7 @@ def test_a_request_the_pool_cannot_hold_yet_does_not_hold_the_decode_to_one_step
     sched.add(first)
     assert sched.schedule().pieces[0].seq is first
     sched.computed(first, 39)  # its prompt computed: it decodes
-    sched.add(seq(1, 40))  # 3 blocks and 1 for the running one to grow: 2 free after its growth
+    sched.add(seq(1, 50))  # 4 blocks: 3 are free
     plan = sched.schedule()
     assert plan.steps == 8 and plan.decode == [first] and not plan.pieces
     assert len(sched.waiting) == 1
@@ -117,3 +117,25 @@ def test_a_request_the_pool_cannot_hold_yet_does_not_hold_the_decode_to_one_step
     sched.waiting.appendleft(small)
     plan = sched.schedule()
     assert plan.steps == 1 and [p.seq for p in plan.pieces] == [small]
+
+
+def test_admission_holds_back_only_the_blocks_the_next_steps_take():
+    """A waiting prompt is admitted beside what the running sequences take in their next
+    sync_every decode steps, not a block each whatever their need (vLLM admits the same way)."""
+    from onegpu.infer.requests import SamplingParams
+    from onegpu.infer.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    def run(computed: int) -> bool:
+        sched = Scheduler(BlockPool(7, 16), SchedulerConfig(4, 256, 256, 8))  # 6 usable blocks
+        first = Sequence(
+            0, list(range(computed + 1)), SamplingParams(max_new_tokens=64), None, None
+        )
+        sched.add(first)
+        sched.schedule()
+        sched.computed(first, computed)  # decoding, its KV holding `computed` tokens
+        second = Sequence(1, list(range(500, 540)), SamplingParams(max_new_tokens=8), None, None)
+        sched.add(second)  # 3 blocks: what is free
+        return any(p.seq is second for p in sched.schedule().pieces)
+
+    assert run(39)  # 3 blocks hold its next 8 tokens: nothing held back
+    assert not run(44)  # its next 8 tokens need a 4th block: the second waits

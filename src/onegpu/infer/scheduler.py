@@ -3,8 +3,10 @@ each) and pieces of prompts (several tokens each), and how many decode steps run
 looks again.
 
 - Admission counts free blocks, not worst-case sequences: a request is admitted when a decode row
-  is free and the blocks its prompt still needs (after its longest cached prefix) are free, with
-  one block left over for each running sequence's next growth.
+  is free and the blocks its prompt still needs (after its longest cached prefix) are free, beside
+  the blocks the running sequences take in their next ``sync_every`` decode steps (the most a step
+  runs before the next plan; as vLLM, no more is held back: a sequence that cannot grow later
+  preempts the youngest).
 - A prompt is computed in pieces that end at multiples of ``chunk`` positions of its own, one or
   more per step as the budget allows, so a long prompt never stalls the running streams for its
   whole prefill and its pieces are the same whatever else runs.
@@ -187,8 +189,8 @@ class Scheduler:
         return budget - (end - seq.computed)
 
     def _fits(self, seq: Sequence) -> Optional[list[int]]:
-        """The cached blocks of ``seq``'s prompt if the pool holds the rest of it (one block
-        kept free for each running sequence to grow), else None."""
+        """The cached blocks of ``seq``'s prompt if the pool holds the rest of it beside the
+        running sequences' next growth (``_growth``), else None."""
         pool = self.pool
         # the last token is always computed: its logits choose the next one; a request that
         # asks for its prompt's logprobs computes all of it (a cached block kept no logits)
@@ -198,7 +200,16 @@ class Scheduler:
             return None
         reviving = sum(1 for b in cached if pool.ref(b) == 0)  # cached but free: they count
         fresh = pool.blocks_for(len(seq.tokens)) - len(cached)
-        return cached if fresh + reviving + len(self.running) <= pool.free_count() else None
+        return cached if fresh + reviving + self._growth() <= pool.free_count() else None
+
+    def _growth(self) -> int:
+        """The blocks the running sequences take in their next ``sync_every`` decode steps."""
+        ahead = self.config.sync_every + 1
+        return sum(
+            max(0, self.pool.blocks_for(s.computed + ahead) - len(s.table.blocks))
+            for s in self.running
+            if s.state == DECODE
+        )
 
     def _admit(self, seq: Sequence, plan: Plan) -> bool:
         """Give ``seq`` a row and the blocks of its whole prompt (its cached prefix taken from the
