@@ -86,7 +86,9 @@ ARMS = {
         (f"token budget {n}", "paged", {"max_slots": 8, "token_budget": n}, [])
         for n in (64, 128, 256, 512, 1024)
     ],
-    "rows": [(f"paged b{n}", "paged", {"compile": "off"}, ["--batch", str(n)]) for n in (8, 16, 24)],
+    "rows": [
+        (f"paged b{n}", "paged", {"compile": "off"}, ["--batch", str(n)]) for n in (8, 16, 24)
+    ],
 }
 
 
