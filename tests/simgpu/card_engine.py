@@ -1,8 +1,9 @@
 """The decode engine on the card's fake "cuda" tensors: the CUDA branches a GPU run takes (the KV
 pool, the rows' state and the sampler's at fixed addresses, the block tables copied up from the
 host, the step compiled as CUDA graphs), prompt pieces written into the pool — a later one reading
-the blocks of a cached prefix through its block table — and the paged decode step of every row.
-Runs inside a card's process.
+the blocks of a cached prefix through its block table — the paged decode step of every row, a
+grammar's token mask copied up from the host and applied on the card, and a sequence's row state
+moved to a lower row (the scheduler's compaction). Runs inside a card's process.
 
 What cannot run here, and why: the CUDA-graph capture itself (torch.compile's reduce-overhead under
 fake tensors: nothing to record), with it the server's warm-up on a GPU (``DecodeStep.warm_up``
@@ -18,6 +19,7 @@ import torch
 from card_step import VOCAB, _model
 
 from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.logit_rules import apply_token_bitmask
 from onegpu.infer.requests import SamplingParams
 from onegpu.infer.sampling import Needs
 
@@ -61,10 +63,25 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
             third, more = _run_pieces(engine)  # reads the cached prefix through its table
             every = Needs(True, True, True, penalties=True, logprobs=True)
             nxt, logprobs = engine.decode_step.step(2, 64, every, None)  # the eager twin
+            # a grammar's mask: written on the host, copied up, applied on the device
+            engine.sampler.host_bitmask[0].zero_()
+            engine.sampler.host_bitmask[0, 0] = 0b1000  # token 3 alone
+            engine.sampler.host_masked[0] = True
+            engine.sampler.upload_bitmask(2)
+            # as the compiled step applies it (every row at once; the eager step picks the
+            # masked rows with nonzero, a value a fake tensor does not have)
+            masked = apply_token_bitmask(
+                torch.zeros(2, VOCAB, device="cuda"), engine.sampler.bitmask[:2]
+            )
+            # a sequence moves down a row (the scheduler compacts them): its state on the card
+            engine.io.move(1, 0)
+            engine.sampler.move(1, 0)
     assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
     assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
-    assert nxt.is_cuda and nxt.shape == (2,)
+    assert nxt.is_cuda and nxt.shape == (2,) and masked.is_cuda and masked.shape == (2, VOCAB)
+    assert engine.sampler.bitmask.is_cuda and engine.sampler.host_bitmask.device.type == "cpu"
+    assert engine.rows.tokens.is_cuda and engine.sampler.counts.is_cuda
     assert all(t.is_cuda for t in logprobs) and logprobs[1].shape == (2, engine.sampler.top)
     assert engine.sampler.counts.is_cuda and engine.rows.top_ids.is_cuda
     blocks = engine.pool.num_blocks * engine.pool.block_size
