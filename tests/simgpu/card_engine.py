@@ -87,3 +87,26 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
     blocks = engine.pool.num_blocks * engine.pool.block_size
     assert all(k.is_cuda and k.shape[1] == blocks for k in engine.cache.keys)
     assert engine.rows.tables.is_cuda and engine.sampler.seen.shape == (2, VOCAB)
+
+
+def test_batched_lora_stacks_the_adapters_on_the_card_at_fixed_addresses(card):
+    """Two LoRA adapters of different ranks stacked on the card at fixed addresses (a CUDA graph
+    reads them where they lie) and the rows routed by index (batched_lora.py's CUDA branch)."""
+    if card.key != "H100":
+        pytest.skip("the engine does not branch on which card runs it: the H100 runs it")
+    from peft import LoraConfig, get_peft_model
+
+    from onegpu.infer.batched_lora import BatchedLora
+
+    model = _model()
+    with cards.fake_cuda():
+        model = cards.on_card(model).eval()
+        lora = {"target_modules": ["q_proj", "v_proj"], "lora_alpha": 8}
+        model = get_peft_model(model, LoraConfig(r=4, **lora), adapter_name="a")
+        model.add_adapter("b", LoraConfig(r=8, **lora))
+        index = torch.zeros(2, dtype=torch.long, device="cuda")
+        batched = BatchedLora.of(model, index)
+        assert batched.route(["a", "__base__"])
+        stack = batched.layers[0][1]
+    assert stack.a.is_cuda and stack.a.shape[:2] == (3, 8) and stack.slots.is_cuda
+    assert len(batched.layers) == 4  # q and v of both layers
