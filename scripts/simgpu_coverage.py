@@ -8,7 +8,8 @@ benchmarks/results/simgpu-coverage.md: each such line executed, or named with wh
 
 A line is CUDA-only when it is
 - inside a branch taken only on CUDA: ``if`` on ``torch.cuda.is_available()``, ``device.type ==
-  "cuda"``, ``device_type == "cuda"``, ``is_gpu``, ``on_gpu``, ``on_cuda``, ``.is_cuda``; or after
+  "cuda"``, ``device_type == "cuda"``, ``is_gpu``, ``on_gpu``, ``on_cuda``, ``.is_cuda``, a flag
+  named ``cuda``; or after
   the negated form's early ``return``/``raise`` in the same block; or
 - a call into ``torch.cuda`` (other than asking ``is_available``) or ``.cuda()``.
 """
@@ -30,6 +31,7 @@ CUDA_TEST = re.compile(
     r"torch\.cuda\.is_available\(\)"
     r'|(device_type|device|\.type|device\.type)\s*[!=]=\s*"cuda"'
     r"|\bis_gpu\b|\bon_gpu\b|\bon_cuda\b|\.is_cuda\b"
+    r"|^cuda$"  # a flag named for it: cuda = device.type == "cuda"
 )
 NOT_CUDA = re.compile(r'\bnot\s+[\w.]*(is_available\(\)|is_gpu|on_gpu|on_cuda|is_cuda)|!=\s*"cuda"')
 CUDA_CALL = re.compile(r"torch\.cuda\.(?!is_available\b)\w+|\.cuda\(\)|torch\._C\._cuda_\w+")
