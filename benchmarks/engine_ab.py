@@ -113,7 +113,7 @@ def figures(workload: str, run: dict) -> dict:
     if workload in ("decode", "rows"):
         return {"ms_per_step": run["ms_per_step"]}
     if workload == "capacity":
-        keys = ("tokens_per_s", "peak_running", "wall_s", "peak_tokens")
+        keys = ("tokens_per_s", "peak_running", "wall_s", "peak_tokens", "live_rows")
         return {k: run[k] for k in keys if k in run}
     if workload in ("chat", "shared"):
         ttft = run["ttft_s"]

@@ -10,7 +10,8 @@ Workloads (the model is built here at random, seeded, so every process has the s
   --batch rows of 512-token prompts, 128 new tokens — ms per decode step after every first token
   arrived (as bench infer's time_engine);
 - capacity: --requests requests with prompts of 16-1,024 tokens and 16-256 new tokens (seeded),
-  max_len 2,048, submitted at once: tokens/s, the peak of sequences running at once, each answer
+  max_len 2,048, submitted at once: tokens/s, the peak of sequences running at once, each answer,
+  the share of the decode rows computed that held a decoding sequence (the paged engine's)
   (--prompts_only: the same prompts with one new token each, what computing them costs);
 - chat: --conversations chats of 4 turns, each turn resending the history (a 512-token system
   prompt and a 64-token message, 128-token answers, 64-token messages after): each turn's time to
@@ -153,6 +154,17 @@ def capacity(args, config: dict) -> dict:
             held = sum(len(s.tokens) for s in running) if running is not None else 0
             peak[:] = [stats.running, held, stats.kv_positions_used]
 
+    rows = [0, 0]  # the paged engine's decode row-steps: computed, and holding a decoding sequence
+    if hasattr(eng, "_decode"):  # a measuring wrapper on this instance (the slot engine has none)
+        real = eng._decode
+
+        def counted(plan, interrupt):
+            ran, steps = real(plan, interrupt)
+            rows[0] += ran * steps
+            rows[1] += len(plan.decode) * steps
+            return ran, steps
+
+        eng._decode = counted
     start = time.perf_counter()
     ids = {eng.submit(p, params(n)): i for i, (p, n) in enumerate(jobs)}
     got = drive(eng, ids, watch)
@@ -164,6 +176,7 @@ def capacity(args, config: dict) -> dict:
         "peak_running": peak[0],
         "peak_tokens": peak[1],
         "peak_positions_used": peak[2],
+        "live_rows": rows[1] / rows[0] if rows[0] else 0.0,
         "answers": digest(answers),
     }
     if args.alone:  # each request alone, through an engine of its own
