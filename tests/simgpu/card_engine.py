@@ -19,7 +19,6 @@ import torch
 from card_step import VOCAB, _model
 
 from onegpu.infer.engine import Engine, EngineConfig
-from onegpu.infer.logit_rules import apply_token_bitmask
 from onegpu.infer.requests import SamplingParams
 from onegpu.infer.sampling import Needs
 
@@ -68,18 +67,16 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
             engine.sampler.host_bitmask[0, 0] = 0b1000  # token 3 alone
             engine.sampler.host_masked[0] = True
             engine.sampler.upload_bitmask(2)
-            # as the compiled step applies it (every row at once; the eager step picks the
-            # masked rows with nonzero, a value a fake tensor does not have)
-            masked = apply_token_bitmask(
-                torch.zeros(2, VOCAB, device="cuda"), engine.sampler.bitmask[:2]
-            )
+            # every row's mask applied, as the compiled step applies it (finding the masked rows
+            # would wait for the device: a fake tensor has no values to find them by)
+            masked, _ = engine.decode_step.step(2, 64, Needs(constraints=True), None)
             # a sequence moves down a row (the scheduler compacts them): its state on the card
             engine.io.move(1, 0)
             engine.sampler.move(1, 0)
     assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
     assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
-    assert nxt.is_cuda and nxt.shape == (2,) and masked.is_cuda and masked.shape == (2, VOCAB)
+    assert nxt.is_cuda and nxt.shape == (2,) and masked.is_cuda and masked.shape == (2,)
     assert engine.sampler.bitmask.is_cuda and engine.sampler.host_bitmask.device.type == "cpu"
     assert engine.rows.tokens.is_cuda and engine.sampler.counts.is_cuda
     assert all(t.is_cuda for t in logprobs) and logprobs[1].shape == (2, engine.sampler.top)

@@ -131,10 +131,11 @@ def next_tokens(
 def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """``logits`` with the tokens each row's grammar does not allow at -inf. Compiled, every row
     at once: fixed shapes, one step whatever the number of constrained rows (a row without a
-    grammar is all ones, and torch.where keeps each of its logits bit for bit). Eager, only the
-    rows ``masked`` marks, the others not touched: on a CPU one row of a 32k vocabulary
-    unpacked and applied, not eight (benchmarks/results/constraint-cost-cpu.md)."""
-    if torch.compiler.is_compiling():
+    grammar is all ones, and torch.where keeps each of its logits bit for bit). Eager on a CPU,
+    only the rows ``masked`` marks, the others not touched: one row of a 32k vocabulary unpacked
+    and applied, not eight (benchmarks/results/constraint-cost-cpu.md). Eager on a GPU every row
+    too: finding the marked rows (``nonzero``) would wait for the device at every step."""
+    if torch.compiler.is_compiling() or logits.device.type != "cpu":
         return apply_token_bitmask(logits, bitmask)
     rows = masked.nonzero()[:, 0]
     return apply_token_bitmask(logits, bitmask[rows], rows=rows)
