@@ -90,9 +90,9 @@ class Rows:
     def move(self, src: int, dst: int) -> None:
         """Row ``src``'s sequence decodes in row ``dst`` from now on (the scheduler compacts the
         rows); ``src`` holds nothing. Its table goes with it when the caller sets ``dst``'s."""
-        for t in (self.tokens, self.positions, self.live, self.budget, self.generated):
+        per_row = (self.tokens, self.positions, self.live, self.budget, self.generated)
+        for t in (*per_row, self.ignore_eos, self.lora):
             t[dst] = t[src]
-        self.ignore_eos[dst], self.lora[dst] = self.ignore_eos[src], self.lora[src]
         self.retire(src)
 
     def retire(self, row: int) -> None:

@@ -170,8 +170,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     an H200, benchmarks/results/h200-20261126/). Eagerly as ``max(-1)``'s indices (the first
     index of the maximum too) on a CPU, 2-2.7x faster there than its argmax (24 x 32,000 logits
     on one thread: 0.49 against 1.24 ms; the same file; a GPU's eager argmax was not timed and is
-    left as it was). A
-    row of NaN gives the last index, not one past the end."""
+    left as it was). A row of NaN gives the last index, not one past the end."""
     if not torch.compiler.is_compiling():
         return x.max(-1).indices if x.device.type == "cpu" else x.argmax(-1)
     index = torch.arange(x.shape[-1], device=x.device)
@@ -231,8 +230,10 @@ class Sampler:
             for name in self._STATE:
                 torch._dynamo.mark_static_address(getattr(self, name))
 
-    _STATE = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _STATE += ("presence", "frequency", "counts", "bitmask", "masked")
+    # a request's own, moved with it (``move``); the grammar's mask is written by every step
+    _REQUEST = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
+    _REQUEST += ("presence", "frequency", "counts")
+    _STATE = _REQUEST + ("bitmask", "masked")
 
     def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
         """Row ``row`` now samples for a request with ``params`` whose tokens so far are
@@ -256,7 +257,7 @@ class Sampler:
         """Row ``src``'s request samples in row ``dst`` from now on: its settings and the tokens
         it has seen and counted go with it (its draws follow its seed and its own counter, so
         they are the same in either row). A grammar's mask is written afresh by every step."""
-        for name in self._STATE[:-2]:  # not bitmask/masked: guided.py writes them each step
+        for name in self._REQUEST:
             t = getattr(self, name)
             t[dst] = t[src]
 
