@@ -204,6 +204,22 @@ def test_an_eager_window_gathers_a_sequences_blocks_once_not_at_every_step(llama
     assert len(runs["True gathers"]) == 2 * layers * 39  # every decode step
 
 
+def test_the_eager_windows_copy_grows_no_larger_than_the_engines_rows_and_max_len(llama):
+    """The window's copy grows by doubling, up to the engine's rows and its max_len in whole
+    blocks: a run that needs 3 rows of 70 positions grows it past 2 rows of 64, to the 3 rows and
+    80 positions the engine can ever ask for, not to 4 rows of 128 (twice what it could use)."""
+    config = EngineConfig(max_slots=3, max_len=80, block_size=16, sync_every=4)
+    engine = Engine(llama, None, config)
+    prompts = [list(range(5, 60)), list(range(7, 20)), list(range(9, 30))]
+    want = [_alone(llama, p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts]
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [r.token_ids for r in got] == want
+    shapes = {tuple(c.shape) for c in engine.runner.window.keys + engine.runner.window.values}
+    heads = llama.config.num_key_value_heads
+    dim = llama.config.hidden_size // llama.config.num_attention_heads
+    assert shapes == {(3, heads, 80, dim)}
+
+
 def test_blocks_are_zeroed_at_their_first_use_not_at_start(llama):
     """The pool is allocated empty (a budget of gigabytes is not written at start): a block is
     zeroed when first handed out, so what a masked position holds is finite — memory left as NaN

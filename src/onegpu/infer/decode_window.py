@@ -22,8 +22,11 @@ from onegpu.infer.paged_cache import PagedCache, positions_in_pool
 
 
 class DecodeWindow:
-    def __init__(self, cache: PagedCache):
+    def __init__(self, cache: PagedCache, max_rows: int, max_positions: int):
+        """``max_rows`` rows of at most ``max_positions`` positions: the most a run can ask for,
+        and what the copy grows to at most."""
         self.cache = cache
+        self.max_rows, self.max_positions = max_rows, max_positions
         self.keys: list[torch.Tensor] = []  # a layer's copy, [row capacity, heads, length, dim]
         self.values: list[torch.Tensor] = []
         self.tables: Optional[torch.Tensor] = None  # this run's: [rows, blocks]
@@ -62,8 +65,8 @@ class DecodeWindow:
         return out[0], out[1]
 
     def _prepare(self, layer_idx: int, key_states, value_states) -> None:
-        """Room for this run's rows and positions (grown by doubling, what is kept copied over);
-        the fresh rows' blocks gathered from the pool."""
+        """Room for this run's rows and positions (grown by doubling up to the engine's most, what
+        is kept copied over); the fresh rows' blocks gathered from the pool."""
         rows, length = self.tables.shape[0], self.tables.shape[1] * self.cache.block_size
         pools = (self.cache.keys[layer_idx], self.cache.values[layer_idx])
         for store, states, pool in zip(
@@ -73,10 +76,11 @@ class DecodeWindow:
                 store.append(pool.new_zeros(0, states.shape[1], 0, states.shape[-1]))
             copy = store[layer_idx]
             if copy.shape[0] < rows or copy.shape[2] < length:
+                # zeros: a padded step reads past a row's end, and 0 x NaN would poison it
                 grown = copy.new_zeros(
-                    max(rows, 2 * copy.shape[0]),
+                    max(rows, min(2 * copy.shape[0], self.max_rows)),
                     copy.shape[1],
-                    max(length, 2 * copy.shape[2]),
+                    max(length, min(2 * copy.shape[2], self.max_positions)),
                     copy.shape[3],
                 )
                 grown[: copy.shape[0], :, : copy.shape[2]] = copy

@@ -81,7 +81,7 @@ class Engine:
         size = cfg.block_size
         self.pool = BlockPool(blocks, size, cfg.prefix_caching)
         self.cache = PagedCache(blocks, size, kv_dtype(model), self.device)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, self.max_slots, per_seq * size)
         vocab = model.get_output_embeddings().weight.shape[0]
         self.sampler = Sampler(self.max_slots, vocab, self.device)
         eos = cfg.eos_ids or eos_ids_of(model, tokenizer)

@@ -36,9 +36,10 @@ class Pieces:
 
 
 class ModelRunner:
-    """Forwards of ``model`` over ``cache`` (the engine's pool)."""
+    """Forwards of ``model`` over ``cache`` (the engine's pool) of at most ``max_rows`` rows of
+    ``max_positions`` positions each."""
 
-    def __init__(self, model, cache: PagedCache):
+    def __init__(self, model, cache: PagedCache, max_rows: int, max_positions: int):
         self.model, self.cache = model, cache
         self.device = model.get_input_embeddings().weight.device
         self.kwarg = cache_kwarg(model)
@@ -46,7 +47,7 @@ class ModelRunner:
         # a model trained with an MoE router loss keeps output_router_logits in its config, and
         # that loss would read the attention mask as a 2D padding mask
         self.no_router_loss = bool(getattr(model.config, "output_router_logits", False))
-        self.window = DecodeWindow(cache)
+        self.window = DecodeWindow(cache, max_rows, max_positions)
         self.windowed = False  # inside decode_window
 
     @contextmanager
