@@ -7,7 +7,8 @@ the arms interleaved round by round, medians and ranges over the rounds.
 
 Workloads and their arms (what each measures: engine_workloads.py):
 
-- decode: the slot engine and the paged one, eager and compiled, at batch 1 and 16;
+- decode: the slot engine and the paged one, eager and compiled, at batch 1 and 16 (with
+  ``--before <checkout>``, also that earlier commit of the paged engine, compiled);
 - capacity: the slot engine at 8 slots of 2,048 positions against the paged engine at the same
   KV memory (1,024 blocks of 16, the null block included) and 64 rows;
 - chat, shared: the paged engine with its prefix cache on and off, and the slot engine;
@@ -46,6 +47,11 @@ ARMS = {
         for batch in (1, 16)
         for mode in ("off", "on")
         for engine in ("slot", "paged")
+    ]
+    # an earlier commit of the paged engine (--before), compiled: what a change to the step gained
+    + [
+        (f"paged-before on b{batch}", "before", {"compile": "on"}, ["--batch", str(batch)])
+        for batch in (1, 16)
     ],
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
@@ -96,7 +102,7 @@ def run_arm(workload: str, arm: tuple, args, first: bool) -> dict:
     label, engine, config, extra = arm
     if first and args.alone and engine == "paged":  # once: every answer against it alone
         extra = [*extra, "--alone"]
-    src = Path(args.baseline if engine == "slot" else args.paged) / "src"
+    src = Path({"slot": args.baseline, "paged": args.paged, "before": args.before}[engine]) / "src"
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_workloads.py"), workload]
     cmd += ["--engine", json.dumps(config), "--threads", str(args.threads), *extra]
@@ -146,7 +152,9 @@ def markdown(r: dict) -> str:
         "",
         f"`{r['command']}`",
         "",
-        f"{r['date']}, commit {r['commit']} (slot engine: {r['baseline_commit']}), "
+        f"{r['date']}, commit {r['commit']} (slot engine: {r['baseline_commit']}"
+        + (f"; paged-before: {r['before_commit']}" if r.get("before_commit", "-") != "-" else "")
+        + "), "
         f"{r['machine']['cpu']} ({r['machine']['cpus']} cores), torch {r['machine']['torch']}, "
         f"transformers {r['machine']['transformers']}. Load before: {r['uptime_before']}; after: "
         f"{r['uptime_after']}. {r['rounds']} interleaved rounds, each arm a fresh process; "
@@ -211,6 +219,7 @@ def main() -> int:
     ap.add_argument("workload", choices=ARMS)
     ap.add_argument("--baseline", default="", help="a checkout of the slot engine's commit")
     ap.add_argument("--paged", default=str(ROOT), help="a checkout of the paged engine's commit")
+    ap.add_argument("--before", default="", help="decode: a checkout of an earlier paged commit")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each arm")
     ap.add_argument("--requests", type=int, default=48)
@@ -221,6 +230,7 @@ def main() -> int:
     ap.add_argument("--alone", action="store_true", help="capacity: check each answer alone")
     args = ap.parse_args()
     arms = [a for a in ARMS[args.workload] if not args.arms or a[0] in args.arms.split(",")]
+    arms = [a for a in arms if a[1] != "before" or args.before]
     if any(a[1] == "slot" for a in arms) and not args.baseline:
         ap.error("--baseline: a checkout of the slot engine's commit")
     before, runs = uptime(), {a[0]: [] for a in arms}
@@ -256,6 +266,7 @@ def report(args, runs: dict, before: str) -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit(Path(args.paged)),
         "baseline_commit": commit(Path(args.baseline)) if args.baseline else "-",
+        "before_commit": commit(Path(args.before)) if args.before else "-",
         "machine": machine(),
         "uptime_before": before,
         "uptime_after": uptime(),

@@ -4,7 +4,8 @@
     python benchmarks/serve_ab.py --a_src ../other-checkout/src     # two commits, same flags
 
 Both servers run at once on 127.0.0.1 (the idle one waits on its inbox), on the same `tiny` model
-and the same 64 requests as benchmarks/serve_load.py. Each round runs A's two phases (sequential,
+(``--preset 125m``: that shape, random weights, the same tokenizer) and the same 64 requests as
+benchmarks/serve_load.py. Each round runs A's two phases (sequential,
 then ``--clients`` at once), then B's, so a slow spell of a shared machine touches both. Reports
 per setting the median over rounds (and the range) of each phase's tokens/s and p99 latency and of
 the two ratios serve_load.py targets, and checks that every answer of B equals A's. Writes
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--time_limit", type=float, default=1500, help="seconds for all rounds")
     ap.add_argument("--server_threads", type=int, default=1, help="each server's torch threads")
+    ap.add_argument("--preset", choices=["tiny", "125m"], default="tiny", help="model shape")
     ap.add_argument("--out", default="benchmarks/results/serve-ab-cpu")
     args = ap.parse_args()
     from openai import OpenAI
@@ -69,7 +71,7 @@ def main() -> int:
     settings = {"A": args.a, "B": args.b}
     runs: dict[str, list] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
-        make_model(Path(tmp) / "tiny")
+        make_model(Path(tmp) / "tiny", args.preset)  # served as "tiny" whatever its shape
         servers = {}
         try:
             for name, flags in settings.items():
@@ -97,6 +99,7 @@ def main() -> int:
         "machine": machine(),
         "uptime_before": before,
         "uptime_after": uptime(),
+        "preset": args.preset,
         "settings": settings,
         "sources": {"A": str(args.a_src), "B": str(args.b_src)},
         "server_exit": exits,
@@ -158,7 +161,8 @@ def markdown(r: dict, args) -> str:
         [
             "# onegpu serve: two settings under load, interleaved (loopback, CPU)",
             "",
-            f"{r['date']}; the load test's workload (`tiny` preset, random weights, fp32; "
+            f"{r['date']}; the load test's workload (`{args.preset}` preset, random weights, "
+            "fp32; "
             f"{args.requests} greedy requests, mixed prompts and answers, streamed and not); "
             f"{args.rounds} rounds, each A's phases (sequential, then {args.clients} clients) then "
             f"B's; each server {args.server_threads} torch thread(s); exit codes after SIGTERM: "

@@ -71,8 +71,9 @@ class Phase:
     wall: float = 0.0
 
 
-def make_model(folder: Path) -> None:
-    """The tiny preset with random weights, and its tokenizer, saved where the server loads it."""
+def make_model(folder: Path, preset: str = "tiny") -> None:
+    """A preset's shape (``tiny``; serve_ab.py also ``125m``) with random weights, and its
+    tokenizer, saved where the server loads it."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -81,7 +82,7 @@ def make_model(folder: Path) -> None:
 
     tok = train_tokenizer(stdlib_texts(), 4096, "serve-load-bench-stdlib-300")
     torch.manual_seed(0)
-    LlamaForCausalLM(preset_config("tiny", tok)).save_pretrained(str(folder))
+    LlamaForCausalLM(preset_config(preset, tok)).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
 
 

@@ -113,3 +113,33 @@ def test_a_compiled_cpu_step_attends_in_loops_with_the_eager_tokens(tiny_tokeniz
         assert got == ref and sdpa == 0 and loops
     got, sdpa, loops = _decode_sdpa_calls(plain, ids[:1], params)
     assert got == alone and sdpa > 0 and not loops
+
+
+def test_a_compiled_decode_computes_the_query_once_not_at_every_key_position():
+    """The query's producers (here, as in a model, its rotary embedding: cos and sin of the
+    positions) run before the loop over the key positions: the query is a buffer of its own
+    (inductor's layout prim), where inductor would otherwise fuse them into that loop and compute
+    them again at each of its positions. The values are the eager ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    cpu_attention.register(compiled=True)
+
+    def rope_then_attend(x, positions, k, v, allowed):
+        freqs = positions[:, None, None, None].float() * torch.arange(1, 9) / 8.0
+        angles = torch.cat([freqs, freqs], dim=-1)
+        half = torch.cat([-x[..., 8:], x[..., :8]], dim=-1)
+        q = x * angles.cos() + half * angles.sin()
+        return cpu_attention.decode(q, k, v, allowed, 0.25)
+
+    torch.manual_seed(0)
+    x, k, v = torch.randn(3, 4, 1, 16), torch.randn(3, 2, 48, 16), torch.randn(3, 2, 48, 16)
+    positions = torch.tensor([47, 20, 3])
+    allowed = (torch.arange(48)[None] <= positions[:, None])[:, None, None]
+    want = rope_then_attend(x, positions, k, v, allowed)
+    torch._dynamo.reset()
+    compiled = torch.compile(rope_then_attend, backend="inductor", dynamic=False)
+    got, (code,) = run_and_get_code(compiled, x, positions, k, v, allowed)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "inductor_force_stride_order" in code  # the prim reached inductor's kernels
+    # cos is computed before the first loop over the 48 key positions, not inside it
+    assert code.index(".cos()") < code.index("(48L)")

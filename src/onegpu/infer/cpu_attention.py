@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 NAME = "onegpu_cpu_decode"
+_BUFFER = None  # inductor's prim that makes a tensor a buffer in a given layout (register)
 
 
 def decode(
@@ -34,6 +35,11 @@ def decode(
     b, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     q = query.float().reshape(b, kv_heads, heads // kv_heads, 1, dim)
+    if _BUFFER is not None and torch.compiler.is_compiling():
+        # the query as a buffer of its own: inside the score loop inductor would otherwise
+        # recompute what makes it (its rotary embedding, cos and sin included) at every key
+        # position, not once (a step's time: engine-decode-cpu.md)
+        q = _BUFFER(q, _contiguous(q.shape))
     scores = (q * key.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, L]
     if allowed is not None:
         m = allowed.reshape(b, 1, 1, length)
@@ -49,6 +55,15 @@ def decode(
     out = (weights[..., None] * value.float()[:, :, None]).sum(-2)  # [B, KVH, G, D]
     out = out / total.clamp_min(torch.finfo(torch.float32).tiny)
     return out.reshape(b, 1, heads, dim).to(query.dtype)
+
+
+def _contiguous(shape) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    return strides
 
 
 def wanted(query: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> bool:
@@ -86,10 +101,16 @@ def attention_forward(
     )
 
 
-def register() -> None:
-    """The attention function, and transformers' SDPA mask maker under the same name."""
+def register(compiled: bool = False) -> None:
+    """The attention function, and transformers' SDPA mask maker under the same name; for a
+    compiled step also inductor's layout prim (importing inductor takes seconds: only then)."""
+    global _BUFFER
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    if compiled and _BUFFER is None:
+        import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims' own
+
+        _BUFFER = torch.ops.prims.inductor_force_stride_order

@@ -182,7 +182,7 @@ class DecodeStep:
         self.grouped = base if loops or gqa_attention.applies(base) else None
         if self.grouped is not None:
             gqa_attention.register()
-            cpu_attention.register()
+            cpu_attention.register(loops)
 
     def route(self, names: Optional[list[str]]) -> Optional[list[str]]:
         """The adapters of the next decode run's rows (PEFT's names a row, or None: the model as
