@@ -206,8 +206,8 @@ def test_an_eager_window_gathers_a_sequences_blocks_once_not_at_every_step(llama
 
 def test_the_eager_windows_copy_grows_no_larger_than_the_engines_rows_and_max_len(llama):
     """The window's copy grows by doubling, up to the engine's rows and its max_len in whole
-    blocks: a run that needs 3 rows of 70 positions grows it past 2 rows of 64, to the 3 rows and
-    80 positions the engine can ever ask for, not to 4 rows of 128 (twice what it could use)."""
+    blocks: a run that needs 3 rows of 70 positions grows it to the 3 rows and 80 positions the
+    engine can ever ask for (doubling without that bound made it 6 rows of 128)."""
     config = EngineConfig(max_slots=3, max_len=80, block_size=16, sync_every=4)
     engine = Engine(llama, None, config)
     prompts = [list(range(5, 60)), list(range(7, 20)), list(range(9, 30))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 NAME = "onegpu_cpu_decode"
 _BUFFER = None  # inductor's prim that makes a tensor a buffer in a given layout (register)
@@ -38,8 +39,8 @@ def decode(
     if _BUFFER is not None and torch.compiler.is_compiling():
         # the query as a buffer of its own: inside the score loop inductor would otherwise
         # recompute what makes it (its rotary embedding, cos and sin included) at every key
-        # position, not once (a step's time: engine-decode-cpu.md)
-        q = _BUFFER(q, _contiguous(q.shape))
+        # position, not once (a step's time: engine-decode-compiled-cpu.md)
+        q = _BUFFER(q, make_contiguous_strides_for(q.shape))
     scores = (q * key.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, L]
     if allowed is not None:
         m = allowed.reshape(b, 1, 1, length)
@@ -55,15 +56,6 @@ def decode(
     out = (weights[..., None] * value.float()[:, :, None]).sum(-2)  # [B, KVH, G, D]
     out = out / total.clamp_min(torch.finfo(torch.float32).tiny)
     return out.reshape(b, 1, heads, dim).to(query.dtype)
-
-
-def _contiguous(shape) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.insert(0, step)
-        step *= size
-    return strides
 
 
 def wanted(query: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> bool:
