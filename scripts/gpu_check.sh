@@ -10,7 +10,6 @@
 #   infer     the generation engine's presets: onegpu bench infer --preset gpu -> infer.log, its results
 #             ($INFER_ARGS, if set, is appended: e.g. "--settings engine+bf16+compile --repeats 3")
 #   infer-quant  torchao int8/int4 under the compiled engine: bench infer --preset gpu-quant -> infer-quant.log
-#   profile   where the engine's GPU step goes: benchmarks/profile_engine_gpu.py -> profile.log, trace-b*.json.gz
 #   paged     the paged engine on the card: a decode step's attention over the pool three ways and
 #             over a contiguous cache (benchmarks/paged_attention_ab.py), then the compiled engine at
 #             the 1b and an 8B shape, bf16, batch 1 and 8, each policy row on and off, and int8
@@ -32,7 +31,7 @@
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
 # One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
-# "infer", "infer-quant", "profile", "paged", "warmstart", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
+# "infer", "infer-quant", "paged", "warmstart", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
 # benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
@@ -65,13 +64,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-quant profile paged warmstart infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
+ALL=(versions dry tests offload engine infer infer-quant paged warmstart infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged|warmstart) echo 540 ;; profile) echo 400 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged|warmstart) echo 540 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo|fp8|fp8-3b) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -112,8 +111,6 @@ step_cmd() {
     infer) "$PY" -m onegpu.cli.main bench infer --preset gpu --out "$DIR" ${INFER_ARGS:-} ;;
     infer-quant) "$PY" -m onegpu.cli.main bench infer --preset gpu-quant --out "$DIR" \
                    --name "infer-quant-cuda-$(date +%Y%m%d)" ;;
-    # the H200 took about 4 minutes (benchmarks/results/h200-20261126/)
-    profile) "$PY" benchmarks/profile_engine_gpu.py --out "$DIR" ;;
     paged) "$PY" benchmarks/paged_attention_ab.py --device cuda --dtype bf16 \
              --out "$DIR/paged-attention-cuda" && "$PY" benchmarks/engine_gpu_shapes.py --out "$DIR" ;;
     # `onegpu serve`'s warm-up (CUDA graphs captured before it listens): first start, second from
@@ -139,7 +136,7 @@ step_cmd() {
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-quant|profile|paged|warmstart|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|paged|warmstart|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"
