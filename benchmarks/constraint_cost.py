@@ -15,18 +15,16 @@ arm. Arms, interleaved each round:
 
 The time is per decode step of the batch (one token a row), after the step that computes the
 prompts (the grammars compile there, at admission); ms of wall clock and of this process's CPU.
-The host's share of a constrained step — the masks' fill and the matchers' advance — is timed
-apart (a ``Guides`` that counts its own time). Writes <out>.json and <out>.md (command, commit,
-date, machine, ``uptime`` before and after)."""
+Only the engine's public API is used: the host's share of a constrained step (the masks' fill,
+the matchers' advance), which results/constraint-cost-cpu.md timed apart at its commit, needs a
+figure the engine's stats do not give. Writes <out>.json and <out>.md (the results header:
+command, commit, date, machine, load)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -34,17 +32,24 @@ from pathlib import Path
 
 import torch
 
+from onegpu.bench import provenance
 from onegpu.data.tokenizer import train_tokenizer
-from onegpu.infer.constraints import Grammars
 from onegpu.infer.engine import Engine, EngineConfig
-from onegpu.infer.guided import Guides
 from onegpu.infer.requests import Constraint, SamplingParams
 from onegpu.models import preset_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grammar_libs import PERSON  # noqa: E402 - the schema the grammar libraries were compared on
-
 ROWS, VOCAB = 8, 32000
+# the schema the grammar libraries were compared on (results/grammar-libs-cpu.md)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 SCHEMA = {
     "type": "object",
     "properties": {"people": {"type": "array", "items": PERSON, "minItems": 100}},
@@ -52,26 +57,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 ARMS = {"0 of 8": (0, 8), "0 of 8, sync_every 1": (0, 1), "1 of 8": (1, 1), "8 of 8": (8, 1)}
-
-
-class TimedGuides(Guides):
-    """The engine's Guides, counting the host's seconds in the masks' fill and the matchers'
-    advance."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.fill_s = self.accept_s = 0.0
-
-    def fill(self, seqs, failed):
-        t0 = time.perf_counter()
-        super().fill(seqs, failed)
-        self.fill_s += time.perf_counter() - t0
-
-    def accept(self, seq, tokens):
-        t0 = time.perf_counter()
-        done = super().accept(seq, tokens)
-        self.accept_s += time.perf_counter() - t0
-        return done
 
 
 def stdlib_texts(max_files: int = 300):
@@ -87,11 +72,8 @@ def prompts(tok, n: int, length: int = 32) -> list[list[int]]:
     return [tok(files[i * 7].read_text()[:2000])["input_ids"][:length] for i in range(n)]
 
 
-def make_engine(model, tok, grammars: Grammars, sync_every: int) -> Engine:
-    engine = Engine(model, tok, EngineConfig(max_slots=ROWS, max_len=256, sync_every=sync_every))
-    engine.guides = TimedGuides(tok, engine.guides.vocab, engine.sampler)
-    engine.guides.grammars = grammars  # prepared once, as a server shares its own
-    return engine
+def make_engine(model, tok, sync_every: int) -> Engine:
+    return Engine(model, tok, EngineConfig(max_slots=ROWS, max_len=256, sync_every=sync_every))
 
 
 def run(engine: Engine, ids: list[list[int]], constrained: int, new: int) -> dict:
@@ -101,7 +83,6 @@ def run(engine: Engine, ids: list[list[int]], constrained: int, new: int) -> dic
         c = schema if i < constrained else None
         engine.submit(p, SamplingParams(max_new_tokens=new, ignore_eos=True, constraint=c))
     engine.step()  # the prompts, the first tokens, the grammars compiled
-    engine.guides.fill_s = engine.guides.accept_s = 0.0
     wall, cpu, made = time.perf_counter(), time.process_time(), 0
     while engine.has_work():
         for u in engine.step():
@@ -111,26 +92,11 @@ def run(engine: Engine, ids: list[list[int]], constrained: int, new: int) -> dic
     steps = new - 1
     assert made == ROWS * steps, made
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    g = engine.guides
-    return {
-        "ms_per_token": 1e3 * wall / steps,
-        "cpu_ms_per_token": 1e3 * cpu / steps,
-        "fill_ms_per_token": 1e3 * g.fill_s / steps,
-        "accept_ms_per_token": 1e3 * g.accept_s / steps,
-    }
+    return {"ms_per_token": 1e3 * wall / steps, "cpu_ms_per_token": 1e3 * cpu / steps}
 
 
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def main(argv: list[str]) -> int:
@@ -141,16 +107,13 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(1)
-    before = _uptime()
+    head = provenance.begin()
     started = time.perf_counter()
     tok = train_tokenizer(stdlib_texts(), VOCAB, "constraint-cost-stdlib-300")
     torch.manual_seed(0)
     model = preset_model(tok)
-    t0 = time.perf_counter()
-    grammars = Grammars(tok, model.config.vocab_size)
-    prep_s = time.perf_counter() - t0
     ids = prompts(tok, ROWS)
-    engines = {arm: make_engine(model, tok, grammars, sync) for arm, (_, sync) in ARMS.items()}
+    engines = {arm: make_engine(model, tok, sync) for arm, (_, sync) in ARMS.items()}
     with torch.no_grad():
         for arm, (constrained, _) in ARMS.items():  # warm-up: one short batch each, untimed
             run(engines[arm], ids, constrained, 8)
@@ -164,25 +127,15 @@ def main(argv: list[str]) -> int:
         arm: {k: summary([x[k] for x in runs]) for k in runs[0]} for arm, runs in rounds.items()
     }
     doc = {
-        "command": "python " + " ".join(["benchmarks/constraint_cost.py", *argv]),
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-        },
+        **provenance.end(head),
+        "torch_threads": torch.get_num_threads(),
         "versions": _versions(),
-        "uptime_before": before,
-        "uptime_after": _uptime(),
         "seconds": round(time.perf_counter() - started, 1),
         "rows": ROWS,
         "vocab": model.config.vocab_size,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "prompt_lengths": [len(p) for p in ids],
-        "tokenizer_prep_s": round(prep_s, 2),
         "results": results,
         "per_round": rounds,
     }
@@ -216,16 +169,10 @@ def markdown(doc: dict) -> str:
     lines = [
         "# Structured output's cost per token (CPU, one thread)",
         "",
-        f"- command: `{doc['command']}`",
-        f"- commit: {doc['commit']}",
-        f"- date: {doc['date']}",
-        f"- machine: {doc['machine']['processor']}, {doc['machine']['cpus']} cores, "
-        f"{doc['machine']['torch_threads']} torch thread",
+        provenance.markdown(doc),
+        f"- torch threads: {doc['torch_threads']}",
         f"- versions: {doc['versions']}",
-        f"- uptime_before: {doc['uptime_before']}",
-        f"- uptime_after: {doc['uptime_after']}",
-        f"- run: {doc['seconds']} s; tokenizer prepared for the grammars once in "
-        f"{doc['tokenizer_prep_s']} s",
+        f"- run: {doc['seconds']} s",
         "",
         f"`tiny` preset, random weights, fp32, vocabulary {doc['vocab']}; {doc['rows']} rows, "
         f"prompts of {min(doc['prompt_lengths'])}-{max(doc['prompt_lengths'])} tokens, "
@@ -233,15 +180,13 @@ def markdown(doc: dict) -> str:
         f"median [min-max] of {doc['rounds']} interleaved rounds, per decode step of the "
         "batch (one token a row), after the prompts' step.",
         "",
-        "| rows constrained | ms/token | CPU ms/token | vs 0 of 8 | mask fill ms | matcher "
-        "advance ms |",
-        "|---|---|---|---|---|---|",
+        "| rows constrained | ms/token | CPU ms/token | vs 0 of 8 |",
+        "|---|---|---|---|",
     ]
     for arm, r in res.items():
         ratio = r["ms_per_token"]["median"] / base
         lines.append(
-            f"| {arm} | {cell(r['ms_per_token'])} | {cell(r['cpu_ms_per_token'])} | "
-            f"{ratio:.2f}x | {cell(r['fill_ms_per_token'])} | {cell(r['accept_ms_per_token'])} |"
+            f"| {arm} | {cell(r['ms_per_token'])} | {cell(r['cpu_ms_per_token'])} | {ratio:.2f}x |"
         )
     lines.append("")
     return "\n".join(lines)

@@ -31,13 +31,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load_report import machine, percentiles, spread, uptime  # noqa: E402
+from serve_load_report import percentiles, spread  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 NEW_CAPACITY = {"max_slots": 64, "num_blocks": 1024}
 
@@ -150,14 +151,10 @@ def markdown(r: dict) -> str:
     lines = [
         f"# Engine A/B: {r['workload']} ({r['preset']}, {r['threads']} torch thread(s))",
         "",
-        f"`{r['command']}`",
-        "",
-        f"{r['date']}, commit {r['commit']} (slot engine: {r['baseline_commit']}"
+        provenance.markdown(r),
+        f"Slot engine: {r['baseline_commit']}"
         + (f"; paged-before: {r['before_commit']}" if r.get("before_commit", "-") != "-" else "")
-        + "), "
-        f"{r['machine']['cpu']} ({r['machine']['cpus']} cores), torch {r['machine']['torch']}, "
-        f"transformers {r['machine']['transformers']}. Load before: {r['uptime_before']}; after: "
-        f"{r['uptime_after']}. {r['rounds']} interleaved rounds, each arm a fresh process; "
+        + f". {r['rounds']} interleaved rounds, each arm a fresh process; "
         "median (min-max) over rounds.",
         "",
     ]
@@ -233,12 +230,12 @@ def main() -> int:
     arms = [a for a in arms if a[1] != "before" or args.before]
     if any(a[1] == "slot" for a in arms) and not args.baseline:
         ap.error("--baseline: a checkout of the slot engine's commit")
-    before, runs = uptime(), {a[0]: [] for a in arms}
+    head, runs = provenance.begin(path=Path(args.paged)), {a[0]: [] for a in arms}
     for rnd in range(args.rounds):
         for arm in arms:
             runs[arm[0]].append(run_arm(args.workload, arm, args, rnd == 0))
             print(f"round {rnd + 1}: {arm[0]}: {figures(args.workload, runs[arm[0]][-1])}")
-    result = report(args, runs, before)
+    result = report(args, runs, head)
     name = args.workload + ("" if args.preset == "tiny" else f"-{args.preset}")
     out = ROOT / (args.out or f"benchmarks/results/engine-{name}-cpu")
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -247,12 +244,8 @@ def main() -> int:
     return 0
 
 
-def report(args, runs: dict, before: str) -> dict:
-    def commit(path: Path) -> str:
-        git = ["git", "-C", str(path), "rev-parse", "--short", "HEAD"]
-        done = subprocess.run(git, capture_output=True, text=True)
-        return done.stdout.strip() or "(not a git checkout)"
-
+def report(args, runs: dict, head: dict) -> dict:
+    commit = provenance.commit
     summary = {}
     for label, rs in runs.items():
         figs = [figures(args.workload, r) for r in rs]
@@ -262,14 +255,9 @@ def report(args, runs: dict, before: str) -> dict:
         "preset": args.preset,
         "threads": args.threads,
         "rounds": args.rounds,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit(Path(args.paged)),
+        **provenance.end(head),
         "baseline_commit": commit(Path(args.baseline)) if args.baseline else "-",
         "before_commit": commit(Path(args.before)) if args.before else "-",
-        "machine": machine(),
-        "uptime_before": before,
-        "uptime_after": uptime(),
         "answers": {
             k: ", ".join(sorted({str(r.get("answers", "-")) for r in v})) for k, v in runs.items()
         },

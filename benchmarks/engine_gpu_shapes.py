@@ -98,9 +98,11 @@ def main() -> int:
     args = ap.parse_args()
     from onegpu import hardware
     from onegpu.bench import infer_roofline as roof
+    from onegpu.bench import provenance
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.paged_cache import kv_bytes_per_position
 
+    head = provenance.begin()
     dtype = torch.bfloat16
     gbs, source = hardware.memory_bandwidth(hardware.detect())
     results = {}
@@ -151,12 +153,10 @@ def main() -> int:
     out.write_text(
         json.dumps(
             {
+                **provenance.end(head),
                 "device": device,
                 "bandwidth_gbs": gbs,
                 "bandwidth_source": source,
-                "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "command": " ".join(["python", *sys.argv]),
                 "results": results,
             },
             indent=2,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from onegpu.bench import provenance  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 TARGET = 0.02  # the FP8 run's last validation loss within 2% of fp32's
 # Every run trains from a copy of src/ taken at the start (edits to the checkout while the runs go
@@ -99,17 +101,10 @@ def run(steps: int, recipe: str, out: Path) -> dict:
     return doc
 
 
-def environment() -> dict:
+def versions() -> dict:
     import importlib.metadata as md
 
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)  # noqa: E731
-    dirty = git("status", "--porcelain", "--untracked-files=no", "src").stdout.strip()
-    return {
-        "commit": git("rev-parse", "HEAD").stdout.strip() + ("+local" if dirty else ""),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "versions": {p: md.version(p) for p in ("torch", "torchao", "transformers")},
-    }
+    return {p: md.version(p) for p in ("torch", "torchao", "transformers")}
 
 
 def markdown(doc: dict) -> str:
@@ -129,6 +124,7 @@ command with `--techniques.fp8 {doc["recipe"]} --techniques.fp8_emulate true`. V
 |---|---|---|---|
 {rows}
 
+{provenance.markdown(doc)}
 At step {doc["at_step"]}: **{doc["ratio"]:.4f}** (target: within {TARGET:.0%}):
 {"met" if abs(doc["ratio"] - 1) <= TARGET else "missed"}.
 
@@ -139,10 +135,7 @@ weights bitwise equal {r["final_weights_equal"]}.
 Wall time (start-up, compile, evaluation and saving included; not FP8's speed: emulation does
 more work than fp32): fp32 {secs["fp32"]}, fp8 {secs["fp8"]}, resumed half {secs["fp8-resumed"]}.
 
-Command: `{doc["command"]}`; commit {doc["commit"]}, {doc["date"]}; {doc["machine"]}; torch
-{doc["versions"]["torch"]}, torchao {doc["versions"]["torchao"]}, transformers
-{doc["versions"]["transformers"]}. Load (uptime) before {doc["load"]["before"]}, after
-{doc["load"]["after"]}{busy_note}.
+torchao {doc["versions"]["torchao"]}{busy_note}.
 """
 
 
@@ -153,12 +146,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", default=f"fp8-cpu-{time.strftime('%Y%m%d')}")
     args = parser.parse_args(argv)
     load_before = list(os.getloadavg())
-    env = environment()  # the commit the snapshot below is taken from
+    head = provenance.begin()  # the commit the snapshot below is taken from
     with tempfile.TemporaryDirectory(prefix="onegpu-fp8-cpu-") as tmp:
         shutil.copytree(ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("*.pyc"))
         SNAPSHOT.append(str(Path(tmp) / "src"))
         doc = run(args.steps, args.recipe, Path(tmp) / "runs")
-    doc.update(env, recipe=args.recipe, command="python benchmarks/fp8_cpu.py " + " ".join(argv))
+    doc.update(provenance.end(head), versions=versions(), recipe=args.recipe)
     doc["load"] = {"before": load_before, "after": list(os.getloadavg())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(doc, indent=1, default=str))

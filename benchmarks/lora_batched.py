@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from engine_workloads import drive, engine, make_model, params, tokens  # noqa: E402
-from serve_load_report import machine, spread, uptime  # noqa: E402
+from serve_load_report import spread  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 ADAPTERS = {"one": 8, "two": 16, "three": 32}  # name -> rank
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -92,7 +93,7 @@ def measure(preset: str, mode: str, args) -> dict:
             runs[arm].append(run(eng, prompts, asked[arm], args.new)[0])
         print(f"{preset} {mode}: {[round(r[-1], 1) for r in runs.values()]}", flush=True)
     batched, routed = (answers[a] for a in list(ARMS)[1:])
-    compiled = {a: e.decode_step.compiles["serving"] for a, e in engines.items()}
+    compiled = {a: e.stats().compiles for a, e in engines.items()}
     return {
         "runs": runs,
         "summary": {k: spread(v) for k, v in runs.items()},
@@ -107,10 +108,8 @@ def markdown(r: dict) -> str:
     lines = [
         "# Decode with 3 LoRA adapters against the base model alone (CPU)",
         "",
-        f"`{r['command']}` — {r['date']}, commit {r['commit']}, {r['machine']['cpu']} "
-        f"({r['machine']['cpus']} cores), torch {r['machine']['torch']}, transformers "
-        f"{r['machine']['transformers']}, {r['threads']} torch thread(s). Load before: "
-        f"{r['uptime_before']}; after: {r['uptime_after']}.",
+        provenance.markdown(r),
+        f"{r['threads']} torch thread(s).",
         "",
         f"{a['batch']} rows decode at once: {a['prompt']}-token prompts, {a['new']} new tokens, "
         "greedy, fp32. With adapters the rows are spread over the base and adapters of rank "
@@ -153,10 +152,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/lora-batched-cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    before, results = uptime(), {}
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    head, results = provenance.begin(), {}
     out = ROOT / args.out
     for preset in args.presets.split(","):
         for mode in args.modes.split(","):
@@ -164,14 +160,9 @@ def main() -> int:
             with torch.no_grad():
                 results[f"{preset}, {label}"] = measure(preset, mode, args)
             result = {
-                "command": " ".join(["python", *sys.argv]),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "commit": commit,
-                "machine": machine(),
+                **provenance.end(head),
                 "threads": args.threads,
                 "args": vars(args),
-                "uptime_before": before,
-                "uptime_after": uptime(),
                 "results": results,
             }
             out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

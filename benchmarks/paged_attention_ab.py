@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load_report import machine, uptime  # noqa: E402
-
+from onegpu.bench import provenance  # noqa: E402
 from onegpu.infer.cpu_attention import decode as loops_decode  # noqa: E402
 from onegpu.infer.paged_cache import PagedCache  # noqa: E402
 
@@ -126,7 +124,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    before, results = uptime(), {}
+    head, results = provenance.begin(), {}
     shapes = ["tiny", "125m"] if args.device == "cpu" else ["125m", "1b"]
     for name in shapes:
         for rows in (1, 8, 16) if args.device == "cuda" else (1, 16):
@@ -150,28 +148,19 @@ def main() -> int:
             print(key, {k: round(v["median_ms"], 3) for k, v in results[key].items()}, flush=True)
     out = ROOT / (args.out or f"benchmarks/results/paged-attention-{args.device}")
     result = {
-        "command": " ".join(["python", *sys.argv]),
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(),
+        **provenance.end(head),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": args.dtype,
         "threads": args.threads,
-        "uptime_before": before,
-        "uptime_after": uptime(),
         "results": results,
     }
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# A decode step's attention over the paged pool ({result['device']}, {args.dtype})",
         "",
-        f"`{result['command']}` — {result['date']}, commit {result['commit']}, "
-        f"{result['machine']['cpu']} ({result['machine']['cpus']} cores), torch "
-        f"{result['machine']['torch']}, transformers {result['machine']['transformers']}, "
-        f"{args.threads} thread(s). Load before: {before}; after: {result['uptime_after']}. "
-        f"{LENGTH} positions a row in blocks of {B}; {args.rounds} interleaved rounds of 20 calls; "
+        provenance.markdown(result),
+        f"{args.threads} thread(s). {LENGTH} positions a row in blocks of {B}; "
+        f"{args.rounds} interleaved rounds of 20 calls; "
         "ms a call (one layer), median (min-max); the largest difference from the eager "
         "reference.",
         "",

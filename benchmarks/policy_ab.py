@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from engine_workloads import drive, engine, make_model, params, tokens  # noqa: E402
-from serve_load_report import machine, spread, uptime  # noqa: E402
+from serve_load_report import spread  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 COMPILED_ROWS = ("cpu_attention_loops",)
 VARIANTS = [("compiled, every row", "on", [])]
@@ -76,10 +77,8 @@ def markdown(r: dict) -> str:
     lines = [
         "# The engine's CPU policy rows, each on and off, on two shapes",
         "",
-        f"`{r['command']}` — {r['date']}, commit {r['commit']}, {r['machine']['cpu']} "
-        f"({r['machine']['cpus']} cores), torch {r['machine']['torch']}, transformers "
-        f"{r['machine']['transformers']}, {r['threads']} torch thread(s). Load before: "
-        f"{r['uptime_before']}; after: {r['uptime_after']}. One process per shape and batch, "
+        provenance.markdown(r),
+        f"{r['threads']} torch thread(s). One process per shape and batch, "
         f"an engine per variant over one model, {r['rounds']} interleaved rounds; ms per decode "
         "step after every first token (512-token prompts, 128 new tokens, greedy), median "
         "(min-max); the ratio is the variant's median over the same engine's with every row.",
@@ -106,24 +105,16 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/engine-policy-cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    before, results = uptime(), {}
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    head, results = provenance.begin(), {}
     out = ROOT / args.out
     for preset in args.presets.split(","):
         for batch in map(int, args.batches.split(",")):
             with torch.no_grad():
                 results[f"{preset}, batch {batch}"] = measure(preset, batch, args.rounds)
             result = {
-                "command": " ".join(["python", *sys.argv]),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "commit": commit,
-                "machine": machine(),
+                **provenance.end(head),
                 "threads": args.threads,
                 "rounds": args.rounds,
-                "uptime_before": before,
-                "uptime_after": uptime(),
                 "results": results,
             }
             out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

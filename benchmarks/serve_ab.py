@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -24,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from serve_load import free_port, make_jobs, make_model, run_phase, start_server, stop_server  # noqa: E402
-from serve_load_report import check, figures, machine, spread, uptime  # noqa: E402
+from serve_load_report import check, figures, spread  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 
 def phases(client, jobs, clients: int, deadline: float) -> tuple:
@@ -67,7 +68,7 @@ def main() -> int:
     args = ap.parse_args()
     from openai import OpenAI
 
-    before, jobs = uptime(), make_jobs(args.requests)
+    head, jobs = provenance.begin(), make_jobs(args.requests)
     settings = {"A": args.a, "B": args.b}
     runs: dict[str, list] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,11 +95,7 @@ def main() -> int:
     ok = check(jobs, runs["A"] + runs["B"])  # against A's first sequential answers
     rounds = {name: [round_figures(pair, jobs) for pair in pairs] for name, pairs in runs.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "machine": machine(),
-        "uptime_before": before,
-        "uptime_after": uptime(),
+        **provenance.end(head),
         "preset": args.preset,
         "settings": settings,
         "sources": {"A": str(args.a_src), "B": str(args.b_src)},
@@ -156,20 +153,17 @@ def markdown(r: dict, args) -> str:
             for phase in ("sequential", "concurrent")
         ]
         streams.append(f"| {name} | {' | '.join(cells)} |")
-    m = r["machine"]
     return "\n".join(
         [
             "# onegpu serve: two settings under load, interleaved (loopback, CPU)",
             "",
-            f"{r['date']}; the load test's workload (`{args.preset}` preset, random weights, "
+            provenance.markdown(r),
+            f"The load test's workload (`{args.preset}` preset, random weights, "
             "fp32; "
             f"{args.requests} greedy requests, mixed prompts and answers, streamed and not); "
             f"{args.rounds} rounds, each A's phases (sequential, then {args.clients} clients) then "
             f"B's; each server {args.server_threads} torch thread(s); exit codes after SIGTERM: "
             f"{r['server_exit']}.",
-            f"Machine: {m['cpu']} ({m['cpus']} CPUs), torch {m['torch']}, transformers "
-            f"{m['transformers']}.",
-            f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
             "",
             "Median over rounds (range in brackets):",
             "",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_load import free_port, make_model, stop_server  # noqa: E402 - the script's own folder
-from serve_load_report import uptime  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 
 def start(model: Path, port: int, server_args: list, log: Path) -> subprocess.Popen:
@@ -109,8 +109,9 @@ def summarize(bench: dict, profile: str) -> dict:
 
 def write(out: Path, rows: list, meta: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "profiles": rows}, indent=1))
-    lines = ["# `onegpu serve` under guidellm 0.8.1 at its defaults", ""]
-    lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    lines = ["# `onegpu serve` under guidellm 0.8.1 at its defaults", "", provenance.markdown(meta)]
+    skip = ("command", "commit", "date", "machine", "uptime_before", "uptime_after")
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k not in skip] + [""]
     lines += [
         "| profile | requests ok / errored / incomplete | TTFT median ms | TTFT p99 ms "
         "| ITL median ms | ITL p99 ms | output tokens/s | concurrency |",
@@ -127,21 +128,14 @@ def write(out: Path, rows: list, meta: dict) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
-def meta(args, before: str) -> dict:
+def meta(args, head: dict) -> dict:
     from importlib.metadata import version
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        **provenance.end(head),
         "model": str(args.model or "serve_load.py's tiny preset (random weights, fp32)"),
         "server_args": " ".join(args.server_args),
         "versions": {n: version(n) for n in ("torch", "transformers", "guidellm")},
-        "uptime_before": before,
     }
 
 
@@ -156,7 +150,7 @@ def main() -> int:
     ap.add_argument("--server_args", nargs="*", default=["--max_len", "1024"])
     ap.add_argument("--out", default="benchmarks/results/serve-guidellm-cpu")
     args = ap.parse_args()
-    before = uptime()
+    head = provenance.begin()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -171,7 +165,7 @@ def main() -> int:
             ]
         finally:
             exit_code = stop_server(proc)
-    info = {**meta(args, before), "uptime_after": uptime(), "server_exit_code": exit_code}
+    info = {**meta(args, head), "server_exit_code": exit_code}
     write(ROOT / args.out, rows, info)
     print((ROOT / args.out).with_suffix(".md").read_text())
     return 0 if all(r["requests"]["errored"] == 0 for r in rows) else 1

@@ -39,7 +39,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from serve_load_report import report, uptime, write  # noqa: E402 - the script's own folder
+from serve_load_report import report, write  # noqa: E402 - the script's own folder
+
+from onegpu.bench import provenance  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,7 @@ def main() -> int:
         ap.error("--rounds must be at least 1")
     from openai import OpenAI
 
-    before = uptime()
+    head = provenance.begin()
     jobs = make_jobs(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp) / "tiny")
@@ -318,7 +320,7 @@ def main() -> int:
             f"{n}_slots": engine_alone(Path(tmp) / "tiny", jobs, n, args.server_threads)
             for n in (args.clients, 1)
         }
-    result = report(args, jobs, rounds, before, exit_code)
+    result = report(args, jobs, rounds, head, exit_code)
     result["server_prefix_caching"] = prefills.removeprefix(caching)
     result["engine_alone_tokens_per_s"] = ceiling
     result["server_counters"] = counters

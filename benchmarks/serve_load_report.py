@@ -4,15 +4,11 @@ with their single-request answers, percentiles, tokens/s, and the JSON and Markd
 from __future__ import annotations
 
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
+
+from onegpu.bench import provenance
 
 
 # ------------------------------------------------------------------------------- checks, figures
@@ -76,33 +72,6 @@ def streaming(done: list) -> dict:
 
 
 # ------------------------------------------------------------------------------- report
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    import torch
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def write(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -171,13 +140,11 @@ def markdown(r: dict) -> str:
         [
             "# onegpu serve under load (loopback, CPU)",
             "",
-            f"{r['date']}; {r['workload']}; {len(r['rounds']['speedup'])} rounds, each the "
+            provenance.markdown(r),
+            f"{r['workload']}; {len(r['rounds']['speedup'])} rounds, each the "
             "sequential phase then the concurrent one; server torch threads "
             f"{r['server_threads']}, prefix caching {r.get('server_prefix_caching', '?')}; "
             f"server exit code after SIGTERM: {r['server_exit']}.",
-            f"Machine: {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
-            f"torch {r['machine']['torch']}, transformers {r['machine']['transformers']}.",
-            f"Load before: `{r['uptime_before']}`; after: `{r['uptime_after']}`.",
             "",
             "Median over rounds (range in brackets), each phase "
             f"{first['requests']} requests and {first['tokens']} output tokens a round:",
@@ -220,7 +187,8 @@ def markdown(r: dict) -> str:
     )
 
 
-def report(args, jobs, rounds, before: str, exit_code: int) -> dict:
+def report(args, jobs, rounds, head: dict, exit_code: int) -> dict:
+    """``head``: provenance.begin()'s header, taken before the run."""
     singles = [figures(single) for single, _ in rounds]
     togethers = [figures(together) for _, together in rounds]
     speedup = [
@@ -234,11 +202,7 @@ def report(args, jobs, rounds, before: str, exit_code: int) -> dict:
         ratio.append(p99_together / p99_single if ok else float("inf"))
         vs_median.append((p99_together or 0) / (s["latency_s"]["p50"] or 1))
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "machine": machine(),
-        "uptime_before": before,
-        "uptime_after": uptime(),
+        **provenance.end(head),
         "clients": args.clients,
         "server_threads": args.server_threads,
         "workload": (

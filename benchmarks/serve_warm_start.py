@@ -26,7 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import ROOT, free_port, make_model, stop_server  # noqa: E402
-from serve_load_report import machine, uptime  # noqa: E402
+
+from onegpu.bench import provenance  # noqa: E402
 
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A:\n    pass\n", "x = 1\n" * 3]
 
@@ -102,12 +103,6 @@ def load(port: int, args) -> dict:
     )
 
 
-def gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-
-
 def warm_line(log: Path) -> str:
     lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("warm-up: ")]
     return lines[-1] if lines else ""
@@ -125,7 +120,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="warm-start-"))
     model = work / "model"
     make_model(model)
-    before, runs = uptime(), []
+    head, runs = provenance.begin(), []
     for r in range(args.rounds):
         cache = work / f"cache{r}"
         row = {}
@@ -139,14 +134,7 @@ def main() -> int:
             print(r, arm, json.dumps(row[arm]), flush=True)
         runs.append(row)
     result = dict(
-        command="python benchmarks/serve_warm_start.py " + " ".join(sys.argv[1:]),
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        commit=subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
-        machine=machine() | {"gpu": gpu_name()},
-        uptime_before=before,
-        uptime_after=uptime(),
+        **provenance.end(head),
         settings=vars(args) | {"out": str(args.out)},
         runs=runs,
     )
@@ -173,12 +161,9 @@ def markdown(res: dict) -> str:
     lines = [
         f"# `onegpu serve --compile on`: warm start ({m.get('gpu') or 'CPU'})",
         "",
-        f"`{res['command']}`",
-        "",
-        f"{res['date']}, commit {res['commit']}, {m['cpu']} ({m['cpus']} CPUs), torch "
-        f"{m['torch']}, transformers {m['transformers']}; the `tiny` preset (fp32), "
-        f"--max_slots {s['max_slots']} --max_len {s['max_len']}, server torch threads 1. "
-        f"Load before: `{res['uptime_before']}`; after: `{res['uptime_after']}`.",
+        provenance.markdown(res),
+        f"The `tiny` preset (fp32), --max_slots {s['max_slots']} --max_len {s['max_len']}, "
+        "server torch threads 1.",
         "",
         f"{len(runs)} rounds, each: a fresh compile cache; the first start, the load, stop; the "
         "second start over that cache, the load, stop; a start with --warmup off (its own empty "

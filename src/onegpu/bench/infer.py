@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from onegpu.bench import infer_roofline as roof
+from onegpu.bench import provenance
 from onegpu.bench.infer_report import to_markdown, write_outputs
 from onegpu.bench.infer_settings import BASELINE, Setting, batch_sizes, parse_settings, preset_argv
 from onegpu.bench.infer_summary import summarize
@@ -311,14 +312,14 @@ def cli(argv: Sequence[str]) -> int:
     stem = cfg.name or f"infer-{_device_type(cfg)}-{time.strftime('%Y%m%d')}"
     partial = Path(cfg.out).expanduser() / f"{stem}.partial.json"
 
+    head = provenance.begin(" ".join(["onegpu bench infer", *argv]))
+
     def checkpoint(result: dict) -> None:
         partial.parent.mkdir(parents=True, exist_ok=True)
-        result["command"] = " ".join(["onegpu bench infer", *argv])
-        partial.write_text(json.dumps(result, indent=2) + "\n")
+        partial.write_text(json.dumps({**provenance.end(head), **result}, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
-        result = run_bench(cfg, Path(tmp), checkpoint)
-    result["command"] = " ".join(["onegpu bench infer", *argv])
+        result = {**provenance.end(head), **run_bench(cfg, Path(tmp), checkpoint)}
     print(to_markdown(result))
     for p in write_outputs(result, cfg.out, stem):
         print(f"wrote {p}")

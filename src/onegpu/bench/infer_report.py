@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from onegpu.bench import provenance
+
 
 def write_outputs(result: dict, out_dir: str, stem: str) -> list[Path]:
     out = Path(out_dir).expanduser()
@@ -72,7 +74,8 @@ def to_markdown(result: dict) -> str:
     lines = [
         f"# onegpu bench infer — {result['device']}",
         "",
-        f"{result['date']}; model `{Path(c['model']).name}` ({c['dtype']} unless a setting names "
+        provenance.markdown(result),
+        f"Model `{Path(c['model']).name}` ({c['dtype']} unless a setting names "
         f"a dtype), prompt {c['prompt_len']} tokens, {c['new_tokens']} new tokens per prompt; "
         f"medians of {c['repeats']} interleaved rounds per batch size (rounds run: "
         f"{_rounds(result)}), range over rounds in brackets.",
@@ -87,8 +90,7 @@ def to_markdown(result: dict) -> str:
         lines.append("")
     lines += _notes(result, bw)
     versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-    lines += ["", f"Versions: {versions}; commit {result.get('commit')}."]
-    lines += [f"Command: `{result['command']}`", ""]
+    lines += ["", f"Versions: {versions}.", ""]
     return "\n".join(lines)
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import platform
 import statistics
-import time
-from pathlib import Path
 from typing import Optional
 
 from onegpu.bench import infer_roofline as roof
@@ -128,12 +126,9 @@ def summarize(bench) -> dict:
     gbs = _median(bench.bandwidth)
     return {
         "benchmark": "infer",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": None,
         "device": _device_name(bench.device),
         "device_type": bench.device,
         "versions": _versions(),
-        "commit": _commit(),
         "config": dataclasses.asdict(cfg),
         "threads": torch.get_num_threads(),
         "rounds": bench.rounds,
@@ -149,22 +144,6 @@ def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _commit() -> Optional[str]:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _versions() -> dict:
