@@ -45,6 +45,19 @@ def _dry(capsys, *argv) -> tuple[str, list[str]]:
     return out, [line.strip() for line in out.splitlines() if line.startswith("  ")]
 
 
+def test_the_default_settings_lead_with_the_engine_eager_and_compiled(capsys):
+    """A first `onegpu bench infer` measures the engine that generate, serve and GRPO decode with,
+    beside transformers' generate settings, against plain generate (hf-default)."""
+    _, listed = _dry(capsys)
+    assert listed[:3] == ["hf-default", "engine", "engine+compile"]
+    assert {"fp32", "bf16", "static-compile"} <= set(listed[3:])
+    engine, compiled = infer_settings.parse_settings(",".join(listed[1:3]), "m", "cpu", "inductor")[
+        1:
+    ]
+    assert engine.engine and engine.engine_compile == "off"
+    assert compiled.engine and compiled.engine_compile == "on"
+
+
 def test_presets_expand_to_the_documented_settings(capsys):
     out, listed = _dry(capsys, "--preset", "gpu")
     assert listed == ["hf-default", "engine+bf16+compile", "engine+int8", "engine+nf4"]

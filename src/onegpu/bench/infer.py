@@ -40,11 +40,14 @@ class BenchInferConfig:
     directory."""
     vocab_size: int = 32000
     """Vocabulary size of preset models."""
-    settings: str = "fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile"
+    settings: str = (
+        "engine,engine+compile,fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile"
+    )
     """Comma-separated settings, each "+"-joined from: fp32 fp16 bf16 eager sdpa int8 nf4 fp4
     ao-int8 ao-int8-dynamic ao-int4 static static-compile hf-static-compile engine compile
     ("engine+compile": the decode engine, its step compiled). Plain model.generate is always added
-    as hf-default."""
+    as hf-default. The default leads with the engine every other command decodes with, eager and
+    compiled, then transformers' generate settings beside it."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """dtype of every setting that names none, hf-default's included."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
