@@ -1,6 +1,6 @@
 """Two `onegpu serve` settings side by side under the load test's workload, interleaved.
 
-    python benchmarks/serve_ab.py --a "--prefill_thread auto" --a_src /tmp/slot-engine/src --b ""
+    python benchmarks/serve_ab.py --a "--sync_every 1" --b ""      # two flags of one checkout
     python benchmarks/serve_ab.py --a_src ../other-checkout/src     # two commits, same flags
 
 Both servers run at once on 127.0.0.1 (the idle one waits on its inbox), on the same `tiny` model
