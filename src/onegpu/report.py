@@ -197,7 +197,7 @@ def sample_prompt(records, fmt: str, data_cfg, limit: int = 60) -> str | None:
             (t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"),
             None,
         )
-    elif fmt in ("prompt_completion", "preference"):
+    elif fmt in ("prompt_completion", "preference", "unpaired"):
         text = rec.get(data_cfg.prompt_field)
     else:
         text = rec.get(data_cfg.text_field)

@@ -157,6 +157,36 @@ def _check_preference(cfg: Config) -> None:
             f"{cfg.data.format}.",
             hint="set data.format=preference (or auto) with prompt / chosen / rejected columns",
         )
+    _check_kto(cfg)
+
+
+def _check_kto(cfg: Config) -> None:
+    pref, objective = cfg.preference, cfg.training.objective
+    for name, value in (
+        ("desirable_weight", pref.desirable_weight),
+        ("undesirable_weight", pref.undesirable_weight),
+    ):
+        if value <= 0:
+            raise ConfigError(
+                f"preference.{name} must be positive, got {value}.",
+                hint=f"set preference.{name} to e.g. 1.0",
+            )
+    if objective != "kto":
+        return
+    if cfg.data.format not in ("auto", "unpaired", "preference"):
+        raise ConfigError(
+            f"training.objective=kto trains on labelled completions, but data.format="
+            f"{cfg.data.format}.",
+            hint="set data.format=unpaired (prompt / completion / label columns), preference "
+            "(pairs, each split in two), or auto",
+        )
+    if cfg.training.micro_batch_size < 2:
+        # TRL refuses it too: the KL estimate of one example is its own reward
+        raise ConfigError(
+            "training.objective=kto needs training.micro_batch_size >= 2: its KL estimate comes "
+            "from the other examples of the micro-batch.",
+            hint="set training.micro_batch_size to 2 or more",
+        )
 
 
 def _check_optimizer_in_backward(cfg: Config) -> None:
