@@ -31,7 +31,9 @@ def _dataset(tok, records):
     import datasets
 
     cols = {k: [r[k] for r in records] for k in ("prompt", "completion", "label")}
-    out = unpaired.tokenize_batch(cols, list(range(len(records))), tok, DataConfig(seq_len=128), "t")
+    out = unpaired.tokenize_batch(
+        cols, list(range(len(records))), tok, DataConfig(seq_len=128), "t"
+    )
     ds = datasets.Dataset.from_dict(
         {k: out[k] for k in ("prompt_ids", "completion_ids", unpaired.LABEL)}
     )
@@ -76,9 +78,9 @@ def _trl_trainer(tok, model, ref_model, records, tmp, **kw):
 
 
 def _moved(tok, swap: bool = False):
-    """(policy, reference), one the other moved at random: rewards are not 0. On these records the
-    mismatched sequences' mean log-ratio is negative (z0 clamped to 0) one way, positive ``swap``ped.
-    """
+    """(policy, reference), one the other moved at random: rewards are not 0. On these records
+    the mismatched sequences' mean log-ratio is negative (z0 clamped to 0) one way, positive
+    ``swap``ped."""
     torch.manual_seed(0)
     base = make_tiny_llama(tok)
     ref = copy.deepcopy(base)
@@ -149,7 +151,10 @@ def test_tokens_and_mismatched_completions_match_trl(tiny_tokenizer, tmp_path):
     ds = trainer.train_dataset
     ours = _dataset(tiny_tokenizer, RECORDS)
     for i in range(len(RECORDS)):
-        for key, theirs in (("completion_ids", "completion_ids"), (unpaired.KL_IDS, "KL_completion_ids")):
+        for key, theirs in (
+            ("completion_ids", "completion_ids"),
+            (unpaired.KL_IDS, "KL_completion_ids"),
+        ):
             assert ours[i][key] == ds[i][theirs], (i, key)
         assert ours[i]["prompt_ids"] == ds[i]["prompt_ids"]
         assert ours[i]["label"] == ds[i]["label"]
@@ -179,7 +184,9 @@ def test_the_kl_estimate_is_the_mismatched_sequences_and_carries_no_gradient(tin
     # other mismatched completions: another estimate, another loss
     other = dict(batch)
     for k in [k for k in batch if k.startswith(unpaired.KL)]:
-        other[k] = batch[k[len(unpaired.KL) :]] if k != unpaired.KL + unpaired.EXAMPLE_INDEX else batch[k]
+        other[k] = (
+            batch[k[len(unpaired.KL) :]] if k != unpaired.KL + unpaired.EXAMPLE_INDEX else batch[k]
+        )
     other[unpaired.KL + "target_positions"] = batch["target_positions"]
     assert float(loss_fn.loss(base, other)) != pytest.approx(float(expected.sum()), abs=1e-5)
 

@@ -92,3 +92,21 @@ def test_plan_for_dpo_keeps_the_pair_batch_and_the_objective():
     assert rec.training.micro_batch_size * rec.training.grad_accum == 8  # pairs, kept exactly
     assert all(r.candidate.training.objective == "dpo" for r in plan.rows)
     assert isinstance(Config().preference.reference, str)
+
+
+def test_kto_counts_its_mismatched_forward_and_the_references_two(shape):
+    """A KTO example is one trained sequence plus a no-grad forward of its mismatched sequence;
+    with LoRA the reference (adapters off) runs both again; precomputed, neither."""
+    sft = speed.flops_per_token(shape, setup(8, 1, precision="bf16", lora={"r": 16}), 256)
+    fwd = forward_flops_per_token(shape, 256)
+    lora = setup(4, 1, precision="bf16", lora={"r": 16}, training={"objective": "kto"})
+    assert lora.reference_kind == "adapters" and lora.rows_per_example == 1
+    assert speed.flops_per_token(shape, lora, 256) == pytest.approx(sft + 3 * fwd)
+    full = setup(4, 1, precision="bf16", training={"objective": "kto"})
+    assert full.reference_kind == "precomputed"
+    assert speed.flops_per_token(shape, full, 256) == pytest.approx(
+        flops_per_token(shape, 256) + fwd
+    )
+    kto_mem = memory.estimate(shape, full, 256)
+    sft_mem = memory.estimate(shape, setup(4, 1, precision="bf16"), 256)
+    assert kto_mem.components["activations"] == pytest.approx(sft_mem.components["activations"])

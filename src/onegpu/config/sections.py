@@ -258,9 +258,10 @@ class PreferenceConfig:
     KTO 0.1 (TRL's KTOConfig default).
     """
     reference: Literal["auto", "adapters", "precomputed", "copy"] = "auto"
-    """DPO's and KTO's reference model. adapters: the LoRA base with the adapters switched off (no copy);
-    precomputed: its log-probs computed in one pass before training (kept in the run directory);
-    copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed. ORPO/SimPO use none.
+    """DPO's and KTO's reference model. adapters: the LoRA base with the adapters switched off (no
+    copy); precomputed: its log-probs computed in one pass before training (kept in the run
+    directory); copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed.
+    ORPO/SimPO use none.
     """
     label_smoothing: float = 0.0
     """Share of pairs assumed mislabelled (conservative DPO, Mitchell 2023), in [0, 0.5)."""

@@ -121,9 +121,7 @@ class UnpairedCollator:
         batch[EXAMPLE_INDEX] = torch.arange(len(examples))
         batch[LABEL] = torch.tensor([bool(ex[LABEL]) for ex in examples])
         if KL_IDS in examples[0]:
-            kl = pairs.collate_sequences(
-                self.collator, _sequences(examples, KL_IDS, self.seq_len)
-            )
+            kl = pairs.collate_sequences(self.collator, _sequences(examples, KL_IDS, self.seq_len))
             kl = with_target_positions(kl)
             kl[EXAMPLE_INDEX] = batch[EXAMPLE_INDEX]
             batch.update({KL + k: v for k, v in kl.items()})

@@ -29,7 +29,12 @@ from onegpu.data.unpaired import EXAMPLE_INDEX
 from onegpu.objectives.base import Objective
 from onegpu.objectives.tokens import TARGETS, TokenLoss
 
-AUTO_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}  # sources: config.PreferenceConfig.beta
+AUTO_BETA = {
+    "dpo": 0.1,
+    "orpo": 0.1,
+    "simpo": 2.0,
+    "kto": 0.1,
+}  # sources: config.PreferenceConfig.beta
 STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
 
 

@@ -182,7 +182,7 @@ def precompute(
         if is_main:
             _save(path, saved)
         log.info(
-            "reference log-probs: %d pairs in %.1fs (%s)",
+            "reference log-probs: %d records in %.1fs (%s)",
             sum(len(v) for k, v in saved.items() if k.endswith(columns[0])),
             seconds,
             path.name,

@@ -47,8 +47,9 @@ class Candidate:
 
     @property
     def rows_per_example(self) -> int:
-        """Sequences through the model per example: a preference pair is two (a GRPO example is
-        one completion)."""
+        """Sequences trained on per example: a preference pair is two (a GRPO example is one
+        completion; a KTO example one, its mismatched sequence a no-grad forward counted in
+        speed.flops_per_token)."""
         return 2 if self.training.objective in ("dpo", "orpo", "simpo") else 1
 
     def sequence_tokens(self, seq_len: int) -> int:
