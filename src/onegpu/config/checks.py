@@ -158,6 +158,46 @@ def _check_preference(cfg: Config) -> None:
             hint="set data.format=preference (or auto) with prompt / chosen / rejected columns",
         )
     _check_kto(cfg)
+    _check_reward(cfg)
+
+
+def _check_reward(cfg: Config) -> None:
+    """What a reward model (objectives/reward.py) cannot be combined with."""
+    pref, tech = cfg.preference, cfg.techniques
+    if cfg.training.objective != "reward":
+        if pref.center_rewards_coefficient is not None:
+            raise ConfigError(
+                "preference.center_rewards_coefficient is set, but training.objective="
+                f"{cfg.training.objective}.",
+                hint="drop it, or set --training.objective reward",
+            )
+        return
+    reasons = [
+        (
+            cfg.data.format not in ("auto", "preference"),
+            f"data.format={cfg.data.format}: it trains on preference pairs",
+            "set data.format=preference (or auto) with prompt / chosen / rejected columns",
+        ),
+        (
+            tech.padding_free,
+            "techniques.padding_free: the head scores each row's last token, so every sequence "
+            "needs a row of its own",
+            "set techniques.padding_free false",
+        ),
+        (
+            pref.reference != "auto",
+            f"preference.reference={pref.reference}: a reward model has no reference",
+            "drop preference.reference",
+        ),
+        (
+            tech.lora.merge_on_save,
+            "techniques.lora.merge_on_save: the merge rebuilds a causal LM",
+            "set techniques.lora.merge_on_save false (the adapter and the head are saved)",
+        ),
+    ]
+    for bad, why, fix in reasons:
+        if bad:
+            raise ConfigError(f"training.objective=reward cannot run with {why}.", hint=fix)
 
 
 def _check_kto(cfg: Config) -> None:

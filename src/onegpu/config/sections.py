@@ -57,6 +57,10 @@ class DataConfig:
     """Column holding the dispreferred response (preference format)."""
     label_field: str = "label"
     """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
+    margin_field: str = "margin"
+    """Column holding a pair's margin, if any: how much more the chosen response is preferred
+    (preference format; reward models subtract it inside the loss, as TRL's RewardTrainer)."""
+    """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
     overlong: Literal["truncate", "drop", "split"] = "split"
@@ -86,15 +90,17 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"] = "sft"
     """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning
     on prompt + chosen + rejected pairs (the preference section); the default data then becomes
     pairs made from the standard library (the real continuation of a snippet chosen over a
     word-shuffled one). kto: unpaired preference tuning on prompt + completion + label (true:
     desirable) records, or on pairs split into a desirable and an undesirable example (the default
-    data's too). grpo: online RL on prompts, scored by reward functions (the grpo section);
-    with no model and no data it trains the default job's model to continue standard-library
-    code into Python that compiles."""
+    data's too). reward: a reward model (a one-output sequence-classification head on the model)
+    trained Bradley-Terry on the same pairs; the saved model loads with
+    AutoModelForSequenceClassification. grpo: online RL on prompts, scored by reward functions
+    (the grpo section); with no model and no data it trains the default job's model to continue
+    standard-library code into Python that compiles."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
@@ -273,6 +279,9 @@ class PreferenceConfig:
     undesirable examples, the KTO paper's eq. 8 advises raising it toward their ratio)."""
     undesirable_weight: float = 1.0
     """KTO: weight of an undesirable example's loss (TRL's default 1.0)."""
+    center_rewards_coefficient: Optional[float] = None
+    """Reward models: weight of the mean squared sum of a pair's two rewards, which keeps rewards
+    centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig, off by default; 0.01 advised)."""
 
 
 @dataclass
@@ -382,7 +391,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the run directory goes, what it keeps, and where metrics are reported."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    """Preference tuning (training.objective dpo / orpo / simpo / kto)."""
+    """Preference tuning (training.objective dpo / orpo / simpo / kto / reward)."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """Online RL from verifiable rewards (training.objective grpo): sampling, rewards, the loss."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

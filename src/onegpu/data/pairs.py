@@ -23,6 +23,7 @@ from onegpu.errors import DataError
 IGNORE = overlong.IGNORE
 SEQUENCE_IDS, PAIR_INDEX, REF_LOGPS = "sequence_ids", "pair_index", "ref_logps"
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+MARGIN = "margin"
 
 
 # ------------------------------------------------------------------------------------ tokenizing
@@ -55,6 +56,8 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
         out["rejected_ids"].append(rejected_ids)
         out[overlong.FATE].append(fate)
         out[overlong.TURNS].append(0)
+    if cfg.margin_field in batch:  # reward models read it (TRL's RewardTrainer's margin)
+        out[MARGIN] = [float(m) for m in batch[cfg.margin_field]]
     return out
 
 
@@ -185,6 +188,8 @@ class PairCollator:
                 seqs.append({"input_ids": p + resp, "labels": [IGNORE] * len(p) + resp})
         batch = collate_sequences(self.collator, seqs)
         batch[PAIR_INDEX] = torch.arange(len(examples))
+        if MARGIN in examples[0]:
+            batch[MARGIN] = torch.tensor([ex[MARGIN] for ex in examples], dtype=torch.float32)
         if REF_CHOSEN in examples[0]:
             batch[REF_LOGPS] = torch.tensor(
                 [ex[REF_CHOSEN] for ex in examples] + [ex[REF_REJECTED] for ex in examples],

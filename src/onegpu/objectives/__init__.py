@@ -1,6 +1,6 @@
 """What a run optimises, behind one protocol (objectives/base.Objective): SFT (sft.py), the
 preference objectives DPO / ORPO / SimPO (preference.py), KTO (kto.py), their reference
-(reference.py) and GRPO
+(reference.py), reward models (reward.py) and GRPO
 (grpo.py: rollouts, rewards.py, grpo_loss.py). The
 output head's loss they share, fused or plain, is a method applied to the model
 (techniques/fused_loss.py) reached through tokens.TokenLoss."""
@@ -36,6 +36,10 @@ def make_objective(
         from onegpu.objectives.sft import SFT
 
         return SFT(tokens)
+    if cfg.training.objective == "reward":
+        from onegpu.objectives.reward import Reward
+
+        return Reward(cfg.preference, tokens)
     from onegpu.objectives import reference
 
     if cfg.training.objective == "grpo":
