@@ -152,3 +152,37 @@ def test_a_trained_reward_model_loads_with_automodelforsequenceclassification(
     assert scores.shape == (2 * len(PAIRS),) and torch.isfinite(scores).all()
     val = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["split"] == "val"]
     assert val[-1]["reward_accuracy"] >= 0.75  # held-out pairs ranked
+
+
+def test_grpo_scores_with_a_reward_model_folder_as_trl_does(tiny_tokenizer, tmp_path):
+    """grpo.rewards takes a reward model's folder: each prompt + completion scored by the head, the
+    same numbers as TRL's GRPOTrainer computes for a model reward (texts tokenized without special
+    tokens, right-padded, logits[:, 0]), in batches; a folder of a causal LM is a clear error."""
+    from onegpu.config import GRPOConfig
+    from onegpu.errors import ConfigError
+    from onegpu.objectives import reward_model, rewards
+
+    model = _score_model(tiny_tokenizer)
+    model.config.pad_token_id = tiny_tokenizer.pad_token_id
+    folder = tmp_path / "rm"
+    model.save_pretrained(str(folder))
+    tiny_tokenizer.save_pretrained(str(folder))
+    (fn,) = rewards.resolve(GRPOConfig(rewards=[str(folder)]))
+    prompts = [r["prompt"] for r in PAIRS] * 10  # 40 texts: two batches of reward_model.BATCH
+    completions = [r["chosen"] for r in PAIRS] * 10
+    got = fn.fn(prompts=prompts, completions=completions, completion_ids=[[0]] * 40)
+    enc = tiny_tokenizer(
+        [p + c for p, c in zip(prompts, completions, strict=True)],
+        return_tensors="pt",
+        padding=True,
+        padding_side="right",
+        add_special_tokens=False,
+    )
+    with torch.no_grad():
+        expected = model.eval()(**enc).logits[:, 0]
+    assert len(got) == 40 > reward_model.BATCH
+    assert torch.allclose(torch.tensor(got), expected, atol=1e-5)
+    lm = tmp_path / "lm"
+    make_tiny_llama(tiny_tokenizer).save_pretrained(str(lm))
+    with pytest.raises(ConfigError, match="not a reward model"):
+        rewards.resolve(GRPOConfig(rewards=[str(lm)]))

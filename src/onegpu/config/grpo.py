@@ -65,8 +65,9 @@ class GRPOConfig:
     recommends true)."""
     rewards: list[str] = field(default_factory=list)
     """Reward functions: built-in names (exact_match, format, length, python_compiles,
-    python_continues) and/or module:function references with TRL's signature f(prompts,
-    completions, **columns) -> list[float | None]. Default job: python_continues."""
+    python_continues), module:function references with TRL's signature f(prompts,
+    completions, **columns) -> list[float | None], and/or the folders of trained reward models
+    (training.objective reward; scored in this process, batched). Default job: python_continues."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (default: 1 each); the total reward is the weighted sum."""
     answer_field: str = "answer"
