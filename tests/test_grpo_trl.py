@@ -80,7 +80,7 @@ def _trl_logps(trainer, model, batch):
         )[0]
 
 
-def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
+def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio, level="token"):
     import datasets
 
     args = trl.GRPOConfig(
@@ -92,6 +92,7 @@ def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
         loss_type=loss_type,
         beta=beta,
         use_bias_correction_kl=kl_ratio,
+        importance_sampling_level=level,
         temperature=TEMPERATURE,
         max_completion_length=MAX_LEN,
         report_to="none",
@@ -118,6 +119,23 @@ def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
 def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
     tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, chunk
 ):
+    _compare(tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, chunk)
+
+
+@pytest.mark.parametrize("iterations", [1, 2], ids=["on-policy", "clipped"])
+@pytest.mark.parametrize("beta, kl_ratio", [KL_SETUPS[0], KL_SETUPS[2]])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gspo_sequence_ratios_equal_trl_grpotrainer(
+    tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations
+):
+    """GSPO (grpo.importance_sampling_level sequence, TRL's importance_sampling_level): one ratio
+    per completion, the exp of its mean log-ratio; the same loss and gradients as TRL's. (On policy
+    without the KL term the two levels give the same gradient, an identity; the clipped and the
+    KL cases are where a token-level ratio fails this test.)"""
+    _compare(tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, 5, "sequence")
+
+
+def _compare(tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, chunk, level="token"):
     trl = pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +149,7 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         for p in base.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
-    trainer = _trainer(trl, tok, theirs, tmp_path, loss_type, beta, iterations, kl_ratio)
+    trainer = _trainer(trl, tok, theirs, tmp_path, loss_type, beta, iterations, kl_ratio, level)
     assert (trainer.ref_model is not None) == bool(beta)
 
     prompt_ids, completions = _rows(tok)
@@ -166,6 +184,7 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         beta=beta,
         num_iterations=iterations,
         kl_ratio=kl_ratio,
+        importance_sampling_level=level,
     )
     tokens = TokenLoss(chunk)
     reference = None

@@ -46,6 +46,11 @@ class GRPOConfig:
     beta: float = 0.0
     """KL coefficient against the reference model. 0 (TRL's default; DAPO, Dr. GRPO) loads no
     reference at all; DeepSeek-R1 used 0.001."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The probability ratio against the rollout (TRL's name and default, token). token: one ratio
+    per token. sequence: GSPO (Zheng et al. 2025), one ratio per completion, the exp of the mean
+    of its tokens' log-ratios, clipped and applied to each of its tokens (more stable for MoE
+    policies)."""
     kl_ratio: bool = True
     """Multiply the KL term by the probability ratio against the rollout, so its gradient is the
     unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, default true). It

@@ -85,6 +85,7 @@ class GRPO(Objective):
         _, logps, entropy = self.tokens.policy_logps(model, batch, self.g.temperature)
         rows = batch[TARGETS] // batch["labels"].size(1)
         adv = batch[ADV].to(logps.dtype).index_select(0, rows)
+        sequence = self.g.importance_sampling_level == "sequence"
         per_tok, kl, clipped = grpo_loss.per_token_loss(
             logps,
             batch.get(OLD),
@@ -94,6 +95,8 @@ class GRPO(Objective):
             self.eps_high,
             self.g.beta,
             self.g.kl_ratio,
+            rows=rows if sequence else None,  # GSPO: one ratio per completion
+            n_rows=batch["labels"].size(0),
         )
         stats = self.eval if self.eval is not None else self.pending
         zero = logps.new_zeros(())

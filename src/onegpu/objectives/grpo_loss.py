@@ -2,7 +2,9 @@
 GRPOTrainer computes them (trl 1.16: ``_generate_and_score_completions`` and ``_compute_loss``),
 written over the flat target tokens of a batch (the order of tokens.with_target_positions).
 
-Per token t of completion i, with r = exp(logp - logp_old), A_i the completion's advantage:
+Per token t of completion i, with r = exp(logp - logp_old) (GSPO, importance_sampling_level
+sequence: r = exp of the mean of completion i's log-ratios, the same for each of its tokens), A_i
+the completion's advantage:
     loss_t = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t,
     KL_t = exp(ref - logp) - (ref - logp) - 1   (Schulman's k3 estimator, as in DeepSeekMath),
     times r with grpo.kl_ratio (TRL's default since DeepSeek-V3.2's unbiased KL gradient).
@@ -56,11 +58,19 @@ def per_token_loss(
     eps_high: float,
     beta: float,
     kl_ratio: bool = True,
+    rows: torch.Tensor | None = None,
+    n_rows: int = 0,
 ):
     """(per-token loss, per-token KL or None, per-token clipped flag) over the target tokens;
-    ``kl_ratio``: the KL term weighted by the ratio (grpo.kl_ratio)."""
+    ``kl_ratio``: the KL term weighted by the ratio (grpo.kl_ratio); ``rows`` (each token's
+    completion) and ``n_rows``: one ratio per completion (GSPO), else one per token."""
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if rows is not None:  # TRL's: (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        sums = log_ratio.new_zeros(n_rows).index_add(0, rows, log_ratio)
+        counts = log_ratio.new_zeros(n_rows).index_add(0, rows, torch.ones_like(log_ratio))
+        log_ratio = (sums / counts.clamp(min=1.0)).index_select(0, rows)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     loss = -torch.min(ratio * adv_tok, clipped * adv_tok)
     kl = None
