@@ -186,3 +186,28 @@ def test_grpo_scores_with_a_reward_model_folder_as_trl_does(tiny_tokenizer, tmp_
     make_tiny_llama(tiny_tokenizer).save_pretrained(str(lm))
     with pytest.raises(ConfigError, match="not a reward model"):
         rewards.resolve(GRPOConfig(rewards=[str(lm)]))
+
+
+def test_a_lora_reward_model_trains_its_score_head_whole(tmp_path, tiny_model_dir, one_thread):
+    """With LoRA the score head is new, so it trains whole (PEFT's SEQ_CLS task: modules_to_save)
+    and the saved adapter carries it: the base loaded with one label plus the adapter scores."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from onegpu import train
+    from test_preference_train import cfg_for
+
+    result = train(cfg_for(tmp_path, tiny_model_dir, "reward", lora=True, max_steps=4))
+    final = result.run_dir / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and "score" in (adapter["modules_to_save"] or [])
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    assert any("score" in k for k in saved) and any("lora_A" in k for k in saved)
+    base = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    tok = AutoTokenizer.from_pretrained(str(final))
+    base.config.pad_token_id = tok.pad_token_id
+    model = PeftModel.from_pretrained(base, str(final)).eval()
+    with torch.no_grad():
+        scores = reward.scores(model, _batch(tok, PAIRS))[1]
+    assert scores.shape == (2 * len(PAIRS),) and torch.isfinite(scores).all()
