@@ -58,9 +58,7 @@ class DataConfig:
     label_field: str = "label"
     """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
     margin_field: str = "margin"
-    """Column holding a pair's margin, if any: how much more the chosen response is preferred
-    (preference format; reward models subtract it inside the loss, as TRL's RewardTrainer)."""
-    """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
+    """Column holding a pair's margin, if any (reward models subtract it in the loss, as TRL)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
     overlong: Literal["truncate", "drop", "split"] = "split"
@@ -280,8 +278,8 @@ class PreferenceConfig:
     undesirable_weight: float = 1.0
     """KTO: weight of an undesirable example's loss (TRL's default 1.0)."""
     center_rewards_coefficient: Optional[float] = None
-    """Reward models: weight of the mean squared sum of a pair's two rewards, which keeps rewards
-    centred on 0 (Eisenstein et al. 2023; TRL's RewardConfig, off by default; 0.01 advised)."""
+    """Reward models: weight of (r_chosen + r_rejected)^2, keeping rewards centred on 0 (Eisenstein
+    et al. 2023; TRL's RewardConfig: off by default, 0.01 advised)."""
 
 
 @dataclass
