@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from helpers import make_tiny_llama
 from onegpu.config import GRPOConfig
 from onegpu.objectives import grpo_loss, rollout
-from onegpu.objectives.grpo import ADV, GRPO, OLD, REF
+from onegpu.objectives.grpo import ADV, GRPO, OLD, REF, SAMPLED
 from onegpu.objectives.reference import CopyReference
 from onegpu.objectives.tokens import TokenLoss, with_target_positions
 
@@ -80,7 +81,7 @@ def _trl_logps(trainer, model, batch):
         )[0]
 
 
-def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
+def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio, level="token"):
     import datasets
 
     args = trl.GRPOConfig(
@@ -92,6 +93,7 @@ def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
         loss_type=loss_type,
         beta=beta,
         use_bias_correction_kl=kl_ratio,
+        importance_sampling_level=level,
         temperature=TEMPERATURE,
         max_completion_length=MAX_LEN,
         report_to="none",
@@ -118,6 +120,60 @@ def _trainer(trl, tok, model, tmp_path, loss_type, beta, iterations, kl_ratio):
 def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
     tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, chunk
 ):
+    _compare(tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, chunk)
+
+
+@pytest.mark.parametrize("iterations", [1, 2], ids=["on-policy", "clipped"])
+@pytest.mark.parametrize("beta, kl_ratio", [KL_SETUPS[0], KL_SETUPS[2]])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gspo_sequence_ratios_equal_trl_grpotrainer(
+    tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations
+):
+    """GSPO (grpo.importance_sampling_level sequence, TRL's importance_sampling_level): one ratio
+    per completion, the exp of its mean log-ratio; the same loss and gradients as TRL's. (On policy
+    without the KL term the two levels give the same gradient, an identity; the clipped and the
+    KL cases are where a token-level ratio fails this test.)"""
+    _compare(tiny_tokenizer, tmp_path, loss_type, beta, kl_ratio, iterations, 5, "sequence")
+
+
+CAP = 1.5  # the sampler correction's cap: some of the test's ratios are above it
+
+
+@pytest.mark.parametrize("iterations", [1, 2], ids=["on-policy", "clipped"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_sampler_correction_equals_trl_vllm_importance_sampling(
+    tiny_tokenizer, tmp_path, mode, level, iterations
+):
+    """grpo.sampler_correction tis / mis at each level (TRL's vllm_importance_sampling_mode
+    token_truncate / token_mask / sequence_truncate / sequence_mask): the sampler's log-probs some
+    way off the policy's at sampling; TRL's ratio as its _generate_and_score_completions computes
+    it over the padded batch, fed to its _compute_loss; the same loss and gradients as ours."""
+    _compare(tiny_tokenizer, tmp_path, "dapo", BETA, True, iterations, 5, correction=(mode, level))
+
+
+def _trl_sampler_ratio(at_sampling, sampled, mask, mode, level):
+    """TRL 1.16's importance_sampling_ratio (grpo_trainer.py, _generate_and_score_completions)."""
+    diff = torch.nan_to_num((at_sampling - sampled) * mask, nan=0.0)
+    if level == "sequence":
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode == "tis":
+        return torch.clamp(ratio, min=None, max=CAP)
+    return ratio.masked_fill((ratio < -math.inf) | (ratio > CAP), value=0.0)
+
+
+def _compare(
+    tiny_tokenizer,
+    tmp_path,
+    loss_type,
+    beta,
+    kl_ratio,
+    iterations,
+    chunk,
+    level="token",
+    correction=None,
+):
     trl = pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +187,7 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         for p in base.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
-    trainer = _trainer(trl, tok, theirs, tmp_path, loss_type, beta, iterations, kl_ratio)
+    trainer = _trainer(trl, tok, theirs, tmp_path, loss_type, beta, iterations, kl_ratio, level)
     assert (trainer.ref_model is not None) == bool(beta)
 
     prompt_ids, completions = _rows(tok)
@@ -147,6 +203,19 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         assert (((ratio > 1.2) & (a > 0)) | ((ratio < 0.8) & (a < 0))).sum() >= 3
     if beta:
         gen["ref_per_token_logps"] = _trl_logps(trainer, trainer.ref_model, gen)
+    sampled = None
+    if correction is not None:  # the sampler's log-probs, off the policy's at sampling
+        at_sampling = gen.get("old_per_token_logps")
+        if at_sampling is None:
+            at_sampling = _trl_logps(trainer, trainer.model, gen)
+        off = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4)) * 0.3
+        sampled = (at_sampling - off).masked_fill(~mask, 0.0)
+        ratio = _trl_sampler_ratio(at_sampling, sampled, mask, *correction)
+        clipped = ratio > CAP - 1e-6 if correction[0] == "tis" else ratio == 0
+        assert 0 < int(clipped.sum()) < ratio.numel()  # the cap binds for some, not all
+        gen["importance_sampling_ratio"] = ratio
+        # TRL applies the ratio when its rollouts come from vLLM: the flags that say so
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
 
     # TRL: the generation batch split by rows (its _prepare_inputs), one _compute_loss each
     theirs.train()
@@ -166,6 +235,10 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         beta=beta,
         num_iterations=iterations,
         kl_ratio=kl_ratio,
+        importance_sampling_level=level,
+        sampler_correction="off" if correction is None else correction[0],
+        sampler_correction_level="sequence" if correction is None else correction[1],
+        sampler_correction_max=CAP,
     )
     tokens = TokenLoss(chunk)
     reference = None
@@ -183,6 +256,8 @@ def test_grpo_loss_and_gradients_equal_trl_grpotrainer(
         mb = with_target_positions(mb)
         if iterations > 1:
             mb[OLD] = gen["old_per_token_logps"][rows][mask[rows]]
+        if sampled is not None:
+            mb[SAMPLED] = sampled[rows][mask[rows]]
         if beta:
             mb[REF] = reference.token_logps(ours, mb, TEMPERATURE)
         micro.append(mb)

@@ -92,3 +92,39 @@ def test_plan_for_dpo_keeps_the_pair_batch_and_the_objective():
     assert rec.training.micro_batch_size * rec.training.grad_accum == 8  # pairs, kept exactly
     assert all(r.candidate.training.objective == "dpo" for r in plan.rows)
     assert isinstance(Config().preference.reference, str)
+
+
+def test_kto_counts_its_mismatched_forward_and_the_references_two(shape):
+    """A KTO example is one trained sequence plus a no-grad forward of its mismatched sequence;
+    with LoRA the reference (adapters off) runs both again; precomputed, neither."""
+    sft = speed.flops_per_token(shape, setup(8, 1, precision="bf16", lora={"r": 16}), 256)
+    fwd = forward_flops_per_token(shape, 256)
+    lora = setup(4, 1, precision="bf16", lora={"r": 16}, training={"objective": "kto"})
+    assert lora.reference_kind == "adapters" and lora.rows_per_example == 1
+    assert speed.flops_per_token(shape, lora, 256) == pytest.approx(sft + 3 * fwd)
+    full = setup(4, 1, precision="bf16", training={"objective": "kto"})
+    assert full.reference_kind == "precomputed"
+    assert speed.flops_per_token(shape, full, 256) == pytest.approx(
+        flops_per_token(shape, 256) + fwd
+    )
+    kto_mem = memory.estimate(shape, full, 256)
+    sft_mem = memory.estimate(shape, setup(4, 1, precision="bf16"), 256)
+    assert kto_mem.components["activations"] == pytest.approx(sft_mem.components["activations"])
+
+
+def test_a_reward_model_is_planned_without_its_lm_head():
+    """training.objective reward: the shape holds the score head (hidden x 1) in place of the LM
+    head, the step no vocabulary logits, and a pair is two sequences."""
+    from onegpu.plan.arch import model_shape
+
+    lm = model_shape("small", vocab_size=4096)
+    rm = model_shape("small", vocab_size=4096, score_head=True)
+    head = lm.vocab * lm.hidden
+    assert not rm.tied and lm.tied  # the preset ties its head to the token table
+    assert rm.params == lm.params + lm.hidden  # tied: the table stays, the score head is added
+    assert rm.active_params == lm.active_params - head + lm.hidden
+    c = setup(4, 1, precision="bf16", training={"objective": "reward"})
+    assert c.rows_per_example == 2 and c.reference_kind is None
+    est = memory.estimate(rm, c, 256)
+    sft = memory.estimate(lm, setup(8, 1, precision="bf16"), 256)
+    assert est.peak < sft.peak  # no tokens x vocab logits

@@ -172,34 +172,42 @@ def load_model(
     dtype=None,
     attn_implementation: str = "sdpa",
     extra: dict | None = None,
+    score_head: bool = False,
 ):
-    """Build a preset from scratch, or load a Hub/local model through from_pretrained."""
+    """Build a preset from scratch, or load a Hub/local model through from_pretrained.
+    ``score_head``: the model with a one-output sequence-classification head instead of its
+    language-model head (a reward model: AutoModelForSequenceClassification, num_labels 1, the
+    head initialised at random as transformers does, which is what TRL's RewardTrainer loads)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto = AutoModelForSequenceClassification if score_head else AutoModelForCausalLM
+    head = {"num_labels": 1} if score_head else {}
     extra = dict(extra or {})
     dtype = dtype or torch.float32
     if is_preset(name):
         config = preset_config(name, tokenizer)
         config._attn_implementation = attn_implementation
-        return AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation
-        )
+        config.num_labels = 1 if score_head else config.num_labels
+        return auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     _check_local(name)
     try:
         if cfg.from_scratch:
-            config = AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
-            return AutoModelForCausalLM.from_config(
+            config = AutoConfig.from_pretrained(
+                name, trust_remote_code=cfg.trust_remote_code, **head
+            )
+            return auto.from_config(
                 config,
                 dtype=dtype,
                 attn_implementation=attn_implementation,
                 trust_remote_code=cfg.trust_remote_code,
             )
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             name,
             dtype=dtype,
             attn_implementation=attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
+            **head,
             **extra,
         )
     except (OSError, ValueError) as exc:

@@ -151,7 +151,27 @@ def print_summary(r) -> None:
     ]
     print(f"run directory: {r.run_dir}\n  {', '.join(files)}")
     fmt = r.data_stats[0].fmt if r.data_stats else "text"
+    if _scores(r.final_dir):  # a reward model generates nothing: say how it is used
+        print(
+            f"  model: {r.final_dir} (a reward model: AutoModelForSequenceClassification, or "
+            f"--grpo.rewards '[{r.final_dir}]')"
+        )
+        return
     print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
+
+
+def _scores(model_dir) -> bool:
+    """The saved model is a sequence-classification one (training.objective reward)."""
+    import json
+    from pathlib import Path
+
+    adapter, config = Path(model_dir) / "adapter_config.json", Path(model_dir) / "config.json"
+    if adapter.is_file():  # a LoRA run's adapter: PEFT's task type says
+        return json.loads(adapter.read_text()).get("task_type") == "SEQ_CLS"
+    if not config.is_file():
+        return False
+    archs = json.loads(config.read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
 
 
 def _seconds(x: float) -> str:
@@ -197,7 +217,7 @@ def sample_prompt(records, fmt: str, data_cfg, limit: int = 60) -> str | None:
             (t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"),
             None,
         )
-    elif fmt in ("prompt_completion", "preference"):
+    elif fmt in ("prompt_completion", "preference", "unpaired"):
         text = rec.get(data_cfg.prompt_field)
     else:
         text = rec.get(data_cfg.text_field)

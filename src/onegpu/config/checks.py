@@ -157,6 +157,76 @@ def _check_preference(cfg: Config) -> None:
             f"{cfg.data.format}.",
             hint="set data.format=preference (or auto) with prompt / chosen / rejected columns",
         )
+    _check_kto(cfg)
+    _check_reward(cfg)
+
+
+def _check_reward(cfg: Config) -> None:
+    """What a reward model (objectives/reward.py) cannot be combined with."""
+    pref, tech = cfg.preference, cfg.techniques
+    if cfg.training.objective != "reward":
+        if pref.center_rewards_coefficient is not None:
+            raise ConfigError(
+                "preference.center_rewards_coefficient is set, but training.objective="
+                f"{cfg.training.objective}.",
+                hint="drop it, or set --training.objective reward",
+            )
+        return
+    reasons = [
+        (
+            cfg.data.format not in ("auto", "preference"),
+            f"data.format={cfg.data.format}: it trains on preference pairs",
+            "set data.format=preference (or auto) with prompt / chosen / rejected columns",
+        ),
+        (
+            tech.padding_free,
+            "techniques.padding_free: the head scores each row's last token, so every sequence "
+            "needs a row of its own",
+            "set techniques.padding_free false",
+        ),
+        (
+            pref.reference != "auto",
+            f"preference.reference={pref.reference}: a reward model has no reference",
+            "drop preference.reference",
+        ),
+        (
+            tech.lora.merge_on_save,
+            "techniques.lora.merge_on_save: the merge rebuilds a causal LM",
+            "set techniques.lora.merge_on_save false (the adapter and the head are saved)",
+        ),
+    ]
+    for bad, why, fix in reasons:
+        if bad:
+            raise ConfigError(f"training.objective=reward cannot run with {why}.", hint=fix)
+
+
+def _check_kto(cfg: Config) -> None:
+    pref, objective = cfg.preference, cfg.training.objective
+    for name, value in (
+        ("desirable_weight", pref.desirable_weight),
+        ("undesirable_weight", pref.undesirable_weight),
+    ):
+        if value <= 0:
+            raise ConfigError(
+                f"preference.{name} must be positive, got {value}.",
+                hint=f"set preference.{name} to e.g. 1.0",
+            )
+    if objective != "kto":
+        return
+    if cfg.data.format not in ("auto", "unpaired", "preference"):
+        raise ConfigError(
+            f"training.objective=kto trains on labelled completions, but data.format="
+            f"{cfg.data.format}.",
+            hint="set data.format=unpaired (prompt / completion / label columns), preference "
+            "(pairs, each split in two), or auto",
+        )
+    if cfg.training.micro_batch_size < 2:
+        # TRL refuses it too: the KL estimate of one example is its own reward
+        raise ConfigError(
+            "training.objective=kto needs training.micro_batch_size >= 2: its KL estimate comes "
+            "from the other examples of the micro-batch.",
+            hint="set training.micro_batch_size to 2 or more",
+        )
 
 
 def _check_optimizer_in_backward(cfg: Config) -> None:

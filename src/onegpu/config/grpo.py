@@ -46,6 +46,23 @@ class GRPOConfig:
     beta: float = 0.0
     """KL coefficient against the reference model. 0 (TRL's default; DAPO, Dr. GRPO) loads no
     reference at all; DeepSeek-R1 used 0.001."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The probability ratio against the rollout (TRL's name and default, token). token: one ratio
+    per token. sequence: GSPO (Zheng et al. 2025), one ratio per completion, the exp of the mean
+    of its tokens' log-ratios, clipped and applied to each of its tokens (more stable for MoE
+    policies)."""
+    sampler_correction: Literal["off", "tis", "mis"] = "off"
+    """Correct for the sampler's own numerics (the engine's compiled, paged step against the
+    training forward; TRL's vllm_importance_sampling_correction): each token's loss times the
+    ratio p_train / p_sampler of the policy at sampling, truncated at sampler_correction_max (tis)
+    or zeroed above it (mis). Needs the engine sampler at temperature 1 without top-k/top-p (its
+    log-probs are the model's own distribution). The mismatch is logged every step either way
+    (sampler_logp_diff_mean/max, sampler_kl) when the engine samples at temperature 1."""
+    sampler_correction_level: Literal["token", "sequence"] = "sequence"
+    """The correction's ratio per token, or per completion (the exp of the sum of its tokens'
+    log-ratios); TRL's default mode is sequence_mask."""
+    sampler_correction_max: float = 3.0
+    """The ratio's cap (TRL's vllm_importance_sampling_clip_max, default 3.0)."""
     kl_ratio: bool = True
     """Multiply the KL term by the probability ratio against the rollout, so its gradient is the
     unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl, default true). It
@@ -65,8 +82,9 @@ class GRPOConfig:
     recommends true)."""
     rewards: list[str] = field(default_factory=list)
     """Reward functions: built-in names (exact_match, format, length, python_compiles,
-    python_continues) and/or module:function references with TRL's signature f(prompts,
-    completions, **columns) -> list[float | None]. Default job: python_continues."""
+    python_continues), module:function references with TRL's signature f(prompts,
+    completions, **columns) -> list[float | None], and/or the folders of trained reward models
+    (training.objective reward; scored in this process, batched). Default job: python_continues."""
     reward_weights: Optional[list[float]] = None
     """One weight per reward function (default: 1 each); the total reward is the weighted sum."""
     answer_field: str = "answer"
@@ -123,6 +141,13 @@ def check_grpo(cfg) -> None:
         ),
         (g.beta < 0, "grpo.beta", g.beta, ">= 0", "set 0 (no reference) or e.g. 0.001"),
         (g.num_iterations < 1, "grpo.num_iterations", g.num_iterations, ">= 1", "set 1"),
+        (
+            g.sampler_correction_max <= 0,
+            "grpo.sampler_correction_max",
+            g.sampler_correction_max,
+            "> 0",
+            "set e.g. 3.0",
+        ),
     ]
     for bad, name, value, must, fix in rules:
         if bad:
@@ -134,6 +159,14 @@ def check_grpo(cfg) -> None:
             f"not a multiple of grpo.group_size={g.group_size}: a group would be split between "
             "steps.",
             hint=f"make micro_batch_size x grad_accum a multiple of {g.group_size}",
+        )
+    own = g.sampler == "engine" and g.temperature == 1 and g.top_k == 0 and g.top_p == 1
+    if g.sampler_correction != "off" and not own:
+        raise ConfigError(
+            f"grpo.sampler_correction={g.sampler_correction} needs the sampler's log-probs of the "
+            "distribution it sampled: the engine's are the model's own, so grpo.sampler=engine at "
+            "temperature 1 with top_k 0 and top_p 1.",
+            hint="set those, or grpo.sampler_correction=off",
         )
     if g.reference == "adapters" and not cfg.techniques.lora.enabled:
         raise ConfigError(

@@ -37,9 +37,11 @@ class DataConfig:
     path: Optional[str] = None
     """Local file or folder (jsonl/json/csv/parquet/txt) or a Hub dataset name. Default: the
     Python standard library's own source files."""
-    format: Literal["auto", "text", "prompt_completion", "messages", "preference"] = "auto"
+    format: Literal["auto", "text", "prompt_completion", "messages", "preference", "unpaired"] = (
+        "auto"
+    )
     """Record shape. "auto" detects it from the columns (text / prompt+completion / messages /
-    prompt+chosen+rejected)."""
+    prompt+chosen+rejected / a label with prompt+completion or messages: unpaired, KTO's)."""
     text_field: str = "text"
     """Column holding raw text."""
     prompt_field: str = "prompt"
@@ -53,6 +55,10 @@ class DataConfig:
     """
     rejected_field: str = "rejected"
     """Column holding the dispreferred response (preference format)."""
+    label_field: str = "label"
+    """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
+    margin_field: str = "margin"
+    """Column holding a pair's margin, if any (reward models subtract it in the loss, as TRL)."""
     seq_len: int = 256
     """Tokens per training sequence (packed block length, or truncation length)."""
     overlong: Literal["truncate", "drop", "split"] = "split"
@@ -82,13 +88,17 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"] = "sft"
     """What the run optimises. sft: next-token cross-entropy. dpo / orpo / simpo: preference tuning
     on prompt + chosen + rejected pairs (the preference section); the default data then becomes
     pairs made from the standard library (the real continuation of a snippet chosen over a
-    word-shuffled one). grpo: online RL on prompts, scored by reward functions (the grpo section);
-    with no model and no data it trains the default job's model to continue standard-library
-    code into Python that compiles."""
+    word-shuffled one). kto: unpaired preference tuning on prompt + completion + label (true:
+    desirable) records, or on pairs split into a desirable and an undesirable example (the default
+    data's too). reward: a reward model (a one-output sequence-classification head on the model)
+    trained Bradley-Terry on the same pairs; the saved model loads with
+    AutoModelForSequenceClassification. grpo: online RL on prompts, scored by reward functions
+    (the grpo section); with no model and no data it trains the default job's model to continue
+    standard-library code into Python that compiles."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     grad_accum: int = 1
@@ -248,18 +258,28 @@ class TechniquesConfig:
 class PreferenceConfig:
     beta: Union[float, Literal["auto"]] = "auto"
     """Strength of the preference term. auto: DPO 0.1 (Rafailov et al. 2023; TRL's default), ORPO's
-    lambda 0.1 (Hong et al. 2024), SimPO 2.0 (Meng et al. 2024, the range 2.0-2.5 of its recipes).
+    lambda 0.1 (Hong et al. 2024), SimPO 2.0 (Meng et al. 2024, the range 2.0-2.5 of its recipes),
+    KTO 0.1 (TRL's KTOConfig default).
     """
     reference: Literal["auto", "adapters", "precomputed", "copy"] = "auto"
-    """DPO's reference model. adapters: the LoRA base with the adapters switched off (no copy);
-    precomputed: its log-probs computed in one pass before training (kept in the run directory);
-    copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed. ORPO/SimPO use none.
+    """DPO's and KTO's reference model. adapters: the LoRA base with the adapters switched off (no
+    copy); precomputed: its log-probs computed in one pass before training (kept in the run
+    directory); copy: a frozen copy in memory. auto: adapters with LoRA, else precomputed.
+    ORPO/SimPO use none.
     """
     label_smoothing: float = 0.0
     """Share of pairs assumed mislabelled (conservative DPO, Mitchell 2023), in [0, 0.5)."""
     simpo_gamma_ratio: float = 0.5
     """SimPO's target margin as a share of beta (gamma = ratio x beta; the paper's recipes use
     0.3-0.6)."""
+    desirable_weight: float = 1.0
+    """KTO: weight of a desirable example's loss (TRL's default 1.0; with fewer desirable than
+    undesirable examples, the KTO paper's eq. 8 advises raising it toward their ratio)."""
+    undesirable_weight: float = 1.0
+    """KTO: weight of an undesirable example's loss (TRL's default 1.0)."""
+    center_rewards_coefficient: Optional[float] = None
+    """Reward models: weight of (r_chosen + r_rejected)^2, keeping rewards centred on 0 (Eisenstein
+    et al. 2023; TRL's RewardConfig: off by default, 0.01 advised)."""
 
 
 @dataclass
@@ -369,7 +389,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the run directory goes, what it keeps, and where metrics are reported."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    """Preference tuning (training.objective dpo / orpo / simpo)."""
+    """Preference tuning (training.objective dpo / orpo / simpo / kto / reward)."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """Online RL from verifiable rewards (training.objective grpo): sampling, rewards, the loss."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -21,7 +21,7 @@ def tokenize_counted(
 ) -> tuple[Any, overlong.DataStats]:
     """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the
     records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
-    from onegpu.data import pairs, prompts
+    from onegpu.data import pairs, prompts, unpaired
 
     fn = {
         "text": _text,
@@ -29,6 +29,7 @@ def tokenize_counted(
         "messages": _messages,
         "preference": pairs.tokenize_batch,
         "prompt": prompts.tokenize_batch,
+        "unpaired": unpaired.tokenize_batch,
     }[fmt]
     kw = dict(
         batched=True,
@@ -61,7 +62,8 @@ def tokenize_counted(
         )
         return out, overlong.text_stats(len(ds), split, cfg.seq_len, len(out))
     # a preference pair or a prompt has no turn boundary to cut on: split drops it (reported so)
-    policy = "drop" if fmt in ("preference", "prompt") and cfg.overlong == "split" else cfg.overlong
+    whole = ("preference", "prompt", "unpaired")
+    policy = "drop" if fmt in whole and cfg.overlong == "split" else cfg.overlong
     stats = overlong.count(out, split, fmt, policy, cfg.seq_len)
     out = out.filter(
         lambda fates: [f in overlong.KEPT for f in fates],
@@ -69,7 +71,10 @@ def tokenize_counted(
         input_columns=overlong.FATE,
         desc="dropping over-long and empty",
     )
-    return out.remove_columns([overlong.FATE, overlong.TURNS]), stats
+    out = out.remove_columns([overlong.FATE, overlong.TURNS])
+    if fmt == "unpaired" and len(out):  # KTO's mismatched completions, of the examples kept
+        out = unpaired.with_mismatched(out)
+    return out, stats
 
 
 def _text(batch, indices, tok, cfg, split):

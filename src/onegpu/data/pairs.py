@@ -23,6 +23,7 @@ from onegpu.errors import DataError
 IGNORE = overlong.IGNORE
 SEQUENCE_IDS, PAIR_INDEX, REF_LOGPS = "sequence_ids", "pair_index", "ref_logps"
 REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+MARGIN = "margin"
 
 
 # ------------------------------------------------------------------------------------ tokenizing
@@ -40,7 +41,7 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     rows = zip(indices, prompts, batch[cfg.chosen_field], batch[cfg.rejected_field], strict=True)
     for i, (idx, p, c, r) in enumerate(rows):
         where = records.where(batch, i, idx, split)
-        if _empty_response(c) or _empty_response(r):
+        if empty_response(c) or empty_response(r):
             # An empty response still tokenizes (to its EOS), so it would be trained on: a pair
             # that prefers "nothing" to an answer, or an answer to "nothing", is left out and
             # counted (DataStats.empty), as over-long pairs are.
@@ -55,10 +56,12 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
         out["rejected_ids"].append(rejected_ids)
         out[overlong.FATE].append(fate)
         out[overlong.TURNS].append(0)
+    if cfg.margin_field in batch:  # reward models read it (TRL's RewardTrainer's margin)
+        out[MARGIN] = [float(m) for m in batch[cfg.margin_field]]
     return out
 
 
-def _empty_response(value) -> bool:
+def empty_response(value) -> bool:
     """A response with no text: an empty (or blank) string, or chat messages whose last one, the
     answer, has empty text content."""
     if isinstance(value, str):
@@ -170,6 +173,8 @@ class PairCollator:
     log-probs travel as ``ref_logps`` in the same order as the sequences.
     """
 
+    reference_columns = (REF_CHOSEN, REF_REJECTED)  # reference.precompute's two halves
+
     def __init__(self, collator):
         self.collator = collator  # batches.Collator: padding/packing as for SFT
 
@@ -181,24 +186,35 @@ class PairCollator:
             for ex in examples:
                 p, resp = list(ex["prompt_ids"]), list(ex[key])
                 seqs.append({"input_ids": p + resp, "labels": [IGNORE] * len(p) + resp})
-        batch = self.collator(seqs)
-        lengths = [len(s["input_ids"]) for s in seqs]
-        ids = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-        if batch["input_ids"].size(0) == len(seqs):  # one row per sequence
-            for i, k in enumerate(lengths):
-                ids[i, :k] = i
-        else:  # packed end to end in one row
-            ids[0, : sum(lengths)] = torch.repeat_interleave(
-                torch.arange(len(seqs)), torch.tensor(lengths)
-            )
-        batch[SEQUENCE_IDS] = ids
+        batch = collate_sequences(self.collator, seqs)
         batch[PAIR_INDEX] = torch.arange(len(examples))
+        if MARGIN in examples[0]:
+            batch[MARGIN] = torch.tensor([ex[MARGIN] for ex in examples], dtype=torch.float32)
         if REF_CHOSEN in examples[0]:
             batch[REF_LOGPS] = torch.tensor(
                 [ex[REF_CHOSEN] for ex in examples] + [ex[REF_REJECTED] for ex in examples],
                 dtype=torch.float32,
             )
         return batch
+
+
+def collate_sequences(collator, seqs: list[dict]) -> dict:
+    """``seqs`` (input_ids, labels) as one batch, padded or packed by ``collator``, with each
+    token's sequence in ``sequence_ids`` (-1: padding)."""
+    import torch
+
+    batch = collator(seqs)
+    lengths = [len(s["input_ids"]) for s in seqs]
+    ids = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+    if batch["input_ids"].size(0) == len(seqs):  # one row per sequence
+        for i, k in enumerate(lengths):
+            ids[i, :k] = i
+    else:  # packed end to end in one row
+        ids[0, : sum(lengths)] = torch.repeat_interleave(
+            torch.arange(len(seqs)), torch.tensor(lengths)
+        )
+    batch[SEQUENCE_IDS] = ids
+    return batch
 
 
 # ----------------------------------------------------------------------------- the default pairs

@@ -266,6 +266,7 @@ def detect_format(cfg: DataConfig, columns: list[str]) -> str:
             "prompt_completion": [cfg.prompt_field, cfg.completion_field],
             "messages": [cfg.messages_field],
             "preference": [cfg.chosen_field, cfg.rejected_field],
+            "unpaired": [cfg.label_field],
         }[cfg.format]
         missing = [c for c in needed if c not in columns]
         if missing:
@@ -276,6 +277,10 @@ def detect_format(cfg: DataConfig, columns: list[str]) -> str:
         return cfg.format
     if cfg.chosen_field in columns and cfg.rejected_field in columns:
         return "preference"
+    if cfg.label_field in columns and (
+        cfg.completion_field in columns or cfg.messages_field in columns
+    ):
+        return "unpaired"
     if cfg.messages_field in columns:
         return "messages"
     if cfg.prompt_field in columns and cfg.completion_field in columns:
@@ -294,6 +299,8 @@ def _field_hint(fmt: str, columns: list[str]) -> str:
         "text": "data.text_field",
         "prompt_completion": "data.prompt_field / data.completion_field",
         "messages": "data.messages_field",
+        "preference": "data.chosen_field / data.rejected_field",
+        "unpaired": "data.label_field",
     }[fmt]
     return f"set {key} to one of the columns: {', '.join(columns)}"
 
@@ -307,6 +314,11 @@ def corpus_texts(ds, fmt: str, cfg: DataConfig):
             yield f"{rec[cfg.prompt_field]}{rec[cfg.completion_field]}"
         elif fmt == "prompt":
             yield _plain(rec.get(cfg.prompt_field))
+        elif fmt == "unpaired":
+            yield "\n".join(
+                _plain(rec.get(k))
+                for k in (cfg.prompt_field, cfg.completion_field, cfg.messages_field)
+            )
         elif fmt == "preference":
             yield "\n".join(
                 _plain(rec.get(k)) for k in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)

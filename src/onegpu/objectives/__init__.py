@@ -1,5 +1,6 @@
 """What a run optimises, behind one protocol (objectives/base.Objective): SFT (sft.py), the
-preference objectives DPO / ORPO / SimPO (preference.py), their reference (reference.py) and GRPO
+preference objectives DPO / ORPO / SimPO (preference.py), KTO (kto.py), their reference
+(reference.py), reward models (reward.py) and GRPO
 (grpo.py: rollouts, rewards.py, grpo_loss.py). The
 output head's loss they share, fused or plain, is a method applied to the model
 (techniques/fused_loss.py) reached through tokens.TokenLoss."""
@@ -35,6 +36,10 @@ def make_objective(
         from onegpu.objectives.sft import SFT
 
         return SFT(tokens)
+    if cfg.training.objective == "reward":
+        from onegpu.objectives.reward import Reward
+
+        return Reward(cfg.preference, tokens)
     from onegpu.objectives import reference
 
     if cfg.training.objective == "grpo":
@@ -53,10 +58,14 @@ def make_objective(
             compiled,
             max_prompt=cfg.data.seq_len,
         )
-    from onegpu.objectives.preference import Preference
-
     kind = reference.choose(
         cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled
     )
     ref = reference.build(kind, tokens, reference_model, autocast, probe)
+    if cfg.training.objective == "kto":
+        from onegpu.objectives.kto import KTO
+
+        return KTO(cfg.preference, tokens, ref)
+    from onegpu.objectives.preference import Preference
+
     return Preference(cfg.training.objective, cfg.preference, tokens, ref)

@@ -25,6 +25,7 @@ from onegpu.objectives.rewards import Reward, score
 from onegpu.objectives.tokens import IGNORE, TARGETS, TokenLoss
 
 ADV, OLD, REF = "advantages", "old_logps", "ref_logps"  # batch keys of the training rows
+SAMPLED = "sampler_logps"  # the sampler's own log-prob of each target token (the engine's)
 
 
 @dataclass
@@ -85,6 +86,9 @@ class GRPO(Objective):
         _, logps, entropy = self.tokens.policy_logps(model, batch, self.g.temperature)
         rows = batch[TARGETS] // batch["labels"].size(1)
         adv = batch[ADV].to(logps.dtype).index_select(0, rows)
+        sequence = self.g.importance_sampling_level == "sequence"
+        stats = self.eval if self.eval is not None else self.pending
+        n_rows = batch["labels"].size(0)
         per_tok, kl, clipped = grpo_loss.per_token_loss(
             logps,
             batch.get(OLD),
@@ -94,8 +98,10 @@ class GRPO(Objective):
             self.eps_high,
             self.g.beta,
             self.g.kl_ratio,
+            rows=rows if sequence else None,  # GSPO: one ratio per completion
+            n_rows=n_rows,
+            sampler_ratio=self._sampler(logps, batch, rows, n_rows, stats),
         )
-        stats = self.eval if self.eval is not None else self.pending
         zero = logps.new_zeros(())
         stats.loss.append(
             torch.stack(
@@ -108,6 +114,31 @@ class GRPO(Objective):
             )
         )
         return grpo_loss.aggregate(per_tok, rows, batch["labels"].size(0), self.g.loss_type)
+
+    def _sampler(self, logps, batch: dict, rows, n_rows: int, stats: _Stats):
+        """The sampler-trainer mismatch, logged (the policy at sampling against the engine's own
+        log-probs, at temperature 1 where both are the model's distribution), and the correction's
+        weight per token (grpo.sampler_correction; None when off)."""
+        sampled = batch.get(SAMPLED)
+        if sampled is None:
+            return None
+        at_sampling = logps.detach() if batch.get(OLD) is None else batch[OLD]
+        if self.g.temperature == 1:
+            sums, big = grpo_loss.sampler_mismatch(at_sampling, sampled)
+            stats.mismatch.append(sums)
+            stats.mismatch_max.append(big)
+        if self.g.sampler_correction == "off":
+            return None
+        g = self.g
+        return grpo_loss.sampler_ratio(
+            at_sampling,
+            sampled,
+            rows,
+            n_rows,
+            g.sampler_correction,
+            g.sampler_correction_level,
+            g.sampler_correction_max,
+        )
 
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
         self.pending = _Stats()
@@ -205,6 +236,12 @@ class GRPO(Objective):
         batch[ADV] = adv
         stats.record_rollouts(per_func, total, samples, self.g.group_size)
         per_row = self._logps_at_sampling(model, batch, micro_size, device)
+        if samples.logps is not None:  # per row, those of its target tokens (none if masked)
+            trained = (batch["labels"] != IGNORE).any(1).tolist()
+            per_row[SAMPLED] = [
+                torch.tensor(lp if t else [], dtype=torch.float32)
+                for lp, t in zip(samples.logps, trained, strict=True)
+            ]
         return Cycle(tuple(where), batch, per_row)
 
     @torch.no_grad()
@@ -257,6 +294,8 @@ class _Stats:
 
     def __init__(self):
         self.loss: list[torch.Tensor] = []
+        self.mismatch: list[torch.Tensor] = []  # sampler_mismatch's sums, per micro-batch
+        self.mismatch_max: list[torch.Tensor] = []
         self.rewards: list[torch.Tensor] = []  # (functions, rows) per rollout
         self.totals: list[torch.Tensor] = []
         self.lengths: list[int] = []
@@ -276,6 +315,8 @@ class _Stats:
 
     def add(self, other: _Stats) -> None:
         self.loss += other.loss
+        self.mismatch += other.mismatch
+        self.mismatch_max += other.mismatch_max
         self.rewards += other.rewards
         self.totals += other.totals
         self.lengths += other.lengths
@@ -306,6 +347,11 @@ class _Stats:
             out["entropy"] = entropy / max(tokens, 1.0)
             if beta:
                 out["kl"] = kl / max(tokens, 1.0)
+        if self.mismatch:
+            n, diff, k3 = torch.stack(self.mismatch).sum(0).tolist()
+            out["sampler_logp_diff_mean"] = diff / max(n, 1.0)
+            out["sampler_logp_diff_max"] = float(torch.stack(self.mismatch_max).max())
+            out["sampler_kl"] = k3 / max(n, 1.0)
         out["gen_tokens_per_s"] = sum(self.lengths) / max(self.gen_seconds, 1e-9)
         if self.train_seconds:  # training steps (evaluation has no training half)
             out["train_tokens_per_s"] = self.train_tokens / self.train_seconds

@@ -25,10 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from onegpu.data.pairs import PAIR_INDEX, REF_LOGPS, SEQUENCE_IDS
+from onegpu.data.unpaired import EXAMPLE_INDEX
 from onegpu.objectives.base import Objective
 from onegpu.objectives.tokens import TARGETS, TokenLoss
 
-AUTO_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}  # sources: config.PreferenceConfig.beta
+AUTO_BETA = {
+    "dpo": 0.1,
+    "orpo": 0.1,
+    "simpo": 2.0,
+    "kto": 0.1,
+}  # sources: config.PreferenceConfig.beta
 STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
 
 
@@ -64,14 +70,15 @@ def orpo_loss(pi_c, pi_r, len_c, len_r, lam: float):
 # sequence
 def sequence_logps(model, batch: dict, tokens: TokenLoss | int = 0):
     """(model output, summed response log-prob per sequence, response tokens per sequence): 2n
-    values, chosen first. The target of position p is token p + 1, so it belongs to token p + 1's
+    values for a pair batch, chosen first; n for a batch of n examples (KTO's, data/unpaired.py).
+    The target of position p is token p + 1, so it belongs to token p + 1's
     sequence. ``tokens``: the objective's TokenLoss (an int: a fused chunk size without fallback,
     0 = plain)."""
     tokens = tokens if isinstance(tokens, TokenLoss) else TokenLoss(tokens)
     out, logps = tokens.token_logps(model, batch)
     positions = batch[TARGETS]
     seq = batch[SEQUENCE_IDS].reshape(-1).index_select(0, positions + 1)
-    n_seq = 2 * batch[PAIR_INDEX].numel()
+    n_seq = 2 * batch[PAIR_INDEX].numel() if PAIR_INDEX in batch else batch[EXAMPLE_INDEX].numel()
     sums = logps.new_zeros(n_seq).index_add(0, seq, logps)
     lengths = logps.new_zeros(n_seq).index_add_(0, seq, torch.ones_like(logps)).clamp_(min=1)
     return out, sums, lengths

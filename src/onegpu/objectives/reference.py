@@ -1,4 +1,4 @@
-"""DPO's reference model, at the least memory each setup allows (preference.reference):
+"""DPO's and KTO's reference model, at the least memory each setup allows (preference.reference):
 
 - adapters: with LoRA the reference is the base model, i.e. the policy with its adapters switched
   off (LoRA starts as the identity), so it costs one no-grad forward per micro-batch and no copy;
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from onegpu.data.pairs import REF_CHOSEN, REF_REJECTED
+from onegpu.data import unpaired
 from onegpu.errors import DataError
 from onegpu.objectives.tokens import TokenLoss
 
@@ -27,7 +27,7 @@ FILE = "reference_logps.safetensors"
 
 def choose(objective: str, reference: str, lora: bool) -> str | None:
     """The reference this run uses: None (ORPO, SimPO), adapters, precomputed or copy."""
-    if objective != "dpo":
+    if objective not in ("dpo", "kto"):
         return None
     if reference == "auto":
         return "adapters" if lora else "precomputed"
@@ -74,10 +74,8 @@ class AdapterReference:
         self.tokens = tokens
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
-        from onegpu.objectives.preference import sequence_logps
-
         with torch.no_grad(), _peft_model(model).disable_adapter():
-            return sequence_logps(model, batch, self.tokens)[1]
+            return batch_logps(model, batch, self.tokens)
 
     def token_logps(self, model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """Per target token (GRPO's KL term), under the logits / ``temperature``."""
@@ -95,10 +93,8 @@ class CopyReference:
         self.model.eval().requires_grad_(False)
 
     def __call__(self, _policy, batch: dict) -> torch.Tensor:
-        from onegpu.objectives.preference import sequence_logps
-
         with torch.no_grad(), self.autocast():
-            return sequence_logps(self.model, batch, self.tokens)[1]
+            return batch_logps(self.model, batch, self.tokens)
 
     def token_logps(self, _policy, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """Per target token (GRPO's KL term), under the logits / ``temperature``."""
@@ -115,7 +111,21 @@ class FixedReference:
     def __call__(self, _policy, batch: dict) -> torch.Tensor:
         from onegpu.data.pairs import PAIR_INDEX
 
-        return torch.zeros(2 * batch[PAIR_INDEX].numel(), device=batch[PAIR_INDEX].device)
+        index = batch[PAIR_INDEX] if PAIR_INDEX in batch else batch[unpaired.EXAMPLE_INDEX]
+        return torch.zeros(2 * index.numel(), device=index.device)
+
+
+def batch_logps(model, batch: dict, tokens: TokenLoss) -> torch.Tensor:
+    """The summed response log-probs a reference gives for a batch, 2n values: a pair batch's
+    chosen then rejected sequences (one forward), or a KTO batch's n examples then its n
+    mismatched sequences (data/unpaired.py; two forwards)."""
+    from onegpu.objectives.preference import sequence_logps
+
+    sums = sequence_logps(model, batch, tokens)[1]
+    kl = unpaired.mismatched(batch)
+    if not kl:
+        return sums
+    return torch.cat([sums, sequence_logps(model, kl, tokens)[1]])
 
 
 def _peft_model(model):
@@ -145,6 +155,7 @@ def precompute(
     is now (its starting weights) and writes them there.
     """
     path = Path(run_dir) / FILE
+    columns = collator.reference_columns  # the two halves of batch_logps, as dataset columns
     splits = {"train": train_ds, "validation": val_ds}
     seconds = None
     if resumed:
@@ -162,7 +173,7 @@ def precompute(
             for name, ds in splits.items()
             if ds is not None
             for col, v in zip(
-                (REF_CHOSEN, REF_REJECTED),
+                columns,
                 compute(model, ds, tokens, collator, micro_batch, device),
                 strict=True,
             )
@@ -171,8 +182,8 @@ def precompute(
         if is_main:
             _save(path, saved)
         log.info(
-            "reference log-probs: %d pairs in %.1fs (%s)",
-            sum(len(v) for k, v in saved.items() if k.endswith(REF_CHOSEN)),
+            "reference log-probs: %d records in %.1fs (%s)",
+            sum(len(v) for k, v in saved.items() if k.endswith(columns[0])),
             seconds,
             path.name,
         )
@@ -181,15 +192,16 @@ def precompute(
         if ds is None:
             out[name] = None
             continue
-        chosen, rejected = saved.get(f"{name}.{REF_CHOSEN}"), saved.get(f"{name}.{REF_REJECTED}")
+        chosen, rejected = saved.get(f"{name}.{columns[0]}"), saved.get(f"{name}.{columns[1]}")
         if chosen is None or len(chosen) != len(ds):
             raise DataError(
-                f"{path}: its {name} reference log-probs do not match the data ({len(ds)} pairs).",
+                f"{path}: its {name} reference log-probs do not match the data ({len(ds)} "
+                "examples).",
                 hint="the data changed since the run began: start it again with --output.overwrite "
                 "true",
             )
-        out[name] = ds.add_column(REF_CHOSEN, chosen.tolist()).add_column(
-            REF_REJECTED, rejected.tolist()
+        out[name] = ds.add_column(columns[0], chosen.tolist()).add_column(
+            columns[1], rejected.tolist()
         )
     return out["train"], out["validation"], seconds
 
@@ -198,10 +210,10 @@ def precompute(
 def compute(
     model, ds, tokens: TokenLoss, collator, micro_batch: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed log-probs of every pair of ``ds`` under ``model`` as it is now. The
-    model is the prepared one: it runs under the run's autocast by itself."""
+    """(chosen, rejected) summed log-probs of every pair of ``ds`` under ``model`` as it is now (for
+    KTO: of every example, and of its mismatched sequence). The model is the prepared one: it runs
+    under the run's autocast by itself."""
     from onegpu.data.batches import eval_batches
-    from onegpu.objectives.preference import sequence_logps
     from onegpu.objectives.tokens import with_target_positions
 
     chosen, rejected = [], []
@@ -212,7 +224,7 @@ def compute(
         with torch.compiler.set_stance("force_eager"):
             for batch in eval_batches(ds, micro_batch, collator):
                 batch = {k: v.to(device) for k, v in with_target_positions(batch).items()}
-                sums = sequence_logps(model, batch, tokens)[1].float().cpu()
+                sums = batch_logps(model, batch, tokens).float().cpu()
                 n = sums.numel() // 2
                 chosen.append(sums[:n])
                 rejected.append(sums[n:])

@@ -7,7 +7,7 @@ signature, so a reward written for TRL's GRPOTrainer runs unchanged:
 the one assistant message, in a list); every other column of the records comes by name, one value
 per completion. None means "not scored" (TRL's convention): a completion no function scores gets
 advantage 0. A function that raises, returns the wrong length or a NaN stops the run with one error
-naming it and the prompt.
+naming it and the prompt. A trained reward model's folder scores as one (reward_model.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ def resolve(gcfg, default_job: bool = False) -> list[Reward]:
 
 
 def _function(name: str, gcfg) -> Callable:
+    from onegpu.objectives import reward_model
+
     if name in BUILTINS:
         return BUILTINS[name](gcfg)
+    if reward_model.is_reward_model(name):  # a trained reward model's folder
+        return reward_model.reward_model(name)
     if ":" not in name:
         raise ConfigError(
             f"grpo.rewards: '{name}' is neither a built-in reward nor a module:function.",

@@ -49,6 +49,9 @@ class Samples:
     completion_ids: list[list[int]]
     truncated: list[bool]
     seconds: float  # wall time of sampling (the device synchronised)
+    # the sampler's log-prob of each sampled token, under the model's own logits (before
+    # temperature and filters: the engine's logprobs); None where the sampler gives none
+    logps: Optional[list[list[float]]] = None
 
 
 def generation_model(model):
@@ -94,6 +97,7 @@ def sample(
     gen.eval()
     t0 = time.perf_counter()
     completions: list[list[int]] = []
+    logps: Optional[list[list[float]]] = [] if gcfg.sampler == "engine" else None
     threads = torch.get_num_threads()
     if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
         torch.set_num_threads(1)
@@ -102,28 +106,35 @@ def sample(
         with torch.compiler.set_stance("default" if compiled else "force_eager"):
             for start in range(0, len(prompt_ids), rows):
                 chunk = prompt_ids[start : start + rows]
-                completions += _sample_chunk(
+                ids, lps = _sample_chunk(
                     gen, chunk, config, gcfg, pad, device, compiled, max_prompt, kept
                 )
+                completions += ids
+                if logps is not None:
+                    logps += lps
     finally:
         gen.train(was_training)
         torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.synchronize()
     cut = [_until_eos(c, set(eos)) for c in completions]
-    return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0)
+    kept_logps = (
+        None if logps is None else [lp[: len(c)] for lp, (c, _) in zip(logps, cut, strict=True)]
+    )
+    return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0, kept_logps)
 
 
-def _sample_chunk(
-    gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt, kept
-) -> list[list[int]]:
+def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt, kept):
+    """(completions, the sampler's per-token log-probs or None) of a chunk of prompts."""
     if gcfg.sampler == "engine":
-        return engine_rollouts(gen, chunk, gcfg, config.eos_token_id, compiled, max_prompt, kept)
+        return engine_rollouts(
+            gen, chunk, gcfg, config.eos_token_id, compiled, max_prompt, kept, with_logps=True
+        )
     if gcfg.sampler == "continuous":
-        return continuous(gen, chunk, config, gcfg.max_completion_length)
+        return continuous(gen, chunk, config, gcfg.max_completion_length), None
     ids, mask = left_padded(chunk, pad, device)
     out = gen.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return out[:, ids.size(1) :].tolist()
+    return out[:, ids.size(1) :].tolist(), None
 
 
 def engine_rollouts(
@@ -134,8 +145,11 @@ def engine_rollouts(
     compiled: bool = False,
     max_prompt: int = 0,
     kept: Optional[KeptEngine] = None,
-) -> list[list[int]]:
-    """The chunk's completions from one decode engine: a row per completion. Seeds come from
+    with_logps: bool = False,
+):
+    """The chunk's completions from one decode engine, a row per completion (``with_logps``: and
+    each sampled token's log-prob, the engine's logprobs under the model's own logits, the
+    sampler's side of the sampler-trainer mismatch). Seeds come from
     torch's generator, so the run's seed (and a resume, which restores it) fixes the rollouts.
     Eager, the engine lives for the call, its cache sized to the chunk's longest prompt +
     max_completion_length. Compiled, it is kept in ``kept`` (its cache too: a compiled step is
@@ -170,10 +184,19 @@ def engine_rollouts(
     engine.reset_prefix_cache()
     base = int(torch.randint(0, 2**62, (1,)).item())
     params = [
-        SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i)
+        SamplingParams(new, gcfg.temperature, gcfg.top_k, gcfg.top_p, seed=base + i, logprobs=0)
         for i in range(len(chunk))
     ]
-    return [r.token_ids for r in engine.generate(chunk, params)]
+    # Engine.generate keeps no logprobs: its loop, keeping them
+    ids = [engine.submit(p, s, None) for p, s in zip(chunk, params, strict=True)]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    logps: dict[int, list[float]] = {i: [] for i in ids}
+    while engine.has_work():
+        for u in engine.step():
+            tokens[u.request_id] += u.token_ids
+            logps[u.request_id] += [lp.logprob for lp in u.logprobs or ()]
+    completions = [tokens[i] for i in ids]
+    return (completions, [logps[i] for i in ids]) if with_logps else completions
 
 
 def continuous(gen, chunk: list[list[int]], config, new_tokens: int) -> list[list[int]]:

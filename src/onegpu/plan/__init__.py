@@ -58,6 +58,7 @@ def resolve(cfg, model: str | None = None, gpu: str | None = None):
 
     spec = hardware.find_gpu(gpu) if gpu else hardware.spec_from_device(hardware.detect())
     name = model or models.resolve_name(cfg.model, spec.key != "CPU")
-    shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code)
+    score = cfg.training.objective == "reward"  # a reward model holds no LM head
+    shape = cached_shape(name, cfg.model.vocab_size, cfg.model.trust_remote_code, score)
     attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
     return spec, name, shape, attention

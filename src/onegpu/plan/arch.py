@@ -3,6 +3,7 @@ device (no memory, no download of weights)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ class ModelShape:
     # The decoder layers' Linear layers by shape: (name, in_features, out_features, count), the
     # output head left out; what FP8's rule and the planner's per-layer estimate read (plan/fp8.py)
     linears: tuple = ()
+    lm_head: bool = True  # False: a reward model's score head in its place (model_shape)
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
         """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated
@@ -59,7 +61,8 @@ class ModelShape:
 
     @property
     def tied(self) -> bool:
-        return self.embed_params == self.input_embed_params
+        """The token table is also the output head (no head at all: not tied)."""
+        return self.lm_head and self.embed_params == self.input_embed_params
 
     @property
     def input_embed_params(self) -> int:
@@ -126,23 +129,32 @@ def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = Fal
         ) from None
 
 
-def meta_model(config):
-    """The full model on the meta device: shapes and types only, no memory."""
+def meta_model(config, score_head: bool = False):
+    """The full model on the meta device: shapes and types only, no memory. ``score_head``: a
+    reward model's (a one-output sequence-classification head in place of the LM head)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     with torch.device("meta"):
+        if score_head:
+            config = copy.copy(config)
+            config.num_labels = 1
+            return AutoModelForSequenceClassification.from_config(config)
         return AutoModelForCausalLM.from_config(config)
 
 
-def model_shape(name: str, vocab_size: int = 4096, trust_remote_code: bool = False) -> ModelShape:
-    return _shape_of(name, load_config(name, vocab_size, trust_remote_code))
+def model_shape(
+    name: str, vocab_size: int = 4096, trust_remote_code: bool = False, score_head: bool = False
+) -> ModelShape:
+    """The shape of model ``name``; ``score_head``: as a reward model (training.objective reward),
+    whose parameters hold no LM head."""
+    return _shape_of(name, load_config(name, vocab_size, trust_remote_code), score_head)
 
 
-def _shape_of(name: str, config) -> ModelShape:
+def _shape_of(name: str, config, score_head: bool = False) -> ModelShape:
     import torch
 
-    model = meta_model(config)
+    model = meta_model(config, score_head)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings()
@@ -190,9 +202,12 @@ def _shape_of(name: str, config) -> ModelShape:
         by_name,
         int(getattr(text, "intermediate_size", 0) or 0),
         tuple((*key, n) for key, n in shapes.items()),
+        lm_head=head is not None,
     )
 
 
 @functools.lru_cache(maxsize=16)
-def cached_shape(name: str, vocab_size: int = 4096, trust_remote_code: bool = False) -> ModelShape:
-    return model_shape(name, vocab_size, trust_remote_code)
+def cached_shape(
+    name: str, vocab_size: int = 4096, trust_remote_code: bool = False, score_head: bool = False
+) -> ModelShape:
+    return model_shape(name, vocab_size, trust_remote_code, score_head)

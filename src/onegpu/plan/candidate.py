@@ -47,9 +47,10 @@ class Candidate:
 
     @property
     def rows_per_example(self) -> int:
-        """Sequences through the model per example: a preference pair is two (a GRPO example is
-        one completion)."""
-        return 2 if self.training.objective in ("dpo", "orpo", "simpo") else 1
+        """Sequences trained on per example: a preference pair is two (a GRPO example is one
+        completion; a KTO example one, its mismatched sequence a no-grad forward counted in
+        speed.flops_per_token)."""
+        return 2 if self.training.objective in ("dpo", "orpo", "simpo", "reward") else 1
 
     def sequence_tokens(self, seq_len: int) -> int:
         """Tokens of one training sequence at data.seq_len: GRPO's rows are a prompt of up to

@@ -47,7 +47,8 @@ def auto_plan(cfg: Config) -> Config:
     name = models.resolve_name(cfg.model, device.is_gpu)
     shared = _shared_data(cfg, device, name)
     vocab = len(shared.tokenizer) if models.is_preset(name) else cfg.model.vocab_size
-    shape = model_shape(name, vocab, cfg.model.trust_remote_code)
+    score = cfg.training.objective == "reward"  # a reward model holds no LM head
+    shape = model_shape(name, vocab, cfg.model.trust_remote_code, score)
     batch = cfg.training.micro_batch_size * cfg.training.grad_accum
     attention = planning_attention(cfg.techniques, shape.config, cfg.model.trust_remote_code)
     plan = search(cfg, spec, shape, cfg.data.seq_len, batch, device.total_memory / 2**30, attention)

@@ -84,14 +84,19 @@ def flops_per_token(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     total = count(shape, seq_len, c.lora_rank, frac, t.lora.targets)
     if mlp_tiled(shape, c, seq_len):  # each tile's MLP forward runs again in its backward
         total += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
-    if c.training.objective != "sft":
+    if c.training.objective not in ("sft", "reward"):  # a reward model has no LM head
         # per-token log-probs: the fused head runs again in backward (fused_loss.fused_token_logps)
         total += 2 * shape.vocab * shape.hidden if t.loss_chunk_size else 0
+        # KTO: each example's mismatched sequence (objectives/kto.py), one more no-grad forward
+        # under the policy and, with a per-step reference, under the reference too
+        forwards = 2 if c.training.objective == "kto" else 1
+        if c.training.objective == "kto":
+            total += forward_flops_per_token(shape, seq_len)
         if c.reference_kind in (
             "adapters",
             "copy",
         ):  # the reference's forward, every step
-            total += forward_flops_per_token(shape, seq_len)
+            total += forwards * forward_flops_per_token(shape, seq_len)
         if c.training.objective == "grpo" and c.grpo.num_iterations > 1:
             # the log-probs at sampling: one forward per batch of rollouts, which serves mu steps
             total += forward_flops_per_token(shape, seq_len) / c.grpo.num_iterations

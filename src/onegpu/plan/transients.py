@@ -31,6 +31,8 @@ def loss_transient_bytes(shape: ModelShape, c: Candidate, tokens: int) -> float:
     gradient is made (that gradient, and its 16-bit form under autocast).
     """
     t = c.techniques
+    if c.training.objective == "reward":  # a score per row from the last hidden state, no vocab
+        return 0.0
     if not t.loss_chunk_size:
         return 8.0 * tokens * shape.vocab
     chunk = min(t.loss_chunk_size, tokens) * shape.vocab

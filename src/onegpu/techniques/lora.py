@@ -85,7 +85,8 @@ def apply_lora(model, tcfg: TechniquesConfig):
         target_modules=targets,
         use_dora=lcfg.dora,
         bias="none",
-        task_type="CAUSAL_LM",
+        # a reward model's score head is new: PEFT trains it whole (modules_to_save), as TRL asks
+        task_type="SEQ_CLS" if is_score_model(model) else "CAUSAL_LM",
     )
     dtype = adapter_dtype(lcfg.dtype, tcfg.precision)
     # PEFT creates adapters in the base layer's dtype and then upcasts 16-bit ones to fp32
@@ -141,6 +142,15 @@ def _cast_trainable(model, dtype: str) -> None:
     for p in model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != want:
             p.data = p.data.to(want)
+
+
+def is_score_model(model) -> bool:
+    """A sequence-classification model (a reward model's score head), not a causal LM."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    return type(model).__name__ in set(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
 
 
 def resolve_targets(model, spec: str):

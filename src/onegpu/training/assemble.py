@@ -149,23 +149,36 @@ def assemble(
 def _load(cfg: Config, device: DeviceInfo, precision: str, source, tokenizer):
     import torch
 
+    score = cfg.training.objective == "reward"  # a reward model: a score head, no LM head
     if isinstance(source, str):
         from onegpu.techniques.prepare import load_kwargs
 
-        return models.load_model(
-            source, cfg.model, tokenizer, **load_kwargs(cfg, device, precision, source)
+        model = models.load_model(
+            source,
+            cfg.model,
+            tokenizer,
+            **load_kwargs(cfg, device, precision, source),
+            score_head=score,
         )
-    if isinstance(source, torch.nn.Module):
+    elif isinstance(source, torch.nn.Module):
         return source
-    from transformers import AutoModelForCausalLM
+    else:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from onegpu.techniques.prepare import build_kwargs
+        from onegpu.techniques.prepare import build_kwargs
 
-    return AutoModelForCausalLM.from_config(
-        source,
-        trust_remote_code=cfg.model.trust_remote_code,
-        **build_kwargs(cfg, device, precision, source),
-    )
+        if score:
+            source = copy.copy(source)
+            source.num_labels = 1
+        model = (AutoModelForSequenceClassification if score else AutoModelForCausalLM).from_config(
+            source,
+            trust_remote_code=cfg.model.trust_remote_code,
+            **build_kwargs(cfg, device, precision, source),
+        )
+    if score and tokenizer is not None:
+        # the head scores each row's last token before padding, found by pad_token_id (as TRL sets)
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def make_accelerator(cfg: Config, device: DeviceInfo, precision: str):

@@ -51,9 +51,39 @@ def read_records(cfg: Config) -> Records:
         train_rec, val_rec = corpus_pairs(cfg, train_rec, val_rec)
     if objective == "grpo":  # prompts, with whatever other columns the rewards read
         return Records(train_rec, val_rec, fingerprint, check_prompts(cfg, train_rec, val_rec))
-    fmt = records_io.detect_format(cfg.data, train_rec.column_names)
+    columns = train_rec.column_names
+    fmt = records_io.detect_format(cfg.data, columns)
+    if fmt == "unpaired" and objective != "kto" and cfg.data.format == "auto":
+        # a label column means KTO's records only to KTO: other objectives read the rest
+        fmt = records_io.detect_format(cfg.data, [c for c in columns if c != cfg.data.label_field])
     check_objective(cfg, fmt, train_rec.column_names)
+    if objective == "kto" and fmt == "preference":  # each pair: a desirable, an undesirable example
+        train_rec, val_rec = (
+            _unpaired(cfg, rec, seed) for rec, seed in ((train_rec, 0), (val_rec, 1))
+        )
+        fmt = "unpaired"
     return Records(train_rec, val_rec, fingerprint, fmt)
+
+
+def _unpaired(cfg: Config, rec, seed: int):
+    from onegpu.data.unpaired import unpair
+
+    if rec is None:
+        return None
+    d = cfg.data
+    out = unpair(rec, d.prompt_field, d.chosen_field, d.rejected_field, cfg.training.seed + seed)
+    # unpair names its columns prompt / completion / label: read them under those names
+    return out.rename_columns(
+        {
+            k: v
+            for k, v in (
+                ("prompt", d.prompt_field),
+                ("completion", d.completion_field),
+                ("label", d.label_field),
+            )
+            if k != v
+        }
+    )
 
 
 def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Data:
@@ -94,6 +124,10 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         from onegpu.data.pairs import PairCollator
 
         collator = PairCollator(collator)
+    if fmt == "unpaired":  # KTO: the examples and their mismatched sequences
+        from onegpu.data.unpaired import UnpairedCollator
+
+        collator = UnpairedCollator(collator, cfg.data.seq_len)
     if fmt == "prompt":  # GRPO: prompt ids and the columns; rollouts are padded when sampled
         from onegpu.data.prompts import PromptCollator
 
@@ -206,8 +240,20 @@ def check_prompts(cfg: Config, train_rec, val_rec) -> str:
 
 
 def check_objective(cfg: Config, fmt: str, columns: list[str]) -> None:
-    """Preference pairs go with a preference objective, and only with one."""
+    """Preference pairs go with a preference objective, and only with one; labelled completions
+    with KTO, which also takes pairs."""
     d, objective = cfg.data, cfg.training.objective
+    if objective == "kto":
+        if fmt not in ("unpaired", "preference"):
+            columns = [c for c in columns if c != records_io.ORIGIN]
+            raise DataError(
+                f"training.objective=kto needs labelled completions (columns '{d.prompt_field}', "
+                f"'{d.completion_field}' and '{d.label_field}', or '{d.messages_field}' and "
+                f"'{d.label_field}') or preference pairs; {d.path} has {columns}.",
+                hint="rename the columns (or set data.completion_field / data.label_field)",
+            )
+        return
+
     if objective == "sft" and fmt == "preference":
         raise DataError(
             f"{d.path}: preference pairs (columns '{d.chosen_field}' and '{d.rejected_field}'), "
