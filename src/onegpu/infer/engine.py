@@ -293,7 +293,7 @@ class Engine:
         adapters = self.decode_step.route(adapters)  # None: batched LoRA routes them by index
         steps = plan.steps
         window = self._window(plan, adapters, rows, kv_len)
-        with window, self.decode_step.settings(adapters, rows):
+        with window:
             for j in range(steps):
                 self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():
