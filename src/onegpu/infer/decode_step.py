@@ -181,9 +181,10 @@ class DecodeStep:
         base = base_model(runner.model)
         loops = self.compiled is not None and backend == "inductor" and not cuda
         loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
-        grouped = gqa_attention.NAME if gqa_attention.applies(base) else None
+        grouped = gqa_attention.applies(base) and rules.gqa_decode
+        grouped = gqa_attention.NAME if grouped else None
         self._attention = cpu_attention.NAME if loops else grouped
-        self._experts = self.compiled is not None and moe(base)
+        self._experts = self.compiled is not None and rules.moe_batched_mm and moe(base)
         # a PeftModel's adapters by row as indices (batched_lora.py, a policy row)
         self.lora = BatchedLora.of(runner.model, rows.lora) if rules.batched_lora else None
         peft = getattr(runner.model, "peft_config", None)
