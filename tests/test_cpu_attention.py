@@ -122,6 +122,8 @@ def test_a_compiled_decode_computes_the_query_once_not_at_every_key_position():
     them again at each of its positions. The values are the eager ones."""
     from torch._inductor.utils import run_and_get_code
 
+    cpu_attention.register(compiled=True)
+
     def rope_then_attend(x, positions, k, v, allowed):
         freqs = positions[:, None, None, None].float() * torch.arange(1, 9) / 8.0
         angles = torch.cat([freqs, freqs], dim=-1)

@@ -40,8 +40,7 @@ def decode(
         # the query as a buffer of its own: inside the score loop inductor would otherwise
         # recompute what makes it (its rotary embedding, cos and sin included) at every key
         # position, not once (a step's time: engine-decode-compiled-cpu.md). inductor's layout
-        # prim, registered by importing its module (imported already by a compile)
-        importlib.import_module("torch._inductor.inductor_prims")
+        # prim (its module imported by register: an import here would break the graph)
         force = torch.ops.prims.inductor_force_stride_order
         q = force(q, make_contiguous_strides_for(q.shape))
     scores = (q * key.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, L]
@@ -96,11 +95,14 @@ def attention_forward(
     )
 
 
-def register() -> None:
+def register(compiled: bool = False) -> None:
     """The attention function, and transformers' SDPA mask maker under the same name, in
-    transformers' registry: before the engine's copy of a model names it (decode_model.py)."""
+    transformers' registry: before the engine's copy of a model names it (decode_model.py); for a
+    compiled step also inductor's layout prim (importing inductor takes seconds: only then)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    if compiled:
+        importlib.import_module("torch._inductor.inductor_prims")  # registers torch.ops.prims'

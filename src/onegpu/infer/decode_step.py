@@ -200,7 +200,7 @@ class DecodeStep:
         """The engine's copy of the base model, with the engine's choices set once."""
         if self._attention is not None:
             gqa_attention.register()
-            cpu_attention.register()
+            cpu_attention.register(self._attention == cpu_attention.NAME)
         own = decode_model(base_model(self.runner.model), self._attention, self._experts)
         if self.lora is not None:
             self.lora.install(own)
