@@ -72,10 +72,10 @@ def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_to
     if compile_mode == "on":
         config.compile_backend = "aot_eager"
     reference = Engine(model, None, config)
-    reference.decode_step.grouped = None  # transformers' SDPA function in the steps too
+    reference.decode_step.own = None  # the steps on the model as given: transformers' SDPA
     want, _ = _sdpa_query_heads(reference, ids, params)
     engine = Engine(model, None, config)
-    assert engine.decode_step.grouped is model
+    assert engine.decode_step.attention == gqa_attention.NAME
     got, heads = _sdpa_query_heads(engine, ids, params)
     assert got == want
     assert heads and set(heads) == {2}

@@ -69,9 +69,12 @@ def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_
     ]
     engine = Engine(model, None, EngineConfig(2, 64, compile="on"))
     gemv = SmallGemv("cpu", max_rows=2, max_outputs=10**9, max_inputs=10**9)
+    old = engine.decode_step  # the same step with the pass (on a CPU no row of the policy adds it)
+    engine.decode_step = decode_step.DecodeStep(
+        old.runner, old.sampler, old.rows, "default", "inductor", engine.policy, 8, graph_pass=gemv
+    )
     # fx_graph_cache off: a graph inductor cached from an earlier run would skip the pass
-    engine.decode_step.inductor.update(post_grad_custom_pre_pass=gemv, fx_graph_cache=False)
-    engine.decode_step.key = next(decode_step._KEYS)  # a compiled step of its own
-    got = [r.token_ids for r in engine.generate(ids, params)]
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got = [r.token_ids for r in engine.generate(ids, params)]
     assert gemv.rewritten >= 7 * model.config.num_hidden_layers  # q k v o gate up down, a layer
     assert got == want

@@ -62,6 +62,9 @@ class BenchInferConfig:
     """Timed rounds per batch size, interleaved across settings; medians and ranges reported."""
     sync_every: int = 8
     """The engine's decode steps between read-backs (EngineConfig.sync_every)."""
+    policy_off: Optional[str] = None
+    """Rows of the engine's device policy table to switch off, comma-separated (ROW[,ROW]; the
+    rows and why each is on: `onegpu doctor`)."""
     max_minutes: float = 0.0
     """Stop starting rounds when the next would end after this many minutes (0: no limit); the
     results say how many rounds ran."""
@@ -188,6 +191,7 @@ class _Bench:
     def warm_up(self, cell: Cell) -> None:
         """The untimed first call: compiles, captures, allocates caches; its tokens give quality."""
         from onegpu.infer.engine import Engine, EngineConfig
+        from onegpu.infer.policy import parse_off
 
         s, lm = cell.setting, self.loaded[cell.setting.name]
         before = self.memory.allocated()
@@ -201,6 +205,7 @@ class _Bench:
                     max_len=self.cfg.prompt_len + self.cfg.new_tokens,  # sized to the request
                     compile=s.engine_compile,
                     sync_every=self.cfg.sync_every,
+                    policy_off=parse_off(self.cfg.policy_off),
                 ),
             )
         _, tokens = self.call(cell)

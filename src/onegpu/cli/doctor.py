@@ -318,7 +318,18 @@ def collect() -> dict:
         "versions": versions(),
         "gpu": gpu_info(),
         "checks": {c.name: asdict(c) for c in checks},
+        "engine_policy": engine_policy(),
     }
+
+
+def engine_policy() -> list[str]:
+    """The decode engine's device policy rows on this machine's device: on or off, and why
+    (infer/policy.py; --policy_off ROW[,ROW] switches one off)."""
+    import torch
+
+    from onegpu.infer.policy import summary
+
+    return summary("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ------------------------------------------------------------------------------------ output
@@ -346,6 +357,11 @@ def print_table(report: dict) -> None:
             c["name"], "[green]yes[/]" if c["ok"] else "[red]no[/]", c["detail"], c["hint"] or ""
         )
     console.print(table)
+    console.print(
+        "engine policy (off: --policy_off ROW[,ROW] of generate, serve, bench infer, grpo):"
+    )
+    for line in report["engine_policy"]:
+        console.print(f"  {line}", markup=False, highlight=False)
 
 
 def cli(argv: Sequence[str]) -> int:

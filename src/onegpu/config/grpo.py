@@ -34,6 +34,9 @@ class GRPOConfig:
     together in a static cache sized to the step, sampling on the device. generate: transformers'
     ``generate`` with a dynamic KV cache. continuous: transformers' continuous batching (a paged KV
     cache sized for the step's completions). On a CPU a small model samples on one thread."""
+    policy_off: Optional[str] = None
+    """sampler engine: rows of the engine's device policy table to switch off, comma-separated
+    (ROW[,ROW]; the rows and why each is on: `onegpu doctor`)."""
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """How per-token losses are aggregated. dapo (TRL's default since 0.20; Yu et al. 2025): summed
     over the tokens of the step, divided by that token count. grpo (Shao et al. 2024): each

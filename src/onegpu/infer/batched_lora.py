@@ -8,7 +8,10 @@ PEFT's own per-row routing (``adapter_names``) registers hooks at every forward 
 batch by name on the host, which a compiled step cannot hold: with it a server that loads any
 adapter decoded eagerly. Here a row's adapter is an index in a tensor at a fixed address
 (``Rows.lora``), so the compiled step (a CUDA graph on a GPU) is the same whatever mix of adapters
-its rows hold. Only the decode steps switch (``applied``); prompts keep PEFT's routing.
+its rows hold. The stacked layers are modules of the engine's own copy of the model
+(decode_model.py), installed once in place of PEFT's layers there: PEFT's layers in the user's
+model are never switched, hooked or written. Prompts, and a run whose rows PEFT must route, keep
+PEFT's routing on the user's model.
 
 What it does not handle — a LoRA variant (DoRA, aLoRA), a target that is not a linear layer, a
 LoRA bias, merged weights, PEFT's ``modules_to_save`` or trainable tokens, a non-LoRA adapter —
@@ -17,7 +20,6 @@ leaves the model to PEFT's routing (``refusal`` says why)."""
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,10 +30,10 @@ log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's name for a row without an adapter (serve/adapters.py BASE_ROW)
 
 
-@dataclass
+@dataclass(eq=False)
 class LayerStack:
-    """One LoRA layer's adapters stacked, and the forward hook that adds each row's delta to the
-    layer's output: ``x [rows, q, in]`` -> ``(x @ a[k].T) @ b[k]`` for a row of adapter ``k``.
+    """One LoRA layer's adapters stacked, and each row's delta on the layer's output:
+    ``x [rows, q, in]`` -> ``(x @ a[k].T) @ b[k]`` for a row of adapter ``k``.
 
     Two ways to the same sum, chosen by shape (fixed in a compiled step): with no more adapters
     than rows, every adapter's A and B once as two matmuls, each row's ``x @ A.T`` masked to its
@@ -44,8 +46,7 @@ class LayerStack:
     index: torch.Tensor  # [max rows] long: each row's adapter (Rows.lora)
     slots: torch.Tensor  # [adapters]: 1..adapters
 
-    def __call__(self, module, args, output):
-        x = args[0]
+    def __call__(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         rows, width = x.shape[0], x.shape[-1]
         adapters, rank = self.slots.shape[0], self.a.shape[1]
         at = self.index[:rows]
@@ -58,6 +59,18 @@ class LayerStack:
         else:
             delta = torch.bmm(torch.bmm(x, self.a[at].transpose(1, 2)), self.b[at])
         return output + delta.reshape(output.shape).to(output.dtype)
+
+
+class StackedLinear(torch.nn.Module):
+    """A LoRA layer of the engine's copy: the base layer (the user's weight) and the rows'
+    deltas from the stacks, as PEFT's layer with its adapters off plus ``LayerStack``'s sum."""
+
+    def __init__(self, base_layer: torch.nn.Module, stack: LayerStack):
+        super().__init__()
+        self.base_layer, self.stack = base_layer, stack
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.stack(x, self.base_layer(x, *args, **kwargs))
 
 
 def refusal(model) -> Optional[str]:
@@ -82,8 +95,6 @@ def refusal(model) -> Optional[str]:
             return f"{name}: a LoRA variant ({', '.join(module.lora_variant)}, e.g. DoRA)"
         if module.merged:
             return f"{name}: an adapter merged into the weights"
-        if not isinstance(getattr(module, "_disable_adapters", None), bool):
-            return f"{name}: this PEFT's layers keep no _disable_adapters flag to switch"
         for adapter in module.lora_A:
             a, b = module.lora_A[adapter], module.lora_B[adapter]
             if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
@@ -94,26 +105,50 @@ def refusal(model) -> Optional[str]:
 
 
 class BatchedLora:
-    """The stacks of a PeftModel's LoRA layers; ``index`` holds each decode row's adapter (0 the
-    base model, ``k`` the k-th of ``names``)."""
+    """The stacks of a PeftModel's LoRA layers, installed in the engine's copy of its base model
+    (``own``); ``index`` holds each decode row's adapter (0 the base model, ``k`` the k-th of
+    ``names``)."""
 
     def __init__(self, model, index: torch.Tensor):
         self.model, self.index = model, index
         self.names: Optional[tuple[str, ...]] = None  # the adapters the stacks hold
-        self.layers: list[tuple[torch.nn.Module, LayerStack]] = []
-        self.refused: Optional[str] = None
+        self.layers: list[tuple[torch.nn.Module, LayerStack]] = []  # the user's layers
+        self.installed: set[str] = set()  # the names of the copy's stacked layers
+        self.stacked: list[str] = []  # the names of the user's layers the stacks hold
+        self.refused: Optional[str] = refusal(model)
 
     @classmethod
     def of(cls, model, index: torch.Tensor) -> Optional[BatchedLora]:
-        """For a PeftModel (its LoRA layers found when the first rows are routed); None else."""
+        """For a PeftModel whose adapters batched LoRA can stand in for; None else."""
         if not getattr(model, "peft_config", None):
             return None
-        return cls(model, index)
+        lora = cls(model, index)
+        if lora.refused is not None:
+            log.info("batched LoRA off, PEFT routes adapters by row: %s", lora.refused)
+            return None
+        return lora
 
-    def route(self, names: list[str]) -> bool:
-        """Write row ``i``'s adapter ``names[i]`` (or BASE) into ``index``; False where batched
-        LoRA cannot route them (the model's adapters are ones it refuses, PEFT's layers are off
-        — inside ``model.disable_adapter()`` — or merged): PEFT routes them."""
+    def install(self, own: torch.nn.Module) -> None:
+        """Each LoRA layer of ``own`` (the engine's copy of the base model, its names the user's
+        base model's) becomes a ``StackedLinear`` over the copy's base layer: once."""
+        from onegpu.infer.decode_model import replace_module
+
+        self._build(tuple(self.model.peft_config))
+        self.installed = set()
+        base = self.model.get_base_model()
+        stacks = {id(module): stack for module, stack in self.layers}
+        for name, module in base.named_modules():
+            if id(module) in stacks:
+                layer = own.get_submodule(name)
+                replace_module(own, name, StackedLinear(layer.base_layer, stacks[id(module)]))
+                self.installed.add(name)
+
+    def route(self, names: Optional[list[str]]) -> bool:
+        """Write row ``i``'s adapter ``names[i]`` (or BASE; None: the model's one active adapter
+        for every row) into ``index``; False where the stacks cannot stand for them — PEFT's
+        layers are off (inside ``model.disable_adapter()``) or merged, several adapters are
+        active at once: PEFT routes them, on the user's model. Adapters loaded since on layers
+        the copy does not stack: ``stale``."""
         current = tuple(self.model.peft_config)
         if current != self.names:  # adapters were loaded (or deleted) since the stacks were built
             self._build(current)
@@ -121,10 +156,22 @@ class BatchedLora:
             return False
         if any(m.disable_adapters or m.merged for m, _ in self.layers):
             return False
+        if names is None:
+            active = self.model.active_adapters
+            if len(active) != 1:
+                return False
+            names = [active[0]] * self.index.shape[0]
         at = {name: k + 1 for k, name in enumerate(self.names)}
         ids = [at.get(n, 0) for n in names]
         self.index[: len(ids)].copy_(torch.tensor(ids, dtype=self.index.dtype))
         return True
+
+    def stale(self) -> bool:
+        """Adapters were loaded since on layers the engine's copy does not stack (its caller
+        makes the copy again and ``install``s the stacks in it)."""
+        if tuple(self.model.peft_config) != self.names:
+            self._build(tuple(self.model.peft_config))
+        return self.refused is None and not set(self.stacked) <= self.installed
 
     def reload(self) -> None:
         """The adapters' weights changed (a training step): copy them into the stacks again (in
@@ -132,34 +179,19 @@ class BatchedLora:
         if self.refused is None and self.names is not None:
             self._fill()
 
-    @contextmanager
-    def applied(self):
-        """PEFT's LoRA layers off and each layer's batched delta on, for the decode steps inside;
-        on exit PEFT's layers as they were and the hooks gone. The flag PEFT's forward reads is
-        set itself: PEFT's public switch (``enable_adapters``) also sets which adapters require
-        grad and makes the active ones trainable when it switches back — not the state it found
-        — and costs more than the steps of a small model (2.3 ms a run of 28 layers)."""
-        for module, _ in self.layers:
-            module._disable_adapters = True
-        # the same hook objects at every switch: a compiled step does not see new ones
-        handles = [module.register_forward_hook(stack) for module, stack in self.layers]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for module, _ in self.layers:  # route() ran only with every layer on
-                module._disable_adapters = False
-
     def _build(self, names: tuple[str, ...]) -> None:
-        self.names, self.layers = names, []
+        """The stacks of ``names``, in place where the copy's layers hold them already (their
+        tensors change size only when the adapters do: a compiled step then recompiles)."""
         self.refused = refusal(self.model)
         if self.refused is not None:
             log.info("batched LoRA off, PEFT routes adapters by row: %s", self.refused)
             return
         from peft.tuners.lora import LoraLayer
 
-        for module in self.model.modules():
+        old = {id(m): stack for m, stack in self.layers}
+        self.names, self.layers, self.stacked = names, [], []
+        base = self.model.get_base_model()
+        for name, module in base.named_modules():
             if not isinstance(module, LoraLayer):
                 continue
             held = [n for n in names if n in module.lora_A]
@@ -174,7 +206,18 @@ class BatchedLora:
             if self.index.device.type == "cuda":  # a CUDA graph reads them where they lie
                 for t in (a, b, slots):
                     torch._dynamo.mark_static_address(t)
-            self.layers.append((module, LayerStack(a, b, self.index, slots)))
+            stack = old.get(id(module))
+            if stack is None:
+                stack = LayerStack(a, b, self.index, slots)
+            else:  # the copy's layer holds this stack: new tensors, the same object
+                stack.a, stack.b, stack.slots = a, b, slots
+            self.layers.append((module, stack))
+            self.stacked.append(name)
+        kept = {id(stack) for _, stack in self.layers}
+        for stack in old.values():  # a layer that holds no adapter now adds nothing
+            if id(stack) not in kept:
+                stack.a.zero_()
+                stack.b.zero_()
         self._fill()
 
     def _fill(self) -> None:

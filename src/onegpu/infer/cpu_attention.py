@@ -16,13 +16,13 @@ and values are the rows' gathered blocks, which inductor reads where they lie in
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
 NAME = "onegpu_cpu_decode"
-_BUFFER = None  # inductor's prim that makes a tensor a buffer in a given layout (register)
 
 
 def decode(
@@ -36,11 +36,13 @@ def decode(
     b, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     q = query.float().reshape(b, kv_heads, heads // kv_heads, 1, dim)
-    if _BUFFER is not None and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         # the query as a buffer of its own: inside the score loop inductor would otherwise
         # recompute what makes it (its rotary embedding, cos and sin included) at every key
-        # position, not once (a step's time: engine-decode-compiled-cpu.md)
-        q = _BUFFER(q, make_contiguous_strides_for(q.shape))
+        # position, not once (a step's time: engine-decode-compiled-cpu.md). inductor's layout
+        # prim (its module imported by register: an import here would break the graph)
+        force = torch.ops.prims.inductor_force_stride_order
+        q = force(q, make_contiguous_strides_for(q.shape))
     scores = (q * key.float()[:, :, None]).sum(-1) * scale  # [B, KVH, G, L]
     if allowed is not None:
         m = allowed.reshape(b, 1, 1, length)
@@ -94,15 +96,13 @@ def attention_forward(
 
 
 def register(compiled: bool = False) -> None:
-    """The attention function, and transformers' SDPA mask maker under the same name; for a
+    """The attention function, and transformers' SDPA mask maker under the same name, in
+    transformers' registry: before the engine's copy of a model names it (decode_model.py); for a
     compiled step also inductor's layout prim (importing inductor takes seconds: only then)."""
-    global _BUFFER
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    if compiled and _BUFFER is None:
-        import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims' own
-
-        _BUFFER = torch.ops.prims.inductor_force_stride_order
+    if compiled:
+        importlib.import_module("torch._inductor.inductor_prims")  # registers torch.ops.prims'

@@ -5,9 +5,7 @@ as a CUDA graph. ``Rows`` is each row's state as tensors at fixed addresses."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -15,6 +13,7 @@ import torch
 
 from onegpu.infer import cpu_attention, gqa_attention, policy
 from onegpu.infer.batched_lora import BASE, BatchedLora
+from onegpu.infer.decode_model import copyable, decode_model, moe
 from onegpu.infer.paged_cache import base_model
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs, Sampler
@@ -124,17 +123,14 @@ class Rows:
         return self.out[:rows, :steps].tolist()
 
 
-_KEYS = itertools.count(1)
-# Dynamo keeps the compiled buckets of every engine on the one code object of DecodeStep.step;
-# each compiled step adds how many buckets it can compile, and its calls run with Dynamo's limits
-# at least at the total (past its default of 8 a bucket would silently run eagerly)
-_ENTRIES = [0]
-
-
 class DecodeStep:
     """The decode step of the first ``rows`` rows over the first ``kv_len`` positions of their
     tables, as a function of (rows, kv_len, needs) only — everything else is tensors with fixed
-    addresses — so torch.compile specialises it once per bucket."""
+    addresses — so torch.compile specialises it once per bucket.
+
+    It runs on the engine's own copy of the model (decode_model.py: the same weights, its decode
+    attention, MoE experts and batched LoRA set once), or on the user's model as it is where
+    PEFT routes a run's adapters or nothing is to change."""
 
     def __init__(
         self,
@@ -145,93 +141,107 @@ class DecodeStep:
         backend: str,
         rules: policy.Policy,
         buckets: int = 1,
+        graph_pass=None,
     ):
+        """``graph_pass``: an inductor post-grad pass for the compiled step (default: the policy's,
+        small_gemv.py on a GPU)."""
         self.runner, self.sampler, self.rows = runner, sampler, rows
+        cuda = runner.device.type == "cuda"
         self.compiled = None
         if mode:
             mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
-            self.compiled = torch.compile(self.step, backend=backend, mode=mode, dynamic=False)
-            _ENTRIES[0] += buckets
-        # Dynamo would hand this step another engine's compiled entry — one over the same model
-        # (weights folded in as they were then), or one whose objects sat at the addresses this
-        # engine's now hold (its guards match ids) — compiled under that engine's settings; a
-        # number of its own, passed in, gives each engine steps of its own
-        self.key = next(_KEYS)
-        self.inductor = {}
+            if graph_pass is None and backend == "inductor" and cuda and rules.small_gemv:
+                from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
+
+                graph_pass = SmallGemv()
+            options = None
+            if graph_pass is not None:  # torch.compile takes a mode or options: the mode's own
+                options = {**torch._inductor.list_mode_options(mode)}
+                options["post_grad_custom_pre_pass"] = graph_pass
+                mode = None
+            # each engine's compiled steps are its own (another engine's, over the same model or
+            # at the same addresses, were compiled under that engine's settings), and as many as
+            # its buckets, with batched LoRA and without (past Dynamo's default of 8 a bucket
+            # would silently run eagerly)
+            self.compiled = torch.compile(
+                self.step,
+                backend=backend,
+                mode=mode,
+                options=options,
+                dynamic=False,
+                recompile_limit=2 * buckets,
+                isolate_recompiles=True,
+            )
         self.warm: set[tuple] = set()  # the buckets (rows, kv_len, needs) compiled and run
         # the buckets compiled, and their first calls' seconds (compiling, and one step): during
         # a warm-up and after it (what a server's load pays for, 0 once every shape is warm)
         self.compiles = {"warmup": 0, "serving": 0}
         self.compile_s = {"warmup": 0.0, "serving": 0.0}
         self._phase = "serving"
-        cuda = runner.device.type == "cuda"
-        if self.compiled is not None and backend == "inductor" and cuda and rules.small_gemv:
-            from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
-
-            self.inductor["post_grad_custom_pre_pass"] = SmallGemv()
-        self.experts = _moe_model(runner.model) if self.compiled is not None else None
-        # a PeftModel's adapters by row as indices (batched_lora.py, a policy row)
-        self.lora = BatchedLora.of(runner.model, rows.lora) if rules.batched_lora else None
-        self.by_index = False  # this run's rows take their adapters from rows.lora
-        if self.compiled is not None and self.lora is not None:
-            _ENTRIES[0] += buckets  # each bucket's step with batched LoRA on, and with it off
         base = base_model(runner.model)
         loops = self.compiled is not None and backend == "inductor" and not cuda
         loops = loops and rules.cpu_attention_loops and gqa_attention.sdpa(base)
-        self.attention = cpu_attention.NAME if loops else gqa_attention.NAME
-        self.grouped = base if loops or gqa_attention.applies(base) else None
-        if self.grouped is not None:
+        grouped = gqa_attention.applies(base) and rules.gqa_decode
+        grouped = gqa_attention.NAME if grouped else None
+        self._attention = cpu_attention.NAME if loops else grouped
+        self._experts = self.compiled is not None and rules.moe_batched_mm and moe(base)
+        # a PeftModel's adapters by row as indices (batched_lora.py, a policy row)
+        self.lora = BatchedLora.of(runner.model, rows.lora) if rules.batched_lora else None
+        peft = getattr(runner.model, "peft_config", None)
+        wanted = self.lora is not None if peft else bool(self._attention or self._experts)
+        self.own = self._make_own() if wanted and copyable(base) else None
+        if self.own is None:
+            self.lora = None  # its stacks live in the copy
+        # the attention the steps of a run on the engine's copy use
+        self.attention = self._attention if self.own is not None else sdpa_name(base)
+        self.on_own = self.own is not None  # this run's steps run on the copy
+
+    def _make_own(self):
+        """The engine's copy of the base model, with the engine's choices set once."""
+        if self._attention is not None:
             gqa_attention.register()
-            cpu_attention.register(loops)
+            cpu_attention.register(self._attention == cpu_attention.NAME)
+        own = decode_model(base_model(self.runner.model), self._attention, self._experts)
+        if self.lora is not None:
+            self.lora.install(own)
+        return own
 
     def route(self, names: Optional[list[str]]) -> Optional[list[str]]:
         """The adapters of the next decode run's rows (PEFT's names a row, or None: the model as
-        it is): None where batched LoRA takes them (written into ``rows.lora``), so the run
-        passes PEFT no names and its steps may be compiled; else ``names``, for PEFT."""
-        self.by_index = names is not None and self.lora is not None and self.lora.route(names)
-        return None if self.by_index else names
+        it is): None where the run decodes on the engine's copy (batched LoRA takes the rows'
+        adapters, written into ``rows.lora``), so its steps may be compiled; else ``names``, for
+        PEFT on the user's model."""
+        if self.own is None:
+            self.on_own = False
+            return names
+        if self.lora is None:  # not a PeftModel: the copy decodes the model as it is
+            self.on_own = names is None
+            return names
+        if self.lora.stale():  # adapters loaded since on layers the copy does not stack
+            self.own = self._make_own()
+        self.on_own = self.lora.route(names)
+        return None if self.on_own else names
+
+    @property
+    def by_index(self) -> bool:
+        """This run's rows take their adapters from ``rows.lora`` (batched LoRA)."""
+        return self.on_own and self.lora is not None
 
     def weights_changed(self) -> None:
         """The model's weights changed: batched LoRA's stacks copy its adapters again."""
         if self.lora is not None:
             self.lora.reload()
 
-    def settings(self, adapters, rows: int = 0) -> ExitStack:
-        """What the steps of ``rows`` rows run under: the engine's decode attention (a GQA
-        model's without repeat_kv's copy; a compiled CPU step's as inductor loops), the batched
-        LoRA of a run whose rows ``route`` took; for a compiled call also inductor's settings
-        (read from the global config when a bucket compiles) and MoE experts as ``batched_mm``."""
-        stack = ExitStack()
-        if self.by_index and adapters is None:
-            stack.enter_context(self.lora.applied())
-        loops = self.attention == cpu_attention.NAME
-        if self.grouped is not None:
-            name = self.attention if loops else gqa_attention.NAME
-            stack.enter_context(gqa_attention.grouped_decode(self.grouped, name))
-        if self.compiled is None or adapters is not None:
-            return stack
-        if self.inductor:
-            stack.enter_context(torch._inductor.config.patch(self.inductor))
-        if self.experts is not None:
-            stack.enter_context(batched_mm_experts(self.experts))
-        return stack
-
     def __call__(self, rows: int, kv_len: int, needs: Needs, adapters) -> tuple:
         if self.compiled is None or adapters is not None:  # PEFT routes adapters with hooks
             return self.step(rows, kv_len, needs, adapters)
-        config = torch._dynamo.config
-        limits = dict(
-            recompile_limit=max(config.recompile_limit, _ENTRIES[0]),
-            accumulated_recompile_limit=max(config.accumulated_recompile_limit, _ENTRIES[0]),
-        )
-        with config.patch(limits):
-            return self._compiled(rows, kv_len, needs)
+        return self._compiled(rows, kv_len, needs)
 
     def _compiled(self, rows: int, kv_len: int, needs: Needs) -> tuple:
         if (rows, kv_len, needs) in self.warm:
-            return self.compiled(rows, kv_len, needs, None, self.key)
+            return self.compiled(rows, kv_len, needs, None)
         start = time.perf_counter()
-        out = self.compiled(rows, kv_len, needs, None, self.key)
+        out = self.compiled(rows, kv_len, needs, None)
         self.compiles[self._phase] += 1
         self.compile_s[self._phase] += time.perf_counter() - start
         self.warm.add((rows, kv_len, needs))
@@ -251,7 +261,7 @@ class DecodeStep:
         self.route([BASE] * self.rows.lora.shape[0] if self.lora is not None else None)
         if not self.runner.cache.keys:  # the pool's layers are made by a first forward: eager,
             # so that no compiled step guards on their absence
-            with torch.no_grad(), self.settings(None, 1):
+            with torch.no_grad():
                 self.step(1, buckets[0][1], kinds[0], None)
         # CUDA graph trees run a new graph once and record it at its next call
         calls = 2 if self.runner.device.type == "cuda" else 1
@@ -260,22 +270,21 @@ class DecodeStep:
             for needs in kinds:
                 for rows, kv_len in buckets:
                     # the engine's steps run under no_grad, which Dynamo guards on
-                    with torch.no_grad(), self.settings(None, rows):
+                    with torch.no_grad():
                         for _ in range(calls):
                             self(rows, kv_len, needs, None)
         finally:
             self._phase = "serving"
         return self.compiles["warmup"] - before
 
-    def step(self, rows: int, kv_len: int, needs: Needs, adapters, key: int = 0):
+    def step(self, rows: int, kv_len: int, needs: Needs, adapters):
         """Each row's next token (-1 where it does not decode) and, where ``needs.logprobs``, the
         sampler's logprobs of the step (else None)."""
         st = self.rows
-        if key < 0:  # never: the test makes Dynamo guard on the key (unread, it would not)
-            raise ValueError(key)
+        model = self.own if self.on_own else self.runner.model
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
         tables = st.tables[:rows, : kv_len // self.runner.block_size]
-        logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters)
+        logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters, model)
         generated = st.generated[:rows]
         nxt = self.sampler.sample(logits, slice(0, rows), generated, needs)
         logprobs = self.sampler.logprobs(logits, nxt, needs)  # the model's own: before any rule
@@ -298,29 +307,6 @@ def compile_mode(compile_: str, mode: Optional[str], device) -> Optional[str]:
     return "default" if mode == "reduce-overhead" and device.type != "cuda" else mode
 
 
-@contextmanager
-def batched_mm_experts(model):
-    """A compiled step's MoE experts as ``batched_mm`` (each token's experts gathered, one bmm): no
-    host sync and fixed shapes, which a CUDA graph needs. transformers' other kernels read the
-    routing on the host (its grouped_mm fallback for non-bf16 weights calls ``tolist()``; the
-    per-expert loop asks which experts were hit), which a graph capture refuses. Only the decode
-    steps switch — a prefill or a training step of the same model would gather each of its many
-    tokens' expert weights — and the model's own choice, read at each switch, is back on exit."""
-    current = model.config._experts_implementation
-    if current in (None, "batched_mm"):
-        yield
-        return
-    model.set_experts_implementation("batched_mm")
-    try:
-        yield
-    finally:
-        model.set_experts_implementation(current)
-
-
-def _moe_model(model):
-    """The (base) model if it has experts that transformers dispatches by implementation."""
-    base = base_model(model)
-    if getattr(base.config, "_experts_implementation", None) is None:
-        return None
-    has = any(getattr(m, "has_gate", None) is not None for m in base.modules())
-    return base if has else None
+def sdpa_name(model) -> str:
+    """The attention implementation the model's config names."""
+    return getattr(model.config, "_attn_implementation", None) or "sdpa"

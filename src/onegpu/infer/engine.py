@@ -34,7 +34,6 @@ from onegpu.errors import ConfigError
 from onegpu.infer import constraints, policy
 from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode
 from onegpu.infer.engine_config import (
-    TOKEN_BUDGET,
     EngineConfig,
     Shapes,
     check_adapter,
@@ -103,7 +102,8 @@ class Engine:
             self.policy,
             self.shapes.count(),
         )
-        budget = cfg.token_budget or TOKEN_BUDGET.get(self.device.type, TOKEN_BUDGET["cuda"])
+        cpu_budget = policy.CPU_TOKEN_BUDGET if self.policy.cpu_token_budget else None
+        budget = cfg.token_budget or cpu_budget or self.max_len
         self.scheduler = Scheduler(
             self.pool,
             SchedulerConfig(
@@ -293,7 +293,7 @@ class Engine:
         adapters = self.decode_step.route(adapters)  # None: batched LoRA routes them by index
         steps = plan.steps
         window = self._window(plan, adapters, rows, kv_len)
-        with window, self.decode_step.settings(adapters, rows):
+        with window:
             for j in range(steps):
                 self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
                 if j + 1 < steps and interrupt is not None and interrupt():

@@ -8,12 +8,6 @@ from typing import Literal, Optional
 
 from onegpu.errors import ConfigError
 
-# A step's tokens when EngineConfig.token_budget is not given: on a CPU a step of 256 prompt
-# tokens of the tiny preset costs about 8 decode steps (benchmarks/results/engine-chunked-
-# prefill-cpu.md), so a long prompt's piece delays the running streams no more than one
-# read-back of theirs; a GPU runs 2,048 tokens in about a decode step's time.
-TOKEN_BUDGET = {"cpu": 256, "cuda": 2048}
-
 
 @dataclass
 class EngineConfig:
@@ -35,8 +29,8 @@ class EngineConfig:
     to the sequence of the highest row, so a decode step computes no empty row between live
     ones (off: sequences keep the row they were admitted to)."""
     token_budget: Optional[int] = None
-    """Tokens one engine step computes: decode rows plus prompt pieces (default: 256 on a CPU,
-    2048 on a GPU)."""
+    """Tokens one engine step computes: decode rows plus prompt pieces (default: the policy row
+    cpu_token_budget's on a CPU, else max_len: a prompt in one piece)."""
     chunk: Optional[int] = None
     """The longest prompt piece; a prompt is computed in pieces ending at multiples of it, one or
     more per step. Default: the token budget."""
@@ -62,7 +56,8 @@ class EngineConfig:
     (per sampling mode) whatever the requests' lengths, at the price of attending over the whole
     table. For callers whose requests are alike and who compile (GRPO's rollouts)."""
     policy_off: list[str] = field(default_factory=list)
-    """Rows of the device policy table (infer/policy.py) to switch off."""
+    """Rows of the device policy table (infer/policy.py) to switch off (`onegpu doctor` lists
+    them)."""
 
     def check(self) -> None:
         ok = {

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.policy import parse_off
 from onegpu.infer.requests import Result, SamplingParams
 
 if TYPE_CHECKING:
@@ -23,23 +24,25 @@ def engine_generate(
     max_new: int,
     on_text: Optional[Callable[[str], None]] = None,
 ) -> list[Result]:
-    need = -(-(max(map(len, ids)) + max_new) // 64) * 64
-    compile_ = "auto" if scfg.compile == "auto" else ("off" if scfg.compile == "off" else "on")
-    engine = Engine(
-        model,
-        tokenizer,
-        EngineConfig(
-            max_slots=min(scfg.batch_size, len(ids)),
-            max_len=need,
-            compile=compile_,
-            compile_mode=None if scfg.compile in ("auto", "off") else scfg.compile,
-            compile_backend=scfg.compile_backend,
-        ),
-    )
+    engine = Engine(model, tokenizer, generate_config(scfg, ids, max_new))
     params = [request_params(scfg, max_new, i) for i in range(len(ids))]
     if on_text is None:
         return engine.generate(ids, params)
     return _streamed(engine, ids, params, on_text)
+
+
+def generate_config(scfg: SamplingConfig, ids: list[list[int]], max_new: int) -> EngineConfig:
+    """The engine of one ``generate`` call: rows for the batch, positions for the longest."""
+    need = -(-(max(map(len, ids)) + max_new) // 64) * 64
+    compile_ = "auto" if scfg.compile == "auto" else ("off" if scfg.compile == "off" else "on")
+    return EngineConfig(
+        max_slots=min(scfg.batch_size, len(ids)),
+        max_len=need,
+        compile=compile_,
+        compile_mode=None if scfg.compile in ("auto", "off") else scfg.compile,
+        compile_backend=scfg.compile_backend,
+        policy_off=parse_off(scfg.policy_off),
+    )
 
 
 def request_params(scfg: SamplingConfig, max_new: int, index: int) -> SamplingParams:

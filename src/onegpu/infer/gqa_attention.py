@@ -10,15 +10,14 @@ and read again each step. transformers 5.24 packs the queries instead outside to
 A decode step has one query token per row, so the G query heads of a key head can stand in for G
 query tokens of that head: ``[B, H, 1, D] -> [B, KVH, G, D]``, one SDPA call over the cache as it
 is, the row's mask broadcast over the G "tokens" (they attend to the same positions), the output
-reshaped back. :func:`grouped_decode` switches a GQA model that runs SDPA to this for the decode
-steps only (the prefill keeps transformers' function); anything else it is handed — several query
-tokens, a per-head mask, dropout, a soft cap, sinks, a position bias — goes to transformers' SDPA
-function unchanged.
+reshaped back. The engine's own copy of a GQA model that runs SDPA names this function
+(decode_model.py), for its decode steps only (the prefill runs on the model as given); anything
+else it is handed — several query tokens, a per-head mask, dropout, a soft cap, sinks, a position
+bias — goes to transformers' SDPA function unchanged.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -78,21 +77,10 @@ def sdpa(model) -> bool:
 
 def register() -> None:
     """The attention function, and transformers' SDPA mask maker under the same name (a model
-    that builds its own mask looks it up by the implementation's name): once, before
-    :func:`grouped_decode`."""
+    that builds its own mask looks it up by the implementation's name), in transformers' registry:
+    before the engine's copy of a model names it (decode_model.py)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-
-
-@contextmanager
-def grouped_decode(model, name: str = NAME):
-    """The model's layers attend with the function registered as ``name`` inside the block
-    (:func:`attention_forward` by :func:`register`, or cpu_attention's); SDPA after."""
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation("sdpa")

@@ -20,10 +20,15 @@ def generate_batch(
 
     context = context_length(model)
     lengths = [len(row) for row in ids]
-    tokenizer.padding_side = "left"  # new tokens must follow each prompt directly
     multiple = _pad_multiple(scfg, max(lengths), context)
+    # left: new tokens must follow each prompt directly (for this call: the caller's tokenizer
+    # keeps its own side)
     enc = tokenizer.pad(
-        {"input_ids": ids}, padding=True, pad_to_multiple_of=multiple, return_tensors="pt"
+        {"input_ids": ids},
+        padding=True,
+        pad_to_multiple_of=multiple,
+        padding_side="left",
+        return_tensors="pt",
     ).to(_input_device(model))
     width = enc["input_ids"].shape[1]
     max_new = scfg.max_new_tokens

@@ -3,6 +3,10 @@ that justifies it and the model shapes it was measured on. Every row can be swit
 (``EngineConfig.policy_off``: the names of the rows to leave out), and a row whose gain does not
 hold on a second shape is not in the table.
 
+The engine reads it through a ``Policy``; ``onegpu doctor`` and serve's start-up line print
+``summary``. ``--policy_off ROW[,ROW]`` (``parse_off``) reaches it from ``onegpu generate``,
+``onegpu serve``, ``onegpu bench infer`` and GRPO's sampler (``grpo.policy_off``).
+
 The CPU rows were measured on the ``tiny`` and ``125m`` presets
 (``benchmarks/results/engine-policy-cpu.md``, ``benchmarks/policy_ab.py``); the CUDA rows on
 the ``1b`` preset on an H200, and are to be measured on an 8B shape on the next card
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,12 @@ class Rule:
     what: str
     results: str
     shapes: tuple[str, ...]
+    why: str = ""  # what the results file measured, in a line (doctor and serve print it)
+
+
+# The token budget of a CPU step (the cpu_token_budget row): engine-budget-cpu.md and
+# engine-budget-125m-cpu.md time 64-1024 on the tiny and 125m shapes
+CPU_TOKEN_BUDGET = 256
 
 
 RULES: dict[str, Rule] = {
@@ -36,6 +47,7 @@ RULES: dict[str, Rule] = {
         "rows over the slot cache's views, from 1 over the paged pool)",
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
+        "a compiled CPU step faster on both shapes than SDPA's kernel",
     ),
     "eager_window": Rule(
         "cpu",
@@ -43,6 +55,7 @@ RULES: dict[str, Rule] = {
         "kept up to date by each (paged_cache.Window), not a gather at every step",
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
+        "an eager CPU step faster on both shapes than a gather at every step",
     ),
     "batched_lora": Rule(
         "any",
@@ -51,6 +64,7 @@ RULES: dict[str, Rule] = {
         "per-row hooks: the step stays compiled (a CUDA graph on a GPU) whatever the mix",
         "benchmarks/results/lora-batched-cpu.md",
         ("tiny", "125m"),
+        "a mixed batch of adapters decodes compiled, not eagerly through PEFT's hooks",
     ),
     "small_gemv": Rule(
         "cuda",
@@ -58,6 +72,34 @@ RULES: dict[str, Rule] = {
         "reductions (small_gemv.py)",
         "benchmarks/results/h200-20261126/README.md",
         ("1b",),
+        "the 1b step at batch 1 1.40 against 1.59 ms (an 8B shape is still to be timed)",
+    ),
+    "gqa_decode": Rule(
+        "cuda",
+        "a GQA model's decode steps pack each key head's query heads as query tokens of one SDPA "
+        "call over the cache as it is (gqa_attention.py), not repeat_kv's copy per query head",
+        "benchmarks/results/h200-20261126/README.md",
+        ("1b",),
+        "the 1b step at batch 8 1.709 against 1.972 ms (batch 1 1.589 against 1.553; a second "
+        "GQA shape is still to be timed; on a CPU not timed: none of the CPU presets is GQA)",
+    ),
+    "moe_batched_mm": Rule(
+        "any",
+        "a compiled decode step runs MoE experts as batched_mm (no host read of the routing, "
+        "fixed shapes) in the engine's copy of the model; the prefill keeps the model's kernel",
+        "benchmarks/results/h200-20261125/README.md",
+        ("mixtral", "qwen3_moe"),
+        "a CUDA graph capture refused transformers' grouped_mm fallback (its tolist())",
+    ),
+    "cpu_token_budget": Rule(
+        "cpu",
+        f"a CPU step computes at most {CPU_TOKEN_BUDGET} tokens (decode rows and prompt pieces) "
+        "when EngineConfig.token_budget is not given; off (and on a GPU, unmeasured) a step may "
+        "compute a whole max_len prompt",
+        "benchmarks/results/engine-budget-cpu.md",
+        ("tiny", "125m"),
+        "a long prompt's first token 2.4x (tiny) and 1.7x (125m) sooner than at 64 tokens, the "
+        "streams' p50 gap within 8% (engine-budget-125m-cpu.md for the 125m)",
     ),
 }
 
@@ -71,6 +113,9 @@ class Policy:
     eager_window: bool = False
     batched_lora: bool = False
     small_gemv: bool = False
+    gqa_decode: bool = False
+    moe_batched_mm: bool = False
+    cpu_token_budget: bool = False
 
     @classmethod
     def for_device(cls, device_type: str, off: Iterable[str] = ()) -> Policy:
@@ -85,6 +130,23 @@ class Policy:
             )
         on = {n for n, r in RULES.items() if r.device in (device_type, "any") and n not in off}
         return cls(**{f.name: f.name in on for f in fields(cls)})
+
+
+def parse_off(text: Optional[str]) -> list[str]:
+    """``--policy_off ROW[,ROW]``: the rows' names (checked by ``Policy.for_device``)."""
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def summary(device_type: str, off: Iterable[str] = ()) -> list[str]:
+    """One line a row of ``device_type``: on or off (and by whom), what it does and why."""
+    rules = Policy.for_device(device_type, off)
+    lines = []
+    for name, r in RULES.items():
+        if r.device not in (device_type, "any"):
+            continue
+        state = "on " if getattr(rules, name) else "off"
+        lines.append(f"{state} {name}: {r.why} ({r.results}; shapes {', '.join(r.shapes)})")
+    return lines
 
 
 def describe() -> str:

@@ -88,11 +88,13 @@ class ModelRunner:
         live: torch.Tensor,
         tables: torch.Tensor,
         adapters: Optional[list[str]] = None,
+        model: Optional[torch.nn.Module] = None,
     ) -> torch.Tensor:
-        """One token a row: ``tokens``, ``positions``, ``live`` ``[rows]``, ``tables [rows,
-        kv_len / block_size]`` -> logits ``[rows, vocab]``. A row that is not live writes into
-        the null block (its table's first entry is 0 when it holds no sequence; a finished
-        sequence's own blocks are not touched either)."""
+        """One token a row, a forward of ``model`` (the engine's copy of the model for its decode
+        steps, decode_model.py; default the model as given): ``tokens``, ``positions``,
+        ``live`` ``[rows]``, ``tables [rows, kv_len / block_size]`` -> logits ``[rows, vocab]``.
+        A row that is not live writes into the null block (its table's first entry is 0 when it
+        holds no sequence; a finished sequence's own blocks are not touched either)."""
         # a row that does not decode may sit anywhere (a prompt being computed in pieces, a
         # finished sequence's last position): it reads its table at 0 and writes into block 0
         safe = torch.where(live, positions, 0)
@@ -104,15 +106,20 @@ class ModelRunner:
             where = torch.where(live, where, positions % self.block_size)
             self.cache.set_view(PagedView(where, tables))
         kv_len = tables.shape[1] * self.block_size
-        return self._forward(tokens[:, None], positions[:, None], positions, kv_len, 1, adapters)
+        return self._forward(
+            tokens[:, None], positions[:, None], positions, kv_len, 1, adapters, model=model
+        )
 
-    def _forward(self, ids, positions, last, kv_len: int, query_len: int, adapters, every=False):
-        config = self.model.config
+    def _forward(
+        self, ids, positions, last, kv_len: int, query_len: int, adapters, every=False, model=None
+    ):
+        model = self.model if model is None else model
+        config = model.config
         mask = masks(config, last, kv_len, self.cache.dtype, config._attn_implementation, query_len)
         kw = {} if adapters is None else {"adapter_names": adapters}
         if self.no_router_loss:
             kw["output_router_logits"] = False
-        out = self.model(
+        out = model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 
 @dataclass
@@ -48,6 +48,9 @@ class SamplingConfig:
     static_cache: bool = False
     """decoder hf: preallocate transformers' KV cache to its final size (the engine always does,
     sized to the request)."""
+    policy_off: Optional[str] = None
+    """Rows of the engine's device policy table to switch off, comma-separated (ROW[,ROW]; the
+    rows and why each is on: `onegpu doctor`)."""
 
 
 @dataclass

@@ -158,6 +158,7 @@ def engine_rollouts(
     first longer prompt; rebuilt only for more rows or a prompt past ``max_prompt``. The weights
     change between rollouts: a kept engine forgets its cached prefixes at each call."""
     from onegpu.infer.engine import Engine, EngineConfig
+    from onegpu.infer.policy import parse_off
     from onegpu.infer.requests import SamplingParams
 
     new = gcfg.max_completion_length
@@ -176,6 +177,7 @@ def engine_rollouts(
             eos_ids=eos,
             sync_every=32,
             fixed_shape=compiled,  # one compiled step, not one per (rows, length) bucket
+            policy_off=parse_off(gcfg.policy_off),
         )
         engine = Engine(gen, None, config)
         # keyed by the length asked for: past the model's context the engine holds less, and

@@ -57,6 +57,9 @@ class ServeConfig:
     """A stream's tokens are sent at least this often: where decode steps are slow (a large model,
     a full batch) fewer than sync_every run before the host looks, down to one token per event.
     --sync_every 1: one token per event always; --flush_ms null: sync_every steps always."""
+    policy_off: Optional[str] = None
+    """Rows of the engine's device policy table to switch off, comma-separated (ROW[,ROW]; the
+    rows and why each is on: `onegpu doctor`)."""
     token_budget: Optional[int] = None
     """Tokens one engine step computes: the running requests' next tokens plus pieces of new
     prompts; a longer prompt is computed in pieces over several steps, so the running streams keep

@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 def make_engine(model, tokenizer, plan, cfg: ServeConfig):
     from onegpu.infer.engine import Engine, EngineConfig
+    from onegpu.infer.policy import parse_off
 
     config = EngineConfig(
         max_slots=plan.max_slots,
@@ -27,6 +28,7 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
         compile=cfg.compile,
         sync_every=cfg.sync_every,
         flush_ms=cfg.flush_ms,
+        policy_off=parse_off(cfg.policy_off),
     )
     return Engine(model, tokenizer, config)
 
@@ -56,6 +58,7 @@ def warm_up(engine, cfg: ServeConfig) -> None:
 def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
     from onegpu.infer.engine import kv_bytes_per_position
+    from onegpu.infer.policy import summary
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
     from onegpu.serve.budget import plan_kv
@@ -82,6 +85,8 @@ def serve(icfg, cfg: ServeConfig) -> int:
     )
     _say(plan.describe())
     engine = make_engine(model, loaded.tokenizer, plan, cfg)
+    for line in summary(engine.device.type, engine.config.policy_off):  # the device choices
+        _say(f"policy {line}")
     _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
     warm_up(engine, cfg)
     metrics = Metrics()
