@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 
-from onegpu.serve.json_schemas import closed
 from serve_fakes import ALL_FEATURES, LiveApp, make_service
 from test_serve_api import chat, error_of, post, sse
 from test_serve_tools import WEATHER
@@ -62,7 +61,7 @@ def test_forced_calls_without_a_tool_format_come_back_as_tool_calls_whole_and_st
         names = [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]]
         assert names == ["weather", "clock"]
     else:  # the named tool's own (closed) schema, as vLLM
-        assert schema == closed(WEATHER["function"]["parameters"])
+        assert schema == {**WEATHER["function"]["parameters"], "additionalProperties": False}
     events = sse(post(live, "/v1/chat/completions", {**body, "stream": True}))
     deltas = [e["choices"][0] for e in events[:-1] if e["choices"]]
     calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
