@@ -85,6 +85,56 @@ def run(engine: Engine, ids, biased: int, constrained: int, new: int) -> dict:
     }
 
 
+def stage(rounds: int, reps: int = 200) -> dict:
+    """The sampler's stage alone (``sampling.next_tokens``, greedy, eager) over [8, vocab] fp32
+    logits, at the tiny presets' 32,000 and Llama 3's 128,256 tokens: µs per call with nothing,
+    with logit_bias (every row's bias added, min_tokens' EOS mask), with a grammar's mask on 1 and
+    on 8 rows (its unpack and apply; the host's fill is the whole-step table's). Interleaved."""
+    from onegpu.infer.sampling import next_tokens
+
+    out = {}
+    for vocab in (32000, 128256):
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(ROWS, vocab, generator=g)
+        z = torch.zeros(ROWS)
+        bias = torch.zeros(ROWS, vocab)
+        bias[:, 1000:17000:1000] = 1.5
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (ROWS, words), dtype=torch.int32, generator=g)
+        eos = torch.zeros(vocab, dtype=torch.bool)
+        eos[2] = True
+
+        def params(masked_rows: int = 0, t=(z, bitmask, bias, eos)):
+            return _row_params(*t, masked_rows)
+
+        arms = {
+            "greedy, nothing": (params(), {}),
+            "logit_bias + min_tokens": (params(), {"biased": True}),
+            "grammar mask 1 of 8": (params(1), {"constraints": True}),
+            "grammar mask 8 of 8": (params(8), {"constraints": True}),
+        }
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for _ in range(rounds):
+            for arm, (p, kw) in arms.items():
+                next_tokens(logits, p, False, False, False, **kw)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    next_tokens(logits, p, False, False, False, **kw)
+                times[arm].append(1e6 * (time.perf_counter() - t0) / reps)
+        out[vocab] = {a: summary(v) for a, v in times.items()}
+    return out
+
+
+def _row_params(z, bitmask, bias, eos, masked_rows: int):
+    from onegpu.infer.sampling import RowParams
+
+    masked = torch.arange(ROWS) < masked_rows
+    return RowParams(
+        z, z.long(), z + 1, z + 1, z.long(), z.long(), None, None, None, None,
+        bitmask, masked, bias, torch.full((ROWS,), 4), eos,
+    )  # fmt: skip
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -94,9 +144,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--out", default="benchmarks/results/sampling-rules-cost-cpu")
+    ap.add_argument("--stage", action="store_true", help="the sampler's stage alone (stage())")
     args = ap.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(1)
+    if args.stage:
+        return stage_report(args, argv)
     before, started = _uptime(), time.perf_counter()
     tok = train_tokenizer(stdlib_texts(), VOCAB, "constraint-cost-stdlib-300")
     ids = prompts(tok, ROWS)
@@ -147,6 +200,39 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     out.with_suffix(".md").write_text(markdown(doc))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+def stage_report(args, argv) -> int:
+    before, started = _uptime(), time.perf_counter()
+    res = stage(args.rounds)
+    lines = [
+        "# The sampler's stage alone: logit_bias and a grammar's mask (CPU, one thread)",
+        "",
+        f"- command: `python benchmarks/sampling_rules_cost.py {' '.join(argv)}`",
+        f"- commit: {_commit()}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: x86_64, 1 torch thread, {__import__('os').cpu_count()} cores",
+        f"- uptime_before: {before}",
+        f"- uptime_after: {_uptime()}",
+        f"- run: {time.perf_counter() - started:.1f} s",
+        "",
+        f"`sampling.next_tokens`, greedy, eager, on [{ROWS}, vocab] fp32 logits; µs per call, "
+        f"median [min-max] of {args.rounds} interleaved rounds of 200 calls.",
+        "",
+        "| vocab | arm | µs/call | vs nothing |",
+        "|---|---|---|---|",
+    ]
+    for vocab, arms in res.items():
+        base = arms["greedy, nothing"]["median"]
+        for arm, s in arms.items():
+            cell = f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"
+            lines.append(f"| {vocab} | {arm} | {cell} | {s['median'] / base:.2f}x |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"results": res}, indent=1))
+    out.with_suffix(".md").write_text("\n".join([*lines, ""]))
     print(out.with_suffix(".md").read_text())
     return 0
 
