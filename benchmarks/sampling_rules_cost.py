@@ -101,8 +101,7 @@ def stage(rounds: int, reps: int = 200) -> dict:
         bias[:, 1000:17000:1000] = 1.5
         words = (vocab + 31) // 32
         bitmask = torch.randint(-(2**31), 2**31 - 1, (ROWS, words), dtype=torch.int32, generator=g)
-        eos = torch.zeros(vocab, dtype=torch.bool)
-        eos[2] = True
+        eos = torch.tensor([2])
 
         def params(masked_rows: int = 0, t=(z, bitmask, bias, eos)):
             return _row_params(*t, masked_rows)

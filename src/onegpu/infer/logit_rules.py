@@ -51,10 +51,14 @@ def apply_bias(
 ) -> torch.Tensor:
     """OpenAI's logit_bias and vLLM's min_tokens, per row: ``bias`` [rows, vocab] added to the
     logits, and where ``early`` [rows] (the row has generated fewer than its min_tokens) each EOS
-    token (``eos`` [vocab], bool) at -inf. A row with no bias and not early comes back bit for
-    bit (+0.0 and an untaken torch.where). A new tensor."""
+    token (``eos``: their ids, [k] long) at -inf. A row with no bias and not early keeps its
+    values (+0.0, its EOS columns written back as they were). A new tensor. The mask touches the
+    k EOS columns alone, not the whole [rows, vocab]: on a CPU a where over all of it cost as much
+    as the add (benchmarks/results/sampling-rules-stage-cpu.md)."""
     logits = logits + bias.to(logits.dtype)
-    return torch.where(early[:, None] & eos[None, :], float("-inf"), logits)
+    if eos.numel():
+        logits[:, eos] = torch.where(early[:, None], float("-inf"), logits[:, eos])
+    return logits
 
 
 def token_logprobs(

@@ -86,8 +86,8 @@ class RowParams:
     # which rows hold a grammar's mask [rows] (bool)
     bitmask: Optional[torch.Tensor] = None
     masked: Optional[torch.Tensor] = None
-    # OpenAI's logit_bias [rows, vocab] (0: none), each row's min_tokens [rows] and which tokens
-    # are EOS [vocab] (bool): masked while a row's step is under its min_tokens
+    # OpenAI's logit_bias [rows, vocab] (0: none), each row's min_tokens [rows] and the EOS ids
+    # [k] (long): masked while a row's step is under its min_tokens
     bias: Optional[torch.Tensor] = None
     min_tokens: Optional[torch.Tensor] = None
     eos: Optional[torch.Tensor] = None
@@ -219,7 +219,7 @@ class Sampler:
     ``masked [rows]`` marking the rows that hold one (the engine writes ``host_bitmask`` and
     ``host_masked``, ``upload_bitmask`` takes them to the device), each row's logit_bias
     ``[rows, vocab]`` (float, 0 where none) and min_tokens ``[rows]`` with the model's EOS ids
-    (``eos [vocab]``, bool: what min_tokens masks). What a token's draw counts
+    (``eos [k]``, long: what min_tokens masks). What a token's draw counts
     from (the request's tokens so far) is the caller's, passed in."""
 
     def __init__(self, rows: int, vocab: int, device, eos: tuple[int, ...] = ()):
@@ -239,8 +239,8 @@ class Sampler:
         self.masked = z(torch.bool)
         self.bias = z(torch.float, rows, vocab)
         self.min_tokens = z(torch.long)
-        self.eos = z(torch.bool, vocab)
-        self.eos[[t for t in eos if 0 <= t < vocab]] = True
+        ids = sorted({t for t in eos if 0 <= t < vocab})
+        self.eos = torch.tensor(ids, dtype=torch.long).to(device)
         cuda = torch.device(device).type == "cuda"
         # the host's copies (on a CPU the device's own): a few KB a row, copied as the tables are
         self.host_bitmask = self.bitmask.cpu() if cuda else self.bitmask
