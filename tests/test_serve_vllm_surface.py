@@ -175,3 +175,25 @@ def test_tokenize_and_detokenize_as_vllm(live, tiny_tokenizer):
     err = error_of(post(live, "/tokenize", {"prompt": "x", "messages": msgs}), 400)
     assert "one of them" in err["message"]
     assert post(live, "/tokenize", {"prompt": "x", "model": "nope"}).status_code == 404
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_strict_reaches_the_engines_grammar(tiny_tokenizer, strict):
+    """--json_schema_strict (launch.add_request_features): on, an object that leaves
+    additionalProperties out is closed in the grammar the engine gets; off, it goes as sent."""
+    from onegpu.serve.config import ServeConfig
+    from onegpu.serve.launch import add_request_features
+
+    service, engine = make_service(tiny_tokenizer, answer, features=FEATURES)
+    add_request_features(service, tiny_tokenizer, ServeConfig(json_schema_strict=strict))
+    app = LiveApp(service)
+    try:
+        sky = {"type": "object", "properties": {"sky": {"type": "string"}}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": sky}}
+        for body in ({"response_format": fmt}, {"guided_json": sky}):
+            reply = post(app, "/v1/chat/completions", chat(max_tokens=4, **body))
+            assert reply.status_code == 200, reply.text
+            sent = json.loads(engine.seen[-1][1].constraint.value)
+            assert sent == ({**sky, "additionalProperties": False} if strict else sky)
+    finally:
+        app.stop()
