@@ -62,14 +62,14 @@ def sse(response: httpx.Response) -> list:
 
 # ---------------------------------------------------------------------------- lenient
 def test_unknown_fields_are_ignored_logged_once_and_named_in_a_header(app, caplog):
-    body = chat(logit_bias={"5": 1}, store=True, metadata={"a": "b"})
+    body = chat(prediction={"type": "content", "content": "x"}, store=True, metadata={"a": "b"})
     body["messages"][0]["refusal"] = None
     with caplog.at_level(logging.WARNING, logger="onegpu.serve.app"):
         first = post(app, "/v1/chat/completions", body)
         second = post(app, "/v1/chat/completions", body)
     assert first.status_code == 200 and second.status_code == 200, first.text
     named = first.headers["x-onegpu-ignored-fields"]
-    assert named == "logit_bias, messages.refusal, metadata, store"
+    assert named == "messages.refusal, metadata, prediction, store"
     assert second.headers["x-onegpu-ignored-fields"] == named
     warned = [
         r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()

@@ -1,6 +1,6 @@
-"""Structured output: a request's Constraint (a JSON schema, a regex, a choice of strings, with
-literal text around it) compiled for the model's tokenizer into a per-request matcher that says,
-token by token, which tokens may come next.
+"""Structured output: a request's Constraint (a JSON schema, a regex, a choice of strings, a Lark
+or GBNF grammar, with literal text around a JSON schema) compiled for the model's tokenizer into a
+per-request matcher that says, token by token, which tokens may come next.
 
 The grammar library is llguidance (chosen by measurement against xgrammar and outlines-core:
 benchmarks/results/grammar-libs-cpu.md); it is an optional extra, ``pip install
@@ -121,6 +121,11 @@ class Grammars:
         if c.kind == "choice":
             choices = json.loads(c.value)
             return "start: " + " | ".join(_lit(s) for s in choices) + "\n"
+        if c.kind == "grammar":  # Lark, or llama.cpp's GBNF (converted), as vLLM's guidance
+            try:
+                return ll.grammar_from("grammar", c.value)
+            except ValueError as exc:
+                raise ConstraintError(f"the grammar does not compile: {exc}") from None
         raise ConstraintError(f"unknown constraint kind '{c.kind}'")
 
     def check(self, c: Constraint) -> None:
@@ -153,7 +158,8 @@ def _lit(text: str) -> str:
 
 
 def _what(c: Constraint) -> str:
-    return {"json_schema": "JSON schema", "regex": "regex", "choice": "choice"}.get(c.kind, c.kind)
+    names = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice"}
+    return names.get(c.kind, c.kind)
 
 
 def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:

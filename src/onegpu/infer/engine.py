@@ -58,7 +58,7 @@ __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
 # strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name.
 # Grammars need llguidance, an optional extra: without it an engine declares none
-FEATURES = EngineFeatures(penalties=True, logprobs=True, constraints=True)
+FEATURES = EngineFeatures(penalties=True, logprobs=True, constraints=True, bias=True)
 # What a warm-up compiles by default: a plain request's steps, greedy and sampled (OpenAI's
 # temperature 1); penalties, top-k/top-p, logprobs and grammars compile when first asked for
 WARM_KINDS = (Needs(), Needs(sampling=True))
@@ -82,8 +82,8 @@ class Engine:
         self.cache = PagedCache(blocks, size, kv_dtype(model), self.device)
         self.runner = ModelRunner(model, self.cache, self.max_slots, per_seq * size)
         vocab = model.get_output_embeddings().weight.shape[0]
-        self.sampler = Sampler(self.max_slots, vocab, self.device)
         eos = cfg.eos_ids or eos_ids_of(model, tokenizer)
+        self.sampler = Sampler(self.max_slots, vocab, self.device, tuple(eos))
         self.eos_set = frozenset(eos)
         self.rows = Rows.empty(
             self.max_slots, per_seq, eos, cfg.sync_every, self.device, self.sampler.top

@@ -1,11 +1,12 @@
 """Per-request rules on a decode step's logits, batched over rows and run on the logits' device:
-OpenAI's presence and frequency penalties, the log-probabilities of the chosen tokens (and each
-row's likeliest alternatives), and a grammar's token mask.
+OpenAI's presence and frequency penalties and logit_bias, min_tokens' EOS mask, the
+log-probabilities of the chosen tokens (and each row's likeliest alternatives), and a grammar's
+token mask.
 
 Pure tensor functions, no state: the engine keeps, per row, the counts of the tokens the request
 generated (``count_tokens`` adds a step's tokens) and calls, in its sampler,
-``apply_penalties`` -> ``apply_token_bitmask`` -> (temperature, top-k/top-p, draw) ->
-``token_logprobs`` on the logits before any of these rules (vLLM's default: the model's own
+``apply_penalties`` -> ``apply_bias`` -> ``apply_token_bitmask`` -> (temperature, top-k/top-p,
+draw) -> ``token_logprobs`` on the logits before any of these rules (vLLM's default: the model's own
 distribution). Rows that ask for nothing are left exactly as they were (their penalty is 0, their
 bitmask row is all ones)."""
 
@@ -43,6 +44,21 @@ def apply_penalties(
         - c * frequency[:, None].to(logits.dtype)
         - (c > 0) * presence[:, None].to(logits.dtype)
     )
+
+
+def apply_bias(
+    logits: torch.Tensor, bias: torch.Tensor, early: torch.Tensor, eos: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's logit_bias and vLLM's min_tokens, per row: ``bias`` [rows, vocab] added to the
+    logits, and where ``early`` [rows] (the row has generated fewer than its min_tokens) each EOS
+    token (``eos``: their ids, [k] long) at -inf. A row with no bias and not early keeps its
+    values (+0.0, its EOS columns written back as they were). A new tensor. The mask touches the
+    k EOS columns alone, not the whole [rows, vocab]: on a CPU a where over all of it cost as much
+    as the add (benchmarks/results/sampling-rules-stage-cpu.md)."""
+    logits = logits + bias.to(logits.dtype)
+    if eos.numel():
+        logits[:, eos] = torch.where(early[:, None], float("-inf"), logits[:, eos])
+    return logits
 
 
 def token_logprobs(

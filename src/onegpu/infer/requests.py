@@ -16,10 +16,11 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 class Constraint:
     """A grammar the request's tokens must follow (``infer.constraints`` compiles it with the
     tokenizer). ``kind``: json_schema (``value``: the schema as JSON text; "" for any JSON object),
-    regex, or choice (``value``: a JSON list of strings, one of which is the answer). ``before`` /
-    ``after``: literal text around the JSON (a tool call's tags)."""
+    regex, choice (``value``: a JSON list of strings, one of which is the answer) or grammar (a
+    Lark grammar, llguidance's dialect, or llama.cpp's GBNF). ``before`` / ``after``: literal text
+    around the JSON (a tool call's tags)."""
 
-    kind: Literal["json_schema", "regex", "choice"]
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
     value: str
     before: str = ""
     after: str = ""
@@ -37,6 +38,8 @@ class EngineFeatures:
     """Update.logprobs for requests with ``logprobs`` set (``infer.logit_rules.token_logprobs``)."""
     constraints: bool = False
     """Token masks from a request's Constraint (``infer.constraints``)."""
+    bias: bool = False
+    """logit_bias and min_tokens (``infer.logit_rules.apply_bias``)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class SamplingParams:
     # the whole prompt is computed, none of it taken from the prefix cache)
     prompt_logprobs: Optional[int] = None
     constraint: Optional[Constraint] = None
+    # OpenAI's logit_bias: (token id, bias in -100..100) pairs added to those tokens' logits
+    # before any sampling (greedy included), after the presence/frequency penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS (the engine's EOS ids) is masked until this many are generated
 
     def check(self, field_prefix: str = "") -> None:
         """One clear error naming the bad field (``field_prefix`` + name: "--top_p", "top_p")."""
@@ -77,6 +84,8 @@ class SamplingParams:
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "prompt_logprobs": self.prompt_logprobs is None
             or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "logit_bias": all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+            "min_tokens": 0 <= self.min_tokens <= self.max_new_tokens,
         }
         for name, ok in checks.items():
             if not ok:
@@ -84,7 +93,9 @@ class SamplingParams:
                     f"{field_prefix}{name} has an invalid value: {getattr(self, name)}.",
                     hint="max_new_tokens >= 1; temperature, top_k >= 0; 0 < top_p <= 1; "
                     "repetition_penalty > 0; 0 <= seed < 2**63; -2 <= presence_penalty, "
-                    f"frequency_penalty <= 2; 0 <= logprobs, prompt_logprobs <= {MAX_LOGPROBS}",
+                    f"frequency_penalty <= 2; 0 <= logprobs, prompt_logprobs <= {MAX_LOGPROBS}; "
+                    "logit_bias: token ids >= 0, biases in -100..100; "
+                    "0 <= min_tokens <= max_new_tokens",
                 )
         if any(not s for s in self.stop):
             raise ConfigError(

@@ -22,7 +22,9 @@ from typing import Optional
 
 import torch
 
+from onegpu.errors import ConfigError
 from onegpu.infer.logit_rules import (
+    apply_bias,
     apply_penalties,
     apply_token_bitmask,
     bitmask_words,
@@ -49,6 +51,7 @@ class Needs:
     penalties: bool = False  # OpenAI's presence/frequency penalties: counts of generated tokens
     logprobs: bool = False  # the chosen tokens' logprobs and the MAX_LOGPROBS likeliest
     constraints: bool = False  # a grammar's allowed tokens: Sampler.bitmask
+    biased: bool = False  # logit_bias or min_tokens: Sampler.bias, Sampler.min_tokens
 
     @classmethod
     def of(cls, params) -> Needs:
@@ -60,6 +63,7 @@ class Needs:
             any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
             any(p.logprobs is not None for p in params),
             any(p.constraint is not None for p in params),
+            any(p.logit_bias or p.min_tokens for p in params),
         )
 
 
@@ -82,6 +86,11 @@ class RowParams:
     # which rows hold a grammar's mask [rows] (bool)
     bitmask: Optional[torch.Tensor] = None
     masked: Optional[torch.Tensor] = None
+    # OpenAI's logit_bias [rows, vocab] (0: none), each row's min_tokens [rows] and the EOS ids
+    # [k] (long): masked while a row's step is under its min_tokens
+    bias: Optional[torch.Tensor] = None
+    min_tokens: Optional[torch.Tensor] = None
+    eos: Optional[torch.Tensor] = None
 
 
 def next_tokens(
@@ -92,20 +101,25 @@ def next_tokens(
     filtering: bool = True,
     penalties: bool = False,
     constraints: bool = False,
+    biased: bool = False,
 ) -> torch.Tensor:
     """The next token of each row. ``sampling``/``penalty``/``filtering``/``penalties``/
     ``constraints``: whether any row samples, applies the repetition penalty, uses top-k/top-p,
-    OpenAI's presence and frequency penalties, or a grammar's token mask (known on the host), so a
-    greedy batch pays for no noise, an unfiltered one (GRPO's) for no sort of the vocabulary, an
-    unpenalised one for no pass over the counts and an unconstrained one for no mask. The
-    penalties come before the mask and the mask before temperature and the filters, the repetition
-    penalty first (vLLM's order)."""
+    OpenAI's presence and frequency penalties, a grammar's token mask, or logit_bias/min_tokens
+    (known on the host), so a greedy batch pays for no noise, an unfiltered one (GRPO's) for no
+    sort of the vocabulary, an unpenalised one for no pass over the counts, an unconstrained one
+    for no mask and an unbiased one for no add. The penalties come before the bias, the bias
+    before the masks (min_tokens', the grammar's) and the masks before temperature and the
+    filters, the repetition penalty first (vLLM's order); greedy rows take the argmax after all
+    of them."""
     logits = logits.float()
     if penalty:
         pen = p.penalty[:, None]
         logits = torch.where(p.seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
     if penalties:  # a row with both 0 subtracts 0: its logits stay bit for bit what they were
         logits = apply_penalties(logits, p.counts, p.presence, p.frequency)
+    if biased:  # a row with no bias adds 0 and masks nothing past its min_tokens
+        logits = apply_bias(logits, p.bias, p.step < p.min_tokens, p.eos)
     if constraints:
         logits = mask_rows(logits, p.bitmask, p.masked)
     greedy = first_argmax(logits)
@@ -203,10 +217,12 @@ class Sampler:
     (int32: OpenAI's presence and frequency penalties), and the tokens each row's grammar allows
     next ``bitmask [rows, ceil(vocab / 32)]`` (int32, all ones for a row without one) with
     ``masked [rows]`` marking the rows that hold one (the engine writes ``host_bitmask`` and
-    ``host_masked``, ``upload_bitmask`` takes them to the device). What a token's draw counts
+    ``host_masked``, ``upload_bitmask`` takes them to the device), each row's logit_bias
+    ``[rows, vocab]`` (float, 0 where none) and min_tokens ``[rows]`` with the model's EOS ids
+    (``eos [k]``, long: what min_tokens masks). What a token's draw counts
     from (the request's tokens so far) is the caller's, passed in."""
 
-    def __init__(self, rows: int, vocab: int, device):
+    def __init__(self, rows: int, vocab: int, device, eos: tuple[int, ...] = ()):
         def z(dtype, *shape, fill=0):
             return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
 
@@ -221,6 +237,10 @@ class Sampler:
         self.counts = z(torch.int32, rows, vocab)
         self.bitmask = z(torch.int32, rows, bitmask_words(vocab), fill=-1)
         self.masked = z(torch.bool)
+        self.bias = z(torch.float, rows, vocab)
+        self.min_tokens = z(torch.long)
+        ids = sorted({t for t in eos if 0 <= t < vocab})
+        self.eos = torch.tensor(ids, dtype=torch.long).to(device)
         cuda = torch.device(device).type == "cuda"
         # the host's copies (on a CPU the device's own): a few KB a row, copied as the tables are
         self.host_bitmask = self.bitmask.cpu() if cuda else self.bitmask
@@ -232,8 +252,8 @@ class Sampler:
 
     # a request's own, moved with it (``move``); the grammar's mask is written by every step
     _REQUEST = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _REQUEST += ("presence", "frequency", "counts")
-    _STATE = _REQUEST + ("bitmask", "masked")
+    _REQUEST += ("presence", "frequency", "counts", "bias", "min_tokens")
+    _STATE = _REQUEST + ("bitmask", "masked", "eos")
 
     def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
         """Row ``row`` now samples for a request with ``params`` whose tokens so far are
@@ -252,6 +272,19 @@ class Sampler:
             self.counts[row] = torch.bincount(out, minlength=self.counts.shape[1]).to(
                 self.counts.device, torch.int32
             )
+        self.bias[row] = 0.0
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            if max(ids) >= self.bias.shape[1]:
+                raise ConfigError(
+                    f"logit_bias names token {max(ids)}, past the model's vocabulary "
+                    f"({self.bias.shape[1]} tokens).",
+                    hint="bias ids of the model's own tokenizer",
+                )
+            self.bias[row, torch.tensor(ids).to(self.bias.device)] = torch.tensor(values).to(
+                self.bias.device
+            )
+        self.min_tokens[row] = params.min_tokens
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src``'s request samples in row ``dst`` from now on: its settings and the tokens
@@ -277,6 +310,9 @@ class Sampler:
             self.counts[rows] if needs.penalties else None,
             self.bitmask[rows] if needs.constraints else None,
             self.masked[rows] if needs.constraints else None,
+            self.bias[rows] if needs.biased else None,
+            self.min_tokens[rows],
+            self.eos,
         )
         return next_tokens(
             logits,
@@ -286,6 +322,7 @@ class Sampler:
             needs.filtering,
             needs.penalties,
             needs.constraints,
+            needs.biased,
         )
 
     def upload_bitmask(self, rows: int) -> None:

@@ -1,6 +1,7 @@
 """The HTTP routes (FastAPI): OpenAI's schemas in, engine requests out.
 
-/v1/models, /v1/completions, /v1/chat/completions (stream or not), /health, /metrics. Every refusal
+/v1/models, /v1/completions, /v1/chat/completions (stream or not), /health, /metrics (and
+tokens.py's /tokenize, /detokenize). Every refusal
 and every failure is an OpenAI-style error body (a stream's, as its last event before [DONE]); a
 caller that goes away cancels its sequences, so their slots are free for the next step. Prompts are
 templated and tokenized on a thread of their own, never on the event loop."""
@@ -33,6 +34,7 @@ from onegpu.serve.schemas import (
     ignored_fields,
     parse_body,
 )
+from onegpu.serve.tokens import token_routes
 from onegpu.serve.tools import reader
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Service:
     features: EngineFeatures = field(default_factory=EngineFeatures)
     tool_format: Optional[str] = None  # tools.parser_for: how the model writes tool calls
     check_constraint: Optional[Callable] = None  # compiles a Constraint; raises on a bad one
+    json_schema_strict: bool = True  # ServeConfig.json_schema_strict: unlisted keys forbidden
     warned: set = field(default_factory=set)  # ignored field names already logged
     # one thread: the tokenizer is not safe to use from several at once, and order is kept
     prep: ThreadPoolExecutor = field(
@@ -70,7 +73,10 @@ class Service:
         engine's features checked there too."""
 
         def run() -> Plan:
-            plan = make(self.tokenizer, req, *args)
+            plan = make(self.tokenizer, req, *args, self.json_schema_strict)
+            if self.check_constraint is not None:
+                for where, name, constraint in plan.tool_schemas:
+                    _check_tool(self.check_constraint, constraint, where, name)
             if plan.params.constraint is not None and self.check_constraint is not None:
                 _check(self.check_constraint, plan.params.constraint, req)
             check_features(plan.params, self.features, req)
@@ -91,6 +97,18 @@ def _check(check: Callable, constraint, req) -> None:
         ) from None
 
 
+def _check_tool(check: Callable, constraint, where: str, name: str) -> None:
+    """A tool whose parameters do not compile as a grammar: a 400 naming the tool, whatever the
+    tool_choice (a forced call would fail on it later)."""
+    from onegpu.infer.constraints import ConstraintError
+
+    try:
+        check(constraint)
+    except ConstraintError as exc:
+        message = f"tool '{name}': its parameters schema {exc.message.removeprefix('the ')}"
+        raise APIError(400, message, param=where, code="invalid_tool_schema") from None
+
+
 def build_app(service: Service) -> FastAPI:
     from contextlib import asynccontextmanager
 
@@ -107,6 +125,7 @@ def build_app(service: Service) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(CountRequests, metrics=service.metrics)
     _routes(app, service)
+    token_routes(app, service, _authorize)
     describe(app)
     return app
 
@@ -190,8 +209,8 @@ async def answer(s: Service, request: Request, req, plan: Plan, adapter, headers
     ticket = Ticket(plan.sequences(n), adapter, asyncio.get_running_loop())
     s.scheduler.submit(ticket)  # 503 when full: nothing was queued
     lengths = [len(ids) for ids, _ in ticket.sequences]
-    readers = [reader(plan.tool_format) for _ in lengths] if plan.tool_format else None
-    tally = Tally(lengths, n, readers)
+    readers = [reader(plan.tool_format, plan.tool_name) for _ in lengths]
+    tally = Tally(lengths, n, readers if plan.tool_format else None, score_only=plan.score_only)
     final_usage, every_usage = req.usage_options()
     echo = [text for text in plan.echo for _ in range(n)] if plan.echo else None
     name = req.model or s.models.base
@@ -297,3 +316,4 @@ class CountRequests:
 
 
 ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+ROUTES |= {"/tokenize", "/detokenize"}

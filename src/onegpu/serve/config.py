@@ -68,6 +68,11 @@ class ServeConfig:
     """How the model writes tool calls, read back into OpenAI's tool_calls: hermes
     (<tool_call>{json}</tool_call>, Qwen and Hermes models), llama3 (a JSON answer), none (tools
     refused), auto (read from the chat template)."""
+    json_schema_strict: bool = True
+    """A JSON schema's objects that list "properties" and leave "additionalProperties" out allow
+    no other keys (as vLLM's default backend and OpenAI's strict mode): response_format,
+    guided_json, structured_outputs and tool parameters. false: JSON Schema's own default, any
+    other key allowed (a model may then invent keys until max_tokens)."""
     grace: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before it cancels them."""
 

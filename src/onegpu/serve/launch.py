@@ -110,6 +110,7 @@ def add_request_features(service, tokenizer, cfg: ServeConfig, engine=None) -> N
     from onegpu.serve.tools import parser_for
 
     service.tool_format = parser_for(tokenizer.chat_template, cfg.tool_parser)
+    service.json_schema_strict = cfg.json_schema_strict
     _say(f"tool calls: {service.tool_format or 'off (the chat template shows no format)'}")
     try:
         from onegpu.infer.constraints import Grammars

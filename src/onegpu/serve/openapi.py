@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from onegpu.serve.schemas import ChatRequest, CompletionRequest
+from onegpu.serve.tokens import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -109,7 +110,19 @@ class Health(BaseModel):
     error: Optional[str] = None
 
 
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]]
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
 MODELS = [CompletionRequest, ChatRequest, Completion, ChatCompletion, ModelList, Health]
+MODELS += [TokenizeRequest, Tokenized, DetokenizeRequest, Detokenized]
 ERRORS = {
     "400": "the body or one of its fields is wrong (the error names it)",
     "401": "missing or wrong API key",
@@ -123,6 +136,8 @@ ROUTES: dict[str, tuple[Optional[type], type, bool]] = {
     "chat": (ChatRequest, ChatCompletion, True),
     "models": (None, ModelList, False),
     "health": (None, Health, False),
+    "tokenize": (TokenizeRequest, Tokenized, False),
+    "detokenize": (DetokenizeRequest, Detokenized, False),
 }
 
 

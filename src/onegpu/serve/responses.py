@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 CHAT, TEXT = "chat", "text"
@@ -34,6 +34,8 @@ class Tally:
     prompt_lengths: list  # tokens of each choice's prompt
     n: int  # choices per prompt: prompt tokens are counted once per prompt, as OpenAI does
     readers: Optional[list] = None  # per choice: tools.HermesReader / Llama3Reader, or None
+    # completions' max_tokens 0 with echo: the token the engine drew is not the caller's
+    score_only: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
 
@@ -49,6 +51,11 @@ class Tally:
         return len(self.prompt_lengths)
 
     def add(self, index: int, update) -> News:
+        if self.score_only:
+            update = replace(update, token_ids=[], text="", logprobs=None, generated_tokens=0)
+            update.finish_reason = (
+                "length" if update.finish_reason == "stop" else update.finish_reason
+            )
         text, calls = update.text, []
         reader = self.readers[index] if self.readers else None
         if reader is not None:

@@ -64,6 +64,22 @@ class StreamOptions(Lenient):
     continuous_usage_stats: Optional[bool] = False  # vLLM's: usage in every chunk
 
 
+class StructuredOutputs(Lenient):
+    """vLLM's ``structured_outputs``: one of a JSON schema, a regex, a choice of strings, a Lark
+    grammar, or any JSON object."""
+
+    json_: Optional[Union[dict, str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = Field(None, min_length=1)
+    json_object: Optional[bool] = None
+
+    def given(self) -> list[str]:
+        names = ("json_", "regex", "choice", "grammar")
+        found = [n.rstrip("_") for n in names if getattr(self, n) is not None]
+        return found + (["json_object"] if self.json_object else [])
+
+
 class _Sampling(Lenient):
     """The fields both endpoints share."""
 
@@ -86,6 +102,24 @@ class _Sampling(Lenient):
     guided_json: Optional[Union[dict, str]] = None  # vLLM's
     guided_regex: Optional[str] = None  # vLLM's
     guided_choice: Optional[list[str]] = Field(None, min_length=1)  # vLLM's
+    guided_grammar: Optional[str] = Field(None, min_length=1)  # vLLM's: Lark (llguidance's)
+    structured_outputs: Optional[StructuredOutputs] = None  # vLLM's newer form of guided_*
+    # OpenAI's: token id (a string key in JSON) -> a bias in -100..100 added to its logit
+    logit_bias: Optional[dict[str, float]] = None
+    min_tokens: Optional[WholeInt] = Field(None, ge=0)  # vLLM's: no EOS before this many
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"the key '{key}' is not a token id (a whole number >= 0)")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} is {bias}; it is in -100..100")
+        return value
+
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +148,7 @@ class _Sampling(Lenient):
 class CompletionRequest(_Sampling):
     # a text, texts, token ids, or a batch of token ids (what lm-evaluation-harness sends)
     prompt: Union[str, list[str], list[WholeInt], list[list[WholeInt]]]
+    max_tokens: Optional[WholeInt] = Field(None, ge=0)  # 0: with echo, the prompt scored alone
     echo: Optional[bool] = False  # the prompt's text before each choice's
     logprobs: Optional[WholeInt] = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -5,7 +5,8 @@ Two formats: Hermes/Qwen (``<tool_call>{"name": ..., "arguments": {...}}</tool_c
 text around them is content) and Llama 3's JSON (an answer that is ``{"name": ...,
 "parameters": {...}}``, several joined by ``;``, after an optional ``<|python_tag|>``). Which one a
 model uses is read from its template, or set with ``serve --tool_parser``. A forced call
-(``tool_choice`` "required" or a named function) is the Constraint that makes the model write one.
+(``tool_choice`` "required" or a named function) is the Constraint that makes the model write one;
+for a model with no format, in vLLM's JSON form (``JSONCallReader``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from onegpu.infer.requests import Constraint
+from onegpu.serve.json_schemas import closed, rebased
 
 ParserName = Literal["auto", "hermes", "llama3", "none"]
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -164,25 +166,77 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def reader(fmt: Optional[str]):
+def reader(fmt: Optional[str], name: Optional[str] = None):
+    """The reader of an answer's calls in ``fmt``; "json": a forced call in vLLM's JSON form (to
+    the tool ``name``, or a list of calls when None)."""
+    if fmt == "json":
+        return JSONCallReader(name)
     return {"hermes": HermesReader, "llama3": Llama3Reader}[fmt]() if fmt else None
 
 
-def forced_call(fmt: str, tools: list, name: Optional[str]) -> Constraint:
-    """The grammar of one call in ``fmt``: to the named tool, or to any of ``tools`` (tool_choice
-    "required"), with arguments that follow the tool's parameters schema."""
+class JSONCallReader:
+    """A forced call in vLLM's JSON form, for a model whose template shows no tool format: to a
+    named tool the answer is its arguments (an object), for "required" a list of ``{"name",
+    "parameters"}``. The grammar made the answer so: it is held to its end and read as calls;
+    an answer cut short (``length``) stays content, as OpenAI returns a cut answer."""
+
+    def __init__(self, name: Optional[str]):
+        self.name, self.buffer = name, ""
+
+    def feed(self, text: str) -> tuple[str, list[Call]]:
+        self.buffer += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[Call]]:
+        text, self.buffer = self.buffer, ""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        if self.name is not None:
+            if not isinstance(obj, dict):
+                return text, []
+            return "", [Call(self.name, json.dumps(obj, ensure_ascii=False))]
+        if not isinstance(obj, list) or not obj:
+            return text, []
+        calls = [_call(json.dumps(item, ensure_ascii=False), "parameters") for item in obj]
+        return ("", calls) if all(calls) else (text, [])
+
+
+def forced_call(
+    fmt: Optional[str], tools: list, name: Optional[str], strict: bool = True, parallel: bool = True
+) -> Constraint:
+    """The grammar of a forced call: to the named tool, or to any of ``tools`` (tool_choice
+    "required"), with arguments that follow the tool's parameters schema (closed where it says
+    nothing of other keys, with ``strict``). In ``fmt`` (hermes, llama3) one call; without a
+    format vLLM's JSON form (``JSONCallReader``), a list of calls unless not ``parallel``. Each
+    tool's schema sits under the wrapper's ``$defs`` with its references rebased, so its own
+    ``$defs`` (pydantic's Enums and nested models) still resolve."""
     chosen = [t for t in tools if name is None or t.function.name == name]
-    args_key = "parameters" if fmt == "llama3" else "arguments"
+    params = [closed(t.parameters()) if strict else t.parameters() for t in chosen]
+    if fmt is None and name is not None:  # vLLM: the arguments alone, the tool's own schema
+        return Constraint("json_schema", json.dumps(params[0]))
+    args_key = "parameters" if fmt in ("llama3", None) else "arguments"
+    defs = {f"tool_{i}": rebased(p, f"/$defs/tool_{i}") for i, p in enumerate(params)}
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, args_key: t.parameters()},
+            "properties": {
+                "name": {"const": t.function.name},
+                args_key: {"$ref": f"#/$defs/tool_{i}"},
+            },
             "required": ["name", args_key],
             "additionalProperties": False,
         }
-        for t in chosen
+        for i, t in enumerate(chosen)
     ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    one = options[0] if len(options) == 1 else {"anyOf": options}
+    if fmt is None:
+        schema = {"type": "array", "items": one, "minItems": 1, "$defs": defs}
+        if not parallel:
+            schema["maxItems"] = 1
+        return Constraint("json_schema", json.dumps(schema))
+    schema = {**one, "$defs": defs}
     if fmt == "hermes":
         return Constraint(
             "json_schema", json.dumps(schema), HERMES_OPEN + "\n", "\n" + HERMES_CLOSE

@@ -1,0 +1,119 @@
+"""vLLM's /tokenize and /detokenize: a prompt (text, or chat messages through the model's chat
+template) to the server's token ids, and token ids back to text, with the same tokenizer the
+completions use, on the server's tokenizer thread."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from pydantic import Field, model_validator
+
+from onegpu.serve.messages import Lenient, Message, Tool
+from onegpu.serve.schemas import APIError, WholeInt, parse_body
+
+
+class TokenizeRequest(Lenient):
+    """vLLM's two forms: ``prompt`` (a text), or ``messages`` rendered by the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[Message]] = Field(None, min_length=1)
+    tools: Optional[list[Tool]] = None
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    add_special_tokens: Optional[bool] = None  # vLLM's default: True for a prompt, not for chat
+    return_token_strs: Optional[bool] = False
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give 'prompt' (a text) or 'messages' (a chat), one of them")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    model: Optional[str] = None
+    tokens: list[WholeInt]
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_len: int) -> dict:
+    if req.prompt is not None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tokenizer(req.prompt, add_special_tokens=special)["input_ids"]
+    else:
+        ids = _chat_ids(tokenizer, req)
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_len, "tokens": list(ids), "token_strs": strs}
+
+
+def _chat_ids(tokenizer, req: TokenizeRequest) -> list[int]:
+    from jinja2 import TemplateError
+
+    if not tokenizer.chat_template:
+        raise APIError(
+            400,
+            "this model's tokenizer has no chat template, so 'messages' cannot be encoded; send "
+            "'prompt'.",
+            param="messages",
+            code="no_chat_template",
+        )
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(
+            400,
+            "add_generation_prompt and continue_final_message cannot both be true.",
+            param="continue_final_message",
+            code="invalid_value",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.for_template() for m in req.messages],
+            tools=[t.for_template() for t in req.tools] if req.tools else None,
+            add_generation_prompt=bool(req.add_generation_prompt),
+            continue_final_message=bool(req.continue_final_message),
+            tokenize=False,
+        )
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise APIError(
+            400,
+            f"the model's chat template refused these messages: {type(exc).__name__}: {exc}",
+            param="messages",
+            code="chat_template_error",
+        ) from None
+    # the template writes the special tokens itself: none added unless asked (vLLM's default)
+    return tokenizer(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
+
+
+def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
+    bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
+    if bad:
+        raise APIError(
+            400,
+            f"token id {bad[0]} is not in the vocabulary (ids 0-{len(tokenizer) - 1}).",
+            param="tokens",
+            code="invalid_value",
+        )
+    return {"prompt": tokenizer.decode(req.tokens)}
+
+
+def token_routes(app: FastAPI, s, authorize: Callable) -> None:
+    """``s``: the app's Service (its tokenizer, tokenizer thread, context and API key)."""
+
+    async def on_thread(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(s.prep, fn, *args)
+
+    @app.post("/tokenize", openapi_extra={"x-onegpu": "tokenize"})
+    async def tokenize_route(request: Request):
+        authorize(request, s.api_key)
+        req = parse_body(await request.body(), TokenizeRequest)
+        s.models.adapter_for(req.model)  # an unknown model is a 404, as on the other routes
+        return await on_thread(tokenize, s.tokenizer, req, s.max_len)
+
+    @app.post("/detokenize", openapi_extra={"x-onegpu": "detokenize"})
+    async def detokenize_route(request: Request):
+        authorize(request, s.api_key)
+        req = parse_body(await request.body(), DetokenizeRequest)
+        s.models.adapter_for(req.model)
+        return await on_thread(detokenize, s.tokenizer, req)
