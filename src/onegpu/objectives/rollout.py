@@ -27,8 +27,8 @@ from onegpu.objectives.tokens import IGNORE
 
 # On a CPU, a small model samples on one thread: a decode step's ops are too small to split, and
 # the threads' synchronisation costs more than they save, many times more on a shared machine
-# (`benchmarks/grpo_rollouts.py` runs each path at 1 and 2 threads; the 2026-11-24 run of it, in
-# git history, found 2 threads slower for every path, by 1.05x to 16x, on a 2-core machine).
+# (`benchmarks/grpo_rollouts.py`, in git history at 8841ae7, ran each path at 1 and 2 threads; its
+# 2026-11-24 run found 2 threads slower for every path, by 1.05x to 16x, on a 2-core machine).
 ONE_THREAD_PARAMS = 100_000_000
 
 
