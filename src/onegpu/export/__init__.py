@@ -1,0 +1,115 @@
+"""`onegpu export`: a trained model written for another runtime and checked there.
+
+``export(cfg)`` resolves the source (source.py), says what it takes (plan.py), writes every format
+into one temporary folder renamed when whole (folder.py): merged safetensors (merged.py), then the
+check (check.py) loads each export in its runtime and compares it with onegpu's engine."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onegpu.export.config import ExportConfig
+
+__all__ = ["ExportConfig", "ExportResult", "export", "default_output"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportResult:
+    folder: Path
+    passed: bool  # every check passed (True too when the check is off)
+    checked: bool
+    summaries: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+
+def default_output(model: str) -> Path:
+    path = Path(model).expanduser()
+    return path / "export" if (path / "final").is_dir() else path.with_name(path.name + "-export")
+
+
+def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResult:
+    from onegpu.export.folder import atomic_folder, check_room, check_target, free_bytes
+    from onegpu.export.plan import available_memory, check_memory, count_params, make_plan
+    from onegpu.export.source import load_merged, resolve
+
+    start = time.perf_counter()
+    cfg.validate()
+    formats = cfg.formats()
+    src = resolve(cfg.model, cfg.adapter, cfg.dtype)
+    out = Path(cfg.output).expanduser() if cfg.output else default_output(cfg.model)
+    check_target(out, cfg.force)
+    plan = make_plan(count_params(src.model_dir), src.dtype, formats, cfg.quant)
+    say(plan.message(available_memory(), free_bytes(out)))
+    check_memory(plan, available_memory())
+    check_room(out, plan.disk_bytes)
+    for note in src.notes:
+        say(f"note: {note}")
+    summaries: list[str] = []
+    passed = True
+    with atomic_folder(out, cfg.force) as tmp:
+        say(
+            f"merging {src.model_dir}"
+            + (f" + {src.adapter}" if src.adapter else "")
+            + f" ({src.dtype})"
+        )
+        model, tokenizer = load_merged(src, cfg.trust_remote_code)
+        from onegpu.export.merged import write_safetensors
+
+        merged_dir = write_safetensors(model, tokenizer, tmp / "safetensors")
+        del model
+        if cfg.check == "on":
+            reports = _check(cfg, src, merged_dir, formats)
+            for fmt, report in reports:
+                report.write(tmp / fmt)
+                summaries.append(report.summary)
+                passed &= report.passed
+                say(report.summary)
+    result = ExportResult(
+        out,
+        passed,
+        cfg.check == "on",
+        summaries,
+        src.notes,
+        time.perf_counter() - start,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    say(
+        f"exported to {out} in {result.seconds:.1f}s (peak memory {result.peak_rss_bytes / 2**20:,.0f}"
+        f" MiB)" + ("" if result.passed else "; the CHECK FAILED: the export is unchecked")
+    )
+    return result
+
+
+def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str]):
+    from onegpu.export.check import BUILTIN_PROMPTS, check_greedy, make_reference
+    from onegpu.export.runtimes import load_transformers, transformers_greedy
+
+    prompts = list(cfg.prompts) or list(BUILTIN_PROMPTS)
+    ref = make_reference(
+        src.model_dir, src.adapter, prompts, cfg.check_tokens, cfg.trust_remote_code
+    )
+    reports = []
+    if "safetensors" in formats:
+        exported, _ = load_transformers(merged_dir, cfg.trust_remote_code)
+        reports.append(
+            (
+                "safetensors",
+                check_greedy(
+                    ref,
+                    lambda ids, n: transformers_greedy(exported, ids, n),
+                    src.dtype,
+                    "safetensors",
+                    "transformers",
+                ),
+            )
+        )
+    return reports
