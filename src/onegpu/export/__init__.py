@@ -82,9 +82,10 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
         time.perf_counter() - start,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
+    peak = result.peak_rss_bytes / 2**20
     say(
-        f"exported to {out} in {result.seconds:.1f}s (peak memory {result.peak_rss_bytes / 2**20:,.0f}"
-        f" MiB)" + ("" if result.passed else "; the CHECK FAILED: the export is unchecked")
+        f"exported to {out} in {result.seconds:.1f}s (peak memory {peak:,.0f} MiB)"
+        + ("" if result.passed else "; the CHECK FAILED: the export is unchecked")
     )
     return result
 

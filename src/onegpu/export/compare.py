@@ -1,6 +1,7 @@
-"""The check's verdicts, from token ids and logit rows alone (no runtime here): greedy tokens equal,
-the first divergence with both tokens and the logit gap there, a tie within the export's numerical
-precision, and for a quantized export the teacher-forced top-1 agreement and the perplexity ratio."""
+"""The check's verdicts from token ids and logit rows alone (no runtime here): greedy tokens
+equal, the first divergence with both tokens and the logit gap there, a tie within the export's
+numerical precision, and for a quantized export the teacher-forced top-1 agreement and the
+perplexity ratio."""
 
 from __future__ import annotations
 

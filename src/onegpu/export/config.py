@@ -32,7 +32,8 @@ class ExportConfig:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """safetensors: the weights' dtype. auto: the model's own (config.json's dtype)."""
     quant: str = "q8_0"
-    """gguf/ollama: f16, bf16, f32 (unquantized), q8_0, q6_k, q5_k_m, q4_k_m (llama.cpp's quantizer)."""
+    """gguf/ollama: f16, bf16, f32 (unquantized), q8_0, q6_k, q5_k_m, q4_k_m (llama.cpp's
+    quantizer)."""
     check: Literal["on", "off"] = "on"
     """Load the export in its runtime and compare it with onegpu's engine on the source model."""
     check_tokens: int = 64

@@ -4,6 +4,8 @@ and the export in transformers (a cached greedy loop recording each step's logit
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 
@@ -37,6 +39,9 @@ def transformers_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np
     import torch
 
     device = model.device
+    # transformers 5 renamed past_key_values to cache (the old name warns); a model's own code
+    # may still take only the old one
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out: list[int] = []
     rows = []
     with torch.inference_mode():
@@ -45,10 +50,9 @@ def transformers_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np
             row = step.logits[0, -1].float()
             rows.append(row.cpu().numpy())
             out.append(int(row.argmax()))
+            past = getattr(step, "cache", None) or step.past_key_values
             step = model(
-                input_ids=torch.tensor([[out[-1]]], device=device),
-                past_key_values=step.past_key_values,
-                use_cache=True,
+                input_ids=torch.tensor([[out[-1]]], device=device), use_cache=True, **{name: past}
             )
     return out, np.stack(rows)
 

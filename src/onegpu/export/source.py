@@ -42,7 +42,7 @@ def resolve(name: str, adapter: Optional[str], dtype: str) -> Source:
     if adapter and not (Path(adapter) / "adapter_config.json").is_file():
         raise ModelError(
             f"adapter folder '{adapter}' has no adapter_config.json.",
-            hint="point --adapter at a folder written by PeftModel.save_pretrained (a run's final/)",
+            hint="point --adapter at a run's final/ or a PeftModel.save_pretrained folder",
         )
     config = _read_config(model_dir)
     if config.get("quantization_config"):
