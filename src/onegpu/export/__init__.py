@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from onegpu.export.config import ExportConfig
 
@@ -51,6 +53,7 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     say(plan.message(available_memory(), free_bytes(out)))
     check_memory(plan, available_memory())
     check_room(out, plan.disk_bytes)
+    llama_dir = _llama_ready(src, formats, say)
     for note in src.notes:
         say(f"note: {note}")
     summaries: list[str] = []
@@ -64,12 +67,18 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
         model, tokenizer = load_merged(src, cfg.trust_remote_code)
         from onegpu.export.merged import write_safetensors
 
-        merged_dir = write_safetensors(model, tokenizer, tmp / "safetensors")
+        merged_dir = tmp / ("safetensors" if "safetensors" in formats else ".merged")
+        write_safetensors(model, tokenizer, merged_dir)
         del model
+        gguf_file = None
+        if llama_dir is not None:
+            gguf_file = _write_gguf(cfg, merged_dir, tokenizer, tmp, formats, llama_dir, say)
+        if merged_dir.name == ".merged":
+            shutil.rmtree(merged_dir)
         if cfg.check == "on":
-            reports = _check(cfg, src, merged_dir, formats)
-            for fmt, report in reports:
-                report.write(tmp / fmt)
+            reports = _check(cfg, src, merged_dir, formats, gguf_file)
+            for folder, report in reports:
+                report.write(tmp / folder)
                 summaries.append(report.summary)
                 passed &= report.passed
                 say(report.summary)
@@ -90,7 +99,38 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     return result
 
 
-def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str]):
+def _llama_ready(src, formats: list[str], say) -> Optional[Path]:
+    """Before anything is written: llama.cpp's binding is here, its converter unpacked, and it
+    has a model class for the family (else one error naming the family)."""
+    if not {"gguf", "ollama"} & set(formats):
+        return None
+    from onegpu.export.gguf import refuse_unsupported
+    from onegpu.export.llama_cpp import converter_dir, require_binding
+
+    require_binding()
+    llama_dir = converter_dir(say)
+    refuse_unsupported(Path(src.model_dir), src.family, llama_dir)
+    return llama_dir
+
+
+def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, llama_dir, say) -> Path:
+    from onegpu.export.gguf import convert, tokenizer_facts
+
+    facts = tokenizer_facts(merged_dir, tokenizer)
+    say(
+        f"tokenizer: pre-tokenizer {facts.pre or 'from llama.cpp'} ({facts.pre_reason}), "
+        f"BOS {'added' if facts.add_bos else 'not added'}, end of turn ids {facts.end_of_turn}"
+    )
+    folder = tmp / ("gguf" if "gguf" in formats else "ollama")
+    gguf_file = convert(merged_dir, folder, cfg.quant, facts, llama_dir, say)
+    if "ollama" in formats:
+        from onegpu.export.ollama import write_ollama
+
+        write_ollama(tmp / "ollama", gguf_file, tokenizer, merged_dir, facts)
+    return gguf_file
+
+
+def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str], gguf_file):
     from onegpu.export.check import BUILTIN_PROMPTS, check_greedy, make_reference
     from onegpu.export.runtimes import load_transformers, transformers_greedy
 
@@ -113,4 +153,9 @@ def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str]):
                 ),
             )
         )
+    if gguf_file is not None:
+        from onegpu.export.gguf_check import check_gguf
+
+        report = check_gguf(ref, gguf_file, cfg.quant)
+        reports += [(f, report) for f in ("gguf", "ollama") if f in formats]
     return reports

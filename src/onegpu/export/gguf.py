@@ -1,0 +1,153 @@
+"""`--format gguf`: llama.cpp's own converter writes an unquantized GGUF from the merged folder and
+its own quantizer (llama_model_quantize) makes the quantized type, each in a child process
+(convert_driver.py, llama_child.py). What the converter cannot learn from the folder is decided
+here from the tokenizer: the pre-tokenizer's name (pretokenizer.py), the BOS rule and the
+end-of-turn id; the chat template and EOS travel with the tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from onegpu.errors import ConfigError, OnegpuError
+from onegpu.export.config import UNQUANTIZED
+
+HERE = Path(__file__).parent
+SENTINEL = "\u2063ANSWER\u2063"  # an answer's stand-in, to find what the template puts after it
+
+
+class ConversionError(OnegpuError):
+    """llama.cpp's converter or quantizer failed."""
+
+
+@dataclass
+class TokenizerFacts:
+    pre: Optional[str]
+    pre_reason: str
+    add_bos: bool
+    end_of_turn: list[int]  # ids that end an assistant turn (EOS first)
+
+    def spec(self) -> str:
+        eot = next((t for t in self.end_of_turn[1:]), None)
+        return json.dumps({"pre": self.pre, "add_bos": self.add_bos, "eot": eot})
+
+
+def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
+    """One error before anything is written when the converter has no class for the model."""
+    from onegpu.export.llama_cpp import supported_architectures
+
+    archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get(
+        "architectures"
+    ) or ["?"]
+    supported = supported_architectures(llama_dir)
+    if not any(a in supported for a in archs):
+        raise ConfigError(
+            f"family {family} ({', '.join(archs)}) cannot be exported to GGUF: llama.cpp's "
+            "converter (llama-cpp-python's) has no model class for it.",
+            hint="export --format safetensors (transformers, vLLM) instead",
+        )
+
+
+def tokenizer_facts(model_dir: Path, tokenizer) -> TokenizerFacts:
+    from onegpu.export.pretokenizer import decide
+
+    pre, reason = decide(model_dir)
+    ids = tokenizer("a")["input_ids"]
+    add_bos = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
+    return TokenizerFacts(pre, reason, add_bos, end_of_turn_ids(tokenizer))
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """EOS, then the special tokens the chat template writes right after an assistant's answer."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if not getattr(tokenizer, "chat_template", None):
+        return eos
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}],
+        tokenize=False,
+    )
+    after = text.split(SENTINEL, 1)[1] if SENTINEL in text else ""
+    special = set(tokenizer.all_special_tokens)
+    ids = []
+    for tok in sorted(special, key=len, reverse=True):
+        if after.lstrip().startswith(tok):
+            ids = [tokenizer.convert_tokens_to_ids(tok)]
+            break
+    return list(dict.fromkeys(eos + ids))
+
+
+def convert(
+    merged_dir: Path,
+    out_dir: Path,
+    quant: str,
+    facts: TokenizerFacts,
+    llama_dir: Path,
+    say: Callable[[str], None] = print,
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outtype = quant if quant in UNQUANTIZED else "f16"
+    plain = out_dir / f"model-{outtype}.gguf"
+    say(f"converting to GGUF ({outtype}) with llama.cpp's converter")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "convert_driver.py"),
+            str(llama_dir),
+            str(merged_dir),
+            str(plain),
+            outtype,
+            facts.spec(),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise ConversionError(
+            f"llama.cpp's converter failed (exit {done.returncode}): {_tail(done.stderr)}",
+            hint="rerun with --debug; the converter's own message is above",
+        )
+    if quant in UNQUANTIZED:
+        return plain
+    target = out_dir / f"model-{quant}.gguf"
+    say(f"quantizing to {quant} with llama.cpp's quantizer")
+    run_child({"op": "quantize", "src": str(plain), "dst": str(target), "quant": quant})
+    plain.unlink()
+    return target
+
+
+def run_child(spec: dict) -> dict[str, np.ndarray]:
+    """llama_child.py in its own process; a crash there is one error naming the signal."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.npz"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        done = subprocess.run(
+            [sys.executable, str(HERE / "llama_child.py"), str(spec_path), str(out)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            how = (
+                f"killed by signal {-done.returncode}"
+                if done.returncode < 0
+                else f"exit {done.returncode}"
+            )
+            raise ConversionError(
+                f"llama.cpp ({spec['op']}) failed, {how}: {_tail(done.stderr)}",
+                hint="a crash on a quantized type on an AVX-512 CPU: build llama-cpp-python with "
+                "bash scripts/build_llama_cpp.sh (pinned flags)",
+            )
+        with np.load(out) as data:
+            return {k: data[k] for k in data.files}
+
+
+def _tail(text: str) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[:600] or "(no output)"
