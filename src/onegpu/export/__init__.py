@@ -79,9 +79,10 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
             reports = _check(cfg, src, merged_dir, formats, gguf_file)
             for folder, report in reports:
                 report.write(tmp / folder)
-                summaries.append(report.summary)
+                if report.summary not in summaries:  # ollama's GGUF is the gguf folder's
+                    summaries.append(report.summary)
+                    say(report.summary)
                 passed &= report.passed
-                say(report.summary)
     result = ExportResult(
         out,
         passed,
@@ -105,7 +106,7 @@ def _llama_ready(src, formats: list[str], say) -> Optional[Path]:
     if not {"gguf", "ollama"} & set(formats):
         return None
     from onegpu.export.gguf import refuse_unsupported
-    from onegpu.export.llama_cpp import converter_dir, require_binding
+    from onegpu.export.llama_setup import converter_dir, require_binding
 
     require_binding()
     llama_dir = converter_dir(say)

@@ -42,7 +42,7 @@ class TokenizerFacts:
 
 def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
     """One error before anything is written when the converter has no class for the model."""
-    from onegpu.export.llama_cpp import supported_architectures
+    from onegpu.export.llama_setup import supported_architectures
 
     archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get(
         "architectures"
@@ -139,10 +139,13 @@ def run_child(spec: dict) -> dict[str, np.ndarray]:
                 if done.returncode < 0
                 else f"exit {done.returncode}"
             )
+            crashed = done.returncode < 0
             raise ConversionError(
                 f"llama.cpp ({spec['op']}) failed, {how}: {_tail(done.stderr)}",
-                hint="a crash on a quantized type on an AVX-512 CPU: build llama-cpp-python with "
-                "bash scripts/build_llama_cpp.sh (pinned flags)",
+                hint="a native llama.cpp crashes on quantized types on some AVX-512 CPUs: build "
+                "llama-cpp-python with bash scripts/build_llama_cpp.sh (pinned flags)"
+                if crashed
+                else "rerun with --debug for the whole message",
             )
         with np.load(out) as data:
             return {k: data[k] for k in data.files}

@@ -6,6 +6,7 @@ onegpu cache); the binding is a wheel built once from the same sdist with the fl
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -25,11 +26,13 @@ CMAKE_ARGS = (
     "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
     "-DGGML_AMX_INT8=OFF"
 )
-BUILD_HINT = "bash scripts/build_llama_cpp.sh (builds it once, about 5-7 minutes on 2 cores)"
+BUILD_HINT = "bash scripts/build_llama_cpp.sh (builds it once with the pinned flags)"
 
 
 def root() -> Path:
-    return cache_dir() / "llama-cpp" / VERSION
+    """Where the sdist, the wheel and the converter are kept (the build script's folder)."""
+    own = os.environ.get("ONEGPU_LLAMA_CPP_DIR")
+    return Path(own).expanduser() if own else cache_dir() / "llama-cpp" / VERSION
 
 
 def require_binding():
@@ -38,10 +41,10 @@ def require_binding():
         import llama_cpp
     except ImportError:
         raise UnavailableError(
-            "--format gguf needs llama-cpp-python (llama.cpp's runtime and quantizer), which is not "
-            "installed.",
-            hint=f"pip install 'onegpu[export]' builds it natively; on a CPU with AVX-512 build it "
-            f"with {BUILD_HINT}",
+            "--format gguf needs llama-cpp-python (llama.cpp's runtime and quantizer), which "
+            "is not installed.",
+            hint=f"{BUILD_HINT}; or pip install 'onegpu[export]', a native build that crashes on "
+            "quantized types on some AVX-512 CPUs",
         ) from None
     if llama_cpp.__version__ != VERSION:
         raise UnavailableError(
