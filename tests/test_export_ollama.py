@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from onegpu.export.go_template import TemplateError, render
 from onegpu.export.gguf import TokenizerFacts, end_of_turn_ids
+from onegpu.export.go_template import TemplateError, render
 from onegpu.export.modelfile import ModelfileError, validate_modelfile
 from onegpu.export.ollama import PROBE, go_template, write_ollama
 from onegpu.export.pretokenizer import decide

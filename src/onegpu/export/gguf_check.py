@@ -140,7 +140,8 @@ def _tokenizer_mismatches(tok, texts: list[str], got: dict) -> list[dict]:
         have = [int(t) for t in got[f"tokens_{i}"]]
         if want != have:
             at = next(
-                (j for j, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have))
+                (j for j, (a, b) in enumerate(zip(want, have, strict=False)) if a != b),
+                min(len(want), len(have)),
             )
             out.append(
                 {

@@ -69,7 +69,8 @@ def go_template(tokenizer) -> tuple[Optional[str], str]:
         f"{_literal(before)}{{{{ .Content }}}}{_literal(after)}"
         for i, (role, (before, after)) in enumerate(pieces.items())
     )
-    template = f"{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{_literal(gen[len(plain) :])}"
+    generation = _literal(gen[len(plain) :])
+    template = f"{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{generation}"
     want = tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
     if render(template, PROBE) != want:
         return None, "the chat template is not one fixed text per message (e.g. it numbers turns)"
