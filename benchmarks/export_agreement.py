@@ -60,7 +60,6 @@ def main() -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
     from helpers import CORPUS
-
     from onegpu.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(CORPUS, vocab_size=512, fingerprint="tests-corpus")
@@ -76,7 +75,8 @@ def main() -> int:
                         flush=True,
                     )
     print(
-        "\n| shape | quant | top-1 agreement (min / median / max) | perplexity ratio (min / median / max) |"
+        "\n| shape | quant | top-1 agreement (min / median / max) "
+        "| perplexity ratio (min / median / max) |"
     )
     print("|---|---|---|---|")
     for shape in args.shapes:
