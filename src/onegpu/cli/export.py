@@ -1,6 +1,6 @@
 """`onegpu export`: write a run's model (or any model folder, with an adapter) as merged
-safetensors, and check the export in its runtime against onegpu's engine; flags come from
-ExportConfig (onegpu.export.config)."""
+safetensors, GGUF or an Ollama folder, and check the export in its runtime against onegpu's
+engine; flags come from ExportConfig (onegpu.export.config)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from onegpu.cli.args import add_options, make_parser, parse
 from onegpu.errors import ConfigError
 
 DESCRIPTION = (
-    "Export a trained model for deployment: onegpu export runs/<name> --format safetensors "
-    "(merged 16-bit, for transformers, vLLM and SGLang). The export is written to a temporary "
+    "Export a trained model for deployment: onegpu export runs/<name> --format "
+    "safetensors,gguf,ollama --quant q8_0 (merged 16-bit for transformers, vLLM and SGLang; GGUF "
+    "for llama.cpp; a GGUF and a Modelfile for Ollama). The export is written to a temporary "
     "folder and renamed when whole, then loaded in its runtime and compared with onegpu's engine "
     "on the source model (export-check.json beside it; --check off skips)."
 )

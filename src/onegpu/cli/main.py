@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": (
         "onegpu.cli.export",
-        "export a trained model (merged safetensors) and check it in its runtime",
+        "export a trained model (safetensors, GGUF, Ollama) and check it in its runtime",
     ),
     "plan": (
         "onegpu.cli.plan",

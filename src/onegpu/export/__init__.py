@@ -1,8 +1,9 @@
 """`onegpu export`: a trained model written for another runtime and checked there.
 
 ``export(cfg)`` resolves the source (source.py), says what it takes (plan.py), writes every format
-into one temporary folder renamed when whole (folder.py): merged safetensors (merged.py), then the
-check (check.py) loads each export in its runtime and compares it with onegpu's engine."""
+into one temporary folder renamed when whole (folder.py): merged safetensors (merged.py), a GGUF
+made by llama.cpp's converter and quantizer (gguf.py), an Ollama folder (ollama.py); then the check
+(check.py, gguf_check.py) loads each export in its runtime and compares it with onegpu's engine."""
 
 from __future__ import annotations
 
