@@ -23,10 +23,6 @@ def measure(shape: str, seed: int, tokenizer, work: Path) -> dict[str, dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from onegpu.export.check import BUILTIN_PROMPTS, make_reference
-    from onegpu.export.gguf import convert, run_child, tokenizer_facts
-    from onegpu.export.gguf_check import check_gguf
-    from onegpu.export.llama_setup import converter_dir
     from onegpu.models import PRESETS
 
     torch.manual_seed(seed)
@@ -41,11 +37,18 @@ def measure(shape: str, seed: int, tokenizer, work: Path) -> dict[str, dict]:
     src = work / f"{shape}-{seed}"
     LlamaForCausalLM(cfg).save_pretrained(str(src))
     tokenizer.save_pretrained(str(src))
+    return measure_folder(src, tokenizer, work / f"gguf-{shape}-{seed}")
+
+
+def measure_folder(src: Path, tokenizer, work: Path) -> dict[str, dict]:
+    from onegpu.export.check import BUILTIN_PROMPTS, make_reference
+    from onegpu.export.gguf import convert, run_child, tokenizer_facts
+    from onegpu.export.gguf_check import check_gguf
+    from onegpu.export.llama_setup import converter_dir
+
     ref = make_reference(str(src), None, list(BUILTIN_PROMPTS), 64)
     facts = tokenizer_facts(src, tokenizer)
-    f16 = convert(
-        src, work / f"gguf-{shape}-{seed}", "f16", facts, converter_dir(), say=lambda s: None
-    )
+    f16 = convert(src, work, "f16", facts, converter_dir(), say=lambda s: None)
     out = {}
     for quant in QUANTS:
         target = f16.with_name(f"model-{quant}.gguf")
@@ -58,13 +61,28 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument(
+        "--trained", nargs="*", default=[], help="model folders of trained runs to measure too"
+    )
     args = parser.parse_args()
     from helpers import CORPUS
     from onegpu.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(CORPUS, vocab_size=512, fingerprint="tests-corpus")
     rows = []
+    from transformers import AutoTokenizer
+
     with tempfile.TemporaryDirectory() as tmp:
+        for i, folder in enumerate(args.trained):
+            tok = AutoTokenizer.from_pretrained(folder)
+            name = f"trained:{Path(folder).parent.name}"
+            for quant, m in measure_folder(Path(folder), tok, Path(tmp) / f"t{i}").items():
+                rows.append((name, 0, quant, m["top1_agreement"], m["perplexity_ratio"]))
+                print(
+                    f"{name} {quant}: agreement {m['top1_agreement']:.4f}, "
+                    f"ppl ratio {m['perplexity_ratio']:.4f}",
+                    flush=True,
+                )
         for shape in args.shapes:
             for seed in args.seeds:
                 for quant, m in measure(shape, seed, tokenizer, Path(tmp)).items():
@@ -79,7 +97,7 @@ def main() -> int:
         "| perplexity ratio (min / median / max) |"
     )
     print("|---|---|---|---|")
-    for shape in args.shapes:
+    for shape in dict.fromkeys(r[0] for r in rows):
         for quant in QUANTS:
             a = sorted(r[3] for r in rows if r[0] == shape and r[2] == quant)
             p = sorted(r[4] for r in rows if r[0] == shape and r[2] == quant)
