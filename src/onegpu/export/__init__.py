@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from onegpu.export.config import ExportConfig
 
@@ -54,7 +53,7 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     say(plan.message(available_memory(), free_bytes(out)))
     check_memory(plan, available_memory())
     check_room(out, plan.disk_bytes)
-    llama_dir = _llama_ready(src, formats, say)
+    llama_dir, facts = _llama_ready(src, formats, cfg.trust_remote_code, say)
     for note in src.notes:
         say(f"note: {note}")
     summaries: list[str] = []
@@ -73,7 +72,7 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
         del model
         gguf_file = None
         if llama_dir is not None:
-            gguf_file = _write_gguf(cfg, merged_dir, tokenizer, tmp, formats, llama_dir, say)
+            gguf_file = _write_gguf(cfg, merged_dir, tokenizer, tmp, formats, llama_dir, facts, say)
         if merged_dir.name == ".merged":
             shutil.rmtree(merged_dir)
         if cfg.check == "on":
@@ -101,28 +100,32 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     return result
 
 
-def _llama_ready(src, formats: list[str], say) -> Optional[Path]:
-    """Before anything is written: llama.cpp's binding is here, its converter unpacked, and it
-    has a model class for the family (else one error naming the family)."""
+def _llama_ready(src, formats: list[str], trust_remote_code: bool, say):
+    """Before anything is written: llama.cpp's binding is here, its converter unpacked, it has a
+    model class for the family and reads its vocabulary (else one error naming the family).
+    (converter folder, tokenizer facts), or (None, None) without a GGUF format."""
     if not {"gguf", "ollama"} & set(formats):
-        return None
-    from onegpu.export.gguf import refuse_unsupported
+        return None, None
+    from onegpu.export.gguf import probe_vocab, refuse_unsupported
     from onegpu.export.llama_setup import converter_dir, require_binding
+    from onegpu.export.source import tokenizer_dir
+    from onegpu.models import load_tokenizer
 
     require_binding()
     llama_dir = converter_dir(say)
     refuse_unsupported(Path(src.model_dir), src.family, llama_dir)
-    return llama_dir
-
-
-def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, llama_dir, say) -> Path:
-    from onegpu.export.gguf import convert, tokenizer_facts
-
-    facts = tokenizer_facts(merged_dir, tokenizer)
+    tokenizer = load_tokenizer(tokenizer_dir(src), trust_remote_code)
+    facts = probe_vocab(Path(src.model_dir), src.family, tokenizer, llama_dir)
     say(
         f"tokenizer: pre-tokenizer {facts.pre or 'from llama.cpp'} ({facts.pre_reason}), "
         f"BOS {'added' if facts.add_bos else 'not added'}, end of turn ids {facts.end_of_turn}"
     )
+    return llama_dir, facts
+
+
+def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, llama_dir, facts, say):
+    from onegpu.export.gguf import convert
+
     folder = tmp / ("gguf" if "gguf" in formats else "ollama")
     gguf_file = convert(merged_dir, folder, cfg.quant, facts, llama_dir, say)
     if "ollama" in formats:

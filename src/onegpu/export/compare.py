@@ -68,7 +68,7 @@ def compare_greedy(
         status = "equal" if len(reference) == len(exported) else "diverged"
         return GreedyResult(prompt, n, n, status)
     src, exp = rows_at(at)
-    r, e = reference[at], exported[at]
+    r, e = int(reference[at]), int(exported[at])
     gap = float(src[r] - src[e])
     tol = tie_tolerance(src, dtype)
     div = Divergence(

@@ -5,8 +5,9 @@ BOS rule and the end-of-turn id. These go in through a subclass of the converter
 way the converter's own model classes specialise its base; its code is not changed.
 
 Usage: python convert_driver.py LLAMA_DIR MODEL_DIR OUTFILE OUTTYPE SPEC_JSON
-SPEC_JSON: {"pre": name or null, "add_bos": bool, "eot": id or null}. Exit 3: architecture not
-supported (message on stderr)."""
+OUTTYPE: f32, f16, bf16, or vocab (write the vocabulary alone: the up-front probe).
+SPEC_JSON: {"pre": name or null, "add_bos": bool, "eot": id or null}. Exit 3: the architecture or
+its vocabulary is not supported (the reason on stderr)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,20 @@ def main(argv: list[str]) -> int:
                 self.gguf_writer.add_eot_token_id(int(spec["eot"]))
 
     with torch.inference_mode():
-        model = Export(Path(model_dir), ftypes[outtype], Path(outfile), eager=False)
-        model.write()
+        vocab_only = outtype == "vocab"  # the up-front probe: the vocabulary alone, nothing kept
+        ftype = ftypes["f16" if vocab_only else outtype]
+        model = Export(Path(model_dir), ftype, Path(outfile), eager=False)
+        try:
+            model.write_vocab() if vocab_only else model.write()
+        except (FileNotFoundError, ValueError) as exc:
+            if "tokenizer.model" not in str(exc):
+                raise
+            print(
+                f"llama.cpp's converter for {arch} reads the vocabulary only from a "
+                "SentencePiece tokenizer.model, and this model has a BPE tokenizer.json",
+                file=sys.stderr,
+            )
+            return 3
     return 0
 
 

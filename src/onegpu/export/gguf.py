@@ -7,6 +7,7 @@ end-of-turn id; the chat template and EOS travel with the tokenizer files."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,13 +41,29 @@ class TokenizerFacts:
         return json.dumps({"pre": self.pre, "add_bos": self.add_bos, "eot": eot})
 
 
+# Settings of a family that llama.cpp's converter does not carry, because its runtime computes one
+# value only: (config key, the value llama.cpp computes, what it does). Found by the export's check
+# (greedy tokens diverged in f32 as in f16 until the setting matched).
+FIXED_SETTINGS = {
+    "qwen3_moe": ("norm_topk_prob", True, "it always renormalizes the chosen experts' weights"),
+}
+
+
 def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
-    """One error before anything is written when the converter has no class for the model."""
+    """One error before anything is written when the converter has no class for the model, or
+    the model sets what llama.cpp computes one way only."""
     from onegpu.export.llama_setup import supported_architectures
 
-    archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get(
-        "architectures"
-    ) or ["?"]
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    archs = config.get("architectures") or ["?"]
+    if family in FIXED_SETTINGS:
+        key, value, why = FIXED_SETTINGS[family]
+        if config.get(key) != value:
+            raise ConfigError(
+                f"family {family} with {key}={json.dumps(config.get(key))} cannot be exported to "
+                f"GGUF: llama.cpp computes {key}={json.dumps(value)} only ({why}).",
+                hint="export --format safetensors (transformers, vLLM) instead",
+            )
     supported = supported_architectures(llama_dir)
     if not any(a in supported for a in archs):
         raise ConfigError(
@@ -54,6 +71,34 @@ def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
             "converter (llama-cpp-python's) has no model class for it.",
             hint="export --format safetensors (transformers, vLLM) instead",
         )
+
+
+def probe_vocab(model_dir: Path, family: str, tokenizer, llama_dir: Path) -> TokenizerFacts:
+    """Before anything is written: the tokenizer as the export will save it, beside the model's
+    config.json, through the converter's vocabulary step alone. A vocabulary the converter cannot
+    read for this family is one error naming the family and the reason."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp)
+        shutil.copy2(model_dir / "config.json", probe / "config.json")
+        tokenizer.save_pretrained(str(probe))
+        facts = tokenizer_facts(probe, tokenizer)
+        done = _driver(llama_dir, probe, probe / "vocab.gguf", "vocab", facts)
+    if done.returncode == 3:
+        raise ConfigError(
+            f"family {family} cannot be exported to GGUF: {_tail(done.stderr)}.",
+            hint="export --format safetensors (transformers, vLLM) instead",
+        )
+    if done.returncode:
+        raise ConversionError(
+            f"llama.cpp's converter cannot read the tokenizer: {_tail(done.stderr)}",
+            hint="rerun with --debug; the converter's own message is above",
+        )
+    return facts
+
+
+def _driver(llama_dir: Path, model_dir: Path, out: Path, outtype: str, facts: TokenizerFacts):
+    cmd = [sys.executable, str(HERE / "convert_driver.py"), str(llama_dir), str(model_dir)]
+    return subprocess.run([*cmd, str(out), outtype, facts.spec()], capture_output=True, text=True)
 
 
 def tokenizer_facts(model_dir: Path, tokenizer) -> TokenizerFacts:
@@ -96,19 +141,7 @@ def convert(
     outtype = quant if quant in UNQUANTIZED else "f16"
     plain = out_dir / f"model-{outtype}.gguf"
     say(f"converting to GGUF ({outtype}) with llama.cpp's converter")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "convert_driver.py"),
-            str(llama_dir),
-            str(merged_dir),
-            str(plain),
-            outtype,
-            facts.spec(),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    done = _driver(llama_dir, merged_dir, plain, outtype, facts)
     if done.returncode:
         raise ConversionError(
             f"llama.cpp's converter failed (exit {done.returncode}): {_tail(done.stderr)}",

@@ -60,7 +60,7 @@ def check_gguf(ref: Reference, gguf: Path, quant: str, fmt: str = "gguf") -> Che
 
         def greedy(_ids, _n):
             i = next(results)
-            return list(got[f"greedy_tokens_{i}"]), got[f"greedy_rows_{i}"]
+            return [int(t) for t in got[f"greedy_tokens_{i}"]], got[f"greedy_rows_{i}"]
 
         report = check_greedy(ref, greedy, dtype, f"{fmt} {quant}", RUNTIME)
     else:

@@ -22,6 +22,16 @@ TEST_SET = (
 )
 
 
+# The split regexes of llama.cpp's pre-tokenizers (llama-vocab.cpp) that a Split + ByteLevel
+# sequence in tokenizer.json can spell: Qwen2's splits digits one by one, Llama 3's in threes
+SPLIT_REGEXES = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
 def decide(model_dir: Path) -> tuple[Optional[str], str]:
     """(llama.cpp's pre-tokenizer name, why), or (None, why not) when tokenizer.json's set-up is
     none that llama.cpp implements under a name."""
@@ -29,17 +39,35 @@ def decide(model_dir: Path) -> tuple[Optional[str], str]:
     if not path.is_file():
         return None, "no tokenizer.json"
     spec = json.loads(path.read_text(encoding="utf-8"))
-    pre, norm = spec.get("pre_tokenizer"), spec.get("normalizer")
-    if norm is not None:
-        return None, f"a {norm.get('type')} normalizer (llama.cpp's BPE pre-tokenizers have none)"
+    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
     model = (spec.get("model") or {}).get("type")
     if model != "BPE":
         return None, f"a {model} model, not BPE"
+    name, why = _named(pre)
+    if name is None:
+        return None, why
+    if norm is not None:
+        # llama.cpp normalizes nothing: NFC text (the test set's) tokenizes the same, other text
+        # may not, which is what the proof by tokenizing is for
+        if norm.get("type") != "NFC" or name != "qwen2":
+            return None, f"a {norm.get('type')} normalizer (llama.cpp's {name} has none)"
+        why += "; tokenizer.json's NFC normalizer is not applied by llama.cpp"
+    return name, why
+
+
+def _named(pre: dict) -> tuple[Optional[str], str]:
     if (
-        pre
-        and pre.get("type") == "ByteLevel"
+        pre.get("type") == "ByteLevel"
         and pre.get("use_regex", True)
         and not pre.get("add_prefix_space", False)
     ):
         return "gpt-2", "byte-level BPE with GPT-2's split regex and no prefix space"
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if steps and len(steps) == 2:
+        split, byte = steps
+        regex = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+        plain_bytes = byte.get("type") == "ByteLevel" and not byte.get("use_regex", True)
+        for name, want in SPLIT_REGEXES.items():
+            if regex == want and plain_bytes and split.get("behavior") == "Isolated":
+                return name, f"byte-level BPE split by {name}'s regex"
     return None, f"pre-tokenizer {json.dumps(pre)[:200]} matches none of llama.cpp's by name"

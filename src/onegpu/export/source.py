@@ -78,7 +78,7 @@ def load_merged(src: Source, trust_remote_code: bool = False):
 
     from onegpu.models import load_tokenizer
 
-    tokenizer = load_tokenizer(_tokenizer_dir(src), trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_dir(src), trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             src.model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -115,7 +115,7 @@ def apply_adapter(model, tokenizer, src: Source):
     return peft_model.merge_and_unload()
 
 
-def _tokenizer_dir(src: Source) -> str:
+def tokenizer_dir(src: Source) -> str:
     if src.adapter and any(
         (Path(src.adapter) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
     ):
