@@ -207,3 +207,32 @@ def test_cli_exports_and_a_bad_format_is_one_error(tmp_path, tiny_model_dir, cap
     assert (out / "safetensors" / "model.safetensors").is_file()
     assert main(["export", str(tiny_model_dir), "--format", "onnx"]) == 2
     assert "unknown export format 'onnx'" in capsys.readouterr().err
+
+
+def test_the_llama_cpp_build_without_a_compiler_is_one_clear_error(tmp_path):
+    """scripts/build_llama_cpp.sh on a machine with no cached wheel and no cmake: it stops before
+    downloading anything, naming the missing tool and the fix."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "ls", "head", "env"):  # everything but cmake and compilers
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    python = tmp_path / "python"  # a Python without llama_cpp
+    python.write_text(f"#!{sys.executable} -I\nimport sys; sys.exit(1)\n")
+    python.chmod(0o755)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_cpp.sh"
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "PYTHON": str(python)}
+    env["ONEGPU_LLAMA_CPP_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(
+        [str(bin_dir / "bash"), str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs a C/C++ compiler and cmake; 'cmake' is missing" in done.stderr
+    assert "apt-get install build-essential cmake" in done.stderr
+    assert not (tmp_path / "cache").exists() and os.path.isdir(tmp_path)

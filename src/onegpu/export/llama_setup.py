@@ -111,14 +111,3 @@ def supported_architectures(llama_dir: Path) -> set[str]:
             if "MMPROJ" not in args:
                 names.update(re.findall(r"\"([A-Za-z0-9_]+)\"", args))
     return names
-
-
-def check_compiler() -> None:
-    """A build needs cmake and a C/C++ compiler: one error naming what is missing."""
-    missing = [tool for tool in ("cmake", "cc", "c++") if shutil.which(tool) is None]
-    if missing:
-        raise UnavailableError(
-            f"building llama-cpp-python needs a C/C++ compiler and cmake; missing: "
-            f"{', '.join(missing)}.",
-            hint="install them (Debian/Ubuntu: apt-get install build-essential cmake) and rerun",
-        )
