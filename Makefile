@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint test-gpu gpu-check clean
+.PHONY: setup demo test test-all lint llama-cpp test-gpu gpu-check clean
 
 setup: $(STAMP)
 
@@ -34,8 +34,13 @@ lint: setup
 test: lint
 	PYTHON=$(BIN)/python bash scripts/test_tier.sh fast $(ARGS)
 
-test-all: lint
+# The whole suite runs GGUFs through llama.cpp: llama-cpp-python built once with the pinned flags and
+# cached (scripts/build_llama_cpp.sh; a cached wheel installs in seconds). `make test` needs none of it.
+test-all: lint llama-cpp
 	PYTHON=$(BIN)/python bash scripts/test_tier.sh all $(ARGS)
+
+llama-cpp: setup
+	PYTHON=$(BIN)/python bash scripts/build_llama_cpp.sh
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "onegpu.cli.serve",
         "serve a model and its LoRA adapters over an OpenAI-compatible HTTP API",
     ),
+    "export": (
+        "onegpu.cli.export",
+        "export a trained model (safetensors, GGUF, Ollama) and check it in its runtime",
+    ),
     "plan": (
         "onegpu.cli.plan",
         "predict memory and speed of training setups on a GPU; print the fastest that fits",

@@ -1,0 +1,78 @@
+"""Run in a child process by gguf.py: llama.cpp's converter (the steps of its
+convert_hf_to_gguf.py main) on a merged model folder, with what onegpu decided and the converter
+cannot know: the pre-tokenizer name when its hash table does not know a tokenizer trained here, the
+BOS rule and the end-of-turn id. These go in through a subclass of the converter's model class, the
+way the converter's own model classes specialise its base; its code is not changed.
+
+Usage: python convert_driver.py LLAMA_DIR MODEL_DIR OUTFILE OUTTYPE SPEC_JSON
+OUTTYPE: f32, f16, bf16, or vocab (write the vocabulary alone: the up-front probe).
+SPEC_JSON: {"pre": name or null, "add_bos": bool, "eot": id or null}. Exit 3: the architecture or
+its vocabulary is not supported (the reason on stderr)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    llama_dir, model_dir, outfile, outtype, spec_json = argv
+    spec = json.loads(spec_json)
+    sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
+    import gguf
+    import torch
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+
+    ftypes = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    }
+    hparams = ModelBase.load_hparams(Path(model_dir), False)
+    arch = get_model_architecture(hparams, ModelType.TEXT)
+    try:
+        base = get_model_class(arch, mmproj=False)
+    except NotImplementedError:
+        print(f"llama.cpp's converter does not support {arch}", file=sys.stderr)
+        return 3
+
+    class Export(base):
+        model_arch = base.model_arch  # the converter wants every model class to name it
+
+        def get_vocab_base_pre(self, tokenizer) -> str:
+            try:
+                return super().get_vocab_base_pre(tokenizer)
+            except NotImplementedError:  # a tokenizer llama.cpp's hash table does not know
+                if spec["pre"]:
+                    return spec["pre"]
+                raise
+
+        def set_vocab(self) -> None:
+            super().set_vocab()
+            written = {k for kv in self.gguf_writer.kv_data for k in kv}
+            if gguf.Keys.Tokenizer.ADD_BOS not in written:
+                self.gguf_writer.add_add_bos_token(bool(spec["add_bos"]))
+            if spec["eot"] is not None and gguf.Keys.Tokenizer.EOT_ID not in written:
+                self.gguf_writer.add_eot_token_id(int(spec["eot"]))
+
+    with torch.inference_mode():
+        vocab_only = outtype == "vocab"  # the up-front probe: the vocabulary alone, nothing kept
+        ftype = ftypes["f16" if vocab_only else outtype]
+        model = Export(Path(model_dir), ftype, Path(outfile), eager=False)
+        try:
+            model.write_vocab() if vocab_only else model.write()
+        except (FileNotFoundError, ValueError) as exc:
+            if "tokenizer.model" not in str(exc):
+                raise
+            print(
+                f"llama.cpp's converter for {arch} reads the vocabulary only from a "
+                "SentencePiece tokenizer.model, and this model has a BPE tokenizer.json",
+                file=sys.stderr,
+            )
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
