@@ -79,7 +79,7 @@ def test_reward_margin_is_positive_when_the_policy_moves_toward_chosen():
     loss, rc, rr = preference.dpo_loss(ref_c + 1.0, ref_r - 0.5, ref_c, ref_r, loss_fn.beta)
     assert (rc > 0).all() and (rr < 0).all() and (rc - rr > 0).all()
     assert (loss < math.log(2)).all()
-    loss_fn.pending.append(
+    loss_fn.stats.add(
         torch.stack(
             [torch.tensor(2.0), (rc > rr).sum().float(), (rc - rr).sum(), rc.sum(), rr.sum()]
         )

@@ -23,7 +23,8 @@ import torch
 from onegpu.data.pairs import REF_LOGPS
 from onegpu.data.unpaired import EXAMPLE_INDEX, LABEL, mismatched
 from onegpu.objectives.base import Objective
-from onegpu.objectives.preference import _moe_aux, resolve_beta, sequence_logps
+from onegpu.objectives.preference import moe_aux, resolve_beta, sequence_logps
+from onegpu.objectives.summed import SummedStats
 from onegpu.objectives.tokens import TokenLoss
 
 # sums kept for the log: examples of each label, their rewards, the examples on their label's side
@@ -57,8 +58,7 @@ class KTO(Objective):
         self.tokens, self.reference = tokens, reference
         self.beta = resolve_beta("kto", pref.beta)
         self.weights = (pref.desirable_weight, pref.undesirable_weight)
-        self.pending: list[torch.Tensor] = []
-        self.window: torch.Tensor | None = None
+        self.stats = SummedStats()
 
     def count(self, batch: dict) -> int:
         return batch[EXAMPLE_INDEX].numel()
@@ -74,7 +74,7 @@ class KTO(Objective):
         label = batch[LABEL].bool()
         loss, reward = kto_loss(pi, ref[:n], kl, label, self.beta, *self.weights)
         correct = torch.where(label, reward > self.beta * kl, reward < self.beta * kl)
-        self.pending.append(
+        self.stats.add(
             torch.stack(
                 [
                     label.sum().float(),
@@ -87,7 +87,7 @@ class KTO(Objective):
                 ]
             )
         )
-        return loss.sum() + _moe_aux(model, out, n)
+        return loss.sum() + moe_aux(model, out, n)
 
     def _reference(self, model, batch):
         if self.reference is None:
@@ -107,26 +107,20 @@ class KTO(Objective):
 
     # the statistics: pending (this cycle) -> window (since the last log)
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
-        self.pending.clear()
+        self.stats.drop()
         return micro
 
     def end_cycle(self) -> None:
-        if self.pending:
-            total = torch.stack(self.pending).sum(0)
-            self.window = total if self.window is None else self.window + total
-        self.pending.clear()
+        self.stats.commit()
 
     def window_metrics(self) -> dict:
-        window, self.window = self.window, None
-        return _means(window)
+        return _means(self.stats.take_window())
 
     def begin_eval(self) -> None:
-        self.pending.clear()
+        self.stats.drop()
 
     def eval_metrics(self) -> dict:
-        pending = torch.stack(self.pending).sum(0) if self.pending else None
-        self.pending.clear()
-        return _means(pending)
+        return _means(self.stats.take_pending())
 
 
 def _means(sums: torch.Tensor | None) -> dict:

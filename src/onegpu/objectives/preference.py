@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from onegpu.data.pairs import PAIR_INDEX, REF_LOGPS, SEQUENCE_IDS
 from onegpu.data.unpaired import EXAMPLE_INDEX
 from onegpu.objectives.base import Objective
+from onegpu.objectives.summed import SummedStats, pair_means, pair_sums
 from onegpu.objectives.tokens import TARGETS, TokenLoss
 
 AUTO_BETA = {
@@ -35,7 +36,6 @@ AUTO_BETA = {
     "simpo": 2.0,
     "kto": 0.1,
 }  # sources: config.PreferenceConfig.beta
-STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
 
 
 def resolve_beta(objective: str, beta) -> float:
@@ -101,8 +101,7 @@ class Preference(Objective):
         self.beta = resolve_beta(objective, pref.beta)
         self.smoothing, self.gamma_ratio = pref.label_smoothing, pref.simpo_gamma_ratio
         self.reference = reference
-        self.pending: list[torch.Tensor] = []
-        self.window: torch.Tensor | None = None
+        self.stats = SummedStats()
 
     def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
@@ -125,18 +124,8 @@ class Preference(Objective):
         else:
             loss, rc, rr = orpo_loss(pi_c, pi_r, len_c, len_r, self.beta)
         rc, rr = rc.detach(), rr.detach()
-        self.pending.append(
-            torch.stack(
-                [
-                    rc.new_tensor(float(n)),
-                    (rc > rr).sum().float(),
-                    (rc - rr).sum(),
-                    rc.sum(),
-                    rr.sum(),
-                ]
-            )
-        )
-        return loss.sum() + _moe_aux(model, out, n)
+        self.stats.add(pair_sums(rc, rr))
+        return loss.sum() + moe_aux(model, out, n)
 
     def _reference(self, model, batch):
         if self.reference is None:
@@ -160,44 +149,25 @@ class Preference(Objective):
 
     # the statistics: pending (this cycle) -> window (since the last log)
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
-        self.pending.clear()
+        self.stats.drop()
         return micro
 
     def end_cycle(self) -> None:
-        if self.pending:
-            total = torch.stack(self.pending).sum(0)
-            self.window = total if self.window is None else self.window + total
-        self.pending.clear()
+        self.stats.commit()
 
     def window_metrics(self) -> dict:
         """Mean rewards, margin and accuracy over the pairs since the last call (one host sync)."""
-        window, self.window = self.window, None
-        return _means(window)
+        return pair_means(self.stats.take_window())
 
     def begin_eval(self) -> None:
-        self.pending.clear()
+        self.stats.drop()
 
     def eval_metrics(self) -> dict:
         """The same means over the evaluation's calls, which are dropped."""
-        pending = torch.stack(self.pending).sum(0) if self.pending else None
-        self.pending.clear()
-        return _means(pending)
+        return pair_means(self.stats.take_pending())
 
 
-def _means(sums: torch.Tensor | None) -> dict:
-    if sums is None:
-        return {}
-    s = dict(zip(STATS, sums.tolist(), strict=True))
-    n = max(s["pairs"], 1.0)
-    return {
-        "reward_accuracy": s["correct"] / n,
-        "reward_margin": s["margin"] / n,
-        "reward_chosen": s["chosen"] / n,
-        "reward_rejected": s["rejected"] / n,
-    }
-
-
-def _moe_aux(model, out, pairs: int):
+def moe_aux(model, out, pairs: int):
     """The MoE router loss weighted by the micro-batch's pairs: after the step divides by all pairs,
     the step adds coef x (pair-weighted mean aux loss), as moe_aux_term does per token for SFT."""
     aux = getattr(out, "aux_loss", None)

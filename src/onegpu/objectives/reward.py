@@ -18,9 +18,8 @@ import torch.nn.functional as F
 
 from onegpu.data.pairs import MARGIN, PAIR_INDEX
 from onegpu.objectives.base import Objective
-from onegpu.objectives.preference import _moe_aux
-
-STATS = ("pairs", "correct", "margin", "chosen", "rejected")  # sums kept for the log
+from onegpu.objectives.preference import moe_aux
+from onegpu.objectives.summed import SummedStats, pair_means, pair_sums
 
 
 def bradley_terry_loss(r_c, r_r, margin=None, center: float | None = None):
@@ -49,8 +48,7 @@ class Reward(Objective):
     def __init__(self, pref, tokens):
         self.tokens = tokens  # unused: the head is the model's own, not the LM head
         self.center = pref.center_rewards_coefficient
-        self.pending: list[torch.Tensor] = []
-        self.window: torch.Tensor | None = None
+        self.stats = SummedStats()
 
     def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
@@ -61,50 +59,21 @@ class Reward(Objective):
         r_c, r_r = r[:n], r[n:]
         loss = bradley_terry_loss(r_c, r_r, batch.get(MARGIN), self.center)
         rc, rr = r_c.detach(), r_r.detach()
-        self.pending.append(
-            torch.stack(
-                [
-                    rc.new_tensor(float(n)),
-                    (rc > rr).sum().float(),
-                    (rc - rr).sum(),
-                    rc.sum(),
-                    rr.sum(),
-                ]
-            )
-        )
-        return loss.sum() + _moe_aux(model, out, n)
+        self.stats.add(pair_sums(rc, rr))
+        return loss.sum() + moe_aux(model, out, n)
 
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
-        self.pending.clear()
+        self.stats.drop()
         return micro
 
     def end_cycle(self) -> None:
-        if self.pending:
-            total = torch.stack(self.pending).sum(0)
-            self.window = total if self.window is None else self.window + total
-        self.pending.clear()
+        self.stats.commit()
 
     def window_metrics(self) -> dict:
-        window, self.window = self.window, None
-        return _means(window)
+        return pair_means(self.stats.take_window())
 
     def begin_eval(self) -> None:
-        self.pending.clear()
+        self.stats.drop()
 
     def eval_metrics(self) -> dict:
-        pending = torch.stack(self.pending).sum(0) if self.pending else None
-        self.pending.clear()
-        return _means(pending)
-
-
-def _means(sums: torch.Tensor | None) -> dict:
-    if sums is None:
-        return {}
-    s = dict(zip(STATS, sums.tolist(), strict=True))
-    n = max(s["pairs"], 1.0)
-    return {
-        "reward_accuracy": s["correct"] / n,
-        "reward_margin": s["margin"] / n,
-        "reward_chosen": s["chosen"] / n,
-        "reward_rejected": s["rejected"] / n,
-    }
+        return pair_means(self.stats.take_pending())
