@@ -87,8 +87,9 @@ ARMS = {
         )
         for alone in (True, False)
     ],
-    # the CPU's default token budget (policy.CPU_TOKEN_BUDGET, the cpu_token_budget row) against others, on the stall
-    # workload: the running streams' gaps against the long prompt's time to its first token
+    # the CPU's default token budget (policy.CPU_TOKEN_BUDGET, the cpu_token_budget row) against
+    # others, on the stall workload: the running streams' gaps against the long prompt's time to
+    # its first token
     "budget": [
         (f"token budget {n}", "paged", {"max_slots": 8, "token_budget": n}, [])
         for n in (64, 128, 256, 512, 1024)
