@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from families import tiny_family_model
 from onegpu.infer import gqa_attention
+from onegpu.infer.decode_step import DecodeStep
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 
@@ -58,12 +61,28 @@ def _sdpa_query_heads(engine, ids, params):
     return tokens, heads
 
 
+def _with_gqa_row(engine: Engine, config: EngineConfig) -> Engine:
+    """The engine with a decode step built under its policy plus the gqa_decode row, a CUDA row
+    (policy.py): on a CPU this is the only way to run that path's steps."""
+    rules = dataclasses.replace(engine.policy, gqa_decode=True)
+    engine.decode_step = DecodeStep(
+        engine.runner,
+        engine.sampler,
+        engine.rows,
+        engine.compiled,
+        config.compile_backend,
+        rules,
+        engine.shapes.count(),
+    )
+    return engine
+
+
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_tokenizer):
-    """A GQA model (4 query heads over 2 key heads): in the decode steps SDPA gets the queries
-    packed by key head (2 heads of 2 "tokens") and the cache's 2 heads, eager and compiled; the
-    greedy tokens are transformers' own SDPA path's; the prefill and the model after the steps
-    keep transformers' SDPA."""
+    """A GQA model (4 query heads over 2 key heads): with the gqa_decode row, SDPA gets the
+    decode steps' queries packed by key head (2 heads of 2 "tokens") and the cache's 2 heads,
+    eager and compiled; the greedy tokens are transformers' own SDPA path's, which a CPU's
+    policy keeps (the row is CUDA's); the model after the steps keeps transformers' SDPA."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
@@ -72,9 +91,9 @@ def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_to
     if compile_mode == "on":
         config.compile_backend = "aot_eager"
     reference = Engine(model, None, config)
-    reference.decode_step.own = None  # the steps on the model as given: transformers' SDPA
+    assert reference.decode_step.attention == "sdpa"  # a CPU's policy: the row is off
     want, _ = _sdpa_query_heads(reference, ids, params)
-    engine = Engine(model, None, config)
+    engine = _with_gqa_row(Engine(model, None, config), config)
     assert engine.decode_step.attention == gqa_attention.NAME
     got, heads = _sdpa_query_heads(engine, ids, params)
     assert got == want
