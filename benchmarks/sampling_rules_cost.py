@@ -33,13 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from constraint_cost import (  # noqa: E402 - its tokenizer, prompts and schema
     SCHEMA,
     VOCAB,
-    _commit,
-    _uptime,
     _versions,
     prompts,
     stdlib_texts,
 )
 
+from onegpu.bench import provenance  # noqa: E402
 from onegpu.data.tokenizer import train_tokenizer  # noqa: E402
 from onegpu.infer.constraints import Grammars  # noqa: E402
 from onegpu.infer.engine import Engine, EngineConfig  # noqa: E402
@@ -149,7 +148,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     if args.stage:
         return stage_report(args, argv)
-    before, started = _uptime(), time.perf_counter()
+    before, started = provenance.uptime(), time.perf_counter()
     tok = train_tokenizer(stdlib_texts(), VOCAB, "constraint-cost-stdlib-300")
     ids = prompts(tok, ROWS)
     grammars = Grammars(tok, VOCAB)
@@ -177,11 +176,11 @@ def main(argv: list[str]) -> int:
             arm: {k: summary([x[k] for x in runs]) for k in runs[0]} for arm, runs in rounds.items()
         }
         per_round[shape] = rounds
-        uptimes[shape] = _uptime()
+        uptimes[shape] = provenance.uptime()
         del engines, model
     doc = {
         "command": "python " + " ".join(["benchmarks/sampling_rules_cost.py", *argv]),
-        "commit": _commit(),
+        "commit": provenance.commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{torch.get_num_threads()} torch thread, {__import__('os').cpu_count()} cores",
         "versions": _versions(),
@@ -204,17 +203,17 @@ def main(argv: list[str]) -> int:
 
 
 def stage_report(args, argv) -> int:
-    before, started = _uptime(), time.perf_counter()
+    before, started = provenance.uptime(), time.perf_counter()
     res = stage(args.rounds)
     lines = [
         "# The sampler's stage alone: logit_bias and a grammar's mask (CPU, one thread)",
         "",
         f"- command: `python benchmarks/sampling_rules_cost.py {' '.join(argv)}`",
-        f"- commit: {_commit()}",
+        f"- commit: {provenance.commit()}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: x86_64, 1 torch thread, {__import__('os').cpu_count()} cores",
         f"- uptime_before: {before}",
-        f"- uptime_after: {_uptime()}",
+        f"- uptime_after: {provenance.uptime()}",
         f"- run: {time.perf_counter() - started:.1f} s",
         "",
         f"`sampling.next_tokens`, greedy, eager, on [{ROWS}, vocab] fp32 logits; µs per call, "
