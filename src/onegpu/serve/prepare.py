@@ -303,30 +303,40 @@ def completion_prompts(tokenizer, prompt) -> list[list[int]]:
     return [list(ids) for ids in prompt_ids(tokenizer, texts, chat=False)]  # as `generate` does
 
 
-def chat_prompt(tokenizer, req: ChatRequest, tools_on: bool) -> list[int]:
-    from jinja2 import TemplateError
-
+def need_template(tokenizer, fix: str = "") -> None:
+    """A 400 naming ``messages`` when the model has no chat template (``fix`` follows)."""
     if not tokenizer.chat_template:
         raise APIError(
             400,
-            "this model's tokenizer has no chat template, so chat messages cannot be encoded.",
+            "this model's tokenizer has no chat template, so chat messages cannot be encoded."
+            + fix,
             param="messages",
             code="no_chat_template",
         )
-    messages = [m.for_template() for m in req.messages]
-    tools = [t.for_template() for t in req.tools] if tools_on else None
+
+
+def render_chat(tokenizer, messages: list[dict], tools: Optional[list], **kwargs):
+    """The model's chat template over ``messages`` (``kwargs`` go to ``apply_chat_template``); no
+    template, or a template that refuses them (roles out of order, a field it needs missing...),
+    is a 400 naming ``messages``."""
+    from jinja2 import TemplateError
+
+    need_template(tokenizer)
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True
-        )
+        return tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        # the template refused these messages (roles out of order, a field it needs missing...)
         raise APIError(
             400,
             f"the model's chat template refused these messages: {type(exc).__name__}: {exc}",
             param="messages",
             code="chat_template_error",
         ) from None
+
+
+def chat_prompt(tokenizer, req: ChatRequest, tools_on: bool) -> list[int]:
+    messages = [m.for_template() for m in req.messages]
+    tools = [t.for_template() for t in req.tools] if tools_on else None
+    ids = render_chat(tokenizer, messages, tools, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in 5.x
 
 

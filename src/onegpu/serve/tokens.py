@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field, model_validator
 
 from onegpu.serve.messages import Lenient, Message, Tool
+from onegpu.serve.prepare import need_template, render_chat
 from onegpu.serve.schemas import APIError, WholeInt, parse_body
 
 
@@ -50,16 +51,7 @@ def tokenize(tokenizer, req: TokenizeRequest, max_len: int) -> dict:
 
 
 def _chat_ids(tokenizer, req: TokenizeRequest) -> list[int]:
-    from jinja2 import TemplateError
-
-    if not tokenizer.chat_template:
-        raise APIError(
-            400,
-            "this model's tokenizer has no chat template, so 'messages' cannot be encoded; send "
-            "'prompt'.",
-            param="messages",
-            code="no_chat_template",
-        )
+    need_template(tokenizer, " Send 'prompt'.")
     if req.add_generation_prompt and req.continue_final_message:
         raise APIError(
             400,
@@ -67,21 +59,14 @@ def _chat_ids(tokenizer, req: TokenizeRequest) -> list[int]:
             param="continue_final_message",
             code="invalid_value",
         )
-    try:
-        text = tokenizer.apply_chat_template(
-            [m.for_template() for m in req.messages],
-            tools=[t.for_template() for t in req.tools] if req.tools else None,
-            add_generation_prompt=bool(req.add_generation_prompt),
-            continue_final_message=bool(req.continue_final_message),
-            tokenize=False,
-        )
-    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise APIError(
-            400,
-            f"the model's chat template refused these messages: {type(exc).__name__}: {exc}",
-            param="messages",
-            code="chat_template_error",
-        ) from None
+    text = render_chat(
+        tokenizer,
+        [m.for_template() for m in req.messages],
+        [t.for_template() for t in req.tools] if req.tools else None,
+        add_generation_prompt=bool(req.add_generation_prompt),
+        continue_final_message=bool(req.continue_final_message),
+        tokenize=False,
+    )
     # the template writes the special tokens itself: none added unless asked (vLLM's default)
     return tokenizer(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
 
