@@ -76,12 +76,20 @@ def make_engine(model, tok, sync_every: int) -> Engine:
     return Engine(model, tok, EngineConfig(max_slots=ROWS, max_len=256, sync_every=sync_every))
 
 
-def run(engine: Engine, ids: list[list[int]], constrained: int, new: int) -> dict:
-    """One batch to its end: ms (wall, CPU) per decode step after the prompts' step."""
+def run(
+    engine: Engine, ids: list[list[int]], constrained: int, new: int, biased: int = 0, bias=()
+) -> dict:
+    """One batch to its end: ms (wall, CPU) per decode step after the prompts' step; the first
+    ``constrained`` rows under the schema, the first ``biased`` with ``bias`` as logit_bias."""
     schema = Constraint("json_schema", json.dumps(SCHEMA))
     for i, p in enumerate(ids):
-        c = schema if i < constrained else None
-        engine.submit(p, SamplingParams(max_new_tokens=new, ignore_eos=True, constraint=c))
+        params = SamplingParams(
+            max_new_tokens=new,
+            ignore_eos=True,
+            logit_bias=bias if i < biased else (),
+            constraint=schema if i < constrained else None,
+        )
+        engine.submit(p, params)
     engine.step()  # the prompts, the first tokens, the grammars compiled
     wall, cpu, made = time.perf_counter(), time.process_time(), 0
     while engine.has_work():

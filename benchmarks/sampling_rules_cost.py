@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import constraint_cost  # noqa: E402 - its batch loop
 from constraint_cost import (  # noqa: E402 - its tokenizer, prompts and schema
-    SCHEMA,
     VOCAB,
     _versions,
     prompts,
@@ -42,7 +42,6 @@ from onegpu.bench import provenance  # noqa: E402
 from onegpu.data.tokenizer import train_tokenizer  # noqa: E402
 from onegpu.infer.constraints import Grammars  # noqa: E402
 from onegpu.infer.engine import Engine, EngineConfig  # noqa: E402
-from onegpu.infer.requests import Constraint, SamplingParams  # noqa: E402
 from onegpu.models import preset_config  # noqa: E402
 
 ROWS = 8
@@ -60,28 +59,9 @@ BIAS = tuple((t, (-1.5, 2.0)[t % 2]) for t in range(1000, 17000, 1000))
 
 
 def run(engine: Engine, ids, biased: int, constrained: int, new: int) -> dict:
-    schema = Constraint("json_schema", json.dumps(SCHEMA))
-    for i, p in enumerate(ids):
-        params = SamplingParams(
-            max_new_tokens=new,
-            ignore_eos=True,
-            logit_bias=BIAS if i < biased else (),
-            constraint=schema if i < constrained else None,
-        )
-        engine.submit(p, params)
-    engine.step()  # the prompts, the first tokens, the grammars compiled
-    wall, cpu, made = time.perf_counter(), time.process_time(), 0
-    while engine.has_work():
-        for u in engine.step():
-            made += len(u.token_ids)
-            if u.finished and u.finish_reason != "length":
-                raise RuntimeError(f"a row ended before its limit: {u.finish_reason} {u.error}")
-    steps = new - 1
-    assert made == ROWS * steps, made
-    return {
-        "ms_per_step": 1e3 * (time.perf_counter() - wall) / steps,
-        "cpu_ms_per_step": 1e3 * (time.process_time() - cpu) / steps,
-    }
+    """constraint_cost's batch with the first ``biased`` rows under BIAS, per decode step."""
+    r = constraint_cost.run(engine, ids, constrained, new, biased, BIAS)
+    return {"ms_per_step": r["ms_per_token"], "cpu_ms_per_step": r["cpu_ms_per_token"]}
 
 
 def stage(rounds: int, reps: int = 200) -> dict:
