@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from onegpu.checkpoint.manifest import fsync_dir, fsync_tree
 from onegpu.errors import ConfigError, OnegpuError
 
 PARTIAL = ".partial-"  # a folder whose name holds this is never a finished export
@@ -65,6 +66,7 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)  # on disk before its name is final, as a checkpoint's is
     if out.exists():
         old = out.with_name(f"{out.name}{PARTIAL}old-{os.getpid()}")
         os.replace(out, old)
@@ -72,6 +74,7 @@ def atomic_folder(out: Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 def free_bytes(out: Path) -> int:
