@@ -76,7 +76,7 @@ class ScriptedEngine:
     def free_slots(self) -> int:
         return max(0, self.max_slots - len(self._seqs))
 
-    def step(self, interrupt=None) -> list:
+    def step(self, arrived=None) -> list:
         time.sleep(self.step_s)
         if any(self.tokenizer.decode(s.answer) == CRASH and not s.cancelled for s in self._seqs):
             raise RuntimeError("injected engine fault")

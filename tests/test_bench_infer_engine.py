@@ -144,7 +144,7 @@ def test_bench_runs_engine_settings_end_to_end(tmp_path, capsys):
         assert row["bandwidth_share"] == pytest.approx(share)
         assert row["memory_mb"]["peak"] is None and row["load1"] >= 0
     engine = rows[("engine+fp32", 2)]
-    assert engine["path"] == "engine" and engine["kv_source"] == "engine.cache.bytes"
+    assert engine["path"] == "engine" and engine["kv_source"] == "engine.stats().kv_bytes"
     # the engine's pool is sized to the request: 2 rows x a block of 16 for 8 + 6 positions, and
     # the null block
     assert engine["memory_mb"]["kv"] * 2**20 == 3 * 16 * engine["kv_bytes_per_position"]

@@ -5,6 +5,8 @@ caching, chunked prompts, preemption) is tests/test_engine_paged.py's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -207,7 +209,7 @@ def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
     engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=96))
     engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     per_position = kv_bytes_per_position(llama)
-    assert engine.cache.bytes == (4 * 96 // 16 + 1) * 16 * per_position
+    assert engine.stats().kv_bytes == (4 * 96 // 16 + 1) * 16 * per_position
     small = Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=8))
     small.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     assert small.cache.bytes == 8 * 16 * per_position
@@ -225,9 +227,9 @@ def test_the_cache_is_sized_to_the_request_not_the_context(tiny_tokenizer):
     caches = []
 
     def spy(module, args, kwargs):
-        cache = kwargs.get(cache_kwarg(module))
-        if cache is not None and not caches:
-            caches.append(cache)
+        view = kwargs.get(cache_kwarg(module))  # the forward's view of the engine's pool
+        if view is not None and not caches:
+            caches.append(view.pool)
 
     hook = model.register_forward_pre_hook(spy, with_kwargs=True)
     try:
@@ -424,9 +426,10 @@ def test_a_step_ends_where_a_budget_ends_and_when_interrupted(llama, tiny_tokeni
     # its answer goes out and its row frees at once
     news = [(u.request_id, len(u.token_ids), u.finished) for u in engine.step()]
     assert news == [(short, 2, True), (long_, 2, False)] and engine.free_slots() == 1
-    asked = []
-    news = engine.step(interrupt=lambda: asked.append(True) or True)  # say, a request arrived
-    assert [len(u.token_ids) for u in news] == [1] and asked == [True]
+    arrived = threading.Event()
+    arrived.set()  # say, a request arrived, and a row is free for it
+    news = engine.step(arrived=arrived)
+    assert [len(u.token_ids) for u in news] == [1]
     total = 3 + 1
     while engine.has_work():
         total += sum(len(u.token_ids) for u in engine.step())

@@ -36,8 +36,9 @@ def ids(tiny_tokenizer):
     return [tiny_tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
-def engine(model, tokenizer, **kw) -> Engine:
-    return Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_len": 256, **kw}))
+def engine(model, tokenizer, grammars=None, **kw) -> Engine:
+    config = EngineConfig(**{"max_slots": 4, "max_len": 256, **kw})
+    return Engine(model, tokenizer, config, grammars=grammars)
 
 
 def field_schema(rng: random.Random, depth: int) -> dict:
@@ -249,7 +250,7 @@ def test_a_grammar_that_refuses_a_token_or_does_not_compile_fails_its_request_al
     [failure] = got[bad]
     assert failure.finish_reason == "error" and "does not compile" in failure.error
     assert [[t for u in got[r] for t in u.token_ids] for r in rid] == alone
-    e.guides.grammars = RefusingGrammars()
+    e = engine(llama, tiny_tokenizer, grammars=RefusingGrammars())  # the compiler a caller gives
     refused = e.submit(
         ids[0], SamplingParams(max_new_tokens=12, constraint=Constraint("regex", "4"))
     )
@@ -262,8 +263,9 @@ def test_a_grammar_that_refuses_a_token_or_does_not_compile_fails_its_request_al
     assert sum(len(u.token_ids) for u in got[refused]) == 3  # the 4th token was refused
     assert "does not allow the sampled token" in got[refused][-1].error
     assert [[t for u in got[r] for t in u.token_ids] for r in rid] == alone
-    assert not e.guides.matchers and e.free_slots() == 4
-    assert e.pool.free_count() == e.pool.usable
+    stats = e.stats()
+    assert e.free_slots() == 4 and stats.running == stats.waiting == 0
+    assert stats.kv_positions_used == 0
 
 
 def test_a_preempted_request_keeps_its_place_in_its_grammar(llama, tiny_tokenizer, ids):

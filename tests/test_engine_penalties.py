@@ -139,11 +139,16 @@ def test_the_prompts_tokens_are_not_counted_and_preemption_rebuilds_the_counts(
 
 
 def test_a_rows_counts_start_at_0_and_are_rebuilt_from_its_output_alone():
-    from onegpu.infer.sampling import Sampler
+    from onegpu.infer.rows import Rows
+    from onegpu.infer.scheduler import Plan, Sequence
 
-    sampler = Sampler(2, 10, "cpu")
-    sampler.counts.fill_(3)  # what the row's last request left
-    sampler.start(0, params(frequency=1.0), [1, 2, 5])  # admitted: its prompt only
-    assert sampler.counts[0].sum() == 0 and sampler.counts[1].sum() == 30
-    sampler.start(1, params(presence=1.0), [5, 5, 4, 7, 5], generated=2)  # recomputed
-    assert sampler.counts[1].tolist() == [0, 0, 0, 0, 0, 1, 0, 1, 0, 0]
+    def started(row, settings, prompt, output=()):
+        seq = Sequence(row, prompt, settings, None, None, tokens=[*prompt, *output], row=row)
+        return Plan(started=(seq,))
+
+    rows = Rows(2, 1, 10, [], 1, "cpu")
+    rows.counts.fill_(3)  # what the row's last request left
+    rows.apply(started(0, params(frequency=1.0), [1, 2, 5]))  # admitted: its prompt only
+    assert rows.counts[0].sum() == 0 and rows.counts[1].sum() == 30
+    rows.apply(started(1, params(presence=1.0), [5, 5, 4], [7, 5]))  # recomputed
+    assert rows.counts[1].tolist() == [0, 0, 0, 0, 0, 1, 0, 1, 0, 0]

@@ -10,7 +10,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from families import tiny_family_model
 from onegpu.infer import gqa_attention
-from onegpu.infer.decode_step import DecodeStep
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 
@@ -61,22 +60,6 @@ def _sdpa_query_heads(engine, ids, params):
     return tokens, heads
 
 
-def _with_gqa_row(engine: Engine, config: EngineConfig) -> Engine:
-    """The engine with a decode step built under its policy plus the gqa_decode row, a CUDA row
-    (policy.py): on a CPU this is the only way to run that path's steps."""
-    rules = dataclasses.replace(engine.policy, gqa_decode=True)
-    engine.decode_step = DecodeStep(
-        engine.runner,
-        engine.sampler,
-        engine.rows,
-        engine.compiled,
-        config.compile_backend,
-        rules,
-        engine.shapes.count(),
-    )
-    return engine
-
-
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_tokenizer):
     """A GQA model (4 query heads over 2 key heads): with the gqa_decode row, SDPA gets the
@@ -91,10 +74,13 @@ def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_to
     if compile_mode == "on":
         config.compile_backend = "aot_eager"
     reference = Engine(model, None, config)
-    assert reference.decode_step.attention == "sdpa"  # a CPU's policy: the row is off
-    want, _ = _sdpa_query_heads(reference, ids, params)
-    engine = _with_gqa_row(Engine(model, None, config), config)
-    assert engine.decode_step.attention == gqa_attention.NAME
+    assert not reference.policy.gqa_decode  # a CPU's policy: the row is CUDA's
+    want, before = _sdpa_query_heads(reference, ids, params)
+    # transformers' SDPA: eagerly it packs a one-token query by key head itself (pack_gqa, 5.24);
+    # inside a compiled step it repeats the keys for the query's 4 heads (repeat_kv)
+    assert before and set(before) == ({4} if compile_mode == "on" else {2})
+    # the row switched on here (EngineConfig.policy_on), as on a GPU
+    engine = Engine(model, None, dataclasses.replace(config, policy_on=["gqa_decode"]))
     got, heads = _sdpa_query_heads(engine, ids, params)
     assert got == want
     assert heads and set(heads) == {2}

@@ -110,7 +110,7 @@ def test_a_request_the_pool_cannot_hold_yet_does_not_hold_the_decode_to_one_step
     sched.computed(first, 39)  # its prompt computed: it decodes
     sched.add(seq(1, 50))  # 4 blocks: 3 are free
     plan = sched.schedule()
-    assert plan.steps == 8 and plan.decode == [first] and not plan.pieces
+    assert plan.steps == 8 and plan.decode == (first,) and not plan.pieces
     assert len(sched.waiting) == 1
     small = seq(2, 10)  # 1 block: it fits, and goes ahead of nothing (the queue is in order)
     small.tokens = list(small.prompt)  # as add() sets them

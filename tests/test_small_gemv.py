@@ -71,7 +71,7 @@ def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_
     gemv = SmallGemv("cpu", max_rows=2, max_outputs=10**9, max_inputs=10**9)
     old = engine.decode_step  # the same step with the pass (on a CPU no row of the policy adds it)
     engine.decode_step = decode_step.DecodeStep(
-        old.runner, old.sampler, old.rows, "default", "inductor", engine.policy, 8, graph_pass=gemv
+        old.runner, old.rows, "default", "inductor", engine.policy, 8, graph_pass=gemv
     )
     # fx_graph_cache off: a graph inductor cached from an earlier run would skip the pass
     with torch._inductor.config.patch(fx_graph_cache=False):

@@ -1,5 +1,5 @@
 """The decode engine on the card's fake "cuda" tensors: the CUDA branches a GPU run takes (the KV
-pool, the rows' state and the sampler's at fixed addresses, the block tables copied up from the
+pool, the rows' state at fixed addresses, the block tables copied up from the
 host, the step compiled as CUDA graphs), prompt pieces written into the pool — a later one reading
 the blocks of a cached prefix through its block table — the paged decode step of every row, a
 grammar's token mask copied up from the host and applied on the card, and a sequence's row state
@@ -19,19 +19,20 @@ import torch
 from card_step import VOCAB, _model
 
 from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.prefill import prefill
 from onegpu.infer.requests import SamplingParams
 from onegpu.infer.sampling import Needs
+from onegpu.infer.scheduler import Plan
 
 
 def _run_pieces(engine):
-    """One engine step up to its read-back: the plan, the pool's blocks zeroed, the rows' state
-    and tables up, the pieces through the runner and their first tokens through the sampler."""
+    """One engine step up to its read-back: the plan, the pool's blocks zeroed, the plan applied
+    to the rows (settings and tables up), the pieces through the runner and their first tokens
+    through the sampler."""
     plan = engine.scheduler.schedule()
     engine.cache.reserve(engine.pool.high_water)
-    for seq in plan.started:
-        engine.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
-    engine.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
-    firsts = engine.io.prefill(engine.runner, engine.sampler, plan.pieces, engine._names, {})
+    assert engine.rows.apply(plan) == {}
+    firsts = prefill(engine.runner, engine.rows, list(plan.pieces), engine._names, {}).firsts
     for piece in plan.pieces:  # what the read-back would tell the scheduler
         if piece.last:  # a fake tensor has no value: the first token read back as token 0
             piece.seq.tokens.append(0)
@@ -63,27 +64,25 @@ def test_the_engine_computes_pieces_and_steps_every_row_on_the_card(card):
             every = Needs(True, True, True, penalties=True, logprobs=True)
             nxt, logprobs = engine.decode_step.step(2, 64, every, None)  # the eager twin
             # a grammar's mask: written on the host, copied up, applied on the device
-            engine.sampler.host_bitmask[0].zero_()
-            engine.sampler.host_bitmask[0, 0] = 0b1000  # token 3 alone
-            engine.sampler.host_masked[0] = True
-            engine.sampler.upload_bitmask(2)
+            bits = torch.zeros(engine.rows.bitmask.shape[1], dtype=torch.int32)
+            bits[0] = 0b1000  # token 3 alone
+            engine.rows.set_masks({0: bits})
             # every row's mask applied, as the compiled step applies it (finding the masked rows
             # would wait for the device: a fake tensor has no values to find them by)
             masked, _ = engine.decode_step.step(2, 64, Needs(constraints=True), None)
             # a sequence moves down a row (the scheduler compacts them): its state on the card
-            engine.io.move(1, 0)
-            engine.sampler.move(1, 0)
+            engine.rows.apply(Plan(moved=((1, 0),)))
     assert [(p.start, p.end) for p in first.pieces + second.pieces] == [(0, 24), (24, 33)]
     assert [(p.start, p.end) for p in third.pieces] == [(32, 34)]  # 32 found in the cache
     assert engine.stats().prefix_hits == 32 and len(firsts) == len(more) == 1
     assert nxt.is_cuda and nxt.shape == (2,) and masked.is_cuda and masked.shape == (2,)
-    assert engine.sampler.bitmask.is_cuda and engine.sampler.host_bitmask.device.type == "cpu"
-    assert engine.rows.tokens.is_cuda and engine.sampler.counts.is_cuda
-    assert all(t.is_cuda for t in logprobs) and logprobs[1].shape == (2, engine.sampler.top)
-    assert engine.sampler.counts.is_cuda and engine.rows.top_ids.is_cuda
+    assert engine.rows.bitmask.is_cuda and engine.rows.host_bitmask.device.type == "cpu"
+    assert engine.rows.tokens.is_cuda and engine.rows.counts.is_cuda
+    assert all(t.is_cuda for t in logprobs) and logprobs[1].shape == (2, engine.rows.top)
+    assert engine.rows.counts.is_cuda and engine.rows.top_ids.is_cuda
     blocks = engine.pool.num_blocks * engine.pool.block_size
     assert all(k.is_cuda and k.shape[1] == blocks for k in engine.cache.keys)
-    assert engine.rows.tables.is_cuda and engine.sampler.seen.shape == (2, VOCAB)
+    assert engine.rows.tables.is_cuda and engine.rows.seen.shape == (2, VOCAB)
 
 
 def test_batched_lora_stacks_the_adapters_on_the_card_at_fixed_addresses(card):

@@ -212,7 +212,7 @@ class _Bench:
         after = self.memory.allocated()
         cell.growth = after - before if after is not None else None
         if s.engine:
-            cell.kv_bytes, cell.kv_source = cell.engine.cache.bytes, "engine.cache.bytes"
+            cell.kv_bytes, cell.kv_source = cell.engine.stats().kv_bytes, "engine.stats().kv_bytes"
         else:  # what generate's cache holds at the end (a static cache is sized to the same)
             positions = self.cfg.prompt_len + self.cfg.new_tokens
             cell.kv_bytes = roof.cache_bytes(cell.batch, positions, kv_pos)

@@ -27,8 +27,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BASE = "__base__"  # PEFT's name for a row without an adapter (serve/adapters.py BASE_ROW)
-
 
 @dataclass(eq=False)
 class LayerStack:
@@ -143,9 +141,10 @@ class BatchedLora:
                 replace_module(own, name, StackedLinear(layer.base_layer, stacks[id(module)]))
                 self.installed.add(name)
 
-    def route(self, names: Optional[list[str]]) -> bool:
-        """Write row ``i``'s adapter ``names[i]`` (or BASE; None: the model's one active adapter
-        for every row) into ``index``; False where the stacks cannot stand for them — PEFT's
+    def route(self, names: Optional[list[str]]) -> Optional[list[int]]:
+        """Row ``i``'s index for adapter ``names[i]`` (or BASE; None: the model's one active
+        adapter for every row), which the engine's rows write into the ``index`` the stacks read;
+        None where the stacks cannot stand for them — PEFT's
         layers are off (inside ``model.disable_adapter()``) or merged, several adapters are
         active at once: PEFT routes them, on the user's model. Adapters loaded since on layers
         the copy does not stack: ``stale``."""
@@ -153,18 +152,16 @@ class BatchedLora:
         if current != self.names:  # adapters were loaded (or deleted) since the stacks were built
             self._build(current)
         if self.refused is not None:
-            return False
+            return None
         if any(m.disable_adapters or m.merged for m, _ in self.layers):
-            return False
+            return None
         if names is None:
             active = self.model.active_adapters
             if len(active) != 1:
-                return False
+                return None
             names = [active[0]] * self.index.shape[0]
         at = {name: k + 1 for k, name in enumerate(self.names)}
-        ids = [at.get(n, 0) for n in names]
-        self.index[: len(ids)].copy_(torch.tensor(ids, dtype=self.index.dtype))
-        return True
+        return [at.get(n, 0) for n in names]
 
     def stale(self) -> bool:
         """Adapters were loaded since on layers the engine's copy does not stack (its caller

@@ -1,126 +1,24 @@
 """The one-token decode step of every decode row at once, on the device: the runner's forward,
 the sampler's choice and each row's bookkeeping (its next token and position, whether it still
-decodes), reading nothing back — compiled once per (rows, kv_len, needs) bucket, on a GPU replayed
-as a CUDA graph. ``Rows`` is each row's state as tensors at fixed addresses."""
+decodes: ``Rows.advance``), reading nothing back — compiled once per (rows, kv_len, needs) bucket,
+on a GPU replayed as a CUDA graph. Its state is the engine's rows (rows.py), tensors at fixed
+addresses."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
-from onegpu.infer import cpu_attention, gqa_attention, policy
-from onegpu.infer.batched_lora import BASE, BatchedLora
+from onegpu.infer import cpu_attention, gqa_attention, policy, sampling
+from onegpu.infer.batched_lora import BatchedLora
 from onegpu.infer.decode_model import copyable, decode_model, moe
 from onegpu.infer.paged_cache import base_model
+from onegpu.infer.requests import BASE
+from onegpu.infer.rows import Rows
 from onegpu.infer.runner import ModelRunner
-from onegpu.infer.sampling import Needs, Sampler
-
-
-@dataclass
-class Rows:
-    """Per decode row: the token to feed next and its position, whether the row decodes, its
-    request's token budget and the tokens it has generated, its block table ``tables [rows,
-    blocks]``, its LoRA adapter ``lora`` (an index in batched_lora's stacks, 0 the base model);
-    ``out`` collects the tokens of the steps since the last read-back, and beside it
-    ``chosen [rows, steps]``, ``top_ids``/``top_logprobs [rows, steps, top]`` their logprobs and
-    each step's likeliest tokens (written by the steps that compute them: a row asking for
-    logprobs ran in them)."""
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    live: torch.Tensor
-    budget: torch.Tensor
-    generated: torch.Tensor
-    ignore_eos: torch.Tensor
-    tables: torch.Tensor
-    out: torch.Tensor
-    eos: torch.Tensor
-    chosen: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-    lora: torch.Tensor
-    host_tables: Optional[torch.Tensor] = None  # the tables as the host writes them
-
-    @classmethod
-    def empty(
-        cls, rows: int, blocks: int, eos_ids: list[int], sync_every: int, device, top: int = 0
-    ) -> Rows:
-        def z(dtype, *shape, fill=0):
-            return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
-
-        state = cls(
-            tokens=z(torch.long),
-            positions=z(torch.long),
-            live=z(torch.bool),
-            budget=z(torch.long),
-            generated=z(torch.long),
-            ignore_eos=z(torch.bool),
-            tables=z(torch.long, rows, blocks),
-            out=z(torch.long, rows, sync_every, fill=-1),
-            eos=torch.tensor(eos_ids or [-2], dtype=torch.long).to(device),
-            chosen=z(torch.float, rows, sync_every),
-            top_ids=z(torch.long, rows, sync_every, top),
-            top_logprobs=z(torch.float, rows, sync_every, top),
-            lora=z(torch.long),
-        )
-        cuda = torch.device(device).type == "cuda"
-        if cuda:  # CUDA graphs replay on fixed addresses
-            for f in fields(cls):
-                if getattr(state, f.name) is not None:
-                    torch._dynamo.mark_static_address(getattr(state, f.name))
-        # on a CPU the host's tables are the device's
-        state.host_tables = torch.zeros_like(state.tables, device="cpu") if cuda else state.tables
-        return state
-
-    def start(self, row: int, token: torch.Tensor, position: int, generated: int, params) -> None:
-        """Row ``row`` decodes from ``token`` (on the device: the first token of its answer, or
-        the next one after a recompute) at ``position``."""
-        self.tokens[row : row + 1] = token
-        self.positions[row], self.generated[row] = position, generated
-        self.budget[row], self.ignore_eos[row] = params.max_new_tokens, params.ignore_eos
-        ended = (torch.isin(token, self.eos) & ~self.ignore_eos[row]) | (
-            self.generated[row] >= self.budget[row]
-        )
-        self.live[row : row + 1] = ~ended
-
-    def move(self, src: int, dst: int) -> None:
-        """Row ``src``'s sequence decodes in row ``dst`` from now on (the scheduler compacts the
-        rows); ``src`` holds nothing. Its table goes with it when the caller sets ``dst``'s."""
-        per_row = (self.tokens, self.positions, self.live, self.budget, self.generated)
-        for t in (*per_row, self.ignore_eos, self.lora):
-            t[dst] = t[src]
-        self.retire(src)
-
-    def retire(self, row: int) -> None:
-        self.live[row], self.positions[row], self.lora[row] = False, 0, 0
-        self.set_table(row, [])  # the null block: the row's writes land where nobody reads
-
-    def set_table(self, row: int, blocks: list[int]) -> None:
-        """Row ``row``'s block table, written on the host (``upload`` takes it to the device)."""
-        host = self.host_tables
-        host[row, : len(blocks)] = torch.tensor(blocks, dtype=host.dtype)
-        host[row, len(blocks) :] = 0
-
-    def upload(self) -> None:
-        if self.host_tables is not self.tables:  # on a CPU they are one tensor
-            self.tables.copy_(self.host_tables, non_blocking=True)
-
-    def record(self, column: int, rows: int, tokens: torch.Tensor, logprobs=None) -> None:
-        """A decode step's tokens (and their logprobs, when the step computed them: the
-        sampler's ``(chosen, top ids, top logprobs)``), kept on the device until the step's
-        read-back."""
-        self.out[:rows, column] = tokens
-        if logprobs is not None:
-            chosen, ids, values = logprobs
-            self.chosen[:rows, column] = chosen
-            self.top_ids[:rows, column] = ids
-            self.top_logprobs[:rows, column] = values
-
-    def read_back(self, rows: int, steps: int) -> list[list[int]]:
-        return self.out[:rows, :steps].tolist()
+from onegpu.infer.sampling import Needs
 
 
 class DecodeStep:
@@ -135,7 +33,6 @@ class DecodeStep:
     def __init__(
         self,
         runner: ModelRunner,
-        sampler: Sampler,
         rows: Rows,
         mode: Optional[str],
         backend: str,
@@ -145,7 +42,7 @@ class DecodeStep:
     ):
         """``graph_pass``: an inductor post-grad pass for the compiled step (default: the policy's,
         small_gemv.py on a GPU)."""
-        self.runner, self.sampler, self.rows = runner, sampler, rows
+        self.runner, self.rows = runner, rows
         cuda = runner.device.type == "cuda"
         self.compiled = None
         if mode:
@@ -219,7 +116,10 @@ class DecodeStep:
             return names
         if self.lora.stale():  # adapters loaded since on layers the copy does not stack
             self.own = self._make_own()
-        self.on_own = self.lora.route(names)
+        ids = self.lora.route(names)
+        self.on_own = ids is not None
+        if ids is not None:
+            self.rows.set_adapters(ids)
         return None if self.on_own else names
 
     @property
@@ -285,16 +185,11 @@ class DecodeStep:
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
         tables = st.tables[:rows, : kv_len // self.runner.block_size]
         logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters, model)
-        generated = st.generated[:rows]
-        nxt = self.sampler.sample(logits, slice(0, rows), generated, needs)
-        logprobs = self.sampler.logprobs(logits, nxt, needs)  # the model's own: before any rule
-        count = generated + 1
-        ended = (torch.isin(nxt, st.eos) & ~st.ignore_eos[:rows]) | (count >= st.budget[:rows])
-        st.tokens[:rows] = torch.where(live, nxt, st.tokens[:rows])
-        st.positions[:rows] = pos + live.long()
-        st.generated[:rows] = torch.where(live, count, generated)
-        self.sampler.observe(torch.arange(rows, device=nxt.device), nxt, live, needs)
-        st.live[:rows] = live & ~ended
+        params = st.params(slice(0, rows), st.generated[:rows], needs)
+        nxt = sampling.sample(logits, params, needs)
+        logprobs = sampling.logprobs(logits, nxt, needs, st.top)  # the model's own, before rules
+        st.observe(torch.arange(rows, device=nxt.device), nxt, live, needs)
+        st.advance(rows, nxt, live, pos)
         return torch.where(live, nxt, -1), logprobs
 
 

@@ -1,12 +1,14 @@
 """The decode engine: what ``onegpu generate``, ``onegpu bench infer``, GRPO's rollouts and
 ``onegpu serve`` generate with.
 
-Each ``step`` is one pass of a one-way flow:
+Each ``step`` is one pass of a one-way flow, and the engine is that loop and nothing else:
 
-    scheduler (which sequences run, under a token budget, in which KV blocks)
-      -> runner (the model's forwards over the paged KV: prompt pieces, decode steps)
-      -> sampler (the next tokens, on the device)
-      -> output (one read-back; text decoded incrementally, stop strings, the callers' updates)
+    scheduler (a frozen plan: which sequences run, under a token budget, in which KV blocks)
+      -> rows (rows.py: the plan's moves, frees and starts on every per-row tensor at once)
+      -> runner (the model's forwards over the paged KV: decode steps, prefill.py's pieces)
+      -> sampler (sampling.py: logits -> tokens, pure; the grammars' masks passed in)
+      -> output (one read-back; the one finish rule, text decoded incrementally, stop strings,
+         the callers' updates)
 
 A step that computes prompt pieces runs one decode step for the running sequences beside them, and
 a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional, Union
 
@@ -32,24 +34,33 @@ import torch
 
 from onegpu.errors import ConfigError
 from onegpu.infer import constraints, policy
-from onegpu.infer.decode_step import DecodeStep, Rows, compile_mode
+from onegpu.infer.decode_step import DecodeStep, compile_mode
 from onegpu.infer.engine_config import (
     EngineConfig,
     Shapes,
     check_adapter,
+    check_request,
     context_of,
     eos_ids_of,
     pool_blocks,
 )
 from onegpu.infer.guided import Guides
 from onegpu.infer.kv_blocks import BlockPool
-from onegpu.infer.output import Output, update
+from onegpu.infer.output import Output, logprobs_of, update
 from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
-from onegpu.infer.requests import EngineFeatures, EngineStats, Result, SamplingParams, Update
+from onegpu.infer.prefill import prefill
+from onegpu.infer.requests import (
+    BASE,
+    EngineFeatures,
+    EngineStats,
+    Result,
+    SamplingParams,
+    Update,
+)
+from onegpu.infer.rows import Rows
 from onegpu.infer.runner import ModelRunner
-from onegpu.infer.sampling import Needs, Sampler
+from onegpu.infer.sampling import Needs
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
-from onegpu.infer.step_io import StepIO
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +76,20 @@ WARM_KINDS = (Needs(), Needs(sampling=True))
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None):
+    """``grammars``: the structured-output compiler to use (a server's, which checks requests as
+    they arrive; default: made at the first constrained request). ``adapters``: the PEFT
+    adapters the caller routes by name (a server's ``--adapter``s): each must be loaded, and every
+    request without one runs on the base model (``BASE``) from the first; None: the model as it is
+    until a request names one."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: Optional[EngineConfig] = None,
+        grammars=None,
+        adapters: Optional[tuple[str, ...]] = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         cfg.check()
@@ -74,6 +98,8 @@ class Engine:
         self.max_slots = cfg.max_slots
         if self.max_len < 2:
             raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
+        for name in adapters or ():
+            check_adapter(model, name)
         self.device = model.get_input_embeddings().weight.device
         self.vocab = model.get_input_embeddings().weight.shape[0]  # the ids a prompt may hold
         blocks, per_seq = pool_blocks(cfg, self.max_len)
@@ -83,19 +109,14 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, self.max_slots, per_seq * size)
         vocab = model.get_output_embeddings().weight.shape[0]
         eos = cfg.eos_ids or eos_ids_of(model, tokenizer)
-        self.sampler = Sampler(self.max_slots, vocab, self.device, tuple(eos))
-        self.eos_set = frozenset(eos)
-        self.rows = Rows.empty(
-            self.max_slots, per_seq, eos, cfg.sync_every, self.device, self.sampler.top
-        )
+        self.rows = Rows(self.max_slots, per_seq, vocab, eos, cfg.sync_every, self.device)
         self.compiled = compile_mode(cfg.compile, cfg.compile_mode, self.device)
-        self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off)
+        self.policy = policy.Policy.for_device(self.device.type, cfg.policy_off, cfg.policy_on)
         self.shapes = Shapes(
             self.max_slots, per_seq * size, size, cfg.fixed_shape, self.compiled is not None
         )
         self.decode_step = DecodeStep(
             self.runner,
-            self.sampler,
             self.rows,
             self.compiled,
             cfg.compile_backend,
@@ -110,55 +131,30 @@ class Engine:
                 self.max_slots, budget, cfg.chunk or budget, cfg.sync_every, cfg.compact_rows
             ),
         )
-        self.io = StepIO(self.rows, self.device)
-        self.guides = Guides(tokenizer, vocab, self.sampler)
-        grammars = constraints.available() and tokenizer is not None
-        self.features = FEATURES if grammars else replace(FEATURES, constraints=False)
-        # Once a request names an adapter, every forward names one per row ("__base__" for a
-        # request without): PEFT would otherwise apply its active adapter to those.
-        self.routing = False
+        self.guides = Guides(tokenizer, vocab, self.max_slots, grammars)
+        usable = constraints.available() and tokenizer is not None
+        self.features = FEATURES if usable else replace(FEATURES, constraints=False)
+        # Once a request names an adapter, every forward names one per row (BASE for a request
+        # without): PEFT would otherwise apply its active adapter to those
+        self.routing = bool(adapters)
         self._seqs: dict[int, Sequence] = {}
         self._outputs: dict[int, Output] = {}
-        self._copied: dict[int, tuple] = {}  # row -> whose KV its eager-window copy holds
         self._next_id = 0
         self._step_s: deque = deque(maxlen=4)  # seconds per decode step, the last read-backs
+        self._decode_steps = self._decode_rows = 0  # EngineStats' totals
+        self._grammar_s = 0.0
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
     ) -> int:
         """Queue a request; its id. Too long a request, a bad setting or an unknown adapter is a
-        ConfigError naming it. ``adapter``: a PEFT adapter's name, or "__base__" for the base
-        model; None runs the model as it is (its active adapter) until a request names one — from
-        then on None means the base, so a server names "__base__" for its base requests."""
-        params.check()
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty.", hint="give at least one token")
-        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab:
-            raise ConfigError(
-                f"the prompt holds token ids outside the model's vocabulary (0-{self.vocab - 1}):"
-                f" {sorted({t for t in prompt_ids if not 0 <= t < self.vocab})[:5]}.",
-                hint="encode the prompt with the model's own tokenizer",
-            )
-        need = len(prompt_ids) + params.max_new_tokens
-        if need > self.max_len:
-            raise ConfigError(
-                f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) = {need} is over the engine's limit of "
-                f"{self.max_len} tokens.",
-                hint="shorten the prompt or lower max_new_tokens to "
-                f"{self.max_len - len(prompt_ids)}",
-            )
-        check_adapter(self.model, adapter)
-        if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer.", hint="give the engine one")
-        if params.constraint is not None and not self.features.constraints:
-            raise ConfigError(
-                "structured output needs a tokenizer and llguidance.",
-                hint="give the engine a tokenizer; pip install 'onegpu[structured]'",
-            )
+        ConfigError naming it. ``adapter``: a PEFT adapter's name, or BASE for the base model;
+        None runs the model as it is (its active adapter) until a request names one — from then
+        on None means the base, so a server names BASE for its base requests."""
+        check_request(self, prompt_ids, params, adapter)
         self.routing = self.routing or adapter is not None
-        key = adapter or ("__base__" if self.routing else None)  # the weights its KV comes from
+        key = adapter or (BASE if self.routing else None)  # the weights its KV comes from
         seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key)
         self._next_id += 1
         self._seqs[seq.id] = seq
@@ -181,6 +177,10 @@ class Engine:
         self.pool.reset_cache()
         self.decode_step.weights_changed()
 
+    def warm_shapes(self) -> int:
+        """The (rows, kv_len) buckets ``warmup`` compiles for each kind (0: the step is eager)."""
+        return len(self.shapes.buckets()) if self.compiled is not None else 0
+
     def warmup(self, kinds: tuple[Needs, ...] = WARM_KINDS) -> int:
         """Compile the decode step of every (rows, kv_len) bucket for each kind of request in
         ``kinds`` before the first request (with compiling off: nothing); the shapes compiled."""
@@ -199,41 +199,36 @@ class Engine:
             s.preemptions,
             step.compiles["serving"],
             step.compile_s["serving"],
+            self.cache.bytes,
+            self._decode_steps,
+            self._decode_rows,
+            self._grammar_s,
         )
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, interrupt: Optional[Callable[[], bool]] = None) -> list[Update]:
-        """Schedule, run, sample, read back once: the news of each request. The decode steps stop
-        early where ``interrupt``, asked between them, says True (a server: a request arrived and
-        a row is free for it)."""
+    def step(self, arrived: Optional[threading.Event] = None) -> list[Update]:
+        """Plan, apply the plan to the rows, run, sample, read back once: the news of each
+        request. The decode steps stop early once ``arrived`` is set while a row is free (a
+        server's: a request came in, and it can start now rather than after them)."""
         updates = self._drop_cancelled()
         plan = self.scheduler.schedule(self._flush_steps())
         self.cache.reserve(self.pool.high_water)
-        # a moved sequence's row state goes with it (an eager window finds its new row holding
-        # another sequence than its copy did, and gathers the copy anew)
-        for src, dst in plan.moved:
-            self.io.move(src, dst)
-            self.sampler.move(src, dst)
-        for row in plan.freed:
-            self.io.release(row)
-        failed: dict[Sequence, BaseException] = {}  # requests this step ends with an error
-        for seq in plan.started:
-            try:
-                self.sampler.start(seq.row, seq.params, seq.tokens, seq.generated)
-                self.guides.start(seq)
-            except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
-                failed[seq] = exc
-        # the rows this step samples: the decode rows and the prompts it finishes
-        self.guides.fill([*plan.decode, *(p.seq for p in plan.pieces if p.last)], failed)
-        self.io.upload([*plan.decode, *(p.seq for p in plan.pieces)])
+        # requests this step ends with an error (their own settings, grammar or prompt): each
+        # fails alone
+        failed = self.rows.apply(plan)
+        failed.update(self.guides.start([s for s in plan.started if s not in failed]))
+        sampled = [*plan.decode, *(p.seq for p in plan.pieces if p.last)]
+        began = time.perf_counter()
+        masks, refused = self.guides.masks([s for s in sampled if s not in failed])
+        self._grammar_s += time.perf_counter() - began
+        failed.update(refused)
+        self.rows.set_masks(masks)
         try:
             start = time.perf_counter()
             with torch.no_grad():
-                rows, steps = self._decode(plan, interrupt) if plan.decode else (0, 0)
-                firsts = self.io.prefill(
-                    self.runner, self.sampler, plan.pieces, self._names, failed
-                )
-            table, first_tokens, logprobs = self.io.read_back(rows, steps, plan.decode, firsts)
+                rows, steps = self._decode(plan, arrived) if plan.decode else (0, 0)
+                pre = prefill(self.runner, self.rows, list(plan.pieces), self._names, failed)
+            back = self.rows.read_back(rows, steps, plan.decode, pre.firsts)
             if self.config.flush_ms and steps and not plan.pieces:  # decode steps alone: their pace
                 self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
@@ -241,7 +236,8 @@ class Engine:
             # step must not leave them to be found
             self.pool.reset_cache()
             raise
-        news = self._process(plan, table, first_tokens, logprobs, failed)
+        failed.update(pre.failed)
+        news = self._output(plan, back, steps, pre, failed)
         return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
@@ -278,7 +274,7 @@ class Engine:
         pace = max(self._step_s)
         return max(1, int(self.config.flush_ms / 1000 / max(pace, 1e-9)))
 
-    def _decode(self, plan: Plan, interrupt) -> tuple[int, int]:
+    def _decode(self, plan: Plan, arrived: Optional[threading.Event]) -> tuple[int, int]:
         """Up to ``plan.steps`` decode steps of the decode rows; the rows and steps run."""
         in_use = max(s.row for s in plan.decode) + 1
         reach = max(s.computed for s in plan.decode) + plan.steps
@@ -286,19 +282,20 @@ class Engine:
         needs = Needs.of([s.params for s in plan.decode])
         adapters = None
         if self.routing:  # by row: a row that holds no sequence runs on the base model
-            adapters = ["__base__"] * rows
+            adapters = [BASE] * rows
             for s in self.scheduler.running:
                 if s.row < rows:
-                    adapters[s.row] = s.adapter or "__base__"
+                    adapters[s.row] = s.adapter or BASE
         adapters = self.decode_step.route(adapters)  # None: batched LoRA routes them by index
-        steps = plan.steps
-        window = self._window(plan, adapters, rows, kv_len)
-        with window:
-            for j in range(steps):
+        with self._window(plan, adapters, rows, kv_len):
+            for j in range(plan.steps):
                 self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
-                if j + 1 < steps and interrupt is not None and interrupt():
+                self._decode_steps += 1
+                self._decode_rows += rows
+                late = arrived is not None and arrived.is_set() and self.scheduler.free_rows
+                if j + 1 < plan.steps and late:
                     return rows, j + 1
-        return rows, steps
+        return rows, plan.steps
 
     def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
         """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
@@ -309,52 +306,61 @@ class Engine:
             return contextlib.nullcontext()
         # only the decoding rows: a row whose prompt is still being computed gets its copy when
         # it starts decoding, with the whole prompt in the pool
-        holders = {s.row: (s.id, s.preemptions) for s in plan.decode}
-        fresh = [r for r, who in holders.items() if self._copied.get(r) != who]
-        self._copied.update(holders)
+        fresh = self.rows.fresh_windows(plan.decode)
         tables = self.rows.tables[:rows, : kv_len // self.pool.block_size]
         return self.runner.decode_window(tables, self.rows.positions[:rows], fresh)
 
     def _names(self, seqs: list[Sequence]) -> Optional[list[str]]:
         """PEFT's per-row adapter names once a request names an adapter (a mixed batch); then a
-        request without one runs on the base model ("__base__")."""
-        return [s.adapter or "__base__" for s in seqs] if self.routing else None
+        request without one runs on the base model (BASE)."""
+        return [s.adapter or BASE for s in seqs] if self.routing else None
 
-    def _process(
-        self, plan: Plan, table: dict, first_tokens: dict, logprobs: dict, failed: dict
-    ) -> list[Update]:
+    def _output(self, plan: Plan, back, steps: int, pre, failed: dict) -> list[Update]:
         """Each sequence's new tokens (and their logprobs, for a request that asked): the cache's
         bookkeeping, its text, its end. A sequence whose own bookkeeping raises (its text, its
-        stop strings) joins ``failed``."""
-        updates = []
+        stop strings, its grammar) joins ``failed``."""
         for piece in plan.pieces:
             if not piece.last and piece.seq not in failed:
                 self.scheduler.computed(piece.seq, piece.end)
-        for seq, new in [*table.items(), *first_tokens.items()]:
+        for seq, (first, entries) in pre.prompt_logprobs.items():
+            if seq not in failed:
+                self._outputs[seq.id].add_prompt_logprobs(first, entries)
+        logprobs = logprobs_of(back, plan.decode, steps, self.rows.top)
+        updates = []
+        for seq, new in [*back.tokens.items(), *back.firsts.items()]:
             if seq in failed:  # its grammar's mask failed: the tokens its row made are dropped
                 continue
             try:
-                updates.append(self._news(seq, new, logprobs.get(seq)))
+                updates.append(self._news(seq, new, back.finish[seq], logprobs.get(seq)))
             except Exception as exc:  # noqa: BLE001 - this request's alone: the others go on
                 failed[seq] = exc
         return updates
 
-    def _news(self, seq: Sequence, new: list[int], logprobs) -> Update:
+    def _news(self, seq: Sequence, new: list[int], code: int, logprobs) -> Update:
         first = seq.generated == 0
-        complete = self.guides.accept(seq, new)  # a token its grammar refuses fails it here
+        began = time.perf_counter()
+        try:
+            complete = self.guides.accept(seq, new)  # a token its grammar refuses fails it here
+        finally:
+            self._grammar_s += time.perf_counter() - began
         self.scheduler.extend(seq, new)
         output = self._outputs[seq.id]
         output.add(new)
-        reason = self._finish_reason(seq, output, new, complete)
+        reason = output.reason(code, complete)
         if reason is not None:
             self._end(seq)
-        news = update(
-            seq.id, output, new, reason, len(seq.prompt), seq.generated, first and bool(new)
+        asked = first and seq.params.prompt_logprobs is not None
+        return update(
+            seq.id,
+            output,
+            new,
+            reason,
+            len(seq.prompt),
+            seq.generated,
+            first and bool(new),
+            logprobs,
+            list(output.prompt_logprobs) if asked else None,
         )
-        news.logprobs = logprobs
-        if first and seq.params.prompt_logprobs is not None:
-            news.prompt_logprobs = list(seq.prompt_logprobs or [None])
-        return news
 
     def _fail(self, seq: Sequence, exc: BaseException, plan: Plan) -> Update:
         """``seq`` failed alone: its caller gets the error, its row and blocks go back, the
@@ -367,17 +373,6 @@ class Engine:
             self._end(seq)
         error = f"{type(exc).__name__}: {exc}"
         return Update(seq.id, [], "", True, "error", len(seq.prompt), seq.generated, error=error)
-
-    def _finish_reason(self, seq: Sequence, output: Output, new: list[int], complete: bool):
-        """``complete``: the request's grammar is complete (only EOS may follow: it ends now,
-        a step early, and ``ignore_eos`` cannot hold it in a mask of EOS alone)."""
-        if output.stopped or complete:
-            return "stop"
-        if new and new[-1] in self.eos_set and not seq.params.ignore_eos:
-            return "stop"
-        if seq.generated >= seq.params.max_new_tokens:
-            return "length"
-        return None
 
     def _drop_cancelled(self) -> list[Update]:
         gone = [s for s in self._seqs.values() if s.cancelled]
@@ -392,7 +387,7 @@ class Engine:
 
     def _end(self, seq: Sequence) -> None:
         if seq.row >= 0:
-            self.io.release(seq.row)
+            self.rows.free(seq.row)
         self.scheduler.finish(seq)
         self.guides.drop(seq)
         del self._seqs[seq.id]

@@ -1,5 +1,5 @@
-"""The decode engine's settings, and the facts about a model it starts from (context length, end
-tokens, adapters)."""
+"""The decode engine's settings, the facts about a model it starts from (context length, end
+tokens, adapters), and what it refuses of a request."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 from onegpu.errors import ConfigError
+from onegpu.infer.requests import BASE
 
 
 @dataclass
@@ -58,6 +59,9 @@ class EngineConfig:
     policy_off: list[str] = field(default_factory=list)
     """Rows of the device policy table (infer/policy.py) to switch off (`onegpu doctor` lists
     them)."""
+    policy_on: list[str] = field(default_factory=list)
+    """Rows to switch on where the table leaves them off: another device's row on this one (its
+    code path tested or timed here), whatever it costs."""
 
     def check(self) -> None:
         ok = {
@@ -101,8 +105,39 @@ def eos_ids_of(model, tokenizer) -> list[int]:
     return ids
 
 
+def check_request(engine, prompt_ids: list[int], params, adapter: Optional[str]) -> None:
+    """What ``engine`` refuses of a request before it queues, as a ConfigError naming it: a bad
+    setting, an empty prompt or ids outside the vocabulary, a prompt and answer longer than the
+    engine's limit, an unknown adapter, stop strings or a grammar it cannot apply."""
+    params.check()
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty.", hint="give at least one token")
+    vocab, limit = engine.vocab, engine.max_len
+    if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+        raise ConfigError(
+            f"the prompt holds token ids outside the model's vocabulary (0-{vocab - 1}):"
+            f" {sorted({t for t in prompt_ids if not 0 <= t < vocab})[:5]}.",
+            hint="encode the prompt with the model's own tokenizer",
+        )
+    need = len(prompt_ids) + params.max_new_tokens
+    if need > limit:
+        raise ConfigError(
+            f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+            f"({params.max_new_tokens}) = {need} is over the engine's limit of {limit} tokens.",
+            hint=f"shorten the prompt or lower max_new_tokens to {limit - len(prompt_ids)}",
+        )
+    check_adapter(engine.model, adapter)
+    if params.stop and engine.tokenizer is None:
+        raise ConfigError("stop strings need a tokenizer.", hint="give the engine one")
+    if params.constraint is not None and not engine.features.constraints:
+        raise ConfigError(
+            "structured output needs a tokenizer and llguidance.",
+            hint="give the engine a tokenizer; pip install 'onegpu[structured]'",
+        )
+
+
 def check_adapter(model, adapter: Optional[str]) -> None:
-    if adapter is None or adapter == "__base__":
+    if adapter is None or adapter == BASE:
         return
     known = list(getattr(model, "peft_config", {}) or {})
     if adapter not in known:

@@ -1,13 +1,16 @@
 """A request's output as its tokens arrive: text decoded incrementally (each token once, not the
 whole answer again at every read-back), stop strings found across token boundaries, and only text
 that is final handed out (not half a UTF-8 character, not the start of a stop string). The last
-stage of the engine's flow: it turns the tokens of a step into the callers' ``Update``."""
+stage of the engine's flow: it turns the tokens of a step into the callers' ``Update``, and it
+holds the request's end — the device's (an end token, the budget: rows.Rows.ended, read back as a
+code) with what only the host knows (a stop string, a complete grammar)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from onegpu.infer.requests import FinishReason, Update
+from onegpu.infer.requests import FinishReason, TokenLogprob, Update
+from onegpu.infer.rows import finish_reason
 
 
 class Detokenizer:
@@ -60,6 +63,20 @@ class Output:
         self.text = ""
         self.shown = 0  # characters of ``text`` handed out so far
         self.stopped = False
+        self.prompt_logprobs: list = [None]  # when asked: the first token's is None
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Logprobs of the prompt's tokens from index ``first`` on; those held already (a prompt
+        computed again after preemption) are not repeated."""
+        self.prompt_logprobs += entries[max(0, len(self.prompt_logprobs) - first) :]
+
+    def reason(self, code: int, complete: bool) -> Optional[FinishReason]:
+        """Why the request ends now (None: it goes on): its text reached a stop string, its
+        grammar is complete (only EOS may follow: it ends a step early, and ``ignore_eos`` cannot
+        hold it in a mask of EOS alone), or its row stopped on the device (``code``)."""
+        if self.stopped or complete:
+            return "stop"
+        return finish_reason(code)
 
     def add(self, ids: list[int]) -> None:
         """Take new tokens; after a stop string the text ends before it, and later tokens are
@@ -104,6 +121,8 @@ def update(
     prompt_tokens: int,
     generated: int,
     first: bool,
+    logprobs: Optional[list] = None,
+    prompt_logprobs: Optional[list] = None,
 ) -> Update:
     """The news of one request after a step: its new tokens, the text now final, its end."""
     return Update(
@@ -115,4 +134,35 @@ def update(
         prompt_tokens,
         generated,
         first,
+        logprobs,
+        prompt_logprobs,
     )
+
+
+def unpack_logprobs(values: list[float], top: int, rows: list[tuple]) -> dict:
+    """``values``: for each ``(sequence, its tokens read back, steps)`` of ``rows``, ``steps``
+    records of ``1 + 2 * top`` numbers (the token's logprob, the top ids, their logprobs); one
+    TokenLogprob per token read back (the first ones: a row's live steps come first), its top cut
+    to the request's own k."""
+    out, at, width = {}, 0, 1 + 2 * top
+    for seq, tokens, steps in rows:
+        k = seq.params.logprobs
+        got = []
+        for j, token in enumerate(tokens):
+            rec = values[at + j * width : at + (j + 1) * width]
+            alternatives = zip(rec[1 : 1 + k], rec[1 + top : 1 + top + k], strict=True)
+            got.append(TokenLogprob(token, rec[0], tuple((int(i), lp) for i, lp in alternatives)))
+        out[seq] = got
+        at += steps * width
+    return out
+
+
+def logprobs_of(back, decode, steps: int, top: int) -> dict:
+    """Each asking sequence's TokenLogprobs from a step's read-back (rows.ReadBack): the decode
+    rows' records first, then the firsts'."""
+    asking = [s for s in decode if s.params.logprobs is not None]
+    found = unpack_logprobs(back.values, top, [(s, back.tokens[s], steps) for s in asking])
+    rest = back.values[len(asking) * steps * (1 + 2 * top) :]
+    firsts = [(s, t, 1) for s, t in back.firsts.items() if s.params.logprobs is not None]
+    found.update(unpack_logprobs(rest, top, firsts))
+    return found

@@ -7,7 +7,8 @@ head, as torch's FlexAttention paged attention lays out its pages — allocated 
 the layer's first write (heads and head sizes differ between the layers of some families) and
 only written in place, so its address never changes (a CUDA graph replays on fixed addresses).
 Which positions belong to which sequence is the block tables' business (``kv_blocks.py``); a
-forward is told where its new tokens go and what each of its rows reads (``PagedView``).
+forward is given where its new tokens go and what each of its rows reads (``PagedView``, the
+cache object of that forward alone).
 
 A forward's rows read their blocks as one gathered view ``[rows, kv_heads, kv_len, head_dim]``
 (each row's head a contiguous ``[kv_len, head_dim]``, as SDPA's kernels read it):
@@ -20,7 +21,6 @@ keys and values are handed on as the forward made them, with no gather.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,22 +29,12 @@ from transformers.cache_utils import Cache
 from onegpu.infer import cpu_attention, gqa_attention
 
 
-@dataclass
-class PagedView:
-    """What the next forward writes and reads. ``write``: the pool position of each new token,
-    ``[rows * query_len]`` in row order; ``tables``: each row's blocks ``[rows, kv_len /
-    block_size]`` (None: the rows read only their own new tokens, a prompt's first piece)."""
-
-    write: Optional[torch.Tensor]  # None inside a DecodeWindow: the run's copy takes the writes
-    tables: Optional[torch.Tensor] = None
-    window: object = None  # an eager decode run's DecodeWindow (decode_window.py: it imports this)
-
-
-class PagedCache(Cache):
-    """The pool of ``num_blocks`` blocks of ``block_size`` positions for every layer."""
+class PagedCache:
+    """The pool of ``num_blocks`` blocks of ``block_size`` positions for every layer. A forward
+    reads and writes it through the view it is given (``view``), never through state set on the
+    pool beforehand."""
 
     def __init__(self, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        super().__init__(layers=[])
         self.num_blocks, self.block_size, self.dtype, self.device = (
             num_blocks,
             block_size,
@@ -53,7 +43,6 @@ class PagedCache(Cache):
         )
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.view: Optional[PagedView] = None
         self.clean = 1  # blocks [0, clean) hold finite values (the null block from the start)
 
     def reserve(self, blocks: int) -> None:
@@ -69,14 +58,13 @@ class PagedCache(Cache):
             pool[:, start:end].zero_()
         self.clean = blocks
 
-    def set_view(self, view: PagedView) -> None:
-        self.view = view
+    def view(self, write: Optional[torch.Tensor], tables=None, window=None) -> PagedView:
+        """What one forward writes and reads, as the cache object the model's forward takes."""
+        return PagedView(self, write, tables, window)
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def update(self, view: PagedView, key_states, value_states, layer_idx: int):
         """key/value ``[rows, kv_heads, query_len, head_dim]``: written at the view's positions;
         returned as the rows' gathered blocks (or as given, for a first piece)."""
-        view = self.view
-        assert view is not None, "PagedCache: the runner sets the view before a forward"
         k, v = self._layer(layer_idx, key_states, value_states)
         if view.window is not None:  # the run's copy takes the writes
             return view.window.layer(layer_idx, key_states, value_states)
@@ -110,15 +98,30 @@ class PagedCache(Cache):
                     torch._dynamo.mark_static_address(store[-1])
         return self.keys[layer_idx], self.values[layer_idx]
 
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class PagedView(Cache):
+    """The cache one forward is given: the pool, where its new tokens go (``write``: the pool
+    position of each, ``[rows * query_len]`` in row order; None inside a DecodeWindow, whose copy
+    takes the writes) and what its rows read (``tables``: each row's blocks ``[rows, kv_len /
+    block_size]``; None: only their own new tokens, a prompt's first piece). Made for each
+    forward: nothing of one forward's view outlives it."""
+
+    def __init__(self, pool: PagedCache, write, tables=None, window=None):
+        super().__init__(layers=[])
+        self.pool, self.write, self.tables, self.window = pool, write, tables, window
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.pool.update(self, key_states, value_states, layer_idx)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are passed explicitly; nothing reads this on the engine's path
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self.pool.num_blocks * self.pool.block_size
 
 
 def _as(x: torch.Tensor, dtype) -> torch.Tensor:
@@ -144,11 +147,10 @@ def kv_bytes_per_position(model) -> int:
     forward through a one-position pool (head counts and sizes differ by family: GQA, MLA)."""
     device = next(model.parameters()).device
     cache = PagedCache(1, 1, kv_dtype(model), device)
-    cache.set_view(PagedView(torch.zeros(1, dtype=torch.long, device=device)))
     with torch.no_grad():
         model(
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-            **{cache_kwarg(model): cache},
+            **{cache_kwarg(model): cache.view(torch.zeros(1, dtype=torch.long, device=device))},
             use_cache=True,
             logits_to_keep=1,
         )

@@ -118,18 +118,24 @@ class Policy:
     cpu_token_budget: bool = False
 
     @classmethod
-    def for_device(cls, device_type: str, off: Iterable[str] = ()) -> Policy:
-        off = set(off)
-        unknown = off - set(RULES)
-        if unknown:
-            from onegpu.errors import ConfigError
+    def for_device(
+        cls, device_type: str, off: Iterable[str] = (), on: Iterable[str] = ()
+    ) -> Policy:
+        """The rows of ``device_type`` but those ``off``, and those ``on`` whatever their device
+        (another device's row run here: to test or time its path)."""
+        off, forced = set(off), set(on)
+        for name, rows in (("policy_off", off), ("policy_on", forced)):
+            unknown = rows - set(RULES)
+            if unknown:
+                from onegpu.errors import ConfigError
 
-            raise ConfigError(
-                f"engine policy_off: unknown rows {sorted(unknown)}.",
-                hint=f"rows: {', '.join(RULES)}",
-            )
-        on = {n for n, r in RULES.items() if r.device in (device_type, "any") and n not in off}
-        return cls(**{f.name: f.name in on for f in fields(cls)})
+                raise ConfigError(
+                    f"engine {name}: unknown rows {sorted(unknown)}.",
+                    hint=f"rows: {', '.join(RULES)}",
+                )
+        mine = {n for n, r in RULES.items() if r.device in (device_type, "any")}
+        chosen = (mine - off) | forced
+        return cls(**{f.name: f.name in chosen for f in fields(cls)})
 
 
 def parse_off(text: Optional[str]) -> list[str]:

@@ -10,6 +10,9 @@ from onegpu.errors import ConfigError
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+# the adapter name of a request on the base model of a model with adapters (PEFT's name for a row
+# that takes none): the one name, used by the engine, batched LoRA and the server
+BASE = "__base__"
 
 
 @dataclass(frozen=True)
@@ -164,3 +167,7 @@ class EngineStats:
     preemptions: int = 0  # sequences preempted (recomputed later), in all
     compiles: int = 0  # decode-step shapes compiled after the warm-up (each stalls every stream)
     compile_s: float = 0.0  # their seconds
+    kv_bytes: int = 0  # the KV pool's memory as allocated so far (its layers are made lazily)
+    decode_steps: int = 0  # decode steps run, in all
+    decode_rows: int = 0  # rows those steps computed, in all (empty rows of a bucket included)
+    grammar_s: float = 0.0  # host seconds spent on grammars: masks made, tokens accepted

@@ -13,14 +13,7 @@ from typing import Optional
 import torch
 
 from onegpu.infer.decode_window import DecodeWindow
-from onegpu.infer.paged_cache import (
-    PagedCache,
-    PagedView,
-    base_model,
-    cache_kwarg,
-    masks,
-    positions_in_pool,
-)
+from onegpu.infer.paged_cache import PagedCache, base_model, cache_kwarg, masks, positions_in_pool
 
 
 @dataclass
@@ -74,10 +67,10 @@ class ModelRunner:
         fresh = max(pieces.starts) == 0  # nothing older to read: no gather
         tables = None if fresh else pieces.tables[:, : -(-end // self.block_size)]
         where = positions_in_pool(pieces.tables, positions, self.block_size)
-        self.cache.set_view(PagedView(where.reshape(-1), tables))
+        view = self.cache.view(where.reshape(-1), tables)
         kv_len = length if fresh else tables.shape[1] * self.block_size
         logits = self._forward(
-            pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters, every
+            view, pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters, every
         )
         return logits.float()
 
@@ -100,18 +93,27 @@ class ModelRunner:
         safe = torch.where(live, positions, 0)
         if self.windowed:  # the step writes into the run's copy only
             self.window.step(safe)
-            self.cache.set_view(PagedView(None, tables, self.window))
+            view = self.cache.view(None, tables, self.window)
         else:
             where = positions_in_pool(tables, safe[:, None], self.block_size)[:, 0]
             where = torch.where(live, where, positions % self.block_size)
-            self.cache.set_view(PagedView(where, tables))
+            view = self.cache.view(where, tables)
         kv_len = tables.shape[1] * self.block_size
         return self._forward(
-            tokens[:, None], positions[:, None], positions, kv_len, 1, adapters, model=model
+            view, tokens[:, None], positions[:, None], positions, kv_len, 1, adapters, model=model
         )
 
     def _forward(
-        self, ids, positions, last, kv_len: int, query_len: int, adapters, every=False, model=None
+        self,
+        view,
+        ids,
+        positions,
+        last,
+        kv_len: int,
+        query_len: int,
+        adapters,
+        every=False,
+        model=None,
     ):
         model = self.model if model is None else model
         config = model.config
@@ -123,7 +125,7 @@ class ModelRunner:
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            **{self.kwarg: self.cache},
+            **{self.kwarg: view},
             use_cache=True,
             logits_to_keep=0 if every else 1,
             **kw,

@@ -22,16 +22,12 @@ from typing import Optional
 
 import torch
 
-from onegpu.errors import ConfigError
 from onegpu.infer.logit_rules import (
     apply_bias,
     apply_penalties,
     apply_token_bitmask,
-    bitmask_words,
-    count_tokens,
     token_logprobs,
 )
-from onegpu.infer.requests import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
 
@@ -42,7 +38,7 @@ class Needs:
     compiled step, so a greedy batch pays for no noise, an unpenalised one for no lookup of the
     tokens seen or counted, an unfiltered one (GRPO's) for no sort of the vocabulary, one that
     asks for no logprobs for no log-softmax, one without a grammar for no token mask. A new
-    per-row feature is one more field here, one more per-row tensor in ``Sampler`` and one more
+    per-row feature is one more field here, one more per-row tensor in ``rows.Rows`` and one more
     stage in ``next_tokens``: the step's shape does not change."""
 
     sampling: bool = False
@@ -50,8 +46,8 @@ class Needs:
     filtering: bool = False
     penalties: bool = False  # OpenAI's presence/frequency penalties: counts of generated tokens
     logprobs: bool = False  # the chosen tokens' logprobs and the MAX_LOGPROBS likeliest
-    constraints: bool = False  # a grammar's allowed tokens: Sampler.bitmask
-    biased: bool = False  # logit_bias or min_tokens: Sampler.bias, Sampler.min_tokens
+    constraints: bool = False  # a grammar's allowed tokens: Rows.bitmask
+    biased: bool = False  # logit_bias or min_tokens: Rows.bias, Rows.min_tokens
 
     @classmethod
     def of(cls, params) -> Needs:
@@ -210,142 +206,27 @@ def unit(x: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) / float(1 << 23)
 
 
-class Sampler:
-    """Each decode row's sampling settings on the device, written when a request takes the row
-    and read by every step: ``[rows]`` tensors, the tokens each row has seen ``[rows, vocab]``
-    (prompt and output: the repetition penalty) and how often it generated each ``[rows, vocab]``
-    (int32: OpenAI's presence and frequency penalties), and the tokens each row's grammar allows
-    next ``bitmask [rows, ceil(vocab / 32)]`` (int32, all ones for a row without one) with
-    ``masked [rows]`` marking the rows that hold one (the engine writes ``host_bitmask`` and
-    ``host_masked``, ``upload_bitmask`` takes them to the device), each row's logit_bias
-    ``[rows, vocab]`` (float, 0 where none) and min_tokens ``[rows]`` with the model's EOS ids
-    (``eos [k]``, long: what min_tokens masks). What a token's draw counts
-    from (the request's tokens so far) is the caller's, passed in."""
+def sample(logits: torch.Tensor, p: RowParams, needs: Needs) -> torch.Tensor:
+    """The next token of each row of ``logits`` under its settings ``p`` (rows.Rows.params, the
+    grammar's masks among them): what ``needs`` asks for of ``next_tokens``. Pure: it writes
+    nothing."""
+    return next_tokens(
+        logits,
+        p,
+        needs.sampling,
+        needs.penalty,
+        needs.filtering,
+        needs.penalties,
+        needs.constraints,
+        needs.biased,
+    )
 
-    def __init__(self, rows: int, vocab: int, device, eos: tuple[int, ...] = ()):
-        def z(dtype, *shape, fill=0):
-            return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
 
-        self.temperature = z(torch.float)
-        self.top_k = z(torch.long)
-        self.top_p = z(torch.float, fill=1.0)
-        self.penalty = z(torch.float, fill=1.0)
-        self.seed = z(torch.long)
-        self.seen = z(torch.bool, rows, vocab)
-        self.presence = z(torch.float)
-        self.frequency = z(torch.float)
-        self.counts = z(torch.int32, rows, vocab)
-        self.bitmask = z(torch.int32, rows, bitmask_words(vocab), fill=-1)
-        self.masked = z(torch.bool)
-        self.bias = z(torch.float, rows, vocab)
-        self.min_tokens = z(torch.long)
-        ids = sorted({t for t in eos if 0 <= t < vocab})
-        self.eos = torch.tensor(ids, dtype=torch.long).to(device)
-        cuda = torch.device(device).type == "cuda"
-        # the host's copies (on a CPU the device's own): a few KB a row, copied as the tables are
-        self.host_bitmask = self.bitmask.cpu() if cuda else self.bitmask
-        self.host_masked = self.masked.cpu() if cuda else self.masked
-        self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
-        if cuda:  # CUDA graphs replay on fixed addresses
-            for name in self._STATE:
-                torch._dynamo.mark_static_address(getattr(self, name))
-
-    # a request's own, moved with it (``move``); the grammar's mask is written by every step
-    _REQUEST = ("temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _REQUEST += ("presence", "frequency", "counts", "bias", "min_tokens")
-    _STATE = _REQUEST + ("bitmask", "masked", "eos")
-
-    def start(self, row: int, params, tokens: list[int], generated: int = 0) -> None:
-        """Row ``row`` now samples for a request with ``params`` whose tokens so far are
-        ``tokens`` (its prompt, or prompt and output when it is recomputed after preemption), the
-        last ``generated`` of them its output (what the presence/frequency penalties count)."""
-        self.temperature[row], self.top_k[row] = params.temperature, params.top_k
-        self.top_p[row], self.penalty[row] = params.top_p, params.repetition_penalty
-        self.seed[row] = params.seed
-        self.presence[row], self.frequency[row] = params.presence_penalty, params.frequency_penalty
-        self.seen[row] = False
-        if params.repetition_penalty != 1.0:
-            self.seen[row, torch.tensor(tokens).to(self.seen.device)] = True
-        self.counts[row] = 0
-        if generated and (params.presence_penalty != 0 or params.frequency_penalty != 0):
-            out = torch.tensor(tokens[len(tokens) - generated :])
-            self.counts[row] = torch.bincount(out, minlength=self.counts.shape[1]).to(
-                self.counts.device, torch.int32
-            )
-        self.bias[row] = 0.0
-        if params.logit_bias:
-            ids, values = zip(*params.logit_bias, strict=True)
-            if max(ids) >= self.bias.shape[1]:
-                raise ConfigError(
-                    f"logit_bias names token {max(ids)}, past the model's vocabulary "
-                    f"({self.bias.shape[1]} tokens).",
-                    hint="bias ids of the model's own tokenizer",
-                )
-            self.bias[row, torch.tensor(ids).to(self.bias.device)] = torch.tensor(values).to(
-                self.bias.device
-            )
-        self.min_tokens[row] = params.min_tokens
-
-    def move(self, src: int, dst: int) -> None:
-        """Row ``src``'s request samples in row ``dst`` from now on: its settings and the tokens
-        it has seen and counted go with it (its draws follow its seed and its own counter, so
-        they are the same in either row). A grammar's mask is written afresh by every step."""
-        for name in self._REQUEST:
-            t = getattr(self, name)
-            t[dst] = t[src]
-
-    def sample(self, logits: torch.Tensor, rows, counter: torch.Tensor, needs: Needs):
-        """The next token of each of ``rows`` (a slice, or row indices) from its ``logits``;
-        ``counter``: each row's tokens generated so far (its noise's counter)."""
-        p = RowParams(
-            self.temperature[rows],
-            self.top_k[rows],
-            self.top_p[rows],
-            self.penalty[rows],
-            self.seed[rows],
-            counter,
-            self.seen[rows],
-            self.presence[rows],
-            self.frequency[rows],
-            self.counts[rows] if needs.penalties else None,
-            self.bitmask[rows] if needs.constraints else None,
-            self.masked[rows] if needs.constraints else None,
-            self.bias[rows] if needs.biased else None,
-            self.min_tokens[rows],
-            self.eos,
-        )
-        return next_tokens(
-            logits,
-            p,
-            needs.sampling,
-            needs.penalty,
-            needs.filtering,
-            needs.penalties,
-            needs.constraints,
-            needs.biased,
-        )
-
-    def upload_bitmask(self, rows: int) -> None:
-        """The first ``rows`` rows of ``host_bitmask`` and ``host_masked`` to the device (the
-        step reads them)."""
-        if self.host_bitmask is not self.bitmask:
-            self.bitmask[:rows].copy_(self.host_bitmask[:rows], non_blocking=True)
-            self.masked[:rows].copy_(self.host_masked[:rows], non_blocking=True)
-
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, needs: Needs):
-        """The logprob of each row's chosen token under the model's own ``logits`` (before any
-        penalty, temperature or filter: vLLM's default) and the ``top`` likeliest tokens with
-        theirs: ([rows], [rows, top], [rows, top]); None when no row asks. ``top`` is fixed (the
-        most a request may ask for), so one compiled step serves every request's k."""
-        if not needs.logprobs:
-            return None
-        return token_logprobs(logits, tokens, self.top)
-
-    def observe(self, rows: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor, needs: Needs):
-        """Rows ``rows`` (indices) chose ``tokens`` (where ``live``): the penalties see them. The
-        counts are only kept while a penalising row runs: a row that does not penalise multiplies
-        its (stale) counts by 0, and a row that does has them kept at every step it runs."""
-        if needs.penalty:
-            self.seen[rows, tokens] = self.seen[rows, tokens] | live
-        if needs.penalties:
-            count_tokens(self.counts, tokens, live, rows)
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, needs: Needs, top: int):
+    """The logprob of each row's chosen token under the model's own ``logits`` (before any
+    penalty, temperature or filter: vLLM's default) and the ``top`` likeliest tokens with
+    theirs: ([rows], [rows, top], [rows, top]); None when no row asks. ``top`` is fixed (the
+    most a request may ask for), so one compiled step serves every request's k."""
+    if not needs.logprobs:
+        return None
+    return token_logprobs(logits, tokens, top)

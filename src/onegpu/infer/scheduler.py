@@ -58,8 +58,6 @@ class Sequence:
     cancelled: bool = False
     preemptions: int = 0
     computing: list[int] = field(default_factory=list)  # its prompt's block hashes, in PREFILL
-    # its prompt tokens' logprobs so far, when asked for (the first None: nothing precedes it)
-    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -84,14 +82,29 @@ class Piece:
         return self.seq.table.blocks[self.start // block_size : -(-self.end // block_size)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    decode: list[Sequence] = field(default_factory=list)
+    """One step's work, a value: the decode rows' sequences and the decode steps they run, the
+    prompt pieces in order, the sequences that took a row, the rows preempted sequences gave
+    back, and the rows moved (from, to; applied first)."""
+
+    decode: tuple[Sequence, ...] = ()
     steps: int = 0
+    pieces: tuple[Piece, ...] = ()
+    started: tuple[Sequence, ...] = ()
+    freed: tuple[int, ...] = ()
+    moved: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class _Draft:
+    """A plan while the scheduler builds it (a preemption takes a sequence out of it)."""
+
+    decode: list[Sequence] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
-    started: list[Sequence] = field(default_factory=list)  # took a row this step
-    freed: list[int] = field(default_factory=list)  # rows given back by preempted sequences
-    moved: list[tuple[int, int]] = field(default_factory=list)  # (from, to): applied first
+    started: list[Sequence] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+    moved: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -128,7 +141,7 @@ class Scheduler:
     def schedule(self, most_steps: Optional[int] = None) -> Plan:
         """This step's work. ``most_steps`` caps the decode steps of a step with no prompt to
         compute below sync_every (the engine's flush_ms)."""
-        plan = Plan()
+        plan = _Draft()
         if self.config.compact:
             self._compact(plan)
         decoding = [s for s in self.running if s.state == DECODE]
@@ -151,15 +164,21 @@ class Scheduler:
         for seq in decoding:
             if seq.state == DECODE and self._grow(seq, seq.computed + steps, plan):
                 plan.decode.append(seq)
-        plan.steps = steps if plan.decode else 0
         budget = self.config.token_budget - len(plan.decode)
         for seq in [s for s in self.running if s.state == PREFILL]:
             budget = self._piece(seq, budget, plan)
         while budget > 0 and self.waiting and self.free_rows and self._admit(self.waiting[0], plan):
             budget = self._piece(self.waiting.popleft(), budget, plan)
-        return plan
+        return Plan(
+            tuple(plan.decode),
+            steps if plan.decode else 0,
+            tuple(plan.pieces),
+            tuple(plan.started),
+            tuple(plan.freed),
+            tuple(plan.moved),
+        )
 
-    def _compact(self, plan: Plan) -> None:
+    def _compact(self, plan: _Draft) -> None:
         """While a row below a running sequence's is free, the sequence of the highest row
         moves into the lowest free row (before anything else is planned: admissions then take
         the rows above the running ones). Moving the highest each time, no row moves twice."""
@@ -173,7 +192,7 @@ class Scheduler:
             plan.moved.append((top.row, hole))
             top.row = hole
 
-    def _piece(self, seq: Sequence, budget: int, plan: Plan) -> int:
+    def _piece(self, seq: Sequence, budget: int, plan: _Draft) -> int:
         """Schedule ``seq``'s next piece if the budget holds it (the first piece of a step always
         goes, so a prompt always advances); the budget left."""
         if seq.state != PREFILL:
@@ -211,7 +230,7 @@ class Scheduler:
             if s.state == DECODE
         )
 
-    def _admit(self, seq: Sequence, plan: Plan) -> bool:
+    def _admit(self, seq: Sequence, plan: _Draft) -> bool:
         """Give ``seq`` a row and the blocks of its whole prompt (its cached prefix taken from the
         cache), if free; False leaves it waiting."""
         pool = self.pool
@@ -252,7 +271,7 @@ class Scheduler:
         if sign < 0:
             seq.computing = []
 
-    def _grow(self, seq: Sequence, positions: int, plan: Plan) -> bool:
+    def _grow(self, seq: Sequence, positions: int, plan: _Draft) -> bool:
         """Blocks for ``positions`` of ``seq``, preempting the youngest running sequences while
         none are free; False when ``seq`` itself was the one preempted."""
         need = self.pool.blocks_for(positions) - len(seq.table.blocks)
@@ -265,7 +284,7 @@ class Scheduler:
             seq.table.blocks += self.pool.allocate(need)
         return True
 
-    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+    def _preempt(self, seq: Sequence, plan: _Draft) -> None:
         if seq.state == PREFILL:
             self._computes(seq, -1)
         self.pool.release(seq.table)

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from onegpu.errors import ConfigError, ModelError, UnavailableError
+from onegpu.infer.requests import BASE
 
 log = logging.getLogger(__name__)
-
-BASE_ROW = "__base__"  # PEFT's adapter_names entry for a row that takes no adapter
 
 
 def parse_adapters(specs: list[str]) -> dict[str, str]:
@@ -93,7 +92,7 @@ class ServedModels:
         some request in the engine's life has named one), so the base gets PEFT's own name for
         "no adapter on this row". No name (vLLM lets ``model`` out) is the base."""
         if name is None or name == self.base:
-            return BASE_ROW if self.adapters else None
+            return BASE if self.adapters else None
         if name in self.adapters:
             return name
         from onegpu.serve.schemas import APIError

@@ -14,7 +14,9 @@ from onegpu.serve.config import ServeConfig
 log = logging.getLogger(__name__)
 
 
-def make_engine(model, tokenizer, plan, cfg: ServeConfig):
+def make_engine(model, tokenizer, plan, cfg: ServeConfig, grammars=None, adapters=()):
+    """The server's engine: its pool as ``plan`` sized it, the server's grammar compiler (the one
+    that checks requests as they arrive) and the adapters it routes by name."""
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.policy import parse_off
 
@@ -30,18 +32,18 @@ def make_engine(model, tokenizer, plan, cfg: ServeConfig):
         flush_ms=cfg.flush_ms,
         policy_off=parse_off(cfg.policy_off),
     )
-    return Engine(model, tokenizer, config)
+    return Engine(model, tokenizer, config, grammars=grammars, adapters=tuple(adapters))
 
 
 def warm_up(engine, cfg: ServeConfig) -> None:
     """Compile every decode shape the server can ask for before it listens (--warmup); the
     compiled steps are kept in --compile_cache (set in serve) for the next start."""
-    if engine.compiled is None or cfg.warmup == "off":
+    buckets = engine.warm_shapes()
+    if not buckets or cfg.warmup == "off":
         if cfg.warmup == "on":
             _say("warm-up: nothing to compile (the decode step runs eagerly: --compile on)")
         return
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
-    buckets = len(engine.shapes.buckets())
     _say(f"warm-up: compiling the decode step for {buckets} shapes (compile cache: {cache})")
     from torch._dynamo.utils import counters
 
@@ -58,6 +60,7 @@ def warm_up(engine, cfg: ServeConfig) -> None:
 def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
     from onegpu.infer.engine import kv_bytes_per_position
+    from onegpu.infer.engine_config import context_of
     from onegpu.infer.policy import summary
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
@@ -74,17 +77,17 @@ def serve(icfg, cfg: ServeConfig) -> int:
     models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
     loaded = load(icfg)
     model = attach_adapters(loaded.model, adapters)
-    context = getattr(model.config, "max_position_embeddings", None)
     plan = plan_kv(
         kv_bytes_per_position(model),
-        context,
+        context_of(model),  # the engine's own reading of the model's context
         loaded.device,
         cfg.max_len,
         cfg.max_slots,
         cfg.kv_memory,
     )
     _say(plan.describe())
-    engine = make_engine(model, loaded.tokenizer, plan, cfg)
+    grammars = grammar_compiler(loaded.tokenizer, model)
+    engine = make_engine(model, loaded.tokenizer, plan, cfg, grammars, models.adapters)
     for line in summary(engine.device.type, engine.config.policy_off):  # the device choices
         _say(f"policy {line}")
     _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
@@ -95,34 +98,43 @@ def serve(icfg, cfg: ServeConfig) -> int:
     service = Service(
         scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key, engine.features
     )
-    add_request_features(service, loaded.tokenizer, cfg, engine)
+    add_request_features(service, loaded.tokenizer, cfg, grammars)
     _say(f"serving {', '.join(models.names())} on http://{cfg.host}:{cfg.port}/v1")
     return run_server(build_app(service), scheduler, cfg.host, cfg.port, cfg.grace)
 
 
-def add_request_features(service, tokenizer, cfg: ServeConfig, engine=None) -> None:
-    """Tool calls (the format read from the chat template or --tool_parser) and the grammar check
-    of structured-output requests (when llguidance is installed): one grammar compiler, the
-    engine's, so the tokenizer is prepared once (seconds at a 128k vocabulary). What the engine
-    applies of penalties, logprobs and grammars is its ``features`` (Service.features): a request
-    for one it does not apply is refused by name."""
+def grammar_compiler(tokenizer, model=None):
+    """The server's one grammar compiler (None without llguidance): the engine masks with it and
+    the requests are checked with it as they arrive, so the tokenizer is prepared once (seconds
+    at a 128k vocabulary). ``model``: its output width is the masks' (a model may hold more rows
+    than the tokenizer has tokens)."""
     from onegpu.errors import UnavailableError
+
+    try:
+        from onegpu.infer.constraints import Grammars
+
+        vocab = model.get_output_embeddings().weight.shape[0] if model is not None else None
+        return Grammars(tokenizer, vocab)
+    except UnavailableError:
+        return None
+
+
+def add_request_features(service, tokenizer, cfg: ServeConfig, grammars=None) -> None:
+    """Tool calls (the format read from the chat template or --tool_parser) and the grammar check
+    of structured-output requests (``grammars``: the engine's compiler; None: one of its own,
+    grammar_compiler; without llguidance structured output is off). What the engine applies of
+    penalties, logprobs and grammars is its ``features`` (Service.features): a request for one it
+    does not apply is refused by name."""
     from onegpu.serve.tools import parser_for
 
     service.tool_format = parser_for(tokenizer.chat_template, cfg.tool_parser)
     service.json_schema_strict = cfg.json_schema_strict
     _say(f"tool calls: {service.tool_format or 'off (the chat template shows no format)'}")
-    try:
-        from onegpu.infer.constraints import Grammars
-
-        vocab = engine.guides.vocab if engine is not None else None
-        grammars = Grammars(tokenizer, vocab)
-    except UnavailableError:
+    grammars = grammars or grammar_compiler(tokenizer)
+    if grammars is None:
         _say("structured output: off (pip install 'onegpu[structured]')")
         return
     service.check_constraint = grammars.check
-    if engine is not None:
-        engine.guides.grammars = grammars  # the requests it checks compile the same there
 
 
 def _say(line: str) -> None:

@@ -76,6 +76,9 @@ class Scheduler:
         self.metrics = metrics
         self.capacity = engine.max_slots + queue_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # set while a command waits: the engine ends its decode steps early when a row is free
+        # for it, so a new request starts without waiting for the rest of them
+        self._arrived = threading.Event()
         self._lock = threading.Lock()
         self._in_flight = 0  # sequences accepted and not finished
         self._accepting = True
@@ -115,17 +118,17 @@ class Scheduler:
                 )
             self._in_flight += n
             # under the lock: a fault stops the loop after it has failed what the inbox holds
-            self._inbox.put(("submit", ticket))
+            self._put(("submit", ticket))
 
     def cancel(self, ticket: Ticket) -> None:
-        self._inbox.put(("cancel", ticket))
+        self._put(("cancel", ticket))
 
     def cut(self, message: str) -> None:
         """Fail every request still in flight with a 503 naming ``message`` (the drain's grace
         period ran out): each stream ends with its error event and [DONE], not a cut
         connection. Thread-safe."""
         error = APIError(503, message, kind="server_error", code="shutting_down")
-        self._inbox.put(("cut", error))
+        self._put(("cut", error))
 
     def close(self) -> None:
         """Stop taking requests; those accepted run to the end."""
@@ -134,7 +137,7 @@ class Scheduler:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.close()
-        self._inbox.put(("stop", None))
+        self._put(("stop", None))
         self._thread.join(timeout)
 
     def health(self) -> Health:
@@ -157,7 +160,7 @@ class Scheduler:
         while self._take_commands(block=not self.engine.has_work()):
             if self.engine.has_work():
                 try:
-                    updates = self.engine.step(interrupt=self._arrived)
+                    updates = self.engine.step(arrived=self._arrived)
                 except Exception as exc:  # noqa: BLE001 - answered, then the server stops
                     log.exception("engine step failed: the engine is stopped")
                     self._stop_failed(exc)
@@ -166,13 +169,13 @@ class Scheduler:
             self._stats = self.engine.stats()
             self.metrics.engine_stats(self._stats)
 
-    def _arrived(self) -> bool:
-        """A command waits (a request, a cancel) and a slot is free: the engine ends its decode
-        steps early, so a new request starts without waiting for the rest of them."""
-        return not self._inbox.empty() and self.engine.free_slots() > 0
+    def _put(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._arrived.set()
 
     def _take_commands(self, block: bool) -> bool:
         """Run what the inbox holds; False once told to stop."""
+        self._arrived.clear()  # before the drain: a command put from now on sets it again
         try:
             command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
