@@ -84,13 +84,14 @@ def test_policy_off_reaches_the_engine_from_generate_and_serve(tiny_tokenizer):
     assert not engine.policy.eager_window and not engine.policy.cpu_token_budget
     assert engine.policy.batched_lora  # the rows not named stay on
 
-    class Plan:
-        max_slots, max_len, num_blocks, block_size = 1, 64, 5, 16
-
-    served = make_engine(model, None, Plan, ServeConfig(policy_off="cpu_attention_loops"))
+    small = dict(max_slots=1, max_len=64, kv_memory=0.001)  # 1 MB of KV
+    served = make_engine(model, None, ServeConfig(policy_off="cpu_attention_loops", **small))
     assert not served.policy.cpu_attention_loops and served.policy.eager_window
+    kv = served.pool_plan  # the pool sized from --kv_memory, by the engine's config
+    assert kv.budget_source == "--kv_memory" and kv.budget_bytes == int(0.001 * 2**30)
+    assert kv.num_blocks * 16 * kv.bytes_per_position <= kv.budget_bytes
     with pytest.raises(ConfigError, match="unknown rows"):
-        make_engine(model, None, Plan, ServeConfig(policy_off="no_such_row"))
+        make_engine(model, None, ServeConfig(policy_off="no_such_row", **small))
 
 
 def test_doctor_and_the_summary_say_which_rows_are_on_and_why():

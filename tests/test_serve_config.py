@@ -7,7 +7,7 @@ import pytest
 
 from onegpu.cli.main import main
 from onegpu.errors import ConfigError
-from onegpu.serve.budget import GiB, plan_kv
+from onegpu.infer.kv_budget import GiB, plan_kv
 
 KIB = 1024
 

@@ -40,8 +40,8 @@ from onegpu.infer.engine_config import (
     Shapes,
     check_adapter,
     check_request,
-    context_of,
     eos_ids_of,
+    max_len_of,
     pool_blocks,
 )
 from onegpu.infer.guided import Guides
@@ -93,8 +93,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         cfg.check()
-        context = context_of(model)
-        self.max_len = min(cfg.max_len or context, context)
+        # the longest sequence, and with kv_budget how the memory sized the pool (KVPlan)
+        self.max_len, self.pool_plan = max_len_of(cfg, model)
         self.max_slots = cfg.max_slots
         if self.max_len < 2:
             raise ConfigError(f"engine: max_len {self.max_len}", hint="max_len >= 2")
@@ -102,7 +102,7 @@ class Engine:
             check_adapter(model, name)
         self.device = model.get_input_embeddings().weight.device
         self.vocab = model.get_input_embeddings().weight.shape[0]  # the ids a prompt may hold
-        blocks, per_seq = pool_blocks(cfg, self.max_len)
+        blocks, per_seq = pool_blocks(cfg, self.max_len, self.pool_plan)
         size = cfg.block_size
         self.pool = BlockPool(blocks, size, cfg.prefix_caching)
         self.cache = PagedCache(blocks, size, kv_dtype(model), self.device)

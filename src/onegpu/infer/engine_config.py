@@ -19,7 +19,14 @@ class EngineConfig:
     """KV positions per sequence: prompt + new tokens must fit. Default: the model's context."""
     num_blocks: Optional[int] = None
     """Blocks in the KV pool (block 0 is reserved). Default: every row's worst case, max_slots
-    x max_len positions; `onegpu serve` sizes it from the memory budget."""
+    x max_len positions, or with kv_budget what the memory holds."""
+    kv_budget: bool = False
+    """Size the pool from the memory left after the weights (infer/kv_budget.py: free GPU memory,
+    or available RAM with a cap), capped at kv_memory, with num_blocks not given; max_len then
+    defaults to the model's context up to 4,096. `onegpu serve`'s pool (its sizing is printed at
+    start: Engine.pool_plan)."""
+    kv_memory: Optional[float] = None
+    """With kv_budget: GiB the pool may take at most."""
     block_size: int = 16
     """Positions per block (a power of two): the unit of allocation and of prefix sharing."""
     prefix_caching: bool = True
@@ -91,6 +98,28 @@ def context_of(model) -> int:
         f"{type(model).__name__}: its config names no context length.",
         hint="pass the engine's max_len",
     )
+
+
+def max_len_of(config: EngineConfig, model):
+    """The engine's longest sequence (config.max_len, at most the model's context) and, with
+    kv_budget and no num_blocks, the memory's sizing of the pool (kv_budget.KVPlan; its max_len
+    defaults to the context up to 4,096), else None."""
+    context = context_of(model)
+    if not (config.kv_budget and config.num_blocks is None):
+        return min(config.max_len or context, context), None
+    from onegpu.infer.kv_budget import plan_kv
+    from onegpu.infer.paged_cache import kv_bytes_per_position  # torch: once an engine is built
+
+    plan = plan_kv(
+        kv_bytes_per_position(model),
+        context,
+        str(model.get_input_embeddings().weight.device),
+        config.max_len,
+        config.max_slots,
+        config.kv_memory,
+        config.block_size,
+    )
+    return plan.max_len, plan
 
 
 def eos_ids_of(model, tokenizer) -> list[int]:
@@ -186,12 +215,14 @@ class Shapes:
         return [(r, k) for r in rows for k in kv]
 
 
-def pool_blocks(config: EngineConfig, max_len: int) -> tuple[int, int]:
-    """The pool's blocks (config.num_blocks, else every row's worst case and the null block) and
-    a sequence's most; a pool that cannot hold one sequence of max_len is refused."""
+def pool_blocks(config: EngineConfig, max_len: int, planned=None) -> tuple[int, int]:
+    """The pool's blocks (config.num_blocks, else those of ``planned``, the memory's sizing
+    (kv_budget.KVPlan), else every row's worst case and the null block) and a sequence's most;
+    a pool that cannot hold one sequence of max_len is refused."""
     size = config.block_size
     per_seq = -(-max_len // size)
-    blocks = config.num_blocks or config.max_slots * per_seq + 1
+    memory = planned.num_blocks if planned is not None else None
+    blocks = config.num_blocks or memory or config.max_slots * per_seq + 1
     if blocks - 1 < per_seq:
         raise ConfigError(
             f"engine: {blocks} KV blocks of {size} positions hold less than one sequence of "

@@ -14,17 +14,18 @@ from onegpu.serve.config import ServeConfig
 log = logging.getLogger(__name__)
 
 
-def make_engine(model, tokenizer, plan, cfg: ServeConfig, grammars=None, adapters=()):
-    """The server's engine: its pool as ``plan`` sized it, the server's grammar compiler (the one
-    that checks requests as they arrive) and the adapters it routes by name."""
+def make_engine(model, tokenizer, cfg: ServeConfig, grammars=None, adapters=()):
+    """The server's engine: its pool sized from the memory left after the weights (capped at
+    --kv_memory), the server's grammar compiler (the one that checks requests as they arrive)
+    and the adapters it routes by name."""
     from onegpu.infer.engine import Engine, EngineConfig
     from onegpu.infer.policy import parse_off
 
     config = EngineConfig(
-        max_slots=plan.max_slots,
-        max_len=plan.max_len,
-        num_blocks=plan.num_blocks,
-        block_size=plan.block_size,
+        max_slots=cfg.max_slots,
+        max_len=cfg.max_len,
+        kv_budget=True,
+        kv_memory=cfg.kv_memory,
         prefix_caching=cfg.prefix_caching,
         token_budget=cfg.token_budget,
         compile=cfg.compile,
@@ -59,12 +60,9 @@ def warm_up(engine, cfg: ServeConfig) -> None:
 
 def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
-    from onegpu.infer.engine import kv_bytes_per_position
-    from onegpu.infer.engine_config import context_of
     from onegpu.infer.policy import summary
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
-    from onegpu.serve.budget import plan_kv
     from onegpu.serve.metrics import Metrics
     from onegpu.serve.scheduler import Scheduler
     from onegpu.serve.server import run_server
@@ -77,17 +75,9 @@ def serve(icfg, cfg: ServeConfig) -> int:
     models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
     loaded = load(icfg)
     model = attach_adapters(loaded.model, adapters)
-    plan = plan_kv(
-        kv_bytes_per_position(model),
-        context_of(model),  # the engine's own reading of the model's context
-        loaded.device,
-        cfg.max_len,
-        cfg.max_slots,
-        cfg.kv_memory,
-    )
-    _say(plan.describe())
     grammars = grammar_compiler(loaded.tokenizer, model)
-    engine = make_engine(model, loaded.tokenizer, plan, cfg, grammars, models.adapters)
+    engine = make_engine(model, loaded.tokenizer, cfg, grammars, models.adapters)
+    _say(engine.pool_plan.describe())
     for line in summary(engine.device.type, engine.config.policy_off):  # the device choices
         _say(f"policy {line}")
     _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")

@@ -1,5 +1,6 @@
-"""How large the engine's KV pool is: the memory left after the weights (free GPU memory on CUDA,
-available RAM with a cap on CPU), in blocks of ``block_size`` positions. Sequences take blocks as
+"""How large the engine's KV pool is when sized from memory (``EngineConfig.kv_budget``, what
+`onegpu serve` asks for): the memory left after the weights (free GPU memory on CUDA, available
+RAM with a cap on CPU), in blocks of ``block_size`` positions. Sequences take blocks as
 they grow, so the pool holds as many sequences as their real lengths allow; ``max_len`` bounds one
 sequence, and the pool must hold at least one of it. Printed at start, so the operator sees what
 the budget holds."""
