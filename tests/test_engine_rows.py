@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from families import tiny_family_model
-from onegpu.infer.decode_step import DecodeStep
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 
@@ -19,34 +18,30 @@ def llama(tiny_tokenizer):
     return tiny_family_model("llama", tiny_tokenizer).eval()
 
 
-@pytest.fixture
-def rows_run(monkeypatch):
-    """The rows of each decode step, in order."""
-    seen = []
-    real = DecodeStep.__call__
-
-    def counting(self, rows, *args, **kwargs):
-        seen.append(rows)
-        return real(self, rows, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeStep, "__call__", counting)
-    return seen
-
-
 def _run(model, params, **kw):
+    """Each request's tokens, and the rows each engine step's decode steps computed (its stats:
+    rows over steps since the last step)."""
     engine = Engine(model, None, EngineConfig(max_slots=4, max_len=96, sync_every=4, **kw))
-    return [r.token_ids for r in engine.generate(PROMPTS, params)]
+    ids = [engine.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    tokens, rows, before = {i: [] for i in ids}, [], engine.stats()
+    while engine.has_work():
+        for u in engine.step():
+            tokens[u.request_id] += u.token_ids
+        now = engine.stats()
+        steps = now.decode_steps - before.decode_steps
+        if steps:
+            rows.append((now.decode_rows - before.decode_rows) / steps)
+        before = now
+    return [tokens[i] for i in ids], rows
 
 
-def test_a_sequence_that_ends_gives_its_row_to_the_highest_running_one(llama, rows_run):
+def test_a_sequence_that_ends_gives_its_row_to_the_highest_running_one(llama):
     # rows 0 and 1 end early; the sequences of rows 2 and 3 go on alone
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 5, 40, 40)]
-    compact = _run(llama, params)
-    late = rows_run[-20:]  # steps long after both ended: two sequences decode
-    assert late == [2] * 20
-    rows_run.clear()
-    kept = _run(llama, params, compact_rows=False)
-    assert rows_run[-20:] == [4] * 20  # without compaction the empty rows 0 and 1 are computed
+    compact, rows = _run(llama, params)
+    assert rows[-5:] == [2] * 5  # steps long after both ended: two sequences decode
+    kept, rows = _run(llama, params, compact_rows=False)
+    assert rows[-5:] == [4] * 5  # without compaction the empty rows 0 and 1 are computed
     assert compact == kept
     alone = [Engine(llama, None, EngineConfig(max_slots=1, max_len=96)) for _ in PROMPTS]
     assert compact == [
