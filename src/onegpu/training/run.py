@@ -274,6 +274,8 @@ def save_final(run, accelerator) -> Path:
             str(final), safe_serialization=True, state_dict=full
         )  # PeftModel: the adapter
         run.tokenizer.save_pretrained(str(final))
+        if run.data.processor is not None:  # a vision-language model reloads with its processor
+            run.data.processor.save_pretrained(str(final))
         if run.cfg.techniques.lora.enabled and run.cfg.techniques.lora.merge_on_save:
             from onegpu.techniques.lora import save_merged
 
