@@ -46,8 +46,15 @@ def _text(tok, **kw) -> dict:
 
 
 def _vision(**kw) -> dict:
-    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                image_size=SIDE, patch_size=8, **kw)  # fmt: skip
+    return dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=SIDE,
+        patch_size=8,
+        **kw,
+    )
 
 
 def llava(texts=()):
@@ -59,9 +66,13 @@ def llava(texts=()):
     )
     # "full" keeps the CLS token of the tower's output: one placeholder more than patches
     proc = transformers.LlavaProcessor(
-        image_processor=ip, tokenizer=tok, patch_size=8, vision_feature_select_strategy="full",
-        num_additional_image_tokens=1, chat_template=TEMPLATE.replace("IMG", "<image>"),
-    )  # fmt: skip
+        image_processor=ip,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE.replace("IMG", "<image>"),
+    )
     cfg = transformers.LlavaConfig(
         vision_config=_vision(model_type="clip_vision_model"),
         text_config=dict(model_type="llama", **_text(tok)),
@@ -75,18 +86,27 @@ def llava(texts=()):
 def gemma3(texts=()):
     import transformers
 
-    marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
-             "eoi_token": "<end_of_image>"}  # fmt: skip
+    marks = {
+        "boi_token": "<start_of_image>",
+        "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    }
     base = _tokenizer(list(marks.values()), texts)
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>", unk_token="<|unk|>", extra_special_tokens=marks,
-    )  # fmt: skip
+        tokenizer_object=base.backend_tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+        extra_special_tokens=marks,
+    )
     ip = transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE})
     proc = transformers.Gemma3Processor(
-        image_processor=ip, tokenizer=tok, image_seq_length=4,
+        image_processor=ip,
+        tokenizer=tok,
+        image_seq_length=4,
         chat_template=TEMPLATE.replace("IMG", "<start_of_image>"),
-    )  # fmt: skip
+    )
     ids = {k.replace("_token", "_token_id"): tok.convert_tokens_to_ids(v) for k, v in marks.items()}
     cfg = transformers.Gemma3Config(
         vision_config=_vision(model_type="siglip_vision_model"),
@@ -101,16 +121,20 @@ def idefics3(texts=()):
     import transformers
 
     grid = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-    tok = _tokenizer(["<image>", "<fake_token_around_image>", "<global-img>",
-                      "<end_of_utterance>", *grid], texts)  # fmt: skip
+    tok = _tokenizer(
+        ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", *grid], texts
+    )
     ip = transformers.Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * SIDE}, max_image_size={"longest_edge": SIDE},
+        size={"longest_edge": 2 * SIDE},
+        max_image_size={"longest_edge": SIDE},
         do_image_splitting=False,
-    )  # fmt: skip
+    )
     proc = transformers.Idefics3Processor(
-        image_processor=ip, tokenizer=tok, image_seq_len=4,
+        image_processor=ip,
+        tokenizer=tok,
+        image_seq_len=4,
         chat_template=TEMPLATE.replace("IMG", "<image>"),
-    )  # fmt: skip
+    )
     cfg = transformers.Idefics3Config(
         vision_config=_vision(),
         text_config=dict(model_type="llama", **_text(tok)),
@@ -129,9 +153,12 @@ def _qwen(texts, processor_cls, config_cls, text_type: str, vision: dict):
         ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"], texts
     )
     ip = transformers.Qwen2VLImageProcessorPil(
-        min_pixels=16 * 16, max_pixels=SIDE * SIDE, patch_size=8, merge_size=2,
+        min_pixels=16 * 16,
+        max_pixels=SIDE * SIDE,
+        patch_size=8,
+        merge_size=2,
         temporal_patch_size=2,
-    )  # fmt: skip
+    )
     # no torchvision, no video processor: onegpu builds the processor image-only
     proc = vlm.build_processor(
         processor_cls,
@@ -149,14 +176,14 @@ def _qwen(texts, processor_cls, config_cls, text_type: str, vision: dict):
             temporal_patch_size=2,
             in_channels=3,
             **vision,
-        ),  # fmt: skip
+        ),
         text_config=dict(
             model_type=text_type,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
                 "mrope_section": [2, 3, 3],
-            },  # fmt: skip
+            },
             **_text(tok),
         ),
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
@@ -169,16 +196,30 @@ def _qwen(texts, processor_cls, config_cls, text_type: str, vision: dict):
 def qwen2_vl(texts=()):
     import transformers
 
-    return _qwen(texts, transformers.Qwen2VLProcessor, transformers.Qwen2VLConfig,
-                 "qwen2_vl_text", {"embed_dim": 32, "mlp_ratio": 2})  # fmt: skip
+    return _qwen(
+        texts,
+        transformers.Qwen2VLProcessor,
+        transformers.Qwen2VLConfig,
+        "qwen2_vl_text",
+        {"embed_dim": 32, "mlp_ratio": 2},
+    )
 
 
 def qwen2_5_vl(texts=()):
     import transformers
 
-    return _qwen(texts, transformers.Qwen2_5_VLProcessor, transformers.Qwen2_5_VLConfig,
-                 "qwen2_5_vl_text", {"intermediate_size": 64, "out_hidden_size": 64,
-                                     "window_size": 16, "fullatt_block_indexes": [1]})  # fmt: skip
+    return _qwen(
+        texts,
+        transformers.Qwen2_5_VLProcessor,
+        transformers.Qwen2_5_VLConfig,
+        "qwen2_5_vl_text",
+        {
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "window_size": 16,
+            "fullatt_block_indexes": [1],
+        },
+    )
 
 
 def save_tiny_vlm(family: str, path, texts=(), seed: int = 0):
@@ -189,6 +230,10 @@ def save_tiny_vlm(family: str, path, texts=(), seed: int = 0):
     proc, cfg = globals()[family](texts)
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    with torch.no_grad():  # Gemma 3 starts its projector at zero: no image would reach the LM
+        for p in model.parameters():
+            if p.dim() > 1 and not p.any():
+                p.normal_(0, 0.1)
     model.save_pretrained(str(path))
     proc.save_pretrained(str(path))
     return path

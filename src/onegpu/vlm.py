@@ -104,8 +104,9 @@ def build_processor(cls, image_processor, tokenizer, chat_template=None, **kwarg
             chat_template=chat_template,
             **kwargs,
         )
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-               **kwargs)  # fmt: skip
+    return cls(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
+    )
 
 
 def video_processors_available() -> bool:
@@ -177,8 +178,11 @@ def _write_processor_config(processor, folder: Path) -> None:
     import json
 
     keys = _init_keys(type(processor))
-    config = {k: getattr(processor, k) for k in keys if isinstance(getattr(processor, k, None),
-              (int, float, str, bool))}  # fmt: skip
+    config = {
+        k: getattr(processor, k)
+        for k in keys
+        if isinstance(getattr(processor, k, None), (int, float, str, bool))
+    }
     config["processor_class"] = type(processor).__name__
     (folder / "processor_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 

@@ -81,9 +81,11 @@ class Encoder:
 
     def ids(self, text: str, images: list) -> list[int]:
         out = self.processor(
-            text=[text], images=[images] if images else None, add_special_tokens=False,
+            text=[text],
+            images=[images] if images else None,
+            add_special_tokens=False,
             **self.kwargs,
-        )  # fmt: skip
+        )
         return list(out["input_ids"][0])
 
     def encode(self, conv: list, images: list) -> tuple[list[int], list[int], str]:
@@ -126,8 +128,14 @@ def _common(a: list[int], b: list[int]) -> int:
 
 def tokenize_batch(batch, indices, encoder: Encoder, cfg: DataConfig, split: str):
     """datasets.map function: rows of input_ids, labels, text, images and the record's fate."""
-    out = {"input_ids": [], "labels": [], TEXT: [], IMAGES: [], overlong.FATE: [],
-           overlong.TURNS: []}  # fmt: skip
+    out = {
+        "input_ids": [],
+        "labels": [],
+        TEXT: [],
+        IMAGES: [],
+        overlong.FATE: [],
+        overlong.TURNS: [],
+    }
     column = batch.get(cfg.images_field)
     for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field], strict=True)):
         where = records.where(batch, i, idx, split)
