@@ -281,4 +281,6 @@ def save_final(run, accelerator) -> Path:
 
             merged = save_merged(model, run.dir / "final-merged", run.model_name, run.cfg.model)
             run.tokenizer.save_pretrained(str(merged))
+            if run.data.processor is not None:
+                run.data.processor.save_pretrained(str(merged))
     return final
