@@ -133,12 +133,12 @@ def load_processor(name: str, trust_remote_code: bool = False):
                 "processor with save_pretrained beside the model",
             ) from None
     else:
-        from onegpu.models import load_tokenizer
+        from transformers import AutoTokenizer
 
         image_processor = AutoImageProcessor.from_pretrained(
             name, trust_remote_code=trust_remote_code
         )
-        tokenizer = load_tokenizer(name, trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
         extra = _processor_kwargs(name, cls)
         proc = build_processor(cls, image_processor, tokenizer, _chat_template(name), **extra)
     log.info(
@@ -207,7 +207,7 @@ def _processor_kwargs(name: str, cls) -> dict:
 
 def _chat_template(name: str) -> str | None:
     """The processor's chat template: chat_template.jinja, else chat_template.json's, else the
-    tokenizer's (load_tokenizer reads that one)."""
+    tokenizer's (AutoTokenizer reads that one)."""
     import json
 
     folder = Path(name)

@@ -56,7 +56,7 @@ def lora_targets(model, targets, mode: str):
     ``projector`` / ``all``. A text model: (targets, None) unchanged."""
     if not is_vision_model(model):
         return targets, None
-    from onegpu.techniques.lora import linear_module_names
+    import torch
 
     tower, projector = vlm.vision_modules(model)
     head = model.get_output_embeddings()
@@ -66,7 +66,8 @@ def lora_targets(model, targets, mode: str):
         return any(name == r or name.startswith(r + ".") for r in roots)
 
     names = []
-    for name in linear_module_names(model):
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in linears:
         if name in heads or inside(name, projector):
             continue
         if inside(name, tower) and mode != "all":
