@@ -17,7 +17,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SIDE = 32  # image side the tiny processors resize to
-FAMILIES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llava", "llava_next", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def _tokenizer(tokens: list[str], texts=()):
@@ -237,3 +237,53 @@ def save_tiny_vlm(family: str, path, texts=(), seed: int = 0):
     model.save_pretrained(str(path))
     proc.save_pretrained(str(path))
     return path
+
+
+def qwen3_vl(texts=()):
+    import transformers
+
+    vision = {
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [1],
+    }
+    proc, cfg = _qwen(
+        texts, transformers.Qwen3VLProcessor, transformers.Qwen3VLConfig, "qwen3_vl_text", vision
+    )
+    cfg.text_config.head_dim = 16
+    cfg.text_config.rope_parameters = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }
+    return proc, cfg
+
+
+def llava_next(texts=()):
+    import transformers
+
+    tok = _tokenizer(["<image>"], texts)
+    ip = transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": SIDE},
+        crop_size={"height": SIDE, "width": SIDE},
+        image_grid_pinpoints=[[SIDE, SIDE], [SIDE, 2 * SIDE]],
+    )
+    proc = transformers.LlavaNextProcessor(
+        image_processor=ip,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=TEMPLATE.replace("IMG", "<image>"),
+    )
+    cfg = transformers.LlavaNextConfig(
+        vision_config=_vision(model_type="clip_vision_model"),
+        text_config=dict(model_type="llama", **_text(tok)),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_grid_pinpoints=[[SIDE, SIDE], [SIDE, 2 * SIDE]],
+    )
+    return proc, cfg

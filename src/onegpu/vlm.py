@@ -125,7 +125,7 @@ def load_processor(name: str, trust_remote_code: bool = False):
     if cls is None or not takes_video(cls) or video_processors_available():
         try:
             proc = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ImportError) as exc:  # SmolVLM's needs num2words
             raise ModelError(
                 f"cannot load the processor of '{name}': {str(exc).strip().splitlines()[0]}",
                 hint="a vision-language model folder needs its processor files "
