@@ -191,6 +191,7 @@ def load_model(
         config.num_labels = 1 if score_head else config.num_labels
         return auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     _check_local(name)
+    auto = _vision_class(name, cfg, score_head) or auto
     try:
         if cfg.from_scratch:
             config = AutoConfig.from_pretrained(
@@ -212,6 +213,38 @@ def load_model(
         )
     except (OSError, ValueError) as exc:
         raise _load_error(name, exc) from None
+
+
+def _vision_class(name: str, cfg: ModelConfig, score_head: bool):
+    """transformers' image-text-to-text class for a vision-language model's folder, else None."""
+    from onegpu import vlm
+
+    try:
+        config = model_config(name, cfg.trust_remote_code)
+    except ModelError:
+        return None  # the load itself reports why
+    if not vlm.is_vision_config(config):
+        return None
+    vlm.check_family(config)
+    if score_head:
+        raise ModelError(
+            f"'{name}' is a vision-language model; training.objective=reward builds a text "
+            "model's score head.",
+            hint="train a vision-language model with training.objective=sft",
+        )
+    return vlm.model_class()
+
+
+def is_vision_model(name: str, trust_remote_code: bool = False) -> bool:
+    """Whether ``name`` is a vision-language model (its config has a vision tower)."""
+    from onegpu import vlm
+
+    if is_preset(name):
+        return False
+    try:
+        return vlm.is_vision_config(model_config(name, trust_remote_code))
+    except ModelError:
+        return False
 
 
 def model_config(name: str, trust_remote_code: bool = False):

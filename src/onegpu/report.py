@@ -157,6 +157,12 @@ def print_summary(r) -> None:
             f"--grpo.rewards '[{r.final_dir}]')"
         )
         return
+    if (Path(r.final_dir) / "preprocessor_config.json").is_file():  # a VLM's processor beside it
+        print(
+            f"  model: {r.final_dir} (a vision-language model and its processor: "
+            "AutoModelForImageTextToText and AutoProcessor load it; docs/vlm.md)"
+        )
+        return
     print(f"  model: {r.final_dir}\n  try: {generate_hint(r.final_dir, fmt, r.sample_prompt)}")
 
 

@@ -343,6 +343,15 @@ def _check_shapes(path: Path, saved: dict[str, tuple], model) -> None:
             )
 
 
+def _renamed_on_save(model, tensors: dict) -> bool:
+    """save_pretrained wrote the family's original names (transformers 5 reverts its renames on
+    save: LLaVA's language_model.model.* for model.language_model.*)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = set(revert_weight_conversion(model, dict(model.state_dict())))
+    return set(tensors) <= names and set(tensors) != set(model.state_dict())
+
+
 def _shape(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
@@ -375,6 +384,10 @@ def load_model_weights(model_dir: Path, model) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     # save_pretrained writes tied weights (e.g. lm_head = embeddings) once: those are not missing
     missing = [k for k in missing if k in params and id(params[k]) not in loaded]
+    if (missing or unexpected) and _renamed_on_save(model, tensors):  # from_pretrained maps them
+        loaded = type(model).from_pretrained(str(model_dir), dtype=next(model.parameters()).dtype)
+        model.load_state_dict(loaded.state_dict())
+        return
     if missing or unexpected:
         key = (missing or unexpected)[0]
         raise ConfigError(

@@ -72,6 +72,13 @@ def build_parser():
         default=False,
         help="print, per setup, the longest sequence that fits at batch 1 and its tokens/s",
     )
+    p.add_argument(
+        "--image_size",
+        type=Optional[int],
+        default=None,
+        help="a vision-language model: print the tokens one image of this side becomes (default: "
+        "the images of --data.path, when given)",
+    )
     p.add_argument("--top", type=int, default=12, help="rows of the table")
     p.add_argument(
         "--json",
@@ -106,10 +113,23 @@ def cli(argv: Sequence[str]) -> int:
     from onegpu.plan import make_plan
 
     plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib)
+    from onegpu.plan.images import image_tokens
+
+    images = image_tokens(cfg, ns.preset or cfg.model.name, ns.image_size)
     if ns.json:
-        print(json.dumps(plan_json(plan, recommended), indent=1))
+        out = plan_json(plan, recommended)
+        if images is not None:
+            out["image_tokens"] = {
+                "examples": images.examples,
+                "image": images.image,
+                "text": images.text,
+                "source": images.source,
+            }
+        print(json.dumps(out, indent=1))
     else:
         print_plan(plan, recommended, ns.top)
+        if images is not None:
+            print("\n" + images.describe(plan.seq_len))
     if ns.save and recommended is not None:
         from onegpu.config import save_yaml
 

@@ -28,6 +28,9 @@ POSITIVE_INTS = {
 NON_NEGATIVE = {
     "data.max_bytes",
     "data.num_workers",
+    "data.max_pixels",
+    "data.min_pixels",
+    "data.image_size",
     "training.max_minutes",
     "training.lr",
     "training.warmup_steps",

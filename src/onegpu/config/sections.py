@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from onegpu.config.data import DataConfig
 from onegpu.config.grpo import GRPOConfig
 from onegpu.errors import ConfigError
 
@@ -30,60 +31,6 @@ class ModelConfig:
     """Initialise a Hub/local model's architecture with random weights instead of loading them."""
     trust_remote_code: bool = False
     """Allow model/tokenizer code from the model repository to run. Off unless you trust it."""
-
-
-@dataclass
-class DataConfig:
-    path: Optional[str] = None
-    """Local file or folder (jsonl/json/csv/parquet/txt) or a Hub dataset name. Default: the
-    Python standard library's own source files."""
-    format: Literal["auto", "text", "prompt_completion", "messages", "preference", "unpaired"] = (
-        "auto"
-    )
-    """Record shape. "auto" detects it from the columns (text / prompt+completion / messages /
-    prompt+chosen+rejected / a label with prompt+completion or messages: unpaired, KTO's)."""
-    text_field: str = "text"
-    """Column holding raw text."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt (prompt_completion format)."""
-    completion_field: str = "completion"
-    """Column holding the completion (prompt_completion format)."""
-    messages_field: str = "messages"
-    """Column holding chat messages (messages format)."""
-    chosen_field: str = "chosen"
-    """Column holding the preferred response (preference format: text, or a list of chat messages).
-    """
-    rejected_field: str = "rejected"
-    """Column holding the dispreferred response (preference format)."""
-    label_field: str = "label"
-    """Column holding whether a completion is desirable, true or false (unpaired format, KTO)."""
-    margin_field: str = "margin"
-    """Column holding a pair's margin, if any (reward models subtract it in the loss, as TRL)."""
-    seq_len: int = 256
-    """Tokens per training sequence (packed block length, or truncation length)."""
-    overlong: Literal["truncate", "drop", "split"] = "split"
-    """Chat/prompt-completion records over seq_len (counted in the log and summary). split: a chat
-    is cut on turn boundaries (system message kept, an assistant turn too long alone left out);
-    prompt/completion, with no turn to cut on, is dropped. drop: left out. truncate: cut at seq_len,
-    a cut assistant turn not trained on (its EOS is gone), a prompt cut from its start. Default
-    split: never trains on a cut turn, keeps every turn that fits."""
-    val_fraction: float = 0.05
-    """Share of files (or records) held out for validation."""
-    max_bytes: int = 6_000_000
-    """Read at most this many bytes of the default standard-library corpus (0 = all)."""
-    num_proc: int = 2
-    """Processes used to tokenize."""
-    pin_memory: bool = True
-    """Page-lock host batches so copies to the GPU run asynchronously (GPU only)."""
-    num_workers: int = 0
-    """DataLoader worker processes preparing batches in the background."""
-    prefetch_factor: int = 2
-    """Batches each worker prepares ahead (num_workers > 0)."""
-    persistent_workers: bool = True
-    """Keep workers alive between epochs and evals (num_workers > 0)."""
-    pad_to_multiple: int = 64
-    """Pad variable-length batches to a multiple of this (tensor cores; torch.compile recompiles
-    less)."""
 
 
 @dataclass
@@ -217,6 +164,10 @@ class TechniquesConfig:
     """Tokens per chunk of the fused loss (0 = from the vocabulary size and the device)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Parameter-efficient fine-tuning."""
+    vision: Literal["frozen", "projector", "all"] = "frozen"
+    """A vision-language model's image side: frozen (the vision tower and projector keep their
+    weights), projector (the projector trains), all (tower and projector train; with LoRA, adapters
+    go on the tower too)."""
     offload: Literal["none", "zero2-cpu", "zero3-cpu", "zero3-nvme"] = "none"
     """DeepSpeed ZeRO with optimizer/parameter offload, for models that do not fit."""
     nvme_path: str = "/tmp/onegpu-nvme"

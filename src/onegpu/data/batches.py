@@ -154,7 +154,7 @@ def _messages(batch, indices, tok, cfg, split):
     out = _rows()
     encode = functools.partial(_encode_chat, tok=tok)
     for i, (idx, conv) in enumerate(zip(indices, batch[cfg.messages_field], strict=True)):
-        problem = validate.chat_problem(conv)
+        problem = validate.chat_problem(conv) or validate.image_problem(conv)
         if problem:
             raise DataError(f"{records.where(batch, i, idx, split)}: {problem[0]}", hint=problem[1])
         examples, fate, left_out = overlong.fit_chat(conv, encode, cfg.seq_len, cfg.overlong)

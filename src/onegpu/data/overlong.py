@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 IGNORE = -100
 FATE, TURNS = "_fate", "_turns_left_out"
-FIT, TRUNCATED, DROPPED, SPLIT, PIECE, EMPTY = range(6)
+# BAD: a record left out under data.on_bad_record=skip (an image missing or unreadable)
+FIT, TRUNCATED, DROPPED, SPLIT, PIECE, EMPTY, BAD = range(7)
 KEPT = (FIT, TRUNCATED, SPLIT, PIECE)
 
 Example = tuple[list[int], list[int]]  # (input_ids, labels)
@@ -36,6 +37,7 @@ class DataStats:
     dropped: int = 0  # over-long records that gave no example
     turns_left_out: int = 0  # assistant turns longer than seq_len on their own (split)
     empty: int = 0  # records with nothing to train on (no assistant turn, an empty response)
+    bad: int = 0  # records skipped for an image that is missing or unreadable (on_bad_record=skip)
 
     def describe(self) -> str:
         """One line: how many of how many, and the policy."""
@@ -69,6 +71,11 @@ class DataStats:
             )
         elif self.empty:
             parts.append(f"{self.empty:,} other record(s) with nothing to train on skipped")
+        if self.bad:
+            parts.append(
+                f"{self.bad:,} record(s) with a missing or unreadable image skipped "
+                "(data.on_bad_record=skip)"
+            )
         return line + (": " + ", ".join(parts) if parts else "")
 
 
@@ -77,7 +84,7 @@ def count(ds, split: str, fmt: str, policy: str, seq_len: int) -> DataStats:
     import numpy as np
 
     fates = np.asarray(ds.data.column(FATE).to_numpy(), dtype=np.int64)
-    by = np.bincount(fates, minlength=6)
+    by = np.bincount(fates, minlength=7)
     turns = int(np.asarray(ds.data.column(TURNS).to_numpy()).sum()) if len(fates) else 0
     return DataStats(
         split,
@@ -93,6 +100,7 @@ def count(ds, split: str, fmt: str, policy: str, seq_len: int) -> DataStats:
         dropped=int(by[DROPPED]),
         turns_left_out=turns,
         empty=int(by[EMPTY]),
+        bad=int(by[BAD]),
     )
 
 

@@ -88,6 +88,22 @@ def chat_problem(conv) -> tuple[str, str] | None:
     return None
 
 
+def image_problem(conv) -> tuple[str, str] | None:
+    """An image part in a record for a text-only model: its chat template would render the part
+    as text (or drop it), and the model would train on a picture it never sees."""
+    for i, m in enumerate(conv, 1):
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in content
+        ):
+            return (
+                f"chat message {i} has an image part, but the model is a text-only causal LM.",
+                "train a vision-language model (LLaVA, Gemma 3, Idefics3, Qwen2-VL: docs/vlm.md), "
+                "or remove the image parts",
+            )
+    return None
+
+
 def _short(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -115,6 +115,7 @@ def _adapter_base(adapter_dir: Path) -> str:
 
 def load(cfg: InferConfig) -> Loaded:
     source, adapter = resolve_model(cfg.model)
+    _refuse_vision(source, cfg.trust_remote_code)
     if adapter and cfg.adapter:
         raise ConfigError(
             f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second "
@@ -213,6 +214,21 @@ def _tokenizer_source(source: str, adapter: Optional[str]) -> str:
     ):
         return adapter
     return source
+
+
+def _refuse_vision(source: str, trust_remote_code: bool) -> None:
+    """The engine runs a causal LM's tokens only: a vision-language model's image side (its tower,
+    the placement of image features, the prefix cache keyed by image) is not part of it, so such a
+    model is refused here rather than run without its images."""
+    from onegpu.models import is_vision_model
+
+    if is_vision_model(source, trust_remote_code):
+        raise ModelError(
+            f"'{source}' is a vision-language model; onegpu generate and serve run text-only "
+            "causal LMs (images are not fed through the engine yet).",
+            hint="train it with onegpu train; generate with transformers' "
+            "AutoModelForImageTextToText.generate and its processor (docs/vlm.md)",
+        )
 
 
 def _load_tokenizer(name: str, trust_remote_code: bool):

@@ -25,12 +25,24 @@ IGNORE = -100
 TARGETS = "target_positions"  # batch key: see with_target_positions
 
 
+# What a vision-language model's processor adds to a batch, by the names its forward takes
+# (data/vision.VisionCollator): pixel values and their layout (Qwen2-VL's patch grid, Idefics3's
+# pixel mask, LLaVA-NeXT's sizes) and Gemma 3's / Qwen2-VL's marks of the image tokens.
+VISION_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_attention_mask",
+    "token_type_ids",
+    "mm_token_type_ids",
+)
+INPUTS = ("input_ids", "attention_mask", "position_ids", *VISION_INPUTS)
+
+
 def model_inputs(batch: dict) -> dict:
     """Forward arguments for a loss computation. No KV cache: it is never read here, and its
     presence stops transformers from detecting packed documents."""
-    inputs = {
-        k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")
-    }
+    inputs = {k: v for k, v in batch.items() if k in INPUTS}
     if "position_ids" in inputs:
         # Packed rows (padding-free): transformers separates the documents from the restarting
         # position_ids, but only when no 2-D attention mask is given.

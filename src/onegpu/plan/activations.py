@@ -246,7 +246,11 @@ def build_probe_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = copy.deepcopy(config)
+    from onegpu.plan.arch import language_config
+
+    # a vision-language model: its language model's activations per token (image tokens included);
+    # the vision tower's own are not measured (docs/vlm.md)
+    cfg = copy.deepcopy(language_config(config))
     cfg.num_hidden_layers = layers
     if isinstance(getattr(cfg, "layer_types", None), list):
         cfg.layer_types = cfg.layer_types[:layers]

@@ -41,6 +41,10 @@ class ModelShape:
     # output head left out; what FP8's rule and the planner's per-layer estimate read (plan/fp8.py)
     linears: tuple = ()
     lm_head: bool = True  # False: a reward model's score head in its place (model_shape)
+    # a vision-language model's vision tower and projector (0 for a text model): frozen by default
+    # (techniques.vision), so weights without gradients or optimizer state
+    tower_params: int = 0
+    projector_params: int = 0
 
     def lora_per_rank(self, targets: str = "all-linear") -> int:
         """LoRA parameters per unit of rank for lora.targets ("all-linear" or comma-separated
@@ -129,13 +133,44 @@ def load_config(name: str, vocab_size: int = 4096, trust_remote_code: bool = Fal
         ) from None
 
 
+# The causal LM a vision-language family's language model is (same layers, same activations; the
+# multimodal rotary positions change no tensor's size), for the families whose text config has no
+# causal-LM class of its own.
+TEXT_TWINS = {
+    "qwen2_vl_text": "Qwen2Config",
+    "qwen2_5_vl_text": "Qwen2Config",
+    "qwen3_vl_text": "Qwen3Config",
+}
+
+
+def language_config(config):
+    """A vision-language model's language model as a causal LM's config (what the activation
+    measurement builds); a text model's config unchanged."""
+    from onegpu import vlm
+
+    if not vlm.is_vision_config(config):
+        return config
+    text = config.get_text_config()
+    twin = TEXT_TWINS.get(text.model_type)
+    if twin is None:
+        return text
+    import transformers
+
+    keys = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures")}
+    return getattr(transformers, twin)(**keys)
+
+
 def meta_model(config, score_head: bool = False):
     """The full model on the meta device: shapes and types only, no memory. ``score_head``: a
     reward model's (a one-output sequence-classification head in place of the LM head)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from onegpu import vlm
+
     with torch.device("meta"):
+        if vlm.is_vision_config(config):
+            return vlm.model_class().from_config(config)
         if score_head:
             config = copy.copy(config)
             config.num_labels = 1
@@ -162,8 +197,12 @@ def _shape_of(name: str, config, score_head: bool = False) -> ModelShape:
         embed += head.weight.numel()
     from transformers.pytorch_utils import Conv1D  # GPT-2's transposed Linear
 
+    tower, projector = _vision_params(model)
     linear, per_rank, by_name, shapes = 0, 0, {}, {}
+    vision = tuple(n + "." for n in sum(vlm_modules(model), []))
     for module_name, mod in model.named_modules():
+        if module_name.startswith(vision):  # LoRA goes on the language model (techniques.vision)
+            continue
         if isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head:
             linear += mod.weight.numel()
             per_rank += sum(mod.weight.shape)
@@ -203,7 +242,33 @@ def _shape_of(name: str, config, score_head: bool = False) -> ModelShape:
         int(getattr(text, "intermediate_size", 0) or 0),
         tuple((*key, n) for key, n in shapes.items()),
         lm_head=head is not None,
+        tower_params=tower,
+        projector_params=projector,
     )
+
+
+def vlm_modules(model) -> list[list[str]]:
+    from onegpu import vlm
+
+    if not vlm.is_vision_config(model.config):
+        return [[], []]
+    return list(vlm.vision_modules(model))
+
+
+def _vision_params(model) -> tuple[int, int]:
+    """(vision tower parameters, projector parameters) of a vision-language model; (0, 0) else."""
+    tower, projector = vlm_modules(model)
+    names = dict(model.named_modules())
+
+    def count(roots, skip=()):
+        seen = set()
+        for r in roots:
+            for n, _ in names[r].named_parameters(prefix=r):
+                if not n.startswith(tuple(s + "." for s in skip)):
+                    seen.add(n)
+        return sum(p.numel() for n, p in model.named_parameters() if n in seen)
+
+    return count(tower, projector), count(projector)
 
 
 @functools.lru_cache(maxsize=16)

@@ -80,7 +80,19 @@ def lora_params(shape: ModelShape, c: Candidate) -> int:
 
 
 def trainable_params(shape: ModelShape, c: Candidate) -> int:
-    return lora_params(shape, c) if c.lora_rank else shape.params
+    if c.lora_rank:
+        return lora_params(shape, c)
+    return shape.params - frozen_vision_params(shape, c)
+
+
+def frozen_vision_params(shape: ModelShape, c: Candidate) -> int:
+    """A vision-language model's parameters techniques.vision keeps frozen (full fine-tuning)."""
+    mode = c.techniques.vision
+    return {
+        "frozen": shape.tower_params + shape.projector_params,
+        "projector": shape.tower_params,
+        "all": 0,
+    }[mode]
 
 
 def grad_bytes(shape: ModelShape, c: Candidate) -> float:
@@ -91,7 +103,7 @@ def grad_bytes(shape: ModelShape, c: Candidate) -> float:
         return lora_params(shape, c) * adapter_bytes(c)
     if t.offload != "none":
         return shape.params * 2 if t.offload == "zero2-cpu" else 2 * shape.largest_param * 2
-    return shape.params * param_bytes(t.precision)
+    return trainable_params(shape, c) * param_bytes(t.precision)
 
 
 # state in CUDA unified memory: outside the caching allocator, spills to host

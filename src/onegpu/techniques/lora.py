@@ -71,8 +71,11 @@ def apply_lora(model, tcfg: TechniquesConfig):
     lcfg = tcfg.lora
     if not lcfg.enabled:
         return model
+    from onegpu.techniques.vision import lora_targets
+
     peft = _peft()
-    targets = resolve_targets(model, lcfg.targets)
+    # a vision-language model: the LM's layers (and the tower's with techniques.vision=all)
+    targets, save = lora_targets(model, resolve_targets(model, lcfg.targets), tcfg.vision)
     if loaded_in_kbit(model):
         _warn_if_nothing_quantized(model, lcfg.quantize_base)
         # Freezes the base and upcasts any fp16/bf16 leftovers (norms, embeddings) to fp32 for
@@ -85,6 +88,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
         target_modules=targets,
         use_dora=lcfg.dora,
         bias="none",
+        modules_to_save=save,  # a vision-language model's projector, when it trains
         # a reward model's score head is new: PEFT trains it whole (modules_to_save), as TRL asks
         task_type="SEQ_CLS" if is_score_model(model) else "CAUSAL_LM",
     )
@@ -105,7 +109,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
         dtype,
         "DoRA" if lcfg.dora else "LoRA",
         lcfg.r,
-        targets,
+        targets if isinstance(targets, str) or len(targets) < 8 else f"{len(targets)} named",
         "n " + lcfg.quantize_base if loaded_in_kbit(model) else " full-precision",
         trainable,
         total,

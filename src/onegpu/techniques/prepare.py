@@ -4,7 +4,9 @@ applied. Training, the planner's probes and measurements, and every benchmark ar
 The order, and why:
 1. load-time arguments (weights dtype, attention kernel, quantized base): they can only be chosen
    when ``from_pretrained`` builds the model;
-2. MoE router loss: a config switch on the loaded model, before anything wraps it;
+2. MoE router loss: a config switch on the loaded model, before anything wraps it; a
+   vision-language model's frozen tower and projector (techniques.vision), on the plain module
+   names, before adapters rename them;
 3. LoRA / QLoRA: adapters replace the Linear layers that the later steps must see;
 4. FP8: the Linear layers left to train or to carry adapters become float8 ones. After LoRA, so
    PEFT wraps plain Linear layers and its adapters, found by name inside the wrappers, stay in
@@ -79,8 +81,10 @@ def prepare_model(
     from onegpu.techniques.lora import apply_lora
     from onegpu.techniques.moe import apply_moe_aux_loss
     from onegpu.techniques.tiled_mlp import apply_tiled_mlp
+    from onegpu.techniques.vision import apply_vision
 
     apply_moe_aux_loss(model, device_type)
+    model = apply_vision(model, tcfg)  # what of a vision-language model trains, before adapters
     model = apply_lora(model, tcfg)
     model = apply_fp8(model, tcfg, device_type)
     model = apply_tiled_mlp(model, tcfg, seq_len)

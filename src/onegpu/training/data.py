@@ -38,6 +38,9 @@ class Data:
     format: str  # text | prompt-completion | chat | preference: detected from the columns
     stats: list[DataStats] = field(default_factory=list)  # per split: records cut, dropped, split
     sample_prompt: str | None = None  # a prompt from the data, for the end-of-run generate hint
+    processor: Any = (
+        None  # a vision-language model's processor (saved beside its weights); text: None
+    )
 
 
 def read_records(cfg: Config) -> Records:
@@ -89,6 +92,8 @@ def _unpaired(cfg: Config, rec, seed: int):
 def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Data:
     """Tokenizer, tokenized splits and collator of the run (``recs``: read already, else here)."""
     recs = recs if recs is not None else read_records(cfg)
+    if models.is_vision_model(model_name, cfg.model.trust_remote_code):
+        return build_vision_data(cfg, model_name, recs)
     train_rec, val_rec, fmt = recs.train, recs.val, recs.format
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, model_name, train_rec, fmt, recs.fingerprint)
@@ -142,6 +147,49 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         time.perf_counter() - t0,
     )
     return Data(tokenizer, train_ds, val_ds, collator, fmt, all_stats, sample)
+
+
+def build_vision_data(cfg: Config, model_name: str, recs: Records) -> Data:
+    """A vision-language model's data: chat records with images, tokenized by its processor
+    (data/vision.py), batched with their pixel values."""
+    from onegpu import vlm
+    from onegpu.data import vision
+
+    if recs.format != "messages" or cfg.training.objective != "sft":
+        raise DataError(
+            f"a vision-language model trains on chat records ('{cfg.data.messages_field}' with "
+            f"image parts) with training.objective=sft; got {recs.format} records and "
+            f"objective {cfg.training.objective}.",
+            hint='write the records as messages with {"type": "image"} parts (docs/vlm.md)',
+        )
+    processor = vlm.load_processor(model_name, cfg.model.trust_remote_code)
+    models.ensure_pad_token(processor.tokenizer)
+    vision.announce(cfg.data)
+    if cfg.techniques.padding_free:
+        log.info("techniques.padding_free: off for a vision-language model (rows stay padded)")
+    t0 = time.perf_counter()
+    splits = [(recs.train, "train"), (recs.val, "validation")]
+    done = [
+        vision.tokenize_counted(r, processor, cfg.data, name) for r, name in splits if r is not None
+    ]
+    stats = [s for _, s in done]
+    for st in stats:
+        log.info("data %s", st.describe())
+    train_ds, val_ds = done[0][0], done[1][0] if len(done) > 1 else None
+    if len(train_ds) == 0:
+        raise DataError(
+            f"no training examples after tokenization: {stats[0].describe()}.",
+            hint="raise data.seq_len, lower data.max_pixels / data.image_size, or fix the images",
+        )
+    log.info(
+        "data: messages with images, %d train / %d val examples of <= %d tokens (%.1fs)",
+        len(train_ds),
+        len(val_ds or []),
+        cfg.data.seq_len,
+        time.perf_counter() - t0,
+    )
+    collator = vision.VisionCollator(processor, cfg.data)
+    return Data(processor.tokenizer, train_ds, val_ds, collator, "messages", stats, None, processor)
 
 
 def _warn_without_validation(d, fmt: str, n_train: int, val_rec, val_ds, stats) -> None:
