@@ -173,3 +173,12 @@ def test_the_engine_refuses_a_vision_language_model(llava):
 
     with pytest.raises(ModelError, match="is a vision-language model; onegpu generate and serve"):
         load(InferConfig(model=str(llava)))
+    # a library caller's Engine refuses it too, naming it
+    from transformers import AutoModelForImageTextToText
+
+    from onegpu.errors import ConfigError
+    from onegpu.infer.engine import Engine
+
+    model = AutoModelForImageTextToText.from_pretrained(str(llava))
+    with pytest.raises(ConfigError, match="is a vision-language model; the decode engine"):
+        Engine(model, None)

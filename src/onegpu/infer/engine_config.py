@@ -90,6 +90,15 @@ class EngineConfig:
 
 def context_of(model) -> int:
     config = model.config
+    if getattr(config, "vision_config", None) is not None:
+        # a vision-language model's image side (its tower, the image features a prompt's
+        # placeholders take) is not the engine's: it would decode as if no image were there
+        raise ConfigError(
+            f"{type(model).__name__} is a vision-language model; the decode engine runs "
+            "text-only causal LMs.",
+            hint="generate with transformers' AutoModelForImageTextToText.generate and its "
+            "processor (docs/vlm.md)",
+        )
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
