@@ -262,8 +262,8 @@ def test_a_grammar_that_refuses_a_token_or_does_not_compile_fails_its_request_al
     assert sum(len(u.token_ids) for u in got[refused]) == 3  # the 4th token was refused
     assert "does not allow the sampled token" in got[refused][-1].error
     assert [[t for u in got[r] for t in u.token_ids] for r in rid] == alone
-    assert not e.guides.matchers and e.free_slots() == 4
-    assert e.pool.free_count() == e.pool.usable
+    stats = e.stats()
+    assert not e.guides.matchers and stats.running == 0 and stats.kv_positions_used == 0
 
 
 def test_a_preempted_request_keeps_its_place_in_its_grammar(llama, tiny_tokenizer, ids):

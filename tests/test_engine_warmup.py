@@ -5,7 +5,6 @@ went; a kind of request the warm-up left out compiles once, and is counted."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from families import tiny_family_model
@@ -68,8 +67,15 @@ def test_a_kind_the_warm_up_left_out_compiles_once_and_is_counted(llama, tiny_to
 
 def test_an_eager_engine_has_nothing_to_warm_and_a_busy_one_refuses(llama, tiny_tokenizer):
     assert Engine(llama, None, EngineConfig(max_slots=2, max_len=64)).warmup() == 0
+    ids, params = _requests(tiny_tokenizer)
+    alone = Engine(llama, None, EngineConfig(max_slots=1, max_len=128)).generate(
+        ids[:1], params[:1]
+    )
     engine = Engine(llama, None, EngineConfig(**COMPILED))
-    engine.decode_step.rows.live[0] = True  # a row decoding: its state is not the warm-up's
+    rid = engine.submit(ids[0], params[0])
+    got = [t for u in engine.step() for t in u.token_ids]  # its prompt computed: its row decodes
     with pytest.raises(RuntimeError, match="before any row decodes"):
         engine.warmup()
-    assert torch.equal(engine.rows.positions, torch.zeros_like(engine.rows.positions))
+    while engine.has_work():  # the refused warm-up left the decoding row as it was
+        got += [t for u in engine.step() if u.request_id == rid for t in u.token_ids]
+    assert got == alone[0].token_ids
