@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from helpers import benchmark_script
 
-# The share measured when this ceiling was set (22.1%), rounded up; the target is 15%.
-CEILING = 0.225
+# The share measured when this ceiling was set (21.7%), rounded up; the target is 15%.
+CEILING = 0.22
 
 
 def test_the_benchmark_share_stays_under_its_ceiling():
