@@ -423,7 +423,7 @@ def test_a_step_ends_where_a_budget_ends_and_when_interrupted(llama, tiny_tokeni
     # two decode steps end the short request: the step stops there, not after sync_every, so
     # its answer goes out and its row frees at once
     news = [(u.request_id, len(u.token_ids), u.finished) for u in engine.step()]
-    assert news == [(short, 2, True), (long_, 2, False)] and engine.free_slots() == 1
+    assert news == [(short, 2, True), (long_, 2, False)] and engine.stats().running == 1
     asked = []
     news = engine.step(interrupt=lambda: asked.append(True) or True)  # say, a request arrived
     assert [len(u.token_ids) for u in news] == [1] and asked == [True]
