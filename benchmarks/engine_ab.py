@@ -199,14 +199,6 @@ def _peak_bound(figs: dict) -> str:
     )
 
 
-def _answers(runs: list) -> str:
-    """The digests of an arm's answers over its rounds (one: the same every round), and whether
-    they equal each request's answer alone where that was checked."""
-    text = ", ".join(sorted({str(r.get("answers", "-")) for r in runs}))
-    checked = [r["alone_equal"] for r in runs if "alone_equal" in r]
-    return text + (f"; each equal to it alone: {all(checked)}" if checked else "")
-
-
 def _cell(s: dict) -> str:
     fmt = (lambda v: f"{v:.4g}") if isinstance(s["median"], float) else str
     return f"{fmt(s['median'])} ({fmt(s['min'])}-{fmt(s['max'])})"

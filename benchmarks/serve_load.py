@@ -12,9 +12,7 @@ the other (the phases interleaved), so a slow spell of a shared machine touches 
 errors, every request answered once in every phase, every answer equal (text, finish reason, token
 count) to its answer alone in the first round. Reports, per phase, the median over rounds (and the
 range) of p50/p99 time to first token and end-to-end latency and of output tokens/s, and the
-targets on the ratios of each round's pair. ``--preset gpu --model DIR``: a real model on a
-GPU under guidellm, vLLM's load generator, at its defaults (benchmarks/serve_guidellm.py), so
-the figures read as vLLM's (TTFT, ITL, output tokens/s, errors). Bounded: ``--requests``
+targets on the ratios of each round's pair. Bounded: ``--requests``
 requests a phase, ``--time_limit`` seconds in all (each call times out); it stops by itself.
 Writes <out>.json and <out>.md with the machine, load, command and date."""
 
@@ -74,7 +72,7 @@ class Phase:
 
 
 def make_model(folder: Path, preset: str = "tiny") -> None:
-    """A preset's shape (``tiny``; serve_ab.py also ``125m``) with random weights, and its
+    """A preset's shape (``tiny``, ``125m``) with random weights, and its
     tokenizer, saved where the server loads it."""
     import torch
     from transformers import LlamaForCausalLM
@@ -284,13 +282,7 @@ def main() -> int:
     ap.add_argument("--server", default=f"{sys.executable} -m onegpu serve", help="command")
     ap.add_argument("--server_args", default="", help="more flags for the server")
     ap.add_argument("--server_threads", type=int, default=1, help="the server's torch threads")
-    ap.add_argument("--preset", choices=["cpu", "gpu"], default="cpu", help="gpu: guidellm's load")
-    ap.add_argument("--model", help="--preset gpu: a local model folder")
-    args, rest = ap.parse_known_args()
-    if args.preset == "gpu":
-        return gpu_preset(args, rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     from openai import OpenAI
@@ -328,25 +320,6 @@ def main() -> int:
     print((ROOT / args.out).with_suffix(".md").read_text())
     ok = result["check"]
     return 0 if not (ok["n_errors"] or ok["lost"] or ok["differ"]) else 1
-
-
-def gpu_preset(args, rest: list) -> int:
-    """guidellm against a real model on the card: synchronous, then ``--clients`` streams."""
-    if not args.model:
-        sys.exit("--preset gpu needs --model DIR (a local model folder; no downloads)")
-    out = args.out if args.out != "benchmarks/results/serve-load-cpu" else "serve-guidellm-gpu"
-    argv = [sys.executable, str(Path(__file__).with_name("serve_guidellm.py"))]
-    argv += [
-        "--model",
-        args.model,
-        "--streams",
-        str(args.clients),
-        "--requests",
-        str(args.requests),
-    ]
-    argv += ["--prompt_tokens", "512", "--output_tokens", "256", "--out", out, *rest]
-    argv += ["--server_args", "--max_len", "4096", *shlex.split(args.server_args)]
-    return subprocess.call(argv, cwd=ROOT)
 
 
 if __name__ == "__main__":

@@ -164,4 +164,4 @@ def test_a_warm_up_compiles_the_steps_that_serve_adapters(model, ids):
     names = ["gamma", "__base__"]
     expected = [_alone(model, p, n) for p, n in zip(ids[:2], names, strict=True)]
     assert _together(engine, ids[:2], names) == expected
-    assert engine.decode_step.compiles["serving"] == 0
+    assert engine.stats().compiles == 0

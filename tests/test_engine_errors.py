@@ -6,6 +6,8 @@ the tokens it gets alone — through the HTTP server too, where the failed calle
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from families import tiny_family_model
@@ -29,20 +31,28 @@ def alone(model, prompt, params=GREEDY) -> list[int]:
     )
 
 
-def fail_forwards_with(engine: Engine, monkeypatch, fails) -> list:
-    """The engine's prompt forwards raise where ``fails(ids of the forward's rows)`` says so (a
-    fault of one request's own prompt, as a bad input or an out-of-memory would be)."""
-    real, calls = engine.runner.prefill, []
+def fail_forwards_with(model, fails) -> tuple:
+    """A copy of ``model`` whose prompt forwards (more than one token a row) raise where ``fails(ids
+    of the forward's rows)`` says so (a fault of one request's own prompt, as a bad input or an
+    out-of-memory would be), and the row count of each prompt forward."""
+    faulty, calls = copy.deepcopy(model), []
 
-    def prefill(pieces, *args):
-        rows = pieces.ids.tolist()
-        calls.append(len(rows))
-        if fails(rows):
-            raise RuntimeError("injected fault")
-        return real(pieces, *args)
+    def check(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:  # a prompt's piece; a decode step feeds one token a row
+            rows = ids.tolist()
+            calls.append(len(rows))
+            if fails(rows):
+                raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(engine.runner, "prefill", prefill)
-    return calls
+    faulty.register_forward_pre_hook(check, with_kwargs=True)
+    return faulty, calls
+
+
+def released(engine: Engine) -> bool:
+    """No row and no block held: what an engine with nothing to do gives back."""
+    stats = engine.stats()
+    return not engine.has_work() and stats.running == 0 and stats.kv_positions_used == 0
 
 
 def drive(engine: Engine) -> dict:
@@ -57,12 +67,12 @@ def tokens(updates) -> list[int]:
     return [t for u in updates for t in u.token_ids]
 
 
-def test_a_prompt_that_fails_ends_its_request_alone(llama, monkeypatch):
+def test_a_prompt_that_fails_ends_its_request_alone(llama):
     """One decoding neighbour and two prompts computed with it in one forward (same length): the
     marked one fails; the forward is run again a piece at a time, the others' tokens are theirs
     alone, and the failed request's row and blocks are free again."""
-    engine = Engine(llama, None, EngineConfig(max_slots=4, max_len=64, sync_every=4))
-    calls = fail_forwards_with(engine, monkeypatch, lambda rows: any(MARK in r for r in rows))
+    faulty, calls = fail_forwards_with(llama, lambda rows: any(MARK in r for r in rows))
+    engine = Engine(faulty, None, EngineConfig(max_slots=4, max_len=64, sync_every=4))
     early = engine.submit([20, 21, 22], GREEDY)
     first = engine.step()  # its prompt computed: it decodes from now on
     bad, good = [30, MARK, 31, 32], [40, 41, 42, 43]
@@ -76,16 +86,15 @@ def test_a_prompt_that_fails_ends_its_request_alone(llama, monkeypatch):
     assert tokens(got[rid_good]) == alone(llama, good)
     assert tokens(got[early]) == alone(llama, [20, 21, 22])
     assert all(u.error is None for r in (early, rid_good) for u in got[r])
-    assert engine.free_slots() == 4 and engine.pool.free_count() == engine.pool.usable
-    assert not engine.has_work()
+    assert released(engine)
 
 
-def test_a_failed_prompt_is_not_found_in_the_cache_by_a_later_request(llama, monkeypatch):
+def test_a_failed_prompt_is_not_found_in_the_cache_by_a_later_request(llama):
     """The blocks the failed forward was to fill were registered when it was planned: they are
     forgotten, so the same prompt, asked again, is computed (not read from garbage) and right."""
-    engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=64, block_size=4))
     once = iter([True])
-    fail_forwards_with(engine, monkeypatch, lambda rows: next(once, False))
+    faulty, _ = fail_forwards_with(llama, lambda rows: next(once, False))
+    engine = Engine(faulty, None, EngineConfig(max_slots=2, max_len=64, block_size=4))
     prompt = list(range(20, 33))  # three full blocks and one token
     failed = engine.generate([prompt], GREEDY)[0]
     assert failed.finish_reason == "error" and failed.token_ids == []
@@ -104,8 +113,7 @@ def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(llama, monkeypatc
     got = engine.generate([a, b], [broken, GREEDY])
     assert got[0].finish_reason == "error" and got[0].token_ids == []
     assert got[1].token_ids == alone(llama, b)
-    stats = engine.stats()
-    assert engine.free_slots() == 2 and stats.kv_positions_used == 0
+    assert released(engine)
 
 
 def test_a_request_whose_text_cannot_be_made_fails_alone(llama, tiny_tokenizer, monkeypatch):
@@ -124,18 +132,16 @@ def test_a_request_whose_text_cannot_be_made_fails_alone(llama, tiny_tokenizer, 
     assert [u.finish_reason for u in got[rid_a]] == ["error"] and "injected" in got[rid_a][0].error
     assert got[rid_b][-1].finish_reason == "length"
     assert len(tokens(got[rid_b])) == GREEDY.max_new_tokens - 1  # the first went out before
-    assert engine.free_slots() == 2 and not engine.has_work()
+    assert released(engine)
 
 
-def test_a_request_reading_a_failed_prompts_blocks_in_the_same_step_fails_with_it(
-    llama, monkeypatch
-):
+def test_a_request_reading_a_failed_prompts_blocks_in_the_same_step_fails_with_it(llama):
     """Two requests with one prefix arrive together: the second is admitted in the same step,
     reading the blocks the first computes. The first's forward fails: the second cannot be
     answered from those blocks and fails too; an unrelated third goes on, and the second,
     asked again, is computed afresh and right."""
-    engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=64, block_size=4))
-    fail_forwards_with(engine, monkeypatch, lambda rows: any(r[-1] == MARK for r in rows))
+    faulty, _ = fail_forwards_with(llama, lambda rows: any(r[-1] == MARK for r in rows))
+    engine = Engine(faulty, None, EngineConfig(max_slots=3, max_len=64, block_size=4))
     prefix = list(range(20, 28))  # two full blocks
     first, second, third = prefix + [MARK], prefix + [50, 51], [60, 61, 62]
     got = engine.generate([first, second, third], GREEDY)
@@ -143,11 +149,11 @@ def test_a_request_reading_a_failed_prompts_blocks_in_the_same_step_fails_with_i
     assert engine.stats().prefix_hits == 8  # the second did find the first's blocks
     assert got[2].token_ids == alone(llama, third)
     assert engine.generate([second], GREEDY)[0].token_ids == alone(llama, second)
-    assert engine.pool.free_count() == engine.pool.usable
+    assert released(engine)
 
 
 def test_through_the_server_the_failed_request_gets_a_500_and_the_others_their_answers(
-    llama, tiny_tokenizer, monkeypatch
+    llama, tiny_tokenizer
 ):
     """The decode engine behind the HTTP server (in-process): the caller whose prompt fails gets
     OpenAI's error with the engine's reason, the callers sharing its steps their answers."""
@@ -161,8 +167,8 @@ def test_through_the_server_the_failed_request_gets_a_500_and_the_others_their_a
     from onegpu.serve.scheduler import Scheduler
     from serve_fakes import LiveApp
 
-    engine = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=4, max_len=64, sync_every=2))
-    fail_forwards_with(engine, monkeypatch, lambda rows: any(MARK in r for r in rows))
+    faulty, _ = fail_forwards_with(llama, lambda rows: any(MARK in r for r in rows))
+    engine = Engine(faulty, tiny_tokenizer, EngineConfig(max_slots=4, max_len=64, sync_every=2))
     metrics = Metrics()
     service = Service(
         Scheduler(engine, 8, metrics), tiny_tokenizer, ServedModels("tiny"), metrics, 64

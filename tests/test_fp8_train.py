@@ -1,6 +1,6 @@
 """Training runs with FP8 (emulated on this CPU): exact resume, ordinary checkpoints that load
 anywhere, and the loss of a short run tracking the same run without FP8. The default job's
-200-step comparison is a benchmark: benchmarks/fp8_cpu.py, benchmarks/results/fp8-cpu-*.md."""
+200-step comparison was measured once: benchmarks/results/fp8-cpu-*.md."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_fp8_checkpoints_are_ordinary_and_load_without_torchao(tmp_path, tiny_mo
 
 def test_a_short_fp8_run_tracks_the_same_run_without_fp8(tmp_path, tiny_model_dir):
     """12 steps, emulated FP8 against fp32: the validation losses stay within 2% of each other
-    (measured 0.2%; the default job's 200 steps: benchmarks/fp8_cpu.py)."""
+    (measured 0.2%; the default job's 200 steps: benchmarks/results/fp8-cpu-20261128.md)."""
     runs = {}
     for name, tech in (("fp32", {}), ("fp8", FP8)):
         cfg = make_cfg(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import benchmark_script, peak_cpu_bytes
+from helpers import peak_cpu_bytes
 from onegpu.plan import activation_model, memory
 from onegpu.plan import activations as acts
 from onegpu.plan.arch import _shape_of
@@ -283,35 +283,6 @@ def test_optimizer_step_temporaries_as_measured_on_cpu(name, needs):
     c = setup(1, 1, precision="fp32", optimizer=name)
     predicted = memory.optimizer_temp_bytes(shape, c, on_gpu=False)
     assert predicted == pytest.approx(measured, rel=0.05, abs=dim * dim * 0.1), (measured, name)
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_the_gpu_buffer_scripts_torchao_step_is_torchaos(bits):
-    """benchmarks/optimizer_step_buffers.py compiles its own copy of torchao's AdamW step (the
-    quantized state unrolled into plain tensors) for a simulated GPU: here it gives the weights and
-    the state codes torchao's optimizer gives, bit for bit, on a second step."""
-    ao = pytest.importorskip("torchao.optim")
-    script = benchmark_script("optimizer_step_buffers")
-
-    torch.manual_seed(0)
-    n = 256 * 64
-    p = torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))
-    opt = (ao.AdamW8bit if bits == 8 else ao.AdamW4bit)([p], lr=1e-2, weight_decay=0.01)
-    for second in (False, True):
-        p.grad = torch.randn(n, dtype=torch.bfloat16)
-        if second:  # the state after one step, as the copy's inputs
-            state = opt.state[p]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            args = [p.detach().clone(), p.grad.clone(), m.codes.clone(), m.scale.clone()]
-            args += [v.codes.clone(), v.scale.clone(), m.qmap, v.qmap]
-            args += [torch.tensor(1e-2), state["step"] + 1]
-        opt.step()
-    step, _ = script.step_fn(bits)
-    step(*args)
-    state = opt.state[p]
-    assert torch.equal(args[0], p.detach())
-    assert torch.equal(args[2], state["exp_avg"].codes)
-    assert torch.equal(args[4], state["exp_avg_sq"].codes)
 
 
 @pytest.mark.parametrize("fp8", ["off", "tensorwise"])

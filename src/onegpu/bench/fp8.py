@@ -4,8 +4,8 @@ The arm trains as `train --plan auto` would with FP8 on: torchao's tensorwise re
 the planner keeps in float8 at this run's shape and card (plan/fp8.choose_skip; the rest go to
 ``techniques.fp8_skip``), compiled like every onegpu arm on a GPU (bench/settle.py). A device
 without FP8 tensor cores skips it with the reason (FP8's numerics on a CPU:
-benchmarks/fp8_cpu.py). ``predicted`` is the planner's FP8/bf16 tokens/s ratio for the same run,
-the figure a card's measurement is held to (benchmarks/fp8_gpu_report.py).
+benchmarks/results/fp8-cpu-20261128.md). ``predicted`` is the planner's FP8/bf16 tokens/s ratio
+for the same run, the figure a card's measurement is held to (benchmarks/fp8_gpu_report.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def fp8_card(dev, b, fmt) -> str | None:
         return None
     return (
         f"FP8 training needs FP8 tensor cores (an Ada or Hopper GPU); {dev.name} has none "
-        "(FP8's numerics on a CPU: benchmarks/fp8_cpu.py)"
+        "(FP8's numerics on a CPU: benchmarks/results/fp8-cpu-20261128.md)"
     )
 
 

@@ -1,5 +1,5 @@
-"""Predicted against measured on a CUDA GPU: the numbers behind benchmarks/plan_accuracy.py and
-tests/gpu/test_gpu_plan.py. Random tokens; the model is prepared by training's own pipeline
+"""Predicted against measured on a CUDA GPU: the numbers behind tests/gpu/test_gpu_plan.py and
+scripts/simgpu_vs_real.py. Random tokens; the model is prepared by training's own pipeline
 (techniques/prepare.py) and stepped by training's own train_step, so what is measured here is
 what a training run does."""
 

@@ -140,9 +140,9 @@ def state_bytes(shape: ModelShape, c: Candidate) -> float:
 
 # Bytes per element of the largest trained tensor that a per-tensor step allocates beyond its
 # state, (GPU, CPU). CPU: measured from allocator events (tests/test_plan_memory.py). GPU: the
-# buffers of inductor's Triton code for sm90 (benchmarks/optimizer_step_buffers.py): torchao's
-# 8-bit step is one fused kernel with none, the 4-bit one writes fp32 moments and int64 codes
-# before packing; bitsandbytes' CUDA kernel works in place, its CPU one on fp32 copies.
+# buffers of inductor's Triton code for sm90 (benchmarks/results/optimizer-step-buffers.md):
+# torchao's 8-bit step is one fused kernel with none, the 4-bit one writes fp32 moments and int64
+# codes before packing; bitsandbytes' CUDA kernel works in place, its CPU one on fp32 copies.
 STEP_TEMP_PER_ELEMENT = {"adamw-8bit-ao": (0.0, 8.0), "adamw-4bit-ao": (24.0, 26.0)}
 STEP_TEMP_PER_ELEMENT |= dict.fromkeys(("adamw-8bit", "paged-adamw-8bit"), (0.0, 20.0))
 
