@@ -19,6 +19,7 @@ import json
 import pytest
 
 from serve_support import Server
+from test_serve import KEY
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -88,7 +89,8 @@ def hf_samples(tiny_model_dir, tasks):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = Server(["--model", str(tiny_model_dir)], tmp_path_factory.mktemp("lm-eval") / "log")
+    args = ["--model", str(tiny_model_dir), "--api_key", KEY]
+    srv = Server(args, tmp_path_factory.mktemp("lm-eval") / "log")
     yield srv
     srv.stop()
 
@@ -101,10 +103,14 @@ def _samples(out: dict) -> dict:
     return {task: sorted(out["samples"][task], key=lambda s: s["doc_id"]) for task in TASKS}
 
 
+# the slow tier: the first case carries the module's setup (lm-eval's hf run and a live server's
+# start), 12-16 CPU seconds and 65-110 s of wall clock on the 2-core machine under load
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
 def test_local_completions_gives_the_hf_backends_loglikelihoods(
-    server, tiny_model_dir, tiny_tokenizer, tasks, hf_samples, tokenized
+    server, tiny_model_dir, tiny_tokenizer, tasks, hf_samples, tokenized, monkeypatch
 ):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what local-completions sends as its key
     args = {
         "base_url": f"{server.url}/v1/completions",
         "model": str(tiny_model_dir),  # the served name: --model as given
@@ -115,6 +121,7 @@ def test_local_completions_gives_the_hf_backends_loglikelihoods(
         # tokenizer's prefix as `bos_token_id or eos_token_id`, which takes the tiny tokenizer's
         # BOS, id 0, for none and starts from its EOS
         "custom_prefix_token_id": tiny_tokenizer.bos_token_id,
+        "auth_token": KEY,  # what its remote tokenizer sends
     }
     model_args = ",".join(f"{k}={v}" for k, v in args.items())
     model = lm_eval.api.registry.get_model("local-completions").create_from_arg_string(model_args)

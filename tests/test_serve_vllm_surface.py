@@ -200,6 +200,18 @@ def test_tokenizer_info_as_vllm_and_as_lm_eval_probes_it(live, tiny_tokenizer):
     assert remote.decode(remote.encode(text)) == tiny_tokenizer.decode(remote.encode(text))
 
 
+def test_tokenizer_info_needs_the_api_key_like_the_other_routes(tiny_tokenizer):
+    service, _ = make_service(tiny_tokenizer, answer, api_key="k3y")
+    app = LiveApp(service)
+    try:
+        url = f"{app.url}/tokenizer_info"
+        assert error_of(httpx.get(url, timeout=30), 401)["code"] == "invalid_api_key"
+        ok = httpx.get(url, headers={"Authorization": "Bearer k3y"}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["eos_token"] == tiny_tokenizer.eos_token
+    finally:
+        app.stop()
+
+
 def test_tokenizer_info_reads_the_special_tokens_as_they_are_now(tiny_tokenizer):
     """A pad token set after loading is on the tokenizer only, not in its init_kwargs."""
     from onegpu.serve.tokens import tokenizer_info
