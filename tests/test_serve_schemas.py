@@ -1,15 +1,19 @@
 """JSON schemas as OpenAI and vLLM treat them: a pydantic model's schema (an Enum, a nested model
 and a list, all through ``$defs``) compiles whole in every forced-call form and its sampled calls
-parse as the model; objects that leave ``additionalProperties`` out are closed (and open again
-with ``--json_schema_strict false``); every tool's schema is checked when the request arrives,
-whatever its tool_choice, a fault named by tool and path."""
+parse as the model, as does one with anyOf, a pattern, a format and an array's bounds; objects
+that leave ``additionalProperties`` out are closed (and open again with ``--json_schema_strict
+false``); every tool's schema is checked when the request arrives, whatever its tool_choice, a
+fault named by tool and path."""
 
 from __future__ import annotations
 
+import datetime
 import enum
+import json
+from typing import Annotated, Optional
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from onegpu.infer.requests import Constraint
 from onegpu.serve.json_schemas import SchemaFault, check_schema, closed, rebased
@@ -147,6 +151,50 @@ def _mask_allows(grammars, tokenizer, constraint: Constraint, prefix: str, piece
     allowed = unpack_bitmask(bitmask, len(tokenizer))[0]
     starts = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).startswith(piece)]
     return bool(allowed[starts].any())
+
+
+class Booking(BaseModel):
+    """The rest of the list a schema compiles whole with: anyOf (an Optional), a string pattern,
+    a string format, an array's minItems/maxItems (of an Enum, through $defs)."""
+
+    code: Annotated[str, Field(pattern=r"^[A-Z]{3}$")]
+    day: datetime.date
+    note: Optional[Annotated[str, Field(max_length=8)]] = None
+    units: Annotated[list[Unit], Field(min_length=1, max_length=2)]
+    place: Place
+
+
+def test_anyof_pattern_format_and_array_bounds_compile_and_every_answer_validates(
+    grammars, tiny_tokenizer
+):
+    """As response_format and as a forced call's arguments: random allowed tokens end in JSON
+    that validates against the schema (formats checked) and parses as the pydantic model."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from onegpu.serve.prepare import request_constraint
+    from onegpu.serve.schemas import ChatRequest
+    from onegpu.serve.tools import forced_call
+    from test_constraints import sample
+
+    schema = Booking.model_json_schema()
+    assert {"anyOf", "pattern", "format", "minItems", "maxItems"} <= set(
+        json.dumps(schema).split('"')
+    )
+    fmt = {"type": "json_schema", "json_schema": {"name": "booking", "schema": schema}}
+    tool = Tool.model_validate(
+        {"type": "function", "function": {"name": "book", "parameters": schema}}
+    )
+    constraints = [
+        request_constraint(ChatRequest.model_validate(chat(response_format=fmt)), True),
+        forced_call(None, [tool], "book", strict=True, parallel=False),
+    ]
+    check = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    for constraint in constraints:
+        grammars.check(constraint)
+        for seed in range(3):
+            text, ended = sample(grammars, tiny_tokenizer, constraint, seed)
+            assert ended, text
+            check.validate(json.loads(text))
+            Booking.model_validate_json(text)
 
 
 @pytest.mark.parametrize("strict", [True, False])

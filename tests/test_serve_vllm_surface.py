@@ -2,13 +2,15 @@
 behind it, so each answer is known): forced tool calls for a model whose template shows no tool
 format (vLLM's JSON form, whole and streamed), logit_bias and min_tokens handed to the engine and
 their bad values refused by name, completions' echo with max_tokens 0 (the prompt scored, nothing
-generated), structured_outputs and guided_grammar as Constraints, /tokenize and /detokenize."""
+generated), structured_outputs and guided_grammar as Constraints, /tokenize, /detokenize and
+/tokenizer_info."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
+import httpx
 import pytest
 
 from serve_fakes import ALL_FEATURES, LiveApp, make_service
@@ -175,6 +177,49 @@ def test_tokenize_and_detokenize_as_vllm(live, tiny_tokenizer):
     err = error_of(post(live, "/tokenize", {"prompt": "x", "messages": msgs}), 400)
     assert "one of them" in err["message"]
     assert post(live, "/tokenize", {"prompt": "x", "model": "nope"}).status_code == 404
+
+
+def test_tokenizer_info_as_vllm_and_as_lm_eval_probes_it(live, tiny_tokenizer):
+    """vLLM's shape (the tokenizer's settings, its class, its chat template), no server paths;
+    lm-eval's local-completions takes it for a remote tokenizer (before: a 404, and lm-eval fell
+    back to loading the tokenizer itself by the model's name)."""
+    info = httpx.get(f"{live.url}/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == type(tiny_tokenizer).__name__
+    assert info["chat_template"] == tiny_tokenizer.chat_template
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert info[name] == getattr(tiny_tokenizer, name)
+    assert info["extra_special_tokens"] == tiny_tokenizer.init_kwargs["extra_special_tokens"]
+    assert not {"name_or_path", "vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    assert lm_utils.check_remote_tokenizer_support(live.url + "/v1/completions")
+    remote = lm_utils.RemoteTokenizer(live.url + "/v1/completions")
+    assert remote.eos_token_id == tiny_tokenizer.eos_token_id
+    assert remote.bos_token_id == tiny_tokenizer.bos_token_id
+    text = "def add(a, b): return a + b"
+    assert remote.encode(text) == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert remote.decode(remote.encode(text)) == tiny_tokenizer.decode(remote.encode(text))
+
+
+def test_tokenizer_info_needs_the_api_key_like_the_other_routes(tiny_tokenizer):
+    service, _ = make_service(tiny_tokenizer, answer, api_key="k3y")
+    app = LiveApp(service)
+    try:
+        url = f"{app.url}/tokenizer_info"
+        assert error_of(httpx.get(url, timeout=30), 401)["code"] == "invalid_api_key"
+        ok = httpx.get(url, headers={"Authorization": "Bearer k3y"}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["eos_token"] == tiny_tokenizer.eos_token
+    finally:
+        app.stop()
+
+
+def test_tokenizer_info_reads_the_special_tokens_as_they_are_now(tiny_tokenizer):
+    """A pad token set after loading is on the tokenizer only, not in its init_kwargs."""
+    from onegpu.serve.tokens import tokenizer_info
+
+    tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.pad_token = tok.eos_token
+    assert tok.init_kwargs["pad_token"].content == "<|pad|>"  # as it was built
+    assert tokenizer_info(tok)["pad_token"] == tok.eos_token
 
 
 @pytest.mark.parametrize("strict", [True, False])

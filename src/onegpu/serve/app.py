@@ -1,7 +1,7 @@
 """The HTTP routes (FastAPI): OpenAI's schemas in, engine requests out.
 
 /v1/models, /v1/completions, /v1/chat/completions (stream or not), /health, /metrics (and
-tokens.py's /tokenize, /detokenize). Every refusal
+tokens.py's /tokenize, /detokenize, /tokenizer_info). Every refusal
 and every failure is an OpenAI-style error body (a stream's, as its last event before [DONE]); a
 caller that goes away cancels its sequences, so their slots are free for the next step. Prompts are
 templated and tokenized on a thread of their own, never on the event loop."""
@@ -316,4 +316,4 @@ class CountRequests:
 
 
 ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
-ROUTES |= {"/tokenize", "/detokenize"}
+ROUTES |= {"/tokenize", "/detokenize", "/tokenizer_info"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from onegpu.serve.schemas import ChatRequest, CompletionRequest
@@ -121,8 +121,20 @@ class Detokenized(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """tokens.tokenizer_info: these fields, and the rest of the tokenizer's settings."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    bos_token: Optional[str]
+    eos_token: Optional[str]
+    pad_token: Optional[str]
+    unk_token: Optional[str]
+    chat_template: Optional[str]
+
+
 MODELS = [CompletionRequest, ChatRequest, Completion, ChatCompletion, ModelList, Health]
-MODELS += [TokenizeRequest, Tokenized, DetokenizeRequest, Detokenized]
+MODELS += [TokenizeRequest, Tokenized, DetokenizeRequest, Detokenized, TokenizerInfo]
 ERRORS = {
     "400": "the body or one of its fields is wrong (the error names it)",
     "401": "missing or wrong API key",
@@ -138,6 +150,7 @@ ROUTES: dict[str, tuple[Optional[type], type, bool]] = {
     "health": (None, Health, False),
     "tokenize": (TokenizeRequest, Tokenized, False),
     "detokenize": (DetokenizeRequest, Detokenized, False),
+    "tokenizer_info": (None, TokenizerInfo, False),
 }
 
 

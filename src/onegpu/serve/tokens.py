@@ -1,6 +1,7 @@
 """vLLM's /tokenize and /detokenize: a prompt (text, or chat messages through the model's chat
 template) to the server's token ids, and token ids back to text, with the same tokenizer the
-completions use, on the server's tokenizer thread."""
+completions use, on the server's tokenizer thread; and vLLM's /tokenizer_info, the tokenizer's
+settings and special tokens (lm-evaluation-harness probes it to tokenize through the server)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,39 @@ def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
     return {"prompt": tokenizer.decode(req.tokens)}
 
 
+# init_kwargs fields that name files on the server's disk: vLLM drops the first two; the others say
+# only where this server keeps its files, nothing a client can use
+_PATHS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """vLLM's shape: the tokenizer's ``init_kwargs`` as JSON, its class name and its chat template.
+    The special tokens are read from the tokenizer as it is now, not as it was built (a pad token
+    set after loading is only there); lm-eval's remote tokenizer needs ``eos_token`` and reads
+    ``bos_token`` for a context that is empty."""
+    kwargs = getattr(tokenizer, "init_kwargs", None) or {}
+    info = {k: _plain(v) for k, v in kwargs.items() if k not in _PATHS}
+    info.update({name: _plain(getattr(tokenizer, name, None)) for name in SPECIAL})
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["chat_template"] = getattr(tokenizer, "chat_template", None)  # the one chat requests use
+    return info
+
+
+def _plain(value):
+    """JSON of a tokenizer setting: an AddedToken is its text, containers recurse, and anything
+    else that is not a JSON value is its str()."""
+    if hasattr(value, "content"):  # tokenizers.AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
 def token_routes(app: FastAPI, s, authorize: Callable) -> None:
     """``s``: the app's Service (its tokenizer, tokenizer thread, context and API key)."""
 
@@ -95,6 +129,11 @@ def token_routes(app: FastAPI, s, authorize: Callable) -> None:
         req = parse_body(await request.body(), TokenizeRequest)
         s.models.adapter_for(req.model)  # an unknown model is a 404, as on the other routes
         return await on_thread(tokenize, s.tokenizer, req, s.max_len)
+
+    @app.get("/tokenizer_info", openapi_extra={"x-onegpu": "tokenizer_info"})
+    async def tokenizer_info_route(request: Request):
+        authorize(request, s.api_key)
+        return await on_thread(tokenizer_info, s.tokenizer)
 
     @app.post("/detokenize", openapi_extra={"x-onegpu": "detokenize"})
     async def detokenize_route(request: Request):
