@@ -66,7 +66,7 @@ NO_FAKE = [
         "GRPO's sampling: a fake tensor has no values to sample from",
     ),
     (
-        re.compile(r"^budget$"),
+        re.compile(r"^kv_budget$"),
         "the server's KV budget on a GPU: the tier starts no server (the budget arithmetic after "
         "it is tested on CPU with a given budget)",
     ),
