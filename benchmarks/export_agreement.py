@@ -41,10 +41,11 @@ def measure(shape: str, seed: int, tokenizer, work: Path) -> dict[str, dict]:
 
 
 def measure_folder(src: Path, tokenizer, work: Path) -> dict[str, dict]:
-    from onegpu.export.check import BUILTIN_PROMPTS, make_reference
+    from onegpu.export.check import make_reference
     from onegpu.export.gguf import convert, run_child, tokenizer_facts
     from onegpu.export.gguf_check import check_gguf
     from onegpu.export.llama_setup import converter_dir
+    from onegpu.export.prompts import BUILTIN_PROMPTS
 
     ref = make_reference(str(src), None, list(BUILTIN_PROMPTS), 64)
     facts = tokenizer_facts(src, tokenizer)

@@ -132,6 +132,7 @@ def _quantized(ref: Reference, quant: str, got: dict, held: list[int], fmt: str)
             "perplexity_ratio": ratio,
             "thresholds": {"top1_agreement_min": need_agree, "perplexity_ratio_max": max_ratio},
         },
+        prompts=ref.prompt_source,
     )
 
 
