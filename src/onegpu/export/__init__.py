@@ -154,18 +154,11 @@ def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str], gguf_fi
     reports = []
     if "safetensors" in formats:
         exported, _ = load_transformers(merged_dir, cfg.trust_remote_code)
+        greedy = lambda ids, n: transformers_greedy(exported, ids, n)  # noqa: E731
         reports.append(
-            (
-                "safetensors",
-                check_greedy(
-                    ref,
-                    lambda ids, n: transformers_greedy(exported, ids, n),
-                    src.dtype,
-                    "safetensors",
-                    "transformers",
-                ),
-            )
+            ("safetensors", check_greedy(ref, greedy, src.dtype, "safetensors", "transformers"))
         )
+        del exported, greedy  # the plan counts one export beside the source at a time
     if gguf_file is not None:
         from onegpu.export.gguf_check import check_gguf
 
