@@ -6,45 +6,21 @@ these fail with the command that builds it (they never skip in the whole suite).
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from families import tiny_family_model
+from families import FAMILIES, tiny_family_model
 from helpers import make_tiny_llama
+from llama_support import llama_cpp_ready, save  # noqa: F401 (a fixture)
 from onegpu.errors import ConfigError
 from onegpu.export import ExportConfig, export
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "llama_cpp_ready")]
 PROMPTS = ["def add(a, b):", "The quick brown"]
-# the families the issue names, as the test zoo spells them
-NAMED = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3"]
-
-
-@pytest.fixture(scope="module")
-def llama_cpp_ready():
-    """The binding installed and the converter where the build script left it (the tests' own
-    ONEGPU_CACHE is a fresh folder)."""
-    from onegpu.export.llama_setup import VERSION, require_binding
-
-    require_binding()  # one error naming scripts/build_llama_cpp.sh when absent
-    root = os.environ.get("ONEGPU_LLAMA_CPP_DIR") or f"~/.cache/onegpu/llama-cpp/{VERSION}"
-    old = os.environ.get("ONEGPU_LLAMA_CPP_DIR")
-    os.environ["ONEGPU_LLAMA_CPP_DIR"] = str(Path(root).expanduser())
-    yield
-    if old is None:
-        os.environ.pop("ONEGPU_LLAMA_CPP_DIR")
 
 
 def _quiet(_text):
     pass
-
-
-def _save(model, tokenizer, path: Path) -> Path:
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return path
 
 
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
@@ -52,7 +28,7 @@ def test_the_default_jobs_model_exports_and_passes_in_llama_cpp(tmp_path, tiny_t
     from onegpu.models import PRESETS
 
     shape = {k: v for k, v in PRESETS["tiny"].items()}  # `onegpu train`'s model on a CPU
-    src = _save(make_tiny_llama(tiny_tokenizer, **shape), tiny_tokenizer, tmp_path / "m")
+    src = save(make_tiny_llama(tiny_tokenizer, **shape), tiny_tokenizer, tmp_path / "m")
     out = tmp_path / "out"
     cfg = ExportConfig(model=str(src), output=str(out), format="gguf,ollama", quant=quant)
     cfg.prompts = PROMPTS
@@ -78,26 +54,51 @@ def test_the_default_jobs_model_exports_and_passes_in_llama_cpp(tmp_path, tiny_t
     assert 'PARAMETER stop "<|eos|>"' in (out / "ollama" / "Modelfile").read_text()
 
 
+# Refused before anything is written, with the reason the error gives (each checked below): the
+# converter reads these vocabularies only from a SentencePiece tokenizer.model (a tokenizer onegpu
+# trains has none), takes a family's own special tokens, or computes a setting one way only.
+REFUSED = {
+    "gemma": "reads the vocabulary only from a SentencePiece tokenizer.model",
+    "gemma2": "reads the vocabulary only from a SentencePiece tokenizer.model",
+    "phi3": "reads the vocabulary only from a SentencePiece tokenizer.model",
+    "glm4": "takes the special token '<|endoftext|>' from the family's own tokenizer",
+    "qwen3_moe": "computes norm_topk_prob=true only",
+    "phi": "architecture has as many K/V heads as heads",  # the zoo's phi has 2 K/V heads of 4
+}
+# Exported and checked, and the check fails (the export exits 1, marked unchecked): open
+FAILS = {
+    "deepseek_v3": "f16 greedy tokens diverge from the engine's at token 12 (logit gap 0.077, "
+    "tie tolerance 0.02) on the zoo's tiny model; the cause is not found yet",
+}
+
+
 @pytest.mark.parametrize(
     "family, overrides",
-    [(f, {}) for f in NAMED] + [("qwen3_moe", {"norm_topk_prob": True})],
-    ids=[*NAMED, "qwen3_moe-norm_topk_prob"],
+    [
+        pytest.param(
+            f, {}, marks=[pytest.mark.xfail(strict=True, reason=FAILS[f])] if f in FAILS else []
+        )
+        for f in FAMILIES
+    ]
+    + [("qwen3_moe", {"norm_topk_prob": True})],
+    ids=[*FAMILIES, "qwen3_moe-norm_topk_prob"],
 )
-def test_each_named_family_exports_f16_and_passes_or_is_refused_up_front(
+def test_each_zoo_family_exports_f16_and_passes_or_is_refused_up_front(
     tmp_path, tiny_tokenizer, family, overrides
 ):
-    """Refused: gemma2 and phi3 (the converter reads their vocabulary only from a SentencePiece
-    tokenizer.model), qwen3_moe with transformers' default norm_topk_prob=False (llama.cpp always
-    renormalizes: its greedy tokens diverged at token 3 in f32 and f16 alike)."""
+    """Every family of the test zoo: the f16 GGUF's greedy tokens equal the engine's, or one
+    error names the family and the reason before anything is written."""
     model = tiny_family_model(family, tiny_tokenizer, **overrides)
-    src = _save(model, tiny_tokenizer, tmp_path / "m")
+    src = save(model, tiny_tokenizer, tmp_path / "m")
     cfg = ExportConfig(model=str(src), output=str(tmp_path / "out"), format="gguf", quant="f16")
     cfg.prompts = PROMPTS[:1]
-    try:
-        result = export(cfg, say=_quiet)
-    except ConfigError as exc:  # refused before anything was written, naming the family
-        assert f"family {family}" in str(exc) and not (tmp_path / "out").exists()
-        pytest.xfail(str(exc).splitlines()[0])
+    if family in REFUSED and not overrides:
+        with pytest.raises(ConfigError) as info:
+            export(cfg, say=_quiet)
+        assert str(info.value).startswith(f"family {family} ")
+        assert REFUSED[family] in str(info.value) and not (tmp_path / "out").exists()
+        return
+    result = export(cfg, say=_quiet)
     assert result.passed, result.summaries
 
 
@@ -107,7 +108,7 @@ def test_a_lora_adapter_of_two_families_exports_merged_to_q8_0(tmp_path, tiny_to
     from peft import LoraConfig, get_peft_model
 
     base = tiny_family_model(family, tiny_tokenizer)
-    src = _save(base, tiny_tokenizer, tmp_path / "base")
+    src = save(base, tiny_tokenizer, tmp_path / "base")
     torch.manual_seed(1)
     peft = get_peft_model(
         tiny_family_model(family, tiny_tokenizer),
@@ -126,7 +127,7 @@ def test_a_wrong_pre_tokenizer_is_reported_as_a_mismatch(tmp_path, tiny_tokenize
     from onegpu.export.gguf_check import check_gguf
     from onegpu.export.llama_setup import converter_dir
 
-    src = _save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
+    src = save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
     wrong = TokenizerFacts("llama-bpe", "forced wrong", False, [tiny_tokenizer.eos_token_id])
     gguf = convert(src, tmp_path / "g", "f16", wrong, converter_dir(), say=_quiet)
     report = check_gguf(make_reference(str(src), None, PROMPTS[:1], 8), gguf, "f16")
@@ -136,7 +137,7 @@ def test_a_wrong_pre_tokenizer_is_reported_as_a_mismatch(tmp_path, tiny_tokenize
 
 
 def test_a_family_the_converter_lacks_is_refused_up_front(tmp_path, tiny_tokenizer):
-    src = _save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
+    src = save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
     config = json.loads((src / "config.json").read_text())
     config["architectures"] = ["NoSuchModelForCausalLM"]
     (src / "config.json").write_text(json.dumps(config))

@@ -79,6 +79,14 @@ def build_parser():
         help="a vision-language model: print the tokens one image of this side becomes (default: "
         "the images of --data.path, when given)",
     )
+    p.add_argument(
+        "--export",
+        type=str,
+        default="safetensors,gguf",
+        help="formats whose export needs (memory, disk) the plan's last line gives, as "
+        "onegpu export --format takes them; 'none' leaves the line out",
+    )
+    p.add_argument("--export_quant", type=str, default="q8_0", help="the GGUF type of that line")
     p.add_argument("--top", type=int, default=12, help="rows of the table")
     p.add_argument(
         "--json",
@@ -116,6 +124,7 @@ def cli(argv: Sequence[str]) -> int:
     from onegpu.plan.images import image_tokens
 
     images = image_tokens(cfg, ns.preset or cfg.model.name, ns.image_size)
+    needs = export_needs(cfg, plan.shape, ns.export, ns.export_quant)
     if ns.json:
         out = plan_json(plan, recommended)
         if images is not None:
@@ -125,9 +134,18 @@ def cli(argv: Sequence[str]) -> int:
                 "text": images.text,
                 "source": images.source,
             }
+        if needs is not None:
+            out["export"] = {
+                "formats": needs.formats,
+                "quant": needs.quant or None,
+                "dtype": needs.dtype,
+                "memory_bytes": needs.memory_bytes,
+                "disk_bytes": needs.disk_bytes,
+                "disk_parts": needs.disk_parts,
+            }
         print(json.dumps(out, indent=1))
     else:
-        print_plan(plan, recommended, ns.top)
+        print_plan(plan, recommended, ns.top, needs)
         if images is not None:
             print("\n" + images.describe(plan.seq_len))
     if ns.save and recommended is not None:
@@ -147,7 +165,24 @@ def cli(argv: Sequence[str]) -> int:
     return 0
 
 
-def print_plan(plan, recommended, top: int) -> None:
+def export_needs(cfg: Config, shape, formats: str, quant: str):
+    """What `onegpu export --format FORMATS` of the trained model will take (onegpu.export.plan's
+    arithmetic, the one the export's own pre-flight prints), or None ('none', a reward model:
+    export writes causal LMs). The dtype is what the run saves: bf16 under bf16-pure, else the
+    model config's own, else float32."""
+    if formats.strip().lower() == "none" or cfg.training.objective == "reward":
+        return None
+    from onegpu.export.config import ExportConfig
+    from onegpu.export.plan import make_plan
+
+    ecfg = ExportConfig(model=shape.name, format=formats, quant=quant)
+    ecfg.validate()  # an unknown format or quant type: the export's own error
+    own = str(getattr(shape.config, "dtype", None) or "float32").replace("torch.", "")
+    dtype = "bfloat16" if cfg.techniques.precision == "bf16-pure" else own
+    return make_plan(shape.params, dtype, ecfg.formats(), quant)
+
+
+def print_plan(plan, recommended, top: int, needs=None) -> None:
     calibrated = any(r.speed.calibrated for r in plan.rows)
     tag = "" if calibrated else " (uncalibrated)"
     shape = plan.shape
@@ -177,6 +212,12 @@ def print_plan(plan, recommended, top: int) -> None:
         print(
             "\n(uncalibrated): speeds assume the default efficiency; a probe on this GPU "
             "(onegpu train --plan auto) measures and stores the real one."
+        )
+    if needs is not None:
+        print(
+            f"\nexport (onegpu export --format {needs.formats}"
+            + (f" --quant {needs.quant}" if needs.quant else "")
+            + f"): needs {needs.needs()}"
         )
     if recommended is not None:
         import yaml

@@ -76,13 +76,14 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
         if merged_dir.name == ".merged":
             shutil.rmtree(merged_dir)
         if cfg.check == "on":
-            reports = _check(cfg, src, merged_dir, formats, gguf_file)
+            reports = _check(cfg, src, merged_dir, formats, gguf_file, tokenizer)
+            for report in {id(r): r for _, r in reports}.values():  # ollama's is gguf's
+                report.summary += f" (prompts: {report.prompts})"
+                summaries.append(report.summary)
+                say(report.summary)
+                passed &= report.passed
             for folder, report in reports:
                 report.write(tmp / folder)
-                if report.summary not in summaries:  # ollama's GGUF is the gguf folder's
-                    summaries.append(report.summary)
-                    say(report.summary)
-                passed &= report.passed
     result = ExportResult(
         out,
         passed,
@@ -135,29 +136,29 @@ def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, llama_dir,
     return gguf_file
 
 
-def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str], gguf_file):
-    from onegpu.export.check import BUILTIN_PROMPTS, check_greedy, make_reference
+def _check(cfg: ExportConfig, src, merged_dir: Path, formats: list[str], gguf_file, tokenizer):
+    from onegpu.export.check import check_greedy, make_reference
+    from onegpu.export.prompts import check_prompts, run_config_of
     from onegpu.export.runtimes import load_transformers, transformers_greedy
 
-    prompts = list(cfg.prompts) or list(BUILTIN_PROMPTS)
+    prompts = check_prompts(cfg.prompts, run_config_of(src.model_dir, src.adapter), tokenizer)
     ref = make_reference(
-        src.model_dir, src.adapter, prompts, cfg.check_tokens, cfg.trust_remote_code
+        src.model_dir,
+        src.adapter,
+        prompts.texts,
+        cfg.check_tokens,
+        cfg.trust_remote_code,
+        prompts.ids,
+        prompts.source,
     )
     reports = []
     if "safetensors" in formats:
         exported, _ = load_transformers(merged_dir, cfg.trust_remote_code)
+        greedy = lambda ids, n: transformers_greedy(exported, ids, n)  # noqa: E731
         reports.append(
-            (
-                "safetensors",
-                check_greedy(
-                    ref,
-                    lambda ids, n: transformers_greedy(exported, ids, n),
-                    src.dtype,
-                    "safetensors",
-                    "transformers",
-                ),
-            )
+            ("safetensors", check_greedy(ref, greedy, src.dtype, "safetensors", "transformers"))
         )
+        del exported, greedy  # the plan counts one export beside the source at a time
     if gguf_file is not None:
         from onegpu.export.gguf_check import check_gguf
 

@@ -15,14 +15,6 @@ import numpy as np
 from onegpu.export.compare import GreedyResult, compare_greedy
 
 REPORT = "export-check.json"
-# Used when neither --prompts nor a prompts file is given: code and prose, as onegpu trains on both
-BUILTIN_PROMPTS = (
-    "def fibonacci(n):",
-    "The capital of France is",
-    "import os\nimport sys\n\n",
-    "Once upon a time, in a small village,",
-    "class Stack:\n    def push(self, item):",
-)
 ExportGreedy = Callable[[list[int], int], tuple[list[int], np.ndarray]]
 
 
@@ -36,6 +28,7 @@ class Reference:
     ids: list[list[int]]
     tokens: list[list[int]]
     description: str
+    prompt_source: str = "built-in"  # prompts.CheckPrompts.source
 
 
 @dataclass
@@ -47,6 +40,7 @@ class CheckReport:
     summary: str
     results: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    prompts: str = "built-in"  # where the check's prompts came from
 
     def write(self, folder: Path) -> Path:
         path = folder / REPORT
@@ -59,10 +53,17 @@ class CheckReport:
 
 
 def make_reference(
-    model_dir: str, adapter: Optional[str], prompts: list[str], n: int, trust_remote_code=False
+    model_dir: str,
+    adapter: Optional[str],
+    prompts: list[str],
+    n: int,
+    trust_remote_code=False,
+    ids: Optional[list[list[int]]] = None,
+    prompt_source: str = "built-in",
 ) -> Reference:
     """Load the source as `onegpu generate` does (float32, the adapter applied, not merged) and
-    decode each prompt greedily on the engine."""
+    decode each prompt greedily on the engine. ``ids``: the prompts already rendered (the run's
+    validation records); else ``prompts`` go in as `generate` feeds them."""
     from onegpu.export.runtimes import engine_greedy
     from onegpu.infer import InferConfig, load
     from onegpu.infer.generation import prompt_ids, use_chat
@@ -72,8 +73,12 @@ def make_reference(
             model=model_dir, adapter=adapter, dtype="fp32", trust_remote_code=trust_remote_code
         )
     )
-    chat = use_chat("auto", loaded.tokenizer, loaded.data_format)
-    ids = prompt_ids(loaded.tokenizer, prompts, chat)
+    if ids is None:
+        chat = use_chat("auto", loaded.tokenizer, loaded.data_format)
+        ids = prompt_ids(loaded.tokenizer, prompts, chat)
+        how = "chat turns" if chat else "plain text"
+    else:
+        how = "rendered as training rendered them"
     tokens = engine_greedy(loaded.model, loaded.tokenizer, ids, n)
     what = f"onegpu engine, {model_dir}" + (f" + adapter {adapter}" if adapter else "")
     return Reference(
@@ -82,7 +87,8 @@ def make_reference(
         prompts,
         ids,
         tokens,
-        f"{what} (float32, greedy, {'chat turns' if chat else 'plain text'})",
+        f"{what} (float32, greedy, {how})",
+        prompt_source,
     )
 
 
@@ -114,11 +120,12 @@ def check_greedy(
         passed=all(r.status != "diverged" for r in results),
         summary=greedy_summary(results, fmt, runtime),
         results=[r.to_dict() for r in results],
+        prompts=ref.prompt_source,
     )
 
 
 def greedy_summary(results: list[GreedyResult], fmt: str, runtime: str) -> str:
-    n = len(results)
+    n = len(results)  # the prompts' source is added by export() once every verdict is in
     equal = sum(r.status == "equal" for r in results)
     ties = [r for r in results if r.status == "tie"]
     bad = [r for r in results if r.status == "diverged"]

@@ -39,7 +39,8 @@ class ExportConfig:
     check_tokens: int = 64
     """Greedy tokens compared per prompt (unquantized formats)."""
     prompts: list[str] = field(default_factory=list)
-    """Prompts for the check (default: built-in ones)."""
+    """Prompts for the check (default: a run folder's first validation records, rendered as
+    training rendered them; else built-in ones). export-check.json says which."""
     force: bool = False
     """Replace an existing output folder."""
     trust_remote_code: bool = False

@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
     }
     hparams = ModelBase.load_hparams(Path(model_dir), False)
     arch = get_model_architecture(hparams, ModelType.TEXT)
+    hparams = as_the_converter_reads(arch, hparams)
     try:
         base = get_model_class(arch, mmproj=False)
     except NotImplementedError:
@@ -59,9 +60,16 @@ def main(argv: list[str]) -> int:
     with torch.inference_mode():
         vocab_only = outtype == "vocab"  # the up-front probe: the vocabulary alone, nothing kept
         ftype = ftypes["f16" if vocab_only else outtype]
-        model = Export(Path(model_dir), ftype, Path(outfile), eager=False)
+        model = Export(Path(model_dir), ftype, Path(outfile), eager=False, hparams=hparams)
         try:
             model.write_vocab() if vocab_only else model.write()
+        except KeyError as exc:  # not a config key (those are filled above): a special token
+            print(
+                f"llama.cpp's converter for {arch} takes the special token {exc} from the "
+                "family's own tokenizer, and this model's tokenizer has no such token",
+                file=sys.stderr,
+            )
+            return 3
         except (FileNotFoundError, ValueError) as exc:
             if "tokenizer.model" not in str(exc):
                 raise
@@ -72,6 +80,26 @@ def main(argv: list[str]) -> int:
             )
             return 3
     return 0
+
+
+def as_the_converter_reads(arch: str, hparams: dict) -> dict:
+    """The config with the keys llama.cpp's converter reads under names transformers 5 no longer
+    writes (found by exporting the test zoo), each set to the value transformers' own model code
+    uses."""
+    h = dict(hparams)
+    if arch == "GPT2LMHeadModel":  # GPT-2's context was n_ctx, always equal to n_positions
+        h.setdefault("n_ctx", h.get("n_positions"))
+    if arch == "GPTNeoXForCausalLM" and "rotary_pct" not in h:  # now rope_parameters'
+        h["rotary_pct"] = (h.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if (
+        arch == "FalconForCausalLM"
+        and h.get("multi_query")
+        and not h.get("new_decoder_architecture")
+    ):
+        # transformers' FalconAttention has one K/V head here, whatever num_kv_heads (which
+        # transformers 5 now writes, equal to the heads) says; the converter reads num_kv_heads
+        h["num_kv_heads"] = 1
+    return h
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ FIXED_SETTINGS = {
 }
 
 
+# Families whose llama.cpp architecture has as many K/V heads as heads: the converter writes no
+# K/V head count for them, and llama.cpp refuses the K/V weights of a grouped-query model at load
+# ("tensor 'blk.0.attn_k.weight' has wrong shape", found by exporting the test zoo's phi).
+NO_GROUPED_KV = {"phi": "phi2"}
+
+
 def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
     """One error before anything is written when the converter has no class for the model, or
     the model sets what llama.cpp computes one way only."""
@@ -64,6 +70,14 @@ def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
                 f"GGUF: llama.cpp computes {key}={json.dumps(value)} only ({why}).",
                 hint="export --format safetensors (transformers, vLLM) instead",
             )
+    kv, heads = config.get("num_key_value_heads"), config.get("num_attention_heads")
+    if family in NO_GROUPED_KV and kv not in (None, heads):
+        raise ConfigError(
+            f"family {family} with num_key_value_heads={kv} (grouped K/V heads, {heads} heads) "
+            f"cannot be exported to GGUF: llama.cpp's {NO_GROUPED_KV[family]} architecture has "
+            "as many K/V heads as heads.",
+            hint="export --format safetensors (transformers, vLLM) instead",
+        )
     supported = supported_architectures(llama_dir)
     if not any(a in supported for a in archs):
         raise ConfigError(
@@ -83,9 +97,10 @@ def probe_vocab(model_dir: Path, family: str, tokenizer, llama_dir: Path) -> Tok
         tokenizer.save_pretrained(str(probe))
         facts = tokenizer_facts(probe, tokenizer)
         done = _driver(llama_dir, probe, probe / "vocab.gguf", "vocab", facts)
-    if done.returncode == 3:
+    if done.returncode == 3:  # the driver's reason is its last line (the converter logs above)
+        reason = (done.stderr or "").strip().splitlines()[-1:] or ["(no reason given)"]
         raise ConfigError(
-            f"family {family} cannot be exported to GGUF: {_tail(done.stderr)}.",
+            f"family {family} cannot be exported to GGUF: {reason[0]}.",
             hint="export --format safetensors (transformers, vLLM) instead",
         )
     if done.returncode:

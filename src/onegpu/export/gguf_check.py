@@ -21,15 +21,21 @@ HELD_OUT = (
     "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i * i)\n"
     "The quick brown fox jumps over the lazy dog.\n"
 )
-# Lowest top-1 agreement and highest perplexity ratio each quantized type passes with: the lowest
-# agreement measured on two shapes x 0.85 and the highest ratio x 1.1, so every model measured
-# passes and one that lost its function (agreement near chance) fails. Measured on random-weight
-# models, the worst case (benchmarks/results/export-gguf-agreement.md).
+# Lowest top-1 agreement and highest perplexity ratio each quantized type passes with, set from
+# trained models (benchmarks/results/export-gguf-agreement-trained.md: short default-job runs at
+# hidden 128 and 256 agreed 0.988-1.0, ratios 0.998-1.001). The margin below them grows with the
+# type's rounding: it covers the 256 positions' sampling error (about 0.006) and deeper, wider
+# models than those two accumulating more rounding, while a quantization that lost the model's
+# function (agreement near 1/vocabulary, as a transposed tensor gives) fails. q8_0 and q6_k at
+# 0.85 also pass the default job's shape untrained (0.875 over the tests' 128 positions): its
+# first export may come before much training. An untrained model's flat logits flip under
+# rounding far more at lower bits (random weights: down to 0.08 for q4_k_m,
+# export-gguf-agreement.md), and its check then fails.
 THRESHOLDS = {
-    "q8_0": (0.65, 1.13),
-    "q6_k": (0.36, 1.26),
-    "q5_k_m": (0.20, 1.38),
-    "q4_k_m": (0.07, 1.70),
+    "q8_0": (0.85, 1.03),
+    "q6_k": (0.85, 1.04),
+    "q5_k_m": (0.82, 1.06),
+    "q4_k_m": (0.80, 1.10),
 }
 RUNTIME = "llama.cpp (llama-cpp-python)"
 
@@ -132,6 +138,7 @@ def _quantized(ref: Reference, quant: str, got: dict, held: list[int], fmt: str)
             "perplexity_ratio": ratio,
             "thresholds": {"top1_agreement_min": need_agree, "perplexity_ratio_max": max_ratio},
         },
+        prompts=ref.prompt_source,
     )
 
 

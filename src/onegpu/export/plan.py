@@ -5,10 +5,11 @@ fit is refused before anything is written."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from onegpu.errors import OnegpuError
+from onegpu.export.config import UNQUANTIZED
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Bits per weight of llama.cpp's types (its ggml type sizes: q8_0 34 bytes per 32 weights, q6_K 210
@@ -31,14 +32,25 @@ class MemoryShortError(OnegpuError):
 @dataclass
 class ExportPlan:
     params: int
+    dtype: str  # what the export is written in
     memory_bytes: int
     disk_bytes: int
+    disk_parts: dict[str, int] = field(default_factory=dict)  # format -> bytes
+    formats: str = ""  # as --format takes them
+    quant: str = ""  # the GGUF type ("" without a GGUF format)
+
+    def needs(self) -> str:
+        """What it takes, in words (the export's pre-flight line and `onegpu plan`'s)."""
+        parts = ", ".join(f"{name} {_mib(n)}" for name, n in self.disk_parts.items())
+        return (
+            f"about {_mib(self.memory_bytes)} of memory (the base in float32, also for a QLoRA "
+            f"run, beside the export in {self.dtype}) and {_mib(self.disk_bytes)} of disk ({parts})"
+        )
 
     def message(self, available: int, free_disk: int) -> str:
         return (
-            f"export plan: {self.params / 1e6:,.1f}M parameters; needs about "
-            f"{_mib(self.memory_bytes)} of memory (free {_mib(available)}) and "
-            f"{_mib(self.disk_bytes)} of disk (free {_mib(free_disk)})"
+            f"export plan: {self.params / 1e6:,.1f}M parameters; needs {self.needs()}; free: "
+            f"{_mib(available)} of memory, {_mib(free_disk)} of disk"
         )
 
 
@@ -59,17 +71,25 @@ def count_params(model_dir: str) -> int:
 
 def make_plan(params: int, dtype: str, formats: list[str], quant: str) -> ExportPlan:
     out = BYTES.get(dtype, 4)
-    # the merge holds the float32 base and its cast; the check the float32 source beside the export
-    memory = params * (4 + out) + 256 * 2**20
-    disk = 0
+    gguf = int(params * GGUF_BITS.get(quant, 16) / 8)
+    # the merge holds the float32 base while it is cast to the export's dtype; the check holds the
+    # float32 source beside one export at a time (transformers' copy, or llama.cpp's in its child)
+    beside = max(out, gguf / max(params, 1) if {"gguf", "ollama"} & set(formats) else 0)
+    memory = int(params * (4 + beside)) + 256 * 2**20
+    parts = {}
     if "safetensors" in formats:
-        disk += params * out
+        parts["safetensors"] = params * out
     if {"gguf", "ollama"} & set(formats):
-        merged = params * out  # the converter reads a merged folder
-        f16 = params * 2  # and writes an unquantized GGUF the quantizer reads
-        quantized = int(params * GGUF_BITS.get(quant, 16) / 8)
-        disk += merged + f16 + quantized * (2 if "ollama" in formats and "gguf" in formats else 1)
-    return ExportPlan(params, memory, disk)
+        # the converter reads a merged folder (the safetensors one, else a temporary one) and,
+        # for a quantized type, writes an f16 GGUF the quantizer reads before it is removed
+        merged = 0 if "safetensors" in formats else params * out
+        f16 = 0 if quant in UNQUANTIZED else params * 2
+        copies = 2 if {"gguf", "ollama"} <= set(formats) else 1  # a hard link where it can be
+        parts[f"gguf {quant}"] = merged + f16 + gguf * copies
+    gguf_quant = quant if {"gguf", "ollama"} & set(formats) else ""
+    return ExportPlan(
+        params, dtype, memory, sum(parts.values()), parts, ",".join(formats), gguf_quant
+    )
 
 
 def check_memory(plan: ExportPlan, available: int) -> None:
