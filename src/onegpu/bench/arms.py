@@ -28,7 +28,10 @@ KINDS = (
     "trl",
     "trl-dpo",
     "trl-grpo",
-)  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer; trl.GRPOTrainer
+    "trl-kto",
+    "trl-reward",
+)  # our train(); transformers.Trainer; trl.SFTTrainer / DPOTrainer / GRPOTrainer / KTOTrainer /
+# RewardTrainer
 
 
 @dataclass
@@ -149,6 +152,8 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
         return dpo_arms()
     if b.training.objective == "grpo":
         return grpo_arms()
+    if b.training.objective in ("kto", "reward"):
+        return unpaired_arms(b.training.objective)
     eff = b.training.micro_batch_size * b.training.grad_accum
     big = big_micro_batch(b)
     small = max(1, b.training.micro_batch_size // 4)
@@ -310,6 +315,44 @@ def grpo_arms() -> list[Arm]:
             {},
             kind="trl-grpo",
             needs=_module("trl"),
+        ),
+    ]
+
+
+PEER_NAMES = {"kto": ("trl-kto", "KTOTrainer"), "reward": ("trl-reward", "RewardTrainer")}
+
+
+def unpaired_arms(objective: str) -> list[Arm]:
+    """KTO or a reward model: our defaults, full (KTO: reference log-probs precomputed once before
+    the first step) and LoRA (KTO's reference: the adapters off), next to TRL's KTOTrainer /
+    RewardTrainer at its defaults, full and with the same adapters."""
+    peer, trainer = PEER_NAMES[objective]
+    what = "KTO" if objective == "kto" else "reward model"
+    ref = {"kto": (" (reference precomputed)", " (reference: adapters off)")}.get(objective)
+    trl_ref = {"kto": (" (reference: frozen copy, every step)", " (reference: adapters off)")}
+    theirs = trl_ref.get(objective, ("", ""))
+    ref = ref or ("", "")
+    return [
+        Arm("baseline", f"onegpu {what}, full{ref[0]}", {}),
+        Arm(
+            "lora",
+            f"onegpu {what}, LoRA{ref[1]}",
+            {"techniques.lora.enabled": True},
+            needs=_module("peft"),
+        ),
+        Arm(
+            peer,
+            f"TRL {trainer}, defaults, full{theirs[0]}",
+            {},
+            kind=peer,
+            needs=_module("trl"),
+        ),
+        Arm(
+            f"{peer}-lora",
+            f"TRL {trainer}, defaults, LoRA{theirs[1]}",
+            {"techniques.lora.enabled": True},
+            kind=peer,
+            needs=_all(_module("trl"), _module("peft")),
         ),
     ]
 
