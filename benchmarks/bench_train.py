@@ -107,7 +107,7 @@ PRESETS = {
         Preset("cpu-grpo", CPU_GRPO, sft_model=True),
         # KTO and reward models vs TRL, on the tiny and small presets (1.1 M and ~27 M
         # parameters), the LoRA arms left out; the small shape's steps are ~20x the tiny one's, so
-        # it runs 8 (2 untimed) to fit the shared machine
+        # it runs 6 (2 untimed) to fit the shared machine
         *(
             Preset(
                 f"cpu-{objective}{suffix}",
@@ -118,7 +118,7 @@ PRESETS = {
             for objective in ("kto", "reward")
             for suffix, model, extra in (
                 ("", "tiny", ()),
-                ("-small", "small", ("--training.max_steps", "8", "--bench.warmup_steps", "2")),
+                ("-small", "small", ("--training.max_steps", "6", "--bench.warmup_steps", "2")),
             )
         ),
         # the same on a CUDA GPU (scripts/gpu_check.sh grpo): 2 rounds fit one 10-minute command
