@@ -105,9 +105,10 @@ PRESETS = {
         Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
         Preset("cpu-dpo", CPU_DPO),
         Preset("cpu-grpo", CPU_GRPO, sft_model=True),
-        # KTO and reward models vs TRL, on the tiny and small presets (1.1 M and ~27 M
+        # KTO and reward models vs TRL, on the tiny and small presets (1.1 M and 29 M
         # parameters), the LoRA arms left out; the small shape's steps are ~20x the tiny one's, so
-        # it runs 6 (2 untimed) to fit the shared machine
+        # it runs 6 (2 untimed), with 15 minutes an arm (300 s gave no timed step on the shared
+        # CPU at load ~19)
         *(
             Preset(
                 f"cpu-{objective}{suffix}",
@@ -118,7 +119,12 @@ PRESETS = {
             for objective in ("kto", "reward")
             for suffix, model, extra in (
                 ("", "tiny", ()),
-                ("-small", "small", ("--training.max_steps", "6", "--bench.warmup_steps", "2")),
+                (
+                    "-small",
+                    "small",
+                    ("--training.max_steps", "6", "--bench.warmup_steps", "2")
+                    + ("--bench.max_seconds", "900"),
+                ),
             )
         ),
         # the same on a CUDA GPU (scripts/gpu_check.sh grpo): 2 rounds fit one 10-minute command
