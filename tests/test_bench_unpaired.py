@@ -39,9 +39,7 @@ def test_dry_run_lists_the_arms_with_trls_trainer(capsys, tmp_path, objective, t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["kto", "reward"])
-def test_our_arm_and_trls_train_on_the_same_tokens_and_report_speed_and_memory(
-    tmp_path, objective
-):
+def test_our_arm_and_trls_train_on_the_same_tokens_and_report_speed_and_memory(tmp_path, objective):
     """Real children, 2 steps each: both arms count the same real tokens (TRL tokenized the same
     records into the same ids), write tokens/s and memory and the ratio to TRL; KTO's precomputed
     reference is reported apart; the reward models start from the same weights on the same pairs,
@@ -93,3 +91,21 @@ def test_a_truncated_kto_example_is_refused_rather_than_compared(tiny_tokenizer)
     with pytest.raises(ConfigError, match="truncated") as err:
         record_rows(records, tokenized, tiny_tokenizer, cfg)
     assert "seq_len" in err.value.hint
+
+
+def test_the_cpu_presets_run_our_default_beside_trls_one_thread_an_arm(tmp_path):
+    """bench_train.py's cpu-kto / cpu-reward presets (and their -small shape): the objective, the
+    baseline and TRL's arm, results named by preset, OMP_NUM_THREADS=1 for the sweep and its arms
+    (a child inherits it)."""
+    from helpers import benchmark_script
+
+    script = benchmark_script("bench_train")
+    for objective in ("kto", "reward"):
+        for suffix, model in (("", "tiny"), ("-small", "small")):
+            preset = script.PRESETS[f"cpu-{objective}{suffix}"]
+            argv = script.preset_argv(preset, tmp_path, "20990101", dry_run=True)
+            assert argv[argv.index("--training.objective") + 1] == objective
+            assert argv[argv.index("--model.name") + 1] == model
+            assert argv[argv.index("--bench.arms") + 1] == f"baseline,trl-{objective}"
+            assert argv[argv.index("--bench.name") + 1] == f"train-cpu-{objective}{suffix}-20990101"
+            assert preset.threads == 1 and not preset.gpu
