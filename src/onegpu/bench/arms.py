@@ -5,7 +5,7 @@ as the config drives it), or a peer trainer given the same run settings: HF ``Tr
 defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults. With
 ``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next
 to TRL's ``DPOTrainer`` at its defaults; with ``training.objective=grpo`` (``grpo_arms``), our GRPO
-next to TRL's ``GRPOTrainer`` at its defaults.
+next to TRL's ``GRPOTrainer`` at its defaults; KTO and reward models likewise (``unpaired_arms``).
 """
 
 from __future__ import annotations
@@ -22,16 +22,9 @@ from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = (
-    "onegpu",
-    "hf",
-    "trl",
-    "trl-dpo",
-    "trl-grpo",
-    "trl-kto",
-    "trl-reward",
-)  # our train(); transformers.Trainer; trl.SFTTrainer / DPOTrainer / GRPOTrainer / KTOTrainer /
+# our train(); transformers.Trainer; TRL's SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer,
 # RewardTrainer
+KINDS = ("onegpu", "hf", "trl", "trl-dpo", "trl-grpo", "trl-kto", "trl-reward")
 
 
 @dataclass
@@ -319,42 +312,18 @@ def grpo_arms() -> list[Arm]:
     ]
 
 
-PEER_NAMES = {"kto": ("trl-kto", "KTOTrainer"), "reward": ("trl-reward", "RewardTrainer")}
-
-
 def unpaired_arms(objective: str) -> list[Arm]:
-    """KTO or a reward model: our defaults, full (KTO: reference log-probs precomputed once before
-    the first step) and LoRA (KTO's reference: the adapters off), next to TRL's KTOTrainer /
-    RewardTrainer at its defaults, full and with the same adapters."""
-    peer, trainer = PEER_NAMES[objective]
-    what = "KTO" if objective == "kto" else "reward model"
-    ref = {"kto": (" (reference precomputed)", " (reference: adapters off)")}.get(objective)
-    trl_ref = {"kto": (" (reference: frozen copy, every step)", " (reference: adapters off)")}
-    theirs = trl_ref.get(objective, ("", ""))
-    ref = ref or ("", "")
+    """KTO or a reward model: ours, full and LoRA, next to TRL's KTOTrainer / RewardTrainer at its
+    defaults, full and LoRA (KTO's reference, full: ours precomputed, TRL's a copy every step)."""
+    peer, lora = f"trl-{objective}", {"techniques.lora.enabled": True}
+    what, trainer = {"kto": ("KTO", "KTOTrainer")}.get(objective, ("reward model", "RewardTrainer"))
     return [
-        Arm("baseline", f"onegpu {what}, full{ref[0]}", {}),
-        Arm(
-            "lora",
-            f"onegpu {what}, LoRA{ref[1]}",
-            {"techniques.lora.enabled": True},
-            needs=_module("peft"),
-        ),
-        Arm(
-            peer,
-            f"TRL {trainer}, defaults, full{theirs[0]}",
-            {},
-            kind=peer,
-            needs=_module("trl"),
-        ),
-        Arm(
-            f"{peer}-lora",
-            f"TRL {trainer}, defaults, LoRA{theirs[1]}",
-            {"techniques.lora.enabled": True},
-            kind=peer,
-            needs=_all(_module("trl"), _module("peft")),
-        ),
-    ]
+        Arm("baseline", f"onegpu {what}, full", {}),
+        Arm("lora", f"onegpu {what}, LoRA", lora, needs=_module("peft")),
+        Arm(peer, f"TRL {trainer}, defaults, full", {}, kind=peer, needs=_module("trl")),
+        Arm(f"{peer}-lora", f"TRL {trainer}, defaults, LoRA", dict(lora), kind=peer,
+            needs=_all(_module("trl"), _module("peft"))),
+    ]  # fmt: skip
 
 
 BEST = {
