@@ -4,6 +4,8 @@
     python benchmarks/bench_train.py headline --snapshot  # onegpu vs HF Trainer only, more reps
     python benchmarks/bench_train.py cpu-dpo --snapshot   # DPO: onegpu vs TRL's DPOTrainer (CPU)
     python benchmarks/bench_train.py cpu-grpo --snapshot  # GRPO: onegpu vs TRL's GRPOTrainer (CPU)
+    python benchmarks/bench_train.py cpu-kto cpu-kto-small --snapshot        # KTO vs KTOTrainer
+    python benchmarks/bench_train.py cpu-reward cpu-reward-small --snapshot  # vs RewardTrainer
     python benchmarks/bench_train.py gpu-grpo             # the same GRPO comparison on a CUDA GPU
     python benchmarks/bench_train.py gpu-quick            # on a CUDA GPU: one preset (below)
     python benchmarks/bench_train.py gpu-quick gpu-best   # several presets, one after the other
@@ -68,7 +70,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the presets' flags, beside this script
 
-from train_flags import CPU, CPU_DPO, CPU_GRPO, GPU, GPU_3B, HEADLINE  # noqa: E402
+from train_flags import (  # noqa: E402
+    CPU,
+    CPU_DPO,
+    CPU_GRPO,
+    CPU_UNPAIRED,
+    GPU,
+    GPU_3B,
+    HEADLINE,
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class Preset:
     chat: bool = False  # on the chat data set (variable lengths) instead of packed text
     sft_model: bool = False  # starts from the default job's trained model (GRPO)
     saved: str = ""  # a preset model written once and trained (gpu=True: the 1b), e.g. "3b"
+    threads: int = 0  # OMP_NUM_THREADS of the sweep and its arms (0: torch's default)
 
     def argv(self) -> list[str]:
         return list(self.args) + (
@@ -94,6 +105,28 @@ PRESETS = {
         Preset("headline", HEADLINE, ("plain-loss", "hf-trainer", "hf-trainer-tuned")),
         Preset("cpu-dpo", CPU_DPO),
         Preset("cpu-grpo", CPU_GRPO, sft_model=True),
+        # KTO and reward models vs TRL, on the tiny and small presets (1.1 M and 29 M
+        # parameters), the LoRA arms left out; the small shape's steps are ~20x the tiny one's, so
+        # it runs 6 (2 untimed), with 15 minutes an arm (300 s gave no timed step on the shared
+        # CPU at load ~19)
+        *(
+            Preset(
+                f"cpu-{objective}{suffix}",
+                CPU_UNPAIRED + ("--training.objective", objective, "--model.name", model) + extra,
+                (f"trl-{objective}",),
+                threads=1,
+            )
+            for objective in ("kto", "reward")
+            for suffix, model, extra in (
+                ("", "tiny", ()),
+                (
+                    "-small",
+                    "small",
+                    ("--training.max_steps", "6", "--bench.warmup_steps", "2")
+                    + ("--bench.max_seconds", "900"),
+                ),
+            )
+        ),
         # the same on a CUDA GPU (scripts/gpu_check.sh grpo): 2 rounds fit one 10-minute command
         Preset(
             "gpu-grpo",
@@ -269,7 +302,7 @@ def snapshot_env(tmp: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(tmp) / "src"), "ONEGPU_BENCH_COMMIT": commit}
 
 
-def bench(args: list[str], env: dict | None, dry_run: bool) -> int:
+def bench(args: list[str], env: dict | None, dry_run: bool, threads: int = 0) -> int:
     if (
         dry_run
     ):  # in this process: every preset's check takes a fraction of a second after the first
@@ -277,7 +310,10 @@ def bench(args: list[str], env: dict | None, dry_run: bool) -> int:
 
         return onegpu_main(["bench", "train", *args, "--bench.dry_run", "true"])
     cmd = [sys.executable, "-m", "onegpu.cli.main", "bench", "train", *args]
-    print("+", " ".join(cmd[2:]), flush=True)
+    if threads:  # the arms are children of this command: they inherit it
+        env = {**(env or os.environ), "OMP_NUM_THREADS": str(threads)}
+    prefix = f"OMP_NUM_THREADS={threads} " if threads else ""
+    print("+ " + prefix + " ".join(cmd[2:]), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
@@ -309,7 +345,7 @@ def preset_argv(preset: Preset, workdir: Path, stamp: str, dry_run: bool) -> lis
         "headline": f"train-cpu-{stamp}-vs-hf",
         "cpu-dpo": f"train-cpu-dpo-{stamp}",
         "cpu-grpo": f"train-cpu-grpo-{stamp}",
-    }.get(preset.name)
+    }.get(preset.name, f"train-{preset.name}-{stamp}" if preset.name.startswith("cpu-") else None)
     return argv + [
         "--bench.out",
         str(RESULTS),
@@ -376,6 +412,7 @@ def main(argv: list[str]) -> int:
                     preset_argv(preset, workdir, stamp, opts["dry_run"]) + extra,
                     env,
                     opts["dry_run"],
+                    preset.threads,
                 ),
             )
     return rc

@@ -108,6 +108,30 @@ CPU_GRPO = (
     "--bench.max_seconds",
     "400",
 )
+# KTO and reward models on this CPU (bench_train.py cpu-kto, cpu-reward and their -small
+# shapes): onegpu's default (full fine-tune; KTO's reference log-probs precomputed once) next to
+# TRL's KTOTrainer / RewardTrainer at its defaults on the same pairs (KTO: each pair's two sides a
+# desirable and an undesirable example), 4 x 2 a step, 14 steps (4 untimed), 5 interleaved rounds,
+# one thread per process (OMP_NUM_THREADS=1, set by bench_train.py for these presets: on a shared,
+# oversubscribed CPU two threads spin-waiting on each other slow a process many times over, more
+# than the arms differ). The LoRA arms are left out to keep each shape within the time the shared
+# machine allows; `--bench.arms lora,trl-kto-lora` adds them.
+CPU_UNPAIRED = (
+    "--data.seq_len",
+    "256",
+    "--training.micro_batch_size",
+    "4",
+    "--training.grad_accum",
+    "2",
+    "--training.max_steps",
+    "14",
+    "--bench.warmup_steps",
+    "4",
+    "--bench.reps",
+    "5",
+    "--bench.max_seconds",
+    "300",
+)
 GPU = (
     "--data.seq_len",
     "2048",

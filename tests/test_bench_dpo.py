@@ -69,7 +69,7 @@ def test_dry_run_lists_the_dpo_arms(capsys, tmp_path):
 def test_objectives_without_a_peer_are_refused():
     b = BenchTrainConfig()
     b.training.objective = "simpo"
-    with pytest.raises(ConfigError, match="sft or dpo") as err:
+    with pytest.raises(ConfigError, match="sft, dpo, grpo, kto or reward") as err:
         bench_train.validate(b)
     assert err.value.hint
 

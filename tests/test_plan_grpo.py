@@ -73,6 +73,49 @@ def test_kv_cache_formula_equals_what_generate_keeps(tiny_tokenizer):
     assert kept == pytest.approx(predicted * (prompt + new - 1) / (prompt + new), rel=1e-6)
 
 
+@pytest.mark.parametrize("hidden, intermediate, length", [(64, 256, 120), (128, 384, 300)])
+def test_a_reward_model_folder_is_in_the_grpo_plan(
+    tiny_tokenizer, tmp_path, shape, hidden, intermediate, length
+):
+    """A trained reward model's folder in grpo.rewards: its weights as it loads them (every byte
+    of its parameters) stay in every moment of the step, and its scoring forward's peak, measured
+    from the CPU allocator's events while it scores a step's completions (40 texts, padded, two
+    batches), is what the plan says within 5%; a named reward adds nothing."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from helpers import make_tiny_llama, peak_cpu_bytes
+    from onegpu.objectives import reward_model
+
+    tok = tiny_tokenizer
+    base = make_tiny_llama(tok, hidden_size=hidden, intermediate_size=intermediate)
+    config = LlamaConfig(**{**base.config.to_dict(), "num_labels": 1})
+    config.pad_token_id = tok.pad_token_id
+    folder = tmp_path / "rm"
+    LlamaForSequenceClassification(config).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    ids = tok("x = 1\n" * length)["input_ids"]
+    new = 40
+    prompts = [tok.decode(ids[: length - new - (i % 7)]) for i in range(40)]  # padded rows
+    completions = [tok.decode(ids[length - new : length])] * 40
+    longest = max(
+        len(tok(p + c, add_special_tokens=False)["input_ids"])
+        for p, c in zip(prompts, completions, strict=True)
+    )
+    score = reward_model.reward_model(str(folder))
+    score(prompts[:1], completions[:1])  # loads the model: its weights are not the forward's
+    measured = peak_cpu_bytes(lambda: score(prompts, completions))
+
+    c = grpo_setup(mb=40, accum=1, max_completion_length=new, rewards=[str(folder), "length"])
+    est = memory.estimate(shape, c, longest - new, on_gpu=False)
+    loaded = reward_model._load(str(folder))["model"]
+    assert est.components["reward model weights"] == sum(p.nbytes for p in loaded.parameters())
+    assert est.components["reward model scoring"] == pytest.approx(measured, rel=0.05)
+    named = grpo_setup(mb=40, accum=1, max_completion_length=new, rewards=["length"])
+    plain = memory.estimate(shape, named, longest - new, on_gpu=False)
+    assert "reward model weights" not in plain.components
+    assert est.peak >= plain.peak + est.components["reward model weights"]
+
+
 # slow: real rollouts in each probe: 6.3 CPU s quiet, 15-24 on a busy machine (guard limit: 20)
 @pytest.mark.slow
 def test_plan_auto_probes_grpo_setups_with_real_rollouts(tiny_model_dir, tmp_path, caplog):

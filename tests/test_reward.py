@@ -211,3 +211,37 @@ def test_a_lora_reward_model_trains_its_score_head_whole(tmp_path, tiny_model_di
     with torch.no_grad():
         scores = reward.scores(model, _batch(tok, PAIRS))[1]
     assert scores.shape == (2 * len(PAIRS),) and torch.isfinite(scores).all()
+
+
+def test_an_eager_cpu_step_leaves_out_the_all_padding_columns_with_the_same_loss_and_gradients(
+    tiny_tokenizer,
+):
+    """The collator rounds the width up to 64; trimmed, the model sees only the longest row's
+    columns, and the loss and every gradient are those of the padded batch (right padding, causal
+    attention, the head at each row's last real token)."""
+    tok = tiny_tokenizer
+    cols = {k: [r[k] for r in PAIRS] for k in ("prompt", "chosen", "rejected")}
+    out = pairs.tokenize_batch(cols, list(range(len(PAIRS))), tok, DataConfig(seq_len=128), "t")
+    examples = [
+        {k: out[k][i] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+        for i in range(len(PAIRS))
+    ]
+    batch = with_target_positions(pairs.PairCollator(Collator(tok.pad_token_id, 64, 128))(examples))
+    longest = int(batch["attention_mask"].sum(1).max())
+    assert batch["input_ids"].shape[1] == 64 > longest  # padding in every row to leave out
+    grads, losses = [], []
+    for trim in (False, True):
+        model = _score_model(tok)
+        model.config.pad_token_id = tok.pad_token_id
+        widths = []
+        model.model.embed_tokens.register_forward_hook(
+            lambda m, a, o, seen=widths: seen.append(a[0].shape[1])
+        )
+        loss = reward.Reward(PreferenceConfig(), None, trim=trim).loss(model, batch)
+        loss.backward()
+        assert widths == [longest if trim else 64]
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert torch.allclose(losses[0], losses[1], atol=1e-6)
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

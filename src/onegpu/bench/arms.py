@@ -5,7 +5,7 @@ as the config drives it), or a peer trainer given the same run settings: HF ``Tr
 defaults and with the guide's flags, and TRL's ``SFTTrainer`` at its defaults. With
 ``training.objective=dpo`` the table is DPO's instead (``dpo_arms``): our DPO, full and LoRA, next
 to TRL's ``DPOTrainer`` at its defaults; with ``training.objective=grpo`` (``grpo_arms``), our GRPO
-next to TRL's ``GRPOTrainer`` at its defaults.
+next to TRL's ``GRPOTrainer`` at its defaults; KTO and reward models likewise (``unpaired_arms``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ from onegpu.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = (
-    "onegpu",
-    "hf",
-    "trl",
-    "trl-dpo",
-    "trl-grpo",
-)  # our train(); transformers.Trainer; trl.SFTTrainer; trl.DPOTrainer; trl.GRPOTrainer
+# our train(); transformers.Trainer; TRL's SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer,
+# RewardTrainer
+KINDS = ("onegpu", "hf", "trl", "trl-dpo", "trl-grpo", "trl-kto", "trl-reward")
 
 
 @dataclass
@@ -149,6 +145,8 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
         return dpo_arms()
     if b.training.objective == "grpo":
         return grpo_arms()
+    if b.training.objective in ("kto", "reward"):
+        return unpaired_arms(b.training.objective)
     eff = b.training.micro_batch_size * b.training.grad_accum
     big = big_micro_batch(b)
     small = max(1, b.training.micro_batch_size // 4)
@@ -312,6 +310,20 @@ def grpo_arms() -> list[Arm]:
             needs=_module("trl"),
         ),
     ]
+
+
+def unpaired_arms(objective: str) -> list[Arm]:
+    """KTO or a reward model: ours, full and LoRA, next to TRL's KTOTrainer / RewardTrainer at its
+    defaults, full and LoRA (KTO's reference, full: ours precomputed, TRL's a copy every step)."""
+    peer, lora = f"trl-{objective}", {"techniques.lora.enabled": True}
+    what, trainer = {"kto": ("KTO", "KTOTrainer")}.get(objective, ("reward model", "RewardTrainer"))
+    return [
+        Arm("baseline", f"onegpu {what}, full", {}),
+        Arm("lora", f"onegpu {what}, LoRA", lora, needs=_module("peft")),
+        Arm(peer, f"TRL {trainer}, defaults, full", {}, kind=peer, needs=_module("trl")),
+        Arm(f"{peer}-lora", f"TRL {trainer}, defaults, LoRA", dict(lora), kind=peer,
+            needs=_all(_module("trl"), _module("peft"))),
+    ]  # fmt: skip
 
 
 BEST = {

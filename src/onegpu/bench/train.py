@@ -1,6 +1,8 @@
 """`onegpu bench train`: the guide's technique table, measured on this machine, next to HF Trainer
 and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms); with
-`--objective grpo`, GRPO next to TRL's GRPOTrainer (arms.grpo_arms, train_grpo.py).
+`--objective grpo`, GRPO next to TRL's GRPOTrainer (arms.grpo_arms, train_grpo.py); with
+`--objective kto` / `reward`, KTO / a reward model next to TRL's KTOTrainer / RewardTrainer
+(arms.unpaired_arms, train_kto.py, train_reward.py).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
 exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a
@@ -129,11 +131,12 @@ def validate(b: BenchTrainConfig) -> None:
     from onegpu.config import validate as validate_run
 
     validate_run(b)
-    if b.training.objective not in ("sft", "dpo", "grpo"):
+    if b.training.objective not in ("sft", "dpo", "grpo", "kto", "reward"):
         raise ConfigError(
-            f"bench train measures training.objective sft or dpo (or grpo), not "
+            f"bench train measures training.objective sft, dpo, grpo, kto or reward, not "
             f"{b.training.objective}.",
-            hint="use --objective dpo, grpo or sft; orpo and simpo have no peer trainer here",
+            hint="use --objective dpo, grpo, kto, reward or sft; orpo and simpo have no peer "
+            "trainer here",
         )
     for key in ("warmup_steps", "reps"):
         if getattr(b.bench, key) < 1:
@@ -265,7 +268,9 @@ def dry_run(b: BenchTrainConfig) -> int:
     fmt = (
         "unknown"
         if b.data.path
-        else {"sft": "text", "grpo": "prompt"}.get(b.training.objective, "preference")
+        else {"sft": "text", "grpo": "prompt", "kto": "unpaired"}.get(
+            b.training.objective, "preference"
+        )
     )  # known once read
     print(
         f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x "
@@ -279,6 +284,8 @@ def dry_run(b: BenchTrainConfig) -> int:
         "trl": "TRL SFTTrainer",
         "trl-dpo": "TRL DPOTrainer",
         "trl-grpo": "TRL GRPOTrainer",
+        "trl-kto": "TRL KTOTrainer",
+        "trl-reward": "TRL RewardTrainer",
     }
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)

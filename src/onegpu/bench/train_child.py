@@ -2,7 +2,8 @@
 result.json``.
 
 Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py), its
-`DPOTrainer` (train_dpo.py) and its `GRPOTrainer` (train_grpo.py) — imports
+`DPOTrainer` (train_dpo.py), its `GRPOTrainer` (train_grpo.py), its `KTOTrainer` (train_kto.py)
+and its `RewardTrainer` (train_reward.py) — imports
 its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the model
 from the same seed and trains on the same examples in the same order. Timing leaves out the first
 `warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise anyway.
@@ -75,7 +76,7 @@ def preimport(kind: str) -> None:
 
     for mod in model_modules():
         importlib.import_module(mod)
-    if kind in ("hf", "trl", "trl-dpo", "trl-grpo"):
+    if kind in ("hf", "trl", "trl-dpo", "trl-grpo", "trl-kto", "trl-reward"):
         from transformers import Trainer, TrainingArguments  # noqa: F401
     if kind == "trl":
         from trl import SFTConfig, SFTTrainer  # noqa: F401
@@ -83,6 +84,11 @@ def preimport(kind: str) -> None:
         from trl import DPOConfig, DPOTrainer  # noqa: F401
     if kind == "trl-grpo":
         from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+    if kind == "trl-kto":
+        from trl import KTOConfig, KTOTrainer  # noqa: F401
+    if kind == "trl-reward":
+        from transformers.models.llama import LlamaForSequenceClassification  # noqa: F401
+        from trl import RewardConfig, RewardTrainer  # noqa: F401
 
 
 def model_modules() -> list[str]:
@@ -244,19 +250,24 @@ def main(argv: list[str]) -> int:
     if spec["kind"] == "onegpu":
         result = run_onegpu(spec, probe)
     else:
-        from onegpu.bench import train_dpo, train_grpo, train_peers
+        from onegpu.bench import train_dpo, train_grpo, train_kto, train_peers, train_reward
 
         runners = {
             "hf": train_peers.run_hf,
             "trl": train_peers.run_trl,
             "trl-dpo": train_dpo.run_trl_dpo,
             "trl-grpo": train_grpo.run_trl_grpo,
+            "trl-kto": train_kto.run_trl_kto,
+            "trl-reward": train_reward.run_trl_reward,
         }
         result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:
         result.update(probe.read())
+    import torch
+
     result.update(
         peak_flops=peak,
+        torch_threads=torch.get_num_threads(),  # OMP_NUM_THREADS, when the sweep set it
         status="ok",
         wall_s=time.perf_counter() - t0,
         arm=spec["arm"],

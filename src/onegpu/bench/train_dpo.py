@@ -105,14 +105,9 @@ def aligned_arguments(cfg, device) -> dict:
     already aligns batch, accumulation, steps, learning rate and schedule, optimizer betas,
     clipping, seed)."""
     from onegpu.objectives.preference import resolve_beta
-    from onegpu.techniques.precision import resolve_precision
 
-    precision = resolve_precision(cfg.techniques, device)
     kw = dict(
-        # the same arithmetic: TRL's default is bf16 autocast, ours fp32 on a CPU and the preset's
-        # bf16 on a GPU
-        bf16=precision.startswith("bf16"),
-        fp16=precision == "fp16",
+        **precision_arguments(cfg, device),
         # TRL cuts at 1024 tokens by default; ours at data.seq_len (no pair here reaches either: see
         # record_rows)
         max_length=cfg.data.seq_len,
@@ -121,13 +116,24 @@ def aligned_arguments(cfg, device) -> dict:
         beta=resolve_beta("dpo", cfg.preference.beta),
         label_smoothing=cfg.preference.label_smoothing,
     )
+    return kw
+
+
+def precision_arguments(cfg, device) -> dict:
+    """The same arithmetic on TRL's side: its default is bf16 autocast, ours fp32 on a CPU and the
+    preset's bf16 on a GPU (every TRL peer: DPO, KTO, reward models)."""
+    from onegpu.techniques.precision import resolve_precision
+
+    precision = resolve_precision(cfg.techniques, device)
+    kw = {"bf16": precision.startswith("bf16"), "fp16": precision == "fp16"}
     if device.type == "cpu":
         kw["use_cpu"] = True
     return kw
 
 
-def lora_config(cfg):
-    """The LoRA arm's adapters, as techniques/lora.py builds ours: the same trainable weights."""
+def lora_config(cfg, task_type: str = "CAUSAL_LM"):
+    """The LoRA arm's adapters, as techniques/lora.py builds ours: the same trainable weights
+    (``task_type`` SEQ_CLS: a reward model's, whose score head PEFT then trains whole, as ours)."""
     import peft
 
     lcfg = cfg.techniques.lora
@@ -140,7 +146,7 @@ def lora_config(cfg):
         else [t.strip() for t in lcfg.targets.split(",") if t.strip()],
         use_dora=lcfg.dora,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
 
 

@@ -61,22 +61,34 @@ def setup(spec: dict) -> PeerSetup:
 
 def peer_model(cfg, device, name: str, tokenizer):
     """The peers' model as HF builds it (their own techniques, not our pipeline), at our seed and
-    attention kernel."""
+    attention kernel; for a reward model with the one-output score head TRL's RewardTrainer loads
+    (AutoModelForSequenceClassification, num_labels 1), as ours."""
     from accelerate.utils import set_seed
 
     from onegpu import models
 
     set_seed(cfg.training.seed)
     return models.load_model(
-        name, cfg.model, tokenizer, attn_implementation=_attention(cfg, device, name)
+        name,
+        cfg.model,
+        tokenizer,
+        attn_implementation=_attention(cfg, device, name),
+        score_head=cfg.training.objective == "reward",
     )
 
 
 def example_tokens(dataset) -> list[int]:
-    """Real tokens of each example as the loops feed them: one sequence, or for a preference pair
-    prompt + chosen and prompt + rejected (the two sequences of its forward)."""
+    """Real tokens of each example as the loops feed them: one sequence, a KTO example's prompt +
+    completion (its mismatched sequence, a no-grad forward for the KL estimate, is not counted: the
+    loop counts the trained sequences), or for a preference pair prompt + chosen and prompt +
+    rejected (the two sequences of its forward)."""
     if "input_ids" in dataset.column_names:
         return [len(x) for x in dataset["input_ids"]]
+    if "completion_ids" in dataset.column_names:
+        return [
+            len(p) + len(c)
+            for p, c in zip(dataset["prompt_ids"], dataset["completion_ids"], strict=True)
+        ]
     return [
         2 * len(p) + len(c) + len(r)
         for p, c, r in zip(

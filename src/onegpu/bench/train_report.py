@@ -43,6 +43,11 @@ PEERS = {
     "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
     # GRPO: our defaults against TRL's (train_grpo_report adds generation, training and reward)
     "vs_trl_grpo": ("trl-grpo", "TRL GRPOTrainer (defaults)", ("baseline", "compile")),
+    # KTO and reward models: full against full, LoRA against LoRA
+    "vs_trl_kto": ("trl-kto", "TRL KTOTrainer (defaults)", ("baseline",)),
+    "vs_trl_kto_lora": ("trl-kto-lora", "TRL KTOTrainer with LoRA (defaults)", ("lora",)),
+    "vs_trl_reward": ("trl-reward", "TRL RewardTrainer (defaults)", ("baseline",)),
+    "vs_trl_reward_lora": ("trl-reward-lora", "TRL RewardTrainer with LoRA (defaults)", ("lora",)),
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
@@ -68,6 +73,18 @@ ACTIVE = {
         "TRL's frozen-copy reference",
     ),
     "trl-dpo-lora": ("peft", lambda v: v is True, "a PEFT model"),
+    "trl-kto": (
+        "reference",
+        lambda v: str(v).startswith("frozen copy"),
+        "TRL's frozen-copy reference",
+    ),
+    "trl-kto-lora": ("peft", lambda v: v is True, "a PEFT model"),
+    "trl-reward": (
+        "score_head",
+        lambda v: str(v).endswith("ForSequenceClassification"),
+        "a sequence-classification model",
+    ),
+    "trl-reward-lora": ("peft", lambda v: v is True, "a PEFT model"),
 }
 
 
@@ -277,6 +294,10 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         from onegpu.bench.train_grpo_report import grpo_markdown
 
         return grpo_markdown(doc, png_name)
+    if doc["config"]["training"].get("objective") in ("kto", "reward"):
+        from onegpu.bench.train_unpaired_report import unpaired_markdown
+
+        return unpaired_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
     lines = [

@@ -39,7 +39,7 @@ def make_objective(
     if cfg.training.objective == "reward":
         from onegpu.objectives.reward import Reward
 
-        return Reward(cfg.preference, tokens)
+        return Reward(cfg.preference, tokens, trim=not on_gpu and not compiled)
     from onegpu.objectives import reference
 
     if cfg.training.objective == "grpo":

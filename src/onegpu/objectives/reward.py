@@ -8,7 +8,7 @@ c = preference.center_rewards_coefficient:
 TRL averages both terms over a batch's pairs; a micro-batch here returns their sum and the step
 divides by the pairs of the whole accumulated batch. The chosen and rejected sequences of a
 micro-batch run as one padded batch (data/pairs.PairCollator, chosen first), as TRL's collator
-does.
+does; an eager CPU step leaves out the columns that are padding in every row (``trimmed``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,24 @@ def bradley_terry_loss(r_c, r_r, margin=None, center: float | None = None):
     return loss
 
 
-def scores(model, batch: dict):
+def scores(model, batch: dict, trim: bool = False):
     """(model output, the head's score of each row in fp32: its one logit at the row's last real
-    token)."""
-    out = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-    )
+    token). ``trim``: leave out the columns past the longest row's end first (see ``trimmed``)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if trim:
+        ids, mask = trimmed(ids, mask)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False)
     return out, out.logits.squeeze(-1).float()
+
+
+def trimmed(ids, mask):
+    """The batch without the columns that are padding in every row. The collator rounds the width
+    up to data.pad_to_multiple (64: fewer compiled shapes), which an eager CPU step computes for
+    nothing; rows are right-padded and attention is causal, so no real token sees those columns
+    and the head reads each row's last real token: the same scores and gradients, less work (TRL's
+    collator pads to the longest row alone)."""
+    width = int(mask.sum(1).max())
+    return ids[:, :width], mask[:, :width]
 
 
 class Reward(Objective):
@@ -45,16 +56,20 @@ class Reward(Objective):
     logs the accuracy (the share of pairs scored chosen above rejected), the margin and the mean
     scores, kept on the device until a log reads them, as Preference's."""
 
-    def __init__(self, pref, tokens):
+    def __init__(self, pref, tokens, trim: bool = False):
         self.tokens = tokens  # unused: the head is the model's own, not the LM head
         self.center = pref.center_rewards_coefficient
+        # make_objective: an eager run on a CPU. Compiled steps keep the bucketed widths (one
+        # compiled shape per bucket), and on a GPU reading the longest row's length would make
+        # the host wait for the previous step's kernels; on a CPU nothing runs ahead to wait for.
+        self.trim = trim
         self.stats = SummedStats()
 
     def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
 
     def loss(self, model, batch: dict) -> torch.Tensor:
-        out, r = scores(model, batch)
+        out, r = scores(model, batch, self.trim)
         n = r.numel() // 2
         r_c, r_r = r[:n], r[n:]
         loss = bradley_terry_loss(r_c, r_r, batch.get(MARGIN), self.center)

@@ -16,6 +16,7 @@ from onegpu.plan.arch import ModelShape
 from onegpu.plan.autocast_cache import forward_end_bytes
 from onegpu.plan.candidate import Candidate
 from onegpu.plan.fp8 import cast_transient_bytes
+from onegpu.plan.reward_models import reward_model_bytes
 from onegpu.plan.transients import act_bytes, loss_transient_bytes, param_bytes, rollout_bytes
 
 GIB = 2**30
@@ -373,6 +374,12 @@ def estimate(
     if c.training.objective == "grpo":  # sampling: weights and optimizer state, no gradients
         comps["rollout KV cache and sampling logits"] = rollout_bytes(shape, c, seq_len)
         peak = max(peak, comps["rollout KV cache and sampling logits"])
+        scorer = reward_model_bytes(c, seq_len, on_gpu)
+        if scorer is not None:  # resident from the first scoring on; its forward a moment apart
+            comps["reward model weights"] = scorer.weights
+            comps["reward model scoring"] = scorer.scoring
+            w += scorer.weights
+            peak = max(peak, scorer.scoring)
     if host:  # shown, but not in the device peak
         comps["offloaded activations (pinned host)"] = host
     if paged_bytes(shape, c, on_gpu):  # shown, not in the peak: outside the allocator, pages out

@@ -1,0 +1,199 @@
+"""The markdown of `onegpu bench train --objective kto|reward`: onegpu's KTO or reward model next to
+TRL's KTOTrainer or RewardTrainer.
+
+The numbers are train_report.summarize's (medians over interleaved rounds, ratios paired per round
+with the TRL arm of the same kind: full with full, LoRA with LoRA). KTO's precomputed reference is
+shown on its own and charged in a column of its own, as DPO's page does (train_dpo_report).
+"""
+
+from __future__ import annotations
+
+from onegpu.bench.train_dpo_report import _fmt, footer
+
+COMMON = [
+    ("model", "the same seeded weights, built in the arm's process"),
+    (
+        "steps, micro-batch x accumulation",
+        "the same examples per step; tokens/s counts the same real tokens",
+    ),
+    (
+        "precision",
+        "TRL defaults to bf16 autocast; set to the run's (fp32 on a CPU, bf16 on the GPU presets)",
+    ),
+    (
+        "learning rate and schedule",
+        "lr, cosine to the same floor, no warm-up, weight decay, Adam beta2, clipping, seed",
+    ),
+    ("LoRA (LoRA arms)", "the same adapters: r, alpha, dropout, target modules"),
+]
+ALIGNED = {
+    "kto": [
+        (
+            "examples and their order",
+            "the records our data code makes (each standard-library pair's chosen side a "
+            "desirable example, its rejected side an undesirable one), in the order our loop "
+            "draws them (TRL's sequential sampler, which its KL estimate requires); TRL tokenizes "
+            "them itself and the bench checks its prompt and completion ids equal ours",
+        ),
+        ("max length", "`max_length` = data.seq_len (TRL's default 1024); no example reaches it"),
+        (
+            "beta, desirable and undesirable weights",
+            "the loss itself (TRL's defaults 0.1, 1 and 1 equal ours)",
+        ),
+    ],
+    "reward": [
+        (
+            "pairs and their order",
+            "the records our data code makes (`pairs.corpus_pairs`), in the order our loop draws "
+            "them; TRL tokenizes them itself (prompt and response as one text) and the bench "
+            "checks each chosen and rejected sequence equals ours",
+        ),
+        ("max length", "`max_length` = data.seq_len (TRL's default 1024); no pair reaches it"),
+        ("center_rewards_coefficient", "the loss itself (TRL's default None equals ours)"),
+    ],
+}
+KEPT = {
+    "kto": (
+        "TRL's own defaults kept: its reference (a frozen copy of the model run inside every step "
+        "for a full fine-tune; the adapters switched off for LoRA), its KL estimate (a no-grad "
+        "forward over each batch's completions shifted by one, as ours over the split's), gradient "
+        "checkpointing on, padding to the longest sequence (ours: to a multiple of 64), its "
+        "metrics every step, Trainer's fused AdamW."
+    ),
+    "reward": (
+        "TRL's own defaults kept: the score head as transformers initialises it (ours too), "
+        "gradient checkpointing on, padding to the longest sequence (ours: to a multiple of 64), "
+        "its metrics every step, Trainer's fused AdamW; with LoRA the score head trains whole "
+        "(PEFT's SEQ_CLS task), as ours."
+    ),
+}
+TITLE = {"kto": ("KTO", "KTOTrainer"), "reward": ("Reward model", "RewardTrainer")}
+
+
+def _vs_peer(doc: dict, name: str, objective: str) -> dict:
+    """This arm's ratios against its TRL counterpart; 1.00 for the peers."""
+    for key in (f"vs_trl_{objective}", f"vs_trl_{objective}_lora"):
+        if name in doc.get(key, {}):
+            return doc[key][name]
+    if name.startswith("trl-") and doc["arms"][name].get("tokens_per_s"):
+        return {"speed_x": 1.0, "memory_x": 1.0, "speed_x_with_ref": 1.0}
+    return {}
+
+
+def _note(arm: dict) -> str:
+    ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
+    bits = [ev.get("precision"), "checkpointing" if ev.get("checkpointing") else None]
+    if ev.get("trainable_params") and ev.get("total_params"):
+        bits.append(f"{ev['trainable_params'] / ev['total_params']:.0%} of weights train")
+    if str(arm.get("kind", "")).startswith("trl-"):
+        bits.append(f"TRL {ev.get('trl')}")
+        if ev.get("reference"):
+            bits.append(f"reference: {ev['reference']}")
+    return ", ".join(b for b in bits if b)
+
+
+def unpaired_markdown(doc: dict, png_name: str | None = None) -> str:
+    c, s, d = doc["config"], doc["setup"], doc["device"]
+    t, b = c["training"], c["bench"]
+    objective = t["objective"]
+    what, trainer = TITLE[objective]
+    unit = "examples" if objective == "kto" else "pairs"
+    counted = (
+        "each example's prompt + completion (the mismatched sequences of the KL estimate, a "
+        "no-grad forward on both sides, are not counted)"
+        if objective == "kto"
+        else "the chosen and rejected sequences (prompt + response, both)"
+    )
+    reps = [r for a in doc["arms"].values() for r in a.get("reps", [])]
+    mem = next((r["memory_kind"] for r in reps if r.get("memory_kind")), "peak memory")
+    threads = sorted({r["torch_threads"] for r in reps if r.get("torch_threads")})
+    lines = [
+        f"# {what} on {d['name']}: onegpu and TRL's {trainer}",
+        "",
+        f"{doc['date']} · `{doc['command']}`",
+        "",
+        f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), "
+        f"{s['train_examples']} {unit} from the standard library's preference pairs, "
+        f"{t['micro_batch_size'] * t['grad_accum']} {unit} a step ({t['micro_batch_size']} x "
+        f"{t['grad_accum']}), sequences of at most {c['data']['seq_len']} tokens, "
+        f"{t['max_steps']} steps per arm (first {b['warmup_steps']} untimed), {b['reps']} "
+        f"interleaved rounds; medians, and the range over rounds. tokens/s counts the real tokens "
+        f"of {counted}, the same count in every arm. Memory: what training added to the process "
+        f"({mem}). Torch threads per arm: {', '.join(map(str, threads)) or '—'}. Ratios pair "
+        "each round's arm with that round's TRL arm of the same kind. Load average (1, 5, 15 "
+        "min) before / after: "
+        f"{doc.get('load', {}).get('before')} / {doc.get('load', {}).get('after')}.",
+        "",
+    ]
+    from onegpu.bench.train_headline import side
+
+    for key, label in (
+        (f"vs_trl_{objective}", f"TRL {trainer} (defaults)"),
+        (f"vs_trl_{objective}_lora", f"TRL {trainer}, LoRA"),
+    ):
+        peer = f"trl-{objective}" + ("-lora" if key.endswith("_lora") else "")
+        for name, vs in doc.get(key, {}).items():
+            extra = ""
+            if doc["arms"][name].get("reference_pass_s") is not None:
+                extra = f" ({_fmt(vs.get('speed_x_with_ref'), '.2f', 'x')} with its reference pass)"
+            sides = f" ({side(doc['arms'][name])}) vs {label} ({side(doc['arms'].get(peer, {}))})"
+            lines.append(
+                f"- **onegpu `{name}`{sides}: {_fmt(vs['speed_x'], '.2f', 'x')} "
+                f"tokens/s{extra}, {_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
+            )
+    lines += [
+        "",
+        "| arm | trainer | tokens/s | range | reference pass s (warm / first) "
+        "| tokens/s with reference pass | speed x TRL | train mem MB | memory x TRL | final loss "
+        "| accuracy | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in doc["arms"].items():
+        vs = _vs_peer(doc, name, objective)
+        rng = a.get("tokens_per_s_range")
+        if a.get("reference_pass_s") is not None:
+            ref = (
+                f"{_fmt(a.get('reference_pass_warm_s'), '.2f')} / "
+                f"{_fmt(a.get('reference_pass_s'), '.2f')}"
+            )
+        else:
+            ref = "in every step" if objective == "kto" else "none"
+        note = a.get("reason") or a.get("inactive") or _note(a)
+        status = "" if a["status"] == "ok" else f"**{a['status']}** "
+        lines.append(
+            f"| {name} | {a['row']} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
+            f"{'—' if not rng else f'{rng[0]:,.0f}–{rng[1]:,.0f}'} | "
+            f"{ref if a['status'] == 'ok' else '—'} | "
+            f"{_fmt(a.get('tokens_per_s_with_ref'), ',.0f')} | "
+            f"{_fmt(vs.get('speed_x'), '.2f', 'x')} | {_fmt(a.get('train_mem_mb'), ',.0f')} | "
+            f"{_fmt(vs.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('final_loss'), '.4f')} | "
+            f"{_fmt(a.get('reward_accuracy'), '.2f')} | {status}{note} |"
+        )
+    lines += [""]
+    if objective == "kto":
+        lines += [
+            "Where each arm computes KTO's reference: `baseline` once, before the first step (a "
+            "no-grad pass over every example and its mismatched sequence, stored with the run); "
+            "the table shows that pass on its own (warm, and as first run, which also pays the "
+            "process's start-up) and charges its warm time to the timed steps pro rata in "
+            '"tokens/s with reference pass". `trl-kto` runs a frozen copy\'s forward inside '
+            "every step, the LoRA arms the policy with its adapters off: their tokens/s include "
+            "it. Accuracy: the share of examples on their label's side of the reference point "
+            "(ours); TRL logs no such figure.",
+            "",
+        ]
+    else:
+        lines += [
+            "Accuracy: the share of the last logged window's pairs scored chosen above rejected "
+            "(both sides log it).",
+            "",
+        ]
+    lines += ["Set on TRL's side to the run's values (the rest is TRL's default):", ""]
+    lines += footer(
+        doc,
+        ALIGNED[objective] + COMMON,
+        KEPT[objective],
+        png_name,
+        "speed and memory against the baseline",
+    )
+    return "\n".join(lines) + "\n"
