@@ -264,7 +264,15 @@ def _valid_so_far(source: str) -> bool:
             return False
 
 
+def calculator_answer(gcfg) -> Callable:
+    """The built-in tool-use example's reward (calculator.py): the final answer is right."""
+    from onegpu.objectives.calculator import calculator_answer as make
+
+    return make(gcfg)
+
+
 BUILTINS: dict[str, Callable] = {
+    "calculator_answer": calculator_answer,
     "exact_match": exact_match,
     "format": format_check,
     "length": length,

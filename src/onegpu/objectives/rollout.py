@@ -12,7 +12,8 @@ forward of the loss.
 
 A training row is prompt + completion, unpadded, then right-padded to the micro-batch's longest;
 only completion tokens are targets (a truncated completion's none, with
-grpo.mask_truncated_completions). The completion ends at its first EOS, which it keeps (as TRL).
+grpo.mask_truncated_completions; in a multi-turn rollout, multiturn.py, only the policy's own).
+The completion ends at its first EOS, which it keeps (as TRL).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ class Samples:
     # the sampler's log-prob of each sampled token, under the model's own logits (before
     # temperature and filters: the engine's logprobs); None where the sampler gives none
     logps: Optional[list[list[float]]] = None
+    # multi-turn rollouts (multiturn.py): completion_ids hold every token after the prompt, tool
+    # messages included; per token, True where the policy wrote it (the only targets)
+    model_mask: Optional[list[list[bool]]] = None
+    conversations: Optional[list[list[dict]]] = None  # the chat messages after each prompt
+    counts: Optional[dict] = None  # tool calls, errors by kind, turns, the prefix cache's hits
+
+    def lengths(self) -> list[int]:
+        """The policy's own tokens per row."""
+        if self.model_mask is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.model_mask]
 
 
 def generation_model(model):
@@ -72,6 +84,8 @@ def sample(
     compiled: bool = False,
     max_prompt: int = 0,
     kept: Optional[KeptEngine] = None,
+    tools=None,
+    messages: Optional[list] = None,
 ) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
     the decode engine, transformers' ``generate`` or its continuous batching. ``compiled``: the run
@@ -102,6 +116,8 @@ def sample(
     if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
         torch.set_num_threads(1)
     try:
+        if tools is not None:
+            return _conversations(gen, prompt_ids, messages, gcfg, eos, tools, rows)
         compiled = compiled and gcfg.sampler == "engine"
         with torch.compiler.set_stance("default" if compiled else "force_eager"):
             for start in range(0, len(prompt_ids), rows):
@@ -122,6 +138,29 @@ def sample(
         None if logps is None else [lp[: len(c)] for lp, (c, _) in zip(logps, cut, strict=True)]
     )
     return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0, kept_logps)
+
+
+def _conversations(gen, prompt_ids, messages, gcfg, eos, tools, rows: int) -> Samples:
+    from onegpu.objectives.multiturn import tool_rollouts
+
+    parts = []
+    with torch.compiler.set_stance("force_eager"):
+        for s in range(0, len(prompt_ids), rows):
+            chunk = prompt_ids[s : s + rows]
+            parts.append(tool_rollouts(gen, chunk, messages[s : s + rows], gcfg, eos, tools))
+    counts: dict = {}
+    for p in parts:
+        for k, v in p.counts.items():
+            counts[k] = counts.get(k, 0) + v
+    return Samples(
+        [c for p in parts for c in p.completion_ids],
+        [t for p in parts for t in p.truncated],
+        sum(p.seconds for p in parts),
+        [lp for p in parts for lp in p.logps],
+        [m for p in parts for m in p.model_mask],
+        [c for p in parts for c in p.conversations],
+        counts,
+    )
 
 
 def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt, kept):
@@ -272,5 +311,8 @@ def training_rows(
         ids[i, :n] = torch.tensor(p + c, dtype=torch.long)
         mask[i, :n] = 1
         if not (mask_truncated and cut):
-            labels[i, len(p) : n] = torch.tensor(c, dtype=torch.long)
+            target = torch.tensor(c, dtype=torch.long)
+            if samples.model_mask is not None:  # a tool's tokens are not the policy's
+                target[~torch.tensor(samples.model_mask[i], dtype=torch.bool)] = IGNORE
+            labels[i, len(p) : n] = target
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

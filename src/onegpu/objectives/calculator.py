@@ -1,0 +1,97 @@
+"""The built-in tool-use example (grpo.tools calculator): a calculator over digit strings, its
+reward, and the questions a run with no data asks.
+
+A question is a sum, difference or product of two numbers of a few digits; the calculator answers
+it exactly, and the reward (calculator_answer) pays 1 for a final answer equal to the true value.
+A tiny model cannot do such arithmetic in its head, so the reward rises only as far as the policy
+learns to call the tool and copy its result (training/tool_default.py warms it up on dialogues
+in which it answers half of the questions with a guess instead).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+from onegpu.objectives.rewards import normalise_answer
+
+EXPRESSION = re.compile(r"\s*(\d{1,12})\s*([-+*])\s*(\d{1,12})\s*")
+SYSTEM = 'Tools: calculator(expression). Call: <tool_call>{"name": "calculator", ...}</tool_call>'
+
+
+def calculator(expression: str) -> str:
+    """Evaluate ``a+b``, ``a-b`` or ``a*b`` of two whole numbers given as digit strings."""
+    m = EXPRESSION.fullmatch(str(expression))
+    if m is None:
+        raise ValueError(f"not a+b, a-b or a*b of whole numbers: {expression!r}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return str(a + b if op == "+" else a - b if op == "-" else a * b)
+
+
+def calculator_answer(gcfg):
+    """1 when the conversation's last assistant message answers the ``answer`` column's value
+    (normalised as exact_match does), else 0: a tool's result alone is not an answer."""
+    field = gcfg.answer_field
+
+    def calculator_answer(completions, **columns):
+        if field not in columns:
+            raise KeyError(f"no '{field}' column in the data (grpo.answer_field)")
+        out = []
+        for conversation, answer in zip(completions, columns[field], strict=True):
+            said = [m for m in conversation if m.get("role") == "assistant"]
+            final = said[-1] if said else {}
+            ok = not final.get("tool_calls") and normalise_answer(
+                final.get("content", "")
+            ) == normalise_answer(answer)
+            out.append(float(ok))
+        return out
+
+    return calculator_answer
+
+
+def question(rng: random.Random) -> tuple[str, str]:
+    """(an expression of two numbers of 2 to 4 digits, its value)."""
+    op = rng.choice("+-*")
+    a, b = (rng.randint(10, 9999) for _ in range(2))
+    if op == "*":
+        b = rng.randint(2, 99)
+    expression = f"{a}{op}{b}"
+    return expression, calculator(expression)
+
+
+def prompt(expression: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": expression}]
+
+
+def call_text(expression: str) -> str:
+    """The call in the hermes format (serve/tools.py reads it)."""
+    args = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(args)}</tool_call>"
+
+
+def guess(expression: str, rng: random.Random) -> str:
+    """An answer without the tool: the true value with its last two digits made up."""
+    value = int(calculator(expression))
+    return str(value - value % 100 + rng.randint(0, 99)) if abs(value) >= 100 else str(value)
+
+
+def warmup_dialogue(rng: random.Random, call_share: float) -> dict:
+    """A chat record of the warm-up: the tool called and its result copied, or (1 - call_share
+    of them) a guess."""
+    expression, value = question(rng)
+    messages = prompt(expression)
+    if rng.random() < call_share:
+        messages += [
+            {"role": "assistant", "content": call_text(expression)},
+            {"role": "tool", "content": value},
+            {"role": "assistant", "content": value},
+        ]
+    else:
+        messages.append({"role": "assistant", "content": guess(expression, rng)})
+    return {"messages": messages}
+
+
+def prompt_record(rng: random.Random) -> dict:
+    expression, value = question(rng)
+    return {"prompt": prompt(expression), "answer": value}
