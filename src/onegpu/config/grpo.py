@@ -109,6 +109,13 @@ class GRPOConfig:
     """With grpo.tools: the format the model writes calls in (the formats `onegpu serve` reads).
     auto: the one the chat template shows."""
 
+    def completion_tokens(self) -> int:
+        """The most tokens after a prompt: a completion, or with tools a conversation of
+        max_turns turns and the tool results between them, each cut to a turn's length (the
+        chat template's few tokens around each result aside)."""
+        turns = self.max_turns if self.tools else 1
+        return self.max_completion_length * (2 * turns - 1)
+
 
 def check_grpo(cfg) -> None:
     """The grpo section's ranges, and the fields of one objective set for another."""
