@@ -1,7 +1,7 @@
 """The built-in tool-use example (grpo.tools calculator): a calculator over digit strings, its
 reward, and the questions a run with no data asks.
 
-A question is a sum, difference or product of two numbers of a few digits; the calculator answers
+A question is a sum, difference or product of numbers of two or three digits; the calculator answers
 it exactly, and the reward (calculator_answer) pays 1 for a final answer equal to the true value.
 A tiny model cannot do such arithmetic in its head, so the reward rises only as far as the policy
 learns to call the tool and copy its result (training/tool_default.py warms it up on dialogues
@@ -51,11 +51,12 @@ def calculator_answer(gcfg):
 
 
 def question(rng: random.Random) -> tuple[str, str]:
-    """(an expression of two numbers of 2 to 4 digits, its value)."""
+    """(an expression of two numbers of 2 or 3 digits, or one and a digit for a product, its
+    value)."""
     op = rng.choice("+-*")
-    a, b = (rng.randint(10, 9999) for _ in range(2))
+    a, b = (rng.randint(10, 999) for _ in range(2))
     if op == "*":
-        b = rng.randint(2, 99)
+        b = rng.randint(2, 9)
     expression = f"{a}{op}{b}"
     return expression, calculator(expression)
 
