@@ -177,7 +177,8 @@ def report(header: dict, rounds: list[dict], args) -> None:
         f"turns each ending in a call, a {PASSAGE}-token-ish tool result; {args.rounds} "
         "interleaved rounds (the arm that goes first alternates), one thread. Rollout tokens/s: "
         "the policy's own tokens over the wall time of the rollout (tools, template rendering "
-        "and sampling included). Median (range).",
+        "and sampling included). Median (range). Measured on a machine shared with other jobs "
+        "(the load above): both arms ran under it, interleaved.",
         "",
         "| arm | rollout tokens/s | seconds | prompt tokens computed | prefix hits | tool calls |",
         "|---|---|---|---|---|---|",

@@ -273,3 +273,61 @@ def test_tool_settings_are_checked(grpo, says):
 def test_a_tool_that_does_not_import_is_refused_before_any_load():
     with pytest.raises(ConfigError, match="cannot import 'no_such_module_x:f'"):
         tools_mod.resolve(["no_such_module_x:f"])
+
+
+def _chain(tok, chain: list[int]):
+    """A tiny model that greedily writes chain[k + 1] after chain[k] whatever came before: each
+    position's hidden state is its token's embedding (the blocks add nothing), a code the head
+    maps to the next token of the chain."""
+    model = tiny_family_model("llama", tok, tie_word_embeddings=False)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for k, (here, after) in enumerate(zip(chain, chain[1:], strict=False)):
+            code = torch.zeros(hidden)
+            code[k] = 1.0
+            model.model.embed_tokens.weight[here] = code
+            model.lm_head.weight[after] = 20.0 * code
+    return model
+
+
+def test_a_grpo_run_with_tools_trains_and_logs_the_calls(
+    tmp_path, call_tokenizer, tool_module, one_thread
+):
+    """A whole run: the policy calls echo, then ends its turn, every turn; the run trains on the
+    conversations and logs the calls, the turns and the prefix cache's hits."""
+    import onegpu
+    from helpers import make_cfg
+
+    tok = call_tokenizer
+    start = tok.convert_tokens_to_ids("<|assistant|>")
+    model = _chain(tok, [start, tok.convert_tokens_to_ids(_call("echo")), tok.eos_token_id])
+    model_dir = tmp_path / "policy"
+    model.save_pretrained(str(model_dir))
+    tok.save_pretrained(str(model_dir))
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for i in range(8):
+            prompt = [{"role": "user", "content": f"question {i}: " + "more " * (8 + i)}]
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    cfg = make_cfg(tmp_path, model_dir, "tools", max_steps=2, save_every=0, eval_every=0)
+    cfg["data"].update(path=str(data), seq_len=64)
+    cfg["training"].update(objective="grpo", micro_batch_size=4, grad_accum=1)
+    cfg["grpo"] = {
+        "group_size": 4,
+        "max_completion_length": 16,
+        "rewards": ["length"],
+        "tools": [f"{tool_module}:echo"],
+        "max_turns": 3,
+        "tool_parser": "hermes",
+    }
+    result = onegpu.train(cfg)
+    lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r.get("split") == "train" and "loss" in r][-1]
+    assert train["tool_calls"] > 0 and train["turns"] > 1
+    assert train["prefix_hit_ratio"] > 0 and "tool_errors/raised" not in train
+    # the policy's own tokens of a rollout: its call and its EOS, a turn (tool messages aside)
+    assert train["completion_length"] <= 2 * 3

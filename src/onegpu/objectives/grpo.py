@@ -365,7 +365,7 @@ class _Stats:
             out["sampler_kl"] = k3 / max(n, 1.0)
         if self.tools:  # tool calls and errors counted; turns per rollout; the prefix cache
             tools = dict(self.tools)  # hits over the prompt tokens looked up
-            out["turns"] = tools.pop("turns", 0) / n
+            out["turns"] = tools.pop("turns", 0) / len(self.lengths)
             queries, hits = tools.pop("prefix_queries", 0), tools.pop("prefix_hits", 0)
             out["prefix_hit_ratio"] = hits / max(queries, 1)
             out.update({k: float(v) for k, v in tools.items()})
