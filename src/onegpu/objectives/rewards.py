@@ -272,10 +272,10 @@ def calculator_answer(gcfg) -> Callable:
 
 
 BUILTINS: dict[str, Callable] = {
-    "calculator_answer": calculator_answer,
     "exact_match": exact_match,
     "format": format_check,
     "length": length,
     "python_compiles": python_compiles,
     "python_continues": python_continues,
+    "calculator_answer": calculator_answer,  # the built-in tool-use example's (grpo.tools)
 }
