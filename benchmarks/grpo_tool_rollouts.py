@@ -3,6 +3,10 @@ off: rollout tokens/s (the policy's own tokens over the sampling's wall time) at
 interleaved rounds, median and range.
 
     python benchmarks/grpo_tool_rollouts.py [--rounds 5] [--turns 3] [--out results/NAME]
+    python benchmarks/grpo_tool_rollouts.py --curve RUN_DIR --out results/NAME
+
+``--curve``: instead, the reward curve of a finished run of the built-in calculator job (`onegpu
+train --training.objective grpo --grpo.tools '[calculator]'`), read from its metrics.jsonl.
 
 The workload is an agent's: 2 prompts x a group of 4 conversations, each prompt a 512-token system
 prompt (the standard library's source, as a tool schema and instructions would be) and a short
@@ -131,7 +135,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--out", default=None, help="results path without suffix (.md and .json)")
+    ap.add_argument("--curve", default=None, help="a calculator job's run folder")
     args = ap.parse_args()
+    if args.curve:
+        return curve(Path(args.curve), args)
     from onegpu.objectives import tools
     from onegpu.objectives.multiturn import ToolUse
 
@@ -161,6 +168,47 @@ def main() -> None:
     runner.close()
     header = provenance.end(header)
     report(header, rounds, args)
+
+
+def curve(run: Path, args) -> None:
+    """The reward curve of a calculator job's run: training and validation rewards, tool calls
+    and errors, turns, as logged."""
+    header = provenance.end(provenance.begin())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("split") == "train" and "reward" in r]
+    val = [r for r in records if r.get("split") == "val" and "reward" in r]
+    keys = ("reward", "tool_calls", "turns", "completion_length", "prefix_hit_ratio")
+    lines = [
+        "# GRPO with tools: the built-in calculator job's reward curve",
+        "",
+        provenance.markdown(header),
+        f"The run: `{run}` (its config.yaml and metrics.jsonl; the header's load is the load when "
+        "this page was written, the run's own is below). Training rows: the mean over the steps "
+        "since the previous row; validation: the held-out questions, 8 conversations each.",
+        "",
+        "| split | step | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for split, rows in (("train", train), ("val", val)):
+        for r in rows:
+            cells = [
+                f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys
+            ]
+            lines.append(f"| {split} | {r.get('step')} | " + " | ".join(cells) + " |")
+    errors = sorted({k for r in train for k in r if k.startswith("tool_errors/")})
+    if errors:
+        totals = {k: sum(r.get(k, 0) for r in train) for k in errors}
+        lines += [
+            "",
+            "Tool errors over the run: " + ", ".join(f"{k} {v:g}" for k, v in totals.items()),
+        ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        out = HERE / args.out
+        out.with_suffix(".md").write_text(text, encoding="utf-8")
+        data = {"header": header, "run": str(run), "train": train, "val": val}
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1), encoding="utf-8")
 
 
 def _summary(values: list[float]) -> str:
