@@ -183,8 +183,9 @@ def curve(run: Path, args) -> None:
         "",
         provenance.markdown(header),
         f"The run: `{run}` (its config.yaml and metrics.jsonl; the header's load is the load when "
-        "this page was written, the run's own is below). Training rows: the mean over the steps "
-        "since the previous row; validation: the held-out questions, 8 conversations each.",
+        "this page was written, not the run's). Training rows: the mean over the steps since the "
+        "previous row (tool_calls: their count); validation: held-out questions, 8 conversations "
+        "each.",
         "",
         "| split | step | " + " | ".join(keys) + " |",
         "|---|---|" + "---|" * len(keys),

@@ -3,7 +3,7 @@ reward, and the questions a run with no data asks.
 
 A question is a sum, difference or product of numbers of two or three digits; the calculator answers
 it exactly, and the reward (calculator_answer) pays 1 for a final answer equal to the true value.
-A tiny model cannot do such arithmetic in its head, so the reward rises only as far as the policy
+A tiny model cannot do such arithmetic in its head, so the reward can rise only as far as the policy
 learns to call the tool and copy its result (training/tool_default.py warms it up on dialogues
 in which it answers half of the questions with a guess instead).
 """

@@ -5,8 +5,8 @@ A tiny model first learns the dialogue's shape on warm-up conversations made her
 run of its own under output.dir, reused by later jobs): in half of them it calls the calculator
 and copies its result, in the other half it guesses the answer's last two digits. Then GRPO asks
 it new questions, with the calculator as its tool and calculator_answer as the reward (1 for the
-exact value): the reward rises as far as the policy learns that calling the tool, and copying
-what it says, pays. Settings the user left at their defaults take values sized for a CPU.
+exact value): the reward can rise only as far as the policy learns that calling the tool, and
+copying what it says, pays. Settings the user left at their defaults take values sized for a CPU.
 """
 
 from __future__ import annotations
