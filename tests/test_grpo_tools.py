@@ -229,14 +229,14 @@ def test_a_tools_prints_do_not_reach_the_replies(tool_module):
 
 
 def test_the_calculator_tool_and_its_reward():
-    from onegpu.objectives import calculator
+    from onegpu.objectives.rewards import calculator_answer
 
     runner = tools_mod.ToolRunner(tools_mod.resolve(["calculator"]), 10)
     assert runner.call("calculator", json.dumps({"expression": "1234+4321"})) == ("5555", None)
     text, kind = runner.call("calculator", json.dumps({"expression": "2**99"}))
     assert kind == "raised" and text.startswith("error:")
     runner.close()
-    reward = calculator.calculator_answer(GRPOConfig())
+    reward = calculator_answer(GRPOConfig())
     said = {"role": "assistant", "content": "", "tool_calls": [{}]}
     convs = [
         [said, {"role": "tool", "content": "5555"}, {"role": "assistant", "content": "5555"}],

@@ -2,7 +2,8 @@
 reward, and the questions a run with no data asks.
 
 A question is a sum, difference or product of numbers of two or three digits; the calculator answers
-it exactly, and the reward (calculator_answer) pays 1 for a final answer equal to the true value.
+it exactly, and the reward (rewards.calculator_answer) pays 1 for a final answer equal to the
+true value.
 A tiny model cannot do such arithmetic in its head, so the reward can rise only as far as the policy
 learns to call the tool and copy its result (training/tool_default.py warms it up on dialogues
 in which it answers half of the questions with a guess instead).
@@ -13,8 +14,6 @@ from __future__ import annotations
 import json
 import random
 import re
-
-from onegpu.objectives.rewards import normalise_answer
 
 EXPRESSION = re.compile(r"\s*(\d{1,12})\s*([-+*])\s*(\d{1,12})\s*")
 SYSTEM = 'Tools: calculator(expression). Call: <tool_call>{"name": "calculator", ...}</tool_call>'
@@ -27,27 +26,6 @@ def calculator(expression: str) -> str:
         raise ValueError(f"not a+b, a-b or a*b of whole numbers: {expression!r}")
     a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
     return str(a + b if op == "+" else a - b if op == "-" else a * b)
-
-
-def calculator_answer(gcfg):
-    """1 when the conversation's last assistant message answers the ``answer`` column's value
-    (normalised as exact_match does), else 0: a tool's result alone is not an answer."""
-    field = gcfg.answer_field
-
-    def calculator_answer(completions, **columns):
-        if field not in columns:
-            raise KeyError(f"no '{field}' column in the data (grpo.answer_field)")
-        out = []
-        for conversation, answer in zip(completions, columns[field], strict=True):
-            said = [m for m in conversation if m.get("role") == "assistant"]
-            final = said[-1] if said else {}
-            ok = not final.get("tool_calls") and normalise_answer(
-                final.get("content", "")
-            ) == normalise_answer(answer)
-            out.append(float(ok))
-        return out
-
-    return calculator_answer
 
 
 def question(rng: random.Random) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from onegpu.data.prompts import PROMPT_IDS, ROW, completion_records
-from onegpu.objectives import grpo_loss, rollout
+from onegpu.objectives import grpo_loss, multiturn, rollout
 from onegpu.objectives.base import Objective
 from onegpu.objectives.rewards import Reward, score
 from onegpu.objectives.tokens import IGNORE, TARGETS, TokenLoss
@@ -203,19 +203,23 @@ class GRPO(Objective):
     ) -> Cycle:
         prompt_ids = rows[PROMPT_IDS]
         device = next(model.parameters()).device
-        samples = rollout.sample(
-            model,
-            prompt_ids,
-            self.g,
-            self.tokenizer,
-            device,
-            rows=per_call or len(prompt_ids),
-            compiled=self.compiled,
-            max_prompt=self.max_prompt,
-            kept=self.kept,
-            tools=self.tools,
-            messages=rows[self.prompt_field],
-        )
+        if self.tools is not None:  # conversations with tool calls (multiturn.py)
+            samples = multiturn.sample(
+                model, prompt_ids, rows[self.prompt_field], self.g, self.tokenizer, device,
+                per_call or len(prompt_ids), self.tools,
+            )  # fmt: skip
+        else:
+            samples = rollout.sample(
+                model,
+                prompt_ids,
+                self.g,
+                self.tokenizer,
+                device,
+                rows=per_call or len(prompt_ids),
+                compiled=self.compiled,
+                max_prompt=self.max_prompt,
+                kept=self.kept,
+            )
         prompts = rows[self.prompt_field]
         completions = samples.conversations
         if completions is None:

@@ -47,6 +47,47 @@ class ToolUse:
         return cls(tools.ToolRunner(tools.resolve(gcfg.tools), gcfg.tool_timeout), fmt, tokenizer)
 
 
+@torch.no_grad()
+def sample(model, prompt_ids, messages, gcfg, tokenizer, device, rows: int, use: ToolUse):
+    """rollout.sample's counterpart with tools: one conversation per prompt row, ``rows`` rows per
+    engine, eager, in eval mode (on a CPU, a small model on one thread, as rollout.sample)."""
+    from onegpu.objectives.rollout import ONE_THREAD_PARAMS, _eos_ids, generation_model
+
+    gen = generation_model(model)
+    eos = _eos_ids(tokenizer, model)
+    was_training, threads = gen.training, torch.get_num_threads()
+    gen.eval()
+    if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
+        torch.set_num_threads(1)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            parts = [
+                tool_rollouts(gen, prompt_ids[s : s + rows], messages[s : s + rows], gcfg, eos, use)
+                for s in range(0, len(prompt_ids), rows)
+            ]
+    finally:
+        gen.train(was_training)
+        torch.set_num_threads(threads)
+    return _joined(parts)
+
+
+def _joined(parts: list):
+    from onegpu.objectives.rollout import Samples
+
+    counts: Counter = Counter()
+    for p in parts:
+        counts.update(p.counts)
+    return Samples(
+        [c for p in parts for c in p.completion_ids],
+        [t for p in parts for t in p.truncated],
+        sum(p.seconds for p in parts),
+        [lp for p in parts for lp in p.logps],
+        [m for p in parts for m in p.model_mask],
+        [c for p in parts for c in p.conversations],
+        dict(counts),
+    )
+
+
 @dataclass
 class _Row:
     prompt: list[int]

@@ -265,10 +265,23 @@ def _valid_so_far(source: str) -> bool:
 
 
 def calculator_answer(gcfg) -> Callable:
-    """The built-in tool-use example's reward (calculator.py): the final answer is right."""
-    from onegpu.objectives.calculator import calculator_answer as make
+    """The built-in tool-use example's reward (calculator.py): 1 when the conversation's last
+    assistant message answers the ``answer`` column's value (normalised as exact_match does),
+    else 0: a tool's result alone, or a final call, is not an answer."""
+    field = gcfg.answer_field
 
-    return make(gcfg)
+    def calculator_answer(completions, **columns):
+        if field not in columns:
+            raise KeyError(f"no '{field}' column in the data (grpo.answer_field)")
+        out = []
+        for conversation, answer in zip(completions, columns[field], strict=True):
+            said = [m for m in conversation if m.get("role") == "assistant"]
+            final = said[-1] if said else {}
+            right = normalise_answer(final.get("content", "")) == normalise_answer(answer)
+            out.append(float(right and not final.get("tool_calls")))
+        return out
+
+    return calculator_answer
 
 
 BUILTINS: dict[str, Callable] = {

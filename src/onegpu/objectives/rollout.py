@@ -84,8 +84,6 @@ def sample(
     compiled: bool = False,
     max_prompt: int = 0,
     kept: Optional[KeptEngine] = None,
-    tools=None,
-    messages: Optional[list] = None,
 ) -> Samples:
     """Sample one completion per prompt row, ``rows`` prompts per call, with grpo.sampler's path:
     the decode engine, transformers' ``generate`` or its continuous batching. ``compiled``: the run
@@ -116,8 +114,6 @@ def sample(
     if device.type == "cpu" and sum(p.numel() for p in gen.parameters()) < ONE_THREAD_PARAMS:
         torch.set_num_threads(1)
     try:
-        if tools is not None:
-            return _conversations(gen, prompt_ids, messages, gcfg, eos, tools, rows)
         compiled = compiled and gcfg.sampler == "engine"
         with torch.compiler.set_stance("default" if compiled else "force_eager"):
             for start in range(0, len(prompt_ids), rows):
@@ -138,29 +134,6 @@ def sample(
         None if logps is None else [lp[: len(c)] for lp, (c, _) in zip(logps, cut, strict=True)]
     )
     return Samples([c for c, _ in cut], [t for _, t in cut], time.perf_counter() - t0, kept_logps)
-
-
-def _conversations(gen, prompt_ids, messages, gcfg, eos, tools, rows: int) -> Samples:
-    from onegpu.objectives.multiturn import tool_rollouts
-
-    parts = []
-    with torch.compiler.set_stance("force_eager"):
-        for s in range(0, len(prompt_ids), rows):
-            chunk = prompt_ids[s : s + rows]
-            parts.append(tool_rollouts(gen, chunk, messages[s : s + rows], gcfg, eos, tools))
-    counts: dict = {}
-    for p in parts:
-        for k, v in p.counts.items():
-            counts[k] = counts.get(k, 0) + v
-    return Samples(
-        [c for p in parts for c in p.completion_ids],
-        [t for p in parts for t in p.truncated],
-        sum(p.seconds for p in parts),
-        [lp for p in parts for lp in p.logps],
-        [m for p in parts for m in p.model_mask],
-        [c for p in parts for c in p.conversations],
-        counts,
-    )
 
 
 def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled, max_prompt, kept):
