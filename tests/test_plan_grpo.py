@@ -40,6 +40,23 @@ def test_rows_are_prompt_plus_completion_and_sampling_is_a_peak_of_its_own(shape
     )
 
 
+def test_multi_turn_rollouts_count_every_turn_and_tool_result(shape):
+    """With grpo.tools a row is the prompt and a conversation: max_turns turns and the tool
+    results between them, each up to max_completion_length, in the rollout's KV cache, the rows
+    trained on and the decode steps sampled."""
+    one = grpo_setup(max_completion_length=64)
+    tools = grpo_setup(max_completion_length=64, tools=["calculator"], max_turns=3)
+    assert tools.sequence_tokens(256) == 256 + 5 * 64 and one.sequence_tokens(256) == 256 + 64
+    kv = memory.rollout_bytes(shape, tools, 256) - 3 * tools.effective_batch * shape.vocab * 4
+    kv_one = memory.rollout_bytes(shape, one, 256) - 3 * one.effective_batch * shape.vocab * 4
+    assert kv / kv_one == pytest.approx((256 + 5 * 64) / (256 + 64))
+    a, b = memory.estimate(shape, one, 256), memory.estimate(shape, tools, 256)
+    assert b.components["activations"] > a.components["activations"]
+    assert speed.rollout_seconds(shape, tools, 256, _cpu()) > speed.rollout_seconds(
+        shape, one, 256, _cpu()
+    )
+
+
 def test_reference_is_counted_only_where_grpo_keeps_one(shape):
     def ref(c):
         return memory.estimate(shape, c, 128).components.get("reference copy", 0)

@@ -19,8 +19,12 @@ def train(config=None, callbacks=()):
     from onegpu.training.run import run_training
 
     cfg = validate(copy.deepcopy(config) if isinstance(config, Config) else from_dict(config or {}))
-    from onegpu.training import rl_default
+    from onegpu.training import rl_default, tool_default
 
+    if tool_default.is_tool_job(cfg):  # the calculator, no model, no data: its warm-up's model
+        cfg = validate(
+            tool_default.settle(cfg, lambda base: run_training(validate(base)).final_dir)
+        )
     if rl_default.is_default_job(cfg):  # GRPO with no model and no data: the default job's model
         cfg = validate(rl_default.settle(cfg, lambda base: run_training(validate(base)).final_dir))
     if cfg.plan == "auto":  # plan before train: settle the setup by measurement

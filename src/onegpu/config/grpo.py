@@ -94,6 +94,27 @@ class GRPOConfig:
     """Column the exact_match reward compares completions with."""
     format_pattern: str = r"(?s)^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
     """Regular expression the format reward requires a completion to match (whole completion)."""
+    tools: list[str] = field(default_factory=list)
+    """Functions the policy may call during a rollout (multi-turn; objectives/multiturn.py):
+    module:function references, or the built-in calculator. Each call the model writes in its
+    tool format (grpo.tool_parser) runs in a subprocess, its text result is appended as a tool
+    message and the model goes on, for up to grpo.max_turns turns. Empty: one turn, no tools."""
+    max_turns: int = 3
+    """With grpo.tools: the most model turns of a rollout (each up to grpo.max_completion_length
+    tokens; a tool's result is cut to as many). A turn without a tool call ends it."""
+    tool_timeout: float = 10.0
+    """With grpo.tools: seconds a tool call may run; past them its process is killed and the
+    model reads an error instead of a result."""
+    tool_parser: Literal["auto", "hermes", "llama3"] = "auto"
+    """With grpo.tools: the format the model writes calls in (the formats `onegpu serve` reads).
+    auto: the one the chat template shows."""
+
+    def completion_tokens(self) -> int:
+        """The most tokens after a prompt: a completion, or with tools a conversation of
+        max_turns turns and the tool results between them, each cut to a turn's length (the
+        chat template's few tokens around each result aside)."""
+        turns = self.max_turns if self.tools else 1
+        return self.max_completion_length * (2 * turns - 1)
 
 
 def check_grpo(cfg) -> None:
@@ -194,10 +215,50 @@ def check_grpo(cfg) -> None:
             f"{g.num_iterations}: a checkpoint would fall inside a batch of rollouts still in use.",
             hint=f"set training.save_every to a multiple of {g.num_iterations}",
         )
+    check_tools(g)
     if cfg.data.format not in ("auto",):
         raise ConfigError(
             f"training.objective=grpo reads prompts, but data.format={cfg.data.format}.",
             hint="set data.format=auto: GRPO needs a prompt column (text or chat messages)",
+        )
+
+
+def check_tools(g: GRPOConfig) -> None:
+    """grpo.tools and the settings that go with it."""
+    from onegpu.objectives.tools import BUILTIN_TOOLS  # no heavy imports: names only
+
+    unset = GRPOConfig()
+    if not g.tools:
+        for name in ("max_turns", "tool_timeout", "tool_parser"):
+            if getattr(g, name) != getattr(unset, name):
+                raise ConfigError(
+                    f"grpo.{name} is set, but grpo.tools is empty: without tools a rollout is "
+                    "one turn.",
+                    hint="add --grpo.tools '[calculator]' (or a module:function), or drop "
+                    f"grpo.{name}",
+                )
+        return
+    for entry in g.tools:
+        if entry not in BUILTIN_TOOLS and (":" not in entry or not all(entry.partition(":")[::2])):
+            raise ConfigError(
+                f"grpo.tools: '{entry}' is neither a built-in tool nor a module:function.",
+                hint=f"built-ins: {', '.join(BUILTIN_TOOLS)}; or give e.g. my_tools:search",
+            )
+    if g.max_turns < 2:
+        raise ConfigError(
+            f"grpo.max_turns must be >= 2 with grpo.tools, got {g.max_turns}: one turn to call "
+            "a tool, one to read its result.",
+            hint="set grpo.max_turns to e.g. 3",
+        )
+    if g.tool_timeout <= 0:
+        raise ConfigError(
+            f"grpo.tool_timeout must be > 0 seconds, got {g.tool_timeout}.", hint="set e.g. 10"
+        )
+    if g.sampler != "engine":
+        raise ConfigError(
+            f"grpo.tools needs grpo.sampler=engine, got {g.sampler}: each turn goes on from the "
+            "engine's prefix cache.",
+            hint="set grpo.sampler=engine (the default)",
         )
 
 

@@ -47,6 +47,11 @@ def make_objective(
         from onegpu.objectives.grpo import GRPO
 
         ref = reference.build(reference.kind_of(cfg), tokens, reference_model, autocast, probe)
+        tools = None
+        if cfg.grpo.tools:  # multi-turn rollouts that call tools (multiturn.py)
+            from onegpu.objectives.multiturn import ToolUse
+
+            tools = ToolUse.for_run(cfg.grpo, tokenizer)
         return GRPO(
             cfg.grpo,
             tokens,
@@ -57,6 +62,7 @@ def make_objective(
             cfg.data.pad_to_multiple,
             compiled,
             max_prompt=cfg.data.seq_len,
+            tools=tools,
         )
     kind = reference.choose(
         cfg.training.objective, cfg.preference.reference, cfg.techniques.lora.enabled

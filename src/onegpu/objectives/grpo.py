@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from onegpu.data.prompts import PROMPT_IDS, ROW, completion_records
-from onegpu.objectives import grpo_loss, rollout
+from onegpu.objectives import grpo_loss, multiturn, rollout
 from onegpu.objectives.base import Objective
 from onegpu.objectives.rewards import Reward, score
 from onegpu.objectives.tokens import IGNORE, TARGETS, TokenLoss
@@ -42,7 +43,8 @@ class GRPO(Objective):
     """training.objective grpo. ``rewards``: the resolved reward functions (rewards.resolve);
     ``tokenizer`` decodes completions for them; ``reference``: reference.AdapterReference or
     CopyReference with beta > 0, else None; ``pad_multiple``: data.pad_to_multiple; ``max_prompt``:
-    data.seq_len, the longest prompt a rollout can hold.
+    data.seq_len, the longest prompt a rollout can hold; ``tools``: multiturn.ToolUse with
+    grpo.tools (each rollout a conversation with tool calls; the rewards see it whole).
 
     Statistics follow Preference's pattern: a cycle's are pending until ``end_cycle`` commits
     them to the window (a cycle redone after an out-of-memory error counts once); an evaluation
@@ -60,8 +62,10 @@ class GRPO(Objective):
         pad_multiple: int = 1,
         compiled: bool = False,
         max_prompt: int = 0,
+        tools=None,
     ):
         self.g, self.tokens, self.rewards = gcfg, tokens, rewards
+        self.tools = tools  # multiturn.ToolUse with grpo.tools: conversations, not completions
         self.tokenizer, self.prompt_field, self.reference = tokenizer, prompt_field, reference
         self.eps_low = gcfg.epsilon
         self.eps_high = gcfg.epsilon if gcfg.epsilon_high is None else gcfg.epsilon_high
@@ -199,20 +203,28 @@ class GRPO(Objective):
     ) -> Cycle:
         prompt_ids = rows[PROMPT_IDS]
         device = next(model.parameters()).device
-        samples = rollout.sample(
-            model,
-            prompt_ids,
-            self.g,
-            self.tokenizer,
-            device,
-            rows=per_call or len(prompt_ids),
-            compiled=self.compiled,
-            max_prompt=self.max_prompt,
-            kept=self.kept,
-        )
-        texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+        if self.tools is not None:  # conversations with tool calls (multiturn.py)
+            samples = multiturn.sample(
+                model, prompt_ids, rows[self.prompt_field], self.g, self.tokenizer, device,
+                per_call or len(prompt_ids), self.tools,
+            )  # fmt: skip
+        else:
+            samples = rollout.sample(
+                model,
+                prompt_ids,
+                self.g,
+                self.tokenizer,
+                device,
+                rows=per_call or len(prompt_ids),
+                compiled=self.compiled,
+                max_prompt=self.max_prompt,
+                kept=self.kept,
+            )
         prompts = rows[self.prompt_field]
-        completions = [completion_records(p, t) for p, t in zip(prompts, texts, strict=True)]
+        completions = samples.conversations
+        if completions is None:
+            texts = self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True)
+            completions = [completion_records(p, t) for p, t in zip(prompts, texts, strict=True)]
         columns = {k: v for k, v in rows.items() if k not in (PROMPT_IDS, ROW, self.prompt_field)}
         where = rows[ROW]
         per_func = torch.tensor(
@@ -302,11 +314,13 @@ class _Stats:
         self.truncated = self.groups = self.flat_groups = 0
         self.gen_seconds = self.train_seconds = 0.0
         self.train_tokens = 0
+        self.tools: Counter = Counter()  # multi-turn rollouts: tool calls, errors, turns
 
     def record_rollouts(self, per_func, total, samples: rollout.Samples, group: int) -> None:
         self.rewards.append(per_func)
         self.totals.append(total)
-        self.lengths += [len(c) for c in samples.completion_ids]
+        self.lengths += samples.lengths()  # the policy's own tokens
+        self.tools.update(samples.counts or {})
         self.truncated += sum(samples.truncated)
         grouped = total.view(-1, group)
         self.groups += grouped.size(0)
@@ -326,6 +340,7 @@ class _Stats:
         self.gen_seconds += other.gen_seconds
         self.train_seconds += other.train_seconds
         self.train_tokens += other.train_tokens
+        self.tools.update(other.tools)
 
     def metrics(self, rewards: list[Reward], beta: float) -> dict:
         if not self.totals:
@@ -352,6 +367,12 @@ class _Stats:
             out["sampler_logp_diff_mean"] = diff / max(n, 1.0)
             out["sampler_logp_diff_max"] = float(torch.stack(self.mismatch_max).max())
             out["sampler_kl"] = k3 / max(n, 1.0)
+        if self.tools:  # tool calls and errors counted; turns per rollout; the prefix cache
+            tools = dict(self.tools)  # hits over the prompt tokens looked up
+            out["turns"] = tools.pop("turns", 0) / len(self.lengths)
+            queries, hits = tools.pop("prefix_queries", 0), tools.pop("prefix_hits", 0)
+            out["prefix_hit_ratio"] = hits / max(queries, 1)
+            out.update({k: float(v) for k, v in tools.items()})
         out["gen_tokens_per_s"] = sum(self.lengths) / max(self.gen_seconds, 1e-9)
         if self.train_seconds:  # training steps (evaluation has no training half)
             out["train_tokens_per_s"] = self.train_tokens / self.train_seconds

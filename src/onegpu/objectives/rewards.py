@@ -264,10 +264,31 @@ def _valid_so_far(source: str) -> bool:
             return False
 
 
+def calculator_answer(gcfg) -> Callable:
+    """The built-in tool-use example's reward (calculator.py): 1 when the conversation's last
+    assistant message answers the ``answer`` column's value (normalised as exact_match does),
+    else 0: a tool's result alone, or a final call, is not an answer."""
+    field = gcfg.answer_field
+
+    def calculator_answer(completions, **columns):
+        if field not in columns:
+            raise KeyError(f"no '{field}' column in the data (grpo.answer_field)")
+        out = []
+        for conversation, answer in zip(completions, columns[field], strict=True):
+            said = [m for m in conversation if m.get("role") == "assistant"]
+            final = said[-1] if said else {}
+            right = normalise_answer(final.get("content", "")) == normalise_answer(answer)
+            out.append(float(right and not final.get("tool_calls")))
+        return out
+
+    return calculator_answer
+
+
 BUILTINS: dict[str, Callable] = {
     "exact_match": exact_match,
     "format": format_check,
     "length": length,
     "python_compiles": python_compiles,
     "python_continues": python_continues,
+    "calculator_answer": calculator_answer,  # the built-in tool-use example's (grpo.tools)
 }

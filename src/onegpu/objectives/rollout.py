@@ -12,7 +12,8 @@ forward of the loss.
 
 A training row is prompt + completion, unpadded, then right-padded to the micro-batch's longest;
 only completion tokens are targets (a truncated completion's none, with
-grpo.mask_truncated_completions). The completion ends at its first EOS, which it keeps (as TRL).
+grpo.mask_truncated_completions; in a multi-turn rollout, multiturn.py, only the policy's own).
+The completion ends at its first EOS, which it keeps (as TRL).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ class Samples:
     # the sampler's log-prob of each sampled token, under the model's own logits (before
     # temperature and filters: the engine's logprobs); None where the sampler gives none
     logps: Optional[list[list[float]]] = None
+    # multi-turn rollouts (multiturn.py): completion_ids hold every token after the prompt, tool
+    # messages included; per token, True where the policy wrote it (the only targets)
+    model_mask: Optional[list[list[bool]]] = None
+    conversations: Optional[list[list[dict]]] = None  # the chat messages after each prompt
+    counts: Optional[dict] = None  # tool calls, errors by kind, turns, the prefix cache's hits
+
+    def lengths(self) -> list[int]:
+        """The policy's own tokens per row."""
+        if self.model_mask is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.model_mask]
 
 
 def generation_model(model):
@@ -272,5 +284,8 @@ def training_rows(
         ids[i, :n] = torch.tensor(p + c, dtype=torch.long)
         mask[i, :n] = 1
         if not (mask_truncated and cut):
-            labels[i, len(p) : n] = torch.tensor(c, dtype=torch.long)
+            target = torch.tensor(c, dtype=torch.long)
+            if samples.model_mask is not None:  # a tool's tokens are not the policy's
+                target[~torch.tensor(samples.model_mask[i], dtype=torch.bool)] = IGNORE
+            labels[i, len(p) : n] = target
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

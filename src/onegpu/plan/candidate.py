@@ -54,9 +54,9 @@ class Candidate:
 
     def sequence_tokens(self, seq_len: int) -> int:
         """Tokens of one training sequence at data.seq_len: GRPO's rows are a prompt of up to
-        seq_len tokens and its completion."""
+        seq_len tokens and its completion (with tools, its conversation: completion_tokens)."""
         grpo = self.training.objective == "grpo"
-        return seq_len + (self.grpo.max_completion_length if grpo else 0)
+        return seq_len + (self.grpo.completion_tokens() if grpo else 0)
 
     @property
     def reference_kind(self) -> str | None:

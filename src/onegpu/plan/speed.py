@@ -293,7 +293,9 @@ def rollout_seconds(shape: ModelShape, c: Candidate, seq_len: int, spec: GpuSpec
     from onegpu.plan.arch import forward_flops_per_token
     from onegpu.plan.memory import param_bytes, rollout_bytes
 
-    rows, new = c.effective_batch, c.grpo.max_completion_length
+    # with tools, max_turns turns of decode (the prefix cache spares recomputing earlier turns)
+    turns = c.grpo.max_turns if c.grpo.tools else 1
+    rows, new = c.effective_batch, c.grpo.max_completion_length * turns
     eff = base_efficiency(spec, c.techniques.precision)[0] * method_factor(c)
     peak = spec.peak_tflops(c.techniques.precision) * 1e12
     prefill = rows * seq_len * forward_flops_per_token(shape, seq_len) / (peak * eff)

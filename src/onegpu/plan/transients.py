@@ -55,5 +55,6 @@ def rollout_bytes(shape: ModelShape, c: Candidate, seq_len: int) -> float:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or shape.heads
     head_dim = getattr(cfg, "head_dim", None) or shape.hidden // max(shape.heads, 1)
     rows = c.effective_batch
-    cache = rows * (seq_len + c.grpo.max_completion_length) * shape.layers * 2 * kv_heads
+    # with tools, each row's conversation: max_turns turns and the tool results between them
+    cache = rows * (seq_len + c.grpo.completion_tokens()) * shape.layers * 2 * kv_heads
     return cache * head_dim * act_bytes(c) + 3 * rows * shape.vocab * 4

@@ -331,8 +331,8 @@ def check_positions(cfg: Config, model_name: str) -> None:
 def longest_sequence(cfg: Config) -> int:
     """The longest row the run trains on: data.seq_len, plus the completion for GRPO (whose
     data.seq_len bounds the prompt)."""
-    if cfg.training.objective == "grpo":
-        return cfg.data.seq_len + cfg.grpo.max_completion_length
+    if cfg.training.objective == "grpo":  # with tools, a conversation (completion_tokens)
+        return cfg.data.seq_len + cfg.grpo.completion_tokens()
     return cfg.data.seq_len
 
 
@@ -346,7 +346,8 @@ def check_seq_len(cfg: Config, limit) -> None:
     if cfg.training.objective == "grpo" and isinstance(limit, int) and longest > limit:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} (the longest prompt) + grpo.max_completion_length="
-            f"{cfg.grpo.max_completion_length} = {longest} exceeds the model's "
-            f"max_position_embeddings={limit}.",
+            f"{cfg.grpo.max_completion_length}"
+            f"{' x (2 grpo.max_turns - 1) turns and tool results' if cfg.grpo.tools else ''} = "
+            f"{longest} exceeds the model's max_position_embeddings={limit}.",
             hint=f"lower grpo.max_completion_length or data.seq_len so they add up to <= {limit}",
         )

@@ -137,6 +137,10 @@ def _check_grpo_run(cfg: Config) -> None:
             hint="launch a single process (one GPU)",
         )
     rewards.resolve(cfg.grpo, default_job=cfg.data.path is None)
+    if cfg.grpo.tools:
+        from onegpu.objectives import tools
+
+        tools.resolve(cfg.grpo.tools)
 
 
 def _precompute_reference(
