@@ -58,7 +58,7 @@ class Rows:
         def z(dtype, *shape, fill=0):
             return torch.full(shape or (rows,), fill, dtype=dtype, device=device)
 
-        self.count, self.device = rows, torch.device(device)
+        self.device = torch.device(device)
         self.top = min(MAX_LOGPROBS, vocab)  # alternatives computed per token, when asked
         ids = sorted({t for t in eos_ids if 0 <= t < vocab})
         # decoding: the token to feed next, its position, whether the row decodes, its budget,
