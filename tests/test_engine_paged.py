@@ -255,6 +255,34 @@ def test_text_is_decoded_one_token_at_a_time_and_equals_the_whole_decode(tiny_to
     assert all(len(a[0]) < 8 for a in calls)  # never the whole answer again (only a held tail)
 
 
+def test_a_sentencepiece_answer_goes_on_where_tokenizers_stream_refuses_its_bytes(tmp_path):
+    """Llama 2's and Mistral's kind of tokenizer (SentencePiece, byte fallback, Metaspace): on
+    these random byte tokens tokenizers' DecodeStream raises ("Invalid prefix encountered"), which
+    failed the request. The request goes on, and the real text after them reads as decoded alone
+    (the random bytes' own text is not stable under any decode: the byte decoder regroups them)."""
+    from tokenizers.decoders import DecodeStream
+
+    from helpers import CORPUS
+    from llama_support import sentencepiece_tokenizer
+
+    tok = sentencepiece_tokenizer(tmp_path / "spm", "llama", CORPUS)
+    rng = random.Random(0)
+    noise = [rng.randrange(3, len(tok)) for _ in range(40)]
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in noise:
+            stream.step(tok.backend_tokenizer, i)
+    words = "def add(a, b):\n    return a + b  # héllo wörld ✓"
+    ids = noise + tok(" " + words, add_special_tokens=False)["input_ids"]
+    out = Output(tok, ())
+    shown = ""
+    for i in range(0, len(ids), 3):
+        out.add(ids[i : i + 3])
+        shown += out.take(final=False)
+    shown += out.take(final=True)
+    assert shown.endswith(" " + words)
+
+
 @pytest.mark.parametrize("rows, whole", [(1, 64), (6, 512), (64, 4096)])
 def test_the_recompile_allowance_covers_every_step_a_compiled_engine_can_ask_for(rows, whole):
     """Every (rows, kv_len) a compiled engine's decode runs over (Shapes.of, for every row count

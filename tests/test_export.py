@@ -236,3 +236,20 @@ def test_the_llama_cpp_build_without_a_compiler_is_one_clear_error(tmp_path):
     assert "needs a C/C++ compiler and cmake; 'cmake' is missing" in done.stderr
     assert "apt-get install build-essential cmake" in done.stderr
     assert not (tmp_path / "cache").exists() and os.path.isdir(tmp_path)
+
+
+def test_a_sentencepiece_tokenizer_keeps_its_model_file_in_the_export(tmp_path):
+    """transformers 5 saves a SentencePiece tokenizer as tokenizer.json alone; llama.cpp reads
+    Gemma's, Llama 2's and Phi-3's vocabulary only from tokenizer.model, so the export (and a
+    training run's folders, through the same models.save_tokenizer) copies it along."""
+    from families import tiny_family_model
+    from helpers import CORPUS
+    from llama_support import save, sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer(tmp_path / "m", "gemma", CORPUS)
+    src = save(tiny_family_model("gemma", tokenizer), tokenizer, tmp_path / "m")
+    cfg = ExportConfig(model=str(src), output=str(tmp_path / "out"), format="safetensors")
+    cfg.check = "off"
+    export(cfg, say=lambda _text: None)
+    kept = tmp_path / "out" / "safetensors" / "tokenizer.model"
+    assert kept.read_bytes() == (src / "tokenizer.model").read_bytes()

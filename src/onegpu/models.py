@@ -165,6 +165,21 @@ def ensure_pad_token(tok):
     return tok
 
 
+def save_tokenizer(tokenizer, folder) -> None:
+    """``save_pretrained``, and the SentencePiece model the tokenizer was built from beside it.
+    transformers 5 saves a SentencePiece tokenizer (Gemma's, Llama 2's, Mistral's, Phi-3's) as
+    ``tokenizer.json`` alone, and llama.cpp's converter reads those families' vocabulary only from
+    ``tokenizer.model``: without the copy, a run of such a model could not be exported to GGUF."""
+    import shutil
+
+    tokenizer.save_pretrained(str(folder))
+    source = tokenizer.init_kwargs.get("vocab_file")  # set by tokenizers built from a .model
+    target = Path(folder) / "tokenizer.model"
+    if source and Path(source).is_file() and Path(source).suffix == ".model":
+        if not target.exists() or not target.samefile(source):
+            shutil.copyfile(source, target)
+
+
 def load_model(
     name: str,
     cfg: ModelConfig,

@@ -30,6 +30,7 @@ import torch
 
 from onegpu.checkpoint.manifest import MANIFEST, fsync_dir, fsync_tree, verify, write_manifest
 from onegpu.errors import ConfigError
+from onegpu.models import save_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def save_checkpoint(
     )
     written("model")
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "model"))
+        save_tokenizer(tokenizer, tmp / "model")
         written("tokenizer")
     if gathered.get("engine_dir") is not None:
         os.replace(gathered["engine_dir"], tmp / ENGINE_DIR)

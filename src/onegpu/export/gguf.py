@@ -20,6 +20,7 @@ import numpy as np
 
 from onegpu.errors import ConfigError, OnegpuError
 from onegpu.export.config import UNQUANTIZED
+from onegpu.models import save_tokenizer
 
 HERE = Path(__file__).parent
 SENTINEL = "\u2063ANSWER\u2063"  # an answer's stand-in, to find what the template puts after it
@@ -94,7 +95,7 @@ def probe_vocab(model_dir: Path, family: str, tokenizer, llama_dir: Path) -> Tok
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp)
         shutil.copy2(model_dir / "config.json", probe / "config.json")
-        tokenizer.save_pretrained(str(probe))
+        save_tokenizer(tokenizer, probe)
         facts = tokenizer_facts(probe, tokenizer)
         done = _driver(llama_dir, probe, probe / "vocab.gguf", "vocab", facts)
     if done.returncode == 3:  # the driver's reason is its last line (the converter logs above)

@@ -89,6 +89,7 @@ def check_gguf(ref: Reference, gguf: Path, quant: str, fmt: str = "gguf") -> Che
 
 
 GGUF_KEYS = (
+    "tokenizer.ggml.model",  # the vocabulary's kind: gpt2 (byte-level BPE), llama (SentencePiece)
     "tokenizer.ggml.pre",
     "tokenizer.ggml.add_bos_token",
     "tokenizer.ggml.eos_token_id",

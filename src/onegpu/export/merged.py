@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from onegpu.models import save_tokenizer
+
 # What a run sets on the config for training that a deployed model must not keep: checkpointing
 # turns the KV cache off, the MoE router loss asks for router logits at every forward.
 TRAINING_ONLY = {"use_cache": True, "output_router_logits": False}
@@ -21,7 +23,7 @@ def write_safetensors(model, tokenizer, out: Path) -> Path:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = True
     model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
+    save_tokenizer(tokenizer, out)  # with a SentencePiece model: llama.cpp's converter reads it
     _check_clean(out)
     return out
 

@@ -16,7 +16,13 @@ from onegpu.infer.rows import finish_reason
 class Detokenizer:
     """Token ids -> text, one token at a time. With a fast tokenizer, ``tokenizers``'
     ``DecodeStream`` (it holds a token back while it ends in half a character); otherwise the
-    window of tokens since the last whitespace is decoded again (transformers' TextStreamer)."""
+    window of tokens since the last whitespace is decoded again (transformers' TextStreamer).
+    ``DecodeStream`` raises on some runs of a SentencePiece tokenizer's byte-fallback tokens under
+    its Metaspace decoder (Llama 2's, Mistral's: "Invalid prefix encountered"), which failed the
+    request; from there on the request decodes as vLLM's incremental detokenizer does: the new
+    tokens with a few before them for context, less the context's own text."""
+
+    CONTEXT = 5  # tokens decoded before the new ones: enough for a word's leading space
 
     def __init__(self, tokenizer):
         from tokenizers.decoders import DecodeStream
@@ -27,10 +33,21 @@ class Detokenizer:
         self.pending: list[int] = []  # tokens since the last text came out
         self.window: list[int] = []  # the slow path's tokens since its last whitespace
         self.window_text = ""
+        self.tokens: list[int] = []  # every token (the context after a refusal)
+        self.offsets: Optional[tuple[int, int]] = None  # after a refusal: context, unread
 
     def add(self, token: int) -> str:
+        self.tokens.append(token)
+        if self.offsets is not None:
+            return self._read(final=False)
         if self.stream is not None:
-            piece = self.stream.step(self.backend, token)
+            try:
+                piece = self.stream.step(self.backend, token)
+            except Exception:  # noqa: BLE001 - tokenizers' own error type is not exported
+                unread = len(self.tokens) - 1 - len(self.pending)
+                self.stream, self.pending = None, []
+                self.offsets = (max(0, unread - self.CONTEXT), unread)
+                return self._read(final=False)
             self.pending = [] if piece else self.pending + [token]
             return piece or ""
         self.window.append(token)
@@ -42,9 +59,21 @@ class Detokenizer:
             self.window, self.window_text = [], ""
         return new
 
+    def _read(self, final: bool) -> str:
+        context, unread = self.offsets
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[context:unread], skip_special_tokens=True)
+        text = decode(self.tokens[context:], skip_special_tokens=True)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.offsets = (max(unread, len(self.tokens) - self.CONTEXT), len(self.tokens))
+        return text[len(before) :]
+
     def flush(self) -> str:
         """At the end: what is held back (bytes that never completed a character) as the full
         decode would show it."""
+        if self.offsets is not None:
+            return self._read(final=True)
         if self.stream is None:
             text = self.tokenizer.decode(self.window, skip_special_tokens=True)
             return text[len(self.window_text) :]

@@ -277,14 +277,14 @@ def save_final(run, accelerator) -> Path:
         model.save_pretrained(
             str(final), safe_serialization=True, state_dict=full
         )  # PeftModel: the adapter
-        run.tokenizer.save_pretrained(str(final))
+        models.save_tokenizer(run.tokenizer, final)
         if run.data.processor is not None:  # a vision-language model reloads with its processor
             run.data.processor.save_pretrained(str(final))
         if run.cfg.techniques.lora.enabled and run.cfg.techniques.lora.merge_on_save:
             from onegpu.techniques.lora import save_merged
 
             merged = save_merged(model, run.dir / "final-merged", run.model_name, run.cfg.model)
-            run.tokenizer.save_pretrained(str(merged))
+            models.save_tokenizer(run.tokenizer, merged)
             if run.data.processor is not None:
                 run.data.processor.save_pretrained(str(merged))
     return final
