@@ -2,7 +2,7 @@
 and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms); with
 `--objective grpo`, GRPO next to TRL's GRPOTrainer (arms.grpo_arms, train_grpo.py); with
 `--objective kto` / `reward`, KTO / a reward model next to TRL's KTOTrainer / RewardTrainer
-(arms.unpaired_arms, train_kto.py, train_reward.py).
+(arms.unpaired_arms, train_trl.py).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
 exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a

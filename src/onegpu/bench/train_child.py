@@ -2,11 +2,11 @@
 result.json``.
 
 Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py), its
-`DPOTrainer` (train_dpo.py), its `GRPOTrainer` (train_grpo.py), its `KTOTrainer` (train_kto.py)
-and its `RewardTrainer` (train_reward.py) — imports
-its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the model
-from the same seed and trains on the same examples in the same order. Timing leaves out the first
-`warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise anyway.
+`GRPOTrainer` (train_grpo.py), its `DPOTrainer`, `KTOTrainer` and `RewardTrainer` (train_trl.py) —
+imports its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the
+model from the same seed and trains on the same examples in the same order. Timing leaves out the
+first `warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise
+anyway.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Watch(Callback):
         self.reference_seconds = seconds
 
     def on_train_begin(self, run, state) -> None:
-        from onegpu.bench.train_dpo import reference_pass
+        from onegpu.bench.train_trl import reference_pass
 
         self.run = run
         self.reference_pass = reference_pass(run, self.reference_seconds)
@@ -250,15 +250,15 @@ def main(argv: list[str]) -> int:
     if spec["kind"] == "onegpu":
         result = run_onegpu(spec, probe)
     else:
-        from onegpu.bench import train_dpo, train_grpo, train_kto, train_peers, train_reward
+        from onegpu.bench import train_grpo, train_peers, train_trl
 
         runners = {
             "hf": train_peers.run_hf,
             "trl": train_peers.run_trl,
-            "trl-dpo": train_dpo.run_trl_dpo,
+            "trl-dpo": train_trl.run_trl_preference,
             "trl-grpo": train_grpo.run_trl_grpo,
-            "trl-kto": train_kto.run_trl_kto,
-            "trl-reward": train_reward.run_trl_reward,
+            "trl-kto": train_trl.run_trl_preference,
+            "trl-reward": train_trl.run_trl_preference,
         }
         result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:
