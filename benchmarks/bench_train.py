@@ -251,9 +251,8 @@ def snapshot_env(tmp: str) -> dict:
 
 
 def bench(args: list[str], env: dict | None, dry_run: bool, threads: int = 0) -> int:
-    if (
-        dry_run
-    ):  # in this process: every preset's check takes a fraction of a second after the first
+    # a dry run in this process: every preset's check takes a fraction of a second after the first
+    if dry_run:
         from onegpu.cli.main import main as onegpu_main
 
         return onegpu_main(["bench", "train", *args, "--bench.dry_run", "true"])

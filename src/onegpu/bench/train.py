@@ -265,13 +265,9 @@ def dry_run(b: BenchTrainConfig) -> int:
 
     validate(b)
     device = detect()
-    fmt = (
-        "unknown"
-        if b.data.path
-        else {"sft": "text", "grpo": "prompt", "kto": "unpaired"}.get(
-            b.training.objective, "preference"
-        )
-    )  # known once read
+    formats = {"sft": "text", "grpo": "prompt", "kto": "unpaired"}
+    # a data file's format is known once read
+    fmt = "unknown" if b.data.path else formats.get(b.training.objective, "preference")
     print(
         f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x "
         f"{b.training.grad_accum} x {b.data.seq_len} tokens, {b.training.max_steps} steps, "

@@ -116,9 +116,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
     records = train_windows(read_metrics(result.run_dir / "metrics.jsonl"))
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
-    if (
-        watch.reference_pass
-    ):  # DPO with a precomputed reference: its pass ran before the timed steps
+    if watch.reference_pass:  # a precomputed reference: its pass ran before the timed steps
         out["reference_pass"] = watch.reference_pass
     if records and "reward_accuracy" in records[-1]:  # preference objectives log them
         out.update(
@@ -242,9 +240,8 @@ def main(argv: list[str]) -> int:
     preimport(spec["kind"])
     from onegpu import hardware
 
-    peak = hardware.measure_matmul_flops(
-        hardware.detect().type, seconds=0.5
-    )  # under the load this arm trains in
+    # under the load this arm trains in
+    peak = hardware.measure_matmul_flops(hardware.detect().type, seconds=0.5)
     probe = MemoryProbe()
     t0 = time.perf_counter()
     if spec["kind"] == "onegpu":

@@ -63,41 +63,29 @@ PEERS = {
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
+_PEFT = ("peft", lambda v: v is True, "a PEFT model")
+_TRL_COPY = ("reference", lambda v: str(v).startswith("frozen copy"), "TRL's frozen-copy reference")
 ACTIVE = {
     "checkpointing": ("checkpointing", lambda v: v is True, "gradient checkpointing enabled"),
     "bf16": ("precision", lambda v: v == "bf16", "bf16 precision"),
     "fp32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "fp32-tf32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "adafactor": ("optimizer", lambda v: "adafactor" in str(v).lower(), "an Adafactor optimizer"),
-    "adamw-8bit": (
-        "optimizer_state_dtypes",
-        lambda v: "torch.uint8" in (v or []),
-        "8-bit optimizer state",
-    ),
+    "adamw-8bit": ("optimizer_state_dtypes", lambda v: "torch.uint8" in (v or []),
+                   "8-bit optimizer state"),
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
     "fp8": ("float8_layers", lambda v: bool(v), "float8 Linear layers"),
-    "lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "qlora": ("peft", lambda v: v is True, "a PEFT model"),
+    "lora": _PEFT,
+    "qlora": _PEFT,
     "ref-copy": ("reference", lambda v: v == "CopyReference", "a frozen-copy reference"),
-    "trl-dpo": (
-        "reference",
-        lambda v: str(v).startswith("frozen copy"),
-        "TRL's frozen-copy reference",
-    ),
-    "trl-dpo-lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "trl-kto": (
-        "reference",
-        lambda v: str(v).startswith("frozen copy"),
-        "TRL's frozen-copy reference",
-    ),
-    "trl-kto-lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "trl-reward": (
-        "score_head",
-        lambda v: str(v).endswith("ForSequenceClassification"),
-        "a sequence-classification model",
-    ),
-    "trl-reward-lora": ("peft", lambda v: v is True, "a PEFT model"),
-}
+    "trl-dpo": _TRL_COPY,
+    "trl-dpo-lora": _PEFT,
+    "trl-kto": _TRL_COPY,
+    "trl-kto-lora": _PEFT,
+    "trl-reward": ("score_head", lambda v: str(v).endswith("ForSequenceClassification"),
+                   "a sequence-classification model"),
+    "trl-reward-lora": _PEFT,
+}  # fmt: skip
 
 
 def code_version() -> dict:

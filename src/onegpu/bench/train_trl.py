@@ -224,9 +224,7 @@ def run_trl_preference(spec: dict, callbacks: tuple = ()) -> dict:
     records = trl_records(p.records.train, order, cfg.data, unpaired)
     if reward:
         records = with_margin(records, p.records.train, order, cfg.data)
-    timer = train_peers.make_timer(
-        spec["warmup_steps"], spec["budget_s"], cfg.training.log_every, p.device.type == "cuda"
-    )
+    clock = train_peers.timer(spec, p)
     args = config_cls(
         **{
             **train_peers.hf_arguments(cfg, spec["arm"], p.device),
@@ -241,12 +239,12 @@ def run_trl_preference(spec: dict, callbacks: tuple = ()) -> dict:
         train_dataset=records,
         processing_class=p.data.tokenizer,
         peft_config=lora_config(cfg, "SEQ_CLS" if reward else "CAUSAL_LM") if lora else None,
-        callbacks=[timer, *callbacks],
+        callbacks=[clock, *callbacks],
         **ref,
     )
     same = same_tokens(trainer.train_dataset, p.dataset, objective)
     trainer.train()
-    out = train_peers._result(trainer, args, timer, p.per_step)
+    out = train_peers._result(trainer, args, clock, p.per_step)
     model = trainer.model
     evidence = dict(
         trl=trl.__version__,
