@@ -10,6 +10,8 @@ pass is shown on its own and charged in a column of its own.
 
 from __future__ import annotations
 
+from onegpu.bench.timing import fmt as _fmt
+
 COMMON = [
     ("model", "the same seeded weights, built in the arm's process"),
     (
@@ -106,10 +108,6 @@ CLOSING = {
     "reward": "Accuracy: the share of the last logged window's pairs scored chosen above rejected "
     "(both sides log it).",
 }
-
-
-def _fmt(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
 def _vs_peer(doc: dict, name: str, objective: str) -> dict:
