@@ -17,35 +17,11 @@ arms, without writing the model or training), --workdir DIR (where the GPU prese
 model and the chat data, and cpu-grpo the default job's run it trains from; default
 $ONEGPU_BENCH_WORKDIR, else <tmp>/onegpu-bench-work).
 
-GPU presets: Llama ~1B (`1b` preset: 16 layers, d=2048, GQA 32/8, vocabulary 4096), random init,
-bf16, seq 2048, micro-batch 4 x accumulation 2, 10 steps (2 untimed), 2 interleaved repetitions;
-the batch-size arm is capped at micro-batch 8 (16 x 2048 tokens at ~1B does not fit 80 GB).
-The model is written once into --workdir with save_pretrained (with its locally trained tokenizer)
-and every arm of every preset loads it from there. Each preset fits one 10-minute command:
-
-    preset          arms (each also runs the baseline)                  est. min on an H100
-    gpu-quick       hf-trainer-tuned, trl-sft                            7.0 (+0.75 once: the model)
-    gpu-best        best, hf-trainer                                     7.8
-    gpu-memory      batch-size, grad-accum, checkpointing                7.5
-    gpu-precision   fp32, fp32-tf32, fp16   (the baseline is bf16)       8.0
-    gpu-kernels     flash, eager   (the baseline compiles)               5.5
-    gpu-optim       adamw-fused, adafactor, adamw-8bit                   7.2
-    gpu-offload     offload (DeepSpeed ZeRO-2, CPU Adam), preload        7.3
-    gpu-peft        lora, qlora, plain-loss                              7.2
-    gpu-chat        padding-free, hf-trainer, trl-sft, on chat data      7.2 (+0.25 once: the data)
-    gpu-dpo         lora, trl-dpo, trl-dpo-lora: DPO vs TRL DPOTrainer   7.3
-
-`gpu-methods` runs gpu-memory .. gpu-offload (each method of the guide's table alone); `gpu` runs
-all ten. FP8 has two presets of its own (not in `gpu`; scripts/gpu_check.sh fp8 and fp8-3b):
-`gpu-fp8`, the 1b preset in bf16 compiled (the baseline), FP8 compiled and HF Trainer with the
-guide's flags, interleaved (~6 minutes on an H100, from the per-arm times of its 2026-11-25 run);
-`gpu-fp8-3b`, a model of Llama-3.2-3B's shape (the `3b` preset), bf16 compiled against FP8
-compiled (~7 minutes: a 12 GB model written once and loaded by every arm). The minutes are
-estimates (see ARM_SECONDS), not measurements. `gpu-grpo` (not in `gpu`)
-is cpu-grpo's comparison on the card: the default job's model (trained there first), 2 rounds.
-
-On a GPU every onegpu arm compiles as a default run of 50+ steps does (bench/settle.py), so the
-baseline is what `onegpu train` runs; the `eager` arm shows what compiling gains.
+GPU presets (Llama ~1B, bf16, seq 2048; `gpu` runs the ten of them, `gpu-methods` gpu-memory ..
+gpu-offload; gpu-fp8, gpu-fp8-3b and gpu-grpo are apart): their arms, sizes and estimated minutes
+are tabled in benchmarks/README.md ("GPU presets"). The model is written once into --workdir with
+save_pretrained and every arm of every preset loads it from there; each preset fits one 10-minute
+command. On a GPU every onegpu arm compiles as a default run of 50+ steps does (bench/settle.py).
 
 --snapshot runs every arm from a copy of src/ taken at the start, so edits made in the checkout
 while a long sweep runs cannot change the code half-way through; the results record the commit
@@ -168,45 +144,17 @@ GROUPS = {
 # and steps it on the CPU. The peers write no model. Our arms compile on a GPU (bench/settle.py):
 # regional compile added ~11 s to an arm's process on the H100 (train-gpu-best-20261125: compile arm
 # 25.6 s, baseline 14.7 s), and these estimates were above every measured preset there (gpu-quick:
-# 5.1 min measured, model included, against 7.75 estimated), so they stand as they were.
-ARM_SECONDS = {
-    "baseline": 50,
-    "batch-size": 50,
-    "grad-accum": 55,
-    "checkpointing": 55,
-    "fp32": 70,
-    "fp32-tf32": 55,
-    "fp16": 50,
-    "bf16": 50,
-    "tf32": 50,
-    "flash": 50,
-    "compile": 110,
-    "eager": 50,
-    "plain-loss": 50,
-    "adamw-fused": 50,
-    "adafactor": 50,
-    "adamw-8bit": 50,
-    "preload": 50,
-    "offload": 105,
-    "lora": 45,
-    "qlora": 55,
-    "padding-free": 45,
-    "fp8": 110,  # compiles, as the baseline does on a GPU
-    "best": 110,
-    "hf-trainer": 60,
-    "hf-trainer-tuned": 100,
-    "trl-sft": 45,
-    # DPO: pairs of ~100-300 tokens, so the steps are short; TRL loads its reference copy
-    # from disk (~10 s) and runs it every step
-    "ref-copy": 55,
-    "trl-dpo": 60,
-    "trl-dpo-lora": 50,
-}
-SETUP_SECONDS = (
-    30  # the parent: imports, tokenizing (cached after the first preset), the matmul peak
-)
-MODEL_SECONDS = 45  # building and writing the random-init model, once per --workdir
-CHAT_SECONDS = 15  # writing the chat set, once per --workdir
+# 5.1 min measured, model included, against 7.75 estimated), so they stand as they were. DPO's
+# pairs are short (~100-300 tokens); TRL loads its reference copy from disk (~10 s) and runs it
+# every step.
+_ARMS = """
+baseline=50 batch-size=50 grad-accum=55 checkpointing=55 fp32=70 fp32-tf32=55 fp16=50 bf16=50
+tf32=50 flash=50 compile=110 eager=50 plain-loss=50 adamw-fused=50 adafactor=50 adamw-8bit=50
+preload=50 offload=105 lora=45 qlora=55 padding-free=45 fp8=110 best=110 hf-trainer=60
+hf-trainer-tuned=100 trl-sft=45 ref-copy=55 trl-dpo=60 trl-dpo-lora=50
+"""
+ARM_SECONDS = {arm: int(sec) for arm, sec in (item.split("=") for item in _ARMS.split())}
+SETUP_SECONDS = 30  # the parent: imports, tokenizing (cached after the first preset), the peak
 
 
 def estimate_seconds(preset: Preset) -> float:
@@ -303,9 +251,8 @@ def snapshot_env(tmp: str) -> dict:
 
 
 def bench(args: list[str], env: dict | None, dry_run: bool, threads: int = 0) -> int:
-    if (
-        dry_run
-    ):  # in this process: every preset's check takes a fraction of a second after the first
+    # a dry run in this process: every preset's check takes a fraction of a second after the first
+    if dry_run:
         from onegpu.cli.main import main as onegpu_main
 
         return onegpu_main(["bench", "train", *args, "--bench.dry_run", "true"])

@@ -27,9 +27,7 @@ from pathlib import Path
 GIB = 2**30
 SEQ_LEN = 4096
 MICRO_BATCH = 2
-LORA_TARGETS = (
-    "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output_proj + MLP
-)
+LORA_TARGETS = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # torchtune: q, v, output + MLP
 
 
 @dataclass
@@ -37,9 +35,7 @@ class Row:
     key: str
     technique: str
     published_gib: float
-    setup: (
-        dict | None
-    )  # TechniquesConfig overrides (candidate.setup); None: onegpu cannot express it
+    setup: dict | None  # TechniquesConfig overrides (candidate.setup); None: not expressible
     note: str = ""
 
 
@@ -55,49 +51,27 @@ def rows(chunk: int) -> list[Row]:
     in_bwd = dict(ckpt, optimizer_in_backward=True)
     offload = dict(in_bwd, activation_offload=True)  # torchtune offloads the checkpointed inputs
     eight = dict(offload, optimizer="adamw-8bit")
-    lora = dict(
-        offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS}
-    )  # dtype auto: bf16
+    # the LoRA rows: the adapters' dtype left to auto (bf16)
+    lora = dict(offload, optimizer_in_backward=False, lora={"r": 64, "targets": LORA_TARGETS})
     qlora = dict(lora, lora={"r": 64, "targets": LORA_TARGETS, "quantize_base": "nf4"})
     return [
-        Row(
-            "baseline",
-            "Baseline (unpacked)",
-            25.5,
-            None,
+        Row("baseline", "Baseline (unpacked)", 25.5, None,
             "rows padded to the longest alpaca-cleaned example of each batch: the peak depends on "
             "the dataset's length distribution, which the planner does not model (it plans full "
-            "rows)",
-        ),
+            "rows)"),
         Row("packed", "+ Packed Dataset", 60.0, packed),
-        Row(
-            "compile",
-            "+ Compile",
-            51.0,
-            comp,
-            "compile's memory: elementwise intermediates recomputed (modelled)",
-        ),
-        Row(
-            "chunked",
-            "+ Chunked Cross Entropy",
-            42.9,
-            chunked,
+        Row("compile", "+ Compile", 51.0, comp,
+            "compile's memory: elementwise intermediates recomputed (modelled)"),
+        Row("chunked", "+ Chunked Cross Entropy", 42.9, chunked,
             "onegpu's fused loss (gradients in the forward) stands in for torchtune's chunked CE, "
-            "which keeps the whole bf16 logits",
-        ),
+            "which keeps the whole bf16 logits"),
         Row("ckpt", "+ Activation Checkpointing", 24.9, ckpt),
         Row("in_bwd", "+ Fuse optimizer step into backward", 23.1, in_bwd),
         Row("offload", "+ Activation Offloading", 21.8, offload),
         Row("adamw8bit", "+ 8-bit AdamW", 17.6, eight, "bitsandbytes AdamW8bit"),
-        Row(
-            "lora",
-            "LoRA",
-            8.5,
-            lora,
-            "rank 64, bf16 adapters (torchtune trains them in bf16)",
-        ),
+        Row("lora", "LoRA", 8.5, lora, "rank 64, bf16 adapters (torchtune trains them in bf16)"),
         Row("qlora", "QLoRA", 4.6, qlora, "bitsandbytes nf4 stands in for torchao's NF4"),
-    ]
+    ]  # fmt: skip
 
 
 def predict(selected: list[str] | None = None) -> dict:

@@ -55,9 +55,7 @@ def main(argv=None) -> int:
             f"{r['predicted_gib']:7.2f}  ratio {r['ratio']:.3f}  ({r['step_seconds']:.0f} s)",
             flush=True,
         )
-        rows = write(
-            r, keep=bool(wanted) or bool(rows)
-        )  # after each row: a long run keeps its rows
+        rows = write(r, keep=bool(wanted) or bool(rows))  # after each row: a long run keeps them
     bad = [r["setup"] for r in rows if abs(r["ratio"] - 1) > fullsize.TOLERANCE]
     print(
         f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s; outside ±{fullsize.TOLERANCE:.0%}: "

@@ -15,23 +15,20 @@
 #             the 1b and an 8B shape, bf16, batch 1 and 8, each policy row on and off, and int8
 #             weight-only (benchmarks/engine_gpu_shapes.py) -> paged.log, paged-attention-cuda.*,
 #             engine-gpu-shapes.json
-#   warmstart `onegpu serve`'s warm-up: first start, second from the compile cache, a load without
-#             it (benchmarks/serve_warm_start.py) -> warmstart.log, serve-warm-start-cuda.{json,md}
-#   infer-hf  benchmarks/bench_infer.py --preset 1b --device cuda, reduced  -> infer-hf.log, infer-cuda-*.{json,md,png}
+#   infer-hf  onegpu bench infer --preset hf-gpu, reduced              -> infer-hf.log, infer-cuda-*.{json,md,png}
 #   quick     benchmarks/bench_train.py gpu-quick                           -> quick.log, train-gpu-quick-*
 #   best      benchmarks/bench_train.py gpu-best                            -> best.log, train-gpu-best-*
 #   dpo       benchmarks/bench_train.py gpu-dpo (DPO vs TRL's DPOTrainer)   -> dpo.log, train-gpu-dpo-*
 #   grpo      benchmarks/bench_train.py gpu-grpo (GRPO vs TRL's GRPOTrainer) -> grpo.log, train-gpu-grpo-*
-#   fp8       FP8 training: torchao's float8 API here, then bench_train.py gpu-fp8 (the 1b preset, bf16
-#             compiled vs FP8 compiled vs HF Trainer tuned) and the planner's predicted ratio
-#             -> fp8.log, train-gpu-fp8-*, fp8-gpu-1b.md
-#   fp8-3b    the same on Llama-3.2-3B's shape (bench_train.py gpu-fp8-3b)  -> fp8-3b.log, fp8-gpu-3b.md
+#   fp8       FP8 training: bench_train.py gpu-fp8 (the 1b preset, bf16 compiled vs FP8 compiled vs
+#             HF Trainer tuned)                                             -> fp8.log, train-gpu-fp8-*
+#   fp8-3b    the same on Llama-3.2-3B's shape (bench_train.py gpu-fp8-3b)  -> fp8-3b.log, train-gpu-fp8-3b-*
 #   simpeak   scripts/simgpu_vs_real.py: simulated peak vs real max_memory_allocated -> simpeak.log
 # Every step runs under its own `timeout` (TIMEOUT_<STEP> seconds overrides it), so one hang does not
 # eat the session; the steps after a failed or timed-out one still run. Every step's limit, with the
 # 20 s `timeout` grants after it for the kill, stays under 600 s (tests/test_gpu_ready.py checks it).
 # One 10-minute command on the GPU machine holds "versions dry tests", "offload infer-hf", "engine",
-# "infer", "infer-quant", "paged", "warmstart", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
+# "infer", "infer-quant", "paged", "quick", "best", "dpo", "grpo", "fp8" or "fp8-3b" (see
 # benchmarks/README.md).
 #
 # Everything goes into one folder: $GPU_CHECK_DIR, else $OUT, else ./gpu-check-<date>. summary.txt
@@ -64,13 +61,13 @@ else
 fi
 
 PYTEST=("$PY" -m pytest -m gpu -rA --durations=0 --timeout 200 -p no:cacheprovider)
-ALL=(versions dry tests offload engine infer infer-quant paged warmstart infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
+ALL=(versions dry tests offload engine infer infer-quant paged infer-hf quick best dpo grpo fp8 fp8-3b simpeak)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL[@]}")
 
 default_timeout() {
   case $1 in
-    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged|warmstart) echo 540 ;;
+    versions) echo 30 ;; dry) echo 60 ;; tests) echo 450 ;; offload) echo 300 ;; engine) echo 240 ;; infer|infer-quant|paged) echo 540 ;;
     infer-hf) echo 240 ;; quick|best|dpo|grpo|fp8|fp8-3b) echo 560 ;; simpeak) echo 240 ;; *) echo 300 ;;
   esac
 }
@@ -99,7 +96,7 @@ step_cmd() {
   case $1 in
     versions) versions > "$DIR/versions.txt" 2>&1; local rc=$?; cat "$DIR/versions.txt"; return $rc ;;
     dry) "$PY" benchmarks/bench_train.py cpu headline cpu-dpo cpu-grpo gpu gpu-grpo gpu-fp8 gpu-fp8-3b --dry-run \
-           && "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --dry-run ;;
+           && "$PY" -m onegpu.cli.main bench infer --preset hf-gpu --dry_run true ;;
     tests) "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_gpu_offload.py \
              --ignore=tests/gpu/test_gpu_engine.py --junitxml="$DIR/tests.xml" ;;
     engine) "${PYTEST[@]}" tests/gpu/test_gpu_engine.py ;;
@@ -113,30 +110,25 @@ step_cmd() {
                    --name "infer-quant-cuda-$(date +%Y%m%d)" ;;
     paged) "$PY" benchmarks/paged_attention_ab.py --device cuda --dtype bf16 \
              --out "$DIR/paged-attention-cuda" && "$PY" benchmarks/engine_gpu_shapes.py --out "$DIR" ;;
-    # `onegpu serve`'s warm-up (CUDA graphs captured before it listens): first start, second from
-    # the compile cache, and a load without it (18 steps: 3 batch x 3 KV-length buckets x 2)
-    warmstart) "$PY" benchmarks/serve_warm_start.py --rounds 1 --max_slots 4 --max_len 256 \
-             --out "$DIR/serve-warm-start-cuda" ;;
     # ---- HF generate's settings, reduced: one per family (dtype, bitsandbytes, torchao, static
     # cache + compile), 2 repeats
-    infer-hf) "$PY" benchmarks/bench_infer.py --preset 1b --device cuda --out "$DIR" \
-             -- --settings fp32,bf16,int8,nf4,ao-int8,bf16+static-compile --repeats 2 --new_tokens 32 ;;
+    infer-hf) "$PY" -m onegpu.cli.main bench infer --preset hf-gpu --out "$DIR" \
+             --settings fp32,bf16,int8,nf4,ao-int8,bf16+static-compile --repeats 2 --new_tokens 32 ;;
     quick) "$PY" benchmarks/bench_train.py gpu-quick --bench.out "$DIR" ;;
     best) "$PY" benchmarks/bench_train.py gpu-best --bench.out "$DIR" ;;
     dpo) "$PY" benchmarks/bench_train.py gpu-dpo --bench.out "$DIR" ;;
     # GRPO vs TRL's GRPOTrainer; trains the default job's model first on a fresh machine (~1.5 min)
     grpo) "$PY" benchmarks/bench_train.py gpu-grpo --bench.out "$DIR" ;;
-    # FP8: torchao's float8 training API checked first (it fails here, not after minutes of
-    # training), the arms interleaved, then measured against the planner's prediction
-    fp8) "$PY" benchmarks/fp8_gpu_report.py --run gpu-fp8 --dir "$DIR" ;;
-    fp8-3b) "$PY" benchmarks/fp8_gpu_report.py --run gpu-fp8-3b --dir "$DIR" ;;
+    # FP8: bf16 compiled against FP8 compiled (and HF Trainer tuned at 1b), interleaved
+    fp8) "$PY" benchmarks/bench_train.py gpu-fp8 --bench.out "$DIR" ;;
+    fp8-3b) "$PY" benchmarks/bench_train.py gpu-fp8-3b --bench.out "$DIR" ;;
     # the simulated tier's memory (fake tensors, MemTracker) against the card's allocator
     simpeak) "$PY" scripts/simgpu_vs_real.py ;;
     *) echo "unknown step '$1'; steps: ${ALL[*]}"; return 2 ;;
   esac
 }
 
-needs_gpu() { case $1 in infer|infer-quant|paged|warmstart|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
+needs_gpu() { case $1 in infer|infer-quant|paged|infer-hf|quick|best|dpo|grpo|fp8|fp8-3b|simpeak) return 0 ;; *) return 1 ;; esac; }
 
 failed=0
 echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); steps: ${STEPS[*]}; cuda=$CUDA" >> "$SUMMARY"

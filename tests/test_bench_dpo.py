@@ -140,7 +140,7 @@ def test_trl_loads_its_own_reference_where_the_model_has_a_path(tiny_model_dir, 
     from transformers import AutoModelForCausalLM
 
     from helpers import make_tiny_llama
-    from onegpu.bench.train_dpo import default_reference
+    from onegpu.bench.train_trl import default_reference
 
     saved = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     assert default_reference(saved, lora=False) is None
@@ -172,7 +172,7 @@ def test_a_truncated_pair_is_refused_rather_than_compared(tiny_tokenizer):
     different tokens."""
     import datasets
 
-    from onegpu.bench.train_dpo import record_rows
+    from onegpu.bench.train_trl import record_rows
     from onegpu.config import DataConfig
     from onegpu.data import batches
 

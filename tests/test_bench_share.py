@@ -7,9 +7,11 @@ from __future__ import annotations
 from helpers import benchmark_script
 
 # Set at 22% (the share was 21.7%); raised to 23% for `onegpu bench train --objective kto|reward`
-# beside TRL (bench/train_kto.py, train_reward.py, train_unpaired_report.py: issue 56's target),
-# after the export and mismatch one-offs went (share then 22.2%). The target is 15%.
-CEILING = 0.23
+# beside TRL (issue 56's target), after the export and mismatch one-offs went (share then 22.2%);
+# lowered to 20% when the one-off scripts without a rerun left, bench_infer.py became `onegpu bench
+# infer --preset hf-cpu|hf-gpu` and TRL's DPO, KTO and reward peers one runner and one report page
+# (share then 19.7%). The target is 15%.
+CEILING = 0.20
 
 
 def test_the_benchmark_share_stays_under_its_ceiling():

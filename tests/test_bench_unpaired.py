@@ -75,7 +75,7 @@ def test_a_truncated_kto_example_is_refused_rather_than_compared(tiny_tokenizer)
     comparing different tokens."""
     import datasets
 
-    from onegpu.bench.train_kto import record_rows
+    from onegpu.bench.train_trl import record_rows
     from onegpu.config import DataConfig
     from onegpu.data import batches
 
@@ -87,9 +87,9 @@ def test_a_truncated_kto_example_is_refused_rather_than_compared(tiny_tokenizer)
     )
     cfg = DataConfig(seq_len=48, overlong="truncate")
     tokenized, _ = batches.tokenize_counted(records, "unpaired", tiny_tokenizer, cfg, "train")
-    assert record_rows(records, tokenized.select([0]), tiny_tokenizer, cfg) == [0]
+    assert record_rows(records, tokenized.select([0]), tiny_tokenizer, cfg, unpaired=True) == [0]
     with pytest.raises(ConfigError, match="truncated") as err:
-        record_rows(records, tokenized, tiny_tokenizer, cfg)
+        record_rows(records, tokenized, tiny_tokenizer, cfg, unpaired=True)
     assert "seq_len" in err.value.hint
 
 

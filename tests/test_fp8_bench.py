@@ -1,6 +1,6 @@
 """FP8 in `onegpu bench train` and on the next card: the `fp8` arm (the planner's layers on an FP8
-card, skipped with the reason elsewhere), the gpu-fp8 presets, the report that holds a card's
-measurement to the planner and the issue's targets, and scripts/gpu_check.sh's fp8 steps."""
+card, skipped with the reason elsewhere), the gpu-fp8 presets and scripts/gpu_check.sh's fp8
+steps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from helpers import benchmark_script
 from onegpu.hardware import DeviceInfo
@@ -64,20 +62,6 @@ def test_fp8_presets_dry_run_with_their_arms_and_models(tmp_path):
     assert not list(tmp_path.iterdir())  # a dry run writes no model
 
 
-def test_the_report_holds_the_card_to_the_targets():
-    report = benchmark_script("fp8_gpu_report")
-    r = {"shape": "1b", "speed_x": 1.18, "memory_x": 0.9, "vs_hf_tuned": 1.30, "predicted": 1.25}
-    lines = report.verdicts(r)
-    assert lines[0] == "fp8/bf16 1.180x (target >= 1.1x): met"
-    assert lines[1] == "fp8/HF tuned 1.300x (>= 1.35x): MISSED"
-    assert lines[2].startswith("predicted 1.250x, +5.9% of measured") and lines[2].endswith("met")
-    big = report.verdicts(
-        {**r, "shape": "3b", "speed_x": 1.25, "memory_x": 1.02, "vs_hf_tuned": None}
-    )
-    assert big[0].endswith("MISSED")  # faster, but more memory than bf16
-    assert len(big) == 2
-
-
 def test_gpu_check_has_fp8_steps_that_skip_without_a_card(tmp_path):
     import os
 
@@ -96,23 +80,4 @@ def test_gpu_check_has_fp8_steps_that_skip_without_a_card(tmp_path):
     for step in ("fp8", "fp8-3b"):
         assert re.search(rf"^SKIP\s+{step}\s.*no CUDA GPU", summary, re.M), summary
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    assert "fp8_gpu_report.py --run gpu-fp8 " in script and "--run gpu-fp8-3b " in script
-
-
-def test_torchaos_float8_api_is_the_one_used():
-    """What the fp8 step checks first on a card (its torchao may differ from this one)."""
-    report = benchmark_script("fp8_gpu_report")
-    assert report.check_torchao().endswith("float8 training API ok")
-
-
-@pytest.mark.slow
-def test_the_planner_predicts_fp8_faster_and_both_arms_fit_80_gb():
-    """The gpu-fp8 presets' own settings through the planner (full-size activation models: slow):
-    FP8 predicted faster than bf16 on an H100 at both shapes, and every arm fits 80 GB."""
-    from onegpu.bench.fp8 import predicted
-    from onegpu.hardware import find_gpu
-
-    for preset, model in (("gpu-fp8", "1b"), ("gpu-fp8-3b", "3b")):
-        p = predicted(_preset_config(preset, model), find_gpu("h100"))
-        assert p["ratio"] > 1.1, (preset, p)
-        assert max(p["peak_gib"].values()) * 1.05 + 0.6 < 79, (preset, p)
+    assert "bench_train.py gpu-fp8 " in script and "bench_train.py gpu-fp8-3b " in script

@@ -9,7 +9,8 @@ What cannot run here, and why: the CUDA-graph capture itself (torch.compile's re
 fake tensors: nothing to record), with it the server's warm-up on a GPU (``DecodeStep.warm_up``
 runs each bucket twice there, as cudagraph trees record a graph at its second call), and the
 read-back of tokens (a fake tensor has no values) — they run on a real card in
-`scripts/gpu_check.sh`'s engine, infer and warmstart steps."""
+`scripts/gpu_check.sh`'s engine and infer steps (the server's warm-up: `serve_warm_start.py`, at
+commit e14f338)."""
 
 from __future__ import annotations
 

@@ -33,9 +33,8 @@ class Arm:
     row: str  # the guide's table row this arm measures
     overrides: dict = field(default_factory=dict)  # dotted Config keys -> values
     kind: str = "onegpu"  # one of KINDS
-    needs: Optional[Callable] = (
-        None  # (device, bench cfg, data format) -> reason it cannot run, or None
-    )
+    # (device, bench cfg, data format) -> the reason it cannot run, or None
+    needs: Optional[Callable] = None
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -121,11 +120,9 @@ def _trained(dev, b, fmt):
 
 
 def _padded(dev, b, fmt):
-    return (
-        None
-        if fmt != "text"
-        else "text data is packed into full blocks already: no padding to remove"
-    )
+    if fmt == "text":
+        return "text data is packed into full blocks already: no padding to remove"
+    return None
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -150,107 +147,56 @@ def all_arms(b: BenchTrainConfig) -> list[Arm]:
     eff = b.training.micro_batch_size * b.training.grad_accum
     big = big_micro_batch(b)
     small = max(1, b.training.micro_batch_size // 4)
+    mb, ga, prec, opt = (
+        "training.micro_batch_size",
+        "training.grad_accum",
+        "techniques.precision",
+        "techniques.optimizer",
+    )
     return [
         Arm("baseline", "onegpu baseline", {}),
-        Arm(
-            "batch-size",
-            "Batch size choice",
-            {"training.micro_batch_size": big, "training.grad_accum": eff // big},
-        ),
-        Arm(
-            "grad-accum",
-            "Gradient accumulation",
-            {"training.micro_batch_size": small, "training.grad_accum": eff // small},
-        ),
+        Arm("batch-size", "Batch size choice", {mb: big, ga: eff // big}),
+        Arm("grad-accum", "Gradient accumulation", {mb: small, ga: eff // small}),
         Arm("checkpointing", "Gradient checkpointing", {"techniques.checkpointing": "full"}),
-        Arm(
-            "bf16",
-            "Mixed precision (bf16)",
-            {"techniques.precision": "bf16"},
-            needs=_unlike_baseline("bf16"),
-        ),
-        Arm(
-            "fp16",
-            "Mixed precision (fp16)",
-            {"techniques.precision": "fp16"},
-            needs=_all(_cuda_only(FP16_CPU), _unlike_baseline("fp16")),
-        ),
+        Arm("bf16", "Mixed precision (bf16)", {prec: "bf16"}, needs=_unlike_baseline("bf16")),
+        Arm("fp16", "Mixed precision (fp16)", {prec: "fp16"},
+            needs=_all(_cuda_only(FP16_CPU), _unlike_baseline("fp16"))),
         Arm("tf32", "Mixed precision (tf32)", {"techniques.tf32": True}, needs=_ampere("tf32")),
         # On a GPU the baseline is bf16 already: these two measure what it gains over fp32 and
         # over fp32 with TF32 matmuls (the guide's tf32 row), rather than bf16 against itself.
-        Arm(
-            "fp32",
-            "Mixed precision (fp32 reference)",
-            {"techniques.precision": "fp32"},
-            needs=_unlike_baseline("fp32"),
-        ),
-        Arm(
-            "fp32-tf32",
-            "Mixed precision (tf32, fp32 weights)",
-            {"techniques.precision": "fp32", "techniques.tf32": True},
-            needs=_ampere("tf32"),
-        ),
-        Arm(
-            "flash",
-            "Flash Attention",
-            {"techniques.attention": "flash"},
-            needs=_cuda("FlashAttention"),
-        ),
-        Arm(
-            "adamw-fused", "Optimizer choice (fused AdamW)", {"techniques.optimizer": "adamw-fused"}
-        ),
-        Arm("adafactor", "Optimizer choice (Adafactor)", {"techniques.optimizer": "adafactor"}),
-        Arm(
-            "adamw-8bit",
-            "Optimizer choice (8-bit AdamW)",
-            {"techniques.optimizer": "adamw-8bit"},
-            needs=_module("bitsandbytes"),
-        ),
+        Arm("fp32", "Mixed precision (fp32 reference)", {prec: "fp32"},
+            needs=_unlike_baseline("fp32")),
+        Arm("fp32-tf32", "Mixed precision (tf32, fp32 weights)",
+            {prec: "fp32", "techniques.tf32": True}, needs=_ampere("tf32")),
+        Arm("flash", "Flash Attention", {"techniques.attention": "flash"},
+            needs=_cuda("FlashAttention")),
+        Arm("adamw-fused", "Optimizer choice (fused AdamW)", {opt: "adamw-fused"}),
+        Arm("adafactor", "Optimizer choice (Adafactor)", {opt: "adafactor"}),
+        Arm("adamw-8bit", "Optimizer choice (8-bit AdamW)", {opt: "adamw-8bit"},
+            needs=_module("bitsandbytes")),
         Arm("preload", "Data preloading", {"data.num_workers": 2, "data.pin_memory": True}),
-        Arm(
-            "compile",
-            "torch.compile",
-            {"techniques.compile": "default"},
-            needs=_all(_compiler, _eager_baseline),
-        ),
+        Arm("compile", "torch.compile", {"techniques.compile": "default"},
+            needs=_all(_compiler, _eager_baseline)),
         # On a GPU the baseline compiles (settle.settle_compile): this arm shows what that gains.
-        Arm(
-            "eager",
-            "torch.compile (eager reference)",
-            {"techniques.compile": "off"},
-            needs=_compiled_baseline,
-        ),
+        Arm("eager", "torch.compile (eager reference)", {"techniques.compile": "off"},
+            needs=_compiled_baseline),
         # the planner's layers on this card (bench/fp8.py); compiled, as every onegpu arm on a GPU
         Arm("fp8", "FP8 training (torchao float8, tensorwise)", {}, needs=fp8_card),
-        Arm(
-            "plain-loss",
-            "Plain cross-entropy (full logits, not fused)",
-            {"techniques.loss": "plain"},
-        ),
-        Arm(
-            "padding-free",
-            "Packing instead of padding",
-            {"techniques.padding_free": True},
-            needs=_padded,
-        ),
+        Arm("plain-loss", "Plain cross-entropy (full logits, not fused)",
+            {"techniques.loss": "plain"}),
+        Arm("padding-free", "Packing instead of padding", {"techniques.padding_free": True},
+            needs=_padded),
         Arm("lora", "PEFT (LoRA)", {"techniques.lora.enabled": True}, needs=_module("peft")),
-        Arm(
-            "qlora",
-            "PEFT (QLoRA, nf4 base)",
+        Arm("qlora", "PEFT (QLoRA, nf4 base)",
             {"techniques.lora.enabled": True, "techniques.lora.quantize_base": "nf4"},
-            needs=_all(_module("peft"), _module("bitsandbytes"), _trained),
-        ),
-        Arm(
-            "offload",
-            "DeepSpeed ZeRO (CPU offload)",
-            {"techniques.offload": "zero2-cpu"},
-            needs=_cuda("DeepSpeed ZeRO offload in this benchmark"),
-        ),
+            needs=_all(_module("peft"), _module("bitsandbytes"), _trained)),
+        Arm("offload", "DeepSpeed ZeRO (CPU offload)", {"techniques.offload": "zero2-cpu"},
+            needs=_cuda("DeepSpeed ZeRO offload in this benchmark")),
         Arm("best", "Best combination", {}),
         Arm("hf-trainer", "HF Trainer, defaults", {}, kind="hf"),
         Arm("hf-trainer-tuned", "HF Trainer, guide's flags", {}, kind="hf"),
         Arm("trl-sft", "TRL SFTTrainer, defaults", {}, kind="trl", needs=_module("trl")),
-    ]
+    ]  # fmt: skip
 
 
 def dpo_arms() -> list[Arm]:
@@ -259,34 +205,17 @@ def dpo_arms() -> list[Arm]:
     (a frozen copy run every step) for a like-for-like step, and TRL's DPOTrainer at its defaults,
     full and with the same LoRA adapters (the LoRA arms read r, alpha, dropout and targets from
     techniques.lora)."""
+    lora, trl, peft = {"techniques.lora.enabled": True}, _module("trl"), _module("peft")
     return [
         Arm("baseline", "onegpu DPO, full (reference precomputed)", {}),
-        Arm(
-            "lora",
-            "onegpu DPO, LoRA (reference: adapters off)",
-            {"techniques.lora.enabled": True},
-            needs=_module("peft"),
-        ),
-        Arm(
-            "ref-copy",
-            "onegpu DPO, full (reference: frozen copy, every step)",
-            {"preference.reference": "copy"},
-        ),
-        Arm(
-            "trl-dpo",
-            "TRL DPOTrainer, defaults, full (reference: frozen copy, every step)",
-            {},
-            kind="trl-dpo",
-            needs=_module("trl"),
-        ),
-        Arm(
-            "trl-dpo-lora",
-            "TRL DPOTrainer, defaults, LoRA (reference: adapters off)",
-            {"techniques.lora.enabled": True},
-            kind="trl-dpo",
-            needs=_all(_module("trl"), _module("peft")),
-        ),
-    ]
+        Arm("lora", "onegpu DPO, LoRA (reference: adapters off)", lora, needs=peft),
+        Arm("ref-copy", "onegpu DPO, full (reference: frozen copy, every step)",
+            {"preference.reference": "copy"}),
+        Arm("trl-dpo", "TRL DPOTrainer, defaults, full (reference: frozen copy, every step)", {},
+            kind="trl-dpo", needs=trl),
+        Arm("trl-dpo-lora", "TRL DPOTrainer, defaults, LoRA (reference: adapters off)",
+            dict(lora), kind="trl-dpo", needs=_all(trl, peft)),
+    ]  # fmt: skip
 
 
 def grpo_arms() -> list[Arm]:
@@ -296,20 +225,12 @@ def grpo_arms() -> list[Arm]:
         Arm("baseline", "onegpu GRPO, full fine-tune", {}),
         # what a default run of 50+ steps does: compiled blocks, and the sampler's compiled decode
         # step (a short bench run leaves compile=auto off on a CPU)
-        Arm(
-            "compile",
-            "onegpu GRPO, compiled (blocks and the sampler's decode step)",
+        Arm("compile", "onegpu GRPO, compiled (blocks and the sampler's decode step)",
             {"techniques.compile": "default"},
-            needs=_all(_grpo_compile_device, _compiler, _eager_baseline),
-        ),
-        Arm(
-            "trl-grpo",
-            "TRL GRPOTrainer, defaults, full fine-tune",
-            {},
-            kind="trl-grpo",
-            needs=_module("trl"),
-        ),
-    ]
+            needs=_all(_grpo_compile_device, _compiler, _eager_baseline)),
+        Arm("trl-grpo", "TRL GRPOTrainer, defaults, full fine-tune", {}, kind="trl-grpo",
+            needs=_module("trl")),
+    ]  # fmt: skip
 
 
 def unpaired_arms(objective: str) -> list[Arm]:

@@ -1,11 +1,10 @@
-"""The `fp8` arm of `onegpu bench train`, and the planner's prediction it is checked against.
+"""The `fp8` arm of `onegpu bench train`: the layers the planner keeps in float8.
 
 The arm trains as `train --plan auto` would with FP8 on: torchao's tensorwise recipe on the layers
 the planner keeps in float8 at this run's shape and card (plan/fp8.choose_skip; the rest go to
 ``techniques.fp8_skip``), compiled like every onegpu arm on a GPU (bench/settle.py). A device
 without FP8 tensor cores skips it with the reason (FP8's numerics on a CPU:
-benchmarks/results/fp8-cpu-20261128.md). ``predicted`` is the planner's FP8/bf16 tokens/s ratio
-for the same run, the figure a card's measurement is held to (benchmarks/fp8_gpu_report.py).
+benchmarks/results/fp8-cpu-20261128.md).
 """
 
 from __future__ import annotations
@@ -67,30 +66,3 @@ def planned_overrides(b, device) -> dict:
     if c is not None and c.techniques.fp8_skip:
         out["techniques.fp8_skip"] = c.techniques.fp8_skip
     return out
-
-
-def predicted(config, spec, skip: str | None = None) -> dict:
-    """The planner's FP8 and bf16 predictions for a run ``config`` (its dict in a results file) on
-    ``spec``: tokens/s of each, their ratio, peak memory of each, the float8 layers (``skip``: the
-    layers the measured arm kept in bf16; None: the planner's choice)."""
-    import dataclasses
-
-    from onegpu.plan import memory, speed
-
-    shape, seq, fp8 = _candidates(config, spec, RECIPE)
-    if fp8 is None:
-        return {}
-    if skip is not None:  # predict the layers the arm really ran
-        fp8 = dataclasses.replace(
-            fp8, techniques=dataclasses.replace(fp8.techniques, fp8_skip=skip)
-        )
-    bf16 = _candidates(config, spec, "off")[2]
-    est = {name: speed.estimate(shape, c, seq, spec) for name, c in (("fp8", fp8), ("bf16", bf16))}
-    mem = {name: memory.estimate(shape, c, seq).peak for name, c in (("fp8", fp8), ("bf16", bf16))}
-    return {
-        "ratio": est["fp8"].tokens_per_s / est["bf16"].tokens_per_s,
-        "tokens_per_s": {k: v.tokens_per_s for k, v in est.items()},
-        "peak_gib": {k: v / 2**30 for k, v in mem.items()},
-        "fp8_skip": fp8.techniques.fp8_skip,
-        "label": fp8.label(),
-    }

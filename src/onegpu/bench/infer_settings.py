@@ -79,6 +79,29 @@ PRESETS: dict[str, dict] = {
         repeats=5,
         max_minutes=0,
     ),
+    # transformers' generate settings (dtypes, bitsandbytes, torchao, static cache + compile) on
+    # this CPU (the random-init `small` preset) or on a card (`1b`): minutes, not hours
+    "hf-cpu": dict(
+        model="small",
+        vocab_size=32000,
+        device="cpu",
+        settings="fp32,bf16,int8,nf4,ao-int8,ao-int8-dynamic,static-compile",
+        batch_size="4",
+        prompt_len=64,
+        new_tokens=32,
+        repeats=3,
+    ),
+    "hf-gpu": dict(
+        model="1b",
+        vocab_size=128256,
+        device="cuda",
+        settings="fp32,bf16,fp16,int8,nf4,fp4,ao-int8,ao-int8-dynamic,bf16+ao-int4,"
+        "bf16+static-compile,bf16+eager",
+        batch_size="8",
+        prompt_len=512,
+        new_tokens=128,
+        repeats=5,
+    ),
 }
 
 

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import statistics
 from typing import Optional
 
 from onegpu.bench import infer_roofline as roof
+from onegpu.bench import provenance
 from onegpu.bench.infer_settings import BASELINE
+from onegpu.bench.timing import median as _median
+from onegpu.bench.timing import span as _range
 
+# The libraries an inference results page names.
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "torchao", "onegpu")
 MEDIANS = ("ttft_ms", "prefill_tps", "decode_tps", "ms_per_step", "mem_rise", "load1")
-
-
-def _median(values: list) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _range(values: list) -> Optional[list]:
-    values = [v for v in values if v is not None]
-    return [min(values), max(values)] if values else None
 
 
 def rows(bench, gbs: Optional[float]) -> list[dict]:
@@ -128,7 +122,7 @@ def summarize(bench) -> dict:
         "benchmark": "infer",
         "device": _device_name(bench.device),
         "device_type": bench.device,
-        "versions": _versions(),
+        "versions": provenance.versions(PACKAGES, missing=False),
         "config": dataclasses.asdict(cfg),
         "threads": torch.get_num_threads(),
         "rounds": bench.rounds,
@@ -144,15 +138,3 @@ def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    found = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "torchao", "onegpu"):
-        try:
-            found[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return found

@@ -45,18 +45,36 @@ def commit(path: Path = ROOT) -> str:
     return (head + ("+local" if dirty else "")) if head else "unknown"
 
 
-def machine() -> dict:
-    """What ran it: platform, CPU model and count, the card if one is visible, library versions."""
-    cpu = ""
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
-        cpu = next(
+        return next(
             line.split(":", 1)[1].strip()
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
     except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    found = {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count()}
+        return platform.processor() or platform.machine()
+
+
+def versions(packages: tuple[str, ...], missing: bool = True) -> dict:
+    """Python's version and each installed package's (None for one not installed, or left out when
+    ``missing`` is False)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict = {"python": platform.python_version()}
+    for pkg in packages:
+        try:
+            found[pkg] = version(pkg)
+        except PackageNotFoundError:
+            if missing:
+                found[pkg] = None
+    return found
+
+
+def machine() -> dict:
+    """What ran it: platform, CPU model and count, the card if one is visible, library versions."""
+    found = {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count()}
     found["python"] = platform.python_version()
     try:
         import torch

@@ -2,7 +2,7 @@
 and TRL's SFTTrainer; with `--objective dpo`, DPO next to TRL's DPOTrainer (arms.dpo_arms); with
 `--objective grpo`, GRPO next to TRL's GRPOTrainer (arms.grpo_arms, train_grpo.py); with
 `--objective kto` / `reward`, KTO / a reward model next to TRL's KTOTrainer / RewardTrainer
-(arms.unpaired_arms, train_kto.py, train_reward.py).
+(arms.unpaired_arms, train_trl.py).
 
 Every arm (arms.py) is one setting of the run ``Config`` (so methods show up here as soon as they
 exist), trained for the same steps on the same tokenized data and effective batch. Arms run in a
@@ -265,13 +265,9 @@ def dry_run(b: BenchTrainConfig) -> int:
 
     validate(b)
     device = detect()
-    fmt = (
-        "unknown"
-        if b.data.path
-        else {"sft": "text", "grpo": "prompt", "kto": "unpaired"}.get(
-            b.training.objective, "preference"
-        )
-    )  # known once read
+    formats = {"sft": "text", "grpo": "prompt", "kto": "unpaired"}
+    # a data file's format is known once read
+    fmt = "unknown" if b.data.path else formats.get(b.training.objective, "preference")
     print(
         f"dry run on {device.name}: {b.model.name}, {b.training.micro_batch_size} x "
         f"{b.training.grad_accum} x {b.data.seq_len} tokens, {b.training.max_steps} steps, "

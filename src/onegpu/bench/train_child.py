@@ -2,11 +2,11 @@
 result.json``.
 
 Every kind of arm — our `train()`, HF `Trainer`, TRL's `SFTTrainer` (train_peers.py), its
-`DPOTrainer` (train_dpo.py), its `GRPOTrainer` (train_grpo.py), its `KTOTrainer` (train_kto.py)
-and its `RewardTrainer` (train_reward.py) — imports
-its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the model
-from the same seed and trains on the same examples in the same order. Timing leaves out the first
-`warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise anyway.
+`GRPOTrainer` (train_grpo.py), its `DPOTrainer`, `KTOTrainer` and `RewardTrainer` (train_trl.py) —
+imports its libraries, resets the peak memory counter, then tokenizes (from the cache), builds the
+model from the same seed and trains on the same examples in the same order. Timing leaves out the
+first `warmup_steps` steps and is read at the logging boundaries only, where the loops synchronise
+anyway.
 """
 
 from __future__ import annotations
@@ -116,9 +116,7 @@ def run_onegpu(spec: dict, probe: MemoryProbe | None = None, callbacks: tuple = 
     records = train_windows(read_metrics(result.run_dir / "metrics.jsonl"))
     out = timing_from_windows(records, spec["warmup_steps"])
     out["evidence"] = evidence(watch.run)
-    if (
-        watch.reference_pass
-    ):  # DPO with a precomputed reference: its pass ran before the timed steps
+    if watch.reference_pass:  # a precomputed reference: its pass ran before the timed steps
         out["reference_pass"] = watch.reference_pass
     if records and "reward_accuracy" in records[-1]:  # preference objectives log them
         out.update(
@@ -150,7 +148,7 @@ class Watch(Callback):
         self.reference_seconds = seconds
 
     def on_train_begin(self, run, state) -> None:
-        from onegpu.bench.train_dpo import reference_pass
+        from onegpu.bench.train_trl import reference_pass
 
         self.run = run
         self.reference_pass = reference_pass(run, self.reference_seconds)
@@ -242,23 +240,22 @@ def main(argv: list[str]) -> int:
     preimport(spec["kind"])
     from onegpu import hardware
 
-    peak = hardware.measure_matmul_flops(
-        hardware.detect().type, seconds=0.5
-    )  # under the load this arm trains in
+    # under the load this arm trains in
+    peak = hardware.measure_matmul_flops(hardware.detect().type, seconds=0.5)
     probe = MemoryProbe()
     t0 = time.perf_counter()
     if spec["kind"] == "onegpu":
         result = run_onegpu(spec, probe)
     else:
-        from onegpu.bench import train_dpo, train_grpo, train_kto, train_peers, train_reward
+        from onegpu.bench import train_grpo, train_peers, train_trl
 
         runners = {
             "hf": train_peers.run_hf,
             "trl": train_peers.run_trl,
-            "trl-dpo": train_dpo.run_trl_dpo,
+            "trl-dpo": train_trl.run_trl_preference,
             "trl-grpo": train_grpo.run_trl_grpo,
-            "trl-kto": train_kto.run_trl_kto,
-            "trl-reward": train_reward.run_trl_reward,
+            "trl-kto": train_trl.run_trl_preference,
+            "trl-reward": train_trl.run_trl_preference,
         }
         result = runners[spec["kind"]](spec)
     if "peak_mem_mb" not in result:

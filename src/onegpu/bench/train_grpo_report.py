@@ -12,7 +12,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from onegpu.bench.train_dpo_report import footer
+from onegpu.bench.timing import fmt as _fmt
+from onegpu.bench.timing import median as _median
+from onegpu.bench.timing import span as _span
+from onegpu.bench.train_trl_report import footer
 
 PEER = "trl-grpo"
 TAIL = 5  # steps averaged into the "final reward" (one step's reward is noisy)
@@ -58,16 +61,6 @@ KEPT = (
     "(no vLLM, no continuous batching), its fused LM head for the per-token log-probs "
     "(`fused_lm_head`), Trainer's default optimizer (named in the json's evidence)."
 )
-
-
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _span(values):
-    values = [v for v in values if v is not None]
-    return [min(values), max(values)] if values else None
 
 
 def _mean(values):
@@ -138,10 +131,6 @@ def within_noise(arm: dict, peer: dict):
 
 
 # ----------------------------------------------------------------------------------------- output
-def _fmt(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None else f"{v:{spec}}{suffix}"
-
-
 def _rng(r, spec: str) -> str:
     return "—" if not r else f"{r[0]:{spec}}–{r[1]:{spec}}"
 

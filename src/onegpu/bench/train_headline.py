@@ -3,6 +3,8 @@ saying which side compiled and what each side's start-up (compiling included) co
 
 from __future__ import annotations
 
+from onegpu.bench.timing import fmt as _fmt
+
 
 def compiled(arm: dict) -> bool | None:
     """Whether the arm's code was compiled, read off its live objects (the evidence)."""
@@ -54,7 +56,3 @@ def compile_note(doc: dict) -> str:
         )
         + "); the `compile` arm shows what compiling adds."
     )
-
-
-def _fmt(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None else f"{v:{spec}}{suffix}"

@@ -111,24 +111,28 @@ def _attention(cfg, device, model_name: str) -> str:
     )
 
 
+def timer(spec: dict, p: PeerSetup):
+    """The peer's clock (make_timer) for this arm's warm-up, budget and logging."""
+    cuda = p.device.type == "cuda"
+    return make_timer(spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, cuda)
+
+
 def run_hf(spec: dict, callbacks: tuple = ()) -> dict:
     """transformers.Trainer on our tokenized examples, in the order our loop would draw them."""
     from transformers import Trainer, TrainingArguments
 
     p = setup(spec)
-    timer = make_timer(
-        spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda"
-    )
+    clock = timer(spec, p)
     args = TrainingArguments(**hf_arguments(p.cfg, spec["arm"], p.device))
     trainer = Trainer(
         model=p.model,
         args=args,
         train_dataset=p.dataset,
         data_collator=p.data.collator,
-        callbacks=[timer, *callbacks],
+        callbacks=[clock, *callbacks],
     )
     trainer.train()
-    return _result(trainer, args, timer, p.per_step)
+    return _result(trainer, args, clock, p.per_step)
 
 
 def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
@@ -143,9 +147,7 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     p = setup(spec)
-    timer = make_timer(
-        spec["warmup_steps"], spec["budget_s"], p.cfg.training.log_every, p.device.type == "cuda"
-    )
+    clock = timer(spec, p)
     kw = hf_arguments(p.cfg, "trl-sft", p.device)
     if p.device.type == "cpu":
         kw["use_cpu"] = True  # TRL's default bf16 refuses to start on a CPU without it
@@ -155,10 +157,10 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
         args=args,
         train_dataset=p.dataset,
         processing_class=p.data.tokenizer,
-        callbacks=[timer, *callbacks],
+        callbacks=[clock, *callbacks],
     )
     trainer.train()
-    out = _result(trainer, args, timer, p.per_step)
+    out = _result(trainer, args, clock, p.per_step)
     base = (
         trainer.model.get_base_model()
         if hasattr(trainer.model, "get_base_model")

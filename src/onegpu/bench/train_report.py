@@ -10,11 +10,23 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import platform
-import statistics
 from pathlib import Path
 from typing import Optional
 
+from onegpu.bench.timing import fmt as _fmt
+from onegpu.bench.timing import median as _median
+
+# The libraries a training results page names.
+PACKAGES = (
+    "onegpu",
+    "torch",
+    "transformers",
+    "accelerate",
+    "peft",
+    "bitsandbytes",
+    "datasets",
+    "trl",
+)
 # What the guide's own table claims for each row: (improves speed, saves memory).
 GUIDE = {
     "Batch size choice": ("Yes", "Yes"),
@@ -51,62 +63,29 @@ PEERS = {
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
+_PEFT = ("peft", lambda v: v is True, "a PEFT model")
+_TRL_COPY = ("reference", lambda v: str(v).startswith("frozen copy"), "TRL's frozen-copy reference")
 ACTIVE = {
     "checkpointing": ("checkpointing", lambda v: v is True, "gradient checkpointing enabled"),
     "bf16": ("precision", lambda v: v == "bf16", "bf16 precision"),
     "fp32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "fp32-tf32": ("precision", lambda v: v == "fp32", "fp32 precision"),
     "adafactor": ("optimizer", lambda v: "adafactor" in str(v).lower(), "an Adafactor optimizer"),
-    "adamw-8bit": (
-        "optimizer_state_dtypes",
-        lambda v: "torch.uint8" in (v or []),
-        "8-bit optimizer state",
-    ),
+    "adamw-8bit": ("optimizer_state_dtypes", lambda v: "torch.uint8" in (v or []),
+                   "8-bit optimizer state"),
     "compile": ("compiled", lambda v: v is True, "compiled modules"),
     "fp8": ("float8_layers", lambda v: bool(v), "float8 Linear layers"),
-    "lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "qlora": ("peft", lambda v: v is True, "a PEFT model"),
+    "lora": _PEFT,
+    "qlora": _PEFT,
     "ref-copy": ("reference", lambda v: v == "CopyReference", "a frozen-copy reference"),
-    "trl-dpo": (
-        "reference",
-        lambda v: str(v).startswith("frozen copy"),
-        "TRL's frozen-copy reference",
-    ),
-    "trl-dpo-lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "trl-kto": (
-        "reference",
-        lambda v: str(v).startswith("frozen copy"),
-        "TRL's frozen-copy reference",
-    ),
-    "trl-kto-lora": ("peft", lambda v: v is True, "a PEFT model"),
-    "trl-reward": (
-        "score_head",
-        lambda v: str(v).endswith("ForSequenceClassification"),
-        "a sequence-classification model",
-    ),
-    "trl-reward-lora": ("peft", lambda v: v is True, "a PEFT model"),
-}
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in (
-        "onegpu",
-        "torch",
-        "transformers",
-        "accelerate",
-        "peft",
-        "bitsandbytes",
-        "datasets",
-        "trl",
-    ):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    "trl-dpo": _TRL_COPY,
+    "trl-dpo-lora": _PEFT,
+    "trl-kto": _TRL_COPY,
+    "trl-kto-lora": _PEFT,
+    "trl-reward": ("score_head", lambda v: str(v).endswith("ForSequenceClassification"),
+                   "a sequence-classification model"),
+    "trl-reward-lora": _PEFT,
+}  # fmt: skip
 
 
 def code_version() -> dict:
@@ -134,20 +113,13 @@ def code_version() -> dict:
     return {"commit": head or None, "local_changes": bool(dirty) if head else None}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def new_document(b, device, prep: dict, argv: list[str]) -> dict:
     import os
 
-    name = device.name if device.type != "cpu" else f"{cpu_name()} ({os.cpu_count()} threads)"
+    from onegpu.bench import provenance
+
+    cpu = f"{provenance.cpu_name()} ({os.cpu_count()} threads)"
+    name = device.name if device.type != "cpu" else cpu
     return {
         "benchmark": "onegpu bench train",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -159,7 +131,7 @@ def new_document(b, device, prep: dict, argv: list[str]) -> dict:
             "name": name,
             "memory_gb": round(device.total_memory / 2**30, 1),
         },
-        "versions": versions(),
+        "versions": provenance.versions(PACKAGES),
         "code": code_version(),
         "config": dataclasses.asdict(b),
         "setup": prep,
@@ -265,11 +237,6 @@ def _inactive(arm_doc: dict, ok: list[dict]) -> Optional[str]:
     return None if test(seen) else f"not active: expected {expected}, found {key}={seen}"
 
 
-def _median(values: list) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 # ----------------------------------------------------------------------------------------- output
 def write_all(doc: dict, out_dir: str | Path, stem: str) -> dict[str, Path]:
     out = Path(out_dir)
@@ -281,23 +248,15 @@ def write_all(doc: dict, out_dir: str | Path, stem: str) -> dict[str, Path]:
     return paths
 
 
-def _fmt(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None else f"{v:{spec}}{suffix}"
-
-
 def markdown(doc: dict, png_name: str | None = None) -> str:
-    if doc["config"]["training"].get("objective") == "dpo":
-        from onegpu.bench.train_dpo_report import dpo_markdown
-
-        return dpo_markdown(doc, png_name)
     if doc["config"]["training"].get("objective") == "grpo":
         from onegpu.bench.train_grpo_report import grpo_markdown
 
         return grpo_markdown(doc, png_name)
-    if doc["config"]["training"].get("objective") in ("kto", "reward"):
-        from onegpu.bench.train_unpaired_report import unpaired_markdown
+    if doc["config"]["training"].get("objective") in ("dpo", "kto", "reward"):
+        from onegpu.bench.train_trl_report import preference_markdown
 
-        return unpaired_markdown(doc, png_name)
+        return preference_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
     lines = [

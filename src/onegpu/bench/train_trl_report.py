@@ -1,14 +1,16 @@
-"""The markdown of `onegpu bench train --objective kto|reward`: onegpu's KTO or reward model next to
-TRL's KTOTrainer or RewardTrainer.
+"""The markdown of `onegpu bench train --objective dpo|kto|reward`: onegpu's DPO, KTO or reward
+model next to TRL's DPOTrainer, KTOTrainer or RewardTrainer; and the closing lines every peer
+comparison's page shares (``footer``, GRPO's too).
 
 The numbers are train_report.summarize's (medians over interleaved rounds, ratios paired per round
-with the TRL arm of the same kind: full with full, LoRA with LoRA). KTO's precomputed reference is
-shown on its own and charged in a column of its own, as DPO's page does (train_dpo_report).
+with the TRL arm of the same kind: full with full, LoRA with LoRA). This page says which arm
+computes its reference where, so a precomputed reference (DPO's, KTO's) is never read as free: its
+pass is shown on its own and charged in a column of its own.
 """
 
 from __future__ import annotations
 
-from onegpu.bench.train_dpo_report import _fmt, footer
+from onegpu.bench.timing import fmt as _fmt
 
 COMMON = [
     ("model", "the same seeded weights, built in the arm's process"),
@@ -27,6 +29,15 @@ COMMON = [
     ("LoRA (LoRA arms)", "the same adapters: r, alpha, dropout, target modules"),
 ]
 ALIGNED = {
+    "dpo": [
+        (
+            "pairs and their order",
+            "the records our data code makes (`pairs.corpus_pairs`), in the order our loop draws "
+            "them; TRL tokenizes them itself and the bench checks its ids equal ours pair by pair",
+        ),
+        ("max length", "`max_length` = data.seq_len (TRL's default 1024); no pair here reaches it"),
+        ("beta, label smoothing", "the loss itself (TRL's defaults 0.1 and 0 equal ours)"),
+    ],
     "kto": [
         (
             "examples and their order",
@@ -53,6 +64,12 @@ ALIGNED = {
     ],
 }
 KEPT = {
+    "dpo": (
+        "TRL's own defaults kept: its reference (a frozen copy of the model run inside every step "
+        "for a full fine-tune; the adapters switched off for LoRA), gradient checkpointing on, "
+        "padding to the longest sequence (ours: to a multiple of 64), its metrics every step, "
+        "Trainer's fused AdamW."
+    ),
     "kto": (
         "TRL's own defaults kept: its reference (a frozen copy of the model run inside every step "
         "for a full fine-tune; the adapters switched off for LoRA), its KL estimate (a no-grad "
@@ -67,7 +84,30 @@ KEPT = {
         "(PEFT's SEQ_CLS task), as ours."
     ),
 }
-TITLE = {"kto": ("KTO", "KTOTrainer"), "reward": ("Reward model", "RewardTrainer")}
+TITLE = {
+    "dpo": ("DPO", "DPOTrainer"),
+    "kto": ("KTO", "KTOTrainer"),
+    "reward": ("Reward model", "RewardTrainer"),
+}
+# Where each arm computes the reference, or what accuracy means, after the table.
+CLOSING = {
+    "dpo": "Where each arm computes DPO's reference: `baseline` once, before the first step (a "
+    "no-grad pass over every training and validation pair, stored with the run); the table shows "
+    "that pass on its own (warm, and as first run, which also pays the process's start-up) and "
+    'charges its warm time to the timed steps pro rata in "tokens/s with reference pass". '
+    "`ref-copy` and `trl-dpo` run a frozen copy's forward inside every step, the LoRA arms the "
+    "policy with its adapters off: their tokens/s include it. Accuracy: the share of pairs whose "
+    "implicit reward ranks chosen above rejected (TRL's rewards/accuracies).",
+    "kto": "Where each arm computes KTO's reference: `baseline` once, before the first step (a "
+    "no-grad pass over every example and its mismatched sequence, stored with the run); the table "
+    "shows that pass on its own (warm, and as first run, which also pays the process's start-up) "
+    'and charges its warm time to the timed steps pro rata in "tokens/s with reference pass". '
+    "`trl-kto` runs a frozen copy's forward inside every step, the LoRA arms the policy with its "
+    "adapters off: their tokens/s include it. Accuracy: the share of examples on their label's "
+    "side of the reference point (ours); TRL logs no such figure.",
+    "reward": "Accuracy: the share of the last logged window's pairs scored chosen above rejected "
+    "(both sides log it).",
+}
 
 
 def _vs_peer(doc: dict, name: str, objective: str) -> dict:
@@ -92,7 +132,7 @@ def _note(arm: dict) -> str:
     return ", ".join(b for b in bits if b)
 
 
-def unpaired_markdown(doc: dict, png_name: str | None = None) -> str:
+def preference_markdown(doc: dict, png_name: str | None = None) -> str:
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
     objective = t["objective"]
@@ -157,7 +197,7 @@ def unpaired_markdown(doc: dict, png_name: str | None = None) -> str:
                 f"{_fmt(a.get('reference_pass_s'), '.2f')}"
             )
         else:
-            ref = "in every step" if objective == "kto" else "none"
+            ref = "none" if objective == "reward" else "in every step"
         note = a.get("reason") or a.get("inactive") or _note(a)
         status = "" if a["status"] == "ok" else f"**{a['status']}** "
         lines.append(
@@ -169,25 +209,7 @@ def unpaired_markdown(doc: dict, png_name: str | None = None) -> str:
             f"{_fmt(vs.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('final_loss'), '.4f')} | "
             f"{_fmt(a.get('reward_accuracy'), '.2f')} | {status}{note} |"
         )
-    lines += [""]
-    if objective == "kto":
-        lines += [
-            "Where each arm computes KTO's reference: `baseline` once, before the first step (a "
-            "no-grad pass over every example and its mismatched sequence, stored with the run); "
-            "the table shows that pass on its own (warm, and as first run, which also pays the "
-            "process's start-up) and charges its warm time to the timed steps pro rata in "
-            '"tokens/s with reference pass". `trl-kto` runs a frozen copy\'s forward inside '
-            "every step, the LoRA arms the policy with its adapters off: their tokens/s include "
-            "it. Accuracy: the share of examples on their label's side of the reference point "
-            "(ours); TRL logs no such figure.",
-            "",
-        ]
-    else:
-        lines += [
-            "Accuracy: the share of the last logged window's pairs scored chosen above rejected "
-            "(both sides log it).",
-            "",
-        ]
+    lines += ["", CLOSING[objective], ""]
     lines += ["Set on TRL's side to the run's values (the rest is TRL's default):", ""]
     lines += footer(
         doc,
@@ -197,3 +219,23 @@ def unpaired_markdown(doc: dict, png_name: str | None = None) -> str:
         "speed and memory against the baseline",
     )
     return "\n".join(lines) + "\n"
+
+
+def footer(doc: dict, aligned, kept: str, png_name: str | None, caption: str) -> list[str]:
+    """A peer comparison's closing lines: what was aligned on the peer's side and why, what was
+    left at its defaults, the versions and commit, and the plot."""
+    v = doc["versions"]
+    peft = f", peft {v['peft']}" if v.get("peft") else ""
+    lines = [f"- {what}: {why}." for what, why in aligned]
+    lines += [
+        "",
+        kept,
+        "",
+        f"torch {v['torch']}, transformers {v['transformers']}, accelerate "
+        f"{v['accelerate']}{peft}, trl {v.get('trl')}, datasets {v.get('datasets')}; python "
+        f"{v['python']}. "
+        f"Commit {(doc.get('code') or {}).get('commit')}.",
+    ]
+    if png_name:
+        lines += ["", f"![{caption}]({png_name})"]
+    return lines
