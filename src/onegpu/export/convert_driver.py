@@ -99,6 +99,11 @@ def as_the_converter_reads(arch: str, hparams: dict) -> dict:
         # transformers' FalconAttention has one K/V head here, whatever num_kv_heads (which
         # transformers 5 now writes, equal to the heads) says; the converter reads num_kv_heads
         h["num_kv_heads"] = 1
+    if arch == "DeepseekV3ForCausalLM":
+        # transformers' DeepseekV3 routes through a sigmoid always and writes no scoring_func;
+        # without one, llama.cpp's deepseek2 falls back to DeepSeek-V2's softmax router (the
+        # test zoo's model diverged at token 12, in f32 as in f16)
+        h.setdefault("scoring_func", "sigmoid")
     return h
 
 
