@@ -47,7 +47,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(files, tmp_path_factory):
     model, media, _ = files
-    args = ["--model", str(model), "--max_len", "256", "--max_slots", "2"]
+    args = ["--model", str(model), "--served_name", "m", "--max_len", "256", "--max_slots", "2"]
     args += ["--allowed_local_media", str(media)]
     srv = Server(args, tmp_path_factory.mktemp("serve-vlm-log") / "server.log")
     yield srv
