@@ -110,18 +110,14 @@ def _blocks(types: list[int]) -> tuple[int, ...]:
 
 def digest(features: dict) -> str:
     """sha256 of the tensors' names, shapes, dtypes and bytes."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(features):
         t = features[name].contiguous().cpu()
         h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.view(-1).view(_byte_dtype()).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
 
 
 def cache_key(adapter_key: Optional[str], images: Optional[PromptImages]):
@@ -174,11 +170,17 @@ def check_model(config) -> None:
         )
 
 
+def feeds(images: Optional[PromptImages], start: int) -> bool:
+    """Whether a piece of the prompt starting at ``start`` computes its images (the piece then
+    holds every placeholder: ``piece_end``, ``usable_prefix``)."""
+    return images is not None and start < images.end
+
+
 def model_inputs(images, start: int, device=None, dtype=None) -> dict[str, Any]:
     """The image tensors a piece starting at ``start`` feeds the forward (on ``device``, floats in
     ``dtype``): all of them where it holds the placeholders, none where they were computed before
     (a cached prefix)."""
-    if images is None or start >= images.end:
+    if not feeds(images, start):
         return {}
     return {
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device)

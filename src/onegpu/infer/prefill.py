@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from onegpu.infer import sampling
-from onegpu.infer.images import model_inputs
+from onegpu.infer.images import feeds
 from onegpu.infer.logit_rules import token_logprobs
 from onegpu.infer.requests import TokenLogprob
 from onegpu.infer.rows import Rows
@@ -132,7 +132,7 @@ def _first(rows: Rows, logits, pieces: list[Piece], at: torch.Tensor) -> list[Fi
 def _kind(piece: Piece) -> tuple:
     """Pieces that may share a forward: one length; apart those whose prompt's logprobs are
     asked for (their forward keeps every token's logits); a piece with its images alone."""
-    alone = piece.seq.id if model_inputs(piece.seq.images, piece.start) else -1
+    alone = piece.seq.id if feeds(piece.seq.images, piece.start) else -1
     return piece.end - piece.start, _every(piece), alone
 
 
