@@ -49,7 +49,7 @@ class ScriptedEngine:
         self._seqs: list[_Seq] = []
         self._next = 0
 
-    def submit(self, prompt_ids, params, adapter=None) -> int:
+    def submit(self, prompt_ids, params, adapter=None, images=None) -> int:
         params.check()
         text = self.tokenizer.decode(prompt_ids)
         self.seen.append((text, params))

@@ -300,3 +300,21 @@ def test_the_recompile_allowance_covers_every_step_a_compiled_engine_can_ask_for
     steps = {shapes.of(n, reach) for n in range(1, rows + 1) for reach in range(1, whole + 1)}
     assert len(steps) * len(kinds) <= shapes.count()
     assert Shapes(rows, whole, 16, fixed=True, compiled=True).count() >= len(kinds)
+
+
+def test_a_prompt_one_token_past_a_chunk_computes_its_last_token_and_answers(llama):
+    """A piece that ends one token short of the prompt's end is not its last: the last token is
+    computed in the next piece and its logits choose the first answer token (a row that took
+    that piece for the last one never began to decode, and its request never ended)."""
+    prompt = [(5 * i) % 300 + 10 for i in range(33)]  # 32 + 1 with chunk 16
+    want = _alone(llama, prompt, GREEDY)
+    engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=160, chunk=16))
+    rid = engine.submit(prompt, GREEDY)
+    tokens, done = [], False
+    for _ in range(40):  # bounded: the bug left the request running forever
+        for u in engine.step():
+            tokens += u.token_ids if u.request_id == rid else []
+            done = done or (u.request_id == rid and u.finished)
+        if done:
+            break
+    assert done and tokens == want

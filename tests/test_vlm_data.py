@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from onegpu.errors import DataError, ModelError
+from onegpu.errors import DataError
 from vlm_zoo import save_tiny_vlm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,17 +168,12 @@ def test_a_web_address_is_refused(llava, tmp_path):
         build(llava, data)
 
 
-def test_the_engine_refuses_a_vision_language_model(llava):
+def test_loading_a_vision_language_model_gives_its_processor(llava):
+    from transformers import LlavaForConditionalGeneration
+
     from onegpu.infer.loading import InferConfig, load
 
-    with pytest.raises(ModelError, match="is a vision-language model; onegpu generate and serve"):
-        load(InferConfig(model=str(llava)))
-    # a library caller's Engine refuses it too, naming it
-    from transformers import AutoModelForImageTextToText
-
-    from onegpu.errors import ConfigError
-    from onegpu.infer.engine import Engine
-
-    model = AutoModelForImageTextToText.from_pretrained(str(llava))
-    with pytest.raises(ConfigError, match="is a vision-language model; the decode engine"):
-        Engine(model, None)
+    loaded = load(InferConfig(model=str(llava)))
+    assert isinstance(loaded.model, LlavaForConditionalGeneration)
+    assert type(loaded.processor).__name__ == "LlavaProcessor"
+    assert loaded.tokenizer is loaded.processor.tokenizer

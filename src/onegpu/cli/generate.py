@@ -65,6 +65,13 @@ def build_parser():
         default=None,
         help="file with one prompt per line, or .jsonl records with a 'prompt' field",
     )
+    parser.add_argument(
+        "--image",
+        type=list[str],
+        default=[],
+        help="an image file for a vision-language model, given with each prompt (repeat it "
+        "for several images, in order); a .jsonl prompts file can name its own per record",
+    )
     for action in parser._actions:
         if action.option_strings == ["--chat"]:
             action.metavar = "{auto,true,false}"
@@ -87,14 +94,14 @@ def cli(argv: Sequence[str]) -> int:
     from onegpu.config import from_dict
     from onegpu.infer import InferConfig, SamplingConfig
 
-    _, ns = parse(build_parser(), _repeatable_stop(train_names(argv)))
+    _, ns = parse(build_parser(), _repeatable(_repeatable(train_names(argv), "--stop"), "--image"))
     raw = ns.as_dict()
     raw["stop"] = [_unescape(s) for s in raw.get("stop") or []]
     icfg = from_dict(_fields(raw, InferConfig), InferConfig)
     scfg = from_dict(_fields(raw, SamplingConfig), SamplingConfig)
     prompts = collect_prompts(raw.get("prompts") or [], raw.get("prompts_file"))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    return run(icfg, scfg, prompts, raw.get("output"), raw.get("stream"))
+    return run(icfg, scfg, prompts, raw.get("output"), raw.get("stream"), raw.get("image") or [])
 
 
 def train_names(argv: Sequence[str]) -> list[str]:
@@ -106,23 +113,24 @@ def train_names(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _repeatable_stop(argv: Sequence[str]) -> list[str]:
-    """Let `--stop X` be given once per string (jsonargparse alone wants a JSON list or --stop+)."""
+def _repeatable(argv: Sequence[str], flag: str) -> list[str]:
+    """Let `--stop X` (``flag``) be given once per value (jsonargparse alone wants a JSON list or
+    --stop+)."""
     out: list[str] = []
     args = list(argv)
     while args:
         arg = args.pop(0)
         value = (
             arg.split("=", 1)[1]
-            if arg.startswith("--stop=")
+            if arg.startswith(flag + "=")
             else args.pop(0)
-            if arg == "--stop" and args
+            if arg == flag and args
             else None
         )
         if value is None:
             out.append(arg)
         else:
-            out += ["--stop", value] if value.lstrip().startswith("[") else ["--stop+", value]
+            out += [flag, value] if value.lstrip().startswith("[") else [flag + "+", value]
     return out
 
 
@@ -149,14 +157,14 @@ def collect_prompts(args: list[str], prompts_file: Optional[str]) -> list[str]:
     return prompts
 
 
-def read_prompts_file(path: str) -> list[str]:
+def read_prompts_file(path: str) -> list:
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(
             f"prompts file not found: {path}", hint="check the path given to --prompts_file"
         )
     text = p.read_text(encoding="utf-8")
-    prompts = _jsonl(text, path) if p.suffix == ".jsonl" else _lines(text)
+    prompts = _jsonl(text, path, p.parent) if p.suffix == ".jsonl" else _lines(text)
     if not prompts:
         raise DataError(
             f"prompts file {path} contains no prompts.", hint="write one prompt per line"
@@ -170,8 +178,10 @@ def _lines(text: str) -> list[str]:
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 
-def _jsonl(text: str, path: str) -> list[str]:
-    prompts = []
+def _jsonl(text: str, path: str, folder: Path) -> list:
+    """Prompts, or chats (a list of messages) where a record has images: a "messages" list whose
+    parts may be images, or "images" beside its "prompt"; image paths relative to the file."""
+    prompts: list = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -182,20 +192,45 @@ def _jsonl(text: str, path: str) -> list[str]:
                 f"{path} line {n}: not valid JSON ({json_problem(exc)}).",
                 hint='one JSON object per line, e.g. {"prompt": "def fib("}',
             ) from None
-        prompt = (
-            record
-            if isinstance(record, str)
-            else record.get("prompt")
-            if isinstance(record, dict)
-            else None
-        )
-        if not isinstance(prompt, str):
+        chat = _chat_record(record, folder) if isinstance(record, dict) else None
+        prompt = record if isinstance(record, str) else (record or {}).get("prompt")
+        if chat is None and not isinstance(prompt, str):
             raise DataError(
                 f"{path} line {n}: no 'prompt' string field.",
-                hint='write {"prompt": "..."} per line',
+                hint='write {"prompt": "..."} per line (or "messages", with image parts)',
             )
-        prompts.append(prompt)
+        prompts.append(chat if chat is not None else prompt)
     return prompts
+
+
+def _chat_record(record: dict, folder: Path) -> Optional[list]:
+    """A record's chat with its image paths made absolute, or None for a plain prompt."""
+    if isinstance(record.get("messages"), list):
+        return [_absolute(m, folder) for m in record["messages"]]
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("images"), list):
+        return image_chat(record["prompt"], record["images"], folder)
+    return None
+
+
+def image_chat(prompt: str, images: list, folder: Path) -> list:
+    """One user turn: the images (paths read relative to ``folder``), then the prompt's text."""
+    from onegpu.data.images import resolve
+
+    parts = [{"type": "image", "image": resolve(str(i), folder)} for i in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+
+
+def _absolute(message, folder: Path):
+    from onegpu.data.images import resolve
+
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = []
+    for part in message["content"]:
+        if isinstance(part, dict) and part.get("type") == "image" and part.get("image"):
+            part = {**part, "image": resolve(str(part["image"]), folder)}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:
@@ -209,10 +244,17 @@ def _print_now(text: str) -> None:
     print(text, end="", flush=True)
 
 
-def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[bool]) -> int:
+def run(icfg, scfg, prompts: list, output: Optional[str], stream: Optional[bool], images=()) -> int:
     from onegpu.infer import generate, load
 
     loaded = load(icfg)
+    chats = [p for p in prompts if not isinstance(p, str)]
+    if (images or chats) and loaded.processor is None:
+        raise ConfigError(
+            f"{'--image' if images else 'a prompts file record with images'} needs a "
+            f"vision-language model; {loaded.source} is a text model.",
+            hint="drop the images, or pass --model a vision-language model folder",
+        )
     if stream is None:
         stream = len(prompts) == 1 and sys.stdout.isatty()
     if stream and len(prompts) > 1:
@@ -221,16 +263,22 @@ def run(icfg, scfg, prompts: list[str], output: Optional[str], stream: Optional[
         )
     on_text = None
     if stream:
-        print(prompts[0], end="", flush=True)
+        print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
         on_text = _print_now
-    completions = generate(
-        loaded.model,
-        loaded.tokenizer,
-        prompts,
-        scfg,
-        on_text=on_text,
-        data_format=loaded.data_format,
-    )
+    if loaded.processor is not None:  # every prompt a chat turn, its images with it
+        from onegpu.infer import generate_chats
+
+        chats = [image_chat(p, images, Path.cwd()) if isinstance(p, str) else p for p in prompts]
+        completions = generate_chats(loaded.model, loaded.processor, chats, scfg, on_text)
+    else:
+        completions = generate(
+            loaded.model,
+            loaded.tokenizer,
+            prompts,
+            scfg,
+            on_text=on_text,
+            data_format=loaded.data_format,
+        )
     if stream:
         print()
     else:

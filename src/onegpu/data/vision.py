@@ -75,7 +75,13 @@ class Encoder:
         self.masked = image_token_ids(processor)
 
     def render(self, conv: list, generation_prompt: bool = False) -> str:
-        return self.processor.apply_chat_template(
+        return self.render_with(self.processor, conv, generation_prompt)
+
+    @staticmethod
+    def render_with(processor, conv: list, generation_prompt: bool = False) -> str:
+        """The conversation as the processor's chat template writes it (the engine's prompts are
+        rendered so too: infer/images.py)."""
+        return processor.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=generation_prompt
         )
 

@@ -45,6 +45,7 @@ from onegpu.infer.engine_config import (
     pool_blocks,
 )
 from onegpu.infer.guided import Guides
+from onegpu.infer.images import PromptImages, cache_key
 from onegpu.infer.kv_blocks import BlockPool
 from onegpu.infer.output import Output, logprobs_of, update
 from onegpu.infer.paged_cache import PagedCache, kv_bytes_per_position, kv_dtype
@@ -146,16 +147,21 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: Optional[str] = None,
+        images: Optional[PromptImages] = None,
     ) -> int:
         """Queue a request; its id. Too long a request, a bad setting or an unknown adapter is a
         ConfigError naming it. ``adapter``: a PEFT adapter's name, or BASE for the base model;
         None runs the model as it is (its active adapter) until a request names one — from then
-        on None means the base, so a server names BASE for its base requests."""
-        check_request(self, prompt_ids, params, adapter)
+        on None means the base, so a server names BASE for its base requests. ``images``: the
+        prompt's images as its processor made them (infer/images.py)."""
+        check_request(self, prompt_ids, params, adapter, images)
         self.routing = self.routing or adapter is not None
-        key = adapter or (BASE if self.routing else None)  # the weights its KV comes from
-        seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key)
+        key = cache_key(adapter or (BASE if self.routing else None), images)  # what made its KV
+        seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key, images=images)
         self._next_id += 1
         self._seqs[seq.id] = seq
         self._outputs[seq.id] = Output(self.tokenizer, params.stop)

@@ -91,14 +91,12 @@ class EngineConfig:
 def context_of(model) -> int:
     config = model.config
     if getattr(config, "vision_config", None) is not None:
-        # a vision-language model's image side (its tower, the image features a prompt's
-        # placeholders take) is not the engine's: it would decode as if no image were there
-        raise ConfigError(
-            f"{type(model).__name__} is a vision-language model; the decode engine runs "
-            "text-only causal LMs.",
-            hint="generate with transformers' AutoModelForImageTextToText.generate and its "
-            "processor (docs/vlm.md)",
-        )
+        # a vision-language model: its language model's context; its images come with each
+        # request (infer/images.py), for the families the engine runs
+        from onegpu.infer.images import check_model
+
+        check_model(config)
+        config = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -143,11 +141,15 @@ def eos_ids_of(model, tokenizer) -> list[int]:
     return ids
 
 
-def check_request(engine, prompt_ids: list[int], params, adapter: Optional[str]) -> None:
+def check_request(engine, prompt_ids: list[int], params, adapter: Optional[str], images=None):
     """What ``engine`` refuses of a request before it queues, as a ConfigError naming it: a bad
     setting, an empty prompt or ids outside the vocabulary, a prompt and answer longer than the
-    engine's limit, an unknown adapter, stop strings or a grammar it cannot apply."""
+    engine's limit, an unknown adapter, stop strings or a grammar it cannot apply, images for a
+    text model or outside the prompt (infer/images.py)."""
+    from onegpu.infer.images import check
+
     params.check()
+    check(engine.model, images, prompt_ids)
     if not prompt_ids:
         raise ConfigError("the prompt is empty.", hint="give at least one token")
     vocab, limit = engine.vocab, engine.max_len

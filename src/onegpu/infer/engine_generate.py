@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 from onegpu.infer.engine import Engine, EngineConfig
+from onegpu.infer.images import PromptImages
 from onegpu.infer.policy import parse_off
 from onegpu.infer.requests import Result, SamplingParams
 
@@ -23,12 +24,12 @@ def engine_generate(
     scfg: SamplingConfig,
     max_new: int,
     on_text: Optional[Callable[[str], None]] = None,
+    images: Optional[list[Optional[PromptImages]]] = None,
 ) -> list[Result]:
+    """``images``: each prompt's images (a vision-language model's), or None."""
     engine = Engine(model, tokenizer, generate_config(scfg, ids, max_new))
     params = [request_params(scfg, max_new, i) for i in range(len(ids))]
-    if on_text is None:
-        return engine.generate(ids, params)
-    return _streamed(engine, ids, params, on_text)
+    return run_requests(engine, ids, params, images, on_text)
 
 
 def generate_config(scfg: SamplingConfig, ids: list[list[int]], max_new: int) -> EngineConfig:
@@ -59,9 +60,11 @@ def request_params(scfg: SamplingConfig, max_new: int, index: int) -> SamplingPa
     )
 
 
-def _streamed(engine: Engine, ids, params, on_text) -> list[Result]:
-    """Like ``engine.generate``, handing each update's text to ``on_text`` as it comes."""
-    rids = [engine.submit(p, s) for p, s in zip(ids, params, strict=True)]
+def run_requests(engine: Engine, ids, params, images=None, on_text=None) -> list[Result]:
+    """Like ``engine.generate``, with each prompt's images (or None), handing each update's text
+    to ``on_text`` as it comes."""
+    images = images or [None] * len(ids)
+    rids = [engine.submit(p, s, images=i) for p, s, i in zip(ids, params, images, strict=True)]
     tokens = {r: [] for r in rids}
     texts = {r: "" for r in rids}
     done: dict[int, Result] = {}
@@ -69,7 +72,7 @@ def _streamed(engine: Engine, ids, params, on_text) -> list[Result]:
         for u in engine.step():
             tokens[u.request_id] += u.token_ids
             texts[u.request_id] += u.text
-            if u.text:
+            if u.text and on_text is not None:
                 on_text(u.text)
             if u.finished:
                 done[u.request_id] = Result(

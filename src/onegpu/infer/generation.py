@@ -11,7 +11,7 @@ from typing import Optional, Union
 from onegpu.errors import ConfigError, DataError
 from onegpu.infer.sampling_config import Completion, SamplingConfig
 
-__all__ = ["Completion", "SamplingConfig", "generate", "prompt_ids", "use_chat"]
+__all__ = ["Completion", "SamplingConfig", "generate", "generate_chats", "prompt_ids", "use_chat"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,46 @@ def generate(
             prompts, engine_generate(model, tokenizer, ids, scfg, max_new, on_text), strict=True
         )
     ]
+
+
+def generate_chats(
+    model,
+    processor,
+    chats: list[list[dict]],
+    scfg: SamplingConfig,
+    on_text: Optional[Callable[[str], None]] = None,
+) -> list[Completion]:
+    """A completion per chat of a vision-language model (messages whose content may hold image
+    parts; image paths absolute), on the engine: each rendered with its processor's chat template
+    and the assistant's turn opened, its images fed with its prompt (infer/images.py). A
+    completion's prompt is the chat's last text part."""
+    from onegpu.infer.engine_generate import engine_generate
+    from onegpu.infer.images import chat_prompt
+
+    _check_sampling(scfg)
+    if scfg.decoder != "engine":
+        raise ConfigError(
+            f"--decoder {scfg.decoder}: prompts with images run on the engine.",
+            hint="drop --decoder (the engine is the default)",
+        )
+    encoded = [chat_prompt(processor, c, f"prompt {i + 1}") for i, c in enumerate(chats)]
+    ids = [e[0] for e in encoded]
+    max_new = _fit(scfg.max_new_tokens, max(map(len, ids)), _check_lengths(model, ids))
+    got = engine_generate(
+        model, processor.tokenizer, ids, scfg, max_new, on_text, [e[1] for e in encoded]
+    )
+    return [
+        Completion(_last_text(c), r.text, len(r.token_ids), r.finish_reason)
+        for c, r in zip(chats, got, strict=True)
+    ]
+
+
+def _last_text(chat: list[dict]) -> str:
+    content = chat[-1].get("content") if chat else ""
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text", "") for p in content or [] if isinstance(p, dict)]
+    return next((t for t in reversed(texts) if t), "")
 
 
 def _check_lengths(model, ids: list[list[int]]) -> Optional[int]:

@@ -57,7 +57,8 @@ def _pad_multiple(scfg: SamplingConfig, longest: int, context: Optional[int]) ->
 
 
 def context_length(model) -> Optional[int]:
-    return getattr(model.config, "max_position_embeddings", None)
+    # a vision-language model's: its language model's
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
 
 def _input_device(model):

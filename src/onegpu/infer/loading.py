@@ -75,6 +75,7 @@ class Loaded:
     data_format: Optional[str] = (
         None  # what onegpu trained it on (text | prompt_completion | messages), if known
     )
+    processor: Any = None  # a vision-language model's processor (its tokenizer is ``tokenizer``)
 
 
 def resolve_model(name: str) -> tuple[str, Optional[str]]:
@@ -114,8 +115,10 @@ def _adapter_base(adapter_dir: Path) -> str:
 
 
 def load(cfg: InferConfig) -> Loaded:
+    from onegpu.models import is_vision_model
+
     source, adapter = resolve_model(cfg.model)
-    _refuse_vision(source, cfg.trust_remote_code)
+    vision = is_vision_model(source, cfg.trust_remote_code)
     if adapter and cfg.adapter:
         raise ConfigError(
             f"--model {cfg.model} is itself an adapter; --adapter {cfg.adapter} would be a second "
@@ -125,10 +128,15 @@ def load(cfg: InferConfig) -> Loaded:
     adapter = adapter or cfg.adapter
     device = _resolve_device(cfg.device)
     dtype = _resolve_dtype(cfg.dtype, device)
-    tokenizer = _load_tokenizer(
-        cfg.tokenizer or _tokenizer_source(source, adapter), cfg.trust_remote_code
-    )
-    model = _from_pretrained(source, cfg, device, dtype)
+    processor = None
+    if vision:  # its processor: the image rules and the tokenizer together (onegpu.vlm)
+        processor = _load_processor(cfg.tokenizer or source, cfg.trust_remote_code)
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = _load_tokenizer(
+            cfg.tokenizer or _tokenizer_source(source, adapter), cfg.trust_remote_code
+        )
+    model = _from_pretrained(source, cfg, device, dtype, vision)
     if adapter:
         model = _apply_adapter(model, adapter, cfg.merge_adapter)
     if cfg.quantization in TORCHAO_KINDS:
@@ -144,7 +152,8 @@ def load(cfg: InferConfig) -> Loaded:
         model.config._attn_implementation,
         cfg.quantization,
     )
-    return Loaded(model, tokenizer, device, dtype, source, trained_format(adapter or source))
+    fmt = trained_format(adapter or source)
+    return Loaded(model, tokenizer, device, dtype, source, fmt, processor)
 
 
 def trained_format(model_dir: str) -> Optional[str]:
@@ -216,19 +225,12 @@ def _tokenizer_source(source: str, adapter: Optional[str]) -> str:
     return source
 
 
-def _refuse_vision(source: str, trust_remote_code: bool) -> None:
-    """The engine runs a causal LM's tokens only: a vision-language model's image side (its tower,
-    the placement of image features, the prefix cache keyed by image) is not part of it, so such a
-    model is refused here rather than run without its images."""
-    from onegpu.models import is_vision_model
+def _load_processor(source: str, trust_remote_code: bool):
+    from onegpu import vlm
+    from onegpu.models import model_config
 
-    if is_vision_model(source, trust_remote_code):
-        raise ModelError(
-            f"'{source}' is a vision-language model; onegpu generate and serve run text-only "
-            "causal LMs (images are not fed through the engine yet).",
-            hint="train it with onegpu train; generate with transformers' "
-            "AutoModelForImageTextToText.generate and its processor (docs/vlm.md)",
-        )
+    vlm.check_family(model_config(source, trust_remote_code))
+    return vlm.load_processor(source, trust_remote_code)
 
 
 def _load_tokenizer(name: str, trust_remote_code: bool):
@@ -237,8 +239,8 @@ def _load_tokenizer(name: str, trust_remote_code: bool):
     return load_tokenizer(name, trust_remote_code)
 
 
-def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
-    from transformers import AutoModelForCausalLM
+def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype, vision: bool = False):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -268,7 +270,8 @@ def _from_pretrained(source: str, cfg: InferConfig, device: str, dtype):
     elif cfg.max_memory or cfg.offload_folder:
         log.warning("max_memory/offload_folder only apply with --device_map (e.g. auto); ignored")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        cls = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = cls.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         from onegpu.models import _first_line
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from onegpu.infer import sampling
+from onegpu.infer.images import feeds
 from onegpu.infer.logit_rules import token_logprobs
 from onegpu.infer.requests import TokenLogprob
 from onegpu.infer.rows import Rows
@@ -57,9 +58,7 @@ def prefill(
         out.failed[piece.seq] = exc
         poisoned.update(piece.writes(size))
 
-    # neighbours of one length, and apart those whose prompt's logprobs are asked for (their
-    # forward keeps every token's logits)
-    for _, run in groupby(pieces, key=lambda p: (p.end - p.start, _every(p))):
+    for _, run in groupby(pieces, key=_kind):
         group = []
         for p in run:
             if p.seq in failed or p.seq in out.failed:
@@ -96,6 +95,7 @@ def _forward(runner: ModelRunner, rows: Rows, group: list[Piece], adapters, out:
             [p.start for p in group],
             rows.tables.index_select(0, at_rows),
             adapters(seqs),
+            group[0].seq.images if len(group) == 1 else None,
         ),
         every,
     )
@@ -127,6 +127,13 @@ def _first(rows: Rows, logits, pieces: list[Piece], at: torch.Tensor) -> list[Fi
         asked = logprobs is not None and seq.params.logprobs is not None
         out.append(First(seq, tokens[k], tuple(t[k] for t in logprobs) if asked else None))
     return out
+
+
+def _kind(piece: Piece) -> tuple:
+    """Pieces that may share a forward: one length; apart those whose prompt's logprobs are
+    asked for (their forward keeps every token's logits); a piece with its images alone."""
+    alone = piece.seq.id if feeds(piece.seq.images, piece.start) else -1
+    return piece.end - piece.start, _every(piece), alone
 
 
 def _every(piece: Piece) -> bool:

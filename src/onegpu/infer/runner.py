@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
+from onegpu.infer import images
 from onegpu.infer.decode_window import DecodeWindow
+from onegpu.infer.images import PromptImages
 from onegpu.infer.paged_cache import PagedCache, base_model, cache_kwarg, masks, positions_in_pool
 
 
@@ -26,6 +28,8 @@ class Pieces:
     starts: list[int]
     tables: torch.Tensor
     adapters: Optional[list[str]] = None
+    images: Optional[PromptImages] = None
+    """A lone piece's prompt images (infer/images.py): fed to the forward where it holds them."""
 
 
 class ModelRunner:
@@ -70,7 +74,15 @@ class ModelRunner:
         view = self.cache.view(where.reshape(-1), tables)
         kv_len = length if fresh else tables.shape[1] * self.block_size
         logits = self._forward(
-            view, pieces.ids, positions, positions[:, -1], kv_len, length, pieces.adapters, every
+            view,
+            pieces.ids,
+            positions,
+            positions[:, -1],
+            kv_len,
+            length,
+            pieces.adapters,
+            every,
+            prompt=(pieces.images, pieces.starts[0]),
         )
         return logits.float()
 
@@ -114,11 +126,16 @@ class ModelRunner:
         adapters,
         every=False,
         model=None,
+        prompt=(None, 0),
     ):
+        """``prompt``: a prompt piece's images and start (the image tensors it feeds, and for
+        Gemma 3 its image tokens attending both ways)."""
         model = self.model if model is None else model
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's: its language model's
         mask = masks(config, last, kv_len, self.cache.dtype, config._attn_implementation, query_len)
+        mask = images.bidirectional(mask, *prompt, query_len)
         kw = {} if adapters is None else {"adapter_names": adapters}
+        kw.update(images.model_inputs(*prompt, self.device, self.cache.dtype))
         if self.no_router_loss:
             kw["output_router_logits"] = False
         out = model(

@@ -33,6 +33,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from onegpu.infer.images import PromptImages, piece_end, usable_prefix
 from onegpu.infer.kv_blocks import BlockPool, BlockTable
 from onegpu.infer.requests import SamplingParams
 
@@ -58,6 +59,7 @@ class Sequence:
     cancelled: bool = False
     preemptions: int = 0
     computing: list[int] = field(default_factory=list)  # its prompt's block hashes, in PREFILL
+    images: Optional[PromptImages] = None  # the prompt's images (infer/images.py)
 
     @property
     def generated(self) -> int:
@@ -199,6 +201,7 @@ class Scheduler:
             return budget
         chunk = self.config.chunk
         end = min(len(seq.tokens), (seq.computed // chunk + 1) * chunk)
+        end = piece_end(seq.images, seq.computed, end, len(seq.tokens))
         if end - seq.computed > budget and plan.pieces:
             return budget
         plan.pieces.append(Piece(seq, seq.computed, end))
@@ -215,6 +218,7 @@ class Scheduler:
         # asks for its prompt's logprobs computes all of it (a cached block kept no logits)
         every = seq.params.prompt_logprobs is not None
         cached = [] if every else pool.match(seq.tokens, seq.cache_key, len(seq.tokens) - 1)
+        cached = cached[: usable_prefix(seq.images, len(cached), pool.block_size)]
         if not every and self._being_computed(seq, len(cached)):
             return None
         reviving = sum(1 for b in cached if pool.ref(b) == 0)  # cached but free: they count
@@ -307,14 +311,16 @@ class Scheduler:
     def computed(self, seq: Sequence, upto: int) -> None:
         """``seq``'s KV now holds its first ``upto`` tokens: hash its newly full blocks."""
         seq.computed = upto
-        if seq.state == PREFILL and upto == len(seq.tokens) - 1:
-            self._computes(seq, -1)
-            seq.state = DECODE
         self.pool.register(seq.table, seq.tokens[:upto], seq.cache_key)
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
-        """``seq`` made ``tokens``: its KV holds every token before the last."""
+        """``seq`` made ``tokens``: its KV holds every token before the last. Its prompt's first
+        token moves it to decoding (not a piece that ends one token short of the prompt's end:
+        its last token is still to be computed, and its logits sampled)."""
         seq.tokens += tokens
+        if seq.state == PREFILL:
+            self._computes(seq, -1)
+            seq.state = DECODE
         self.computed(seq, len(seq.tokens) - 1)
 
     def finish(self, seq: Sequence) -> None:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from onegpu.infer.requests import EngineFeatures
 from onegpu.serve.adapters import ServedModels
+from onegpu.serve.media import Media
 from onegpu.serve.metrics import Metrics
 from onegpu.serve.openapi import describe
 from onegpu.serve.prepare import Plan, chat_plan, check_features, completion_plan, constraint_field
@@ -53,6 +54,7 @@ class Service:
     tool_format: Optional[str] = None  # tools.parser_for: how the model writes tool calls
     check_constraint: Optional[Callable] = None  # compiles a Constraint; raises on a bad one
     json_schema_strict: bool = True  # ServeConfig.json_schema_strict: unlisted keys forbidden
+    media: Media = field(default_factory=Media)  # image parts: a vision-language model's reading
     warned: set = field(default_factory=set)  # ignored field names already logged
     # one thread: the tokenizer is not safe to use from several at once, and order is kept
     prep: ThreadPoolExecutor = field(
@@ -164,7 +166,7 @@ def _routes(app: FastAPI, s: Service) -> None:
         req = parse_body(await request.body(), ChatRequest)
         headers = s.ignored(req)
         adapter = s.models.adapter_for(req.model)
-        plan = await s.plan(chat_plan, req, s.max_len, s.tool_format)
+        plan = await s.plan(chat_plan, req, s.max_len, s.tool_format, s.media)
         return await answer(s, request, req, plan, adapter, headers)
 
 
@@ -206,7 +208,7 @@ async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
 # ---------------------------------------------------------------------------- answers
 async def answer(s: Service, request: Request, req, plan: Plan, adapter, headers: dict):
     n = req.choices()
-    ticket = Ticket(plan.sequences(n), adapter, asyncio.get_running_loop())
+    ticket = Ticket(plan.sequences(n), adapter, asyncio.get_running_loop(), plan.images)
     s.scheduler.submit(ticket)  # 503 when full: nothing was queued
     lengths = [len(ids) for ids, _ in ticket.sequences]
     readers = [reader(plan.tool_format, plan.tool_name) for _ in lengths]

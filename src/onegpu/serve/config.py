@@ -75,6 +75,9 @@ class ServeConfig:
     other key allowed (a model may then invent keys until max_tokens)."""
     grace: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before it cancels them."""
+    allowed_local_media: Optional[str] = None
+    """A folder a vision-language model's chat requests may name images in, as a path or a
+    file:// URL (vLLM's flag); anything outside it is a 400. Default: none (data URLs only)."""
 
     def check(self) -> None:
         checks = {

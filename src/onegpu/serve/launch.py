@@ -8,7 +8,10 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
+from onegpu.errors import ConfigError
 from onegpu.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer.policy import summary
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
+    from onegpu.serve.media import Media
     from onegpu.serve.metrics import Metrics
     from onegpu.serve.scheduler import Scheduler
     from onegpu.serve.server import run_server
@@ -73,6 +77,7 @@ def serve(icfg, cfg: ServeConfig) -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.expanduser(cfg.compile_cache)
     adapters = parse_adapters(cfg.adapter)  # before loading: a typo should not cost a model load
     models = ServedModels(cfg.served_name or icfg.model, tuple(adapters))
+    allowed = _allowed(cfg.allowed_local_media)
     loaded = load(icfg)
     model = attach_adapters(loaded.model, adapters)
     grammars = grammar_compiler(loaded.tokenizer, model)
@@ -89,8 +94,23 @@ def serve(icfg, cfg: ServeConfig) -> int:
         scheduler, loaded.tokenizer, models, metrics, engine.max_len, api_key, engine.features
     )
     add_request_features(service, loaded.tokenizer, cfg, grammars)
+    if loaded.processor is not None:
+        service.media = Media(loaded.processor, allowed)
+        _say(f"images: data URLs, local files {cfg.allowed_local_media or 'off'}")
     _say(f"serving {', '.join(models.names())} on http://{cfg.host}:{cfg.port}/v1")
     return run_server(build_app(service), scheduler, cfg.host, cfg.port, cfg.grace)
+
+
+def _allowed(folder: Optional[str]) -> Optional[Path]:
+    if folder is None:
+        return None
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"--allowed_local_media {folder} is not a folder.",
+            hint="name an existing folder of images, or drop the flag (data URLs only)",
+        )
+    return path
 
 
 def grammar_compiler(tokenizer, model=None):

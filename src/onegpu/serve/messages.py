@@ -4,7 +4,7 @@ the tools a model may call and how it must call them, and the format of its answ
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,6 +22,19 @@ class TextPart(Lenient):
     text: str
 
 
+class ImageURL(Lenient):
+    url: str  # a data URL, or with --allowed_local_media a path or file:// URL (serve/media.py)
+    detail: Optional[str] = None  # OpenAI's resolution hint: the model's processor decides
+
+
+class ImagePart(Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(Lenient):
     name: str
     arguments: str  # JSON text, as OpenAI sends and expects it
@@ -35,7 +48,7 @@ class ToolCall(Lenient):
 
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
+    content: Optional[Union[str, list[Part]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # the call a tool message answers
@@ -53,7 +66,7 @@ class Message(Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
     def for_template(self) -> dict:
         """The message as chat templates read it: text content, and each earlier call's arguments

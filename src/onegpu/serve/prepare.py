@@ -11,8 +11,10 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from onegpu.errors import OnegpuError
+from onegpu.infer.images import PromptImages
 from onegpu.infer.requests import Constraint, EngineFeatures, SamplingParams
 from onegpu.serve.json_schemas import SchemaFault, check_schema, closed
+from onegpu.serve.media import Media
 from onegpu.serve.responses import CHAT, TEXT
 from onegpu.serve.schemas import APIError, ChatRequest, CompletionRequest
 from onegpu.serve.tools import forced_call
@@ -31,6 +33,7 @@ class Plan:
     # each tool's parameters as a grammar, compiled on arrival (tools.<i>.function.parameters)
     tool_schemas: list = field(default_factory=list)
     score_only: bool = False  # completions' max_tokens 0 with echo: the prompt, no answer
+    images: Optional[PromptImages] = None  # a chat prompt's images (serve/media.py)
 
     def sequences(self, n: int) -> list:
         """Each prompt n times; choice j samples with seed + j, so n sampled choices differ while
@@ -66,8 +69,15 @@ def completion_plan(tokenizer, req: CompletionRequest, max_len: int, strict: boo
 
 
 def chat_plan(
-    tokenizer, req: ChatRequest, max_len: int, tool_format: Optional[str], strict: bool = True
+    tokenizer,
+    req: ChatRequest,
+    max_len: int,
+    tool_format: Optional[str],
+    media: Optional[Media] = None,
+    strict: bool = True,
 ) -> Plan:
+    """``media``: how image parts are read (a vision-language model's processor renders every
+    chat then, serve/media.py)."""
     if req.tool_choice not in (None, "none", "auto") and not req.tools:
         raise APIError(
             400,
@@ -88,7 +98,9 @@ def chat_plan(
             param="tools",
             code="tools_unsupported",
         )
-    ids = chat_prompt(tokenizer, req, tools_on)
+    tools = [t.for_template() for t in req.tools] if tools_on else None
+    found = media.prompt(req, tools) if media is not None else None
+    ids, images = found or (chat_prompt(tokenizer, req, tools_on), None)
     limit = req.limit() or max(1, max_len - len(ids))  # OpenAI: up to the context
     check_context([ids], limit, max_len, "messages")
     constraint = request_constraint(req, strict)
@@ -104,6 +116,7 @@ def chat_plan(
         tool_format=fmt,
         tool_name=name,
         tool_schemas=schemas,
+        images=images,
     )
 
 

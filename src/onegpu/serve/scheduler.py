@@ -34,11 +34,15 @@ RETRY_AFTER_S = 1
 
 class Ticket:
     """One HTTP request: its engine sequences (prompt ids, sampling params) and the news they
-    produce, delivered on the request's event loop as (sequence index, Update or error)."""
+    produce, delivered on the request's event loop as (sequence index, Update or error);
+    ``images``: its prompt's images (infer/images.py), the same for each of its sequences."""
 
-    def __init__(self, sequences: list, adapter: Optional[str], loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, sequences: list, adapter: Optional[str], loop: asyncio.AbstractEventLoop, images=None
+    ):
         self.sequences = sequences
         self.adapter = adapter
+        self.images = images
         self.loop = loop
         self.news: asyncio.Queue = asyncio.Queue()
         self.rids: list[int] = []  # engine-loop thread only
@@ -196,7 +200,7 @@ class Scheduler:
             return
         for index, (ids, params) in enumerate(ticket.sequences):
             try:
-                rid = self.engine.submit(ids, params, adapter=ticket.adapter)
+                rid = self.engine.submit(ids, params, adapter=ticket.adapter, images=ticket.images)
             except Exception as exc:  # noqa: BLE001 - a refused request must not stop the loop
                 ticket.post(index, _refusal(exc))
                 self._release(len(ticket.sequences) - index)
