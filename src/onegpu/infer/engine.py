@@ -61,6 +61,8 @@ from onegpu.infer.rows import Rows
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
+from onegpu.infer.spec.speculator import speculator_of
+from onegpu.infer.spec.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class Engine:
             ),
         )
         self.guides = Guides(tokenizer, vocab, self.max_slots, grammars)
+        self.spec = speculator_of(cfg, self.guides)  # None: no speculative decoding
         usable = constraints.available() and tokenizer is not None
         self.features = FEATURES if usable else replace(FEATURES, constraints=False)
         # Once a request names an adapter, every forward names one per row (BASE for a request
@@ -189,6 +192,7 @@ class Engine:
     def stats(self) -> EngineStats:
         pool, s, step = self.pool, self.scheduler, self.decode_step
         used = (pool.usable - pool.free_count()) * pool.block_size
+        c = self.spec.counts if self.spec is not None else None
         return EngineStats(
             len(s.running),
             len(s.waiting),
@@ -203,6 +207,7 @@ class Engine:
             self._decode_steps,
             self._decode_rows,
             self._grammar_s,
+            *((c.drafts, c.proposed, c.accepted, tuple(c.per_position)) if c else ()),
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -211,7 +216,8 @@ class Engine:
         request. The decode steps stop early once ``arrived`` is set while a row is free (a
         server's: a request came in, and it can start now rather than after them)."""
         updates = self._drop_cancelled()
-        plan = self.scheduler.schedule(self._flush_steps())
+        propose = self.spec.propose if self.spec is not None else None
+        plan = self.scheduler.schedule(self._flush_steps(), propose)
         self.cache.reserve(self.pool.high_water)
         # requests this step ends with an error (their own settings, grammar or prompt): each
         # fails alone
@@ -223,12 +229,14 @@ class Engine:
         self._grammar_s += time.perf_counter() - began
         failed.update(refused)
         self.rows.set_masks(masks)
+        self.rows.pause([s.row for s, _ in plan.spec])  # verified apart, after the decode steps
         try:
             start = time.perf_counter()
             with torch.no_grad():
                 rows, steps = self._decode(plan, arrived) if plan.decode else (0, 0)
                 pre = prefill(self.runner, self.rows, list(plan.pieces), self._names, failed)
-            back = self.rows.read_back(rows, steps, plan.decode, pre.firsts)
+                spec = self._verify(plan)
+            back = self.rows.read_back(rows, steps, plan.decode, pre.firsts, spec)
             if self.config.flush_ms and steps and not plan.pieces:  # decode steps alone: their pace
                 self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
@@ -238,6 +246,10 @@ class Engine:
             raise
         failed.update(pre.failed)
         news = self._output(plan, back, steps, pre, failed)
+        if plan.spec:
+            self.spec.record(plan.spec, back.tokens)
+            for seq, _ in plan.spec:  # the blocks of rejected positions go back
+                self.scheduler.trim(seq)
         return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
@@ -296,6 +308,12 @@ class Engine:
                 if j + 1 < plan.steps and late:
                     return rows, j + 1
         return rows, plan.steps
+
+    def _verify(self, plan: Plan) -> list:
+        """The speculative rows' proposals verified (spec/verify.py): each with its kept tokens."""
+        if not plan.spec:
+            return []
+        return verify(self.runner, self.rows, plan.spec, self._names, self.spec.masks(plan.spec))
 
     def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
         """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
@@ -390,5 +408,7 @@ class Engine:
             self.rows.free(seq.row)
         self.scheduler.finish(seq)
         self.guides.drop(seq)
+        if self.spec is not None:
+            self.spec.drop(seq)
         del self._seqs[seq.id]
         self._outputs.pop(seq.id)

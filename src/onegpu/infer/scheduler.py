@@ -86,7 +86,9 @@ class Piece:
 class Plan:
     """One step's work, a value: the decode rows' sequences and the decode steps they run, the
     prompt pieces in order, the sequences that took a row, the rows preempted sequences gave
-    back, and the rows moved (from, to; applied first)."""
+    back, the rows moved (from, to; applied first), and the speculative rows: decode sequences
+    whose next positions are verified this step, each with the tokens proposed (their blocks
+    hold every position verified; they are not among ``decode``)."""
 
     decode: tuple[Sequence, ...] = ()
     steps: int = 0
@@ -94,6 +96,7 @@ class Plan:
     started: tuple[Sequence, ...] = ()
     freed: tuple[int, ...] = ()
     moved: tuple[tuple[int, int], ...] = ()
+    spec: tuple[tuple[Sequence, tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -105,6 +108,7 @@ class _Draft:
     started: list[Sequence] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
     moved: list[tuple[int, int]] = field(default_factory=list)
+    spec: list[tuple[Sequence, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -138,9 +142,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, most_steps: Optional[int] = None) -> Plan:
+    def schedule(self, most_steps: Optional[int] = None, propose=None) -> Plan:
         """This step's work. ``most_steps`` caps the decode steps of a step with no prompt to
-        compute below sync_every (the engine's flush_ms)."""
+        compute below sync_every (the engine's flush_ms). ``propose``: a decode sequence -> the
+        tokens to verify for it this step (speculative decoding; () for none): a step with any
+        runs one decode step for the other rows."""
         plan = _Draft()
         if self.config.compact:
             self._compact(plan)
@@ -161,10 +167,18 @@ class Scheduler:
         if decoding:
             left = min(s.params.max_new_tokens - s.generated for s in decoding)
             steps = max(1, min(steps, left))
+        proposed = {s: tuple(propose(s)) for s in decoding} if propose else {}
+        if any(proposed.values()):
+            steps = 1
         for seq in decoding:
-            if seq.state == DECODE and self._grow(seq, seq.computed + steps, plan):
-                plan.decode.append(seq)
+            guess = proposed.get(seq, ())
+            if seq.state == DECODE and self._grow(seq, seq.computed + steps + len(guess), plan):
+                if guess:
+                    plan.spec.append((seq, guess))
+                else:
+                    plan.decode.append(seq)
         budget = self.config.token_budget - len(plan.decode)
+        budget -= sum(len(guess) + 1 for _, guess in plan.spec)
         for seq in [s for s in self.running if s.state == PREFILL]:
             budget = self._piece(seq, budget, plan)
         while budget > 0 and self.waiting and self.free_rows and self._admit(self.waiting[0], plan):
@@ -176,6 +190,7 @@ class Scheduler:
             tuple(plan.started),
             tuple(plan.freed),
             tuple(plan.moved),
+            tuple(plan.spec),
         )
 
     def _compact(self, plan: _Draft) -> None:
@@ -296,6 +311,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         if seq in plan.decode:
             plan.decode.remove(seq)
+        plan.spec = [(s, guess) for s, guess in plan.spec if s is not seq]
 
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -316,6 +332,11 @@ class Scheduler:
         """``seq`` made ``tokens``: its KV holds every token before the last."""
         seq.tokens += tokens
         self.computed(seq, len(seq.tokens) - 1)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a speculative step: the blocks past those ``seq``'s tokens need (the positions
+        of the tokens it rejected) go back to the pool."""
+        self.pool.release_tail(seq.table, self.pool.blocks_for(len(seq.tokens)))
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` ended (or was cancelled): its row and blocks go back."""
