@@ -102,6 +102,14 @@ def test_a_long_prompt_is_computed_in_pieces_while_the_others_decode(llama, comp
     assert _alone(llama, long_prompt, GREEDY, token_budget=32) == _alone(llama, long_prompt, GREEDY)
 
 
+def test_a_piece_ending_one_token_short_of_its_prompt_is_not_the_prompts_end(llama):
+    """A prompt of 17 tokens in pieces of 8: the second piece ends at 16, one short of its end;
+    the third computes the last token and samples the answer's first (the sequence once
+    started decoding there without a first token and never made one)."""
+    prompt = [(5 * i) % 200 + 9 for i in range(17)]
+    assert _alone(llama, prompt, GREEDY, chunk=8, token_budget=8) == _alone(llama, prompt, GREEDY)
+
+
 def test_a_row_whose_prompt_is_being_computed_stays_out_of_the_decode_steps(llama):
     """Row 0 held a long sequence; it takes a new prompt, computed in pieces while row 1 decodes
     over fewer positions than the old sequence reached: the decode steps neither read nor write

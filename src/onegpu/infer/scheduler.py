@@ -323,14 +323,16 @@ class Scheduler:
     def computed(self, seq: Sequence, upto: int) -> None:
         """``seq``'s KV now holds its first ``upto`` tokens: hash its newly full blocks."""
         seq.computed = upto
-        if seq.state == PREFILL and upto == len(seq.tokens) - 1:
-            self._computes(seq, -1)
-            seq.state = DECODE
         self.pool.register(seq.table, seq.tokens[:upto], seq.cache_key)
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
-        """``seq`` made ``tokens``: its KV holds every token before the last."""
+        """``seq`` made ``tokens``: its KV holds every token before the last. A sequence's first
+        tokens after its prompt (or after its recompute) start its decoding: only then, not when
+        a piece happens to end one token short of its prompt's end (that piece does not sample)."""
         seq.tokens += tokens
+        if seq.state == PREFILL:
+            self._computes(seq, -1)
+            seq.state = DECODE
         self.computed(seq, len(seq.tokens) - 1)
 
     def trim(self, seq: Sequence) -> None:
