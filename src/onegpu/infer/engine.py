@@ -5,16 +5,16 @@ Each ``step`` is one pass of a one-way flow, and the engine is that loop and not
 
     scheduler (a frozen plan: which sequences run, under a token budget, in which KV blocks)
       -> rows (rows.py: the plan's moves, frees and starts on every per-row tensor at once)
-      -> runner (the model's forwards over the paged KV: decode steps, prefill.py's pieces)
+      -> runner (forwards over the paged KV: decode steps, prefill.py's pieces, spec/verify.py's)
       -> sampler (sampling.py: logits -> tokens, pure; the grammars' masks passed in)
       -> output (one read-back; the one finish rule, text decoded incrementally, stop strings,
          the callers' updates)
 
-A step that computes prompt pieces runs one decode step for the running sequences beside them, and
-a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
-compute runs up to ``sync_every`` decode steps on the device before the host looks (one while a
-request with a grammar runs: the host advances its matcher and masks its next token, guided.py;
-with ``flush_ms``, no more than fit in it at the steps' measured pace).
+A step that computes prompt pieces or verifies proposals (spec/) runs one decode step for the
+other rows, and a prompt's first token goes out with the step that finished its prompt; a step with
+no prompt to compute runs up to ``sync_every`` decode steps on the device before the host looks
+(one while a request with a grammar runs: the host advances its matcher and masks its next token,
+guided.py; with ``flush_ms``, no more than fit in it at the steps' measured pace).
 A decode step — one forward of one token per row, the sampling and each row's bookkeeping, with
 fixed shapes — is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP
 or GRPO; it is not thread-safe (drive it from one thread).
@@ -61,8 +61,7 @@ from onegpu.infer.rows import Rows
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
-from onegpu.infer.spec.speculator import speculator_of
-from onegpu.infer.spec.verify import verify
+from onegpu.infer.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ class Engine:
             ),
         )
         self.guides = Guides(tokenizer, vocab, self.max_slots, grammars)
-        self.spec = speculator_of(cfg, self.guides)  # None: no speculative decoding
+        self.spec = Speculator.of(cfg, self.guides)  # speculative decoding's (on: spec.on)
         usable = constraints.available() and tokenizer is not None
         self.features = FEATURES if usable else replace(FEATURES, constraints=False)
         # Once a request names an adapter, every forward names one per row (BASE for a request
@@ -192,7 +191,6 @@ class Engine:
     def stats(self) -> EngineStats:
         pool, s, step = self.pool, self.scheduler, self.decode_step
         used = (pool.usable - pool.free_count()) * pool.block_size
-        c = self.spec.counts if self.spec is not None else None
         return EngineStats(
             len(s.running),
             len(s.waiting),
@@ -207,7 +205,7 @@ class Engine:
             self._decode_steps,
             self._decode_rows,
             self._grammar_s,
-            *((c.drafts, c.proposed, c.accepted, tuple(c.per_position)) if c else ()),
+            *self.spec.counts.totals(),
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -216,8 +214,7 @@ class Engine:
         request. The decode steps stop early once ``arrived`` is set while a row is free (a
         server's: a request came in, and it can start now rather than after them)."""
         updates = self._drop_cancelled()
-        propose = self.spec.propose if self.spec is not None else None
-        plan = self.scheduler.schedule(self._flush_steps(), propose)
+        plan = self.scheduler.schedule(self._flush_steps(), self.spec.on and self.spec.propose)
         self.cache.reserve(self.pool.high_water)
         # requests this step ends with an error (their own settings, grammar or prompt): each
         # fails alone
@@ -229,15 +226,14 @@ class Engine:
         self._grammar_s += time.perf_counter() - began
         failed.update(refused)
         self.rows.set_masks(masks)
-        self.rows.pause([s.row for s, _ in plan.spec])  # verified apart, after the decode steps
         try:
             start = time.perf_counter()
             with torch.no_grad():
                 rows, steps = self._decode(plan, arrived) if plan.decode else (0, 0)
                 pre = prefill(self.runner, self.rows, list(plan.pieces), self._names, failed)
-                spec = self._verify(plan)
+                spec = self.spec.verify(self.runner, self.rows, plan.spec, self._names)
             back = self.rows.read_back(rows, steps, plan.decode, pre.firsts, spec)
-            if self.config.flush_ms and steps and not plan.pieces:  # decode steps alone: their pace
+            if self.config.flush_ms and steps and not (plan.pieces or plan.spec):  # their pace
                 self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
@@ -246,10 +242,7 @@ class Engine:
             raise
         failed.update(pre.failed)
         news = self._output(plan, back, steps, pre, failed)
-        if plan.spec:
-            self.spec.record(plan.spec, back.tokens)
-            for seq, _ in plan.spec:  # the blocks of rejected positions go back
-                self.scheduler.trim(seq)
+        self.spec.record(plan.spec, back.tokens, self.scheduler.trim)  # rejected KV goes back
         return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
@@ -308,12 +301,6 @@ class Engine:
                 if j + 1 < plan.steps and late:
                     return rows, j + 1
         return rows, plan.steps
-
-    def _verify(self, plan: Plan) -> list:
-        """The speculative rows' proposals verified (spec/verify.py): each with its kept tokens."""
-        if not plan.spec:
-            return []
-        return verify(self.runner, self.rows, plan.spec, self._names, self.spec.masks(plan.spec))
 
     def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
         """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
@@ -408,7 +395,6 @@ class Engine:
             self.rows.free(seq.row)
         self.scheduler.finish(seq)
         self.guides.drop(seq)
-        if self.spec is not None:
-            self.spec.drop(seq)
+        self.spec.drop(seq)
         del self._seqs[seq.id]
         self._outputs.pop(seq.id)

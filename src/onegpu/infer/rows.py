@@ -4,7 +4,8 @@ seen, its grammar's mask, and whose KV its eager copy holds.
 
 ``apply(plan)`` is the one place a scheduler's plan changes rows: a moved sequence's state goes
 with it (every per-row tensor at once), a freed row stops, a started request's settings are
-written, the tables of the rows that run go up. A decode step (decode_step.py) and the prompts'
+written, the tables of the rows that run go up, a speculative row sits out the decode steps
+(``settle`` sets it going after its verification). A decode step (decode_step.py) and the prompts'
 first tokens (prefill.py) read the rows and advance them through ``advance`` and ``begin``, which
 hold the one rule of a sequence's end on the device (``ended``); the host learns each row's end
 from ``finish`` in the step's one read-back (``read_back``), and adds what only it knows (a stop
@@ -119,6 +120,7 @@ class Rows:
             except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
                 failed[seq] = exc
         self._tables([*plan.decode, *(s for s, _ in plan.spec), *(p.seq for p in plan.pieces)])
+        self.pause([s.row for s, _ in plan.spec])  # verified apart, after the decode steps
         return failed
 
     def free(self, row: int) -> None:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from onegpu.infer.spec import Proposer
+from onegpu.infer.spec.ngram import NgramProposer
+from onegpu.infer.spec.verify import verify
 
 FIRST_PAUSE, MAX_PAUSE = 8, 256
 
@@ -29,6 +32,10 @@ class SpecCounts:
     accepted: int = 0
     per_position: list[int] = field(default_factory=list)
 
+    def totals(self) -> tuple:
+        """As EngineStats' spec_drafts, spec_proposed, spec_accepted, spec_accepted_per_position."""
+        return self.drafts, self.proposed, self.accepted, tuple(self.per_position)
+
 
 @dataclass
 class _Row:
@@ -38,14 +45,27 @@ class _Row:
 
 
 class Speculator:
-    """Proposals of at most ``k`` tokens from ``proposer``, cut by each request's grammar
-    (``guides``: guided.Guides) and by its token budget."""
+    """Proposals of at most ``k`` tokens from ``proposer`` (None: speculative decoding is off,
+    ``on`` False, and nothing is proposed), cut by each request's grammar (``guides``:
+    guided.Guides) and by its token budget."""
 
-    def __init__(self, proposer: Proposer, k: int, min_accepted: float, window: int, guides):
+    def __init__(
+        self, proposer: Optional[Proposer], k: int, min_accepted: float, window: int, guides
+    ):
         self.proposer, self.k, self.guides = proposer, k, guides
+        self.on = proposer is not None
         self.min_accepted, self.window = min_accepted, window
         self.counts = SpecCounts(per_position=[0] * k)
         self._rows: dict[int, _Row] = {}  # by request id
+
+    @classmethod
+    def of(cls, config, guides) -> Speculator:
+        """The Speculator an EngineConfig asks for (``speculative`` None: off)."""
+        proposer = None
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        k = config.num_speculative_tokens
+        return cls(proposer, k, config.spec_min_accepted, config.spec_window, guides)
 
     def propose(self, seq) -> tuple[int, ...]:
         """The tokens to verify for decode sequence ``seq`` this step (() : a plain decode row)."""
@@ -71,11 +91,18 @@ class Speculator:
                 out[seq] = self.guides.walk(seq, list(guess))[1]
         return out
 
-    def record(self, spec, tokens: dict) -> None:
+    def verify(self, runner, rows, spec, adapters) -> list[tuple]:
+        """``spec`` (Plan.spec) verified (verify.py), with their grammars' masks: each sequence
+        with its kept tokens."""
+        return verify(runner, rows, spec, adapters, self.masks(spec)) if spec else []
+
+    def record(self, spec, tokens: dict, trim) -> None:
         """A step's speculative rows (Plan.spec) and the tokens each kept (by sequence): the counts
-        and each row's history."""
+        and each row's history; ``trim`` (Scheduler.trim) gives each one's blocks past its tokens
+        back."""
         c = self.counts
         for seq, guess in spec:
+            trim(seq)
             new = tokens.get(seq, [])
             kept = 0
             while kept < min(len(new), len(guess)) and new[kept] == guess[kept]:
@@ -101,19 +128,3 @@ class Speculator:
 
     def drop(self, seq) -> None:
         self._rows.pop(seq.id, None)
-
-
-def speculator_of(config, guides):
-    """The Speculator an EngineConfig asks for (None: speculative decoding off)."""
-    if config.speculative is None:
-        return None
-    from onegpu.infer.spec.ngram import NgramProposer
-
-    proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    return Speculator(
-        proposer,
-        config.num_speculative_tokens,
-        config.spec_min_accepted,
-        config.spec_window,
-        guides,
-    )
