@@ -77,7 +77,8 @@ class EngineConfig:
     spec_min_accepted: float = 1.0
     """With speculative: the mean tokens accepted per verification (over a row's last
     spec_window) below which the row decodes plainly for a while before it proposes again (a
-    verification costs more than a plain step: below what pays, it stops)."""
+    verification costs more than a plain step: below what pays, it stops; the default's
+    measurements: benchmarks/results/spec-verify-cost-cpu.md)."""
     spec_window: int = 4
     """With speculative: the verifications of a row spec_min_accepted averages over."""
     policy_off: list[str] = field(default_factory=list)
