@@ -107,7 +107,7 @@ def test_a_request_the_pool_cannot_hold_yet_does_not_hold_the_decode_to_one_step
     first = seq(0, 40)  # 3 blocks
     sched.add(first)
     assert sched.schedule().pieces[0].seq is first
-    sched.computed(first, 39)  # its prompt computed: it decodes
+    sched.extend(first, [7])  # its prompt computed and its first token made: it decodes
     sched.add(seq(1, 50))  # 4 blocks: 3 are free
     plan = sched.schedule()
     assert plan.steps == 8 and plan.decode == (first,) and not plan.pieces
@@ -127,12 +127,10 @@ def test_admission_holds_back_only_the_blocks_the_next_steps_take():
 
     def run(computed: int) -> bool:
         sched = Scheduler(BlockPool(7, 16), SchedulerConfig(4, 256, 256, 8))  # 6 usable blocks
-        first = Sequence(
-            0, list(range(computed + 1)), SamplingParams(max_new_tokens=64), None, None
-        )
+        first = Sequence(0, list(range(computed)), SamplingParams(max_new_tokens=64), None, None)
         sched.add(first)
         sched.schedule()
-        sched.computed(first, computed)  # decoding, its KV holding `computed` tokens
+        sched.extend(first, [0])  # its first token made: decoding, its KV holding `computed`
         second = Sequence(1, list(range(500, 540)), SamplingParams(max_new_tokens=8), None, None)
         sched.add(second)  # 3 blocks: what is free
         return any(p.seq is second for p in sched.schedule().pieces)

@@ -5,16 +5,16 @@ Each ``step`` is one pass of a one-way flow, and the engine is that loop and not
 
     scheduler (a frozen plan: which sequences run, under a token budget, in which KV blocks)
       -> rows (rows.py: the plan's moves, frees and starts on every per-row tensor at once)
-      -> runner (the model's forwards over the paged KV: decode steps, prefill.py's pieces)
+      -> runner (forwards over the paged KV: decode steps, prefill.py's pieces, spec/verify.py's)
       -> sampler (sampling.py: logits -> tokens, pure; the grammars' masks passed in)
       -> output (one read-back; the one finish rule, text decoded incrementally, stop strings,
          the callers' updates)
 
-A step that computes prompt pieces runs one decode step for the running sequences beside them, and
-a prompt's first token goes out with the step that finished its prompt; a step with no prompt to
-compute runs up to ``sync_every`` decode steps on the device before the host looks (one while a
-request with a grammar runs: the host advances its matcher and masks its next token, guided.py;
-with ``flush_ms``, no more than fit in it at the steps' measured pace).
+A step that computes prompt pieces or verifies proposals (spec/) runs one decode step for the
+other rows, and a prompt's first token goes out with the step that finished its prompt; a step with
+no prompt to compute runs up to ``sync_every`` decode steps on the device before the host looks
+(one while a request with a grammar runs: the host advances its matcher and masks its next token,
+guided.py; with ``flush_ms``, no more than fit in it at the steps' measured pace).
 A decode step — one forward of one token per row, the sampling and each row's bookkeeping, with
 fixed shapes — is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP
 or GRPO; it is not thread-safe (drive it from one thread).
@@ -62,6 +62,7 @@ from onegpu.infer.rows import Rows
 from onegpu.infer.runner import ModelRunner
 from onegpu.infer.sampling import Needs
 from onegpu.infer.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
+from onegpu.infer.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class Engine:
             ),
         )
         self.guides = Guides(tokenizer, vocab, self.max_slots, grammars)
+        self.spec = Speculator.of(cfg, self.guides)  # speculative decoding's (on: spec.on)
         usable = constraints.available() and tokenizer is not None
         self.features = FEATURES if usable else replace(FEATURES, constraints=False)
         # Once a request names an adapter, every forward names one per row (BASE for a request
@@ -209,6 +211,7 @@ class Engine:
             self._decode_steps,
             self._decode_rows,
             self._grammar_s,
+            *self.spec.counts.totals(),
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -217,7 +220,7 @@ class Engine:
         request. The decode steps stop early once ``arrived`` is set while a row is free (a
         server's: a request came in, and it can start now rather than after them)."""
         updates = self._drop_cancelled()
-        plan = self.scheduler.schedule(self._flush_steps())
+        plan = self.scheduler.schedule(self._flush_steps(), self.spec.on and self.spec.propose)
         self.cache.reserve(self.pool.high_water)
         # requests this step ends with an error (their own settings, grammar or prompt): each
         # fails alone
@@ -234,8 +237,9 @@ class Engine:
             with torch.no_grad():
                 rows, steps = self._decode(plan, arrived) if plan.decode else (0, 0)
                 pre = prefill(self.runner, self.rows, list(plan.pieces), self._names, failed)
-            back = self.rows.read_back(rows, steps, plan.decode, pre.firsts)
-            if self.config.flush_ms and steps and not plan.pieces:  # decode steps alone: their pace
+                spec = self.spec.verify(self.runner, self.rows, plan.spec, self._names)
+            back = self.rows.read_back(rows, steps, plan.decode, pre.firsts, spec)
+            if self.config.flush_ms and steps and not (plan.pieces or plan.spec):  # their pace
                 self._step_s.append((time.perf_counter() - start) / steps)
         except BaseException:
             # the blocks this step was to fill were registered when it was planned: a failed
@@ -244,6 +248,7 @@ class Engine:
             raise
         failed.update(pre.failed)
         news = self._output(plan, back, steps, pre, failed)
+        self.spec.record(plan.spec, back.tokens, self.scheduler.trim)  # rejected KV goes back
         return updates + news + [self._fail(seq, exc, plan) for seq, exc in failed.items()]
 
     def generate(
@@ -396,5 +401,6 @@ class Engine:
             self.rows.free(seq.row)
         self.scheduler.finish(seq)
         self.guides.drop(seq)
+        self.spec.drop(seq)
         del self._seqs[seq.id]
         self._outputs.pop(seq.id)

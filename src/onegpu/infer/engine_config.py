@@ -63,6 +63,24 @@ class EngineConfig:
     """Every decode step runs all max_slots rows over all max_len positions: one compiled step
     (per sampling mode) whatever the requests' lengths, at the price of attending over the whole
     table. For callers whose requests are alike and who compile (GRPO's rollouts)."""
+    speculative: Optional[str] = None
+    """Speculative decoding: "ngram" (prompt lookup: each decode row proposes what followed the
+    last tokens' most recent earlier occurrence, verified in one forward; the same tokens as
+    without it), or None (off)."""
+    num_speculative_tokens: int = 4
+    """With speculative: the most tokens a row proposes per step (k; each step verifies k + 1
+    positions of it)."""
+    ngram_min: int = 2
+    """With speculative ngram: the shortest suffix looked up."""
+    ngram_max: int = 4
+    """With speculative ngram: the longest suffix looked up (tried first)."""
+    spec_min_accepted: float = 1.0
+    """With speculative: the mean tokens accepted per verification (over a row's last
+    spec_window) below which the row decodes plainly for a while before it proposes again (a
+    verification costs more than a plain step: below what pays, it stops; the default's
+    measurements: benchmarks/results/spec-verify-cost-cpu.md)."""
+    spec_window: int = 4
+    """With speculative: the verifications of a row spec_min_accepted averages over."""
     policy_off: list[str] = field(default_factory=list)
     """Rows of the device policy table (infer/policy.py) to switch off (`onegpu doctor` lists
     them)."""
@@ -78,14 +96,24 @@ class EngineConfig:
             "block_size": self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             "token_budget": self.token_budget is None or self.token_budget >= 1,
             "chunk": self.chunk is None or self.chunk >= 1,
+            "num_speculative_tokens": self.num_speculative_tokens >= 1,
+            "ngram_min": 1 <= self.ngram_min <= self.ngram_max,
+            "spec_min_accepted": self.spec_min_accepted >= 0,
+            "spec_window": self.spec_window >= 1,
         }
         for name, good in ok.items():
             if not good:
                 raise ConfigError(
                     f"engine {name} has an invalid value: {getattr(self, name)}.",
-                    hint="max_slots, sync_every, token_budget, chunk >= 1; flush_ms > 0; "
-                    "block_size a power of two",
+                    hint="max_slots, sync_every, token_budget, chunk, num_speculative_tokens, "
+                    "spec_window >= 1; flush_ms > 0; block_size a power of two; "
+                    "1 <= ngram_min <= ngram_max; spec_min_accepted >= 0",
                 )
+        if self.speculative not in (None, "ngram"):
+            raise ConfigError(
+                f"engine speculative has an invalid value: {self.speculative!r}.",
+                hint='speculative "ngram" (prompt lookup), or None for off',
+            )
 
 
 def context_of(model) -> int:

@@ -43,6 +43,10 @@ def generate_config(scfg: SamplingConfig, ids: list[list[int]], max_new: int) ->
         compile_mode=None if scfg.compile in ("auto", "off") else scfg.compile,
         compile_backend=scfg.compile_backend,
         policy_off=parse_off(scfg.policy_off),
+        speculative=scfg.speculative,
+        num_speculative_tokens=scfg.num_speculative_tokens,
+        ngram_min=scfg.ngram_min,
+        ngram_max=scfg.ngram_max,
     )
 
 

@@ -185,6 +185,11 @@ def _check_sampling(scfg: SamplingConfig) -> None:
                 f"--{name} has an invalid value: {getattr(scfg, name)}.",
                 hint="max_new_tokens, batch_size >= 1; temperature, top_k >= 0; 0 < top_p <= 1",
             )
+    if scfg.speculative is not None and scfg.decoder == "hf":
+        raise ConfigError(
+            "--speculative is the decode engine's; --decoder hf does not speculate.",
+            hint="use --decoder engine (the default), or leave --speculative out",
+        )
     if any(not s for s in scfg.stop):
         raise ConfigError(
             "--stop contains an empty string.",

@@ -72,6 +72,32 @@ class Guides:
             masks[seq.row] = self._bits[seq.row]
         return masks, failed
 
+    def walk(self, seq: Sequence, tokens: list[int]) -> tuple[int, Optional[torch.Tensor]]:
+        """A speculative row's proposal through its grammar: how many of ``tokens`` it allows in
+        a row (cut before one it refuses, and before one that would complete it: the request's
+        end is the target's token, as in plain decoding), and the mask of each position of that
+        cut proposal and the one after it ``[kept + 1, words]``; the matcher is rolled back. (all,
+        None) for a request without a grammar."""
+        matcher = self.matchers.get(seq.id)
+        if matcher is None:
+            return len(tokens), None
+        bits = torch.full((len(tokens) + 1, bitmask_words(self.vocab)), -1, dtype=torch.int32)
+        kept = 0
+        for i, token in enumerate(tokens):
+            matcher.fill_bitmask(bits, i)
+            word = int(bits[i, token // 32]) & 0xFFFFFFFF
+            if not (word >> (token % 32)) & 1 or not matcher.accept(token):
+                break
+            kept += 1
+            if matcher.terminated():
+                matcher.rollback(1)
+                kept -= 1
+                break
+        matcher.fill_bitmask(bits, kept)
+        if kept:
+            matcher.rollback(kept)
+        return kept, bits[: kept + 1]
+
     def accept(self, seq: Sequence, tokens: list[int]) -> bool:
         """Advance ``seq``'s matcher by its new ``tokens``; True when its grammar is complete
         (nothing but EOS may follow: the request ends). A token the grammar does not allow (the

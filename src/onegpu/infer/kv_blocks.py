@@ -184,5 +184,17 @@ class BlockPool:
         table.blocks.clear()
         table.hashes.clear()
 
+    def release_tail(self, table: BlockTable, keep: int) -> None:
+        """Drop the references to the blocks of ``table`` past its first ``keep`` (positions a
+        speculative step computed for tokens it then rejected), tail first. They hold no hash:
+        only blocks full of accepted tokens are hashed (``register``)."""
+        for b in reversed(table.blocks[keep:]):
+            block = self._blocks[b]
+            block.ref -= 1
+            if block.ref == 0:
+                self._free[b] = None
+        del table.blocks[keep:]
+        del table.hashes[keep:]
+
     def ref(self, block: int) -> int:
         return self._blocks[block].ref

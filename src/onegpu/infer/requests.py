@@ -171,3 +171,9 @@ class EngineStats:
     decode_steps: int = 0  # decode steps run, in all
     decode_rows: int = 0  # rows those steps computed, in all (empty rows of a bucket included)
     grammar_s: float = 0.0  # host seconds spent on grammars: masks made, tokens accepted
+    # speculative decoding (vLLM's spec_decode counters): verifications run, tokens proposed,
+    # tokens accepted, and accepted by position (index i: the (i + 1)-th proposal of a row)
+    spec_drafts: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()

@@ -4,7 +4,8 @@ seen, its grammar's mask, and whose KV its eager copy holds.
 
 ``apply(plan)`` is the one place a scheduler's plan changes rows: a moved sequence's state goes
 with it (every per-row tensor at once), a freed row stops, a started request's settings are
-written, the tables of the rows that run go up. A decode step (decode_step.py) and the prompts'
+written, the tables of the rows that run go up, a speculative row sits out the decode steps
+(``settle`` sets it going after its verification). A decode step (decode_step.py) and the prompts'
 first tokens (prefill.py) read the rows and advance them through ``advance`` and ``begin``, which
 hold the one rule of a sequence's end on the device (``ended``); the host learns each row's end
 from ``finish`` in the step's one read-back (``read_back``), and adds what only it knows (a stop
@@ -118,7 +119,8 @@ class Rows:
                 self._settings(seq.row, seq.params, seq.tokens, seq.generated)
             except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
                 failed[seq] = exc
-        self._tables([*plan.decode, *(p.seq for p in plan.pieces)])
+        self._tables([*plan.decode, *(s for s, _ in plan.spec), *(p.seq for p in plan.pieces)])
+        self.pause([s.row for s, _ in plan.spec])  # verified apart, after the decode steps
         return failed
 
     def free(self, row: int) -> None:
@@ -264,6 +266,39 @@ class Rows:
         if needs.penalties:
             count_tokens(self.counts, tokens, live, rows)
 
+    def pause(self, rows: list[int]) -> None:
+        """``rows`` (speculative this step: verified apart) sit out the step's decode steps, which
+        leave a row that is not live as it is; ``settle`` sets them going again."""
+        if rows:
+            self.live[torch.tensor(rows).to(self.device)] = False
+
+    def settle(self, rows: list[int], tokens: torch.Tensor, accepted: torch.Tensor, needs: Needs):
+        """``rows`` verified proposals: ``tokens [len(rows), k + 1]`` the target's
+        token at each position, of which the first ``accepted + 1`` are kept. Each row's run ends
+        at the first of them ``ended`` stops it at; the row then decodes from its last kept token
+        one position per token on (as a row that just finished its prompt, ``begin``), and the
+        penalties see the kept tokens. The kept tokens, -1 past them ``[len(rows), k + 1]``."""
+        at = torch.tensor(rows, dtype=torch.long).to(self.device)
+        width = tokens.shape[1]
+        offsets = torch.arange(width, device=tokens.device)[None]
+        generated = self.generated[at]
+        why = self.ended(tokens, generated[:, None] + offsets + 1, at[:, None])
+        stops = (why != RUNNING) & (offsets <= accepted[:, None])
+        # the first stop within the accepted run, else the run's last token
+        end = torch.where(stops, offsets, width).amin(-1).clamp_max(accepted)
+        kept = offsets <= end[:, None]
+        last = tokens.gather(1, end[:, None])[:, 0]
+        self.tokens[at] = last
+        self.positions[at] = self.positions[at] + end + 1
+        self.generated[at] = generated + end + 1
+        code = why.gather(1, end[:, None])[:, 0]
+        self.finish[at], self.live[at] = code, code == RUNNING
+        for row in rows:
+            self.holders.pop(row, None)  # its eager copy lacks the verified positions
+        flat_rows = at[:, None].expand(-1, width).reshape(-1)
+        self.observe(flat_rows, tokens.reshape(-1), kept.reshape(-1), needs)
+        return torch.where(kept, tokens, -1)
+
     def record(self, column: int, rows: int, tokens: torch.Tensor, logprobs=None) -> None:
         """A decode step's tokens (and their logprobs ``(chosen, top ids, top logprobs)`` when the
         step computed them), kept on the device until the step's read-back."""
@@ -275,16 +310,21 @@ class Rows:
             self.top_logprobs[:rows, column] = values
 
     # -- to the host ---------------------------------------------------------------------------
-    def read_back(self, rows: int, steps: int, decode, firsts) -> ReadBack:
+    def read_back(self, rows: int, steps: int, decode, firsts, spec=()) -> ReadBack:
         """One device-to-host copy: each decode row's tokens (those it made while live) and its
         finish code, the first token of each prompt finished (``firsts``: prefill.First) and its
-        row's code, and the logprob records of the rows that asked: per token its own logprob,
-        the top ids, their logprobs (``1 + 2 * top`` numbers), the decode rows' first."""
+        row's code, the kept tokens of each speculative row (``spec``: (sequence, [k + 1] tokens,
+        -1 past the kept ones)) and its code, and the logprob records of the rows that asked: per
+        token its own logprob, the top ids, their logprobs (``1 + 2 * top`` numbers), the decode
+        rows' first."""
         decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long).to(self.device)
         first_rows = torch.tensor([f.seq.row for f in firsts], dtype=torch.long).to(self.device)
         parts = [self.out[:rows, :steps].reshape(-1), self.finish[decode_rows]]
         if firsts:
             parts += [torch.stack([f.token for f in firsts]), self.finish[first_rows]]
+        if spec:
+            spec_rows = torch.tensor([s.row for s, _ in spec], dtype=torch.long).to(self.device)
+            parts += [torch.cat([t for _, t in spec]), self.finish[spec_rows]]
         asking = [s for s in decode if s.params.logprobs is not None]
         firsts_asking = [f for f in firsts if f.logprobs is not None]
         if asking or firsts_asking:
@@ -307,6 +347,15 @@ class Rows:
                 {f.seq: int(c) for f, c in zip(firsts, flat[at + m : at + 2 * m], strict=True)}
             )
             at += 2 * m
+        if spec:
+            for seq, kept in spec:
+                width = kept.shape[0]
+                tokens[seq] = [int(t) for t in flat[at : at + width] if t >= 0]
+                at += width
+            finish.update(
+                {s: int(c) for (s, _), c in zip(spec, flat[at : at + len(spec)], strict=True)}
+            )
+            at += len(spec)
         return ReadBack(tokens, first_tokens, finish, flat[at:])
 
     def _logprobs(self, steps: int, asking, firsts) -> list:

@@ -230,3 +230,22 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, needs: Needs, top: int)
     if not needs.logprobs:
         return None
     return token_logprobs(logits, tokens, top)
+
+
+def speculative_accept(targets: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """The speculative acceptance rule: how many of each row's ``proposals`` ``[rows, k]`` are
+    kept, given the target's own tokens ``targets`` ``[rows, k + 1]`` (position i drawn, by
+    ``next_tokens`` under the row's settings, from the logits that follow the proposals before
+    i). A row keeps the longest prefix where the target's token equals the proposal, then the
+    target's token at the first mismatch (or its bonus token after all k): its new tokens are
+    ``targets[:, : accepted + 1]``.
+
+    Greedy, the target's token is its argmax. Sampled, it is the row's inverse-CDF draw with the
+    noise of that position (the row's counter, as plain decoding has it there). For a proposer
+    that puts all its mass on one token x (prompt lookup), this is the standard speculative
+    rejection sampler: x is accepted with probability p(x) (the draw lands on x), and on
+    rejection the token is the draw itself, which is distributed as p with x's mass removed and
+    renormalised (max(0, p - q) normalised, with q a point mass). So every position's token
+    follows the target's distribution, and with the same seed the tokens are plain decoding's."""
+    match = (targets[:, :-1] == proposals).long()
+    return match.cumprod(-1).sum(-1)

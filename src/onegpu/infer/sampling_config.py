@@ -48,6 +48,17 @@ class SamplingConfig:
     static_cache: bool = False
     """decoder hf: preallocate transformers' KV cache to its final size (the engine always does,
     sized to the request)."""
+    speculative: Optional[Literal["ngram"]] = None
+    """Speculative decoding (decoder engine): ngram proposes, for each prompt, what followed its
+    last few tokens earlier in the prompt and the answer (prompt lookup), verified in one forward:
+    the same tokens, fewer forwards where the answer copies its input (editing code, answering
+    from a document). Default: off."""
+    num_speculative_tokens: int = 4
+    """With --speculative: the most tokens proposed per step and prompt."""
+    ngram_min: int = 2
+    """With --speculative ngram: the shortest run of last tokens looked up."""
+    ngram_max: int = 4
+    """With --speculative ngram: the longest run of last tokens looked up (tried first)."""
     policy_off: Optional[str] = None
     """Rows of the engine's device policy table to switch off, comma-separated (ROW[,ROW]; the
     rows and why each is on: `onegpu doctor`)."""

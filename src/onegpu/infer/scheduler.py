@@ -88,7 +88,9 @@ class Piece:
 class Plan:
     """One step's work, a value: the decode rows' sequences and the decode steps they run, the
     prompt pieces in order, the sequences that took a row, the rows preempted sequences gave
-    back, and the rows moved (from, to; applied first)."""
+    back, the rows moved (from, to; applied first), and the speculative rows: decode sequences
+    whose next positions are verified this step, each with the tokens proposed (their blocks
+    hold every position verified; they are not among ``decode``)."""
 
     decode: tuple[Sequence, ...] = ()
     steps: int = 0
@@ -96,6 +98,7 @@ class Plan:
     started: tuple[Sequence, ...] = ()
     freed: tuple[int, ...] = ()
     moved: tuple[tuple[int, int], ...] = ()
+    spec: tuple[tuple[Sequence, tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -107,6 +110,7 @@ class _Draft:
     started: list[Sequence] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
     moved: list[tuple[int, int]] = field(default_factory=list)
+    spec: list[tuple[Sequence, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -140,9 +144,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, most_steps: Optional[int] = None) -> Plan:
+    def schedule(self, most_steps: Optional[int] = None, propose=None) -> Plan:
         """This step's work. ``most_steps`` caps the decode steps of a step with no prompt to
-        compute below sync_every (the engine's flush_ms)."""
+        compute below sync_every (the engine's flush_ms). ``propose``: a decode sequence -> the
+        tokens to verify for it this step (speculative decoding; () for none): a step with any
+        runs one decode step for the other rows."""
         plan = _Draft()
         if self.config.compact:
             self._compact(plan)
@@ -163,10 +169,18 @@ class Scheduler:
         if decoding:
             left = min(s.params.max_new_tokens - s.generated for s in decoding)
             steps = max(1, min(steps, left))
+        proposed = {s: tuple(propose(s)) for s in decoding} if propose else {}
+        if any(proposed.values()):
+            steps = 1
         for seq in decoding:
-            if seq.state == DECODE and self._grow(seq, seq.computed + steps, plan):
-                plan.decode.append(seq)
+            guess = proposed.get(seq, ())
+            if seq.state == DECODE and self._grow(seq, seq.computed + steps + len(guess), plan):
+                if guess:
+                    plan.spec.append((seq, guess))
+                else:
+                    plan.decode.append(seq)
         budget = self.config.token_budget - len(plan.decode)
+        budget -= sum(len(guess) + 1 for _, guess in plan.spec)
         for seq in [s for s in self.running if s.state == PREFILL]:
             budget = self._piece(seq, budget, plan)
         while budget > 0 and self.waiting and self.free_rows and self._admit(self.waiting[0], plan):
@@ -178,6 +192,7 @@ class Scheduler:
             tuple(plan.started),
             tuple(plan.freed),
             tuple(plan.moved),
+            tuple(plan.spec),
         )
 
     def _compact(self, plan: _Draft) -> None:
@@ -300,6 +315,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         if seq in plan.decode:
             plan.decode.remove(seq)
+        plan.spec = [(s, guess) for s, guess in plan.spec if s is not seq]
 
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -314,14 +330,19 @@ class Scheduler:
         self.pool.register(seq.table, seq.tokens[:upto], seq.cache_key)
 
     def extend(self, seq: Sequence, tokens: list[int]) -> None:
-        """``seq`` made ``tokens``: its KV holds every token before the last. Its prompt's first
-        token moves it to decoding (not a piece that ends one token short of the prompt's end:
-        its last token is still to be computed, and its logits sampled)."""
+        """``seq`` made ``tokens``: its KV holds every token before the last. A sequence's first
+        tokens after its prompt (or after its recompute) start its decoding: only then, not when
+        a piece happens to end one token short of its prompt's end (that piece does not sample)."""
         seq.tokens += tokens
         if seq.state == PREFILL:
             self._computes(seq, -1)
             seq.state = DECODE
         self.computed(seq, len(seq.tokens) - 1)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a speculative step: the blocks past those ``seq``'s tokens need (the positions
+        of the tokens it rejected) go back to the pool."""
+        self.pool.release_tail(seq.table, self.pool.blocks_for(len(seq.tokens)))
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` ended (or was cancelled): its row and blocks go back."""

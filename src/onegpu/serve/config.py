@@ -57,6 +57,17 @@ class ServeConfig:
     """A stream's tokens are sent at least this often: where decode steps are slow (a large model,
     a full batch) fewer than sync_every run before the host looks, down to one token per event.
     --sync_every 1: one token per event always; --flush_ms null: sync_every steps always."""
+    speculative: Optional[Literal["ngram"]] = None
+    """Speculative decoding: ngram proposes, for each request, what followed its last few tokens
+    earlier in its prompt and answer (prompt lookup), verified in one forward: the same answers,
+    fewer forwards where an answer copies its input (editing code, answering from a document).
+    Default: off. /metrics counts the proposals and acceptances (onegpu_spec_decode_*)."""
+    num_speculative_tokens: int = 4
+    """With --speculative: the most tokens proposed per step and request."""
+    ngram_min: int = 2
+    """With --speculative ngram: the shortest run of last tokens looked up."""
+    ngram_max: int = 4
+    """With --speculative ngram: the longest run of last tokens looked up (tried first)."""
     policy_off: Optional[str] = None
     """Rows of the engine's device policy table to switch off, comma-separated (ROW[,ROW]; the
     rows and why each is on: `onegpu doctor`)."""

@@ -35,6 +35,10 @@ def make_engine(model, tokenizer, cfg: ServeConfig, grammars=None, adapters=()):
         sync_every=cfg.sync_every,
         flush_ms=cfg.flush_ms,
         policy_off=parse_off(cfg.policy_off),
+        speculative=cfg.speculative,
+        num_speculative_tokens=cfg.num_speculative_tokens,
+        ngram_min=cfg.ngram_min,
+        ngram_max=cfg.ngram_max,
     )
     return Engine(model, tokenizer, config, grammars=grammars, adapters=tuple(adapters))
 

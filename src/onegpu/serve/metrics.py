@@ -59,7 +59,24 @@ class Metrics:
         self.compile_seconds = Counter(
             "onegpu_decode_compile_seconds", "seconds those compiles took", registry=r
         )
-        self._seen = (0, 0, 0, 0, 0.0)  # the engine's running totals at the last look
+        self._seen = (0, 0, 0, 0, 0.0, 0, 0, 0)  # the engine's running totals at the last look
+        # speculative decoding, as vLLM's spec_decode counters
+        self.spec_drafts = Counter(
+            "onegpu_spec_decode_num_drafts", "speculative verifications run", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "onegpu_spec_decode_num_draft_tokens", "tokens proposed for verification", registry=r
+        )
+        self.spec_accepted = Counter(
+            "onegpu_spec_decode_num_accepted_tokens", "proposed tokens accepted", registry=r
+        )
+        self.spec_per_position = Counter(
+            "onegpu_spec_decode_num_accepted_tokens_per_pos",
+            "proposed tokens accepted, by position in the proposal (0: the first)",
+            ["position"],
+            registry=r,
+        )
+        self._seen_positions: tuple[int, ...] = ()
         self.ttft = Histogram(
             "onegpu_time_to_first_token_seconds",
             "arrival to first generated token",
@@ -87,6 +104,9 @@ class Metrics:
             stats.preemptions,
             stats.compiles,
             stats.compile_s,
+            stats.spec_drafts,
+            stats.spec_proposed,
+            stats.spec_accepted,
         )
         counters = (
             self.prefix_queries,
@@ -94,6 +114,9 @@ class Metrics:
             self.preemptions,
             self.compiles,
             self.compile_seconds,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted,
         )
         for counter, now, before in zip(
             counters,
@@ -103,6 +126,11 @@ class Metrics:
         ):
             counter.inc(now - before)
         self._seen = totals
+        positions = stats.spec_accepted_per_position
+        before = self._seen_positions or (0,) * len(positions)
+        for i, (now, was) in enumerate(zip(positions, before, strict=True)):
+            self.spec_per_position.labels(position=str(i)).inc(now - was)
+        self._seen_positions = positions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
