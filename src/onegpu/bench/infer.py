@@ -76,6 +76,18 @@ class BenchInferConfig:
     """File stem instead of infer-<device>-<date>."""
     seed: int = 0
     """Seed for the random model and prompts."""
+    workload: Literal["random", "edits"] = "random"
+    """random: prompt_len random token ids per prompt, every setting. edits: held-out code-edit
+    tasks (data/edits.py), batch 1, greedy, to EOS, on the engine (the settings, batch sizes and
+    lengths do not apply): the model's copy rate, the simulated prompt-lookup acceptance and
+    tokens/s (bench/infer_edits.py). Give a trained model: a random one copies nothing."""
+    tasks: int = 8
+    """Edit tasks per round (workload edits)."""
+    speculative: Optional[Literal["ngram"]] = None
+    """Workload edits: also time the engine with EngineConfig(speculative=this), interleaved with
+    the same engine without, and compare their tokens."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per step with speculative."""
     dry_run: bool = False
     """Check the options and list the settings that would be measured, without building a model."""
 
@@ -318,6 +330,19 @@ def cli(argv: Sequence[str]) -> int:
             print(f"  {setting.name}")
         return 0
     stem = cfg.name or f"infer-{_device_type(cfg)}-{time.strftime('%Y%m%d')}"
+    if cfg.workload == "edits":
+        from onegpu.bench import infer_edits
+
+        head = provenance.begin(" ".join(["onegpu bench infer", *argv]))
+        with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
+            result = infer_edits.run_edits(cfg, prepare_model_dir(cfg, Path(tmp)))
+        result = {**provenance.end(head), **result}
+        out = Path(cfg.out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(infer_edits.edits_markdown(result))
+        print(infer_edits.edits_markdown(result) + f"wrote {out / stem}.{{json,md}}")
+        return 0
     partial = Path(cfg.out).expanduser() / f"{stem}.partial.json"
 
     head = provenance.begin(" ".join(["onegpu bench infer", *argv]))
@@ -345,7 +370,20 @@ def _device_type(cfg: BenchInferConfig) -> str:
 
 def _check(cfg: BenchInferConfig) -> None:
     batch_sizes(cfg.batch_size)
-    for name in ("prompt_len", "new_tokens", "repeats", "vocab_size", "sync_every"):
+    if cfg.speculative and cfg.workload != "edits":
+        raise ConfigError(
+            "--speculative compares the engine with and without it on --workload edits.",
+            hint="add --workload edits",
+        )
+    for name in (
+        "prompt_len",
+        "new_tokens",
+        "repeats",
+        "vocab_size",
+        "sync_every",
+        "tasks",
+        "num_speculative_tokens",
+    ):
         if getattr(cfg, name) < 1:
             raise ConfigError(
                 f"--{name} must be >= 1, got {getattr(cfg, name)}.", hint=f"set --{name} 1 or more"

@@ -12,6 +12,7 @@ from onegpu.errors import ConfigError
 
 POSITIVE_INTS = {
     "data.seq_len",
+    "data.edit_max_chars",
     "data.num_proc",
     "data.prefetch_factor",
     "data.pad_to_multiple",
