@@ -42,7 +42,11 @@ TURN, SYSTEM, PASSAGE, GROUP, PROMPTS = 16, 512, 32, 4, 2
 
 
 def lookup(query: str = "") -> str:
-    """The benchmark's tool: a fixed passage of about PASSAGE tokens."""
+    """The benchmark's tool: a fixed passage of about PASSAGE tokens.
+
+    Args:
+        query: what to look up
+    """
     return ("A passage that answers " + query + ". ") * 5
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -106,3 +107,25 @@ def test_a_reward_module_in_the_working_directory_is_found_by_the_console_script
     (reward,) = resolve(GRPOConfig(rewards=["cwd_reward_mod:fn"]))
     assert reward.fn(prompts=["p"], completions=["c"]) == [1.0]
     assert sys.path[-1] == str(tmp_path)  # searched last: installed packages are not shadowed
+
+
+def test_calculator_steps_pays_a_third_for_each_step_of_using_the_tool():
+    call = {"role": "assistant", "content": "", "tool_calls": [_calc_call("12+34")]}
+    answered = {"role": "tool", "name": "calculator", "content": "46"}
+    failed = {"role": "tool", "name": "calculator", "content": "error: 'calculator' raised ..."}
+    right, wrong = ({"role": "assistant", "content": v} for v in ("46", "40"))
+    convs = [
+        [call, answered, right],  # every step: 1
+        [call, answered, wrong],  # called, answered, not copied: 2/3
+        [call, failed, wrong],  # a call the calculator refused: 1/3
+        [wrong],  # no call: 0
+        [right],  # right without the tool: the answer's third
+        [{"role": "assistant", "content": "", "tool_calls": [_calc_call("1+1", "other")]}],
+    ]
+    got = builtin("calculator_steps")(completions=convs, answer=["46"] * len(convs))
+    assert got == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0, 1 / 3, 0.0])
+
+
+def _calc_call(expression: str, name: str = "calculator") -> dict:
+    arguments = json.dumps({"expression": expression})
+    return {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -25,20 +25,29 @@ TOOLS = textwrap.dedent(
     """
     import time
 
-    def echo(text="hi"):
+    def echo(text: str = "hi") -> str:
+        '''Say the text back.
+
+        Args:
+            text: what to say
+        '''
         return "echo:" + text
 
-    def boom():
+    def boom() -> str:
+        '''Raise.'''
         raise ValueError("no such thing")
 
-    def hang():
+    def hang() -> str:
+        '''Sleep past any time limit.'''
         time.sleep(60)
         return "late"
 
-    def number():
+    def number() -> str:
+        '''Return a number, not text.'''
         return 42
 
-    def noisy():
+    def noisy() -> str:
+        '''Print, then return text.'''
         print("chatter on stdout")
         return "quiet"
     """

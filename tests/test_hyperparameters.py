@@ -63,6 +63,19 @@ def test_grpo_takes_its_own_table_in_each_mode(mode):
     assert grpo_table()["lora"]["lr"] == 5e-6  # Unsloth's GRPO notebooks
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_reward_model_takes_its_own_table_in_each_mode(mode):
+    from onegpu.hyper import reward_table
+
+    data = {**MODES[mode], "training": {"objective": "reward"}}
+    t, row = settled(data), reward_table()[mode]
+    assert (t.lr, t.weight_decay) == (row["lr"], row["weight_decay"])
+    ratio = row["warmup_ratio"]
+    assert t.warmup_steps == (row["warmup_steps"] if ratio is None else math.ceil(ratio * 200))
+    if mode != "scratch":  # TRL's RewardConfig default, not DPO's 1e-6
+        assert (t.lr, t.warmup_steps) == (1e-4, 0)
+
+
 def test_the_table():
     assert auto_table() == {
         "scratch": {"lr": 2e-3, "warmup_steps": 20, "warmup_ratio": None, "weight_decay": 0.1},

@@ -245,3 +245,27 @@ def test_an_eager_cpu_step_leaves_out_the_all_padding_columns_with_the_same_loss
     assert torch.allclose(losses[0], losses[1], atol=1e-6)
     for a, b in zip(*grads, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_each_row_is_scored_at_its_last_real_token(tiny_tokenizer):
+    """The head reads each row's last non-padding token (the EOS that ends every sequence), so a
+    row scores the same alone as padded in a batch beside longer rows."""
+    tok = tiny_tokenizer
+    model = _score_model(tok).eval()
+    model.config.pad_token_id = tok.pad_token_id
+    batch = _batch(tok, PAIRS)
+    with torch.no_grad():
+        _, got = reward.scores(model, batch)
+        hidden = model.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+        last = batch["attention_mask"].sum(1) - 1
+        assert (batch["input_ids"][torch.arange(len(last)), last] == tok.eos_token_id).all()
+        want = model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
+        alone = [
+            model(input_ids=batch["input_ids"][i : i + 1, : last[i] + 1]).logits.item()
+            for i in range(len(last))
+        ]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, torch.tensor(alone), atol=1e-5)
+    assert int(batch["attention_mask"].sum(1).min()) < batch["input_ids"].shape[1]  # padded rows

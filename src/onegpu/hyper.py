@@ -64,6 +64,24 @@ def preference_table() -> dict[str, dict]:
     }
 
 
+def reward_table() -> dict[str, dict]:
+    """`auto` for training.objective reward (a reward model: a new score head on the model):
+
+    - full / lora / qlora: TRL's RewardConfig default learning rate 1e-4
+      (trl/trainer/reward_config.py: "Defaults to 1e-4 instead of 5e-5"), no warm-up and no weight
+      decay (TrainingArguments' defaults, which RewardConfig keeps); DPO's 1e-6 would leave the
+      new head where it started;
+    - scratch (a preset): the preference objectives' 5e-4 with 10% warm-up.
+    """
+    tuned = {"lr": 1e-4, "warmup_steps": 0, "warmup_ratio": None, "weight_decay": 0.0}
+    return {
+        "scratch": {"lr": 5e-4, "warmup_steps": None, "warmup_ratio": 0.1, "weight_decay": 0.0},
+        "full": dict(tuned),
+        "lora": dict(tuned),
+        "qlora": dict(tuned),
+    }
+
+
 def grpo_table() -> dict[str, dict]:
     """`auto` for training.objective grpo:
 
@@ -118,7 +136,9 @@ def _settle(cfg: Config, model_name: str | None) -> tuple[str, dict, dict]:
         )
     mode = training_mode(cfg, model_name)
     objective = cfg.training.objective
-    table = {"sft": auto_table, "grpo": grpo_table}.get(objective, preference_table)
+    table = {"sft": auto_table, "grpo": grpo_table, "reward": reward_table}.get(
+        objective, preference_table
+    )
     auto = table()[mode]
     values, source = {}, {}
     for key in ("lr", "weight_decay"):

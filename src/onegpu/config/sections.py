@@ -59,7 +59,7 @@ class TrainingConfig:
     lr: Union[float, Literal["auto"]] = "auto"
     """Peak learning rate. auto: by mode and objective (hyper.py). sft: 2e-3 from scratch, 2e-5
     full fine-tune, 2e-4 LoRA/QLoRA; dpo/orpo/simpo: 5e-4 from scratch, 1e-6 full fine-tune, 5e-6
-    LoRA/QLoRA."""
+    LoRA/QLoRA; reward: 5e-4 from scratch, else TRL RewardConfig's 1e-4."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine decay)."""
     warmup_steps: Union[int, Literal["auto"]] = "auto"

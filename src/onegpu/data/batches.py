@@ -17,10 +17,11 @@ IGNORE = overlong.IGNORE
 
 # ------------------------------------------------------------------------------------ tokenizing
 def tokenize_counted(
-    ds, fmt: str, tok, cfg: DataConfig, split: str = "train"
+    ds, fmt: str, tok, cfg: DataConfig, split: str = "train", tools: list | None = None
 ) -> tuple[Any, overlong.DataStats]:
     """Tokenize, pack or mask, apply data.overlong; return the examples and what became of the
-    records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py)."""
+    records. Preference pairs become prompt_ids / chosen_ids / rejected_ids (data/pairs.py).
+    ``tools``: GRPO's tool schemas, which the chat template renders into every chat prompt."""
     from onegpu.data import pairs, prompts, unpaired
 
     fn = {
@@ -39,6 +40,8 @@ def tokenize_counted(
         desc=f"tokenizing ({fmt})",
         fn_kwargs={"tok": tok, "cfg": cfg, "split": split},
     )
+    if tools:
+        kw["fn_kwargs"]["tools"] = tools
     if len(ds) >= 2 * max(1, cfg.num_proc) and cfg.num_proc > 1:
         kw["num_proc"] = cfg.num_proc
     try:

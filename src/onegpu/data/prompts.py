@@ -23,12 +23,14 @@ from onegpu.errors import DataError
 PROMPT_IDS, ROW = "prompt_ids", "_row"
 
 
-def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
+def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str, tools=None) -> dict:
     """The `datasets.map` function for prompt records: each record's ids and fate; the record's own
-    columns stay (the rewards read them)."""
+    columns stay (the rewards read them). ``tools``: the JSON schemas of grpo.tools, rendered by
+    the chat template into each chat prompt (TRL's GRPOTrainer passes its tools so)."""
     out = {PROMPT_IDS: [], ROW: list(indices), overlong.FATE: [], overlong.TURNS: []}
     for i, (idx, prompt) in enumerate(zip(indices, batch[cfg.prompt_field], strict=True)):
-        ids = encode_prompt(prompt, tok, records.where(batch, i, idx, split), cfg.prompt_field)
+        where = records.where(batch, i, idx, split)
+        ids = encode_prompt(prompt, tok, where, cfg.prompt_field, tools)
         fate = overlong.FIT if ids else overlong.EMPTY
         if len(ids) > cfg.seq_len:
             fate = overlong.TRUNCATED if cfg.overlong == "truncate" else overlong.DROPPED
@@ -39,8 +41,9 @@ def tokenize_batch(batch, indices, tok, cfg: DataConfig, split: str) -> dict:
     return out
 
 
-def encode_prompt(prompt, tok, where: str, field: str = "prompt") -> list[int]:
-    """Token ids of one prompt: text, or a list of chat messages rendered by the chat template."""
+def encode_prompt(prompt, tok, where: str, field: str = "prompt", tools=None) -> list[int]:
+    """Token ids of one prompt: text, or a list of chat messages rendered by the chat template
+    (with ``tools``, the tool schemas, when given)."""
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m for m in prompt):
             raise DataError(
@@ -52,7 +55,9 @@ def encode_prompt(prompt, tok, where: str, field: str = "prompt") -> list[int]:
                 f"{where}: chat-shaped prompts need a tokenizer with a chat template.",
                 hint="use a chat model's tokenizer (model.tokenizer), or plain-text prompts",
             )
-        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            prompt, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         return tok(text, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, str) or not prompt:
         raise DataError(

@@ -20,7 +20,11 @@ SYSTEM = 'Tools: calculator(expression). Call: <tool_call>{"name": "calculator",
 
 
 def calculator(expression: str) -> str:
-    """Evaluate ``a+b``, ``a-b`` or ``a*b`` of two whole numbers given as digit strings."""
+    """Evaluate a sum, difference or product of two whole numbers.
+
+    Args:
+        expression: a+b, a-b or a*b, each number in digits, e.g. 123+45
+    """
     m = EXPRESSION.fullmatch(str(expression))
     if m is None:
         raise ValueError(f"not a+b, a-b or a*b of whole numbers: {expression!r}")

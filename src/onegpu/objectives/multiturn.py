@@ -26,11 +26,13 @@ from onegpu.errors import ConfigError, DataError
 
 @dataclass
 class ToolUse:
-    """What a run's rollouts call tools with: the runner, the call format, the run's tokenizer."""
+    """What a run's rollouts call tools with: the runner, the call format, the run's tokenizer
+    and the tools' JSON schemas (the chat template's ``tools``, in every rendering)."""
 
     runner: object  # tools.ToolRunner
     fmt: str  # the call format: hermes or llama3 (serve/tools.py reads it)
     tokenizer: object
+    schemas: list = field(default_factory=list)
 
     @classmethod
     def for_run(cls, gcfg, tokenizer) -> ToolUse:
@@ -44,7 +46,9 @@ class ToolUse:
                 "model's calls in.",
                 hint="set grpo.tool_parser hermes (<tool_call>{...}</tool_call>) or llama3",
             )
-        return cls(tools.ToolRunner(tools.resolve(gcfg.tools), gcfg.tool_timeout), fmt, tokenizer)
+        resolved = tools.resolve(gcfg.tools)
+        runner = tools.ToolRunner(resolved, gcfg.tool_timeout)
+        return cls(runner, fmt, tokenizer, [t.schema for t in resolved])
 
 
 @torch.no_grad()
@@ -118,12 +122,12 @@ def tool_rollouts(
     from onegpu.objectives.rollout import Samples
 
     t0 = time.perf_counter()
-    tok, new, turns = use.tokenizer, gcfg.max_completion_length, gcfg.max_turns
+    new, turns = gcfg.max_completion_length, gcfg.max_turns
     rows = [
         _Row(list(p), _messages(m, i), [])
         for i, (p, m) in enumerate(zip(prompt_ids, prompts, strict=True))
     ]
-    overhead = len(_tool_turn(tok, [*rows[0].raw, _said("")], [_result("x", "")], ""))
+    overhead = len(_tool_turn(use, [*rows[0].raw, _said("")], [_result("x", "")], ""))
     longest = max(map(len, prompt_ids))
     length = longest + turns * new + (turns - 1) * (new + overhead)
     engine = Engine(
@@ -220,20 +224,23 @@ def _turn(row: _Row, sampled, logps, stop: set, use: ToolUse, new: int, last: bo
         if len(ids) > new:  # a result is cut to a turn's length
             text_out = tok.decode(ids[:new])
         results.append(_result(call.name, text_out, call.id))
-    added = _tool_turn(tok, row.raw, results, text, tok.decode(own[-1:]))
+    added = _tool_turn(use, row.raw, results, text, tok.decode(own[-1:]))
     row.raw += results
     row.messages += results
     row.ids += added
     row.mask += [False] * len(added)
 
 
-def _tool_turn(tok, raw: list[dict], results: list[dict], said: str, ended: str = "") -> list:
+def _tool_turn(use: ToolUse, raw: list[dict], results: list[dict], said: str, ended: str = ""):
     """The tokens that follow the policy's last turn ``said`` (which ended with the token whose
     text is ``ended``) to append ``results`` and open its next turn: the template's text after
     ``said`` past that token (e.g. the newline after <|im_end|>), and the text the results and the
-    generation prompt add."""
-    before = tok.apply_chat_template(raw, tokenize=False)
-    after = tok.apply_chat_template([*raw, *results], tokenize=False, add_generation_prompt=True)
+    generation prompt add (both renderings with the tools, as the prompt's)."""
+    tok, tools = use.tokenizer, use.schemas or None
+    before = tok.apply_chat_template(raw, tools=tools, tokenize=False)
+    after = tok.apply_chat_template(
+        [*raw, *results], tools=tools, tokenize=False, add_generation_prompt=True
+    )
     if not after.startswith(before):
         raise DataError(
             "grpo.tools: the chat template renders the conversation differently once a tool "

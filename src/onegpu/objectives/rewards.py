@@ -284,6 +284,35 @@ def calculator_answer(gcfg) -> Callable:
     return calculator_answer
 
 
+def calculator_steps(gcfg) -> Callable:
+    """A partial-credit reward for the tool-use example: a third for each step of using the tool
+    reached, in order: a calculator call made; the calculator answering it (a well-formed call,
+    not an error); the last assistant message the right value (calculator_answer's 1). A policy
+    that calls but does not yet copy the result still sees its calls pay."""
+    answer = calculator_answer(gcfg)
+
+    def calculator_steps(completions, **columns):
+        right = answer(completions, **columns)
+        out = []
+        for conversation, ok in zip(completions, right, strict=True):
+            called = any(
+                (c.get("function") or {}).get("name") == "calculator"
+                for m in conversation
+                if m.get("role") == "assistant"
+                for c in m.get("tool_calls") or ()
+            )
+            answered = any(
+                m.get("role") == "tool"
+                and m.get("name") == "calculator"
+                and not str(m.get("content", "")).startswith("error:")
+                for m in conversation
+            )
+            out.append((called + (called and answered) + ok) / 3)
+        return out
+
+    return calculator_steps
+
+
 BUILTINS: dict[str, Callable] = {
     "exact_match": exact_match,
     "format": format_check,
@@ -291,4 +320,5 @@ BUILTINS: dict[str, Callable] = {
     "python_compiles": python_compiles,
     "python_continues": python_continues,
     "calculator_answer": calculator_answer,  # the built-in tool-use example's (grpo.tools)
+    "calculator_steps": calculator_steps,  # its partial credit: call made, answered, right
 }

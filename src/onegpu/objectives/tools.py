@@ -18,7 +18,7 @@ import select
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +36,9 @@ ERRORS = ("raised", "timeout", "non_text", "crashed", "unknown_tool", "bad_argum
 class Tool:
     name: str  # what the model calls it: the function's name
     ref: str  # module:function, as the worker imports it
+    # the function's JSON schema (transformers' get_json_schema: its name, the docstring's
+    # description and arguments), what the chat template's ``tools`` shows the model
+    schema: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def resolve(entries: list[str]) -> list[Tool]:
@@ -67,8 +70,31 @@ def resolve(entries: list[str]) -> list[Tool]:
                 f"grpo.tools: two tools are called '{name}' ({out[name].ref} and {ref}).",
                 hint="the model calls a tool by its function's name: rename one",
             )
-        out[name] = Tool(name, ref)
+        out[name] = Tool(name, ref, _schema(fn, entry))
     return list(out.values())
+
+
+def schemas(entries: list[str]) -> list[dict]:
+    """The JSON schemas of grpo.tools, in their order: the chat template's ``tools`` (every
+    prompt and every turn is rendered with them, as TRL's GRPOTrainer does)."""
+    return [t.schema for t in resolve(entries)]
+
+
+def _schema(fn, entry: str) -> dict:
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import (
+        DocstringParsingException,
+        TypeHintParsingException,
+    )
+
+    try:
+        return get_json_schema(fn)
+    except (DocstringParsingException, TypeHintParsingException) as exc:
+        raise ConfigError(
+            f"grpo.tools: '{entry}' cannot be described to the model: {exc}",
+            hint="give the function type hints and a Google-style docstring (a description, "
+            "then 'Args:' with a line per argument), as the chat template's tools need",
+        ) from None
 
 
 class ToolRunner:

@@ -135,11 +135,14 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, model_name, train_rec, fmt, recs.fingerprint)
     check_positions(cfg, model_name)  # before tokenizing: a too long seq_len is not "no examples"
-    train_ds, stats = batches.tokenize_counted(train_rec, fmt, tokenizer, cfg.data, "train")
+    tools = tool_schemas(cfg)
+    train_ds, stats = batches.tokenize_counted(train_rec, fmt, tokenizer, cfg.data, "train", tools)
     all_stats = [stats]
     val_ds = None
     if val_rec is not None:
-        val_ds, stats = batches.tokenize_counted(val_rec, fmt, tokenizer, cfg.data, "validation")
+        val_ds, stats = batches.tokenize_counted(
+            val_rec, fmt, tokenizer, cfg.data, "validation", tools
+        )
         all_stats.append(stats)
     for stats in all_stats:
         log.info("data %s", stats.describe())
@@ -184,6 +187,15 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
         time.perf_counter() - t0,
     )
     return Data(tokenizer, train_ds, val_ds, collator, fmt, all_stats, sample)
+
+
+def tool_schemas(cfg: Config) -> list | None:
+    """GRPO's tools as the chat template shows them (objectives/tools.schemas); None without."""
+    if cfg.training.objective != "grpo" or not cfg.grpo.tools:
+        return None
+    from onegpu.objectives.tools import schemas
+
+    return schemas(cfg.grpo.tools)
 
 
 def build_vision_data(cfg: Config, model_name: str, recs: Records) -> Data:
