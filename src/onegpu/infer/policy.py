@@ -49,6 +49,14 @@ RULES: dict[str, Rule] = {
         ("tiny", "125m"),
         "a compiled CPU step faster on both shapes than SDPA's kernel",
     ),
+    "cpu_head_reduction": Rule(
+        "cpu",
+        "a compiled decode step of up to 16 rows multiplies by the output head (8,192 outputs or "
+        "more) as inductor's C++ reduction over the head's rows (small_gemv.head), not MKL's",
+        "benchmarks/results/engine-decode-speed-cpu.md",
+        ("tiny", "125m"),
+        "the step faster on both shapes than with MKL's product",
+    ),
     "eager_window": Rule(
         "cpu",
         "an eager decode run reads a copy of its rows' blocks, gathered at its first step and "
@@ -110,6 +118,7 @@ class Policy:
     row of device "any" applies on every device)."""
 
     cpu_attention_loops: bool = False
+    cpu_head_reduction: bool = False
     eager_window: bool = False
     batched_lora: bool = False
     small_gemv: bool = False
