@@ -51,11 +51,11 @@ RULES: dict[str, Rule] = {
     ),
     "cpu_head_reduction": Rule(
         "cpu",
-        "a compiled decode step of up to 16 rows multiplies by the output head (8,192 outputs or "
-        "more) as inductor's C++ reduction over the head's rows (small_gemv.head), not MKL's",
+        "a compiled one-row decode step multiplies by the output head (8,192 outputs or more) as "
+        "inductor's C++ reduction over the head's rows (small_gemv.head), not MKL's matmul",
         "benchmarks/results/engine-decode-speed-cpu.md",
         ("tiny", "125m"),
-        "the step faster on both shapes than with MKL's product",
+        "the one-row step faster on both shapes than with MKL's product",
     ),
     "eager_window": Rule(
         "cpu",
