@@ -25,8 +25,9 @@ inductor's vectorised C++ reduction, its loops over the weight's rows outermost,
 the weight is read once for every row of the batch while it is in the L1 cache (``outputs_outer``).
 Against MKL's matmul, fp32, one thread, compiled with the argmax after it, timed standalone on a
 loaded machine: a [32000, 128] head 4.1x at 1 row, 1.9x at 4 and 1.5x at 16; a [32000, 768] head
-2.0x at 1 row and 1.14x at 16. In the engine's step (benchmarks/results/engine-decode-speed-cpu.md)
-it gains at one row and loses at 16 (a dot product of 128 terms an output, summed across the
+2.0x at 1 row and 1.14x at 16. In the engine's step
+(benchmarks/results/engine-head-reduction-cpu.md, engine-decode-speed-cpu.md) it gains at one
+row and loses at 16 (a dot product of 128 terms an output, summed across the
 vector's lanes, against MKL's register-blocked GEMM): one row only. The layers' small matmuls
 lose to MKL's call, and stay with it.
 """
