@@ -8,7 +8,8 @@ the arms interleaved round by round, medians and ranges over the rounds.
 Workloads and their arms (what each measures: engine_workloads.py):
 
 - decode: the slot engine and the paged one, eager and compiled, at batch 1 and 16 (with
-  ``--before <checkout>``, also that earlier commit of the paged engine, compiled);
+  ``--before <checkout>``, also that earlier commit of the paged engine, compiled), and a plain
+  transformers loop (StaticCache, forward and argmax compiled: ``naive``);
 - capacity: the slot engine at 8 slots of 2,048 positions against the paged engine at the same
   KV memory (1,024 blocks of 16, the null block included) and 64 rows;
 - chat, shared: the paged engine with its prefix cache on and off, and the slot engine;
@@ -53,7 +54,9 @@ ARMS = {
     + [
         (f"paged-before on b{batch}", "before", {"compile": "on"}, ["--batch", str(batch)])
         for batch in (1, 16)
-    ],
+    ]
+    # transformers' StaticCache and the model's forward with an argmax, compiled: no engine
+    + [(f"naive b{batch}", "paged", {}, ["--batch", str(batch), "--naive"]) for batch in (1, 16)],
     "capacity": [
         ("slot engine, 8 slots", "slot", {"max_slots": 8}, []),
         ("paged engine, 64 rows", "paged", NEW_CAPACITY, []),

@@ -115,6 +115,8 @@ def digest(token_lists) -> str:
 
 # --------------------------------------------------------------------------------- workloads
 def decode(args, config: dict) -> dict:
+    if args.naive:
+        return naive(args)
     model = make_model(args.preset, 1024)
     eng = engine(model, {"max_slots": args.batch, "max_len": 640, **config})
     rng = random.Random(args.seed)
@@ -134,6 +136,36 @@ def decode(args, config: dict) -> dict:
         "steps": steps,
         "answers": digest([r["tokens"] for r in got.values()]),
     }
+
+
+def naive(args) -> dict:
+    """The decode workload as a plain transformers loop: a StaticCache, the model's forward and
+    the argmax compiled as one function, a token a row a call (no engine)."""
+    from transformers import StaticCache
+
+    from onegpu.infer.paged_cache import cache_kwarg
+
+    model = make_model(args.preset, 1024)
+    rng = random.Random(args.seed)
+    ids = torch.tensor([tokens(rng, 512) for _ in range(args.batch)])
+    cache = StaticCache(config=model.config, max_cache_len=640)
+    kw = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+
+    @torch.compile(dynamic=False)
+    def step(tok, at):
+        return model(input_ids=tok, cache_position=at, **kw).logits[:, -1].argmax(-1)[:, None]
+
+    for _ in range(2):  # warm-up (compiles), then the timed run
+        cache.reset()
+        tok = model(input_ids=ids, cache_position=torch.arange(512), **kw).logits[:, -1:].argmax(-1)
+        out = [tok]
+        for i in range(127):
+            if i == 1:  # timed from the second step on, as the engine's after every first token
+                start = time.perf_counter()
+            out.append(tok := step(tok, torch.tensor([512 + i])))
+        ms = 1000 * (time.perf_counter() - start) / 126
+    answers = torch.cat(out, 1).tolist()
+    return {"ms_per_step": ms, "steps": 126, "answers": digest(answers)}
 
 
 def capacity(args, config: dict) -> dict:
@@ -284,6 +316,7 @@ def main() -> int:
     ap.add_argument("--alone", action="store_true")
     ap.add_argument("--prompts_only", action="store_true", help="capacity: one new token each")
     ap.add_argument("--no_long", action="store_true")
+    ap.add_argument("--naive", action="store_true", help="decode: the plain transformers loop")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with torch.no_grad():

@@ -30,7 +30,7 @@ from serve_load_report import spread  # noqa: E402
 
 from onegpu.bench import provenance  # noqa: E402
 
-COMPILED_ROWS = ("cpu_attention_loops",)
+COMPILED_ROWS = ("cpu_attention_loops", "cpu_head_reduction")
 VARIANTS = [("compiled, every row", "on", [])]
 VARIANTS += [(f"compiled, {row} off", "on", [row]) for row in COMPILED_ROWS]
 VARIANTS += [("eager, every row", "off", []), ("eager, eager_window off", "off", ["eager_window"])]
@@ -47,12 +47,12 @@ def ms_per_step(eng, prompts) -> tuple[float, list]:
     return 1000 * (done - everyone) / (128 - out_by), [r["tokens"] for r in got.values()]
 
 
-def measure(preset: str, batch: int, rounds: int) -> dict:
+def measure(preset: str, batch: int, rounds: int, only: str = "") -> dict:
     model = make_model(preset, 1024)
     rng = random.Random(0)
     prompts = [tokens(rng, 512) for _ in range(batch)]
     engines, answers = {}, {}
-    for label, mode, off in VARIANTS:
+    for label, mode, off in [v for v in VARIANTS if not only or v[0] in only.split(";")]:
         started = time.perf_counter()
         engines[label] = engine(
             model, {"max_slots": batch, "max_len": 640, "compile": mode, "policy_off": off}
@@ -103,6 +103,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/engine-policy-cpu")
+    ap.add_argument("--only", default="", help="';'-separated variant labels (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     head, results = provenance.begin(), {}
@@ -110,7 +111,7 @@ def main() -> int:
     for preset in args.presets.split(","):
         for batch in map(int, args.batches.split(",")):
             with torch.no_grad():
-                results[f"{preset}, batch {batch}"] = measure(preset, batch, args.rounds)
+                results[f"{preset}, batch {batch}"] = measure(preset, batch, args.rounds, args.only)
             result = {
                 **provenance.end(head),
                 "threads": args.threads,

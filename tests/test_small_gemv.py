@@ -7,7 +7,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from families import tiny_family_model
-from onegpu.infer import decode_step
+from onegpu.infer import decode_step, small_gemv
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 from onegpu.infer.small_gemv import SmallGemv
@@ -78,3 +78,39 @@ def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_
         got = [r.token_ids for r in engine.generate(ids, params)]
     assert gemv.rewritten >= 7 * model.config.num_hidden_layers  # q k v o gate up down, a layer
     assert got == want
+
+
+def test_the_cpu_head_pass_rewrites_the_output_head_alone_at_one_row():
+    """small_gemv.head: of a [8192, 64] head and a [48, 64] weight only the head becomes a
+    reduction (its weight's rows outermost, then transposed), at one row and not at two; the
+    products equal F.linear's."""
+    torch.manual_seed(0)
+    head, small = torch.randn(8192, 64), torch.randn(48, 64)
+    for rows, rewritten in ((1, 1), (2, 0)):
+        x = torch.randn(rows, 64)
+        gemv = small_gemv.head()
+        (a, b), code = _compiled(lambda x: (F.linear(x, head), F.linear(x, small)), gemv, x)
+        assert gemv.rewritten == rewritten
+        assert code.count("extern_kernels.mm(") == 2 - rewritten
+        torch.testing.assert_close(a, F.linear(x, head), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, F.linear(x, small))
+
+
+def test_a_compiled_cpu_engine_step_multiplies_by_the_head_as_the_policy_row_says(tiny_tokenizer):
+    """The cpu_head_reduction row: a compiled CPU engine's step over an 8,192-token head runs
+    the head's pass, which rewrote that product (one a graph), with the eager engine's greedy
+    tokens; with the row off the step has no pass."""
+    model = tiny_family_model("llama", tiny_tokenizer, vocab_size=8192).eval()
+    ids = [[5, 6, 7, 8]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    eager = Engine(model, None, EngineConfig(1, 64, compile="off"))
+    want = [r.token_ids for r in eager.generate(ids, params)]
+    engine = Engine(model, None, EngineConfig(1, 64, compile="on"))
+    gemv = engine.decode_step.graph_pass
+    assert isinstance(gemv, SmallGemv) and gemv.outputs_outer
+    with torch._inductor.config.patch(fx_graph_cache=False):  # a cached graph skips the pass
+        got = [r.token_ids for r in engine.generate(ids, params)]
+    assert gemv.rewritten >= 1
+    assert got == want
+    off = EngineConfig(1, 64, compile="on", policy_off=["cpu_head_reduction"])
+    assert Engine(model, None, off).decode_step.graph_pass is None

@@ -41,34 +41,13 @@ class DecodeStep:
         graph_pass=None,
     ):
         """``graph_pass``: an inductor post-grad pass for the compiled step (default: the policy's,
-        small_gemv.py on a GPU)."""
+        small_gemv.py's on a GPU, its output head's on a CPU)."""
         self.runner, self.rows = runner, rows
         cuda = runner.device.type == "cuda"
-        self.compiled = None
+        self.compiled, self.graph_pass = None, graph_pass
+        self._compile_args = (mode, backend, rules, buckets, graph_pass)
         if mode:
-            mode = mode if backend == "inductor" else None  # others (tests: aot_eager) take none
-            if graph_pass is None and backend == "inductor" and cuda and rules.small_gemv:
-                from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
-
-                graph_pass = SmallGemv()
-            options = None
-            if graph_pass is not None:  # torch.compile takes a mode or options: the mode's own
-                options = {**torch._inductor.list_mode_options(mode)}
-                options["post_grad_custom_pre_pass"] = graph_pass
-                mode = None
-            # each engine's compiled steps are its own (another engine's, over the same model or
-            # at the same addresses, were compiled under that engine's settings), and as many as
-            # its buckets, with batched LoRA and without (past Dynamo's default of 8 a bucket
-            # would silently run eagerly)
-            self.compiled = torch.compile(
-                self.step,
-                backend=backend,
-                mode=mode,
-                options=options,
-                dynamic=False,
-                recompile_limit=2 * buckets,
-                isolate_recompiles=True,
-            )
+            self.compiled = self._compile()
         self.warm: set[tuple] = set()  # the buckets (rows, kv_len, needs) compiled and run
         # the buckets compiled, and their first calls' seconds (compiling, and one step): during
         # a warm-up and after it (what a server's load pays for, 0 once every shape is warm)
@@ -92,6 +71,44 @@ class DecodeStep:
         # the attention the steps of a run on the engine's copy use
         self.attention = self._attention if self.own is not None else sdpa_name(base)
         self.on_own = self.own is not None  # this run's steps run on the copy
+
+    def _compile(self):
+        """The step compiled under this engine's settings, given to torch.compile (no process-wide
+        patch): the mode's options and the graph pass of the policy's rows — on a GPU
+        small_gemv's, on a CPU the output head's (small_gemv.head)."""
+        mode, backend, rules, buckets, graph_pass = self._compile_args
+        cuda = self.runner.device.type == "cuda"
+        inductor = backend == "inductor"
+        mode = mode if inductor else None  # others (tests: aot_eager) take none
+        if graph_pass is None and inductor and rules.small_gemv and cuda:
+            from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
+
+            graph_pass = SmallGemv()
+        if graph_pass is None and inductor and rules.cpu_head_reduction and not cuda:
+            from onegpu.infer import small_gemv
+
+            graph_pass = small_gemv.head()
+        self.graph_pass = graph_pass
+        extra = {}
+        if graph_pass is not None:
+            extra["post_grad_custom_pre_pass"] = graph_pass
+        options = None
+        if extra:  # torch.compile takes a mode or options: the mode's own, and these
+            options = {**torch._inductor.list_mode_options(mode), **extra} if mode else extra
+            mode = None
+        # each engine's compiled steps are its own (another engine's, over the same model or
+        # at the same addresses, were compiled under that engine's settings), and as many as
+        # its buckets, with batched LoRA and without (past Dynamo's default of 8 a bucket
+        # would silently run eagerly)
+        return torch.compile(
+            self.step,
+            backend=backend,
+            mode=mode,
+            options=options,
+            dynamic=False,
+            recompile_limit=2 * buckets,
+            isolate_recompiles=True,
+        )
 
     def _make_own(self):
         """The engine's copy of the base model, with the engine's choices set once."""

@@ -13,7 +13,10 @@ the ``1b`` preset on an H200, and are to be measured on an 8B shape on the next 
 (``scripts/gpu_check.sh policy``). Three CPU rows timed on ``tiny`` alone before went when the
 ``125m`` shape did not gain from them (the same file): inductor's realize threshold for the
 query, the frozen step (weights folded in, C++ GEMM templates, a C++ wrapper: 8% slower at
-``125m``) and skipping a warm bucket's guards. A row of device "any" applies on every device:
+``125m``) and skipping a warm bucket's guards. ``cpu_head_reduction`` (the output head's
+one-row product as inductor's reduction) was timed on and off by the same script
+(engine-head-reduction-cpu.md) and in the engine's decode A/B (engine-decode-speed-cpu.md).
+A row of device "any" applies on every device:
 ``batched_lora`` (a compiled step with adapters at all, a CUDA graph on a GPU) was measured on
 the CPU shapes (``benchmarks/lora_batched.py``) and is to be timed on the next card.
 """
@@ -48,6 +51,14 @@ RULES: dict[str, Rule] = {
         "benchmarks/results/engine-policy-cpu.md",
         ("tiny", "125m"),
         "a compiled CPU step faster on both shapes than SDPA's kernel",
+    ),
+    "cpu_head_reduction": Rule(
+        "cpu",
+        "a compiled one-row decode step multiplies by the output head (8,192 outputs or more) as "
+        "inductor's C++ reduction over the head's rows (small_gemv.head), not MKL's matmul",
+        "benchmarks/results/engine-head-reduction-cpu.md",
+        ("tiny", "125m"),
+        "the one-row step faster on both shapes than with MKL's product",
     ),
     "eager_window": Rule(
         "cpu",
@@ -110,6 +121,7 @@ class Policy:
     row of device "any" applies on every device)."""
 
     cpu_attention_loops: bool = False
+    cpu_head_reduction: bool = False
     eager_window: bool = False
     batched_lora: bool = False
     small_gemv: bool = False
