@@ -130,7 +130,21 @@ def run_edits(cfg, model_dir: str) -> dict:
     from onegpu.infer import InferConfig, load
 
     lm = load(InferConfig(model=model_dir, device=cfg.device, dtype=cfg.dtype))
+    from onegpu.infer.engine_config import context_of
+
     encoded = encode_tasks(lm.tokenizer, edit_tasks("heldout", cfg.tasks, cfg.seed))
+    # a task longer than the model's context (with another tokenizer than the recipe's) is left out
+    fits = [e for e in encoded if len(e[0]) + len(e[1]) + 16 <= context_of(lm.model)]
+    if not fits:
+        raise ConfigError(
+            f"--workload edits: none of the {len(encoded)} tasks fits {model_dir}'s context.",
+            hint="a model with a longer context, or the recipe's tokenizer (examples/copy/)",
+        )
+    if len(fits) < len(encoded):
+        print(
+            f"edits: {len(encoded) - len(fits)} of {len(encoded)} tasks over the context, left out"
+        )
+    encoded = fits
     arms = {"engine": make_engine(lm.model, encoded, None, cfg.num_speculative_tokens)}
     if cfg.speculative:
         arms[f"engine+{cfg.speculative}"] = make_engine(

@@ -10,14 +10,10 @@ Each ``step`` is one pass of a one-way flow, and the engine is that loop and not
       -> output (one read-back; the one finish rule, text decoded incrementally, stop strings,
          the callers' updates)
 
-A step that computes prompt pieces or verifies proposals (spec/) runs one decode step for the
-other rows, and a prompt's first token goes out with the step that finished its prompt; a step with
-no prompt to compute runs up to ``sync_every`` decode steps on the device before the host looks
-(one while a request with a grammar runs: the host advances its matcher and masks its next token,
-guided.py; with ``flush_ms``, no more than fit in it at the steps' measured pace).
-A decode step — one forward of one token per row, the sampling and each row's bookkeeping, with
-fixed shapes — is compiled, and on a GPU captured as a CUDA graph. The engine knows nothing of HTTP
-or GRPO; it is not thread-safe (drive it from one thread).
+A step with prompt pieces or proposals to verify (spec/) runs one decode step for the other rows;
+otherwise up to ``sync_every`` decode steps (decode_step.py: compiled, a CUDA graph on a GPU) run
+before the host looks (one while a grammar runs; with ``flush_ms``, as many as fit in it). The
+engine knows nothing of HTTP or GRPO; it is not thread-safe (drive it from one thread).
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineStats", "kv_bytes_per_position"]
 
 # what this engine applies beyond temperature, top-k/top-p, repetition penalty, seed and stop
-# strings (docs/serve-engine-seams.md): a server refuses the fields of the others by name.
-# Grammars need llguidance, an optional extra: without it an engine declares none
+# strings (docs/serve-engine-seams.md; grammars need the llguidance extra)
 FEATURES = EngineFeatures(penalties=True, logprobs=True, constraints=True, bias=True)
 # What a warm-up compiles by default: a plain request's steps, greedy and sampled (OpenAI's
 # temperature 1); penalties, top-k/top-p, logprobs and grammars compile when first asked for
@@ -144,8 +139,7 @@ class Engine:
         self._outputs: dict[int, Output] = {}
         self._next_id = 0
         self._step_s: deque = deque(maxlen=4)  # seconds per decode step, the last read-backs
-        self._decode_steps = self._decode_rows = 0  # EngineStats' totals
-        self._grammar_s = 0.0
+        self._decode_steps, self._decode_rows, self._grammar_s = 0, 0, 0.0  # EngineStats' totals
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
