@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from onegpu.data.records import stdlib_source
-from onegpu.errors import DataError
+from onegpu.errors import ConfigError, DataError
 
 KINDS = ("rename", "add_param", "reindent", "quotes")
 Split = Literal["train", "heldout"]
@@ -274,3 +274,37 @@ def _quotes(code: str, rng: random.Random):
     if not done:
         return None
     return "rewrite the single-quoted strings with double quotes.", "".join(lines)
+
+
+def edit_records(d, t) -> tuple:
+    """data.corpus=edits: the code-edit tasks (data/edits.py) as prompt/completion records, as
+    many training tasks as the run's steps take and a validation batch per evaluation batch:
+    (train, validation or None, fingerprint). ``d``, ``t``: the run's DataConfig and
+    TrainingConfig."""
+    import datasets
+
+    if t.objective != "sft":
+        raise ConfigError(
+            f"data.corpus=edits gives prompt/completion records, for training.objective=sft; got "
+            f"{t.objective}.",
+            hint="set --training.objective sft, or data.corpus stdlib",
+        )
+    count = t.max_steps * t.micro_batch_size * t.grad_accum
+    kw = dict(
+        min_chars=d.edit_max_chars // 3,
+        max_chars=d.edit_max_chars,
+        max_bytes=d.max_bytes,
+        val_fraction=d.val_fraction,
+    )
+    splits = [edit_tasks("train", count, t.seed, **kw)]
+    if d.val_fraction > 0:
+        n_val = max(t.eval_batches, 1) * t.micro_batch_size
+        splits.append(edit_tasks("heldout", n_val, t.seed, **kw))
+    recs = [
+        datasets.Dataset.from_list(
+            [{d.prompt_field: e.prompt, d.completion_field: e.answer} for e in tasks]
+        )
+        for tasks in splits
+    ]
+    finger = f"edits:{d.max_bytes}:{d.val_fraction}:{d.edit_max_chars}:{t.seed}:{count}"
+    return recs[0], recs[1] if len(recs) > 1 else None, finger

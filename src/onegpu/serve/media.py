@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote, urlparse
 
+from onegpu.serve.chat_template import render_chat
 from onegpu.serve.messages import ImagePart
 from onegpu.serve.schemas import APIError
 
@@ -96,22 +97,10 @@ class Media:
         return str(path)
 
     def _encode(self, conv: list, images: list, tools: Optional[list]):
-        from jinja2 import TemplateError
-
         from onegpu.errors import OnegpuError
         from onegpu.infer.images import prompt_images
 
-        try:
-            text = self.processor.apply_chat_template(
-                conv, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-            raise APIError(
-                400,
-                f"the model's chat template refused these messages: {type(exc).__name__}: {exc}",
-                param="messages",
-                code="chat_template_error",
-            ) from None
+        text = render_chat(self.processor, conv, tools, tokenize=False, add_generation_prompt=True)
         if not images:
             return self.processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
         try:

@@ -13,6 +13,7 @@ from typing import Optional
 from onegpu.errors import OnegpuError
 from onegpu.infer.images import PromptImages
 from onegpu.infer.requests import Constraint, EngineFeatures, SamplingParams
+from onegpu.serve.chat_template import render_chat
 from onegpu.serve.json_schemas import SchemaFault, check_schema, closed
 from onegpu.serve.media import Media
 from onegpu.serve.responses import CHAT, TEXT
@@ -314,36 +315,6 @@ def completion_prompts(tokenizer, prompt) -> list[list[int]]:
         return [list(ids) for ids in prompt]
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     return [list(ids) for ids in prompt_ids(tokenizer, texts, chat=False)]  # as `generate` does
-
-
-def need_template(tokenizer, fix: str = "") -> None:
-    """A 400 naming ``messages`` when the model has no chat template (``fix`` follows)."""
-    if not tokenizer.chat_template:
-        raise APIError(
-            400,
-            "this model's tokenizer has no chat template, so chat messages cannot be encoded."
-            + fix,
-            param="messages",
-            code="no_chat_template",
-        )
-
-
-def render_chat(tokenizer, messages: list[dict], tools: Optional[list], **kwargs):
-    """The model's chat template over ``messages`` (``kwargs`` go to ``apply_chat_template``); no
-    template, or a template that refuses them (roles out of order, a field it needs missing...),
-    is a 400 naming ``messages``."""
-    from jinja2 import TemplateError
-
-    need_template(tokenizer)
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
-    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise APIError(
-            400,
-            f"the model's chat template refused these messages: {type(exc).__name__}: {exc}",
-            param="messages",
-            code="chat_template_error",
-        ) from None
 
 
 def chat_prompt(tokenizer, req: ChatRequest, tools_on: bool) -> list[int]:

@@ -12,8 +12,8 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from pydantic import Field, model_validator
 
+from onegpu.serve.chat_template import need_template, render_chat
 from onegpu.serve.messages import Lenient, Message, Tool
-from onegpu.serve.prepare import need_template, render_chat
 from onegpu.serve.schemas import APIError, WholeInt, parse_body
 
 

@@ -48,7 +48,9 @@ def read_records(cfg: Config) -> Records:
     objective), checked against the objective."""
     objective = cfg.training.objective
     if cfg.data.path is None and cfg.data.corpus == "edits":
-        return edit_records(cfg)
+        from onegpu.data.edits import edit_records
+
+        return Records(*edit_records(cfg.data, cfg.training), "prompt_completion")
     train_rec, val_rec, fingerprint = records_io.load_records(cfg.data, cfg.training.seed)
     if objective == "grpo" and cfg.data.path is None:
         train_rec, val_rec = corpus_prompts(cfg, train_rec, val_rec)
@@ -68,41 +70,6 @@ def read_records(cfg: Config) -> Records:
         )
         fmt = "unpaired"
     return Records(train_rec, val_rec, fingerprint, fmt)
-
-
-def edit_records(cfg: Config) -> Records:
-    """data.corpus=edits: the code-edit tasks (data/edits.py) as prompt/completion records, as
-    many training tasks as the run's steps take and a validation batch per evaluation batch."""
-    import datasets
-
-    from onegpu.data.edits import edit_tasks
-
-    d, t = cfg.data, cfg.training
-    if t.objective != "sft":
-        raise ConfigError(
-            f"data.corpus=edits gives prompt/completion records, for training.objective=sft; got "
-            f"{t.objective}.",
-            hint="set --training.objective sft, or data.corpus stdlib",
-        )
-    count = t.max_steps * t.micro_batch_size * t.grad_accum
-    kw = dict(
-        min_chars=d.edit_max_chars // 3,
-        max_chars=d.edit_max_chars,
-        max_bytes=d.max_bytes,
-        val_fraction=d.val_fraction,
-    )
-    splits = [edit_tasks("train", count, t.seed, **kw)]
-    if d.val_fraction > 0:
-        n_val = max(t.eval_batches, 1) * t.micro_batch_size
-        splits.append(edit_tasks("heldout", n_val, t.seed, **kw))
-    recs = [
-        datasets.Dataset.from_list(
-            [{d.prompt_field: e.prompt, d.completion_field: e.answer} for e in tasks]
-        )
-        for tasks in splits
-    ]
-    finger = f"edits:{d.max_bytes}:{d.val_fraction}:{d.edit_max_chars}:{t.seed}:{count}"
-    return Records(recs[0], recs[1] if len(recs) > 1 else None, finger, "prompt_completion")
 
 
 def _unpaired(cfg: Config, rec, seed: int):
