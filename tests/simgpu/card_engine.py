@@ -36,8 +36,9 @@ def _run_pieces(engine):
     firsts = prefill(engine.runner, engine.rows, list(plan.pieces), engine._names, {}).firsts
     for piece in plan.pieces:  # what the read-back would tell the scheduler
         if piece.last:  # a fake tensor has no value: the first token read back as token 0
-            piece.seq.tokens.append(0)
-        engine.scheduler.computed(piece.seq, len(piece.seq.tokens) - 1 if piece.last else piece.end)
+            engine.scheduler.extend(piece.seq, [0])  # its first token: decoding starts
+        else:
+            engine.scheduler.computed(piece.seq, piece.end)
     return plan, firsts
 
 
