@@ -57,6 +57,9 @@ class Speculator:
         self.min_accepted, self.window = min_accepted, window
         self.counts = SpecCounts(per_position=[0] * k)
         self._rows: dict[int, _Row] = {}  # by request id
+        # the grammar masks of this step's cut proposals, from planning: walked once, used by the
+        # verification (an entry whose row did not speculate after all goes with the step)
+        self._masks: dict = {}
 
     @classmethod
     def of(cls, config, guides) -> Speculator:
@@ -80,21 +83,15 @@ class Speculator:
             return ()
         guess = self.proposer.propose(seq.tokens, k)
         if guess and seq.params.constraint is not None:
-            guess = guess[: self.guides.walk(seq, guess)[0]]
+            kept, self._masks[seq] = self.guides.walk(seq, guess)
+            guess = guess[:kept]
         return tuple(guess)
 
-    def masks(self, spec) -> dict:
-        """The grammar masks of the constrained speculative rows, every position's, by sequence."""
-        out = {}
-        for seq, guess in spec:
-            if seq.params.constraint is not None:
-                out[seq] = self.guides.walk(seq, list(guess))[1]
-        return out
-
     def verify(self, runner, rows, spec, adapters) -> list[tuple]:
-        """``spec`` (Plan.spec) verified (verify.py), with their grammars' masks: each sequence
-        with its kept tokens."""
-        return verify(runner, rows, spec, adapters, self.masks(spec)) if spec else []
+        """``spec`` (Plan.spec) verified (verify.py), with the grammar masks their proposals were
+        cut by: each sequence with its kept tokens."""
+        masks, self._masks = self._masks, {}
+        return verify(runner, rows, spec, adapters, masks) if spec else []
 
     def record(self, spec, tokens: dict, trim) -> None:
         """A step's speculative rows (Plan.spec) and the tokens each kept (by sequence): the counts
@@ -108,11 +105,9 @@ class Speculator:
             while kept < min(len(new), len(guess)) and new[kept] == guess[kept]:
                 c.per_position[kept] += 1
                 kept += 1
-            c.drafts, c.proposed, c.accepted = (
-                c.drafts + 1,
-                c.proposed + len(guess),
-                c.accepted + kept,
-            )
+            c.drafts += 1
+            c.proposed += len(guess)
+            c.accepted += kept
             row = self._rows.get(seq.id)
             if row is None:
                 continue
