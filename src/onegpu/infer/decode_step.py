@@ -45,9 +45,8 @@ class DecodeStep:
         self.runner, self.rows = runner, rows
         cuda = runner.device.type == "cuda"
         self.compiled, self.graph_pass = None, graph_pass
-        self._compile_args = (mode, backend, rules, buckets, graph_pass)
         if mode:
-            self.compiled = self._compile()
+            self.compiled = self._compile(mode, backend, rules, buckets, graph_pass)
         self.warm: set[tuple] = set()  # the buckets (rows, kv_len, needs) compiled and run
         # the buckets compiled, and their first calls' seconds (compiling, and one step): during
         # a warm-up and after it (what a server's load pays for, 0 once every shape is warm)
@@ -72,11 +71,10 @@ class DecodeStep:
         self.attention = self._attention if self.own is not None else sdpa_name(base)
         self.on_own = self.own is not None  # this run's steps run on the copy
 
-    def _compile(self):
+    def _compile(self, mode, backend: str, rules, buckets: int, graph_pass):
         """The step compiled under this engine's settings, given to torch.compile (no process-wide
         patch): the mode's options and the graph pass of the policy's rows — on a GPU
         small_gemv's, on a CPU the output head's (small_gemv.head)."""
-        mode, backend, rules, buckets, graph_pass = self._compile_args
         cuda = self.runner.device.type == "cuda"
         inductor = backend == "inductor"
         mode = mode if inductor else None  # others (tests: aot_eager) take none
