@@ -62,8 +62,13 @@ NO_FAKE = [
         "the real driver / CUDA RNG state",
     ),
     (
-        re.compile(r"^rollout$"),
+        re.compile(r"^(rollout|multiturn)$"),
         "GRPO's sampling: a fake tensor has no values to sample from",
+    ),
+    (
+        re.compile(r"^reward_models$"),
+        "the planner's bytes per reward-model weight on a GPU: a pure function of on_gpu, "
+        "tested on CPU (tests/test_plan_grpo.py)",
     ),
     (
         re.compile(r"^kv_budget$"),

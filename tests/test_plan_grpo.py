@@ -176,3 +176,16 @@ def _cpu():
     from onegpu import hardware
 
     return hardware.spec_from_device(hardware.detect())
+
+
+def test_a_reward_models_weights_count_two_bytes_on_a_gpu_and_their_own_dtype_on_a_cpu():
+    """plan/reward_models.load_bytes against reward_model._load: bf16 on a GPU, else the folder's
+    dtype (float32 when it names none)."""
+    from types import SimpleNamespace
+
+    from onegpu.plan.reward_models import load_bytes
+
+    assert load_bytes(SimpleNamespace(dtype="float32"), on_gpu=True) == 2
+    assert load_bytes(SimpleNamespace(dtype="float32"), on_gpu=False) == 4
+    assert load_bytes(SimpleNamespace(dtype="bfloat16"), on_gpu=False) == 2
+    assert load_bytes(SimpleNamespace(dtype=None), on_gpu=False) == 4
