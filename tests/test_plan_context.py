@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from helpers import benchmark_script
+import torchtune_rows
 from onegpu.cli.main import main
 from onegpu.config import Config
 from onegpu.hardware import find_gpu
@@ -161,8 +161,7 @@ def test_unsloths_figures_are_matched_to_the_same_model_method_and_card():
 def test_llama_8b_full_fine_tune_on_a_4090_is_found_within_10_percent_of_torchtune():
     """torchtune: 18.9 GiB peak, bf16 weights, paged 8-bit AdamW with the step in backward,
     activation checkpointing, chunked cross-entropy; batch 2 x 2048 on one RTX 4090."""
-    bench = benchmark_script("plan_vs_published")
-    row = bench.predict_8b_4090()
+    row = torchtune_rows.predict_8b_4090()
     assert row["found"], (
         f"torchtune's setup is not among the fitting rows; the plan picked {row['best']}"
     )
@@ -192,5 +191,5 @@ EIGHT_BIT_GAP = (
 )
 @pytest.mark.slow
 def test_torchtune_3b_ladder_rows_within_10_percent(key):
-    row = benchmark_script("plan_vs_published").predict([key])["rows"][0]
+    row = torchtune_rows.predict([key])["rows"][0]
     assert row["predicted_gib"] == pytest.approx(row["published_gib"], rel=0.10), row

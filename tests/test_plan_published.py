@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import benchmark_script
+import torchtune_rows
 from onegpu.config import Config
 from onegpu.hardware import find_gpu
 from onegpu.plan import memory, published, speed
@@ -93,9 +93,9 @@ def test_compiled_blocks_keep_less_than_eager_ones():
 
 
 def test_torchtune_packed_and_compile_rows_within_10_percent():
-    """The cheap rows of benchmarks/plan_vs_published.py (one activation fit, no chunked loss):
+    """The cheap rows of results/plan_vs_published.md (one activation fit, no chunked loss):
     torchtune's Llama-3.2-3B full fine-tune, 60.0 GiB packed and 51.0 GiB with compile."""
-    result = benchmark_script("plan_vs_published").predict(["packed", "compile"])
+    result = torchtune_rows.predict(["packed", "compile"])
     by = {r["key"]: r for r in result["rows"]}
     assert result["params"] == pytest.approx(3.21e9, rel=0.01)
     for key in ("packed", "compile"):

@@ -123,20 +123,19 @@ def test_the_fused_loss_equals_the_plain_loss_on_a_vlm(family, models, data):
 
 @pytest.mark.slow
 def test_a_tiny_vlm_learns_the_colour_only_the_image_tells(tmp_path):
-    """benchmarks/vlm_shapes.py's claim, smaller: trained on the shapes dataset, the tiny LLaVA
+    """results/vlm-shapes-cpu.md's claim, smaller: trained on the shapes dataset, the tiny LLaVA
     names the colour of held-out images (>= 0.9); trained on the same records with the images
     blanked, it stays near chance (1/4)."""
-    from helpers import benchmark_script
+    import shapes_score
     from onegpu import shapes
 
-    bench = benchmark_script("vlm_shapes")
     model = shapes.tiny_vlm(tmp_path / "tiny-vlm")
     held = tmp_path / "held"
     shapes.write_dataset(held, 40, seed=1)
     acc = {}
     for name, blank in (("images", False), ("blanked", True)):
         shapes.write_dataset(tmp_path / name, 400, seed=0, blank=blank)
-        final = bench.train_run(tmp_path / name, model, 150, name)
-        acc[name] = bench.colour_accuracy(final, held)[0]
+        final = shapes_score.train_run(tmp_path / name, model, 150, name)
+        acc[name] = shapes_score.colour_accuracy(final, held)[0]
     assert acc["images"] >= 0.9
     assert acc["blanked"] <= 0.45

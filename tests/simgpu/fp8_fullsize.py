@@ -3,7 +3,7 @@ with torchao's float8 layers against PyTorch's MemTracker for one real optimizer
 and 8B shapes. The float8 layers run the card's own path: ``torch._scaled_mm`` (its fake kernel:
 shapes and dtypes) on float8 casts made by torchao's real code, the input cast to the autocast
 dtype as under a card's CUDA autocast (techniques/fp8.float8_class). Every row:
-benchmarks/simgpu_fp8_memory.py -> benchmarks/results/simgpu-fp8-memory.md."""
+benchmarks/simgpu_memory.py --fp8 -> benchmarks/results/simgpu-fp8-memory.md."""
 
 from __future__ import annotations
 

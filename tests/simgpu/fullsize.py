@@ -507,7 +507,7 @@ def _setups() -> list[Setup]:
         ),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adafactor"), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16", "every-n", loss_chunk_size=fused("Llama-3.2-3B")), 2048),
-        # torchtune's 3B ladder (benchmarks/plan_vs_published.py) without compile: the step in
+        # torchtune's 3B ladder (tests/torchtune_rows.py) without compile: the step in
         # backward, with torch's fused AdamW and with bitsandbytes' 8-bit one (its fake kernel)
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw", **in_bwd), 4096),
         ("Llama-3.2-3B", c(2, 1, "bf16-pure", "full", "adamw-8bit", **in_bwd), 4096),

@@ -1,7 +1,7 @@
 """FP8's memory at full size: the planner's peak with torchao's float8 layers against PyTorch's
 MemTracker for one training step of the Llama-3.2-1B shape (bf16 autocast over fp32 weights,
 nothing checkpointed: each float8 layer saves its fp32 weight instead of a 16-bit copy, 1.81 GiB
-less than the same step without FP8). The 3B and 8B rows: benchmarks/simgpu_fp8_memory.py."""
+less than the same step without FP8). The 3B and 8B rows: benchmarks/simgpu_memory.py --fp8."""
 
 from __future__ import annotations
 

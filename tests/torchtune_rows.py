@@ -1,28 +1,21 @@
-"""The planner's peak memory against a published table: torchtune's README "Optimization flags"
-table, Llama-3.2-3B on one A100 80GB, batch 2, packed to 4096 tokens, bf16 weights, AdamW
-(recipe full_finetune_single_device; LoRA rows lora_finetune_single_device, rank 64 on q, v, output
-and the MLP). Each technique is added on top of the row before it, except LoRA and QLoRA, which
-drop the step in backward and the 8-bit optimizer. Their "Peak Memory Active (GiB)" is
-torch.cuda.memory_stats()["active_bytes.all.peak"] / 2**30, i.e. GiB of allocated tensors, which is
-what the planner's peak predicts (without fragmentation or the CUDA context).
+"""torchtune's published peaks as onegpu setups, and the planner's predictions for them: the rows
+of results/plan_vs_published.md (written once by benchmarks/plan_vs_published.py, the script at
+d9acb51), kept for the tests that hold the planner to them (test_plan_published.py,
+test_plan_context.py).
 
-No download: the model is built from its config on the meta device; activations are measured on
-CPU as the planner always does (several minutes the first time, cached afterwards).
-
-Then torchtune's Llama-3.1-8B full fine-tune on one RTX 4090 (18.9 GiB): does the search find it
-(row key llama_8b_4090), and at what predicted peak.
-
-    python benchmarks/plan_vs_published.py [--rows packed,compile] [--out benchmarks/results]
+torchtune's README "Optimization flags" table: Llama-3.2-3B on one A100 80GB, batch 2, packed to
+4096 tokens, bf16 weights, AdamW (recipe full_finetune_single_device; LoRA rows
+lora_finetune_single_device, rank 64 on q, v, output and the MLP). Each technique is added on top of
+the row before it, except LoRA and QLoRA, which drop the step in backward and the 8-bit optimizer.
+Their "Peak Memory Active (GiB)" is torch.cuda.memory_stats()["active_bytes.all.peak"] / 2**30,
+i.e. GiB of allocated tensors, which is what the planner's peak predicts (without fragmentation or
+the CUDA context). Then torchtune's Llama-3.1-8B full fine-tune on one RTX 4090 (18.9 GiB): does the
+search find it, and at what predicted peak. No download: the models are built from their configs.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 GIB = 2**30
 SEQ_LEN = 4096
@@ -168,96 +161,3 @@ def predict_8b_4090() -> dict:
             components_gib={k: round(v / GIB, 2) for k, v in row.memory.components.items()},
         )
     return out
-
-
-def markdown(result: dict) -> str:
-    lines = [
-        (
-            f"Llama-3.2-3B on one A100 80GB, batch 2 x {SEQ_LEN} tokens (packed), bf16 weights. "
-            "Published: torchtune README (Peak Memory Active, GiB). Predicted: onegpu's planner, "
-            "peak allocated GiB."
-        ),
-        "",
-        "| technique (cumulative) | published GiB | predicted GiB | predicted/published | onegpu "
-        "setup / what is missing |",
-        "|:--|--:|--:|--:|:--|",
-    ]
-    for r in result["rows"]:
-        if "predicted_gib" in r:
-            what = f"`{r['setup']}`" + (f"; {r['note']}" if r["note"] else "")
-            lines.append(
-                f"| {r['technique']} | {r['published_gib']:.1f} | {r['predicted_gib']:.1f} | "
-                f"{r['ratio']:.2f} | {what} |"
-            )
-        else:
-            lines.append(
-                f"| {r['technique']} | {r['published_gib']:.1f} | - | - | not expressible: "
-                f"{r['note']} |"
-            )
-    big = result.get("llama_8b_4090")
-    if big:
-        lines += [
-            "",
-            (
-                "Llama-3.1-8B full fine-tune on one RTX 4090, batch 2 x 2048 (torchtune README: "
-                f"{big['published_gib']} GiB, {big['published_tokens_per_s']:,.0f} tokens/s; bf16 "
-                "weights, paged 8-bit AdamW in backward, checkpointing, chunked CE):"
-            ),
-            "",
-        ]
-        if big["found"]:
-            lines += [
-                (
-                    "| found by the search | predicted GiB | predicted/published | predicted "
-                    "tokens/s (uncalibrated) | onegpu setup | the plan's pick |"
-                ),
-                "|:--|--:|--:|--:|:--|:--|",
-                (
-                    f"| yes | {big['predicted_gib']:.1f} | {big['ratio']:.2f} | "
-                    f"{big['predicted_tokens_per_s']:,} | `{big['setup']}` | `{big['best']}` |"
-                ),
-            ]
-        else:
-            lines.append(f"not found: the plan's pick is `{big['best']}`")
-    meta = result["meta"]
-    lines += [
-        "",
-        (
-            f"{meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
-            f"command: `{meta['command']}`"
-        ),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="", help="comma-separated row keys (default: all)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    import torch
-    import transformers
-
-    selected = [k for k in args.rows.split(",") if k] or None
-    result = predict(selected)
-    if not selected or "llama_8b_4090" in selected:
-        result["llama_8b_4090"] = predict_8b_4090()
-    result["meta"] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "command": "python benchmarks/plan_vs_published.py"
-        + (f" --rows {args.rows}" if args.rows else ""),
-        "source": "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)",
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_vs_published.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (out / "plan_vs_published.md").write_text(text)
-    print(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
