@@ -253,3 +253,42 @@ def test_a_sentencepiece_tokenizer_keeps_its_model_file_in_the_export(tmp_path):
     export(cfg, say=lambda _text: None)
     kept = tmp_path / "out" / "safetensors" / "tokenizer.model"
     assert kept.read_bytes() == (src / "tokenizer.model").read_bytes()
+
+
+def test_a_base_stored_quantized_is_refused_before_loading(tmp_path, tiny_model_dir):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (base / "config.json").write_text(json.dumps(config))
+    cfg = ExportConfig(model=str(base), output=str(tmp_path / "out"), check="off")
+    with pytest.raises(ModelError, match="stored quantized .bitsandbytes.") as info:
+        export(cfg, say=_quiet)
+    assert "full-precision base" in info.value.hint and not (tmp_path / "out").exists()
+
+
+def test_a_gguf_export_without_llama_cpp_python_is_one_error_before_writing(
+    tmp_path, tiny_model_dir
+):
+    """The CLI in a Python where llama_cpp cannot be imported: exit 2, the error names the
+    package and the build script, and no output folder is left."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src"
+    out = tmp_path / "out"
+    code = (
+        "import sys; sys.modules['llama_cpp'] = None\n"  # what an environment without it gives
+        "from onegpu.cli.main import main\n"
+        f"sys.exit(main(['export', {str(tiny_model_dir)!r}, '--format', 'gguf', "
+        f"'--output', {str(out)!r}]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--format gguf needs llama-cpp-python" in done.stderr
+    assert "scripts/build_llama_cpp.sh" in done.stderr and not out.exists()

@@ -91,10 +91,12 @@ def test_each_zoo_family_exports_f16_and_passes_or_is_refused_up_front(
     cfg = ExportConfig(model=str(src), output=str(tmp_path / "out"), format="gguf", quant="f16")
     cfg.prompts = PROMPTS[:1]
     if family in REFUSED and not overrides:
+        said: list[str] = []
         with pytest.raises(ConfigError) as info:
-            export(cfg, say=_quiet)
+            export(cfg, say=said.append)
         assert str(info.value).startswith(f"family {family} ")
         assert REFUSED[family] in str(info.value) and not (tmp_path / "out").exists()
+        assert not any(line.startswith("merging") for line in said)  # refused before the merge
         return
     result = export(cfg, say=_quiet)
     assert result.passed, result.summaries
@@ -121,13 +123,14 @@ def test_a_lora_adapter_of_two_families_exports_merged_to_q8_0(tmp_path, tiny_to
 
 def test_a_wrong_pre_tokenizer_is_reported_as_a_mismatch(tmp_path, tiny_tokenizer):
     from onegpu.export.check import make_reference
-    from onegpu.export.gguf import TokenizerFacts, convert
+    from onegpu.export.gguf import Converter, TokenizerFacts, convert
     from onegpu.export.gguf_check import check_gguf
     from onegpu.export.llama_setup import converter_dir
 
     src = save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
     wrong = TokenizerFacts("llama-bpe", "forced wrong", False, [tiny_tokenizer.eos_token_id])
-    gguf = convert(src, tmp_path / "g", "f16", wrong, converter_dir(), say=_quiet)
+    with Converter(converter_dir()) as converter:
+        gguf = convert(src, tmp_path / "g", "f16", wrong, converter, say=_quiet)
     report = check_gguf(make_reference(str(src), None, PROMPTS[:1], 8), gguf, "f16")
     mismatches = report.metrics["tokenizer"]["mismatches"]
     assert not report.passed and mismatches and "TOKENIZER MISMATCH" in report.summary
@@ -143,3 +146,63 @@ def test_a_family_the_converter_lacks_is_refused_up_front(tmp_path, tiny_tokeniz
     with pytest.raises(ConfigError, match="family llama .NoSuchModelForCausalLM. cannot be"):
         export(cfg, say=_quiet)
     assert not (tmp_path / "out").exists()
+
+
+def test_one_converter_process_reads_the_vocabulary_then_converts(tmp_path, tiny_tokenizer):
+    """The vocabulary step before the merge and the conversion after it are two requests to one
+    start of llama.cpp's converter (convert_driver.py): both answers come from its one process,
+    and the GGUF it writes is whole."""
+    from onegpu.export.gguf import Converter, tokenizer_facts
+    from onegpu.export.llama_setup import converter_dir
+
+    model = make_tiny_llama(tiny_tokenizer)
+    src = save(model, tiny_tokenizer, tmp_path / "m")
+    facts = tokenizer_facts(src, tiny_tokenizer)
+    with Converter(converter_dir()) as converter:
+        vocab = converter.request(src, tmp_path / "vocab.gguf", "vocab", facts)
+        full = converter.request(src, tmp_path / "model.gguf", "f16", facts)
+    assert vocab["rc"] == full["rc"] == 0
+    assert vocab["pid"] == full["pid"] == converter.pid
+    weights = 2 * sum(p.numel() for p in model.parameters())  # f16: 2 bytes each at least
+    assert (
+        (tmp_path / "vocab.gguf").stat().st_size
+        < weights
+        <= (tmp_path / "model.gguf").stat().st_size
+    )
+
+
+def test_a_converter_that_dies_is_one_error_naming_the_signal(tmp_path, tiny_tokenizer):
+    import os
+    import signal
+
+    from onegpu.export.gguf import ConversionError, Converter, convert, tokenizer_facts
+    from onegpu.export.llama_setup import converter_dir
+
+    src = save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
+    facts = tokenizer_facts(src, tiny_tokenizer)
+    with Converter(converter_dir()) as converter:
+        os.kill(converter.pid, signal.SIGKILL)
+        with pytest.raises(ConversionError, match="killed by signal 9"):
+            convert(src, tmp_path / "g", "f16", facts, converter, say=_quiet)
+
+
+def test_a_disk_that_fills_during_the_conversion_is_the_disk_full_error(tmp_path, tiny_tokenizer):
+    """The converter writes its GGUF in its own process; a full disk there (the GGUF's path
+    leads to /dev/full, where every write fails with ENOSPC) is still the export's one disk-full
+    error, and the partial folder is removed."""
+    from onegpu.export.folder import DiskFullError, atomic_folder
+    from onegpu.export.gguf import Converter, convert, tokenizer_facts
+    from onegpu.export.llama_setup import converter_dir
+
+    src = save(make_tiny_llama(tiny_tokenizer), tiny_tokenizer, tmp_path / "m")
+    facts = tokenizer_facts(src, tiny_tokenizer)
+    out = tmp_path / "out"
+    with Converter(converter_dir()) as converter:
+        with (
+            pytest.raises(DiskFullError, match="filled up while writing"),
+            atomic_folder(out, False) as tmp,
+        ):
+            (tmp / "gguf").mkdir()
+            (tmp / "gguf" / "model-f16.gguf").symlink_to("/dev/full")
+            convert(src, tmp / "gguf", "f16", facts, converter, say=_quiet)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["m"]

@@ -83,3 +83,16 @@ def test_the_memory_figure_bounds_what_the_merge_and_the_check_hold(tmp_path, ti
     per_weight = plan.memory_bytes - OVERHEAD
     assert per_weight == params * 8
     assert 0.95 * per_weight <= peak <= 1.05 * per_weight, (peak, params)
+
+
+def test_an_export_that_would_not_fit_in_memory_is_refused_with_both_figures():
+    from onegpu.export.plan import MemoryShortError, check_memory
+
+    plan = make_plan(10**9, "bfloat16", ["safetensors", "gguf"], "q8_0")
+    check_memory(plan, plan.memory_bytes)  # exactly enough
+    with pytest.raises(MemoryShortError) as info:
+        check_memory(plan, plan.memory_bytes - 2**20)
+    need, free = plan.memory_bytes / 2**20, plan.memory_bytes / 2**20 - 1
+    assert f"needs about {need:,.0f} MiB of memory" in str(info.value)
+    assert f"and {free:,.0f} MiB is free" in str(info.value) and need > 4 * 10**9 / 2**20
+    assert "more memory" in info.value.hint

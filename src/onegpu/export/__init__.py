@@ -12,6 +12,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def default_output(model: str) -> Path:
 def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResult:
     from onegpu.export.folder import atomic_folder, check_room, check_target, free_bytes
     from onegpu.export.plan import available_memory, check_memory, count_params, make_plan
-    from onegpu.export.source import load_merged, resolve
+    from onegpu.export.source import resolve
 
     start = time.perf_counter()
     cfg.validate()
@@ -53,37 +54,12 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     say(plan.message(available_memory(), free_bytes(out)))
     check_memory(plan, available_memory())
     check_room(out, plan.disk_bytes)
-    llama_dir, facts = _llama_ready(src, formats, cfg.trust_remote_code, say)
-    for note in src.notes:
-        say(f"note: {note}")
-    summaries: list[str] = []
-    passed = True
-    with atomic_folder(out, cfg.force) as tmp:
-        say(
-            f"merging {src.model_dir}"
-            + (f" + {src.adapter}" if src.adapter else "")
-            + f" ({src.dtype})"
-        )
-        model, tokenizer = load_merged(src, cfg.trust_remote_code)
-        from onegpu.export.merged import write_safetensors
-
-        merged_dir = tmp / ("safetensors" if "safetensors" in formats else ".merged")
-        write_safetensors(model, tokenizer, merged_dir)
-        del model
-        gguf_file = None
-        if llama_dir is not None:
-            gguf_file = _write_gguf(cfg, merged_dir, tokenizer, tmp, formats, llama_dir, facts, say)
-        if merged_dir.name == ".merged":
-            shutil.rmtree(merged_dir)
-        if cfg.check == "on":
-            reports = _check(cfg, src, merged_dir, formats, gguf_file, tokenizer)
-            for report in {id(r): r for _, r in reports}.values():  # ollama's is gguf's
-                report.summary += f" (prompts: {report.prompts})"
-                summaries.append(report.summary)
-                say(report.summary)
-                passed &= report.passed
-            for folder, report in reports:
-                report.write(tmp / folder)
+    with ExitStack() as stack:
+        converter, facts = _llama_ready(src, formats, cfg.trust_remote_code, stack, say)
+        for note in src.notes:
+            say(f"note: {note}")
+        tmp = stack.enter_context(atomic_folder(out, cfg.force))
+        passed, summaries = _write_and_check(cfg, src, formats, tmp, converter, facts, say)
     result = ExportResult(
         out,
         passed,
@@ -101,13 +77,48 @@ def export(cfg: ExportConfig, say: Callable[[str], None] = print) -> ExportResul
     return result
 
 
-def _llama_ready(src, formats: list[str], trust_remote_code: bool, say):
+def _write_and_check(cfg, src, formats, tmp: Path, converter, facts, say) -> tuple[bool, list]:
+    """Into the temporary folder: the merged model, the GGUF and Ollama folders, the checks.
+    (every check passed, their summary lines)."""
+    from onegpu.export.merged import write_safetensors
+    from onegpu.export.source import load_merged
+
+    say(
+        f"merging {src.model_dir}"
+        + (f" + {src.adapter}" if src.adapter else "")
+        + f" ({src.dtype})"
+    )
+    model, tokenizer = load_merged(src, cfg.trust_remote_code)
+    merged_dir = tmp / ("safetensors" if "safetensors" in formats else ".merged")
+    write_safetensors(model, tokenizer, merged_dir)
+    del model
+    gguf_file = None
+    if converter is not None:
+        gguf_file = _write_gguf(cfg, merged_dir, tokenizer, tmp, formats, converter, facts, say)
+        converter.close()  # its memory back before the check loads the models
+    if merged_dir.name == ".merged":
+        shutil.rmtree(merged_dir)
+    passed, summaries = True, []
+    if cfg.check == "on":
+        reports = _check(cfg, src, merged_dir, formats, gguf_file, tokenizer)
+        for report in {id(r): r for _, r in reports}.values():  # ollama's is gguf's
+            report.summary += f" (prompts: {report.prompts})"
+            summaries.append(report.summary)
+            say(report.summary)
+            passed &= report.passed
+        for folder, report in reports:
+            report.write(tmp / folder)
+    return passed, summaries
+
+
+def _llama_ready(src, formats: list[str], trust_remote_code: bool, stack: ExitStack, say):
     """Before anything is written: llama.cpp's binding is here, its converter unpacked, it has a
     model class for the family and reads its vocabulary (else one error naming the family).
-    (converter folder, tokenizer facts), or (None, None) without a GGUF format."""
+    (the converter's process, kept on ``stack`` for the conversion, and the tokenizer facts), or
+    (None, None) without a GGUF format."""
     if not {"gguf", "ollama"} & set(formats):
         return None, None
-    from onegpu.export.gguf import probe_vocab, refuse_unsupported
+    from onegpu.export.gguf import Converter, check_vocab, refuse_unsupported
     from onegpu.export.llama_setup import converter_dir, require_binding
     from onegpu.export.source import tokenizer_dir
     from onegpu.models import load_tokenizer
@@ -115,20 +126,21 @@ def _llama_ready(src, formats: list[str], trust_remote_code: bool, say):
     require_binding()
     llama_dir = converter_dir(say)
     refuse_unsupported(Path(src.model_dir), src.family, llama_dir)
+    converter = stack.enter_context(Converter(llama_dir))  # importing while the tokenizer loads
     tokenizer = load_tokenizer(tokenizer_dir(src), trust_remote_code)
-    facts = probe_vocab(Path(src.model_dir), src.family, tokenizer, llama_dir)
+    facts = check_vocab(converter, Path(src.model_dir), src.family, tokenizer)
     say(
         f"tokenizer: pre-tokenizer {facts.pre or 'from llama.cpp'} ({facts.pre_reason}), "
         f"BOS {'added' if facts.add_bos else 'not added'}, end of turn ids {facts.end_of_turn}"
     )
-    return llama_dir, facts
+    return converter, facts
 
 
-def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, llama_dir, facts, say):
+def _write_gguf(cfg, merged_dir: Path, tokenizer, tmp: Path, formats, converter, facts, say):
     from onegpu.export.gguf import convert
 
     folder = tmp / ("gguf" if "gguf" in formats else "ollama")
-    gguf_file = convert(merged_dir, folder, cfg.quant, facts, llama_dir, say)
+    gguf_file = convert(merged_dir, folder, cfg.quant, facts, converter, say)
     if "ollama" in formats:
         from onegpu.export.ollama import write_ollama
 

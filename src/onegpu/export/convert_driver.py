@@ -1,27 +1,58 @@
-"""Run in a child process by gguf.py: llama.cpp's converter (the steps of its
-convert_hf_to_gguf.py main) on a merged model folder, with what onegpu decided and the converter
-cannot know: the pre-tokenizer name when its hash table does not know a tokenizer trained here, the
-BOS rule and the end-of-turn id. These go in through a subclass of the converter's model class, the
+"""Run in a child process by gguf.py (its Converter): llama.cpp's converter (the steps of its
+convert_hf_to_gguf.py main) on a model folder, with what onegpu decided and the converter cannot
+know: the pre-tokenizer name when its hash table does not know a tokenizer trained here, the BOS
+rule and the end-of-turn id. These go in through a subclass of the converter's model class, the
 way the converter's own model classes specialise its base; its code is not changed.
 
-Usage: python convert_driver.py LLAMA_DIR MODEL_DIR OUTFILE OUTTYPE SPEC_JSON
-OUTTYPE: f32, f16, bf16, or vocab (write the vocabulary alone: the up-front probe).
-SPEC_JSON: {"pre": name or null, "add_bos": bool, "eot": id or null}. Exit 3: the architecture or
-its vocabulary is not supported (the reason on stderr)."""
+One process serves a whole export: torch, gguf-py and the converter are imported once, and the
+vocabulary step before anything is written (the up-front refusal) and the conversion after the
+merge are two requests to it. Requests come on stdin, one JSON line each; each is answered on
+stdout with one JSON line (the converter's own output goes to stderr).
+
+Usage: python convert_driver.py LLAMA_DIR
+Request: {"model_dir", "outfile", "outtype": f32, f16, bf16 or vocab (the vocabulary alone),
+          "pre": name or null, "add_bos": bool, "eot": id or null}
+Answer: {"rc": 0, "pid"}; {"rc": 3, "reason", "pid"} (the architecture or its vocabulary is not
+supported); {"rc": 1, "pid", "errno" for an OSError} (anything else: the traceback is on
+stderr)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    llama_dir, model_dir, outfile, outtype, spec_json = argv
-    spec = json.loads(spec_json)
+    (llama_dir,) = argv
+    answers, sys.stdout = sys.stdout, sys.stderr  # stdout carries answers only
     sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
-    import gguf
+    # imported before the first request arrives, while the parent still loads the tokenizer
+    import conversion  # noqa: F401
+    import gguf  # noqa: F401
     import torch
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        answer: dict = {"pid": os.getpid()}
+        try:
+            with torch.inference_mode():
+                rc, reason = convert(request)
+        except Exception as exc:  # the parent reports it with the converter's output (stderr)
+            traceback.print_exc()
+            rc, reason = 1, None
+            if isinstance(exc, OSError) and exc.errno is not None:
+                answer["errno"] = exc.errno  # a full disk is told apart from a converter's bug
+        sys.stderr.flush()
+        answer.update(rc=rc, **({"reason": reason} if reason else {}))
+        print(json.dumps(answer), file=answers, flush=True)
+    return 0
+
+
+def convert(request: dict) -> tuple[int, str | None]:
+    import gguf
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
 
     ftypes = {
@@ -29,14 +60,14 @@ def main(argv: list[str]) -> int:
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
     }
-    hparams = ModelBase.load_hparams(Path(model_dir), False)
+    model_dir, outtype = Path(request["model_dir"]), request["outtype"]
+    hparams = ModelBase.load_hparams(model_dir, False)
     arch = get_model_architecture(hparams, ModelType.TEXT)
     hparams = as_the_converter_reads(arch, hparams)
     try:
         base = get_model_class(arch, mmproj=False)
     except NotImplementedError:
-        print(f"llama.cpp's converter does not support {arch}", file=sys.stderr)
-        return 3
+        return 3, f"llama.cpp's converter does not support {arch}"
 
     class Export(base):
         model_arch = base.model_arch  # the converter wants every model class to name it
@@ -45,41 +76,36 @@ def main(argv: list[str]) -> int:
             try:
                 return super().get_vocab_base_pre(tokenizer)
             except NotImplementedError:  # a tokenizer llama.cpp's hash table does not know
-                if spec["pre"]:
-                    return spec["pre"]
+                if request["pre"]:
+                    return request["pre"]
                 raise
 
         def set_vocab(self) -> None:
             super().set_vocab()
             written = {k for kv in self.gguf_writer.kv_data for k in kv}
             if gguf.Keys.Tokenizer.ADD_BOS not in written:
-                self.gguf_writer.add_add_bos_token(bool(spec["add_bos"]))
-            if spec["eot"] is not None and gguf.Keys.Tokenizer.EOT_ID not in written:
-                self.gguf_writer.add_eot_token_id(int(spec["eot"]))
+                self.gguf_writer.add_add_bos_token(bool(request["add_bos"]))
+            if request["eot"] is not None and gguf.Keys.Tokenizer.EOT_ID not in written:
+                self.gguf_writer.add_eot_token_id(int(request["eot"]))
 
-    with torch.inference_mode():
-        vocab_only = outtype == "vocab"  # the up-front probe: the vocabulary alone, nothing kept
-        ftype = ftypes["f16" if vocab_only else outtype]
-        model = Export(Path(model_dir), ftype, Path(outfile), eager=False, hparams=hparams)
-        try:
-            model.write_vocab() if vocab_only else model.write()
-        except KeyError as exc:  # not a config key (those are filled above): a special token
-            print(
-                f"llama.cpp's converter for {arch} takes the special token {exc} from the "
-                "family's own tokenizer, and this model's tokenizer has no such token",
-                file=sys.stderr,
-            )
-            return 3
-        except (FileNotFoundError, ValueError) as exc:
-            if "tokenizer.model" not in str(exc):
-                raise
-            print(
-                f"llama.cpp's converter for {arch} reads the vocabulary only from a "
-                "SentencePiece tokenizer.model, and this model has a BPE tokenizer.json",
-                file=sys.stderr,
-            )
-            return 3
-    return 0
+    vocab_only = outtype == "vocab"  # the up-front step: the vocabulary alone, nothing kept
+    ftype = ftypes["f16" if vocab_only else outtype]
+    model = Export(model_dir, ftype, Path(request["outfile"]), eager=False, hparams=hparams)
+    try:
+        model.write_vocab() if vocab_only else model.write()
+    except KeyError as exc:  # not a config key (those are filled above): a special token
+        return 3, (
+            f"llama.cpp's converter for {arch} takes the special token {exc} from the "
+            "family's own tokenizer, and this model's tokenizer has no such token"
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        if "tokenizer.model" not in str(exc):
+            raise
+        return 3, (
+            f"llama.cpp's converter for {arch} reads the vocabulary only from a "
+            "SentencePiece tokenizer.model, and this model has a BPE tokenizer.json"
+        )
+    return 0, None
 
 
 def as_the_converter_reads(arch: str, hparams: dict) -> dict:

@@ -6,6 +6,7 @@ end-of-turn id; the chat template and EOS travel with the tokenizer files."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
@@ -37,9 +38,10 @@ class TokenizerFacts:
     add_bos: bool
     end_of_turn: list[int]  # ids that end an assistant turn (EOS first)
 
-    def spec(self) -> str:
+    def spec(self) -> dict:
+        """What convert_driver.py is told (the end-of-turn id other than EOS, if any)."""
         eot = next((t for t in self.end_of_turn[1:]), None)
-        return json.dumps({"pre": self.pre, "add_bos": self.add_bos, "eot": eot})
+        return {"pre": self.pre, "add_bos": self.add_bos, "eot": eot}
 
 
 # Settings of a family that llama.cpp's converter does not carry, because its runtime computes one
@@ -88,7 +90,59 @@ def refuse_unsupported(model_dir: Path, family: str, llama_dir: Path) -> None:
         )
 
 
-def probe_vocab(model_dir: Path, family: str, tokenizer, llama_dir: Path) -> TokenizerFacts:
+class Converter:
+    """llama.cpp's converter in one child process for the whole export (convert_driver.py):
+    started before the merge so that its imports overlap onegpu's own work, asked for the
+    vocabulary before anything is written, then for the conversion. Its output goes to a file,
+    not a pipe, so that a long conversion log never blocks it."""
+
+    def __init__(self, llama_dir: Path):
+        self._log = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(HERE / "convert_driver.py"), str(llama_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self.pid = self._proc.pid
+
+    def request(self, model_dir: Path, out: Path, outtype: str, facts: TokenizerFacts) -> dict:
+        """The driver's answer; {"rc": the exit status} if it died (negative: a signal)."""
+        ask = {"model_dir": str(model_dir), "outfile": str(out), "outtype": outtype}
+        try:
+            self._proc.stdin.write(json.dumps({**ask, **facts.spec()}) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        return json.loads(line) if line else {"rc": self._proc.wait() or 1}
+
+    def log_tail(self) -> str:
+        self._log.seek(0)
+        return _tail(self._log.read())
+
+    def close(self, failed: bool = False) -> None:
+        """Ends the driver (at once when the export failed: it may be mid-conversion)."""
+        if self._proc.poll() is None:
+            if not failed:
+                self._proc.stdin.close()  # the driver's loop ends at end of input
+            try:
+                self._proc.wait(timeout=None if not failed else 0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for stream in (self._proc.stdin, self._proc.stdout, self._log):
+            stream.close()
+
+    def __enter__(self) -> Converter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(failed=exc_type is not None)
+
+
+def check_vocab(converter: Converter, model_dir: Path, family: str, tokenizer) -> TokenizerFacts:
     """Before anything is written: the tokenizer as the export will save it, beside the model's
     config.json, through the converter's vocabulary step alone. A vocabulary the converter cannot
     read for this family is one error naming the family and the reason."""
@@ -97,24 +151,18 @@ def probe_vocab(model_dir: Path, family: str, tokenizer, llama_dir: Path) -> Tok
         shutil.copy2(model_dir / "config.json", probe / "config.json")
         save_tokenizer(tokenizer, probe)
         facts = tokenizer_facts(probe, tokenizer)
-        done = _driver(llama_dir, probe, probe / "vocab.gguf", "vocab", facts)
-    if done.returncode == 3:  # the driver's reason is its last line (the converter logs above)
-        reason = (done.stderr or "").strip().splitlines()[-1:] or ["(no reason given)"]
+        done = converter.request(probe, probe / "vocab.gguf", "vocab", facts)
+    if done["rc"] == 3:
         raise ConfigError(
-            f"family {family} cannot be exported to GGUF: {reason[0]}.",
+            f"family {family} cannot be exported to GGUF: {done['reason']}.",
             hint="export --format safetensors (transformers, vLLM) instead",
         )
-    if done.returncode:
+    if done["rc"]:
         raise ConversionError(
-            f"llama.cpp's converter cannot read the tokenizer: {_tail(done.stderr)}",
+            f"llama.cpp's converter cannot read the tokenizer: {converter.log_tail()}",
             hint="rerun with --debug; the converter's own message is above",
         )
     return facts
-
-
-def _driver(llama_dir: Path, model_dir: Path, out: Path, outtype: str, facts: TokenizerFacts):
-    cmd = [sys.executable, str(HERE / "convert_driver.py"), str(llama_dir), str(model_dir)]
-    return subprocess.run([*cmd, str(out), outtype, facts.spec()], capture_output=True, text=True)
 
 
 def tokenizer_facts(model_dir: Path, tokenizer) -> TokenizerFacts:
@@ -150,17 +198,20 @@ def convert(
     out_dir: Path,
     quant: str,
     facts: TokenizerFacts,
-    llama_dir: Path,
+    converter: Converter,
     say: Callable[[str], None] = print,
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     outtype = quant if quant in UNQUANTIZED else "f16"
     plain = out_dir / f"model-{outtype}.gguf"
     say(f"converting to GGUF ({outtype}) with llama.cpp's converter")
-    done = _driver(llama_dir, merged_dir, plain, outtype, facts)
-    if done.returncode:
+    done = converter.request(merged_dir, plain, outtype, facts)
+    if done.get("errno") == errno.ENOSPC:  # the export's folder turns it into its disk-full error
+        raise OSError(errno.ENOSPC, f"llama.cpp's converter writing {plain.name}: disk full")
+    if done["rc"]:
         raise ConversionError(
-            f"llama.cpp's converter failed (exit {done.returncode}): {_tail(done.stderr)}",
+            f"llama.cpp's converter failed ({_how(done['rc'])}): "
+            f"{done.get('reason') or converter.log_tail()}",
             hint="rerun with --debug; the converter's own message is above",
         )
     if quant in UNQUANTIZED:
@@ -183,14 +234,9 @@ def run_child(spec: dict) -> dict[str, np.ndarray]:
             text=True,
         )
         if done.returncode:
-            how = (
-                f"killed by signal {-done.returncode}"
-                if done.returncode < 0
-                else f"exit {done.returncode}"
-            )
             crashed = done.returncode < 0
             raise ConversionError(
-                f"llama.cpp ({spec['op']}) failed, {how}: {_tail(done.stderr)}",
+                f"llama.cpp ({spec['op']}) failed, {_how(done.returncode)}: {_tail(done.stderr)}",
                 hint="a native llama.cpp crashes on quantized types on some AVX-512 CPUs: build "
                 "llama-cpp-python with bash scripts/build_llama_cpp.sh (pinned flags)"
                 if crashed
@@ -198,6 +244,10 @@ def run_child(spec: dict) -> dict[str, np.ndarray]:
             )
         with np.load(out) as data:
             return {k: data[k] for k in data.files}
+
+
+def _how(rc: int) -> str:
+    return f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
 
 
 def _tail(text: str) -> str:
