@@ -109,3 +109,43 @@ def test_a_resumed_vlm_run_equals_the_straight_one(llava, data, tmp_path):
     second = train(cfg)
     assert losses(second.run_dir) == straight
     assert_same_weights(tmp_path / "final-straight", second.run_dir / "final")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpointing_leaves_a_frozen_tower_out_of_backward(llava, data, lora):
+    """transformers' checkpointing switch makes every input embedding's output require grad, the
+    tower's patch embedding too: a frozen tower then kept its layers' inputs and ran a backward to
+    the pixels. Now its output needs no gradient, and the trained parameters' gradients are the
+    same as without checkpointing."""
+    from transformers import AutoModelForImageTextToText
+
+    from onegpu import vlm
+    from onegpu.config import LoraConfig, TechniquesConfig
+    from onegpu.objectives.sft import loss_sum
+    from onegpu.techniques.prepare import prepare_model
+
+    batch = a_batch(llava, data)
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_pretrained(str(llava)).train()
+        t = TechniquesConfig(
+            precision="fp32", compile="off", checkpointing=mode, lora=LoraConfig(enabled=lora, r=4)
+        )
+        model = prepare_model(model, t, "cpu")
+        (tower,), _ = vlm.vision_modules(model)
+        seen = []
+        handle = dict(model.named_modules())[tower].register_forward_hook(
+            lambda m, i, out: seen.append(out.last_hidden_state.requires_grad)
+        )
+        loss_sum(model, batch).backward()
+        handle.remove()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return seen, grads
+
+    seen_off, g_off = run("off")
+    seen_on, g_on = run("full")
+    assert seen_on == seen_off == [False]
+    assert g_on.keys() == g_off.keys() and g_on
+    for k in g_off:
+        assert torch.allclose(g_off[k], g_on[k], rtol=1e-4, atol=1e-6), k

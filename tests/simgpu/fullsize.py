@@ -270,9 +270,18 @@ class _Values(TorchDispatchMode):
     """``.item()`` of a fake tensor reads 1.0 (see the module docstring)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return 1.0 if args[0].dtype.is_floating_point else 1
+        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
+            dtype = args[0].dtype  # a check's condition (transformers' placeholder count) holds
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
         return func(*args, **(kwargs or {}))
+
+
+def _is_fake(t) -> bool:
+    """A fake tensor's value is unknown; a real one's (a VLM's image grid, read to lay out its
+    positions) is read as it is."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 class ModulesInModel(ModTracker):

@@ -48,6 +48,9 @@ def apply_checkpointing(model, tcfg: TechniquesConfig, device_type: str = "cuda"
     model.config.use_cache = (
         False  # a KV cache is useless in training and clashes with the recompute
     )
+    from onegpu.techniques.vision import no_gradient_to_pixels
+
+    no_gradient_to_pixels(model)
     n_on = len(checkpointed_layers(model))
     log.info(
         "gradient checkpointing %s: %d of %d decoder layers recompute in backward",

@@ -71,7 +71,7 @@ def apply_lora(model, tcfg: TechniquesConfig):
     lcfg = tcfg.lora
     if not lcfg.enabled:
         return model
-    from onegpu.techniques.vision import lora_targets
+    from onegpu.techniques.vision import lora_targets, no_gradient_to_pixels
 
     peft = _peft()
     # a vision-language model: the LM's layers (and the tower's with techniques.vision=all)
@@ -101,8 +101,9 @@ def apply_lora(model, tcfg: TechniquesConfig):
     if tcfg.checkpointing != "off":
         # Only reentrant checkpointing needs inputs that require grad (peft#1142); we use the
         # non-reentrant one, but this keeps a model checkpointed elsewhere from silently losing
-        # grads.
+        # grads. A vision-language model's tower gets none (vision.no_gradient_to_pixels).
         model.enable_input_require_grads()
+        no_gradient_to_pixels(model)
     trainable, total = model.get_nb_trainable_parameters()
     log.info(
         "%s %s adapters (r=%d) on %s layers of a%s base; %d of %d parameters train (%.2f%%)",

@@ -77,3 +77,20 @@ def lora_targets(model, targets, mode: str):
         names.append(name)
     save = projector if mode in ("projector", "all") else None
     return names, save
+
+
+def no_gradient_to_pixels(model) -> None:
+    """Undo, for a vision-language model's tower, what transformers' checkpointing switch does to
+    every input embedding it finds (``enable_input_require_grads``: their outputs require grad, so
+    a frozen token embedding under LoRA still passes gradients on). On the vision tower's patch
+    embedding that makes the whole tower, frozen or not, keep its layers' inputs for backward and
+    run a backward down to the pixels, whose gradient nothing reads. The hook stays on the
+    language model's token embedding only; a tower that trains still gets its weights' gradients
+    (the checkpointing is non-reentrant, which needs no input that requires grad)."""
+    if not is_vision_model(model):
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    decoder = base.get_decoder()
+    base.disable_input_require_grads()
+    decoder.disable_input_require_grads()  # once: it may have been set on the decoder before
+    decoder.enable_input_require_grads()
