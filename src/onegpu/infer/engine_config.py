@@ -123,7 +123,7 @@ def context_of(model) -> int:
         # request (infer/images.py), for the families the engine runs
         from onegpu.infer.mrope import check_model
 
-        check_model(config)
+        check_model(model)
         config = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)

@@ -33,22 +33,20 @@ from onegpu.infer.paged_cache import base_model
 FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 
 
-def uses_mrope(config) -> bool:
-    """The language model's rotary embedding is multimodal (its rope parameters name sections)."""
-    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
-    return "mrope_section" in rope
-
-
 def applies(model) -> bool:
     """``model`` is one of the mrope families the engine runs."""
     return base_model(model).config.model_type in FAMILIES
 
 
-def check_model(config) -> None:
-    """An mrope family the engine has not been checked on is refused by name (its positions would
-    be its own function's, untested here)."""
-    kind = config.model_type
-    if uses_mrope(config) and kind not in FAMILIES:
+def check_model(model) -> None:
+    """An mrope family the engine has not been checked on (GLM-4V, Qwen3-VL-MoE, the Omni models:
+    transformers gives each a ``get_rope_index`` of its own) is refused by name."""
+    base = base_model(model)
+    kind = base.config.model_type
+    # the families' positions come from that method of their model or its inner model: the one
+    # mark they share (their configs' rope parameters name the sections only in checkpoints)
+    own = any(hasattr(m, "get_rope_index") for m in (base, *base.children()))
+    if own and kind not in FAMILIES:
         raise ConfigError(
             f"the decode engine does not run {kind} models: their rotary positions are "
             "multimodal (mrope), and the engine places them only for "
