@@ -199,7 +199,8 @@ class DecodeStep:
         model = self.own if self.on_own else self.runner.model
         pos, live = st.positions[:rows].clone(), st.live[:rows].clone()
         tables = st.tables[:rows, : kv_len // self.runner.block_size]
-        logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters, model)
+        deltas = st.rope_delta[:rows] if self.runner.mrope else None  # text models: none
+        logits = self.runner.decode(st.tokens[:rows], pos, live, tables, adapters, model, deltas)
         params = st.params(slice(0, rows), st.generated[:rows], needs)
         nxt = sampling.sample(logits, params, needs)
         logprobs = sampling.logprobs(logits, nxt, needs, st.top)  # the model's own, before rules

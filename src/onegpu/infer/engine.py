@@ -154,7 +154,7 @@ class Engine:
         None runs the model as it is (its active adapter) until a request names one — from then
         on None means the base, so a server names BASE for its base requests. ``images``: the
         prompt's images as its processor made them (infer/images.py)."""
-        check_request(self, prompt_ids, params, adapter, images)
+        images = check_request(self, prompt_ids, params, adapter, images)
         self.routing = self.routing or adapter is not None
         key = cache_key(adapter or (BASE if self.routing else None), images)  # what made its KV
         seq = Sequence(self._next_id, list(prompt_ids), params, adapter, key, images=images)

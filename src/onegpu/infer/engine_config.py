@@ -121,9 +121,9 @@ def context_of(model) -> int:
     if getattr(config, "vision_config", None) is not None:
         # a vision-language model: its language model's context; its images come with each
         # request (infer/images.py), for the families the engine runs
-        from onegpu.infer.images import check_model
+        from onegpu.infer.mrope import check_model
 
-        check_model(config)
+        check_model(model)
         config = config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
@@ -173,8 +173,10 @@ def check_request(engine, prompt_ids: list[int], params, adapter: Optional[str],
     """What ``engine`` refuses of a request before it queues, as a ConfigError naming it: a bad
     setting, an empty prompt or ids outside the vocabulary, a prompt and answer longer than the
     engine's limit, an unknown adapter, stop strings or a grammar it cannot apply, images for a
-    text model or outside the prompt (infer/images.py)."""
+    text model or outside the prompt (infer/images.py). The images as the request runs them: with
+    their rotary positions for an mrope family (infer/mrope.py)."""
     from onegpu.infer.images import check
+    from onegpu.infer.mrope import with_rope
 
     params.check()
     check(engine.model, images, prompt_ids)
@@ -202,6 +204,7 @@ def check_request(engine, prompt_ids: list[int], params, adapter: Optional[str],
             "structured output needs a tokenizer and llguidance.",
             hint="give the engine a tokenizer; pip install 'onegpu[structured]'",
         )
+    return with_rope(engine.model, images, prompt_ids)
 
 
 def check_adapter(model, adapter: Optional[str]) -> None:

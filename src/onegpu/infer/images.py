@@ -12,15 +12,17 @@ paged KV as any piece; decode steps then run the language model on tokens alone,
   (its count of placeholder tokens is checked against them), so a prompt is not cut inside them.
   The piece that holds them runs alone (pixel tensors are laid out per family: patches
   concatenated, tiles per image; one request's at a time keeps each its own).
-- The prefix cache: a sequence's blocks are keyed by its images' content hash beside the adapter
-  (``cache_key``), so two prompts of equal tokens and different images never share a block, and a
-  repeated image with its prompt is found again. A cached prefix is used up to the first
-  placeholder, or past the last one (then no image is computed again), never into them.
+- The prefix cache: a block is keyed by its tokens, the adapter and the content hash of each
+  image whose placeholders fall in it (``cache_key``: kv_blocks.SpanKeys), and a block after an
+  image carries it through its parent's hash, as vLLM keys them. A system prompt before the
+  first image is so shared across requests with other images; two prompts of equal tokens and
+  different images share no block at or after the first difference; a repeated image with its
+  prompt is found again. A cached prefix is used up to the first placeholder, or past the last
+  one (then no image is computed again), never into them.
 - Gemma 3 lets an image's tokens attend to each other both ways (its ``token_type_ids``): the
   piece's causal mask gets that overlay (``bidirectional``), as transformers' own prefill does.
-- Families whose rotary positions are multimodal (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: mrope, where a
-  token's position after an image is offset by ``rope_deltas``) are refused: the engine's decode
-  rows keep one position per token, which is both where its KV goes and its rotary position.
+- Families whose rotary positions are multimodal (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: mrope) take
+  their positions apart from the KV slots: infer/mrope.py.
 """
 
 from __future__ import annotations
@@ -30,18 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from onegpu.errors import ConfigError
+from onegpu.infer.kv_blocks import SpanKeys
 
-# model types the engine refuses, with why (training supports them: onegpu.vlm.FAMILIES)
-REFUSED = {
-    kind: f"{name} places tokens with multimodal rotary positions (mrope: a position per "
-    "time, height and width, offset after each image by rope_deltas), and the engine's decode "
-    "rows hold one position per token"
-    for kind, name in (
-        ("qwen2_vl", "Qwen2-VL"),
-        ("qwen2_5_vl", "Qwen2.5-VL"),
-        ("qwen3_vl", "Qwen3-VL"),
-    )
-}
 # what a processor returns that is the prompt's, not its images'
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
@@ -62,6 +54,17 @@ class PromptImages:
     blocks: Optional[tuple[int, ...]] = None
     """Per prompt token, the image it belongs to where that image's tokens attend to each other
     both ways (Gemma 3), -1 elsewhere; None for a family with causal attention throughout."""
+    spans: tuple[tuple[int, int, str], ...] = ()
+    """Each image's ``(first placeholder, one past its last, content hash)``: what keys the
+    prefix cache's blocks that hold it (``cache_key``); one span over all of them where the
+    placeholders do not tell the images apart (more runs of them than images: Idefics3's tiles)."""
+    types: Optional[tuple[int, ...]] = None
+    """Per prompt token, its modality as the processor marks it (``mm_token_type_ids``: 0 text,
+    1 image), where it does: what an mrope family's positions are computed from."""
+    rope_positions: Optional[Any] = None
+    """An mrope family's rotary positions of the prompt ``[3, len]`` (infer/mrope.py)."""
+    rope_delta: int = 0
+    """How far its text after the images sits past its KV slots (mrope; 0 for the others)."""
 
 
 def prompt_images(processor, text: str, images: list, **kwargs) -> tuple[list[int], PromptImages]:
@@ -81,7 +84,41 @@ def prompt_images(processor, text: str, images: list, **kwargs) -> tuple[list[in
         )
     types = out.get("token_type_ids")
     blocks = _blocks(types[0].tolist()) if types is not None and _bidirectional(processor) else None
-    return ids, PromptImages(features, digest(features), at[0], at[-1] + 1, blocks)
+    whole = digest(features)
+    spans = _spans(at, images, whole, _settings(processor, kwargs))
+    modality = out.get("mm_token_type_ids")
+    modality = None if modality is None else tuple(modality[0].tolist())
+    return ids, PromptImages(features, whole, at[0], at[-1] + 1, blocks, spans, modality)
+
+
+def _settings(processor, kwargs: dict) -> str:
+    """What turns an image into its features besides its pixels: the image processor's settings
+    and the call's."""
+    return f"{processor.image_processor.to_json_string()}{sorted(kwargs.items())}"
+
+
+def _spans(at: list[int], images: list, whole: str, settings: str) -> tuple:
+    """Each image's span of placeholders and its hash (its pixels with ``settings``), where the
+    placeholders come in one run per image; else one span over all of them, hashed by all the
+    features (``whole``)."""
+    runs = [[at[0], at[0] + 1]]
+    for i in at[1:]:
+        if i == runs[-1][1]:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    if len(runs) != len(images):
+        return ((at[0], at[-1] + 1, whole),)
+    return tuple(
+        (s, e, _image_hash(img, settings)) for (s, e), img in zip(runs, images, strict=True)
+    )
+
+
+def _image_hash(image, settings: str) -> str:
+    """sha256 of a PIL image's mode, size and pixels, and of the settings that process it."""
+    h = hashlib.sha256(f"{image.mode}{image.size}{settings}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
 
 
 def _placeholder_ids(processor) -> set[int]:
@@ -121,9 +158,11 @@ def digest(features: dict) -> str:
 
 
 def cache_key(adapter_key: Optional[str], images: Optional[PromptImages]):
-    """What a sequence's blocks are hashed by beside their tokens: the adapter, and its images'
-    digest."""
-    return adapter_key if images is None else (adapter_key, images.digest)
+    """What a sequence's blocks are hashed by beside their tokens: the adapter, and in each block
+    that holds an image's placeholders that image's hash (kv_blocks.SpanKeys)."""
+    if images is None:
+        return adapter_key
+    return SpanKeys(adapter_key, images.spans or ((images.start, images.end, images.digest),))
 
 
 def usable_prefix(images: Optional[PromptImages], cached: int, block_size: int) -> int:
@@ -156,17 +195,6 @@ def check(model, images: Optional[PromptImages], prompt_ids: list[int]) -> None:
             f"the request's image placeholders [{images.start}, {images.end}) are not inside "
             f"its prompt of {len(prompt_ids)} tokens.",
             hint="make the ids and the images with the model's processor (infer.images)",
-        )
-
-
-def check_model(config) -> None:
-    """The vision-language families the engine runs: one clear error for those it cannot."""
-    kind = getattr(config, "model_type", "")
-    if kind in REFUSED:
-        raise ConfigError(
-            f"the decode engine does not run {kind} models: {REFUSED[kind]}.",
-            hint="generate with transformers' generate on this family (onegpu train supports "
-            "it); the engine runs LLaVA, LLaVA-NeXT, Gemma 3 and Idefics3 / SmolVLM",
         )
 
 

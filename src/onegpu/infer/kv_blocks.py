@@ -5,7 +5,8 @@ tensors the blocks index live in ``paged_cache.py``.
 The shape is nano-vllm's ``block_manager.py`` and vLLM v1's KV cache manager:
 
 - a full block is named by a hash of (its parent's hash, its token ids, the adapter that computed
-  it), so a hash names the whole prefix up to the block's end and the weights that produced it;
+  it and the images whose placeholders it holds: ``SpanKeys``), so a hash names the whole prefix
+  up to the block's end and what produced it;
   its key is kept beside it and compared on every hit, so a hash collision is a miss, not a
   wrong answer;
 - a block is shared by reference count; at 0 it goes to the end of the free list but keeps its
@@ -19,11 +20,31 @@ The shape is nano-vllm's ``block_manager.py`` and vLLM v1's KV cache manager:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class SpanKeys:
+    """A sequence's key where it varies along it: ``base`` (its adapter's) in every block, and in
+    each block that holds positions of a span ``(start, end, key)`` that span's key too (a
+    prompt's images: infer/images.py). A block after a span carries it in its parent's hash."""
+
+    base: Hashable
+    spans: tuple[tuple[int, int, Hashable], ...] = ()
+
+    def at(self, block: int, size: int) -> Hashable:
+        lo, hi = block * size, (block + 1) * size
+        inside = tuple(key for start, end, key in self.spans if start < hi and end > lo)
+        return (self.base, inside) if inside else self.base
+
+
+def block_key(key: Hashable, block: int, size: int) -> Hashable:
+    """What block ``block`` of a sequence with ``key`` is hashed by beside its tokens."""
+    return key.at(block, size) if isinstance(key, SpanKeys) else key
 
 
 @dataclass
@@ -38,7 +59,7 @@ class PrefixStats:
 class _Block:
     ref: int = 0
     hash: Optional[int] = None
-    key: Optional[tuple] = None  # (parent hash, token ids, adapter): what the hash names
+    key: Optional[tuple] = None  # (parent hash, token ids, block_key): what the hash names
 
 
 @dataclass
@@ -84,7 +105,7 @@ class BlockPool:
         return -(-positions // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
-    def match(self, tokens: Sequence[int], adapter: Optional[str], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], adapter: Hashable, limit: int) -> list[int]:
         """The cached blocks that hold the longest prefix of ``tokens`` within the first
         ``limit`` tokens (whole blocks only). Takes no reference: ``acquire`` does."""
         if not self.caching:
@@ -92,7 +113,7 @@ class BlockPool:
         found, parent = [], None
         size = self.block_size
         for start in range(0, limit - size + 1, size):
-            key = (parent, tuple(tokens[start : start + size]), adapter)
+            key = self._key(parent, tokens, adapter, start // size)
             block = self._by_hash.get(hash(key))
             if block is None or self._blocks[block].key != key:
                 break
@@ -100,21 +121,25 @@ class BlockPool:
             parent = self._blocks[block].hash
         return found
 
-    def chain(self, tokens: Sequence[int], adapter: Optional[str], blocks: int) -> list[int]:
+    def chain(self, tokens: Sequence[int], adapter: Hashable, blocks: int) -> list[int]:
         """The hashes the first ``blocks`` full blocks of ``tokens`` have (or will have) once
         computed."""
         out, parent = [], None
         for i in range(blocks):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]), adapter)
-            parent = hash(key)
+            parent = hash(self._key(parent, tokens, adapter, i))
             out.append(parent)
         return out
+
+    def _key(self, parent: Optional[int], tokens: Sequence[int], adapter: Hashable, i: int):
+        """What block ``i`` of ``tokens`` is named by: its parent's hash, its tokens, its key."""
+        size = self.block_size
+        return (parent, tuple(tokens[i * size : (i + 1) * size]), block_key(adapter, i, size))
 
     def count_query(self, queried: int, hit: int) -> None:
         self.stats.queries += queried
         self.stats.hits += hit
 
-    def register(self, table: BlockTable, tokens: Sequence[int], adapter: Optional[str]) -> None:
+    def register(self, table: BlockTable, tokens: Sequence[int], adapter: Hashable) -> None:
         """Hash the blocks of ``table`` that ``tokens`` (the sequence's tokens whose KV is in the
         cache) fill and that are not hashed yet, so later requests can find them."""
         if not self.caching:
@@ -123,7 +148,7 @@ class BlockPool:
         full = min(len(tokens) // size, len(table.blocks))
         for i in range(len(table.hashes), full):
             parent = table.hashes[-1] if table.hashes else None
-            key = (parent, tuple(tokens[i * size : (i + 1) * size]), adapter)
+            key = self._key(parent, tokens, adapter, i)
             digest = hash(key)
             block = self._blocks[table.blocks[i]]
             if block.hash is None:  # a block taken from the cache keeps the hash it has

@@ -96,6 +96,7 @@ def _forward(runner: ModelRunner, rows: Rows, group: list[Piece], adapters, out:
             rows.tables.index_select(0, at_rows),
             adapters(seqs),
             group[0].seq.images if len(group) == 1 else None,
+            rows.rope_delta.index_select(0, at_rows),
         ),
         every,
     )

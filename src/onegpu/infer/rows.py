@@ -25,6 +25,7 @@ import torch
 
 from onegpu.errors import ConfigError
 from onegpu.infer.logit_rules import bitmask_words, count_tokens
+from onegpu.infer.mrope import delta_of
 from onegpu.infer.requests import MAX_LOGPROBS
 from onegpu.infer.sampling import Needs, RowParams
 
@@ -51,7 +52,7 @@ class Rows:
     # a request's own, moved with it (``apply``); the grammar's mask is written by every step
     _REQUEST = ("tokens", "positions", "live", "budget", "generated", "ignore_eos", "finish")
     _REQUEST += ("lora", "temperature", "top_k", "top_p", "penalty", "seed", "seen")
-    _REQUEST += ("presence", "frequency", "counts", "bias", "min_tokens")
+    _REQUEST += ("presence", "frequency", "counts", "bias", "min_tokens", "rope_delta")
 
     def __init__(
         self, rows: int, blocks: int, vocab: int, eos_ids, sync_every: int, device
@@ -68,6 +69,8 @@ class Rows:
         self.live, self.budget, self.generated = z(torch.bool), z(torch.long), z(torch.long)
         self.ignore_eos, self.finish = z(torch.bool), z(torch.long)
         self.tables, self.lora = z(torch.long, rows, blocks), z(torch.long)
+        # an mrope model's rotary positions past the KV slots (mrope.py; the runner reads it there)
+        self.rope_delta = z(torch.long)
         self.eos = torch.tensor(ids or [-2], dtype=torch.long).to(device)
         # the steps since the last read-back: tokens, their logprobs, each step's likeliest
         self.out = z(torch.long, rows, sync_every, fill=-1)
@@ -117,6 +120,7 @@ class Rows:
         for seq in plan.started:
             try:
                 self._settings(seq.row, seq.params, seq.tokens, seq.generated)
+                self.rope_delta[seq.row] = delta_of(seq.images)
             except Exception as exc:  # noqa: BLE001 - this request's own settings: it alone fails
                 failed[seq] = exc
         self._tables([*plan.decode, *(s for s, _ in plan.spec), *(p.seq for p in plan.pieces)])

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from onegpu.infer import images
+from onegpu.infer import images, mrope
 from onegpu.infer.decode_window import DecodeWindow
 from onegpu.infer.images import PromptImages
 from onegpu.infer.paged_cache import PagedCache, base_model, cache_kwarg, masks, positions_in_pool
@@ -30,6 +30,8 @@ class Pieces:
     adapters: Optional[list[str]] = None
     images: Optional[PromptImages] = None
     """A lone piece's prompt images (infer/images.py): fed to the forward where it holds them."""
+    deltas: Optional[torch.Tensor] = None
+    """Each row's rotary offset past its KV positions (``Rows.rope_delta``; an mrope model's)."""
 
 
 class ModelRunner:
@@ -45,6 +47,7 @@ class ModelRunner:
         # that loss would read the attention mask as a 2D padding mask
         self.no_router_loss = bool(getattr(model.config, "output_router_logits", False))
         self.window = DecodeWindow(cache, max_rows, max_positions)
+        self.mrope = mrope.applies(model)  # rotary positions apart from KV slots (mrope.py)
         self.windowed = False  # inside decode_window
 
     @contextmanager
@@ -73,10 +76,11 @@ class ModelRunner:
         where = positions_in_pool(pieces.tables, positions, self.block_size)
         view = self.cache.view(where.reshape(-1), tables)
         kv_len = length if fresh else tables.shape[1] * self.block_size
+        deltas = pieces.deltas if self.mrope else None
         logits = self._forward(
             view,
             pieces.ids,
-            positions,
+            mrope.rotary(pieces.images, pieces.starts[0], positions, deltas),
             positions[:, -1],
             kv_len,
             length,
@@ -94,12 +98,14 @@ class ModelRunner:
         tables: torch.Tensor,
         adapters: Optional[list[str]] = None,
         model: Optional[torch.nn.Module] = None,
+        deltas: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """One token a row, a forward of ``model`` (the engine's copy of the model for its decode
         steps, decode_model.py; default the model as given): ``tokens``, ``positions``,
         ``live`` ``[rows]``, ``tables [rows, kv_len / block_size]`` -> logits ``[rows, vocab]``.
         A row that is not live writes into the null block (its table's first entry is 0 when it
-        holds no sequence; a finished sequence's own blocks are not touched either)."""
+        holds no sequence; a finished sequence's own blocks are not touched either). ``deltas``:
+        an mrope model's rows' rotary offsets (mrope.py), None for the others."""
         # a row that does not decode may sit anywhere (a prompt being computed in pieces, a
         # finished sequence's last position): it reads its table at 0 and writes into block 0
         safe = torch.where(live, positions, 0)
@@ -111,15 +117,16 @@ class ModelRunner:
             where = torch.where(live, where, positions % self.block_size)
             view = self.cache.view(where, tables)
         kv_len = tables.shape[1] * self.block_size
+        rotary = mrope.rotary(None, 0, positions[:, None], deltas)
         return self._forward(
-            view, tokens[:, None], positions[:, None], positions, kv_len, 1, adapters, model=model
+            view, tokens[:, None], rotary, positions, kv_len, 1, adapters, model=model
         )
 
     def _forward(
         self,
         view,
         ids,
-        positions,
+        rotary,
         last,
         kv_len: int,
         query_len: int,
@@ -128,8 +135,9 @@ class ModelRunner:
         model=None,
         prompt=(None, 0),
     ):
-        """``prompt``: a prompt piece's images and start (the image tensors it feeds, and for
-        Gemma 3 its image tokens attending both ways)."""
+        """``rotary``: the tokens' position_ids (their KV positions but for mrope); ``last``: each
+        row's last KV position (the masks'); ``prompt``: a prompt piece's images and start (the
+        image tensors it feeds, and for Gemma 3 its image tokens attending both ways)."""
         model = self.model if model is None else model
         config = model.config.get_text_config()  # a vision-language model's: its language model's
         mask = masks(config, last, kv_len, self.cache.dtype, config._attn_implementation, query_len)
@@ -140,7 +148,7 @@ class ModelRunner:
             kw["output_router_logits"] = False
         out = model(
             input_ids=ids,
-            position_ids=positions,
+            position_ids=rotary,
             attention_mask=mask,
             **{self.kwarg: view},
             use_cache=True,

@@ -44,6 +44,7 @@ def _verify(runner: ModelRunner, rows: Rows, group, adapters, masks) -> torch.Te
             [s.computed for s in seqs],
             rows.tables.index_select(0, at),
             adapters(seqs),
+            deltas=rows.rope_delta.index_select(0, at),
         ),
         every=True,
     )  # [rows, k + 1, vocab]
