@@ -49,12 +49,13 @@ class DataConfig:
     """Share of files (or records) held out for validation."""
     max_bytes: int = 6_000_000
     """Read at most this many bytes of the default standard-library corpus (0 = all)."""
-    corpus: Literal["stdlib", "edits"] = "stdlib"
+    corpus: Literal["stdlib", "edits", "copy"] = "stdlib"
     """The built-in records, read when data.path is unset. stdlib: the standard library's source
     files as text (the default job). edits: code-edit tasks made from its functions (rename a
     variable, add a parameter, re-indent, double quotes: data/edits.py) as prompt + completion,
     the training tasks from the training files and the validation tasks from the held-out ones;
-    as many as the run uses. sft only."""
+    as many as the run uses. copy: lines of code drawn at random, to be copied unchanged
+    (data/copy_task.py), the first stage of a copying model (examples/copy/). sft only."""
     edit_max_chars: int = 900
     """data.corpus=edits: the longest function of a task, in characters (the shortest: a third of
     it). 900: ~100-300 tokens a function, ~200-600 a task; smaller gives short tasks, a first stage

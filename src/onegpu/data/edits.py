@@ -74,9 +74,8 @@ def edit_tasks(
     data.val_fraction): its file split is the tasks' split."""
     if split not in ("train", "heldout"):
         raise DataError(f"edit tasks: unknown split '{split}'.", hint="use train or heldout")
-    src = stdlib_source(max_bytes, val_fraction)
-    files = src.train_files if split == "train" else src.val_files
-    functions = [f for path in files for f in _functions(Path(path), min_chars, max_chars)]
+    files = _split_files(split, max_bytes, val_fraction)
+    functions = [f for path in files for f in _functions(path, min_chars, max_chars)]
     if not functions:
         raise DataError(
             f"no standard-library functions of {min_chars}-{max_chars} characters in the "
@@ -97,6 +96,12 @@ def edit_tasks(
             if len(tasks) == count:
                 return tasks
     return tasks
+
+
+def _split_files(split: Split, max_bytes: int, val_fraction: float) -> list[Path]:
+    """The default job's files of the split (records.stdlib_source)."""
+    src = stdlib_source(max_bytes, val_fraction)
+    return [Path(p) for p in (src.train_files if split == "train" else src.val_files)]
 
 
 def _functions(path: Path, min_chars: int, max_chars: int) -> list[tuple[str, str]]:
@@ -277,7 +282,8 @@ def _quotes(code: str, rng: random.Random):
 
 
 def edit_records(d, t) -> tuple:
-    """data.corpus=edits: the code-edit tasks (data/edits.py) as prompt/completion records, as
+    """data.corpus=edits: the code-edit tasks (data/edits.py), data.corpus=copy: the copy task
+    (data/copy_task.py), as prompt/completion records, as
     many training tasks as the run's steps take and a validation batch per evaluation batch:
     (train, validation or None, fingerprint). ``d``, ``t``: the run's DataConfig and
     TrainingConfig."""
@@ -285,7 +291,7 @@ def edit_records(d, t) -> tuple:
 
     if t.objective != "sft":
         raise ConfigError(
-            f"data.corpus=edits gives prompt/completion records, for training.objective=sft; got "
+            f"data.corpus={d.corpus} gives prompt/completion records, for training.objective=sft; got "
             f"{t.objective}.",
             hint="set --training.objective sft, or data.corpus stdlib",
         )
@@ -296,15 +302,19 @@ def edit_records(d, t) -> tuple:
         max_bytes=d.max_bytes,
         val_fraction=d.val_fraction,
     )
-    splits = [edit_tasks("train", count, t.seed, **kw)]
+    if d.corpus == "copy":
+        from onegpu.data.copy_task import copy_tasks as make
+    else:
+        make = edit_tasks
+    splits = [make("train", count, t.seed, **kw)]
     if d.val_fraction > 0:
         n_val = max(t.eval_batches, 1) * t.micro_batch_size
-        splits.append(edit_tasks("heldout", n_val, t.seed, **kw))
+        splits.append(make("heldout", n_val, t.seed, **kw))
     recs = [
         datasets.Dataset.from_list(
             [{d.prompt_field: e.prompt, d.completion_field: e.answer} for e in tasks]
         )
         for tasks in splits
     ]
-    finger = f"edits:{d.max_bytes}:{d.val_fraction}:{d.edit_max_chars}:{t.seed}:{count}"
+    finger = f"{d.corpus}:{d.max_bytes}:{d.val_fraction}:{d.edit_max_chars}:{t.seed}:{count}"
     return recs[0], recs[1] if len(recs) > 1 else None, finger

@@ -47,7 +47,7 @@ def read_records(cfg: Config) -> Records:
     """The configured records (or the default job's corpus, made into pairs for a preference
     objective), checked against the objective."""
     objective = cfg.training.objective
-    if cfg.data.path is None and cfg.data.corpus == "edits":
+    if cfg.data.path is None and cfg.data.corpus in ("edits", "copy"):
         from onegpu.data.edits import edit_records
 
         return Records(*edit_records(cfg.data, cfg.training), "prompt_completion")
