@@ -10,8 +10,10 @@ from helpers import benchmark_script
 # beside TRL (issue 56's target), after the export and mismatch one-offs went (share then 22.2%);
 # lowered to 20% when the one-off scripts without a rerun left, bench_infer.py became `onegpu bench
 # infer --preset hf-cpu|hf-gpu` and TRL's DPO, KTO and reward peers one runner and one report page
-# (share then 19.7%). The target is 15%.
-CEILING = 0.20
+# (share then 19.7%); lowered to 18.5% when vlm_shapes, plan_vs_published and the tool rollouts'
+# A/B left (measured once) and simgpu_fp8_memory folded into simgpu_memory --fp8 (share then
+# 18.0%). The target is 15%.
+CEILING = 0.185
 
 
 def test_the_benchmark_share_stays_under_its_ceiling():

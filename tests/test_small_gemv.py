@@ -7,7 +7,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from families import tiny_family_model
-from onegpu.infer import decode_step, small_gemv
+from onegpu.infer import small_gemv
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.requests import SamplingParams
 from onegpu.infer.small_gemv import SmallGemv
@@ -58,21 +58,19 @@ def test_a_half_precision_product_accumulates_in_fp32_and_keeps_its_dtype():
 
 
 def test_a_compiled_engine_step_with_the_pass_gives_the_same_greedy_tokens(tiny_tokenizer):
-    """The engine's compiled decode step (inductor) with the pass on every matmul of the tiny
-    Llama's layers and head: the pass rewrote them and the greedy tokens are the eager engine's."""
+    """The engine's compiled decode step (inductor) with the small_gemv row switched on here
+    (``policy_on``: a GPU's row on a CPU) at one row: the pass rewrote every matmul of the tiny
+    Llama's layers and the greedy tokens are the eager engine's."""
     model = tiny_family_model("llama", tiny_tokenizer).eval()
     ids = [tiny_tokenizer(p)["input_ids"] for p in ("def add(a, b):", "import os\nimport")]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     want = [
         r.token_ids
-        for r in Engine(model, None, EngineConfig(2, 64, compile="off")).generate(ids, params)
+        for r in Engine(model, None, EngineConfig(1, 64, compile="off")).generate(ids, params)
     ]
-    engine = Engine(model, None, EngineConfig(2, 64, compile="on"))
-    gemv = SmallGemv("cpu", max_rows=2, max_outputs=10**9, max_inputs=10**9)
-    old = engine.decode_step  # the same step with the pass (on a CPU no row of the policy adds it)
-    engine.decode_step = decode_step.DecodeStep(
-        old.runner, old.rows, "default", "inductor", engine.policy, 8, graph_pass=gemv
-    )
+    engine = Engine(model, None, EngineConfig(1, 64, compile="on", policy_on=["small_gemv"]))
+    gemv = engine.decode_step.graph_pass
+    assert isinstance(gemv, SmallGemv) and gemv.device == "cpu" and not gemv.outputs_outer
     # fx_graph_cache off: a graph inductor cached from an earlier run would skip the pass
     with torch._inductor.config.patch(fx_graph_cache=False):
         got = [r.token_ids for r in engine.generate(ids, params)]

@@ -78,10 +78,10 @@ class DecodeStep:
         cuda = self.runner.device.type == "cuda"
         inductor = backend == "inductor"
         mode = mode if inductor else None  # others (tests: aot_eager) take none
-        if graph_pass is None and inductor and rules.small_gemv and cuda:
+        if graph_pass is None and inductor and rules.small_gemv:  # a CPU's only by policy_on
             from onegpu.infer.small_gemv import SmallGemv  # imports inductor: only here
 
-            graph_pass = SmallGemv()
+            graph_pass = SmallGemv(self.runner.device.type)
         if graph_pass is None and inductor and rules.cpu_head_reduction and not cuda:
             from onegpu.infer import small_gemv
 
