@@ -291,8 +291,8 @@ def edit_records(d, t) -> tuple:
 
     if t.objective != "sft":
         raise ConfigError(
-            f"data.corpus={d.corpus} gives prompt/completion records, for training.objective=sft; got "
-            f"{t.objective}.",
+            f"data.corpus={d.corpus} gives prompt/completion records, for "
+            f"training.objective=sft; got {t.objective}.",
             hint="set --training.objective sft, or data.corpus stdlib",
         )
     count = t.max_steps * t.micro_batch_size * t.grad_accum
