@@ -281,12 +281,12 @@ def _quotes(code: str, rng: random.Random):
     return "rewrite the single-quoted strings with double quotes.", "".join(lines)
 
 
-def edit_records(d, t) -> tuple:
+def edit_records(d, t, make=edit_tasks) -> tuple:
     """data.corpus=edits: the code-edit tasks (data/edits.py), data.corpus=copy: the copy task
     (data/copy_task.py), as prompt/completion records, as
     many training tasks as the run's steps take and a validation batch per evaluation batch:
     (train, validation or None, fingerprint). ``d``, ``t``: the run's DataConfig and
-    TrainingConfig."""
+    TrainingConfig; ``make``: the task builder (edit_tasks, copy_task.copy_tasks)."""
     import datasets
 
     if t.objective != "sft":
@@ -302,10 +302,6 @@ def edit_records(d, t) -> tuple:
         max_bytes=d.max_bytes,
         val_fraction=d.val_fraction,
     )
-    if d.corpus == "copy":
-        from onegpu.data.copy_task import copy_tasks as make
-    else:
-        make = edit_tasks
     splits = [make("train", count, t.seed, **kw)]
     if d.val_fraction > 0:
         n_val = max(t.eval_batches, 1) * t.micro_batch_size

@@ -48,9 +48,11 @@ def read_records(cfg: Config) -> Records:
     objective), checked against the objective."""
     objective = cfg.training.objective
     if cfg.data.path is None and cfg.data.corpus in ("edits", "copy"):
-        from onegpu.data.edits import edit_records
+        from onegpu.data.copy_task import copy_tasks
+        from onegpu.data.edits import edit_records, edit_tasks
 
-        return Records(*edit_records(cfg.data, cfg.training), "prompt_completion")
+        make = copy_tasks if cfg.data.corpus == "copy" else edit_tasks
+        return Records(*edit_records(cfg.data, cfg.training, make), "prompt_completion")
     train_rec, val_rec, fingerprint = records_io.load_records(cfg.data, cfg.training.seed)
     if objective == "grpo" and cfg.data.path is None:
         train_rec, val_rec = corpus_prompts(cfg, train_rec, val_rec)
