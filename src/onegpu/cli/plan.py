@@ -119,11 +119,11 @@ def cli(argv: Sequence[str]) -> int:
     if ns.max_context:
         return _print_max_context(cfg, ns)
     from onegpu.plan import make_plan
-
-    plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib)
     from onegpu.plan.images import image_tokens
 
     images = image_tokens(cfg, ns.preset or cfg.model.name, ns.image_size)
+    load = images.load if images is not None else None  # the tower's activations are planned too
+    plan, recommended = make_plan(cfg, ns.preset, ns.gpu, None, ns.batch, ns.memory_gib, load)
     needs = export_needs(cfg, plan.shape, ns.export, ns.export_quant)
     if ns.json:
         out = plan_json(plan, recommended)

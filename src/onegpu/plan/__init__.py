@@ -17,8 +17,10 @@ def make_plan(
     seq_len: int | None = None,
     batch: int | None = None,
     memory_gib: float | None = None,
+    images=None,
 ):
-    """Plan for a config (optionally overriding model, GPU, length and batch).
+    """Plan for a config (optionally overriding model, GPU, length and batch; ``images``: a
+    vision-language model's images per row, plan/vision.ImageLoad).
 
     Returns (Plan, recommended Config or None when nothing fits).
     """
@@ -37,7 +39,7 @@ def make_plan(
             f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
             hint=f"use --data.seq_len <= {shape.max_positions}",
         )
-    plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention)
+    plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention, images)
     if plan.best is None:
         return plan, None
     from onegpu.hyper import resolve_hyperparameters

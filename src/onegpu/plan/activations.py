@@ -80,6 +80,7 @@ def prepare_like_training(
     lora_dtype: str = "auto",
     fp8: str = "off",
     fp8_skip: str = "",
+    vision: str = "frozen",
 ):
     """Training's own assembly (training/assemble.assemble, and so techniques/prepare.py) of a built
     model, with the settings that change what forward keeps: MoE router loss, LoRA adapters, FP8's
@@ -104,6 +105,7 @@ def prepare_like_training(
             fp8=fp8,
             fp8_skip=fp8_skip,
             fp8_emulate=True,
+            vision=vision,  # what of a vision-language model trains (plan/vision.py)
         )
     )
     cpu = DeviceInfo("cpu", "cpu", 0)
@@ -249,7 +251,7 @@ def build_probe_model(
     from onegpu.plan.arch import language_config
 
     # a vision-language model: its language model's activations per token (image tokens included);
-    # the vision tower's own are not measured (docs/vlm.md)
+    # the vision tower's own are measured apart (plan/vision.py)
     cfg = copy.deepcopy(language_config(config))
     cfg.num_hidden_layers = layers
     if isinstance(getattr(cfg, "layer_types", None), list):

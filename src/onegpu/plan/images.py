@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass
 
 from onegpu.config import Config
+from onegpu.plan.vision import ImageLoad, load_for
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class ImageTokens:
     image: tuple[int, int, int]
     text: tuple[int, int, int]
     source: str  # "the data" or "one 448x448 image"
+    # the images of the example with the most image tokens, as the tower receives them: what the
+    # planner counts the tower's and projector's activations for (plan/vision.py)
+    load: ImageLoad | None = None
 
     def describe(self, seq_len: int) -> str:
         lo, mid, hi = self.image
@@ -43,14 +47,18 @@ def _spread(values: list[int]) -> tuple[int, int, int]:
 def for_image_size(processor, side: int) -> ImageTokens:
     """The tokens one side x side image becomes, by the processor's own count (the method vLLM
     reads too: ``_get_num_multimodal_tokens``)."""
+    from PIL import Image
+
     n = processor._get_num_multimodal_tokens(image_sizes=[(side, side)])["num_image_tokens"][0]
-    return ImageTokens(1, (n, n, n), (0, 0, 0), f"one {side}x{side} image")
+    load = load_for(processor, [Image.new("RGB", (side, side))])
+    return ImageTokens(1, (n, n, n), (0, 0, 0), f"one {side}x{side} image", load)
 
 
 def for_data(cfg: Config, processor) -> ImageTokens:
     """The run's own examples, tokenized as training tokenizes them (data/vision.py)."""
     from onegpu.data import records as records_io
-    from onegpu.data.vision import image_token_ids, tokenize_counted
+    from onegpu.data.images import open_image
+    from onegpu.data.vision import IMAGES, image_token_ids, tokenize_counted
 
     train, _, _ = records_io.load_records(cfg.data, cfg.training.seed)
     examples, _ = tokenize_counted(train, processor, cfg.data, "train")
@@ -62,7 +70,12 @@ def for_data(cfg: Config, processor) -> ImageTokens:
         text.append(len(ids) - n)
     if not image:
         image, text = [0], [0]
-    return ImageTokens(len(examples), _spread(image), _spread(text), "the data")
+    load = None
+    if max(image):  # the heaviest example's images, opened as its batch opens them
+        k = image.index(max(image))
+        opened = [open_image(s, f"example {k}", cfg.data.image_size) for s in examples[k][IMAGES]]
+        load = load_for(processor, opened, cfg.data)
+    return ImageTokens(len(examples), _spread(image), _spread(text), "the data", load)
 
 
 def image_tokens(cfg: Config, model_name: str, image_size: int | None) -> ImageTokens | None:

@@ -18,6 +18,7 @@ from onegpu.plan.candidate import Candidate
 from onegpu.plan.fp8 import cast_transient_bytes
 from onegpu.plan.reward_models import reward_model_bytes
 from onegpu.plan.transients import act_bytes, loss_transient_bytes, param_bytes, rollout_bytes
+from onegpu.plan.vision import ImageLoad, vision_bytes
 
 GIB = 2**30
 CUDA_CONTEXT = 0.6 * GIB  # driver context + cuBLAS/cuDNN handles: outside torch's allocator counts
@@ -175,7 +176,8 @@ def activations(
     acts: ActivationModel | None = None,
     attention: str = "sdpa",
     on_gpu: bool = True,
-) -> tuple[float, float, float]:
+    images: ImageLoad | None = None,
+) -> tuple[float, float, float, float]:
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
     host memory under activation offload, off a GPU already in host memory where they stay;
     activation bytes while the backward is in the first block: ``first_block_bytes``)."""
@@ -199,6 +201,9 @@ def activations(
     if tiled:  # one tile's intermediates, and their gradients, exist at a time
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     first = first_block_bytes(shape, c, rows, seq_len, acts, compiled, not_kept, tiled)
+    # the tower's and projector's, alive from the forward's start to the backward's end
+    seen = vision_bytes(shape, c, rows, images)
+    kept, first = kept + seen, first + seen
     host = 0.0
     if on_gpu and t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
@@ -328,6 +333,7 @@ def estimate(
     on_gpu: bool = True,
     acts: ActivationModel | None = None,
     attention: str = "sdpa",
+    images: ImageLoad | None = None,
 ) -> MemoryEstimate:
     """Peak bytes of one optimizer step.
 
@@ -336,7 +342,7 @@ def estimate(
     gradient, one block's activations) or in optimizer.step() (all gradients and the optimizer's
     temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient, host, first = activations(shape, c, seq_len, acts, attention, on_gpu)
+    kept, transient, host, first = activations(shape, c, seq_len, acts, attention, on_gpu, images)
     w, g, o = (
         weight_bytes(shape, c),
         grad_bytes(shape, c),
@@ -367,6 +373,10 @@ def estimate(
     elif forward_end > early:  # beside the kept activations: the cached copies, the last MLP's
         comps["backward transient"] = 0.0
         comps["autocast weight copies and last MLP (forward)"] = forward_end - kept
+    seen = vision_bytes(shape, c, c.training.micro_batch_size * c.rows_per_example, images)
+    if seen:  # shown apart from the language model's (inside the activations above)
+        comps["activations"] -= seen
+        comps["vision tower and projector activations"] = seen
     if c.reference_kind == "copy":  # DPO's frozen reference: the whole model again, weights' dtype
         comps["reference copy"] = shape.params * param_bytes(c.techniques.precision)
         w += comps["reference copy"]

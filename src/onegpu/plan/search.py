@@ -17,6 +17,7 @@ from onegpu.hardware import GpuSpec
 from onegpu.plan import memory, speed
 from onegpu.plan.arch import ModelShape
 from onegpu.plan.candidate import Candidate, setup
+from onegpu.plan.vision import ImageLoad
 
 log = logging.getLogger(__name__)
 
@@ -254,15 +255,16 @@ def search(
     batch: int,
     capacity_gib: float | None = None,
     attention: str = "sdpa",
+    images: ImageLoad | None = None,
 ) -> Plan:
     """All setups of the first tier that has any that fit, ranked; the best few that do not fit
-    follow."""
+    follow. ``images``: a vision-language model's images per row (plan/vision.py)."""
     capacity = (capacity_gib or spec.memory_gib) * 2**30
     plan = Plan(spec, shape, seq_len, batch)
     tf32 = cfg.techniques.tf32 if cfg.techniques.tf32 is not None else True
     for tier in range(len(TIERS)):
         rows = [
-            _evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention)
+            _evaluate(c, tier, shape, spec, seq_len, capacity, tf32, attention, images)
             for c in tier_candidates(tier, cfg, spec, shape, batch, seq_len)
         ]
         fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.speed.tokens_per_s)
@@ -290,8 +292,10 @@ def _evaluate(
     capacity: float,
     tf32: bool,
     attention: str,
+    images: ImageLoad | None = None,
 ) -> Row:
-    mem = memory.estimate(shape, c, seq_len, on_gpu=spec.key != "CPU", attention=attention)
+    on_gpu = spec.key != "CPU"
+    mem = memory.estimate(shape, c, seq_len, on_gpu=on_gpu, attention=attention, images=images)
     spd = speed.estimate(shape, c, seq_len, spec, tf32, mem.host_activations)
     fits = mem.fits(capacity)
     if fits:
