@@ -176,11 +176,12 @@ def activations(
     acts: ActivationModel | None = None,
     attention: str = "sdpa",
     on_gpu: bool = True,
-    images: ImageLoad | None = None,
+    vision: float = 0.0,
 ) -> tuple[float, float, float, float]:
     """(device bytes kept for backward, extra device bytes during backward, bytes waiting in pinned
     host memory under activation offload, off a GPU already in host memory where they stay;
-    activation bytes while the backward is in the first block: ``first_block_bytes``)."""
+    activation bytes while the backward is in the first block: ``first_block_bytes``).
+    ``vision``: the vision tower's and projector's bytes for these rows (``vision_bytes``)."""
     t = c.techniques
     seq_len = c.sequence_tokens(seq_len)  # GRPO: prompt and completion
     acts = acts or activation_model(shape.config, t, attention)
@@ -202,8 +203,7 @@ def activations(
         transient += 2 * mlp_saved_bytes(shape, c, min(tile_tokens(shape, c), rows * seq_len))
     first = first_block_bytes(shape, c, rows, seq_len, acts, compiled, not_kept, tiled)
     # the tower's and projector's, alive from the forward's start to the backward's end
-    seen = vision_bytes(shape, c, rows, images)
-    kept, first = kept + seen, first + seen
+    kept, first = kept + vision, first + vision
     host = 0.0
     if on_gpu and t.activation_offload and offloaded(shape, c, rows * seq_len):
         # Every block's saved tensors wait in host memory; on the device stay the embedding, head
@@ -342,7 +342,9 @@ def estimate(
     gradient, one block's activations) or in optimizer.step() (all gradients and the optimizer's
     temporaries); weights and optimizer state are there throughout.
     """
-    kept, transient, host, first = activations(shape, c, seq_len, acts, attention, on_gpu, images)
+    # measured once (plan/vision.py reads its disk cache): inside the activations, shown apart
+    seen = vision_bytes(shape, c, c.training.micro_batch_size * c.rows_per_example, images)
+    kept, transient, host, first = activations(shape, c, seq_len, acts, attention, on_gpu, seen)
     w, g, o = (
         weight_bytes(shape, c),
         grad_bytes(shape, c),
@@ -373,7 +375,6 @@ def estimate(
     elif forward_end > early:  # beside the kept activations: the cached copies, the last MLP's
         comps["backward transient"] = 0.0
         comps["autocast weight copies and last MLP (forward)"] = forward_end - kept
-    seen = vision_bytes(shape, c, c.training.micro_batch_size * c.rows_per_example, images)
     if seen:  # shown apart from the language model's (inside the activations above)
         comps["activations"] -= seen
         comps["vision tower and projector activations"] = seen
