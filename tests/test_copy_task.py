@@ -28,8 +28,8 @@ def test_tasks_are_deterministic_and_the_splits_draw_from_their_own_files():
     held = copy_task.copy_tasks("heldout", 30, seed=3, **SMALL)
     train_lines = {
         line
-        for path in edits._split_files("train", **SMALL)
-        for _, code in edits._functions(path, 20, 4000)
+        for path in edits.files_of_split("train", **SMALL)
+        for _, code in edits.functions_of(path, 20, 4000)
         for line in code.splitlines()
     }
     held_lines = [line for t in held for line in t.code.splitlines()]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from onegpu.data.edits import EditTask, Split, _functions, _split_files
+from onegpu.data.edits import EditTask, Split, files_of_split, functions_of
 from onegpu.errors import DataError
 
 INSTRUCTION = "copy the code unchanged."
@@ -36,8 +36,8 @@ def copy_tasks(
     lines = sorted(
         {
             line
-            for path in _split_files(split, max_bytes, val_fraction)
-            for _, code in _functions(path, 20, 4000)
+            for path in files_of_split(split, max_bytes, val_fraction)
+            for _, code in functions_of(path, 20, 4000)
             for line in code.splitlines()
             if line.strip() and len(line) < max_chars
         }

@@ -74,8 +74,8 @@ def edit_tasks(
     data.val_fraction): its file split is the tasks' split."""
     if split not in ("train", "heldout"):
         raise DataError(f"edit tasks: unknown split '{split}'.", hint="use train or heldout")
-    files = _split_files(split, max_bytes, val_fraction)
-    functions = [f for path in files for f in _functions(path, min_chars, max_chars)]
+    files = files_of_split(split, max_bytes, val_fraction)
+    functions = [f for path in files for f in functions_of(path, min_chars, max_chars)]
     if not functions:
         raise DataError(
             f"no standard-library functions of {min_chars}-{max_chars} characters in the "
@@ -98,13 +98,13 @@ def edit_tasks(
     return tasks
 
 
-def _split_files(split: Split, max_bytes: int, val_fraction: float) -> list[Path]:
+def files_of_split(split: Split, max_bytes: int, val_fraction: float) -> list[Path]:
     """The default job's files of the split (records.stdlib_source)."""
     src = stdlib_source(max_bytes, val_fraction)
     return [Path(p) for p in (src.train_files if split == "train" else src.val_files)]
 
 
-def _functions(path: Path, min_chars: int, max_chars: int) -> list[tuple[str, str]]:
+def functions_of(path: Path, min_chars: int, max_chars: int) -> list[tuple[str, str]]:
     """(origin, dedented source) of the module's functions and methods of the size asked for."""
     text = path.read_text(encoding="utf-8")
     try:
