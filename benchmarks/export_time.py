@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -174,8 +173,12 @@ def main() -> int:
     return 0
 
 
-def summary(xs: list[float]) -> str:
-    return f"{statistics.median(xs):,.1f} [{min(xs):,.1f}-{max(xs):,.1f}]"
+def summary(xs: list[float], spec: str = ",.1f") -> str:
+    """Median [min-max] (onegpu.bench.timing's helpers)."""
+    from onegpu.bench.timing import median, span
+
+    lo, hi = span(xs)
+    return f"{median(xs):{spec}} [{lo:{spec}}-{hi:{spec}}]"
 
 
 def table(results: dict) -> str:
@@ -189,7 +192,7 @@ def table(results: dict) -> str:
         hand = results.get(f"{name} | hand", [])
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs, hand, strict=False)]
         cols = [summary([x[m] for x in runs]) for m in ("seconds", "peak_rss_mib", "tree_peak_mib")]
-        ratio = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        ratio = summary(ratios, ".2f")
         rows.append(f"| {key} | {cols[0]} | {ratio} | {cols[1]} | {cols[2]} |")
     return "\n".join(rows)
 
