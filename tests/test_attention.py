@@ -254,7 +254,9 @@ def test_make_plan_resolves_attention_for_the_model(monkeypatch, gemma2_dir):
 
     seen = []
     monkeypatch.setattr(
-        search, "search", lambda *args: seen.append(args[-1]) or type("P", (), {"best": None})()
+        search,
+        "search",
+        lambda *args, **_: seen.append(args[-1]) or type("P", (), {"best": None})(),
     )
     make_plan(Config(), model=str(gemma2_dir), gpu="A100")
     assert seen == ["eager"]

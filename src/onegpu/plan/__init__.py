@@ -39,7 +39,7 @@ def make_plan(
             f"seq_len={seq_len} exceeds {name}'s max_position_embeddings={shape.max_positions}.",
             hint=f"use --data.seq_len <= {shape.max_positions}",
         )
-    plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention, images)
+    plan = search(cfg, spec, shape, seq_len, batch, memory_gib, attention, images=images)
     if plan.best is None:
         return plan, None
     from onegpu.hyper import resolve_hyperparameters
