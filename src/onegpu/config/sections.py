@@ -131,6 +131,12 @@ class TechniquesConfig:
     or flash_attn's."""
     padding_free: bool = False
     """Pack variable-length examples into one row with position_ids instead of padding."""
+    shared_prompt: Literal["auto", "on", "off"] = "auto"
+    """Reward models: a pair's chosen and rejected responses in one row after one copy of their
+    prompt (a mask keeps each response from seeing the other) instead of two rows that each repeat
+    it: the same scores and gradients from fewer tokens. auto: on where the model can take it (an
+    eager forward, attention sdpa or eager, no MoE router loss, no sliding window, one process);
+    on: an error where it cannot; off: two padded rows per pair, as TRL."""
     optimizer: Literal[
         "adamw",
         "adamw-foreach",

@@ -175,8 +175,11 @@ class PairCollator:
 
     reference_columns = (REF_CHOSEN, REF_REJECTED)  # reference.precompute's two halves
 
-    def __init__(self, collator):
+    def __init__(self, collator, shared: bool = False):
         self.collator = collator  # batches.Collator: padding/packing as for SFT
+        # a reward model's shared-prompt rows (objectives/shared_prompt.py), described beside the
+        # two-row batch: the objective takes them where its model can
+        self.shared = shared
 
     def __call__(self, examples: list[dict]) -> dict:
         import torch
@@ -188,6 +191,17 @@ class PairCollator:
                 seqs.append({"input_ids": p + resp, "labels": [IGNORE] * len(p) + resp})
         batch = collate_sequences(self.collator, seqs)
         batch[PAIR_INDEX] = torch.arange(len(examples))
+        if self.shared and batch["input_ids"].size(0) == len(seqs):
+            from onegpu.objectives import shared_prompt
+
+            batch.update(
+                shared_prompt.layout(
+                    [len(ex["prompt_ids"]) for ex in examples],
+                    [len(ex["chosen_ids"]) for ex in examples],
+                    [len(ex["rejected_ids"]) for ex in examples],
+                    batch["input_ids"].size(1),
+                )
+            )
         if MARGIN in examples[0]:
             batch[MARGIN] = torch.tensor([ex[MARGIN] for ex in examples], dtype=torch.float32)
         if REF_CHOSEN in examples[0]:

@@ -9,17 +9,25 @@ TRL averages both terms over a batch's pairs; a micro-batch here returns their s
 divides by the pairs of the whole accumulated batch. The chosen and rejected sequences of a
 micro-batch run as one padded batch (data/pairs.PairCollator, chosen first), as TRL's collator
 does; an eager CPU step leaves out the columns that are padding in every row (``trimmed``).
+With techniques.shared_prompt, a pair's two responses run in one row after one copy of their
+prompt instead (objectives/shared_prompt.py): the same scores from fewer tokens.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from onegpu.data.pairs import MARGIN, PAIR_INDEX
+from onegpu.errors import ConfigError
+from onegpu.objectives import shared_prompt
 from onegpu.objectives.base import Objective
 from onegpu.objectives.preference import moe_aux
 from onegpu.objectives.summed import SummedStats, pair_means, pair_sums
+
+log = logging.getLogger(__name__)
 
 
 def bradley_terry_loss(r_c, r_r, margin=None, center: float | None = None):
@@ -56,9 +64,11 @@ class Reward(Objective):
     logs the accuracy (the share of pairs scored chosen above rejected), the margin and the mean
     scores, kept on the device until a log reads them, as Preference's."""
 
-    def __init__(self, pref, tokens, trim: bool = False):
+    def __init__(self, pref, tokens, trim: bool = False, shared: str = "off"):
         self.tokens = tokens  # unused: the head is the model's own, not the LM head
         self.center = pref.center_rewards_coefficient
+        self.shared = shared  # techniques.shared_prompt; settled per model at its first batch
+        self._shared_for: dict[int, bool] = {}
         # make_objective: an eager run on a CPU. Compiled steps keep the bucketed widths (one
         # compiled shape per bucket), and on a GPU reading the longest row's length would make
         # the host wait for the previous step's kernels; on a CPU nothing runs ahead to wait for.
@@ -68,14 +78,39 @@ class Reward(Objective):
     def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
 
+    def uses_shared(self, model, batch: dict) -> bool:
+        """Whether this batch runs as shared-prompt rows: techniques.shared_prompt, the model's
+        ability to take them (decided once per model, logged) and the batch's layout."""
+        if self.shared == "off" or shared_prompt.INDEX not in batch:
+            return False
+        key = id(model)
+        if key not in self._shared_for:
+            why = shared_prompt.applies(model)
+            if why is not None and self.shared == "on":
+                raise ConfigError(
+                    f"techniques.shared_prompt=on, but {why}.",
+                    hint="set techniques.shared_prompt auto (on where it applies) or off",
+                )
+            log.info(
+                "techniques.shared_prompt: %s",
+                "on (one prompt per pair)" if why is None else f"off: {why}",
+            )
+            self._shared_for[key] = why is None
+        return self._shared_for[key]
+
     def loss(self, model, batch: dict) -> torch.Tensor:
-        out, r = scores(model, batch, self.trim)
-        n = r.numel() // 2
-        r_c, r_r = r[:n], r[n:]
+        if self.uses_shared(model, batch):
+            out, both = None, shared_prompt.scores(model, batch)
+            r_c, r_r = both[:, 0], both[:, 1]
+            n = r_c.numel()
+        else:
+            out, r = scores(model, batch, self.trim)
+            n = r.numel() // 2
+            r_c, r_r = r[:n], r[n:]
         loss = bradley_terry_loss(r_c, r_r, batch.get(MARGIN), self.center)
         rc, rr = r_c.detach(), r_r.detach()
         self.stats.add(pair_sums(rc, rr))
-        return loss.sum() + moe_aux(model, out, n)
+        return loss.sum() + (moe_aux(model, out, n) if out is not None else 0.0)
 
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
         self.stats.drop()

@@ -137,7 +137,8 @@ def build_data(cfg: Config, model_name: str, recs: Records | None = None) -> Dat
     if fmt == "preference":  # each pair: its chosen and rejected sequences in the one batch
         from onegpu.data.pairs import PairCollator
 
-        collator = PairCollator(collator)
+        shared = cfg.training.objective == "reward" and cfg.techniques.shared_prompt != "off"
+        collator = PairCollator(collator, shared=shared)
     if fmt == "unpaired":  # KTO: the examples and their mismatched sequences
         from onegpu.data.unpaired import UnpairedCollator
 
