@@ -241,7 +241,7 @@ def snapshot_env(tmp: str) -> dict:
     git = lambda *a: subprocess.run(  # noqa: E731
         ["git", *a], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    commit = git("rev-parse", "HEAD") + (
+    commit = git("rev-parse", "--short", "HEAD") + (
         "+local" if git("status", "--porcelain", "--untracked-files=no", "src") else ""
     )
     shutil.copytree(

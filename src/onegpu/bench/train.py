@@ -56,6 +56,7 @@ def run_sweep(
     bench_train_report). `progress(doc)` is called after every repetition (a long sweep keeps what
     it measured)."""
     from onegpu import hardware
+    from onegpu.bench import provenance
     from onegpu.bench import train_report as bench_report
 
     validate(b)
@@ -64,7 +65,6 @@ def run_sweep(
     arms = select_arms(b, device, prep["data_format"])
     runner = runner or run_child
     doc = bench_report.new_document(b, device, prep, sys.argv)
-    doc["load"] = {"before": _load()}
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
         base = base_config(b, tmp)
         for arm in arms:
@@ -96,7 +96,7 @@ def run_sweep(
                 doc["arms"][arm.name]["reps"].append(runner(spec))
                 if progress is not None:
                     progress(doc)
-    doc["load"]["after"] = _load()
+    doc["uptime_after"] = provenance.uptime()  # the header's load after (provenance.end)
     bench_report.summarize(doc)
     return doc
 
