@@ -30,6 +30,7 @@ while a long sweep runs cannot change the code half-way through; the results rec
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -241,7 +242,7 @@ def snapshot_env(tmp: str) -> dict:
     git = lambda *a: subprocess.run(  # noqa: E731
         ["git", *a], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    commit = git("rev-parse", "HEAD") + (
+    commit = git("rev-parse", "--short", "HEAD") + (
         "+local" if git("status", "--porcelain", "--untracked-files=no", "src") else ""
     )
     shutil.copytree(
@@ -308,24 +309,13 @@ def parse(argv: list[str]) -> tuple[list[Preset], dict, list[str]]:
     while argv and (argv[0] in PRESETS or argv[0] in GROUPS):
         names += GROUPS.get(argv[0], [argv[0]])
         argv = argv[1:]
-    opts = {
-        "snapshot": False,
-        "dry_run": False,
-        "workdir": os.environ.get("ONEGPU_BENCH_WORKDIR")
-        or str(Path(tempfile.gettempdir()) / "onegpu-bench-work"),
-    }
-    extra: list[str] = []
-    while argv:
-        arg = argv.pop(0)
-        if arg in ("--snapshot", "--dry-run"):
-            opts[arg[2:].replace("-", "_")] = True
-        elif arg == "--workdir" and argv:
-            opts["workdir"] = argv.pop(0)
-        elif arg.startswith("--workdir="):
-            opts["workdir"] = arg.split("=", 1)[1]
-        else:
-            extra.append(arg)
-    return [PRESETS[n] for n in dict.fromkeys(names)], opts, extra
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--snapshot", action="store_true")
+    ap.add_argument("--dry-run", action="store_true")
+    default = Path(tempfile.gettempdir()) / "onegpu-bench-work"
+    ap.add_argument("--workdir", default=os.environ.get("ONEGPU_BENCH_WORKDIR") or str(default))
+    opts, extra = ap.parse_known_args(argv)
+    return [PRESETS[n] for n in dict.fromkeys(names)], vars(opts), extra
 
 
 def main(argv: list[str]) -> int:

@@ -113,6 +113,7 @@ def _doc(device: DeviceInfo, arms: dict) -> dict:
         ),
         "date": "d",
         "command": "c",
+        "commit": "abc1234",
         "arms": {},
     }
     for name, (kind, tokens, startup, compiled) in arms.items():

@@ -60,7 +60,7 @@ def test_both_arms_sample_the_same_prompt_tokens_and_the_report_has_every_row(
     paths = bench_train.run(grpo_bench(tmp_path, tiny_model_dir))
     doc = json.loads(paths["json"].read_text())
     assert [s["arm"] for s in doc["schedule"]] == GRPO_ARMS
-    assert doc["setup"]["data_format"] == "prompt" and doc["load"]["after"] is not None
+    assert doc["setup"]["data_format"] == "prompt" and doc["uptime_after"] is not None
     arms = doc["arms"]
     for name in GRPO_ARMS:
         a = arms[name]

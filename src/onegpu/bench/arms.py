@@ -43,12 +43,12 @@ FP16_CPU = (
 )
 
 
-def _cuda(what: str):
-    return lambda dev, b, fmt: None if dev.type == "cuda" else f"{what} needs a CUDA GPU"
-
-
 def _cuda_only(reason: str):
     return lambda dev, b, fmt: None if dev.type == "cuda" else reason
+
+
+def _cuda(what: str):
+    return _cuda_only(f"{what} needs a CUDA GPU")
 
 
 def _ampere(what: str):

@@ -22,8 +22,8 @@ def fp8_card(dev, b, fmt) -> str | None:
     )
 
 
-def _candidates(config, spec, fp8: str):
-    """(model shape, seq_len, the run as a planner candidate with fp8 set; its layers chosen)."""
+def _candidate(config, spec, fp8: str):
+    """The run as a planner candidate with ``fp8`` set, its float8 layers chosen for ``spec``."""
     from onegpu import models
     from onegpu.config import from_dict, to_dict
     from onegpu.plan.arch import cached_shape
@@ -46,7 +46,7 @@ def _candidates(config, spec, fp8: str):
         fp8=fp8,
         fp8_skip="",
     )
-    return shape, seq, with_fp8_layers(c, shape, spec, seq, "")
+    return with_fp8_layers(c, shape, spec, seq, "")
 
 
 def planned_overrides(b, device) -> dict:
@@ -60,7 +60,7 @@ def planned_overrides(b, device) -> dict:
     if spec is None or not spec.fp8:
         return out
     try:
-        _, _, c = _candidates(b, spec, RECIPE)
+        c = _candidate(b, spec, RECIPE)
     except ModelError:  # a dry run lists the arms before the model is written: the rule's layers
         return out
     if c is not None and c.techniques.fp8_skip:

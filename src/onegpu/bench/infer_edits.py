@@ -88,21 +88,18 @@ def copying(tokens: list[list[int]], encoded) -> dict:
 
 
 def make_engine(model, encoded, speculative: str | None, k: int):
-    """A batch-1 engine sized to the longest task; ``speculative`` passes EngineConfig's
-    speculative settings (a clear error where this engine has none)."""
+    """A batch-1 engine sized to the longest task, with EngineConfig's ``speculative`` (None:
+    without)."""
     from onegpu.infer.engine import Engine, EngineConfig
 
     longest = max(len(p) + len(r) + 16 for p, r in encoded)
-    kw = dict(max_slots=1, max_len=longest, compile="off")
-    if speculative is None:
-        return Engine(model, None, EngineConfig(**kw))
-    try:
-        config = EngineConfig(**kw, speculative=speculative, num_speculative_tokens=k)
-    except TypeError:
-        raise ConfigError(
-            "--speculative: this engine has no speculative decoding (EngineConfig.speculative).",
-            hint="run without --speculative, on a build whose engine has it",
-        ) from None
+    config = EngineConfig(
+        max_slots=1,
+        max_len=longest,
+        compile="off",
+        speculative=speculative,
+        num_speculative_tokens=k,
+    )
     return Engine(model, None, config)
 
 

@@ -26,7 +26,10 @@ def uptime() -> str:
 
 def commit(path: Path = ROOT) -> str:
     """The short commit of the checkout at ``path``, "+local" when its tree has changes; "unknown"
-    outside a git checkout."""
+    outside a git checkout. A run from a copy of src/ (benchmarks/bench_train.py --snapshot) is
+    named by the commit the copy was taken from, in ONEGPU_BENCH_COMMIT."""
+    if os.environ.get("ONEGPU_BENCH_COMMIT"):
+        return os.environ["ONEGPU_BENCH_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "-C", str(path), "rev-parse", "--short", "HEAD"],

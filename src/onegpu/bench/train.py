@@ -25,6 +25,7 @@ from pathlib import Path
 from onegpu.bench.arms import arm_names, select_arms, skip_reason
 from onegpu.bench.settings import BenchSettings, BenchTrainConfig
 from onegpu.bench.settle import apply_overrides, settle_compile
+from onegpu.bench.train_child import TRL
 from onegpu.config import to_dict
 from onegpu.errors import ConfigError
 
@@ -56,6 +57,7 @@ def run_sweep(
     bench_train_report). `progress(doc)` is called after every repetition (a long sweep keeps what
     it measured)."""
     from onegpu import hardware
+    from onegpu.bench import provenance
     from onegpu.bench import train_report as bench_report
 
     validate(b)
@@ -64,7 +66,6 @@ def run_sweep(
     arms = select_arms(b, device, prep["data_format"])
     runner = runner or run_child
     doc = bench_report.new_document(b, device, prep, sys.argv)
-    doc["load"] = {"before": _load()}
     with tempfile.TemporaryDirectory(prefix="onegpu-bench-") as tmp:
         base = base_config(b, tmp)
         for arm in arms:
@@ -96,7 +97,7 @@ def run_sweep(
                 doc["arms"][arm.name]["reps"].append(runner(spec))
                 if progress is not None:
                     progress(doc)
-    doc["load"]["after"] = _load()
+    doc["uptime_after"] = provenance.uptime()  # the header's load after (provenance.end)
     bench_report.summarize(doc)
     return doc
 
@@ -150,17 +151,15 @@ def validate(b: BenchTrainConfig) -> None:
             f"({b.bench.warmup_steps}): nothing would be timed.",
             hint=f"set --training.max_steps > {b.bench.warmup_steps}",
         )
-    if b.bench.max_micro_batch < 0:
-        raise ConfigError(
-            "bench.max_micro_batch must be 0 (no limit) or positive, got "
-            f"{b.bench.max_micro_batch}.",
-            hint="set --bench.max_micro_batch 8",
-        )
-    if b.bench.max_seconds <= 0:
-        raise ConfigError(
-            f"bench.max_seconds must be positive, got {b.bench.max_seconds}.",
-            hint="set --bench.max_seconds 120",
-        )
+    for key, ok, want, fix in (
+        ("max_micro_batch", b.bench.max_micro_batch >= 0, "0 (no limit) or positive", 8),
+        ("max_seconds", b.bench.max_seconds > 0, "positive", 120),
+    ):
+        if not ok:
+            raise ConfigError(
+                f"bench.{key} must be {want}, got {getattr(b.bench, key)}.",
+                hint=f"set --bench.{key} {fix}",
+            )
     arm_names(b)
 
 
@@ -275,14 +274,7 @@ def dry_run(b: BenchTrainConfig) -> int:
         + (f" [{b.bench.name}]" if b.bench.name else "")
         + (f"; objective {b.training.objective}" if b.training.objective != "sft" else "")
     )
-    peers = {
-        "hf": "HF Trainer",
-        "trl": "TRL SFTTrainer",
-        "trl-dpo": "TRL DPOTrainer",
-        "trl-grpo": "TRL GRPOTrainer",
-        "trl-kto": "TRL KTOTrainer",
-        "trl-reward": "TRL RewardTrainer",
-    }
+    peers = {"hf": "HF Trainer", **{k: f"TRL {v}Trainer" for k, v in TRL.items()}}
     for arm in select_arms(b, device, fmt):
         reason = skip_reason(arm, device, b, fmt)
         what = ", ".join(f"{k}={v}" for k, v in arm.overrides.items())

@@ -61,6 +61,10 @@ def _status_kb(key: str) -> int:
     return int(re.search(rf"{key}:\s+(\d+)", text).group(1))
 
 
+# Each TRL arm kind's trainer, as trl names it (<name>Trainer, <name>Config).
+TRL = {"trl": "SFT", "trl-dpo": "DPO", "trl-grpo": "GRPO", "trl-kto": "KTO", "trl-reward": "Reward"}
+
+
 def preimport(kind: str) -> None:
     """Load the libraries before the memory reset, so the peak counts training, not imports.
     Only the peer arms load `transformers.Trainer` / `trl` (seconds of start-up ours skip)."""
@@ -76,19 +80,14 @@ def preimport(kind: str) -> None:
 
     for mod in model_modules():
         importlib.import_module(mod)
-    if kind in ("hf", "trl", "trl-dpo", "trl-grpo", "trl-kto", "trl-reward"):
+    if kind != "onegpu":
         from transformers import Trainer, TrainingArguments  # noqa: F401
-    if kind == "trl":
-        from trl import SFTConfig, SFTTrainer  # noqa: F401
-    if kind == "trl-dpo":
-        from trl import DPOConfig, DPOTrainer  # noqa: F401
-    if kind == "trl-grpo":
-        from trl import GRPOConfig, GRPOTrainer  # noqa: F401
-    if kind == "trl-kto":
-        from trl import KTOConfig, KTOTrainer  # noqa: F401
+    if kind in TRL:  # trl loads its trainers lazily: the arm's own one and its config now
+        import trl
+
+        getattr(trl, f"{TRL[kind]}Trainer"), getattr(trl, f"{TRL[kind]}Config")
     if kind == "trl-reward":
         from transformers.models.llama import LlamaForSequenceClassification  # noqa: F401
-        from trl import RewardConfig, RewardTrainer  # noqa: F401
 
 
 def model_modules() -> list[str]:

@@ -69,21 +69,10 @@ class GRPOSetup:
 
 
 def setup(spec: dict) -> GRPOSetup:
-    from accelerate.utils import set_seed
-
-    from onegpu import hardware, models
-    from onegpu.config import from_dict
     from onegpu.data.prompts import PROMPT_IDS, ROW, GroupOrder
-    from onegpu.training.data import build_data, read_records
 
-    cfg = from_dict(spec["config"])
+    cfg, device, _, recs, data, model = train_peers.load(spec)
     t, g = cfg.training, cfg.grpo
-    device = hardware.detect()
-    set_seed(t.seed)
-    name = models.resolve_name(cfg.model, device.is_gpu)
-    recs = read_records(cfg)
-    data = build_data(cfg, name, recs)
-    model = train_peers.peer_model(cfg, device, name, data.tokenizer)
     per_step = t.micro_batch_size * t.grad_accum
     order = iter(GroupOrder(len(data.train_ds), t.micro_batch_size, per_step, g.group_size, t.seed))
     steps = [[i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)]
@@ -167,14 +156,9 @@ def step_recorder(clock: GenerateClock, budget_s: float, cuda: bool):
 def aligned_arguments(cfg, device) -> dict:
     """GRPOConfig settings set to our run's, each because the comparison needs it (hf_arguments
     already aligns batch, accumulation, steps, learning rate and schedule, seed)."""
-    from onegpu.techniques.precision import resolve_precision
-
     g = cfg.grpo
-    precision = resolve_precision(cfg.techniques, device)
-    kw = dict(
-        # the same arithmetic: TRL's default is bf16, ours fp32 on a CPU
-        bf16=precision.startswith("bf16"),
-        fp16=precision == "fp16",
+    return dict(
+        **train_peers.precision_arguments(cfg, device),  # TRL's default bf16, ours fp32 on a CPU
         # the same groups: completions per prompt, their length, how they are sampled
         num_generations=g.group_size,
         max_completion_length=g.max_completion_length,
@@ -194,9 +178,6 @@ def aligned_arguments(cfg, device) -> dict:
         # the reward curve: one log record per step, as our arm's log_every 1
         logging_steps=1,
     )
-    if device.type == "cpu":
-        kw["use_cpu"] = True
-    return kw
 
 
 def run_trl_grpo(spec: dict, callbacks: tuple = ()) -> dict:
@@ -236,19 +217,14 @@ def run_trl_grpo(spec: dict, callbacks: tuple = ()) -> dict:
         s["reward"] = h.get("reward")
         s["completion_tokens"] = round(h.get("completions/mean_length", 0.0) * rows)
     out = step_timing(steps, spec["warmup_steps"])
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     out.update(
         steps=steps,
-        final_loss=losses[-1] if losses else None,
+        final_loss=train_peers.final_loss(trainer),
         steps_done=trainer.state.global_step,
         tokens_seen=trainer.state.num_input_tokens_seen,
         evidence={
+            **train_peers.trainer_evidence(trainer, args),
             "trl": trl.__version__,
-            "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
-            "fused": bool(opt.defaults.get("fused")),
-            "precision": "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"),
-            "checkpointing": bool(args.gradient_checkpointing),
             "loss_type": args.loss_type,
             "beta": args.beta,
             "reference": None if trainer.ref_model is None else type(trainer.ref_model).__name__,
@@ -260,8 +236,6 @@ def run_trl_grpo(spec: dict, callbacks: tuple = ()) -> dict:
             "same_tokens": same_prompts(
                 clock.prompts, p.step_prompt_ids, trainer.state.global_step
             ),
-            "trainable_params": sum(x.numel() for x in p.model.parameters() if x.requires_grad),
-            "total_params": sum(x.numel() for x in p.model.parameters()),
         },
     )
     return out

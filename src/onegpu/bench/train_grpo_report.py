@@ -15,7 +15,7 @@ from pathlib import Path
 from onegpu.bench.timing import fmt as _fmt
 from onegpu.bench.timing import median as _median
 from onegpu.bench.timing import span as _span
-from onegpu.bench.train_trl_report import footer
+from onegpu.bench.train_headline import evidence, footer, notes, opening, status, table
 
 PEER = "trl-grpo"
 TAIL = 5  # steps averaged into the "final reward" (one step's reward is noisy)
@@ -135,24 +135,19 @@ def _rng(r, spec: str) -> str:
     return "—" if not r else f"{r[0]:{spec}}–{r[1]:{spec}}"
 
 
-def _load(values) -> str:
-    return "—" if not values else " / ".join(f"{v:.2f}" for v in values)
-
-
 def _note(arm: dict, doc: dict) -> str:
-    ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
-    bits = [ev.get("precision"), "checkpointing" if ev.get("checkpointing") else None]
+    ev = evidence(arm)
     if arm.get("kind") == PEER:
-        bits += [f"TRL {ev.get('trl')}", ev.get("generation"), f"loss {ev.get('loss_type')}"]
+        bits = [f"TRL {ev.get('trl')}", ev.get("generation"), f"loss {ev.get('loss_type')}"]
         bits.append("same prompt ids" if ev.get("same_tokens") else None)
     else:
-        bits.append(f"sampler {doc['config']['grpo'].get('sampler', 'generate')}")
+        bits = [f"sampler {doc['config']['grpo'].get('sampler', 'generate')}"]
         bits.append("compiled" if ev.get("compiled") else None)
     steps = doc["config"]["training"]["max_steps"]
     for r in arm.get("reps", []):  # an arm that ran out of bench.max_seconds: fewer steps
         if r.get("status") == "ok" and r.get("steps_done", steps) < steps:
             bits.append(f"round {r['rep']}: {r['steps_done']} of {steps} steps (time budget)")
-    return ", ".join(b for b in bits if b)
+    return notes(arm, *bits)
 
 
 def grpo_markdown(doc: dict, png_name: str | None = None) -> str:
@@ -163,11 +158,7 @@ def grpo_markdown(doc: dict, png_name: str | None = None) -> str:
         (r.get("memory_kind") for a in doc["arms"].values() for r in a.get("reps", [])),
         "peak memory",
     )
-    lines = [
-        f"# GRPO on {d['name']}: onegpu and TRL's GRPOTrainer",
-        "",
-        f"{doc['date']} · `{doc['command']}`",
-        "",
+    setup = (
         f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters); "
         f"{per_step // g['group_size']} prompts x {g['group_size']} completions a step "
         f"({t['micro_batch_size']} x {t['grad_accum']}), completions of at most "
@@ -179,17 +170,10 @@ def grpo_markdown(doc: dict, png_name: str | None = None) -> str:
         "+ completion tokens of the step's completions, the same count in both arms. Generation: "
         "the time inside `generate`; training: the rest of the step (scoring, the loss's forward "
         f"and backward, the optimizer). Memory: what training added to the process ({mem}). "
-        "Ratios pair each round's arm with that round's TRL arm.",
-        "",
-    ]
-    load = doc.get("load")
-    if load:
-        lines += [
-            f"Machine load (`uptime`: 1 / 5 / 15 min): {_load(load.get('before'))} before, "
-            f"{_load(load.get('after'))} after; at the start of each arm's run in the json's "
-            "schedule.",
-            "",
-        ]
+        "Ratios pair each round's arm with that round's TRL arm. The load at the start of each "
+        "arm's run: the json's schedule."
+    )
+    lines = opening(doc, f"GRPO on {d['name']}: onegpu and TRL's GRPOTrainer", setup)
     noise = {True: "within", False: "not within", None: "no"}
     for name, vs in doc.get("vs_trl_grpo", {}).items():
         lines.append(
@@ -201,29 +185,22 @@ def grpo_markdown(doc: dict, png_name: str | None = None) -> str:
             f"steps; {noise[doc['arms'][name].get('reward_within_noise')]} each other's range "
             "over rounds).**"
         )
-    lines += [
-        "",
-        "| arm | trainer | whole-step tokens/s | range | generation tokens/s | range | training "
-        "tokens/s | range | gen s / step | train s / step | train mem MB | range | reward, first "
-        f"{TAIL} steps | reward, last {TAIL} steps | range | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, a in doc["arms"].items():
-        status = "" if a["status"] == "ok" else f"**{a['status']}** "
-        lines.append(
-            f"| {name} | {a['row']} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-            f"{_rng(a.get('tokens_per_s_range'), ',.0f')} | "
-            f"{_fmt(a.get('gen_tokens_per_s'), ',.0f')} | "
-            f"{_rng(a.get('gen_tokens_per_s_range'), ',.0f')} | "
-            f"{_fmt(a.get('train_tokens_per_s'), ',.0f')} | "
-            f"{_rng(a.get('train_tokens_per_s_range'), ',.0f')} | "
-            f"{_fmt(a.get('gen_s_per_step'), '.2f')} | {_fmt(a.get('train_s_per_step'), '.2f')} | "
-            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | "
-            f"{_rng(a.get('train_mem_mb_range'), ',.0f')} | "
-            f"{_fmt(a.get('reward_first'), '.3f')} | {_fmt(a.get('reward_last'), '.3f')} | "
-            f"{_rng(a.get('reward_last_range'), '.3f')} | "
-            f"{status}{a.get('reason') or _note(a, doc)} |"
-        )
+        rows.append([name, a["row"]])
+        for key in ("tokens_per_s", "gen_tokens_per_s", "train_tokens_per_s"):
+            rows[-1] += [_fmt(a.get(key), ",.0f"), _rng(a.get(f"{key}_range"), ",.0f")]
+        rows[-1] += [_fmt(a.get("gen_s_per_step"), ".2f"), _fmt(a.get("train_s_per_step"), ".2f")]
+        rows[-1] += [_fmt(a.get("train_mem_mb"), ",.0f"), _rng(a.get("train_mem_mb_range"), ",.0f")]
+        rows[-1] += [_fmt(a.get("reward_first"), ".3f"), _fmt(a.get("reward_last"), ".3f")]
+        rows[-1] += [_rng(a.get("reward_last_range"), ".3f")]
+        rows[-1] += [status(a) + (a.get("reason") or _note(a, doc))]
+    lines += [""] + table(
+        "arm | trainer | whole-step tokens/s | range | generation tokens/s | range | training "
+        "tokens/s | range | gen s / step | train s / step | train mem MB | range | reward, first "
+        f"{TAIL} steps | reward, last {TAIL} steps | range | note",
+        rows,
+    )
     lines += reward_table(doc)
     lines += ["", "Set on TRL's side to the run's values (the rest is TRL's default):", ""]
     lines += footer(doc, ALIGNED, KEPT, png_name, "reward curves, speed and memory")
@@ -241,18 +218,16 @@ def reward_table(doc: dict, every: int = 5) -> list[str]:
         "",
         "Reward per step (median over rounds, range in brackets):",
         "",
-        "| step | " + " | ".join(arms) + " |",
-        "|---|" + "---|" * len(arms),
     ]
+    rows = []
     for k in shown:
-        cells = []
+        rows.append([str(k)])
         for n in arms:
             p = next((p for p in doc["arms"][n]["reward_curve"] if p["step"] == k), None)
-            cells.append(
+            rows[-1].append(
                 "—" if p is None else f"{p['median']:.3f} [{p['low']:.3f}–{p['high']:.3f}]"
             )
-        out.append(f"| {k} | " + " | ".join(cells) + " |")
-    return out
+    return out + table("step | " + " | ".join(arms), rows)
 
 
 def chart(doc: dict, path: Path) -> Path:

@@ -32,22 +32,29 @@ class PeerSetup:
     indices: list[int]  # the row of data.train_ds behind each row of dataset
 
 
-def setup(spec: dict) -> PeerSetup:
+def load(spec: dict) -> tuple:
+    """(run settings, device, model name, records, tokenized data, the peer's model): what every
+    peer arm, GRPO's too, builds first."""
     from accelerate.utils import set_seed
 
     from onegpu import hardware, models
     from onegpu.config import from_dict
-    from onegpu.data import batches
     from onegpu.training.data import build_data, read_records
 
     cfg = from_dict(spec["config"])
-    t = cfg.training
     device = hardware.detect()
-    set_seed(t.seed)
+    set_seed(cfg.training.seed)
     name = models.resolve_name(cfg.model, device.is_gpu)
     recs = read_records(cfg)
     data = build_data(cfg, name, recs)
-    model = peer_model(cfg, device, name, data.tokenizer)
+    return cfg, device, name, recs, data, peer_model(cfg, device, name, data.tokenizer)
+
+
+def setup(spec: dict) -> PeerSetup:
+    from onegpu.data import batches
+
+    cfg, device, name, recs, data, model = load(spec)
+    t = cfg.training
     order = iter(batches.BatchOrder(len(data.train_ds), t.micro_batch_size, t.seed))
     step_batches = [
         [i for _ in range(t.grad_accum) for i in next(order)] for _ in range(t.max_steps)
@@ -185,22 +192,46 @@ def run_trl(spec: dict, callbacks: tuple = ()) -> dict:
 
 def _result(trainer, args, timer, per_step: list[int]) -> dict:
     out = timer.result(per_step)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     out.update(
-        final_loss=losses[-1] if losses else None,
+        final_loss=final_loss(trainer),
         steps_done=trainer.state.global_step,
         tokens_seen=sum(per_step[: trainer.state.global_step]),
-        evidence={
-            "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
-            "fused": bool(opt.defaults.get("fused")),
-            "precision": "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"),
-            "workers": args.dataloader_num_workers,
-            "compiled": bool(args.torch_compile),
-            "checkpointing": bool(args.gradient_checkpointing),
-        },
+        evidence=trainer_evidence(trainer, args),
     )
     return out
+
+
+def final_loss(trainer) -> float | None:
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses[-1] if losses else None
+
+
+def trainer_evidence(trainer, args) -> dict:
+    """What a peer trainer really ran with, read off its objects and arguments."""
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    params = list(trainer.model.parameters())
+    return {
+        "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+        "fused": bool(opt.defaults.get("fused")),
+        "precision": "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"),
+        "workers": args.dataloader_num_workers,
+        "compiled": bool(args.torch_compile),
+        "checkpointing": bool(args.gradient_checkpointing),
+        "trainable_params": sum(x.numel() for x in params if x.requires_grad),
+        "total_params": sum(x.numel() for x in params),
+    }
+
+
+def precision_arguments(cfg, device) -> dict:
+    """The same arithmetic on TRL's side: its default is bf16 autocast, ours fp32 on a CPU and the
+    preset's bf16 on a GPU (every TRL peer: DPO, KTO, reward models, GRPO)."""
+    from onegpu.techniques.precision import resolve_precision
+
+    precision = resolve_precision(cfg.techniques, device)
+    kw = {"bf16": precision.startswith("bf16"), "fp16": precision == "fp16"}
+    if device.type == "cpu":
+        kw["use_cpu"] = True
+    return kw
 
 
 def hf_arguments(cfg, arm: str, device) -> dict:

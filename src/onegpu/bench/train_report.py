@@ -8,13 +8,23 @@ per second, "memory x" on the memory the training itself added (see bench_train_
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 from pathlib import Path
 from typing import Optional
 
 from onegpu.bench.timing import fmt as _fmt
 from onegpu.bench.timing import median as _median
+from onegpu.bench.train_headline import (
+    PEERS,
+    compile_note,
+    evidence,
+    footer,
+    headline,
+    notes,
+    opening,
+    status,
+    table,
+)
 
 # The libraries a training results page names.
 PACKAGES = (
@@ -39,27 +49,6 @@ GUIDE = {
     "PEFT": ("No", "Yes"),
     "DeepSpeed ZeRO": ("No", "Yes"),
     "Flash Attention": ("Yes", "Yes"),
-}
-
-# Arms compared with the peer trainers in the headline. Trainer's default optimizer is fused
-# AdamW (torch >= 2.8), so "adamw-fused" is our loop with the same settings.
-VS_HF = ("baseline", "adamw-fused", "best", "fp8")
-# The peers: document key -> (peer arm, how the headline names it, our arms compared with it).
-PEERS = {
-    "vs_hf_trainer": ("hf-trainer", "HF Trainer (defaults)", VS_HF),
-    "vs_hf_trainer_tuned": ("hf-trainer-tuned", "HF Trainer (guide's flags)", VS_HF),
-    "vs_trl_sft": ("trl-sft", "TRL SFTTrainer (defaults)", VS_HF),
-    # DPO: full against full (our precomputed reference, and our loop with TRL's copy), LoRA against
-    # LoRA
-    "vs_trl_dpo": ("trl-dpo", "TRL DPOTrainer (defaults)", ("baseline", "ref-copy")),
-    "vs_trl_dpo_lora": ("trl-dpo-lora", "TRL DPOTrainer with LoRA (defaults)", ("lora",)),
-    # GRPO: our defaults against TRL's (train_grpo_report adds generation, training and reward)
-    "vs_trl_grpo": ("trl-grpo", "TRL GRPOTrainer (defaults)", ("baseline", "compile")),
-    # KTO and reward models: full against full, LoRA against LoRA
-    "vs_trl_kto": ("trl-kto", "TRL KTOTrainer (defaults)", ("baseline",)),
-    "vs_trl_kto_lora": ("trl-kto-lora", "TRL KTOTrainer with LoRA (defaults)", ("lora",)),
-    "vs_trl_reward": ("trl-reward", "TRL RewardTrainer (defaults)", ("baseline",)),
-    "vs_trl_reward_lora": ("trl-reward-lora", "TRL RewardTrainer with LoRA (defaults)", ("lora",)),
 }
 
 # Evidence that an arm's method really took effect: (field, test, what was expected).
@@ -88,51 +77,26 @@ ACTIVE = {
 }  # fmt: skip
 
 
-def code_version() -> dict:
-    """The commit measured: benchmarks/bench_train.py --snapshot names it in ONEGPU_BENCH_COMMIT
-    ("+local": with uncommitted edits); otherwise the checkout's HEAD and whether it had local
-    edits."""
-    import os
-    import subprocess
-
-    if os.environ.get("ONEGPU_BENCH_COMMIT"):
-        commit = os.environ["ONEGPU_BENCH_COMMIT"]
-        return {"commit": commit.removesuffix("+local"), "local_changes": commit.endswith("+local")}
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "local_changes": None}
-    return {"commit": head or None, "local_changes": bool(dirty) if head else None}
-
-
 def new_document(b, device, prep: dict, argv: list[str]) -> dict:
+    """The results document before any arm ran: the provenance header (provenance.begin: command,
+    commit, date, machine, load before), the device, versions, settings and setup."""
     import os
 
     from onegpu.bench import provenance
 
     cpu = f"{provenance.cpu_name()} ({os.cpu_count()} threads)"
-    name = device.name if device.type != "cpu" else cpu
+    onegpu = argv and argv[0].endswith("onegpu")
     return {
         "benchmark": "onegpu bench train",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "onegpu bench train " + " ".join(argv[1:])
-        if argv and argv[0].endswith("onegpu")
-        else " ".join(argv),
+        **provenance.begin(
+            "onegpu bench train " + " ".join(argv[1:]) if onegpu else " ".join(argv)
+        ),
         "device": {
             "type": device.type,
-            "name": name,
+            "name": device.name if device.type != "cpu" else cpu,
             "memory_gb": round(device.total_memory / 2**30, 1),
         },
         "versions": provenance.versions(PACKAGES),
-        "code": code_version(),
         "config": dataclasses.asdict(b),
         "setup": prep,
         "schedule": [],
@@ -259,51 +223,36 @@ def markdown(doc: dict, png_name: str | None = None) -> str:
         return preference_markdown(doc, png_name)
     c, s, d = doc["config"], doc["setup"], doc["device"]
     t, b = c["training"], c["bench"]
-    lines = [
-        f"# Training methods on {d['name']}",
-        "",
-        f"{doc['date']} · `{doc['command']}`",
-        "",
+    setup = (
         f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), seq "
         f"{c['data']['seq_len']}, effective batch {t['micro_batch_size'] * t['grad_accum']} "
         f"({t['micro_batch_size']} x {t['grad_accum']}), {t['max_steps']} steps per arm (first "
         f"{b['warmup_steps']} untimed), {b['reps']} interleaved repetitions; medians. MFU against "
         f"measured {s['peak_dtype']} matmul peak {s['peak_flops'] / 1e9:.0f} GFLOP/s, "
-        f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token.",
-        "",
-    ]
-    from onegpu.bench.train_headline import compile_note, headline
-
-    lines += headline(doc, PEERS)
+        f"{s['flops_per_token'] / 1e6:.1f} MFLOP/token."
+    )
+    lines = opening(doc, f"Training methods on {d['name']}", setup) + headline(doc, PEERS)
     lines += [compile_note(doc), ""]
-    lines += [
-        "| Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | "
-        "start-up s | samples/s | MFU | train mem MB | final loss | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, a in doc["arms"].items():
         guide = next((f"{v[0]} / {v[1]}" for k, v in GUIDE.items() if a["row"].startswith(k)), "")
         note = a.get("reason") or a.get("inactive") or peer_note(a)
         if a["status"] == "ok" and a.get("tokens_per_s_range"):
             lo, hi = a["tokens_per_s_range"]
             note = (note + "; " if note else "") + f"range {lo:,.0f}–{hi:,.0f} tok/s"
-        status = "" if a["status"] == "ok" else f"**{a['status']}** "
-        lines.append(
-            f"| {a['row']} | {name} | {guide} | {_fmt(a.get('speed_x'), '.2f', 'x')} | "
-            f"{_fmt(a.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-            f"{_fmt(a.get('startup_s'), '.1f')} | {_fmt(a.get('samples_per_s'), '.2f')} | "
-            f"{_fmt(a.get('mfu'), '.1%')} | "
-            f"{_fmt(a.get('train_mem_mb'), ',.0f')} | {_fmt(a.get('final_loss'), '.3f')} | "
-            f"{status}{note} |"
+        rows.append(
+            [a["row"], name, guide, _fmt(a.get("speed_x"), ".2f", "x")]
+            + [_fmt(a.get("memory_x"), ".2f", "x"), _fmt(a.get("tokens_per_s"), ",.0f")]
+            + [_fmt(a.get("startup_s"), ".1f"), _fmt(a.get("samples_per_s"), ".2f")]
+            + [_fmt(a.get("mfu"), ".1%"), _fmt(a.get("train_mem_mb"), ",.0f")]
+            + [_fmt(a.get("final_loss"), ".3f"), status(a) + note]
         )
-    v = doc["versions"]
-    lines += [
-        "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft "
-        f"{v['peft']}, bitsandbytes {v['bitsandbytes']}, trl {v.get('trl')}; python {v['python']}.",
-    ]
-    if png_name:
-        lines += ["", f"![speed and memory against the baseline]({png_name})"]
+    lines += table(
+        "Method (guide row) | arm | guide: speed / memory | speed x | memory x | tokens/s | "
+        "start-up s | samples/s | MFU | train mem MB | final loss | note",
+        rows,
+    )
+    lines += footer(doc, [], "", png_name, "speed and memory against the baseline")
     return "\n".join(lines) + "\n"
 
 
@@ -311,14 +260,14 @@ def peer_note(arm: dict) -> str:
     """What a peer trainer's own defaults did (they differ from ours, so the table says so)."""
     if arm.get("kind") not in ("hf", "trl"):
         return ""
-    ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
-    bits = [ev.get("precision")] + [k for k in ("checkpointing", "compiled") if ev.get(k)]
+    ev = evidence(arm)
+    loss = None
     if arm.get("kind") == "trl" and ev:
-        bits.append(
+        loss = (
             f"{'chunked' if ev.get('chunked_loss') else 'full-logits'} loss "
             f"({ev.get('loss_type')}), {ev.get('loss_normalisation')}; TRL {ev.get('trl')}"
         )
-    return ", ".join(b for b in bits if b)
+    return notes(arm, "compiled" if ev.get("compiled") else None, loss)
 
 
 def chart(doc: dict, path: Path) -> Path:

@@ -148,7 +148,7 @@ def aligned_arguments(cfg, device, objective: str) -> dict:
     p = cfg.preference
     # TRL cuts at (reward models: leaves out pairs over) 1024 tokens by default; ours at
     # data.seq_len (no record here reaches either: see record_rows)
-    kw = {**precision_arguments(cfg, device), "max_length": cfg.data.seq_len}
+    kw = {**train_peers.precision_arguments(cfg, device), "max_length": cfg.data.seq_len}
     # the loss itself; TRL's defaults are ours too (DPO's beta 0.1 and label smoothing 0.0, KTO's
     # beta 0.1 and weights 1.0, a reward model's centring None)
     if objective == "reward":
@@ -159,18 +159,6 @@ def aligned_arguments(cfg, device, objective: str) -> dict:
         kw["label_smoothing"] = p.label_smoothing
     if objective == "kto":
         kw.update(desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
-    return kw
-
-
-def precision_arguments(cfg, device) -> dict:
-    """The same arithmetic on TRL's side: its default is bf16 autocast, ours fp32 on a CPU and the
-    preset's bf16 on a GPU (every TRL peer: DPO, KTO, reward models)."""
-    from onegpu.techniques.precision import resolve_precision
-
-    precision = resolve_precision(cfg.techniques, device)
-    kw = {"bf16": precision.startswith("bf16"), "fp16": precision == "fp16"}
-    if device.type == "cpu":
-        kw["use_cpu"] = True
     return kw
 
 
@@ -250,8 +238,6 @@ def run_trl_preference(spec: dict, callbacks: tuple = ()) -> dict:
         trl=trl.__version__,
         max_length=args.max_length,
         peft=hasattr(model, "disable_adapter"),
-        trainable_params=sum(x.numel() for x in model.parameters() if x.requires_grad),
-        total_params=sum(x.numel() for x in model.parameters()),
         same_tokens=same,
     )
     if reward:

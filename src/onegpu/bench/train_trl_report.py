@@ -1,6 +1,5 @@
 """The markdown of `onegpu bench train --objective dpo|kto|reward`: onegpu's DPO, KTO or reward
-model next to TRL's DPOTrainer, KTOTrainer or RewardTrainer; and the closing lines every peer
-comparison's page shares (``footer``, GRPO's too).
+model next to TRL's DPOTrainer, KTOTrainer or RewardTrainer.
 
 The numbers are train_report.summarize's (medians over interleaved rounds, ratios paired per round
 with the TRL arm of the same kind: full with full, LoRA with LoRA). This page says which arm
@@ -11,6 +10,16 @@ pass is shown on its own and charged in a column of its own.
 from __future__ import annotations
 
 from onegpu.bench.timing import fmt as _fmt
+from onegpu.bench.train_headline import (
+    PEERS,
+    evidence,
+    footer,
+    headline,
+    notes,
+    opening,
+    status,
+    table,
+)
 
 COMMON = [
     ("model", "the same seeded weights, built in the arm's process"),
@@ -121,15 +130,15 @@ def _vs_peer(doc: dict, name: str, objective: str) -> dict:
 
 
 def _note(arm: dict) -> str:
-    ev = next((r.get("evidence") for r in arm.get("reps", []) if r.get("evidence")), None) or {}
-    bits = [ev.get("precision"), "checkpointing" if ev.get("checkpointing") else None]
+    ev = evidence(arm)
+    bits = []
     if ev.get("trainable_params") and ev.get("total_params"):
         bits.append(f"{ev['trainable_params'] / ev['total_params']:.0%} of weights train")
     if str(arm.get("kind", "")).startswith("trl-"):
         bits.append(f"TRL {ev.get('trl')}")
         if ev.get("reference"):
             bits.append(f"reference: {ev['reference']}")
-    return ", ".join(b for b in bits if b)
+    return notes(arm, *bits)
 
 
 def preference_markdown(doc: dict, png_name: str | None = None) -> str:
@@ -147,11 +156,7 @@ def preference_markdown(doc: dict, png_name: str | None = None) -> str:
     reps = [r for a in doc["arms"].values() for r in a.get("reps", [])]
     mem = next((r["memory_kind"] for r in reps if r.get("memory_kind")), "peak memory")
     threads = sorted({r["torch_threads"] for r in reps if r.get("torch_threads")})
-    lines = [
-        f"# {what} on {d['name']}: onegpu and TRL's {trainer}",
-        "",
-        f"{doc['date']} · `{doc['command']}`",
-        "",
+    setup = (
         f"Model `{s['model_name']}` ({s['params'] / 1e6:.2f} M parameters), "
         f"{s['train_examples']} {unit} from the standard library's preference pairs, "
         f"{t['micro_batch_size'] * t['grad_accum']} {unit} a step ({t['micro_batch_size']} x "
@@ -160,34 +165,12 @@ def preference_markdown(doc: dict, png_name: str | None = None) -> str:
         f"interleaved rounds; medians, and the range over rounds. tokens/s counts the real tokens "
         f"of {counted}, the same count in every arm. Memory: what training added to the process "
         f"({mem}). Torch threads per arm: {', '.join(map(str, threads)) or '—'}. Ratios pair "
-        "each round's arm with that round's TRL arm of the same kind. Load average (1, 5, 15 "
-        "min) before / after: "
-        f"{doc.get('load', {}).get('before')} / {doc.get('load', {}).get('after')}.",
-        "",
-    ]
-    from onegpu.bench.train_headline import side
-
-    for key, label in (
-        (f"vs_trl_{objective}", f"TRL {trainer} (defaults)"),
-        (f"vs_trl_{objective}_lora", f"TRL {trainer}, LoRA"),
-    ):
-        peer = f"trl-{objective}" + ("-lora" if key.endswith("_lora") else "")
-        for name, vs in doc.get(key, {}).items():
-            extra = ""
-            if doc["arms"][name].get("reference_pass_s") is not None:
-                extra = f" ({_fmt(vs.get('speed_x_with_ref'), '.2f', 'x')} with its reference pass)"
-            sides = f" ({side(doc['arms'][name])}) vs {label} ({side(doc['arms'].get(peer, {}))})"
-            lines.append(
-                f"- **onegpu `{name}`{sides}: {_fmt(vs['speed_x'], '.2f', 'x')} "
-                f"tokens/s{extra}, {_fmt(vs['memory_x'], '.2f', 'x')} memory.**"
-            )
-    lines += [
-        "",
-        "| arm | trainer | tokens/s | range | reference pass s (warm / first) "
-        "| tokens/s with reference pass | speed x TRL | train mem MB | memory x TRL | final loss "
-        "| accuracy | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "each round's arm with that round's TRL arm of the same kind."
+    )
+    peers = {k: PEERS[k] for k in (f"vs_trl_{objective}", f"vs_trl_{objective}_lora")}
+    lines = opening(doc, f"{what} on {d['name']}: onegpu and TRL's {trainer}", setup)
+    lines += headline(doc, peers)
+    rows = []
     for name, a in doc["arms"].items():
         vs = _vs_peer(doc, name, objective)
         rng = a.get("tokens_per_s_range")
@@ -198,17 +181,20 @@ def preference_markdown(doc: dict, png_name: str | None = None) -> str:
             )
         else:
             ref = "none" if objective == "reward" else "in every step"
-        note = a.get("reason") or a.get("inactive") or _note(a)
-        status = "" if a["status"] == "ok" else f"**{a['status']}** "
-        lines.append(
-            f"| {name} | {a['row']} | {_fmt(a.get('tokens_per_s'), ',.0f')} | "
-            f"{'—' if not rng else f'{rng[0]:,.0f}–{rng[1]:,.0f}'} | "
-            f"{ref if a['status'] == 'ok' else '—'} | "
-            f"{_fmt(a.get('tokens_per_s_with_ref'), ',.0f')} | "
-            f"{_fmt(vs.get('speed_x'), '.2f', 'x')} | {_fmt(a.get('train_mem_mb'), ',.0f')} | "
-            f"{_fmt(vs.get('memory_x'), '.2f', 'x')} | {_fmt(a.get('final_loss'), '.4f')} | "
-            f"{_fmt(a.get('reward_accuracy'), '.2f')} | {status}{note} |"
+        rows.append(
+            [name, a["row"], _fmt(a.get("tokens_per_s"), ",.0f")]
+            + ["—" if not rng else f"{rng[0]:,.0f}–{rng[1]:,.0f}"]
+            + [ref if a["status"] == "ok" else "—", _fmt(a.get("tokens_per_s_with_ref"), ",.0f")]
+            + [_fmt(vs.get("speed_x"), ".2f", "x"), _fmt(a.get("train_mem_mb"), ",.0f")]
+            + [_fmt(vs.get("memory_x"), ".2f", "x"), _fmt(a.get("final_loss"), ".4f")]
+            + [_fmt(a.get("reward_accuracy"), ".2f")]
+            + [status(a) + (a.get("reason") or a.get("inactive") or _note(a))]
         )
+    lines += table(
+        "arm | trainer | tokens/s | range | reference pass s (warm / first) | tokens/s with "
+        "reference pass | speed x TRL | train mem MB | memory x TRL | final loss | accuracy | note",
+        rows,
+    )
     lines += ["", CLOSING[objective], ""]
     lines += ["Set on TRL's side to the run's values (the rest is TRL's default):", ""]
     lines += footer(
@@ -219,23 +205,3 @@ def preference_markdown(doc: dict, png_name: str | None = None) -> str:
         "speed and memory against the baseline",
     )
     return "\n".join(lines) + "\n"
-
-
-def footer(doc: dict, aligned, kept: str, png_name: str | None, caption: str) -> list[str]:
-    """A peer comparison's closing lines: what was aligned on the peer's side and why, what was
-    left at its defaults, the versions and commit, and the plot."""
-    v = doc["versions"]
-    peft = f", peft {v['peft']}" if v.get("peft") else ""
-    lines = [f"- {what}: {why}." for what, why in aligned]
-    lines += [
-        "",
-        kept,
-        "",
-        f"torch {v['torch']}, transformers {v['transformers']}, accelerate "
-        f"{v['accelerate']}{peft}, trl {v.get('trl')}, datasets {v.get('datasets')}; python "
-        f"{v['python']}. "
-        f"Commit {(doc.get('code') or {}).get('commit')}.",
-    ]
-    if png_name:
-        lines += ["", f"![{caption}]({png_name})"]
-    return lines

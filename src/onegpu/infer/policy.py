@@ -8,7 +8,7 @@ The engine reads it through a ``Policy``; ``onegpu doctor`` and serve's start-up
 ``onegpu serve``, ``onegpu bench infer`` and GRPO's sampler (``grpo.policy_off``).
 
 The CPU rows were measured on the ``tiny`` and ``125m`` presets
-(``benchmarks/results/engine-policy-cpu.md``, ``benchmarks/policy_ab.py``); the CUDA rows on
+(``benchmarks/results/engine-policy-cpu.md``, by ``policy_ab.py`` at cceb151); the CUDA rows on
 the ``1b`` preset on an H200, and are to be measured on an 8B shape on the next card
 (``scripts/gpu_check.sh policy``). Three CPU rows timed on ``tiny`` alone before went when the
 ``125m`` shape did not gain from them (the same file): inductor's realize threshold for the
