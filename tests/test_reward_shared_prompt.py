@@ -150,10 +150,37 @@ def test_auto_keeps_two_rows_where_the_model_cannot_take_them(tiny_tokenizer, ca
     assert any("shared_prompt: off: sliding-window" in r.message for r in caplog.records)
 
 
-def test_a_compiled_model_is_left_to_its_whole_forward(tiny_tokenizer):
+def test_a_model_compiled_whole_is_left_to_its_whole_forward(tiny_tokenizer):
     model = _score_model(tiny_tokenizer)
-    assert "wrapped" in shared_prompt.applies(torch.compile(model, backend="eager"))
     assert shared_prompt.applies(model) is None
+    assert "compiled whole" in shared_prompt.applies(torch.compile(model, backend="eager"))
+    model.compile(backend="eager")  # in place, as techniques.compile_regional=false does
+    assert "compiled whole" in shared_prompt.applies(model)
+    regional = _score_model(tiny_tokenizer)
+    for layer in regional.model.layers:  # regional compile: the blocks, which the rows run too
+        layer.compile(backend="eager")
+    assert shared_prompt.applies(regional) is None
+
+
+def test_the_rows_width_is_rounded_as_the_collators_and_trimmed_to_the_same_scores(tiny_tokenizer):
+    tok = tiny_tokenizer
+    cols = {k: [r[k] for r in PAIRS[:2]] for k in ("prompt", "chosen", "rejected")}
+    out = pairs.tokenize_batch(cols, [0, 1], tok, DataConfig(seq_len=128), "t")
+    examples = [
+        {k: out[k][i] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for i in (0, 1)
+    ]
+    batch = pairs.PairCollator(Collator(tok.pad_token_id, 64, 256), shared=True)(examples)
+    longest = int(batch[shared_prompt.ENDS].max()) + 1
+    assert (
+        batch[shared_prompt.INDEX].shape[1] % 64 == 0
+        and batch[shared_prompt.INDEX].shape[1] > longest
+    )
+    model = _score_model(tok).eval()
+    seen = _widths(model)
+    with torch.no_grad():
+        full, trimmed = (shared_prompt.scores(model, batch, trim) for trim in (False, True))
+    assert torch.allclose(full, trimmed, atol=1e-5)
+    assert [s[1] for s in seen] == [batch[shared_prompt.INDEX].shape[1], longest]
 
 
 def test_auto_logs_its_choice_once(tiny_tokenizer, caplog):
@@ -172,12 +199,16 @@ def test_off_adds_no_layout_to_the_batch(tiny_tokenizer):
     assert not set(shared_prompt.KEYS) & set(batch)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize(
+    "lora, compile",
+    [(False, "off"), (True, "off"), pytest.param(False, "default", marks=pytest.mark.slow)],
+)
 def test_a_reward_run_trains_the_same_with_shared_rows_as_with_two(
-    tmp_path, tiny_model_dir, one_thread, lora
+    tmp_path, tiny_model_dir, one_thread, lora, compile
 ):
-    """Whole runs, full and LoRA (the head through PEFT's wrapper): the same losses and held-out
-    accuracy step by step with techniques.shared_prompt on as off."""
+    """Whole runs, full, LoRA (the head through PEFT's wrapper) and regionally compiled (the
+    decoder blocks by inductor): the same losses and held-out accuracy step by step with
+    techniques.shared_prompt on as off."""
     import json
 
     from onegpu import train
@@ -186,7 +217,7 @@ def test_a_reward_run_trains_the_same_with_shared_rows_as_with_two(
     logged = {}
     for mode in ("off", "on"):
         cfg = cfg_for(tmp_path, tiny_model_dir, "reward", name=mode, lora=lora, max_steps=8)
-        cfg["techniques"]["shared_prompt"] = mode
+        cfg["techniques"].update(shared_prompt=mode, compile=compile)
         run = train(cfg).run_dir
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         logged[mode] = [

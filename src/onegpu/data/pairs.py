@@ -200,6 +200,7 @@ class PairCollator:
                     [len(ex["chosen_ids"]) for ex in examples],
                     [len(ex["rejected_ids"]) for ex in examples],
                     batch["input_ids"].size(1),
+                    getattr(self.collator, "multiple", 1),
                 )
             )
         if MARGIN in examples[0]:

@@ -39,13 +39,8 @@ def make_objective(
     if cfg.training.objective == "reward":
         from onegpu.objectives.reward import Reward
 
-        shared = "off" if compiled and cfg.techniques.shared_prompt == "auto" else None
-        return Reward(
-            cfg.preference,
-            tokens,
-            trim=not on_gpu and not compiled,
-            shared=shared or cfg.techniques.shared_prompt,
-        )
+        trim = not on_gpu and not compiled
+        return Reward(cfg.preference, tokens, trim=trim, shared=cfg.techniques.shared_prompt)
     from onegpu.objectives import reference
 
     if cfg.training.objective == "grpo":

@@ -100,7 +100,7 @@ class Reward(Objective):
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         if self.uses_shared(model, batch):
-            out, both = None, shared_prompt.scores(model, batch)
+            out, both = None, shared_prompt.scores(model, batch, self.trim)
             r_c, r_r = both[:, 0], both[:, 1]
             n = r_c.numel()
         else:

@@ -28,13 +28,20 @@ PROMPT, CHOSEN, REJECTED, PAD = 0, 1, 2, -1
 ATTENTION = ("sdpa", "eager")  # the kernels that take a 4D mask as given
 
 
-def layout(prompt_lens: list[int], chosen_lens: list[int], rejected_lens: list[int], width: int):
+def layout(
+    prompt_lens: list[int],
+    chosen_lens: list[int],
+    rejected_lens: list[int],
+    width: int,
+    multiple: int = 1,
+):
     """The shared rows of n pairs whose two-row batch is (2n, ``width``), chosen rows first:
     gather indices into its flattened input_ids, position ids, segments (PAD past a row's end)
-    and each row's two end positions (chosen, rejected)."""
+    and each row's two end positions (chosen, rejected). The rows' width is rounded up to
+    ``multiple``, as the collator rounds the two-row batch's (one compiled shape per bucket)."""
     n = len(prompt_lens)
     rows = [p + c + r for p, c, r in zip(prompt_lens, chosen_lens, rejected_lens, strict=True)]
-    w = max(rows)
+    w = -(-max(rows) // multiple) * multiple
     index = torch.zeros(n, w, dtype=torch.long)
     pos = torch.zeros(n, w, dtype=torch.long)
     seg = torch.full((n, w), PAD, dtype=torch.long)
@@ -82,8 +89,12 @@ def parts(model):
 
 def applies(model) -> str | None:
     """None where ``model`` can run the shared rows, else why not (a sentence)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
-        return "the model is wrapped (DDP or torch.compile), whose forward must run as a whole"
+    wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(
+        model, "_orig_mod"
+    )
+    if wrapped or getattr(model, "_compiled_call_impl", None) is not None:
+        # (regional compile compiles the decoder blocks in place: those the shared rows run too)
+        return "the model is wrapped or compiled whole (DDP, torch.compile), so it must run whole"
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTION:
@@ -103,15 +114,20 @@ def applies(model) -> str | None:
     return None
 
 
-def scores(model, batch: dict) -> torch.Tensor:
-    """(n, 2) fp32 scores (chosen, rejected) of the batch's pairs from their shared rows."""
+def scores(model, batch: dict, trim: bool = False) -> torch.Tensor:
+    """(n, 2) fp32 scores (chosen, rejected) of the batch's pairs from their shared rows.
+    ``trim``: leave out the columns that are padding in every row first, as reward.trimmed does
+    for the two-row batch (an eager CPU step; reading the width waits for the device)."""
     backbone, head = parts(model)
-    ids = batch["input_ids"].reshape(-1)[batch[INDEX]]
+    index, seg, pos = batch[INDEX], batch[SEGMENTS], batch[POSITIONS]
+    if trim:
+        width = int(batch[ENDS].max()) + 1
+        index, seg, pos = index[:, :width], seg[:, :width], pos[:, :width]
+    ids = batch["input_ids"].reshape(-1)[index]
     param = next(head.parameters())
     additive = model.config._attn_implementation == "eager"
-    m = mask(batch[SEGMENTS], param.dtype, additive)
-    hidden = backbone(
-        input_ids=ids, attention_mask=m, position_ids=batch[POSITIONS], use_cache=False
-    ).last_hidden_state
+    m = mask(seg, param.dtype, additive)
+    hidden = backbone(input_ids=ids, attention_mask=m, position_ids=pos, use_cache=False)
+    hidden = hidden.last_hidden_state
     rows = torch.arange(ids.size(0), device=ids.device)[:, None]
     return head(hidden[rows, batch[ENDS]]).squeeze(-1).float()
