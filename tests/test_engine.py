@@ -212,7 +212,7 @@ def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
     assert engine.stats().kv_bytes == (4 * 96 // 16 + 1) * 16 * per_position
     small = Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=8))
     small.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
-    assert small.cache.bytes == 8 * 16 * per_position
+    assert small.stats().kv_bytes == 8 * 16 * per_position
     with pytest.raises(ConfigError, match="hold less than one sequence of max_len 96"):
         Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=6))
 

@@ -25,12 +25,12 @@ def test_the_server_warms_every_shape_when_the_step_compiles(tiny_tokenizer, cap
 
     off = Engine(model, None, EngineConfig(**COMPILED))
     warm_up(off, ServeConfig(warmup="off"))
-    assert not off.decode_step.warm
+    assert not off.stats().compiled_shapes
 
     engine = Engine(model, None, EngineConfig(**COMPILED))
     warm_up(engine, ServeConfig())
-    shapes = engine.shapes.buckets()
-    assert engine.decode_step.warm == {(r, k, n) for r, k in shapes for n in WARM_KINDS}
+    shapes = engine.buckets()
+    assert engine.stats().compiled_shapes == {(r, k, n) for r, k in shapes for n in WARM_KINDS}
     err = capsys.readouterr().err
     assert f"compiling the decode step for {len(shapes)} shapes" in err
     assert f"warm-up: {len(shapes) * len(WARM_KINDS)} steps compiled" in err

@@ -290,7 +290,8 @@ class Engine:
                     break
         # the furthest position these steps could write: a row's next, then one a step
         furthest = reach - plan.steps + steps - 1
-        self.totals.decoded(rows, kv_len, steps, furthest, self.decode_step.by_index)
+        live, by_index = len(plan.decode), self.decode_step.by_index
+        self.totals.decoded(rows, kv_len, steps, furthest, live, by_index)
         return rows, steps
 
     def _window(self, plan: Plan, adapters, rows: int, kv_len: int):

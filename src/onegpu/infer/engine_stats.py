@@ -15,15 +15,18 @@ class Totals:
 
     decode_steps: int = 0
     decode_rows: int = 0  # rows those steps computed (empty rows of a bucket included)
+    decode_live_rows: int = 0  # of them, rows holding a sequence decoding in the run
     batched_lora_steps: int = 0
     grammar_s: float = 0.0
     shapes: dict[tuple[int, int], DecodeShape] = field(default_factory=dict)
 
-    def decoded(self, rows: int, kv_len: int, steps: int, reach: int, by_index: bool) -> None:
+    def decoded(self, rows: int, kv_len: int, steps: int, reach: int, live: int, by_index: bool):
         """A decode run of ``steps`` steps over (rows, kv_len); ``reach``: the furthest position
-        they could write; ``by_index``: its rows took their adapters by index (batched LoRA)."""
+        they could write; ``live``: its rows holding a decoding sequence; ``by_index``: its rows
+        took their adapters by index (batched LoRA)."""
         self.decode_steps += steps
         self.decode_rows += rows * steps
+        self.decode_live_rows += live * steps
         self.batched_lora_steps += steps if by_index else 0
         was = self.shapes.get((rows, kv_len), DecodeShape(rows, kv_len, 0, 0))
         reach = max(was.reach, reach)
@@ -48,6 +51,7 @@ def snapshot(engine) -> EngineStats:
         kv_bytes=engine.cache.bytes,
         decode_steps=t.decode_steps,
         decode_rows=t.decode_rows,
+        decode_live_rows=t.decode_live_rows,
         grammar_s=t.grammar_s,
         spec_drafts=drafts,
         spec_proposed=proposed,
@@ -60,5 +64,6 @@ def snapshot(engine) -> EngineStats:
         decode_shapes=tuple(t.shapes.values()),
         compiled_shapes=frozenset(step.warm),
         policy_rows=engine.policy.on(),
+        matmul_rewrites=step.graph_pass.rewritten if step.graph_pass is not None else 0,
         decode_attention=step.attention,
     )

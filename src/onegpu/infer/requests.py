@@ -199,9 +199,15 @@ class EngineStats:
     # every decode step; a piece reading earlier blocks too. Compiled steps read them in place
     kv_gathers: int = 0
     batched_lora_steps: int = 0  # decode steps whose rows took their adapters by index
+    # of decode_rows, those holding a sequence that decodes in the step's run (one finishing
+    # within a run counted to its end); the rest is a bucket's padding and idle rows
+    decode_live_rows: int = 0
     decode_shapes: tuple[DecodeShape, ...] = ()  # by shape, in the order first run
     # the (rows, kv_len, needs) decode steps compiled and run so far, the warm-up's included: a
     # step of one of these shapes runs without compiling
     compiled_shapes: frozenset[tuple[int, int, Needs]] = frozenset()
     policy_rows: tuple[str, ...] = ()  # the rows of infer/policy.py this engine applies
+    # matmuls its compiled step's graph pass made inductor reductions (small_gemv.py: the
+    # small_gemv and cpu_head_reduction rows), over every graph compiled so far
+    matmul_rewrites: int = 0
     decode_attention: str = ""  # the attention its decode steps run (cpu_attention.NAME, "sdpa")
