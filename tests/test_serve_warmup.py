@@ -45,6 +45,15 @@ def test_metrics_count_the_compiles_after_the_warm_up_once_each():
     assert "onegpu_decode_compile_seconds_total 4.0" in text
 
 
+def test_metrics_count_the_prompt_positions_computed_and_the_decode_steps():
+    metrics = Metrics()
+    for computed, steps in ((0, 0), (51, 7), (54, 19)):
+        metrics.engine_stats(EngineStats(0, 0, 0, 16, prefill_tokens=computed, decode_steps=steps))
+    text = metrics.render().decode()
+    assert "onegpu_prompt_tokens_computed_total 54.0" in text
+    assert "onegpu_decode_steps_total 19.0" in text
+
+
 def _complete(server: Server, **body) -> dict:
     body = {"prompt": "the cat", "max_tokens": 6, "ignore_eos": True, **body}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
