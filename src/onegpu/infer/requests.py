@@ -196,7 +196,8 @@ class EngineStats:
     prefill_tokens: int = 0  # the positions those forwards computed (a batch's padding included)
     # rows whose KV an eager forward copied out of the pool's blocks (all layers, keys and
     # values): with the eager_window row once a sequence as it starts decoding, without it at
-    # every decode step; a piece reading earlier blocks too. Compiled steps read them in place
+    # every decode step; a piece reading earlier blocks too. A compiled step's reads are
+    # inductor's (in place, or fused into its graph) and not counted
     kv_gathers: int = 0
     batched_lora_steps: int = 0  # decode steps whose rows took their adapters by index
     # of decode_rows, those holding a sequence that decodes in the step's run (one finishing
