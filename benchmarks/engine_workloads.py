@@ -186,21 +186,15 @@ def capacity(args, config: dict) -> dict:
             held = sum(len(s.tokens) for s in running) if running is not None else 0
             peak[:] = [stats.running, held, stats.kv_positions_used]
 
-    rows = [0, 0]  # the paged engine's decode row-steps: computed, and holding a decoding sequence
-    if hasattr(eng, "_decode"):  # a measuring wrapper on this instance (the slot engine has none)
-        real = eng._decode
-
-        def counted(plan, interrupt):
-            ran, steps = real(plan, interrupt)
-            rows[0] += ran * steps
-            rows[1] += len(plan.decode) * steps
-            return ran, steps
-
-        eng._decode = counted
+    before = eng.stats()
     start = time.perf_counter()
     ids = {eng.submit(p, params(n)): i for i, (p, n) in enumerate(jobs)}
     got = drive(eng, ids, watch)
     wall = time.perf_counter() - start
+    # the decode row-steps computed, and of them those holding a decoding sequence: the engine's
+    # own totals (an engine of an earlier commit that does not count them reports none)
+    now, counts = eng.stats(), ("decode_rows", "decode_live_rows")
+    rows = [getattr(now, c, 0) - getattr(before, c, 0) for c in counts]
     answers = [got[rid]["tokens"] for rid in sorted(ids, key=ids.get)]
     out = {
         "tokens_per_s": sum(map(len, answers)) / wall,

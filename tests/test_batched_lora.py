@@ -60,6 +60,17 @@ def _together(engine, ids, names) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(ids, GREEDY, adapters=names)]
 
 
+def _by_index(engine, ids, names) -> tuple[list[list[int]], bool, bool]:
+    """``_together``'s tokens, and whether every decode step of it, or none, took the rows'
+    adapters by index (batched LoRA; engine.stats())."""
+    before = engine.stats()
+    got = _together(engine, ids, names)
+    now = engine.stats()
+    steps = now.decode_steps - before.decode_steps
+    batched = now.batched_lora_steps - before.batched_lora_steps
+    return got, steps > 0 and batched == steps, batched == 0
+
+
 def _decode_calls(module) -> list:
     """The query lengths of ``module``'s calls (1: a decode step's)."""
     lengths = []
@@ -76,13 +87,14 @@ def test_a_mixed_batch_decodes_each_row_with_its_own_adapter(model, ids):
     lora_a = model.base_model.model.model.layers[0].self_attn.v_proj.lora_A["gamma"]
     lengths = _decode_calls(lora_a)
     engine = Engine(model, None, EngineConfig(max_slots=4, max_len=64))
-    assert _together(engine, ids, names) == expected
-    assert engine.decode_step.by_index
+    got, every, _ = _by_index(engine, ids, names)
+    assert got == expected and every
     # PEFT's gamma ran in the prompt's forward only: no decode step called it
     assert lengths and 1 not in lengths
     lengths.clear()
     off = Engine(model, None, EngineConfig(max_slots=4, max_len=64, policy_off=OFF))
-    assert _together(off, ids, names) == expected and not off.decode_step.by_index
+    got, _, none = _by_index(off, ids, names)
+    assert got == expected and none and "batched_lora" not in off.stats().policy_rows
     assert 1 in lengths  # the row off: PEFT's hooks route each decode step
 
 
@@ -93,16 +105,18 @@ def test_the_compiled_step_decodes_any_mix_without_compiling_again(model, ids):
     config = EngineConfig(max_slots=4, max_len=64, compile="on", compile_backend="aot_eager")
     engine = Engine(model, None, config)
     counters.clear()
-    assert _together(engine, ids, names) == [expected[n][i] for i, n in enumerate(names)]
-    step = engine.decode_step
-    compiled, graphs = step.compiles["serving"], counters["stats"]["unique_graphs"]
-    assert compiled >= 1 and step.warm and step.by_index  # the compiled step ran with adapters
+    got, every, _ = _by_index(engine, ids, names)
+    assert got == [expected[n][i] for i, n in enumerate(names)]
+    stats, graphs = engine.stats(), counters["stats"]["unique_graphs"]
+    compiled = stats.compiles
+    # the compiled step ran with adapters
+    assert compiled >= 1 and stats.compiled_shapes and every
     assert _together(engine, ids, mix) == [expected[n][i] for i, n in enumerate(mix)]
-    assert step.compiles["serving"] == compiled
+    assert engine.stats().compiles == compiled
     assert counters["stats"]["unique_graphs"] == graphs
     # two rows, fewer than the adapters: a bucket of its own, each row's weights gathered
     assert _together(engine, ids[:2], mix[:2]) == [expected["gamma"][0], expected["gamma"][1]]
-    assert step.compiles["serving"] == compiled + 1
+    assert engine.stats().compiles == compiled + 1
 
 
 def test_peft_layers_are_as_they_were_after_a_run(model, ids):
@@ -115,7 +129,8 @@ def test_peft_layers_are_as_they_were_after_a_run(model, ids):
     engine = Engine(model, None, EngineConfig(max_slots=2, max_len=64))
     names = ["beta", "alpha"]  # fewer rows than adapters: each row's A and B gathered
     expected = [_alone(model, p, n) for p, n in zip(ids[:2], names, strict=True)]
-    assert _together(engine, ids[:2], names) == expected and engine.decode_step.by_index
+    got, every, _ = _by_index(engine, ids[:2], names)
+    assert got == expected and every
     assert not layer.disable_adapters and layer.active_adapters == ["alpha"]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     with torch.no_grad():  # the active adapter applies again outside the decode steps
@@ -140,7 +155,8 @@ def test_new_weights_and_an_adapter_loaded_later_are_stacked_too(tiny_tokenizer,
     engine.reset_prefix_cache()  # the weights changed: "first"'s B too
     names = ["later", "first"]
     expected = [_alone(model, p, n) for p, n in zip(ids[:2], names, strict=True)]
-    assert _together(engine, ids[:2], names) == expected and engine.decode_step.by_index
+    got, every, _ = _by_index(engine, ids[:2], names)
+    assert got == expected and every
 
 
 def test_a_dora_adapter_is_left_to_peft(tiny_tokenizer, ids):
@@ -151,16 +167,15 @@ def test_a_dora_adapter_is_left_to_peft(tiny_tokenizer, ids):
     model.eval()
     assert "DoRA" in refusal(model)
     engine = Engine(model, None, EngineConfig(max_slots=2, max_len=64))
-    got = _together(engine, ids[:2], ["dora", "__base__"])
-    assert got == [_alone(model, ids[0], "dora"), _alone(model, ids[1], "__base__")]
-    assert not engine.decode_step.by_index
+    got, _, none = _by_index(engine, ids[:2], ["dora", "__base__"])
+    assert got == [_alone(model, ids[0], "dora"), _alone(model, ids[1], "__base__")] and none
 
 
 def test_a_warm_up_compiles_the_steps_that_serve_adapters(model, ids):
     """A server warms up before any request names an adapter; its requests then all do."""
     config = EngineConfig(max_slots=2, max_len=64, compile="on", compile_backend="aot_eager")
     engine = Engine(model, None, config)
-    assert engine.warmup((Needs(),)) == len(engine.shapes.buckets())
+    assert engine.warmup((Needs(),)) == len(engine.buckets())
     names = ["gamma", "__base__"]
     expected = [_alone(model, p, n) for p, n in zip(ids[:2], names, strict=True)]
     assert _together(engine, ids[:2], names) == expected

@@ -103,7 +103,7 @@ def test_a_compiled_cpu_step_attends_in_loops_with_the_eager_tokens(tiny_tokeniz
     sdpa_step = EngineConfig(max_slots=1, max_len=64, compile="on")
     sdpa_step.policy_off = ["cpu_attention_loops"]
     plain = Engine(model, None, sdpa_step)
-    assert compiled.decode_step.attention == cpu_attention.NAME
+    assert compiled.stats().decode_attention == cpu_attention.NAME
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         compiled.generate(ids, params)  # compiles both buckets, the kernels named in the profile
         compiled.generate(ids[:1], params)

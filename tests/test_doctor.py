@@ -126,3 +126,19 @@ def test_table_output_names_each_check(capsys):
     assert doctor.cli([]) == 0
     out = capsys.readouterr().out
     assert "fast path" in out and "sdpa-math" in out and "peft" in out
+
+
+def test_the_report_says_which_engine_policy_rows_are_on_and_why(capsys):
+    """doctor prints each of this device's engine policy rows, on (none is switched off here),
+    with what it measured and its results file, and how to switch one off."""
+    from onegpu.infer import policy
+
+    assert doctor.cli([]) == 0
+    out = capsys.readouterr().out
+    assert "engine policy (off: --policy_off ROW[,ROW]" in out  # rich wraps at the width
+    report = doctor.collect()
+    for name, rule in policy.RULES.items():
+        mine = rule.device in ("cpu", "any")
+        line = f"on  {name}: {rule.why} ({rule.results}; shapes {', '.join(rule.shapes)})"
+        assert (line in report["engine_policy"]) == mine, name
+        assert (f"on  {name}: " in out) == mine, name

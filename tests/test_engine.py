@@ -212,7 +212,7 @@ def test_the_pool_is_sized_to_the_requests_not_the_context(llama):
     assert engine.stats().kv_bytes == (4 * 96 // 16 + 1) * 16 * per_position
     small = Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=8))
     small.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
-    assert small.cache.bytes == 8 * 16 * per_position
+    assert small.stats().kv_bytes == 8 * 16 * per_position
     with pytest.raises(ConfigError, match="hold less than one sequence of max_len 96"):
         Engine(llama, None, EngineConfig(max_slots=4, max_len=96, num_blocks=6))
 
@@ -382,37 +382,33 @@ def test_a_fixed_shape_engine_compiles_one_step_for_every_length_and_row_count(t
         want = [r.token_ids for r in eager.generate(batch, params)]
         assert [r.token_ids for r in fixed.generate(batch, params)] == want
         assert [r.token_ids for r in bucketed.generate(batch, params)] == want
-    assert {(rows, kv_len) for rows, kv_len, _ in fixed.decode_step.warm} == {(4, 128)}
-    assert len(bucketed.decode_step.warm) > 1  # without it: a step per (rows, length) bucket
+    assert {(rows, kv_len) for rows, kv_len, _ in fixed.stats().compiled_shapes} == {(4, 128)}
+    assert {(s.rows, s.kv_len) for s in fixed.stats().decode_shapes} == {(4, 128)}
+    # without it: a step per (rows, length) bucket
+    assert len(bucketed.stats().compiled_shapes) > 1
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_step_attends_over_the_positions_it_reaches_not_the_requests_final_length(
-    llama, tiny_tokenizer, monkeypatch, compiled
+    llama, tiny_tokenizer, compiled
 ):
     """Each decode step covers the rows in use and the positions its steps reach, growing with the
     answer — eager in whole 64s, compiled in power-of-two buckets of that reach — not a bucket of
     the request's final length (a chat without max_tokens would attend over the whole cache at
     every step); the tokens stay transformers' across every growth."""
-    from onegpu.infer.decode_step import DecodeStep
-
-    shapes = []
-    real = DecodeStep.__call__
-
-    def spy(self, rows, kv_len, *args):
-        shapes.append((rows, kv_len, int(self.rows.positions[:rows].max())))
-        return real(self, rows, kv_len, *args)
-
-    monkeypatch.setattr(DecodeStep, "__call__", spy)
     row = _ids(tiny_tokenizer)[0]
     extra = dict(compile="on", compile_backend="aot_eager") if compiled else {}
     engine = Engine(llama, None, EngineConfig(max_slots=3, max_len=512, sync_every=8, **extra))
     got = engine.generate([row], SamplingParams(max_new_tokens=150))[0].token_ids
     assert got == _hf_greedy(llama, row, 150) and len(row) + len(got) > 128
-    assert shapes[0][:2] == (1, 64)  # the final length's bucket would be 256 positions of 3 rows
-    assert all(pos < kv_len for _, kv_len, pos in shapes)  # every write lands inside the view
+    shapes = engine.stats().decode_shapes  # in the order first run
+    # the final length's bucket would be 256 positions of 3 rows
+    assert (shapes[0].rows, shapes[0].kv_len) == (1, 64)
+    assert all(s.reach < s.kv_len for s in shapes)  # every write lands inside the view
+    # the last token's input was written (the steps of a run past its end write nothing)
+    assert max(s.reach for s in shapes) >= len(row) + len(got) - 2
     want = [64, 128, 256] if compiled else [64, 128, 192]
-    assert sorted({kv_len for _, kv_len, _ in shapes}) == want
+    assert sorted({s.kv_len for s in shapes}) == want
 
 
 def test_a_step_ends_where_a_budget_ends_and_when_interrupted(llama, tiny_tokenizer):

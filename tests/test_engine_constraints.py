@@ -190,7 +190,7 @@ def test_the_compiled_step_masks_as_the_eager_one(llama, tiny_tokenizer, ids):
     want = [r.token_ids for r in engine(llama, tiny_tokenizer).generate(ids, params)]
     compiled = engine(llama, tiny_tokenizer, compile="on", compile_backend="aot_eager")
     assert [r.token_ids for r in compiled.generate(ids, params)] == want
-    assert any(needs.constraints for _, _, needs in compiled.decode_step.warm)
+    assert any(needs.constraints for _, _, needs in compiled.stats().compiled_shapes)
 
 
 @pytest.mark.slow  # an inductor compile of the masked step (and the unmasked one): ~20 CPU s
@@ -207,7 +207,7 @@ def test_an_inductor_compiled_step_masks_as_the_eager_one(llama, tiny_tokenizer,
     want = [r.token_ids for r in engine(llama, tiny_tokenizer).generate(ids, params)]
     compiled = engine(llama, tiny_tokenizer, compile="on", fixed_shape=True)
     assert [r.token_ids for r in compiled.generate(ids, params)] == want
-    assert any(needs.constraints for _, _, needs in compiled.decode_step.warm)
+    assert any(needs.constraints for _, _, needs in compiled.stats().compiled_shapes)
 
 
 class Refusing:

@@ -102,7 +102,7 @@ def test_a_failed_prompt_is_not_found_in_the_cache_by_a_later_request(llama):
     assert again.token_ids == alone(llama, prompt) and engine.stats().prefix_hits == 0
 
 
-def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(llama, monkeypatch):
+def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(llama):
     """A request whose settings the rows refuse when it takes one (a logit_bias id past the
     model's vocabulary, which the server checks first and a library caller may not) fails
     alone: its row and blocks go back, the neighbour's answer is as alone."""
@@ -116,22 +116,37 @@ def test_a_request_whose_sampling_cannot_be_set_up_fails_alone(llama, monkeypatc
     assert released(engine)
 
 
-def test_a_request_whose_text_cannot_be_made_fails_alone(llama, tiny_tokenizer, monkeypatch):
+class RefusesToken:
+    """A tokenizer that cannot make the text of one token (a vocabulary entry its decoder
+    refuses): its ``decode`` raises for any ids that hold ``token``. Only what the engine asks
+    of a tokenizer without a fast backend (so its text is made by ``decode``)."""
+
+    def __init__(self, tokenizer, token: int):
+        self.tokenizer, self.token = tokenizer, token
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def decode(self, ids, **kwargs) -> str:
+        if self.token in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"token {self.token} refused")
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_a_request_whose_text_cannot_be_made_fails_alone(llama, tiny_tokenizer):
     """An error in one request's own bookkeeping after its tokens came back (its detokenizer
-    here) ends it alone; the neighbour decoding in the same steps goes on."""
-    engine = Engine(llama, tiny_tokenizer, EngineConfig(max_slots=2, max_len=64, sync_every=2))
+    here, refusing a token the request decodes after its first) ends it alone; the neighbour
+    decoding in the same steps goes on."""
     a, b = [20, 21, 22], [40, 41, 42]
+    want_a, want_b = alone(llama, a), alone(llama, b)
+    # a token of a's answer past its first that b's answer never holds: a's steps fail there
+    refused = next(t for t in want_a[1:] if t not in want_b and t != want_a[0])
+    tokenizer = RefusesToken(tiny_tokenizer, refused)
+    engine = Engine(llama, tokenizer, EngineConfig(max_slots=2, max_len=64, sync_every=2))
     rid_a, rid_b = engine.submit(a, GREEDY), engine.submit(b, GREEDY)
-    engine.step()
-
-    def broken(ids):
-        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-
-    monkeypatch.setattr(engine._outputs[rid_a], "add", broken)
     got = drive(engine)
-    assert [u.finish_reason for u in got[rid_a]] == ["error"] and "injected" in got[rid_a][0].error
-    assert got[rid_b][-1].finish_reason == "length"
-    assert len(tokens(got[rid_b])) == GREEDY.max_new_tokens - 1  # the first went out before
+    assert got[rid_a][-1].finish_reason == "error" and "refused" in got[rid_a][-1].error
+    sent = tokens(got[rid_a])  # a's own tokens, its first at least, none from the refused on
+    assert sent and sent == want_a[: len(sent)] and len(sent) <= want_a.index(refused)
+    assert got[rid_b][-1].finish_reason == "length" and tokens(got[rid_b]) == want_b
     assert released(engine)
 
 

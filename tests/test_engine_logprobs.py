@@ -116,7 +116,7 @@ def test_a_compiled_step_gives_the_eager_logprobs(llama, ids):
     )
     engine = Engine(llama, None, config)
     compiled = run(engine, ids[:2], settings)
-    assert any(needs.logprobs for _, _, needs in engine.decode_step.warm)
+    assert any(needs.logprobs for _, _, needs in engine.stats().compiled_shapes)
     for i in range(2):
         want = [lp for u in eager[i] for lp in u.logprobs]
         got = [lp for u in compiled[i] for lp in u.logprobs]

@@ -14,7 +14,6 @@ from families import tiny_family_model
 from onegpu.infer.engine import Engine, EngineConfig
 from onegpu.infer.output import Output
 from onegpu.infer.requests import SamplingParams
-from onegpu.infer.runner import ModelRunner
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
@@ -24,18 +23,13 @@ def llama(tiny_tokenizer):
     return tiny_family_model("llama", tiny_tokenizer).eval()
 
 
-@pytest.fixture
-def computed(monkeypatch):
-    """The prompt tokens each forward of pieces computes, in order."""
-    seen = []
-    real = ModelRunner.prefill
-
-    def counting(self, pieces, *args):
-        seen.append(pieces.ids.numel())
-        return real(self, pieces, *args)
-
-    monkeypatch.setattr(ModelRunner, "prefill", counting)
-    return seen
+def _computed(before, now) -> tuple[int, int]:
+    """The forwards of prompt pieces between two of an engine's stats, and the positions they
+    computed."""
+    return (
+        now.prefill_forwards - before.prefill_forwards,
+        now.prefill_tokens - before.prefill_tokens,
+    )
 
 
 def _alone(model, prompt, params, **kw):
@@ -43,12 +37,17 @@ def _alone(model, prompt, params, **kw):
     return engine.generate([prompt], params)[0].token_ids
 
 
-def test_a_shared_system_prompt_is_computed_once_and_changes_no_answer(llama, computed):
+def test_a_shared_system_prompt_is_computed_once_and_changes_no_answer(llama):
     system = [(7 * i) % 300 + 10 for i in range(48)]  # three full blocks
     prompts = [system + [11 + i, 12, 13 + i] for i in range(3)]
     cached = Engine(llama, None, EngineConfig(max_slots=4, max_len=160))
-    answers = [cached.generate([p], GREEDY)[0].token_ids for p in prompts]  # one after another
-    assert computed == [51, 3, 3]  # the later ones compute only what follows the system prompt
+    answers, computed = [], []
+    for p in prompts:  # one after another
+        before = cached.stats()
+        answers.append(cached.generate([p], GREEDY)[0].token_ids)
+        computed.append(_computed(before, cached.stats()))
+    # the later ones compute only what follows the system prompt
+    assert computed == [(1, 51), (1, 3), (1, 3)]
     stats = cached.stats()
     assert (stats.prefix_queries, stats.prefix_hits) == (3 * 51, 2 * 48)
     plain = Engine(llama, None, EngineConfig(max_slots=4, max_len=160, prefix_caching=False))
@@ -56,33 +55,36 @@ def test_a_shared_system_prompt_is_computed_once_and_changes_no_answer(llama, co
     assert plain.stats().prefix_hits == 0
 
 
-def test_requests_arriving_together_with_one_system_prompt_compute_it_once(llama, computed):
+def test_requests_arriving_together_with_one_system_prompt_compute_it_once(llama):
     """Six requests with one 64-token system prompt, all at once: the first computes it in
     pieces; the others wait while its next block is being computed (rather than computing it a
     second time) and then compute only their own last tokens."""
     system = [(11 * i) % 300 + 10 for i in range(64)]
     prompts = [system + [100 + i, 101, 102] for i in range(6)]
     config = EngineConfig(max_slots=8, max_len=160, token_budget=64, chunk=32)
-    got = Engine(llama, None, config).generate(prompts, GREEDY)
-    assert sum(computed) == 67 + 5 * 3
+    engine = Engine(llama, None, config)
+    got = engine.generate(prompts, GREEDY)
+    assert engine.stats().prefill_tokens == 67 + 5 * 3
     assert [r.token_ids for r in got] == [_alone(llama, p, GREEDY) for p in prompts]
 
 
-def test_a_chats_next_turn_computes_only_the_new_turn(llama, computed):
+def test_a_chats_next_turn_computes_only_the_new_turn(llama):
     engine = Engine(llama, None, EngineConfig(max_slots=2, max_len=160))
-    turn, turns = [(5 * i) % 200 + 20 for i in range(30)], []
+    turn, turns, computed = [(5 * i) % 200 + 20 for i in range(30)], [], []
     for _ in range(3):  # each turn resends the history: prompt, answer, a new message
+        before = engine.stats()
         answer = engine.generate([turn], SamplingParams(max_new_tokens=12))[0].token_ids
+        computed.append(_computed(before, engine.stats()))
         turns.append((turn, answer))
         turn = turn + answer + [31, 32, 33, 34, 35]
     # the answer's own blocks were hashed as it was decoded: the next turn finds them too, and
     # computes its new message and what is left of the last block it did not fill
-    assert computed[0] == 30 and len(computed) == 3 and all(n <= 5 + 16 for n in computed[1:])
+    assert computed[0] == (1, 30) and all(f == 1 and n <= 5 + 16 for f, n in computed[1:])
     for prompt, answer in turns:
         assert answer == _alone(llama, prompt, SamplingParams(max_new_tokens=12))
 
 
-def test_a_long_prompt_is_computed_in_pieces_while_the_others_decode(llama, computed):
+def test_a_long_prompt_is_computed_in_pieces_while_the_others_decode(llama):
     config = EngineConfig(max_slots=3, max_len=160, token_budget=32, sync_every=4)
     engine = Engine(llama, None, config)
     short = engine.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=30, ignore_eos=True))
@@ -90,12 +92,15 @@ def test_a_long_prompt_is_computed_in_pieces_while_the_others_decode(llama, comp
     long_prompt = [(3 * i) % 250 + 9 for i in range(100)]
     late = engine.submit(long_prompt, GREEDY)
     news: dict = {}
-    steps = 0
+    steps, computed = 0, []
     while late not in news:  # the steps that compute the long prompt
+        before = engine.stats()
         for u in engine.step():
             news.setdefault(u.request_id, []).append(len(u.token_ids))
+        computed.append(_computed(before, engine.stats()))
         steps += 1
-    assert computed[1:] == [32, 32, 32, 4]  # pieces end at multiples of the chunk (the budget)
+    # pieces end at multiples of the chunk (the budget), one forward a step
+    assert computed == [(1, 32), (1, 32), (1, 32), (1, 4)]
     assert steps == 4 and news[short] == [1, 1, 1, 1]  # a token each step meanwhile
     while engine.has_work():
         engine.step()
@@ -174,34 +179,24 @@ def test_a_prefix_cached_under_one_adapter_is_not_found_under_another(tiny_token
     assert engine.stats().prefix_hits == 32
 
 
-def test_an_eager_window_gathers_a_sequences_blocks_once_not_at_every_step(llama, monkeypatch):
+def test_an_eager_window_gathers_a_sequences_blocks_once_not_at_every_step(llama):
     """Eager decode steps read a copy of their rows' KV gathered when a sequence starts decoding
     and kept up to date from run to run (the policy row eager_window); without it every step
     gathers its rows' blocks. The tokens are the same either way."""
-    from onegpu.infer.paged_cache import PagedCache
-
-    gathers = []
-    real = PagedCache.gather
-
-    def counted(self, pool, tables):
-        gathers.append(tables.shape[0])
-        return real(self, pool, tables)
-
-    monkeypatch.setattr(PagedCache, "gather", counted)
     prompts = [list(range(20, 40)), list(range(50, 75))]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     runs = {}
     for off in ([], ["eager_window"]):
-        gathers.clear()
         config = EngineConfig(max_slots=2, max_len=96, sync_every=4, policy_off=off)
-        runs[bool(off)] = [
-            r.token_ids for r in Engine(llama, None, config).generate(prompts, params)
-        ]
-        runs[f"{bool(off)} gathers"] = list(gathers)
-    layers = llama.config.num_hidden_layers
+        engine = Engine(llama, None, config)
+        runs[bool(off)] = [r.token_ids for r in engine.generate(prompts, params)]
+        stats = engine.stats()
+        assert ("eager_window" in stats.policy_rows) == (not off)
+        runs[f"{bool(off)} gathers"] = stats.kv_gathers
+        runs[f"{bool(off)} steps"] = stats.decode_steps
     assert runs[False] == runs[True]
-    assert runs["False gathers"] == [2] * 2 * layers  # K and V of each layer, both rows, once
-    assert len(runs["True gathers"]) == 2 * layers * 39  # every decode step
+    assert runs["False gathers"] == 2  # both rows' blocks, once
+    assert runs["True steps"] == 39 and runs["True gathers"] == 2 * 39  # at every decode step
 
 
 def test_the_eager_windows_copy_grows_no_larger_than_the_engines_rows_and_max_len(llama):

@@ -97,7 +97,7 @@ def test_a_compiled_step_applies_the_penalties_as_the_eager_one(llama, ids):
     want = [r.token_ids for r in eager.generate(ids, settings)]
     assert [r.token_ids for r in compiled.generate(ids, settings)] == want
     assert want[0] == reference(llama, ids[0], NEW, 0.0, 1.0)
-    assert any(needs.penalties for _, _, needs in compiled.decode_step.warm)
+    assert any(needs.penalties for _, _, needs in compiled.stats().compiled_shapes)
 
 
 @pytest.mark.slow  # an inductor compile of the penalised step with logprobs: ~20 CPU s
@@ -114,7 +114,9 @@ def test_an_inductor_compiled_step_applies_the_penalties_and_gives_the_logprobs(
         while engine.has_work():
             for u in engine.step():
                 out.setdefault(rids.index(u.request_id), []).extend(u.logprobs)
-    assert any(needs.logprobs and needs.penalties for _, _, needs in compiled.decode_step.warm)
+    assert any(
+        needs.logprobs and needs.penalties for _, _, needs in compiled.stats().compiled_shapes
+    )
     for i, prompt in enumerate(ids):
         assert [lp.token_id for lp in got[i]] == reference(llama, prompt, NEW, 1.0, 1.0)
         for a, b in zip(got[i], want[i], strict=True):

@@ -42,10 +42,10 @@ def test_a_warm_engine_compiles_nothing_while_serving(llama, tiny_tokenizer):
     # serve warm-up test's (test_serve_warmup.py)
     expected = _tokens(Engine(llama, None, EngineConfig(max_slots=1, max_len=128)), ids, params)
     engine = Engine(llama, None, EngineConfig(**{**COMPILED, "max_slots": 1}))
-    buckets = engine.shapes.buckets()
+    buckets = engine.buckets()
     assert buckets == [(1, 64), (1, 128)]
     assert engine.warmup() == len(buckets) * len(WARM_KINDS)
-    assert engine.decode_step.warm == {(r, k, n) for r, k in buckets for n in WARM_KINDS}
+    assert engine.stats().compiled_shapes == {(r, k, n) for r, k in buckets for n in WARM_KINDS}
     counters.clear()
     assert _tokens(engine, ids, params) == expected  # the warm-up left no state behind
     assert _tokens(engine, ids[:1], params[:1]) == expected[:1]

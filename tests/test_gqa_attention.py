@@ -74,7 +74,7 @@ def test_engine_decode_steps_read_the_kv_heads_as_they_are(compile_mode, tiny_to
     if compile_mode == "on":
         config.compile_backend = "aot_eager"
     reference = Engine(model, None, config)
-    assert not reference.policy.gqa_decode  # a CPU's policy: the row is CUDA's
+    assert "gqa_decode" not in reference.stats().policy_rows  # a CPU's policy: the row is CUDA's
     want, before = _sdpa_query_heads(reference, ids, params)
     # transformers' SDPA: eagerly it packs a one-token query by key head itself (pack_gqa, 5.24);
     # inside a compiled step it repeats the keys for the query's 4 heads (repeat_kv)

@@ -25,12 +25,12 @@ def test_the_server_warms_every_shape_when_the_step_compiles(tiny_tokenizer, cap
 
     off = Engine(model, None, EngineConfig(**COMPILED))
     warm_up(off, ServeConfig(warmup="off"))
-    assert not off.decode_step.warm
+    assert not off.stats().compiled_shapes
 
     engine = Engine(model, None, EngineConfig(**COMPILED))
     warm_up(engine, ServeConfig())
-    shapes = engine.shapes.buckets()
-    assert engine.decode_step.warm == {(r, k, n) for r, k in shapes for n in WARM_KINDS}
+    shapes = engine.buckets()
+    assert engine.stats().compiled_shapes == {(r, k, n) for r, k in shapes for n in WARM_KINDS}
     err = capsys.readouterr().err
     assert f"compiling the decode step for {len(shapes)} shapes" in err
     assert f"warm-up: {len(shapes) * len(WARM_KINDS)} steps compiled" in err
@@ -43,6 +43,15 @@ def test_metrics_count_the_compiles_after_the_warm_up_once_each():
     text = metrics.render().decode()
     assert "onegpu_decode_compiles_total 3.0" in text
     assert "onegpu_decode_compile_seconds_total 4.0" in text
+
+
+def test_metrics_count_the_prompt_positions_computed_and_the_decode_steps():
+    metrics = Metrics()
+    for computed, steps in ((0, 0), (51, 7), (54, 19)):
+        metrics.engine_stats(EngineStats(0, 0, 0, 16, prefill_tokens=computed, decode_steps=steps))
+    text = metrics.render().decode()
+    assert "onegpu_prompt_tokens_computed_total 54.0" in text
+    assert "onegpu_decode_steps_total 19.0" in text
 
 
 def _complete(server: Server, **body) -> dict:

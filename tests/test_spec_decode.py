@@ -42,8 +42,9 @@ def _run(model, tok, prompts, params, adapters=None, tokenizer=None, **cfg):
     config = EngineConfig(**{"max_slots": len(prompts), "max_len": 160, **cfg})
     engine = Engine(model, tokenizer, config)
     got = engine.generate(prompts, params, adapters)
-    assert engine.pool.free_count() == engine.pool.usable  # every block went back
-    return got, engine.stats()
+    stats = engine.stats()
+    assert stats.kv_positions_used == 0 and stats.running == 0  # every block went back
+    return got, stats
 
 
 def _same(model, tok, prompts, params, adapters=None, tokenizer=None, **cfg):

@@ -202,24 +202,14 @@ class _Bench:
 
     def warm_up(self, cell: Cell) -> None:
         """The untimed first call: compiles, captures, allocates caches; its tokens give quality."""
-        from onegpu.infer.engine import Engine, EngineConfig
-        from onegpu.infer.policy import parse_off
+        from onegpu.infer.engine import Engine
 
         s, lm = cell.setting, self.loaded[cell.setting.name]
         before = self.memory.allocated()
         kv_pos = self.facts[s.name]["kv_bytes_per_position"]
         if s.engine:
-            cell.engine = Engine(
-                lm.model,
-                None,
-                EngineConfig(
-                    max_slots=cell.batch,
-                    max_len=self.cfg.prompt_len + self.cfg.new_tokens,  # sized to the request
-                    compile=s.engine_compile,
-                    sync_every=self.cfg.sync_every,
-                    policy_off=parse_off(self.cfg.policy_off),
-                ),
-            )
+            config = engine_config(self.cfg, cell.batch, s.engine_compile)
+            cell.engine = Engine(lm.model, None, config)
         _, tokens = self.call(cell)
         after = self.memory.allocated()
         cell.growth = after - before if after is not None else None
@@ -368,8 +358,26 @@ def _device_type(cfg: BenchInferConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def engine_config(cfg: BenchInferConfig, batch: int, compile_: str):
+    """A setting's engine: ``batch`` rows sized to the request, its step compiled or not
+    (``compile_``: EngineConfig.compile), the device policy's rows but --policy_off's."""
+    from onegpu.infer.engine import EngineConfig
+    from onegpu.infer.policy import parse_off
+
+    return EngineConfig(
+        max_slots=batch,
+        max_len=cfg.prompt_len + cfg.new_tokens,
+        compile=compile_,
+        sync_every=cfg.sync_every,
+        policy_off=parse_off(cfg.policy_off),
+    )
+
+
 def _check(cfg: BenchInferConfig) -> None:
+    from onegpu.infer.policy import parse_off
+
     batch_sizes(cfg.batch_size)
+    parse_off(cfg.policy_off)
     if cfg.speculative and cfg.workload != "edits":
         raise ConfigError(
             "--speculative compares the engine with and without it on --workload edits.",

@@ -246,7 +246,9 @@ def _print_now(text: str) -> None:
 
 def run(icfg, scfg, prompts: list, output: Optional[str], stream: Optional[bool], images=()) -> int:
     from onegpu.infer import generate, load
+    from onegpu.infer.policy import parse_off
 
+    parse_off(scfg.policy_off)  # before the model loads: a typo is named now
     loaded = load(icfg)
     chats = [p for p in prompts if not isinstance(p, str)]
     if (images or chats) and loaded.processor is None:

@@ -192,6 +192,12 @@ def check_grpo(cfg) -> None:
             "temperature 1 with top_k 0 and top_p 1.",
             hint="set those, or grpo.sampler_correction=off",
         )
+    if g.policy_off and g.sampler != "engine":
+        raise ConfigError(
+            f"grpo.policy_off={g.policy_off} switches rows of the engine's policy, but "
+            f"grpo.sampler={g.sampler} samples without the engine.",
+            hint="drop grpo.policy_off, or set grpo.sampler=engine",
+        )
     if g.reference == "adapters" and not cfg.techniques.lora.enabled:
         raise ConfigError(
             "grpo.reference=adapters needs LoRA: the reference is the base model with the adapters "

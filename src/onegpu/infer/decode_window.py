@@ -36,6 +36,7 @@ class DecodeWindow:
         self.steps = 0
         self.rows: Optional[torch.Tensor] = None  # 0 .. rows - 1, for the steps' writes
         self.ready: set[int] = set()  # layers made ready for this run
+        self.gathered = 0  # rows whose copy was gathered from the pool (EngineStats.kv_gathers)
 
     def begin(self, tables: torch.Tensor, positions: torch.Tensor, fresh: list[int]) -> None:
         """A run of the first ``tables.shape[0]`` rows over ``tables``' positions starts; the rows
@@ -69,6 +70,8 @@ class DecodeWindow:
         is kept copied over); the fresh rows' blocks gathered from the pool."""
         rows, length = self.tables.shape[0], self.tables.shape[1] * self.cache.block_size
         pools = (self.cache.keys[layer_idx], self.cache.values[layer_idx])
+        if self.fresh is not None and layer_idx == 0:  # a row's copy, every layer's, once
+            self.gathered += self.fresh.shape[0]
         for store, states, pool in zip(
             (self.keys, self.values), (key_states, value_states), pools, strict=True
         ):

@@ -29,7 +29,7 @@ from typing import Optional, Union
 import torch
 
 from onegpu.errors import ConfigError
-from onegpu.infer import constraints, policy
+from onegpu.infer import constraints, engine_stats, policy
 from onegpu.infer.decode_step import DecodeStep, compile_mode
 from onegpu.infer.engine_config import (
     EngineConfig,
@@ -139,7 +139,7 @@ class Engine:
         self._outputs: dict[int, Output] = {}
         self._next_id = 0
         self._step_s: deque = deque(maxlen=4)  # seconds per decode step, the last read-backs
-        self._decode_steps, self._decode_rows, self._grammar_s = 0, 0, 0.0  # EngineStats' totals
+        self.totals = engine_stats.Totals()  # what the loop counts for EngineStats
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -179,9 +179,13 @@ class Engine:
         self.pool.reset_cache()
         self.decode_step.weights_changed()
 
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (rows, kv_len) shapes a decode step runs at (``EngineConfig.fixed_shape``: one)."""
+        return self.shapes.buckets()
+
     def warm_shapes(self) -> int:
         """The (rows, kv_len) buckets ``warmup`` compiles for each kind (0: the step is eager)."""
-        return len(self.shapes.buckets()) if self.compiled is not None else 0
+        return len(self.buckets()) if self.compiled is not None else 0
 
     def warmup(self, kinds: tuple[Needs, ...] = WARM_KINDS) -> int:
         """Compile the decode step of every (rows, kv_len) bucket for each kind of request in
@@ -189,24 +193,8 @@ class Engine:
         return self.decode_step.warm_up(self.shapes.buckets(), list(kinds))
 
     def stats(self) -> EngineStats:
-        pool, s, step = self.pool, self.scheduler, self.decode_step
-        used = (pool.usable - pool.free_count()) * pool.block_size
-        return EngineStats(
-            len(s.running),
-            len(s.waiting),
-            used,
-            pool.usable * pool.block_size,
-            pool.stats.queries,
-            pool.stats.hits,
-            s.preemptions,
-            step.compiles["serving"],
-            step.compile_s["serving"],
-            self.cache.bytes,
-            self._decode_steps,
-            self._decode_rows,
-            self._grammar_s,
-            *self.spec.counts.totals(),
-        )
+        """Its load and totals now, and how it decodes (engine_stats.py; serve's /metrics)."""
+        return engine_stats.snapshot(self)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, arrived: Optional[threading.Event] = None) -> list[Update]:
@@ -223,7 +211,7 @@ class Engine:
         sampled = [*plan.decode, *(p.seq for p in plan.pieces if p.last)]
         began = time.perf_counter()
         masks, refused = self.guides.masks([s for s in sampled if s not in failed])
-        self._grammar_s += time.perf_counter() - began
+        self.totals.grammar_s += time.perf_counter() - began
         failed.update(refused)
         self.rows.set_masks(masks)
         try:
@@ -292,15 +280,19 @@ class Engine:
                 if s.row < rows:
                     adapters[s.row] = s.adapter or BASE
         adapters = self.decode_step.route(adapters)  # None: batched LoRA routes them by index
+        steps = 0
         with self._window(plan, adapters, rows, kv_len):
-            for j in range(plan.steps):
-                self.rows.record(j, rows, *self.decode_step(rows, kv_len, needs, adapters))
-                self._decode_steps += 1
-                self._decode_rows += rows
+            while steps < plan.steps:
+                self.rows.record(steps, rows, *self.decode_step(rows, kv_len, needs, adapters))
+                steps += 1
                 late = arrived is not None and arrived.is_set() and self.scheduler.free_rows
-                if j + 1 < plan.steps and late:
-                    return rows, j + 1
-        return rows, plan.steps
+                if steps < plan.steps and late:
+                    break
+        # the furthest position these steps could write: a row's next, then one a step
+        furthest = reach - plan.steps + steps - 1
+        live, by_index = len(plan.decode), self.decode_step.by_index
+        self.totals.decoded(rows, kv_len, steps, furthest, live, by_index)
+        return rows, steps
 
     def _window(self, plan: Plan, adapters, rows: int, kv_len: int):
         """Eager decode steps read the rows' copy of their KV (decode_window.py, a policy row);
@@ -347,7 +339,7 @@ class Engine:
         try:
             complete = self.guides.accept(seq, new)  # a token its grammar refuses fails it here
         finally:
-            self._grammar_s += time.perf_counter() - began
+            self.totals.grammar_s += time.perf_counter() - began
         self.scheduler.extend(seq, new)
         output = self._outputs[seq.id]
         output.add(new)

@@ -44,6 +44,7 @@ class PagedCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.clean = 1  # blocks [0, clean) hold finite values (the null block from the start)
+        self.gathered = 0  # rows whose blocks an eager forward gathered (EngineStats.kv_gathers)
 
     def reserve(self, blocks: int) -> None:
         """Blocks ``[0, blocks)`` are about to be used: zero those never used before. The pool
@@ -72,6 +73,8 @@ class PagedCache:
         v.index_copy_(1, view.write, _tokens(value_states, v.dtype))
         if view.tables is None:
             return key_states, value_states
+        if layer_idx == 0 and not torch.compiler.is_compiling():  # EngineStats.kv_gathers
+            self.gathered += view.tables.shape[0]
         return self.gather(k, view.tables), self.gather(v, view.tables)
 
     def gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from onegpu.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -139,8 +141,6 @@ class Policy:
         for name, rows in (("policy_off", off), ("policy_on", forced)):
             unknown = rows - set(RULES)
             if unknown:
-                from onegpu.errors import ConfigError
-
                 raise ConfigError(
                     f"engine {name}: unknown rows {sorted(unknown)}.",
                     hint=f"rows: {', '.join(RULES)}",
@@ -149,20 +149,37 @@ class Policy:
         chosen = (mine - off) | forced
         return cls(**{f.name: f.name in chosen for f in fields(cls)})
 
+    def on(self) -> tuple[str, ...]:
+        """The names of the rows applied, in the table's order (EngineStats.policy_rows)."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
 
-def parse_off(text: Optional[str]) -> list[str]:
-    """``--policy_off ROW[,ROW]``: the rows' names (checked by ``Policy.for_device``)."""
-    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+def parse_off(text: Optional[str], flag: str = "--policy_off") -> list[str]:
+    """``--policy_off ROW[,ROW]``: the rows' names; a name not in the table is a ConfigError
+    naming ``flag`` (the option as its command spells it: ``--grpo.policy_off`` for GRPO's) and
+    the rows there are."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in RULES]
+    if unknown:
+        raise ConfigError(
+            f"{flag}: unknown policy rows {unknown}.",
+            hint=f"name rows of: {', '.join(RULES)} (`onegpu doctor` says which are on, and why)",
+        )
+    return names
 
 
-def summary(device_type: str, off: Iterable[str] = ()) -> list[str]:
-    """One line a row of ``device_type``: on or off (and by whom), what it does and why."""
-    rules = Policy.for_device(device_type, off)
+def summary(
+    device_type: str, off: Iterable[str] = (), on: Optional[Iterable[str]] = None
+) -> list[str]:
+    """One line a row of ``device_type`` (and a row of another device that is on): on or off,
+    what it measured and where. ``on``: the rows an engine applies (its
+    ``stats().policy_rows``); default the device's rows but those ``off``."""
+    applied = set(Policy.for_device(device_type, off).on() if on is None else on)
     lines = []
     for name, r in RULES.items():
-        if r.device not in (device_type, "any"):
+        if r.device not in (device_type, "any") and name not in applied:
             continue
-        state = "on " if getattr(rules, name) else "off"
+        state = "on " if name in applied else "off"
         lines.append(f"{state} {name}: {r.why} ({r.results}; shapes {', '.join(r.shapes)})")
     return lines
 

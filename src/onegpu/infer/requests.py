@@ -4,9 +4,12 @@ the news of a request after each engine step. No torch here: the server and the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, NamedTuple, Optional
 
 from onegpu.errors import ConfigError
+
+if TYPE_CHECKING:  # sampling.py holds torch, which this module does not import
+    from onegpu.infer.sampling import Needs
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
@@ -154,9 +157,21 @@ class Result:
     prompt_tokens: int
 
 
+class DecodeShape(NamedTuple):
+    """The decode steps an engine ran over one (rows, kv_len) shape: ``steps`` of them, and
+    ``reach``, the furthest position a row of theirs could write (a row that finished within a run
+    writes no further): always below ``kv_len``, the view a step reads covers its writes."""
+
+    rows: int
+    kv_len: int
+    steps: int
+    reach: int
+
+
 @dataclass
 class EngineStats:
-    """The engine's load and totals after a step (the server's metrics)."""
+    """The engine's load and totals after a step (the server's metrics), and how it decodes:
+    the shapes its steps ran and compiled, the policy rows it applies, its decode attention."""
 
     running: int
     waiting: int
@@ -177,3 +192,23 @@ class EngineStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    prefill_forwards: int = 0  # forwards of prompt pieces (speculative verifications too), in all
+    prefill_tokens: int = 0  # the positions those forwards computed (a batch's padding included)
+    # rows whose KV an eager forward copied out of the pool's blocks (all layers, keys and
+    # values): with the eager_window row once a sequence as it starts decoding, without it at
+    # every decode step; a piece reading earlier blocks too. A compiled step's reads are
+    # inductor's (in place, or fused into its graph) and not counted
+    kv_gathers: int = 0
+    batched_lora_steps: int = 0  # decode steps whose rows took their adapters by index
+    # of decode_rows, those holding a sequence that decodes in the step's run (one finishing
+    # within a run counted to its end); the rest is a bucket's padding and idle rows
+    decode_live_rows: int = 0
+    decode_shapes: tuple[DecodeShape, ...] = ()  # by shape, in the order first run
+    # the (rows, kv_len, needs) decode steps compiled and run so far, the warm-up's included: a
+    # step of one of these shapes runs without compiling
+    compiled_shapes: frozenset[tuple[int, int, Needs]] = frozenset()
+    policy_rows: tuple[str, ...] = ()  # the rows of infer/policy.py this engine applies
+    # matmuls its compiled step's graph pass made inductor reductions (small_gemv.py: the
+    # small_gemv and cpu_head_reduction rows), over every graph compiled so far
+    matmul_rewrites: int = 0
+    decode_attention: str = ""  # the attention its decode steps run (cpu_attention.NAME, "sdpa")

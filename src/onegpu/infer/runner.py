@@ -49,6 +49,7 @@ class ModelRunner:
         self.window = DecodeWindow(cache, max_rows, max_positions)
         self.mrope = mrope.applies(model)  # rotary positions apart from KV slots (mrope.py)
         self.windowed = False  # inside decode_window
+        self.prefills, self.prefill_tokens = 0, 0  # forwards of pieces and their positions
 
     @contextmanager
     def decode_window(self, tables: torch.Tensor, positions: torch.Tensor, fresh: list[int]):
@@ -68,6 +69,7 @@ class ModelRunner:
         """Write the pieces' KV; the logits of each row's last token ``[rows, vocab]`` (fp32), or
         with ``every`` of each of its tokens ``[rows, length, vocab]`` (a prompt's logprobs)."""
         rows, length = pieces.ids.shape
+        self.prefills, self.prefill_tokens = self.prefills + 1, self.prefill_tokens + rows * length
         starts = torch.tensor(pieces.starts).to(self.device)  # built on the host, then moved
         positions = starts[:, None] + torch.arange(length, device=self.device)[None]
         end = max(pieces.starts) + length

@@ -64,7 +64,10 @@ class GRPO(Objective):
         max_prompt: int = 0,
         tools=None,
     ):
+        from onegpu.infer.policy import parse_off
+
         self.g, self.tokens, self.rewards = gcfg, tokens, rewards
+        parse_off(gcfg.policy_off, "--grpo.policy_off")  # a typo fails now, not at the rollout
         self.tools = tools  # multiturn.ToolUse with grpo.tools: conversations, not completions
         self.tokenizer, self.prompt_field, self.reference = tokenizer, prompt_field, reference
         self.eps_low = gcfg.epsilon

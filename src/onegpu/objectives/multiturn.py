@@ -140,7 +140,7 @@ def tool_rollouts(
             eos_ids=eos,
             sync_every=32,
             prefix_caching=prefix_caching,
-            policy_off=parse_off(gcfg.policy_off),
+            policy_off=parse_off(gcfg.policy_off, "--grpo.policy_off"),
         ),
     )
     stop, counted = set(eos), Counter(use.runner.counts)

@@ -149,6 +149,24 @@ def _sample_chunk(gen, chunk, config, gcfg, pad: int, device, compiled, max_prom
     return out[:, ids.size(1) :].tolist(), None
 
 
+def engine_config(gcfg, rows: int, length: int, eos: list[int], compiled: bool):
+    """The rollouts' engine: ``rows`` rows of ``length`` positions, the step compiled or not,
+    the rows of the device policy but grpo.policy_off's."""
+    from onegpu.infer.engine import EngineConfig
+    from onegpu.infer.policy import parse_off
+
+    # nothing streams: read back every 32 steps (a finished row idles at most that long)
+    return EngineConfig(
+        max_slots=rows,
+        max_len=length,
+        compile="on" if compiled else "off",
+        eos_ids=eos,
+        sync_every=32,
+        fixed_shape=compiled,  # one compiled step, not one per (rows, length) bucket
+        policy_off=parse_off(gcfg.policy_off, "--grpo.policy_off"),
+    )
+
+
 def engine_rollouts(
     gen,
     chunk: list[list[int]],
@@ -169,8 +187,7 @@ def engine_rollouts(
     draw) + max_completion_length, so its one step compiles once in the run, not again at the
     first longer prompt; rebuilt only for more rows or a prompt past ``max_prompt``. The weights
     change between rollouts: a kept engine forgets its cached prefixes at each call."""
-    from onegpu.infer.engine import Engine, EngineConfig
-    from onegpu.infer.policy import parse_off
+    from onegpu.infer.engine import Engine
     from onegpu.infer.requests import SamplingParams
 
     new = gcfg.max_completion_length
@@ -181,17 +198,7 @@ def engine_rollouts(
     kept = kept if compiled and kept is not None else KeptEngine()
     engine = kept.engine if kept.length >= length else None
     if engine is None or engine.max_slots < len(chunk):
-        # nothing streams: read back every 32 steps (a finished row idles at most that long)
-        config = EngineConfig(
-            max_slots=len(chunk),
-            max_len=length,
-            compile="on" if compiled else "off",
-            eos_ids=eos,
-            sync_every=32,
-            fixed_shape=compiled,  # one compiled step, not one per (rows, length) bucket
-            policy_off=parse_off(gcfg.policy_off),
-        )
-        engine = Engine(gen, None, config)
+        engine = Engine(gen, None, engine_config(gcfg, len(chunk), length, eos, compiled))
         # keyed by the length asked for: past the model's context the engine holds less, and
         # comparing with what it holds would rebuild it at every call
         kept.engine, kept.length = engine, length

@@ -91,6 +91,8 @@ class ServeConfig:
     file:// URL (vLLM's flag); anything outside it is a 400. Default: none (data URLs only)."""
 
     def check(self) -> None:
+        from onegpu.infer.policy import parse_off
+
         checks = {
             "port": 0 <= self.port < 65536,
             "max_len": self.max_len is None or self.max_len >= 2,
@@ -109,5 +111,6 @@ class ServeConfig:
                     hint="port 0-65535; max_len >= 2; max_slots, sync_every, token_budget >= 1; "
                     "queue_size, grace >= 0; kv_memory > 0 (GiB); flush_ms > 0",
                 )
+        parse_off(self.policy_off)  # before the model loads: a typo is named now
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api_key is empty.", hint="give a key, or drop --api_key")

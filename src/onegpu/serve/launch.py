@@ -43,6 +43,20 @@ def make_engine(model, tokenizer, cfg: ServeConfig, grammars=None, adapters=()):
     return Engine(model, tokenizer, config, grammars=grammars, adapters=tuple(adapters))
 
 
+def startup_lines(engine, cfg: ServeConfig) -> list[str]:
+    """What the server says of its engine before it listens: how the KV pool was sized, each
+    policy row of the device on or off (the engine's own rows: --policy_off's among them) with
+    what it measured, and whether prefixes are cached."""
+    from onegpu.infer.policy import summary
+
+    rows = summary(engine.device.type, on=engine.stats().policy_rows)
+    return [
+        engine.pool_plan.describe(),
+        *(f"policy {line}" for line in rows),
+        f"prefix caching: {'on' if cfg.prefix_caching else 'off'}",
+    ]
+
+
 def warm_up(engine, cfg: ServeConfig) -> None:
     """Compile every decode shape the server can ask for before it listens (--warmup); the
     compiled steps are kept in --compile_cache (set in serve) for the next start."""
@@ -67,7 +81,6 @@ def warm_up(engine, cfg: ServeConfig) -> None:
 
 def serve(icfg, cfg: ServeConfig) -> int:
     from onegpu.infer import load
-    from onegpu.infer.policy import summary
     from onegpu.serve.adapters import ServedModels, attach_adapters, parse_adapters
     from onegpu.serve.app import Service, build_app
     from onegpu.serve.media import Media
@@ -86,10 +99,8 @@ def serve(icfg, cfg: ServeConfig) -> int:
     model = attach_adapters(loaded.model, adapters)
     grammars = grammar_compiler(loaded.tokenizer, model)
     engine = make_engine(model, loaded.tokenizer, cfg, grammars, models.adapters)
-    _say(engine.pool_plan.describe())
-    for line in summary(engine.device.type, engine.config.policy_off):  # the device choices
-        _say(f"policy {line}")
-    _say(f"prefix caching: {'on' if cfg.prefix_caching else 'off'}")
+    for line in startup_lines(engine, cfg):
+        _say(line)
     warm_up(engine, cfg)
     metrics = Metrics()
     scheduler = Scheduler(engine, cfg.queue_size, metrics)

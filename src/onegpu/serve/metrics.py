@@ -59,7 +59,17 @@ class Metrics:
         self.compile_seconds = Counter(
             "onegpu_decode_compile_seconds", "seconds those compiles took", registry=r
         )
-        self._seen = (0, 0, 0, 0, 0.0, 0, 0, 0)  # the engine's running totals at the last look
+        self.prompt_computed = Counter(
+            "onegpu_prompt_tokens_computed",
+            "prompt positions the engine's forwards computed (not found in the prefix cache)",
+            registry=r,
+        )
+        self.decode_steps = Counter(
+            "onegpu_decode_steps",
+            "decode steps run (each a token for every decoding row)",
+            registry=r,
+        )
+        self._seen = (0,) * 10  # the engine's running totals at the last look
         # speculative decoding, as vLLM's spec_decode counters
         self.spec_drafts = Counter(
             "onegpu_spec_decode_num_drafts", "speculative verifications run", registry=r
@@ -107,6 +117,8 @@ class Metrics:
             stats.spec_drafts,
             stats.spec_proposed,
             stats.spec_accepted,
+            stats.prefill_tokens,
+            stats.decode_steps,
         )
         counters = (
             self.prefix_queries,
@@ -117,6 +129,8 @@ class Metrics:
             self.spec_drafts,
             self.spec_draft_tokens,
             self.spec_accepted,
+            self.prompt_computed,
+            self.decode_steps,
         )
         for counter, now, before in zip(
             counters,
