@@ -36,7 +36,11 @@ def curve(run: Path, out: str | None) -> None:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("split") == "train" and "reward" in r]
     val = [r for r in records if r.get("split") == "val" and "reward" in r]
-    keys = ("reward", "tool_calls", "turns", "completion_length", "prefix_hit_ratio")
+    # with several rewards, each one's mean beside their weighted sum (a reward weighted 0 is
+    # logged, not trained on)
+    each = sorted({k for r in train for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    each = each if len(each) > 1 else []
+    keys = ("reward", *each, "tool_calls", "turns", "completion_length", "prefix_hit_ratio")
     lines = [
         "# GRPO with tools: the built-in calculator job's reward curve",
         "",
