@@ -27,6 +27,10 @@ class ModelConfig:
     data, cached."""
     vocab_size: int = 4096
     """Vocabulary size of the locally trained tokenizer (presets only)."""
+    split_digits: bool = False
+    """Give every digit its own token in the locally trained tokenizer (presets only), so numbers
+    are spelt digit by digit rather than merged into rare multi-digit tokens. The calculator job's
+    warm-up sets it."""
     from_scratch: bool = False
     """Initialise a Hub/local model's architecture with random weights instead of loading them."""
     trust_remote_code: bool = False

@@ -29,14 +29,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, fingerprint: str):
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, fingerprint: str, split_digits: bool = False
+):
     """Train (or load from cache) a byte-level BPE; returns a transformers PreTrainedTokenizerFast.
 
     ``fingerprint`` identifies the corpus; the cache key adds the vocab size and our settings.
+    ``split_digits``: every digit its own token (as Llama's and GPT-4's tokenizers do), so a number
+    is a string of ten common tokens a small model can copy digit by digit, not one rare token.
     """
     from transformers import PreTrainedTokenizerFast
 
-    key = hashlib.sha256(f"{fingerprint}|{vocab_size}|{CHAT_TEMPLATE}|v1".encode()).hexdigest()[:16]
+    # The digit setting joins the key only when on, so tokenizers cached before it existed (all of
+    # them without it) stay valid under their old keys.
+    settings = f"{fingerprint}|{vocab_size}|{CHAT_TEMPLATE}|v1" + (
+        "|digits" if split_digits else ""
+    )
+    key = hashlib.sha256(settings.encode()).hexdigest()[:16]
     path = cache_dir() / "tokenizers" / key
     if (path / "tokenizer.json").is_file():
         log.info("using cached tokenizer %s", path)
@@ -44,7 +53,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, fingerprint: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        # Digits split first; ByteLevel then maps the pieces to bytes (and its regex leaves a
+        # lone digit whole), so no merge can join two digits.
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -243,6 +243,15 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
     """Presets get a byte-level BPE trained on the training split; everything else its own
     tokenizer."""
     mcfg = cfg.model
+    trained = not mcfg.tokenizer and models.is_preset(model_name)
+    if mcfg.split_digits and not trained:
+        # an existing tokenizer keeps its own pre-tokenizer: the switch would do nothing
+        raise ConfigError(
+            "model.split_digits applies only to the tokenizer trained for a preset model "
+            f"(model {model_name!r}, model.tokenizer {mcfg.tokenizer!r}).",
+            hint="drop model.split_digits, or train a preset (model.name tiny/small/...) "
+            "without model.tokenizer",
+        )
     if mcfg.tokenizer:
         return models.load_tokenizer(mcfg.tokenizer, mcfg.trust_remote_code)
     if not models.is_preset(model_name):
@@ -250,7 +259,7 @@ def build_tokenizer(cfg: Config, model_name: str, train_records, fmt: str, finge
     from onegpu.data.tokenizer import train_tokenizer
 
     texts = records_io.corpus_texts(train_records, fmt, cfg.data)
-    return train_tokenizer(texts, mcfg.vocab_size, fingerprint)
+    return train_tokenizer(texts, mcfg.vocab_size, fingerprint, mcfg.split_digits)
 
 
 def corpus_pairs(cfg: Config, train_rec, val_rec):

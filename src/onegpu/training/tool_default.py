@@ -32,6 +32,10 @@ WARMUP = (
     ("training", "lr", 2e-3),
     ("training", "eval_every", 100),
     ("data", "seq_len", 96),
+    # one token a digit: copying the tool's result is then copying common tokens one by one, not
+    # one rare token per number (merged, the numbers were ~1,000 multi-digit tokens, each seen ~15
+    # times in the 4,000 dialogues)
+    ("model", "split_digits", True),
     # eager: the dialogues' lengths vary, and on a loaded CPU compiling their shapes took longer
     # than the steps it would speed up
     ("techniques", "compile", "off"),
@@ -118,7 +122,8 @@ def _written(path: Path, make) -> Path:
 
 
 def newest_final(runs: Path, warmup_file: Path) -> Path | None:
-    """The ``final/`` of the newest finished warm-up run (trained on ``warmup_file``)."""
+    """The ``final/`` of the newest finished warm-up run (trained on ``warmup_file`` with WARMUP's
+    settings: one made before a change to them is not reused)."""
     found = []
     for config in runs.glob("*/config.yaml"):
         final = config.parent / "final"
@@ -129,6 +134,8 @@ def newest_final(runs: Path, warmup_file: Path) -> Path | None:
         except Exception:  # noqa: BLE001 - an unreadable config is not a warm-up run
             continue
         data, training = saved.get("data") or {}, saved.get("training") or {}
-        if data.get("path") == str(warmup_file) and training.get("objective", "sft") == "sft":
+        if data.get("path") != str(warmup_file) or training.get("objective", "sft") != "sft":
+            continue
+        if all((saved.get(sec) or {}).get(name) == value for sec, name, value in WARMUP):
             found.append((final.stat().st_mtime, final))
     return max(found)[1] if found else None
