@@ -554,6 +554,26 @@ CASES = [
         absent=("record 15",),
     ),
     Case(
+        "shared-prompt-on-where-it-cannot",
+        lambda tmp, md: (
+            _file(
+                "pairs.jsonl",
+                "".join(
+                    json.dumps({"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"}) + "\n"
+                    for i in range(20)
+                ),
+            )(tmp, md)
+            + ["--training.objective", "reward", "--techniques.shared_prompt", "on"]
+            + ["--techniques.compile", "default", "--techniques.compile_regional", "false"]
+        ),
+        ("techniques.shared_prompt=on, but the model is wrapped or compiled whole", "or off"),
+    ),
+    Case(
+        "split-digits-without-a-trained-tokenizer",
+        ["--model.split_digits", "true"],
+        ("model.split_digits applies only to the tokenizer trained for a preset model", "drop"),
+    ),
+    Case(
         "reference-adapters-without-lora",
         ["--training.objective", "dpo", "--preference.reference", "adapters"],
         ("preference.reference=adapters needs LoRA", "--techniques.lora.enabled true"),

@@ -32,8 +32,14 @@ def _listed(capsys, objective: str, tmp_path) -> dict:
 def test_dry_run_lists_the_arms_with_trls_trainer(capsys, tmp_path, objective, trainer):
     listed = _listed(capsys, objective, tmp_path)
     peer = f"trl-{objective}"
-    assert list(listed) == ["baseline", "lora", peer, f"{peer}-lora"]
+    ours = (
+        ["baseline", "lora"] + (["two-rows"] if objective == "reward" else []) + ["checkpointing"]
+    )
+    assert list(listed) == ours + [peer, f"{peer}-lora"]
     assert listed[peer] == trainer and listed["lora"] == "techniques.lora.enabled=True"
+    assert listed["checkpointing"] == "techniques.checkpointing=full"
+    if objective == "reward":
+        assert listed["two-rows"] == "techniques.shared_prompt=off"
     assert listed[f"{peer}-lora"] == f"{trainer} (techniques.lora.enabled=True)"
 
 

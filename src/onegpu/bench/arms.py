@@ -241,6 +241,12 @@ def unpaired_arms(objective: str) -> list[Arm]:
     return [
         Arm("baseline", f"onegpu {what}, full", {}),
         Arm("lora", f"onegpu {what}, LoRA", lora, needs=_module("peft")),
+        # a reward model's shared prompt off (techniques.shared_prompt is the reward model's)
+        *([Arm("two-rows", f"onegpu {what}, full, two rows a pair",
+               {"techniques.shared_prompt": "off"})] if objective == "reward" else []),
+        # checkpointing on, as TRL's trainers have it by default: the like-for-like memory
+        Arm("checkpointing", f"onegpu {what}, full, checkpointing",
+            {"techniques.checkpointing": "full"}),
         Arm(peer, f"TRL {trainer}, defaults, full", {}, kind=peer, needs=_module("trl")),
         Arm(f"{peer}-lora", f"TRL {trainer}, defaults, LoRA", dict(lora), kind=peer,
             needs=_all(_module("trl"), _module("peft"))),

@@ -88,9 +88,8 @@ def new_document(b, device, prep: dict, argv: list[str]) -> dict:
     onegpu = argv and argv[0].endswith("onegpu")
     return {
         "benchmark": "onegpu bench train",
-        **provenance.begin(
-            "onegpu bench train " + " ".join(argv[1:]) if onegpu else " ".join(argv)
-        ),
+        # argv: the console script's, whose arguments already begin with `bench train`
+        **provenance.begin("onegpu " + " ".join(argv[1:]) if onegpu else " ".join(argv)),
         "device": {
             "type": device.type,
             "name": device.name if device.type != "cpu" else cpu,

@@ -45,6 +45,10 @@ class Objective(ABC):
     def loss(self, model, batch: dict):
         """The summed loss of one micro-batch (a scalar tensor)."""
 
+    def check_model(self, model) -> None:  # noqa: B027 (optional hook: most need nothing more)
+        """The prepared model, before anything is written: raise ConfigError for what this
+        objective's settings need of it and it lacks."""
+
     def begin_cycle(self, model, micro: list[dict]) -> list[dict]:
         """Start an accumulation cycle; returns the micro-batches it trains on."""
         return micro

@@ -78,25 +78,30 @@ class Reward(Objective):
     def count(self, batch: dict) -> int:
         return batch[PAIR_INDEX].numel()
 
+    def check_model(self, model) -> None:
+        """Settle techniques.shared_prompt for ``model`` (logged once): `on` where the model
+        cannot take the shared rows is a ConfigError here, before the run writes anything."""
+        if self.shared == "off" or id(model) in self._shared_for:
+            return
+        why = shared_prompt.applies(model)
+        if why is not None and self.shared == "on":
+            raise ConfigError(
+                f"techniques.shared_prompt=on, but {why}.",
+                hint="set techniques.shared_prompt auto (on where it applies) or off",
+            )
+        log.info(
+            "techniques.shared_prompt: %s",
+            "on (one prompt per pair)" if why is None else f"off: {why}",
+        )
+        self._shared_for[id(model)] = why is None
+
     def uses_shared(self, model, batch: dict) -> bool:
         """Whether this batch runs as shared-prompt rows: techniques.shared_prompt, the model's
-        ability to take them (decided once per model, logged) and the batch's layout."""
+        ability to take them (check_model, once per model) and the batch's layout."""
         if self.shared == "off" or shared_prompt.INDEX not in batch:
             return False
-        key = id(model)
-        if key not in self._shared_for:
-            why = shared_prompt.applies(model)
-            if why is not None and self.shared == "on":
-                raise ConfigError(
-                    f"techniques.shared_prompt=on, but {why}.",
-                    hint="set techniques.shared_prompt auto (on where it applies) or off",
-                )
-            log.info(
-                "techniques.shared_prompt: %s",
-                "on (one prompt per pair)" if why is None else f"off: {why}",
-            )
-            self._shared_for[key] = why is None
-        return self._shared_for[key]
+        self.check_model(model)
+        return self._shared_for[id(model)]
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         if self.uses_shared(model, batch):

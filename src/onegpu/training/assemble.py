@@ -141,6 +141,7 @@ def assemble(
             copied.to(accelerator.device)
     compiled = tcfg.compile != "off"
     loss = make_objective(cfg, vocab, device.is_gpu, copied, autocast, probe, tokenizer, compiled)
+    loss.check_model(model)
     if loss.needs_reference is not None:
         log.info("%s reference: %s", objective.upper(), loss.needs_reference)
     return Prepared(model, loss, opt, scheduler)
