@@ -67,8 +67,8 @@ class Reward(Objective):
     def __init__(self, pref, tokens, trim: bool = False, shared: str = "off"):
         self.tokens = tokens  # unused: the head is the model's own, not the LM head
         self.center = pref.center_rewards_coefficient
-        self.shared = shared  # techniques.shared_prompt; settled per model at its first batch
-        self._shared_for: dict[int, bool] = {}
+        self.shared = shared  # techniques.shared_prompt
+        self.takes_shared: bool | None = None  # the run's model takes the rows: check_model
         # make_objective: an eager run on a CPU. Compiled steps keep the bucketed widths (one
         # compiled shape per bucket), and on a GPU reading the longest row's length would make
         # the host wait for the previous step's kernels; on a CPU nothing runs ahead to wait for.
@@ -79,9 +79,9 @@ class Reward(Objective):
         return batch[PAIR_INDEX].numel()
 
     def check_model(self, model) -> None:
-        """Settle techniques.shared_prompt for ``model`` (logged once): `on` where the model
-        cannot take the shared rows is a ConfigError here, before the run writes anything."""
-        if self.shared == "off" or id(model) in self._shared_for:
+        """Settle techniques.shared_prompt for the run's ``model`` (logged once): `on` where the
+        model cannot take the shared rows is a ConfigError here, before the run writes anything."""
+        if self.shared == "off" or self.takes_shared is not None:
             return
         why = shared_prompt.applies(model)
         if why is not None and self.shared == "on":
@@ -93,15 +93,15 @@ class Reward(Objective):
             "techniques.shared_prompt: %s",
             "on (one prompt per pair)" if why is None else f"off: {why}",
         )
-        self._shared_for[id(model)] = why is None
+        self.takes_shared = why is None
 
     def uses_shared(self, model, batch: dict) -> bool:
         """Whether this batch runs as shared-prompt rows: techniques.shared_prompt, the model's
-        ability to take them (check_model, once per model) and the batch's layout."""
+        ability to take them (check_model, once) and the batch's layout."""
         if self.shared == "off" or shared_prompt.INDEX not in batch:
             return False
         self.check_model(model)
-        return self._shared_for[id(model)]
+        return self.takes_shared
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         if self.uses_shared(model, batch):
